@@ -1,0 +1,32 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch's CPU wheel: from the local wheel folder when the machine has one, else PyTorch's CPU index
+	if [ -d /opt/wheels ]; then $(BIN)/pip install --quiet --find-links /opt/wheels "torch==2.13.0"; \
+	else $(BIN)/pip install --quiet "torch>=2.13,<2.14" --index-url https://download.pytorch.org/whl/cpu; fi
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m runtime.demo
+
+test: setup
+	$(BIN)/python -m pytest -q -n 2
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,307 @@
+"""Forward graph in, training graph out: forward, one Yield, backward.
+
+The build is a pure function of its arguments: reachability is decided once on the finished
+forward graph, then nodes are visited in reverse, each rule emitting only the input gradients that
+are needed, and several contributions to one gradient are added with one `Sum`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import rules  # noqa: F401 - registers every rule family
+from .errors import ControlFlowError, InvalidModelError, LossError, RuleError, UnknownNameError, UnsupportedOpError
+from .graph import ForwardGraph, NameAllocator, describe, load_model, type_name, value_info
+from .reachability import Reachability, analyze, is_control_flow, output_is_diff
+from .rules import registry
+from .rules.context import Emitter, Grad
+from .yield_op import DOMAIN, VERSION, YieldSignature, is_yield, make_yield
+
+META_PREFIX = "gradbuilder."
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    wrt: tuple[str, ...]
+    outputs: tuple[str, ...]
+    loss: str | None
+    frozen: tuple[str, ...]
+
+
+def grad_name(tensor: str) -> str:
+    """The documented name of the gradient output of `tensor` (unless the forward graph already uses it)."""
+    return f"{tensor}_grad"
+
+
+def _unknown(kind: str, name: str, choices: Iterable[str]) -> UnknownNameError:
+    close = difflib.get_close_matches(name, list(choices), n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return UnknownNameError(f"{kind} '{name}' is not a tensor of this graph.{hint}")
+
+
+def _dedupe(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+def _resolve(fg: ForwardGraph, wrt: Sequence[str] | None, outputs: Sequence[str] | None, loss: str | None,
+             freeze: Sequence[str]) -> BuildRequest:
+    known = fg.all_names()
+    for name in freeze:
+        if name not in known:
+            raise _unknown("frozen tensor", name, known)
+    if isinstance(wrt, str) or isinstance(outputs, str):
+        raise TypeError("wrt and outputs take a list of names, not a single string")
+    if wrt is None:
+        wrt_t = tuple(n for n, t in fg.initializers.items() if fg.tensor_info(n).is_float and t.data_type)
+    else:
+        for name in wrt:
+            if name not in known:
+                raise _unknown("wrt tensor", name, known)
+        wrt_t = _dedupe(wrt)
+    wrt_t = tuple(n for n in wrt_t if n not in set(freeze))
+    if loss is not None:
+        if loss not in fg.outputs:
+            raise _unknown("loss output", loss, fg.outputs) if loss not in known else LossError(
+                f"loss '{loss}' is a tensor of the graph but not a graph output; add it to the outputs.")
+        info = fg.tensor_info(loss)
+        if info.elem_type and not info.is_float:
+            raise LossError(f"loss '{loss}' is {type_name(info.elem_type)}; a loss must be a float tensor.")
+        if info.shape is not None and info.numel() != 1:
+            raise LossError(f"loss '{loss}' has shape {list(info.shape)}; a loss must be a scalar "
+                            "(reduce it with ReduceMean or ReduceSum first).")
+    if outputs is None:
+        outs = () if loss is not None else tuple(o for o in fg.outputs if fg.tensor_info(o).is_float)
+    else:
+        for name in outputs:
+            if name not in fg.outputs:
+                raise _unknown("output", name, fg.outputs)
+        outs = _dedupe(outputs)
+        if loss is not None and loss in outs:
+            raise LossError(f"'{loss}' is given both as the loss (seeded with 1) and as an output whose gradient "
+                            "the host supplies; give it as one of the two.")
+    return BuildRequest(wrt_t, outs, loss, _dedupe(freeze))
+
+
+class _Accumulator:
+    """Gradient contributions per forward tensor; one Sum per tensor when there are several."""
+
+    def __init__(self, em: Emitter, names: NameAllocator, reserved: dict[str, str]):
+        self.em = em
+        self.names = names
+        self.reserved = reserved
+        self.parts: dict[str, list[str]] = {}
+        self.final: dict[str, str] = {}
+        self.uses: dict[str, int] = {}
+
+    def add(self, tensor: str, grad: str) -> None:
+        self.parts.setdefault(tensor, []).append(grad)
+        self.uses[grad] = self.uses.get(grad, 0) + 1
+
+    def has(self, tensor: str) -> bool:
+        return bool(self.parts.get(tensor))
+
+    def total(self, tensor: str) -> str | None:
+        if tensor in self.final:
+            return self.final[tensor]
+        parts = self.parts.get(tensor)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            name = parts[0]
+        else:
+            out = self.reserved.get(tensor) or self.names.fresh(grad_name(tensor))
+            name = self.em.node("Sum", parts, 1, f"grad/{tensor}", outputs=[out])[0]
+        self.final[tensor] = name
+        return name
+
+
+def build_gradient_graph(
+    model: onnx.ModelProto | str | os.PathLike | bytes,
+    *,
+    wrt: Sequence[str] | None = None,
+    outputs: Sequence[str] | None = None,
+    loss: str | None = None,
+    freeze: Sequence[str] = (),
+) -> onnx.ModelProto:
+    """Return the training graph of `model`: forward, a Yield node, backward, and one gradient output per
+    differentiable `wrt` tensor, named `<tensor>_grad`, in `wrt` order.
+
+    wrt: tensors to differentiate (default: every float initializer); graph inputs may be named too.
+    outputs: graph outputs whose gradients the host supplies through Yield (default: every float output,
+        or none when `loss` is given). loss: a scalar float output seeded with gradient 1 in the graph.
+    freeze: tensors removed from `wrt`. The metadata key `gradbuilder.gradients` maps each `wrt` tensor to its
+    gradient output and `gradbuilder.no_gradient` says why the others get none (PyTorch's `None`).
+    """
+    m = load_model(model)
+    if any(is_yield(n) for n in m.graph.node):
+        raise InvalidModelError("the model already contains a Yield node: it is a training graph, not a forward "
+                                "graph. Build from the forward model instead.")
+    fg = ForwardGraph(m)
+    req = _resolve(fg, wrt, outputs, loss, freeze)
+    seeds = list(req.outputs) + ([req.loss] if req.loss else [])
+    reach = analyze(fg, req.wrt, seeds)
+    names = NameAllocator(fg.all_names())
+    reserved = {w: names.fresh(grad_name(w)) for w in req.wrt if w in reach.needs}
+    em = Emitter(fg, names)
+    acc = _Accumulator(em, names, reserved)
+
+    sig = _seed(fg, req, reach, em, acc, names)
+    _reverse_pass(fg, reach, em, acc)
+    grads = _finish_wrt(req, em, acc, reserved)
+    return _assemble(m, fg, req, reach, em, sig, grads, seeds)
+
+
+def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter, acc: _Accumulator,
+          names: NameAllocator) -> YieldSignature:
+    selected = set(req.outputs)
+    internal = {name for k, flags in reach.active_inputs.items()
+                for name, f in zip(fg.nodes[k].input, flags) if f}
+    diff, nondiff, full, grads = [], [], [], []
+    for i, name in enumerate(fg.outputs):
+        if name in selected and name in reach.needs:
+            diff.append(i)
+            g = names.fresh(f"{name}_host_grad")
+            grads.append(g)
+            acc.add(name, g)
+            if name not in internal and fg.tensor_info(name).rank != 0:
+                full.append(i)
+        else:
+            nondiff.append(i)
+    if req.loss is not None and req.loss in reach.needs:
+        info = fg.tensor_info(req.loss)
+        shape = info.static_shape if info.static_shape is not None else ()
+        acc.add(req.loss, em.const(np.ones(shape), info.elem_type or TensorProto.FLOAT))
+    return YieldSignature(tuple(fg.outputs), tuple(grads), tuple(nondiff), tuple(full))
+
+
+def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accumulator) -> None:
+    for k in sorted(reach.active_inputs, reverse=True):
+        node = fg.nodes[k]
+        out_grads = [acc.total(o) if o and o in reach.needs and output_is_diff(fg, k, j) else None
+                     for j, o in enumerate(node.output)]
+        if all(g is None for g in out_grads):
+            continue
+        if is_control_flow(node.op_type) or k in fg.hidden_inputs:
+            raise ControlFlowError(
+                f"node {describe(node)} is control flow ({node.op_type}) on the gradient path; gradbuilder does "
+                "not differentiate If/Loop/Scan bodies. Unroll the loop or take the branch at export time, or "
+                "freeze the parameters that feed it (--freeze)."
+            )
+        rule = registry.lookup(node.op_type, fg.opset, node.domain)
+        if rule is None or rule.fn is None:
+            ranges = registry.known_opsets(node.op_type, node.domain)
+            have = f" (rules exist for opsets {', '.join(ranges)})" if ranges else ""
+            dom = f"{node.domain}." if node.domain not in ("", "ai.onnx") else ""
+            raise UnsupportedOpError(
+                f"op {dom}{node.op_type} at opset {fg.opset} has no gradient rule{have}; node {describe(node)} lies "
+                "on the gradient path. Run `gradbuilder ops` for the supported ops, or freeze the parameters "
+                "that feed this node (--freeze)."
+            )
+        flags = reach.active_inputs[k]
+        result = rule.fn(Grad(em, node, out_grads, flags))
+        result = list(result or ())
+        for i, needed in enumerate(flags):
+            if not needed:
+                continue
+            g = result[i] if i < len(result) else None
+            if g is None:
+                raise RuleError(f"the {node.op_type} rule returned no gradient for input {i} ('{node.input[i]}') of "
+                                f"node {describe(node)}, which needs one; this is a bug in gradbuilder.")
+            acc.add(node.input[i], g)
+
+
+def _finish_wrt(req: BuildRequest, em: Emitter, acc: _Accumulator, reserved: dict[str, str]) -> dict[str, str]:
+    """Give each gradient output its documented name: rename the producing node's output when only it
+    holds that value, else add an Identity."""
+    grads: dict[str, str] = {}
+    renames: dict[str, str] = {}
+    for w in req.wrt:
+        if w not in reserved:
+            continue
+        total = acc.total(w)
+        if total is None:
+            continue
+        want = reserved[w]
+        if total != want:
+            owned = total in em.produced and acc.uses.get(total, 0) == 1 and total not in renames
+            if owned:
+                renames[total] = want
+            else:
+                em.node("Identity", [total], 1, f"grad/{w}", outputs=[want])
+        grads[w] = want
+    if renames:
+        for n in [*em.backward, *em.forward_extra]:
+            for seq in (n.input, n.output):
+                for i, x in enumerate(seq):
+                    if x in renames:
+                        seq[i] = renames[x]
+    return grads
+
+
+def _live(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:
+    keep = []
+    for n in reversed(nodes):
+        if any(o in wanted for o in n.output):
+            keep.append(n)
+            wanted.update(x for x in n.input if x)
+    keep.reverse()
+    return keep
+
+
+def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
+              sig: YieldSignature, grads: dict[str, str], seeds: list[str]) -> onnx.ModelProto:
+    wanted = set(grads.values())
+    backward = _live(em.backward, wanted)
+    extra = _live(em.forward_extra, wanted)
+    inits = [t for t in em.initializers if t.name in wanted]
+    names = NameAllocator(fg.all_names() | set(grads.values()) | {x for n in em.backward for x in n.output})
+    yield_node = make_yield(sig, names.fresh("gradbuilder_yield"))
+
+    graph = m.graph
+    del graph.node[:]
+    graph.node.extend([*fg.nodes, *extra, yield_node, *backward])
+    graph.initializer.extend(inits)
+    for w, g in grads.items():
+        graph.output.append(value_info(g, fg.tensor_info(w)))
+    full = set(sig.full_shape)
+    for i, g in sig.grad_of().items():
+        info = fg.tensor_info(fg.outputs[i])
+        graph.value_info.append(value_info(g, info if i in full else type(info)(info.elem_type, None)))
+    if not any(op.domain == DOMAIN for op in m.opset_import):
+        m.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
+
+    no_grad = {w: reach.reason(fg, w, seeds) or "no gradient flows to it" for w in req.wrt if w not in grads}
+    no_grad.update({f: "frozen" for f in req.frozen})
+    meta = {
+        "format": "1",
+        "wrt": json.dumps(list(req.wrt)),
+        "gradients": json.dumps([[w, g] for w, g in grads.items()]),
+        "no_gradient": json.dumps(no_grad),
+        "outputs": json.dumps(list(req.outputs)),
+        "loss": req.loss or "",
+    }
+    kept = [p for p in m.metadata_props if not p.key.startswith(META_PREFIX)]
+    del m.metadata_props[:]
+    m.metadata_props.extend(kept)
+    for k, v in meta.items():
+        m.metadata_props.add(key=META_PREFIX + k, value=v)
+    return m
+
+
+def read_metadata(model: onnx.ModelProto) -> dict[str, object]:
+    """The build facts stored in a training graph: wrt, gradients (wrt -> output), no_gradient, outputs, loss."""
+    raw = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
+    out: dict[str, object] = {"loss": raw.get("loss") or None}
+    out["wrt"] = json.loads(raw.get("wrt", "[]"))
+    out["gradients"] = dict(json.loads(raw.get("gradients", "[]")))
+    out["no_gradient"] = json.loads(raw.get("no_gradient", "{}"))
+    out["outputs"] = json.loads(raw.get("outputs", "[]"))
+    return out

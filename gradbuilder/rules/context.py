@@ -1,0 +1,233 @@
+"""What a rule sees: the forward node, its output gradients, and helpers that emit backward nodes.
+
+`Emitter` holds the state of one build (names, emitted nodes, constants); `Grad` is the per-node view
+handed to a rule as `g`. Rules only call `g`; they never touch protobufs of the graph directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..errors import RuleError
+from ..graph import ForwardGraph, NameAllocator, TensorInfo, describe
+
+
+class Emitter:
+    """Build-wide sink for backward nodes, forward-side helper nodes and constants."""
+
+    def __init__(self, fg: ForwardGraph, names: NameAllocator):
+        self.fg = fg
+        self.opset = fg.opset
+        self.names = names
+        self.backward: list[onnx.NodeProto] = []
+        self.forward_extra: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self._consts: dict[tuple, str] = {}
+        self._shapes: dict[str, str] = {}
+        self.produced: set[str] = set()
+
+    def node(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, *, domain: str = "",
+             forward: bool = False, outputs: Sequence[str] | None = None, **attrs: Any) -> list[str]:
+        outs = list(outputs) if outputs is not None else [self.names.fresh(f"{hint}/{op_type}") for _ in range(n_out)]
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = helper.make_node(op_type, ["" if i is None else i for i in inputs], outs,
+                                name=self.names.fresh(f"{hint}/{op_type}_node"), domain=domain or None, **attrs)
+        (self.forward_extra if forward else self.backward).append(node)
+        self.produced.update(outs)
+        return outs
+
+    def const(self, value: Any, elem_type: int) -> str:
+        arr = np.asarray(value)
+        key = (elem_type, arr.shape, arr.tobytes(), str(arr.dtype))
+        name = self._consts.get(key)
+        if name is None:
+            name = self.names.fresh("gb_const")
+            if elem_type in (TensorProto.BFLOAT16, TensorProto.FLOAT16) or arr.dtype.kind == "f":
+                tensor = helper.make_tensor(name, elem_type, arr.shape, arr.astype(np.float64).ravel().tolist())
+            else:
+                np_type = helper.tensor_dtype_to_np_dtype(elem_type)
+                tensor = onnx.numpy_helper.from_array(arr.astype(np_type), name)
+            self.initializers.append(tensor)
+            self._consts[key] = name
+        return name
+
+    def shape_of(self, tensor: str) -> str:
+        """Shape of a forward tensor, computed in the forward part: backward stashes 8 bytes a dim, not the tensor."""
+        name = self._shapes.get(tensor)
+        if name is None:
+            static = self.fg.tensor_info(tensor).static_shape
+            if static is not None:
+                name = self.const(np.array(static, dtype=np.int64), TensorProto.INT64)
+            else:
+                name = self.node("Shape", [tensor], 1, f"{tensor}", forward=tensor not in self.produced)[0]
+            self._shapes[tensor] = name
+        return name
+
+
+class Grad:
+    """The rule's view of one forward node: `I(i)`, `O(j)`, `GO(j)`, `needs(i)`, and emit helpers."""
+
+    def __init__(self, em: Emitter, node: onnx.NodeProto, out_grads: Sequence[str | None],
+                 needed: Sequence[bool]):
+        self.em = em
+        self.node = node
+        self.opset = em.opset
+        self.op_type = node.op_type
+        self._go = list(out_grads)
+        self._needs = list(needed)
+        self._attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        self._hint = f"grad/{next((o for o in node.output if o), node.op_type)}"
+
+    # --- the forward node ------------------------------------------------------------------
+    @property
+    def n_inputs(self) -> int:
+        return len(self.node.input)
+
+    def I(self, i: int) -> str | None:  # noqa: N802 - reads like the math
+        return self.node.input[i] if i < len(self.node.input) and self.node.input[i] else None
+
+    def O(self, j: int) -> str:  # noqa: N802
+        return self.node.output[j]
+
+    def GO(self, j: int) -> str | None:  # noqa: N802
+        return self._go[j] if j < len(self._go) else None
+
+    def GO_or_zeros(self, j: int) -> str:  # noqa: N802
+        go = self.GO(j)
+        return go if go is not None else self.zeros_like(self.O(j))
+
+    def needs(self, i: int) -> bool:
+        return i < len(self._needs) and self._needs[i]
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        value = self._attrs.get(name, default)
+        return value.decode() if isinstance(value, bytes) else value
+
+    def info(self, name: str) -> TensorInfo:
+        return self.em.fg.tensor_info(name)
+
+    def rank(self, name: str) -> int | None:
+        return self.info(name).rank
+
+    def dtype(self, name: str) -> int:
+        return self.info(name).elem_type
+
+    def require_rank(self, name: str) -> int:
+        r = self.rank(name)
+        if r is None:
+            self.fail(f"the rank of '{name}' is unknown; give the model's inputs a shape (at least their rank)")
+        return r  # type: ignore[return-value]
+
+    def const_input(self, i: int) -> np.ndarray | None:
+        """Value of input i when it is an initializer or a Constant node's output (axes, shapes, pads)."""
+        name = self.I(i)
+        if name is None:
+            return None
+        fg = self.em.fg
+        if name in fg.initializers and name not in fg.inputs:
+            return onnx.numpy_helper.to_array(fg.initializers[name])
+        k = fg.producer.get(name)
+        if k is not None and fg.nodes[k].op_type == "Constant":
+            for a in fg.nodes[k].attribute:
+                if a.name == "value":
+                    return onnx.numpy_helper.to_array(a.t)
+                if a.name in ("value_ints", "value_int", "value_floats", "value_float"):
+                    return np.array(helper.get_attribute_value(a))
+        return None
+
+    def fail(self, why: str) -> None:
+        raise RuleError(f"cannot differentiate node {describe(self.node)} at opset {self.opset}: {why}.")
+
+    # --- emitting ----------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs: str | None, n_out: int = 1, domain: str = "", **attrs: Any) -> Any:
+        outs = self.em.node(op_type, inputs, n_out, self._hint, domain=domain, **attrs)
+        return outs[0] if n_out == 1 else outs
+
+    def __getattr__(self, op_type: str) -> Any:
+        if not op_type[:1].isupper():
+            raise AttributeError(op_type)
+        return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
+
+    def const(self, value: Any, like: str | None = None, elem_type: int | None = None) -> str:
+        """A constant with `like`'s element type (or `elem_type`); CastLike when that type is unknown."""
+        if elem_type is None:
+            elem_type = self.dtype(like) if like is not None else TensorProto.FLOAT
+            if not elem_type:
+                if self.opset < 15:
+                    self.fail(f"the element type of '{like}' is unknown")
+                return self.CastLike(self.em.const(value, TensorProto.FLOAT), like)
+        return self.em.const(value, elem_type)
+
+    def ints(self, values: Sequence[int] | int) -> str:
+        return self.em.const(np.array(values, dtype=np.int64), TensorProto.INT64)
+
+    def shape_of(self, tensor: str) -> str:
+        return self.em.shape_of(tensor)
+
+    def zeros_like(self, tensor: str) -> str:
+        elem_type = self.dtype(tensor) or TensorProto.FLOAT
+        static = self.info(tensor).static_shape
+        if static is not None and int(np.prod(static)) <= 1:
+            return self.const(np.zeros(static), elem_type=elem_type)
+        value = helper.make_tensor("value", elem_type, [1], [0])
+        return self.ConstantOfShape(self.shape_of(tensor), value=value)
+
+    # --- named helpers for repeated patterns ---------------------------------------------------
+    def reduce_sum(self, x: str, axes: Sequence[int] | str, keepdims: bool = True) -> str:
+        axes_in = axes if isinstance(axes, str) else self.ints(list(axes))
+        return self.ReduceSum(x, axes_in, keepdims=int(keepdims))
+
+    def unsqueeze(self, x: str, axes: Sequence[int]) -> str:
+        return self.Unsqueeze(x, self.ints(list(axes)))
+
+    def squeeze(self, x: str, axes: Sequence[int]) -> str:
+        return self.Squeeze(x, self.ints(list(axes)))
+
+    def reshape_like(self, x: str, like: str) -> str:
+        return self.Reshape(x, self.shape_of(like))
+
+    def unbroadcast(self, grad: str, like: str, grad_like: str | None = None) -> str:
+        """Sum `grad` (shaped like `grad_like`, default output 0) down to the shape of `like`.
+
+        Static shapes give one ReduceSum over known axes; symbolic dims that may or may not broadcast
+        fall back to axes computed at run time from the two shapes.
+        """
+        ys = self.info(grad_like or self.O(0)).shape
+        xs = self.info(like).shape
+        if ys is not None and xs is not None and len(ys) >= len(xs):
+            lead = len(ys) - len(xs)
+            axes = list(range(lead))
+            certain = True
+            for k, (dx, dy) in enumerate(zip(xs, ys[lead:])):
+                if dx == dy and dx is not None:
+                    continue
+                if dx == 1:
+                    axes.append(lead + k)
+                elif not (isinstance(dx, int) and dx > 1):
+                    certain = False
+            if certain:
+                if not axes:
+                    return grad
+                r = self.reduce_sum(grad, axes, keepdims=True)
+                return self.squeeze(r, list(range(lead))) if lead else r
+        return self._unbroadcast_dynamic(grad, like, xs, ys)
+
+    def _unbroadcast_dynamic(self, grad: str, like: str, xs: Any, ys: Any) -> str:
+        shape_y = self.Shape(grad)
+        shape_x = self.shape_of(like)
+        if xs is not None and ys is not None:
+            lead = len(ys) - len(xs)
+            padded = self.Concat(self.ints([1] * lead), shape_x, axis=0) if lead > 0 else shape_x
+        else:
+            lead_n = self.Sub(self.Size(shape_y), self.Size(shape_x))
+            ones = self.ConstantOfShape(self.Reshape(lead_n, self.ints([1])),
+                                        value=helper.make_tensor("value", TensorProto.INT64, [1], [1]))
+            padded = self.Concat(ones, shape_x, axis=0)
+        axes = self.Reshape(self.NonZero(self.Not(self.Equal(padded, shape_y))), self.ints([-1]))
+        summed = self.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.Reshape(summed, shape_x)
