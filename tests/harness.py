@@ -118,7 +118,7 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
              n_out: int = 1, diff_outputs: Sequence[int] | None = None, opset: int = 17,
              consts: Sequence[str] = (), wrt: Sequence[str] | None = None, rtol: float | None = None,
              atol: float | None = None, fd: bool = True, fd_eps: float | None = None, fd_rtol: float | None = None,
-             seed: int = 0, fd_points: dict[str, np.ndarray] | None = None, **attrs: Any) -> dict[str, np.ndarray]:
+             seed: int = 0, fd_mask: dict[str, np.ndarray] | None = None, **attrs: Any) -> dict[str, np.ndarray]:
     """Check one op's gradients against torch.autograd and finite differences; return ORT's gradients.
 
     `torch_fn` takes the torch versions (float64, requires_grad for `wrt`) of all non-const inputs, in order,
@@ -167,8 +167,8 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
 
     if fd:
         direction = {n: np.asarray(rng.standard_normal(feeds[n].shape)) for n in wrt}
-        if fd_points is not None:  # ops with kinks: keep the probe away from them
-            direction = {n: direction[n] * fd_points.get(n, 1.0) for n in wrt}
+        if fd_mask is not None:  # ops with kinks: a 0 in the mask keeps the probe off that element
+            direction = {n: direction[n] * fd_mask.get(n, 1.0) for n in wrt}
         plus = dict(feeds)
         minus = dict(feeds)
         for n in wrt:
