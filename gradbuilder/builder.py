@@ -42,7 +42,7 @@ def grad_name(tensor: str) -> str:
 
 
 def _unknown(kind: str, name: str, choices: Iterable[str]) -> UnknownNameError:
-    close = difflib.get_close_matches(name, list(choices), n=3)
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return UnknownNameError(f"{kind} '{name}' is not a tensor of this graph.{hint}")
 

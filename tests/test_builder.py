@@ -1,0 +1,206 @@
+"""Reachability, the Yield boundary and gradient accumulation, checked against torch.autograd."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from harness import Trainer
+from onnx import TensorProto, helper
+
+import gradbuilder
+from gradbuilder.errors import GradBuilderError, LossError, UnknownNameError
+from gradbuilder.yield_op import find_yield, read_yield
+
+D = TensorProto.DOUBLE
+rng = np.random.default_rng(1)
+
+
+def model(nodes, inputs, outputs, inits=(), opset=17):
+    """inputs/outputs: (name, elem_type, shape); inits: name -> array."""
+    g = helper.make_graph(
+        nodes, "m", [helper.make_tensor_value_info(*i) for i in inputs],
+        [helper.make_tensor_value_info(*o) for o in outputs],
+        [onnx.numpy_helper.from_array(np.asarray(v), k) for k, v in dict(inits).items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def yield_sig(training):
+    return read_yield(training.graph.node[find_yield(list(training.graph.node))])
+
+
+def grads_torch(fn, params: dict[str, np.ndarray], feeds: dict[str, np.ndarray], cot):
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    tf = {k: torch.tensor(v) for k, v in feeds.items()}
+    outs = fn(**tp, **tf)
+    pairs = [(o, torch.tensor(c)) for o, c in zip(outs, cot) if c is not None]
+    got = torch.autograd.grad([p[0] for p in pairs], list(tp.values()), [p[1] for p in pairs], allow_unused=True)
+    return {k: (None if g is None else g.numpy()) for k, g in zip(tp, got)}
+
+
+def assert_grads(ours: dict, ref: dict):
+    for k, r in ref.items():
+        if r is None:
+            assert k not in ours, f"{k} should get no gradient"
+        else:
+            np.testing.assert_allclose(ours[k], r, rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+W1 = rng.standard_normal((3, 4))
+W2 = rng.standard_normal((3, 4))
+X = rng.standard_normal((3, 4))
+
+
+def two_layer():
+    """y1 = x*W1, y2 = y1*W2 (+ an unused parameter U)."""
+    nodes = [helper.make_node("Mul", ["x", "W1"], ["y1"]), helper.make_node("Mul", ["y1", "W2"], ["y2"])]
+    return model(nodes, [("x", D, [3, 4])], [("y2", D, [3, 4])], {"W1": W1, "W2": W2, "U": np.ones(2)})
+
+
+def test_frozen_and_unused_parameters():
+    training = gradbuilder.build_gradient_graph(two_layer(), freeze=["W2"])
+    onnx.checker.check_model(training, full_check=True)
+    meta = gradbuilder.read_metadata(training)
+    assert meta["gradients"] == {"W1": "W1_grad"}
+    assert meta["no_gradient"]["W2"] == "frozen"
+    assert "unused" in meta["no_gradient"]["U"]
+    c = rng.standard_normal((3, 4))
+    _, grads = Trainer(training).step({"x": X}, [c])
+    np.testing.assert_allclose(grads["W1"], c * W2 * X)
+
+
+def test_frozen_path_costs_nothing():
+    """A frozen parameter's own gradient path emits no node: only W1's chain is differentiated."""
+    full = gradbuilder.build_gradient_graph(two_layer())
+    frozen = gradbuilder.build_gradient_graph(two_layer(), freeze=["W2"])
+    n_bwd = lambda m: len(m.graph.node) - find_yield(list(m.graph.node)) - 1  # noqa: E731
+    assert n_bwd(frozen) < n_bwd(full)
+    bwd_ops = [n.op_type for n in frozen.graph.node[find_yield(list(frozen.graph.node)) + 1:]]
+    assert bwd_ops.count("Mul") == 2  # dy*W2 -> dy1, dy1*x -> dW1; nothing for W2
+
+
+def test_output_consumed_internally_sums_host_and_internal_gradient():
+    """outputs (s, t) with t = s*s: the host's gradient of s joins the internal one through a Sum."""
+    nodes = [helper.make_node("Mul", ["x", "W1"], ["s"]), helper.make_node("Mul", ["s", "s"], ["t"])]
+    m = model(nodes, [("x", D, [3, 4])], [("s", D, [3, 4]), ("t", D, [3, 4])], {"W1": W1})
+    training = gradbuilder.build_gradient_graph(m)
+    sig = yield_sig(training)
+    assert sig.full_shape == (1,)  # s is consumed inside the graph, so a scalar zero is fine there
+    assert any(n.op_type == "Sum" and sig.grads[0] in n.input for n in training.graph.node)
+    cs, ct = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    trainer = Trainer(training)
+    _, grads = trainer.step({"x": X}, [cs, ct])
+    ref = grads_torch(lambda W1, x: (x * W1, (x * W1) ** 2), {"W1": W1}, {"x": X}, [cs, ct])
+    assert_grads(grads, ref)
+    # None for s arrives as a scalar zero and gives t's gradient alone
+    _, grads = trainer.step({"x": X}, [None, ct])
+    assert_grads(grads, grads_torch(lambda W1, x: (x * W1, (x * W1) ** 2), {"W1": W1}, {"x": X}, [None, ct]))
+
+
+def test_loss_plus_scores_sum_case():
+    """The ORT bug: loss = f(scores) returned with scores; d(loss + scores.sum()) must add both paths."""
+    nodes = [
+        helper.make_node("Mul", ["x", "W1"], ["scores"]),
+        helper.make_node("Mul", ["scores", "scores"], ["sq"]),
+        helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0),
+        helper.make_node("Neg", ["scores"], ["aux"]),
+    ]
+    m = model(nodes, [("x", D, [3, 4])], [("loss", D, []), ("scores", D, [3, 4]), ("aux", D, [3, 4])],
+              {"W1": W1})
+    training = gradbuilder.build_gradient_graph(m)
+    onnx.checker.check_model(training, full_check=True)
+    sig = yield_sig(training)
+    assert sig.full_shape == (2,)  # loss is a scalar; scores is consumed inside; aux is not
+    trainer = Trainer(training)
+    ones = np.ones((3, 4))
+    _, grads = trainer.step({"x": X}, [np.array(1.0), ones, None])  # (loss + scores.sum()).backward()
+    fn = lambda W1, x: ((x * W1 * x * W1).sum(), x * W1, -(x * W1))  # noqa: E731
+    assert_grads(grads, grads_torch(fn, {"W1": W1}, {"x": X}, [np.array(1.0), ones, None]))
+
+
+def test_non_differentiable_outputs_in_the_middle_and_integer_inputs():
+    nodes = [
+        helper.make_node("Cast", ["k"], ["kf"], to=D),
+        helper.make_node("Mul", ["kf", "W1"], ["a"]),
+        helper.make_node("Greater", ["a", "x"], ["mask"]),
+        helper.make_node("Cast", ["mask"], ["maskf"], to=D),
+        helper.make_node("Mul", ["a", "maskf"], ["b"]),
+    ]
+    m = model(nodes, [("x", D, [3, 4]), ("k", TensorProto.INT64, [3, 4])],
+              [("a", D, [3, 4]), ("mask", TensorProto.BOOL, [3, 4]), ("b", D, [3, 4])], {"W1": W1})
+    training = gradbuilder.build_gradient_graph(m, wrt=["W1", "k", "x"])
+    sig = yield_sig(training)
+    assert sig.non_differentiable == (1,) and len(sig.grads) == 2
+    meta = gradbuilder.read_metadata(training)
+    assert "INT64" in meta["no_gradient"]["k"]
+    assert "non-differentiable" in meta["no_gradient"]["x"] or "non-float" in meta["no_gradient"]["x"]
+    k = rng.integers(-2, 3, (3, 4))
+    ca, cb = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    _, grads = Trainer(training).step({"x": X, "k": k}, [ca, None, cb])
+    mask = (k * W1 > X).astype(float)
+    np.testing.assert_allclose(grads["W1"], ca * k + cb * k * mask)
+    assert set(grads) == {"W1"}
+
+
+def test_duplicated_output_sums_both_host_gradients():
+    nodes = [helper.make_node("Mul", ["x", "W1"], ["y"])]
+    m = model(nodes, [("x", D, [3, 4])], [("y", D, [3, 4]), ("y", D, [3, 4])], {"W1": W1})
+    training = gradbuilder.build_gradient_graph(m)
+    sig = yield_sig(training)
+    assert sig.outputs == ("y", "y") and len(sig.grads) == 2
+    c1, c2 = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    _, grads = Trainer(training).step({"x": X}, [c1, c2])
+    np.testing.assert_allclose(grads["W1"], (c1 + c2) * X)
+
+
+def test_output_that_is_an_input_or_a_parameter():
+    nodes = [helper.make_node("Mul", ["x", "W1"], ["y"])]
+    m = model(nodes, [("x", D, [3, 4])], [("y", D, [3, 4]), ("W1", D, [3, 4]), ("x", D, [3, 4])], {"W1": W1})
+    training = gradbuilder.build_gradient_graph(m, wrt=["W1", "x"])
+    onnx.checker.check_model(training, full_check=True)
+    c = [rng.standard_normal((3, 4)) for _ in range(3)]
+    _, grads = Trainer(training).step({"x": X}, c)
+    np.testing.assert_allclose(grads["W1"], c[0] * X + c[1])
+    np.testing.assert_allclose(grads["x"], c[0] * W1 + c[2])
+    assert gradbuilder.read_metadata(training)["gradients"] == {"W1": "W1_grad", "x": "x_grad"}
+
+
+def test_loss_is_seeded_inside_the_graph():
+    nodes = [helper.make_node("Mul", ["x", "W1"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    m = model(nodes, [("x", D, [3, 4])], [("loss", D, []), ("y", D, [3, 4])], {"W1": W1})
+    training = gradbuilder.build_gradient_graph(m, loss="loss")
+    sig = yield_sig(training)
+    assert sig.grads == () and sig.non_differentiable == (0, 1)
+    _, grads = Trainer(training).step({"x": X})
+    np.testing.assert_allclose(grads["W1"], X)
+
+
+def test_bad_requests_fail_clearly():
+    m = two_layer()
+    with pytest.raises(UnknownNameError, match="W3.*Did you mean"):
+        gradbuilder.build_gradient_graph(m, wrt=["W3"])
+    with pytest.raises(LossError, match="shape"):
+        gradbuilder.build_gradient_graph(m, loss="y2")
+    with pytest.raises(UnknownNameError):
+        gradbuilder.build_gradient_graph(m, loss="nope")
+    with pytest.raises(GradBuilderError, match="already contains a Yield"):
+        gradbuilder.build_gradient_graph(gradbuilder.build_gradient_graph(m))
+
+
+def test_unsupported_op_on_the_path_names_op_and_node():
+    nodes = [helper.make_node("Mul", ["x", "W1"], ["a"]), helper.make_node("Frobnicate", ["a"], ["y"],
+                                                                           domain="my.ops", name="frob1")]
+    m = model(nodes, [("x", D, [3, 4])], [("y", D, [3, 4])], {"W1": W1})
+    m.opset_import.append(helper.make_opsetid("my.ops", 1))
+    with pytest.raises(gradbuilder.GradBuilderError, match=r"my\.ops\.Frobnicate.*frob1.*gradbuilder ops"):
+        gradbuilder.build_gradient_graph(m)
+    # off the gradient path it is fine: nothing is differentiated through it
+    training = gradbuilder.build_gradient_graph(m, freeze=["W1"])
+    assert gradbuilder.read_metadata(training)["gradients"] == {}
+
+
+def test_build_is_deterministic():
+    a = gradbuilder.build_gradient_graph(two_layer()).SerializeToString()
+    b = gradbuilder.build_gradient_graph(two_layer()).SerializeToString()
+    assert a == b
