@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 from . import rules  # noqa: F401 - registers every rule family
 from .errors import ControlFlowError, InvalidModelError, LossError, RuleError, UnknownNameError, UnsupportedOpError
 from .graph import ForwardGraph, NameAllocator, describe, load_model, type_name, value_info
-from .reachability import Reachability, analyze, is_control_flow, output_is_diff
+from .reachability import Reachability, analyze, is_control_flow
 from .rules import registry
 from .rules.context import Emitter, Grad
 from .yield_op import DOMAIN, VERSION, YieldSignature, is_yield, make_yield
@@ -185,8 +185,7 @@ def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
 def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accumulator) -> None:
     for k in sorted(reach.active_inputs, reverse=True):
         node = fg.nodes[k]
-        out_grads = [acc.total(o) if o and o in reach.needs and output_is_diff(fg, k, j) else None
-                     for j, o in enumerate(node.output)]
+        out_grads = [acc.total(o) if d and o in reach.needs else None for o, d in reach.edges.outputs[k]]
         if all(g is None for g in out_grads):
             continue
         if is_control_flow(node.op_type) or k in fg.hidden_inputs:

@@ -52,6 +52,9 @@ class TensorInfo:
         return n
 
 
+UNKNOWN = TensorInfo()
+
+
 def type_name(elem_type: int) -> str:
     return TensorProto.DataType.Name(elem_type) if elem_type else "unknown"
 
@@ -226,7 +229,7 @@ class ForwardGraph:
         return info
 
     def tensor_info(self, name: str) -> TensorInfo:
-        return self.info.get(name, TensorInfo())
+        return self.info.get(name, UNKNOWN)
 
     def all_names(self) -> set[str]:
         names = set(self.inputs) | set(self.initializers)

@@ -19,6 +19,7 @@ class Reachability:
     forward: set[str]
     backward: set[str]
     needs: set[str]
+    edges: Edges
     active_inputs: dict[int, list[bool]] = field(default_factory=dict)
     """Node index -> which of its inputs need a gradient, for nodes that must be differentiated."""
 
@@ -32,9 +33,9 @@ class Reachability:
         if not fg.consumers.get(name) and name not in fg.outputs:
             return "no node reads it and it is not an output (unused)"
         if name not in self.backward:
-            loose = _walk_backward(fg, seeds, strict=False)
+            loose = _walk_backward(fg, self.edges, seeds, strict=False)
             if name in loose:
-                edge = _first_stop_edge(fg, name, loose)
+                edge = _first_stop_edge(fg, self.edges, name, loose)
                 where = f": {edge}" if edge else ""
                 return ("every path from it to the differentiated outputs crosses a non-differentiable edge"
                         f"{where}")
@@ -42,64 +43,55 @@ class Reachability:
         return "it is not reachable from any tensor being differentiated"
 
 
-def edge_is_diff(fg: ForwardGraph, k: int, i: int) -> bool:
-    node = fg.nodes[k]
-    if i < 0:  # a control-flow body's hidden read: differentiable as far as reachability goes
-        return True
-    name = node.input[i]
-    if not fg.tensor_info(name).is_float:
-        return False
-    r = registry.lookup(node.op_type, fg.opset, node.domain)
-    return r is None or r.input_is_diff(i)
+class Edges:
+    """Per node: which input edges and outputs are differentiable (rule stop edges, float types)."""
+
+    def __init__(self, fg: ForwardGraph):
+        self.fg = fg
+        self.inputs: list[list[tuple[int, str, bool]]] = []
+        self.outputs: list[list[tuple[str, bool]]] = []
+        floats = {}
+
+        def is_float(name: str) -> bool:
+            f = floats.get(name)
+            if f is None:
+                f = floats[name] = fg.tensor_info(name).is_float
+            return f
+
+        for k, node in enumerate(fg.nodes):
+            r = registry.lookup(node.op_type, fg.opset, node.domain)
+            ins = [(i, n, is_float(n) and (r is None or r.input_is_diff(i))) for i, n in enumerate(node.input) if n]
+            # a control-flow body's hidden reads count as differentiable for reachability
+            ins += [(-1, n, True) for n in sorted(fg.hidden_inputs.get(k, ()))]
+            self.inputs.append(ins)
+            self.outputs.append([(o, bool(o) and is_float(o) and (r is None or r.output_is_diff(j)))
+                                 for j, o in enumerate(node.output)])
 
 
-def output_is_diff(fg: ForwardGraph, k: int, j: int) -> bool:
-    node = fg.nodes[k]
-    name = node.output[j]
-    if not name or not fg.tensor_info(name).is_float:
-        return False
-    r = registry.lookup(node.op_type, fg.opset, node.domain)
-    return r is None or r.output_is_diff(j)
-
-
-def _node_inputs(fg: ForwardGraph, k: int) -> Iterable[tuple[int, str]]:
-    node = fg.nodes[k]
-    for i, name in enumerate(node.input):
-        if name:
-            yield i, name
-    for name in sorted(fg.hidden_inputs.get(k, ())):
-        yield -1, name
-
-
-def _walk_forward(fg: ForwardGraph, sources: Iterable[str]) -> set[str]:
+def _walk_forward(fg: ForwardGraph, edges: Edges, sources: Iterable[str]) -> set[str]:
     reached = {s for s in sources if fg.tensor_info(s).is_float}
-    for k, node in enumerate(fg.nodes):
-        if any(name in reached and edge_is_diff(fg, k, i) for i, name in _node_inputs(fg, k)):
-            reached.update(o for j, o in enumerate(node.output) if output_is_diff(fg, k, j))
+    for k in range(len(fg.nodes)):
+        if any(d and name in reached for _, name, d in edges.inputs[k]):
+            reached.update(o for o, d in edges.outputs[k] if d)
     return reached
 
 
-def _walk_backward(fg: ForwardGraph, seeds: Iterable[str], *, strict: bool = True) -> set[str]:
+def _walk_backward(fg: ForwardGraph, edges: Edges, seeds: Iterable[str], *, strict: bool = True) -> set[str]:
     reached = set(seeds) if not strict else {s for s in seeds if fg.tensor_info(s).is_float}
     for k in range(len(fg.nodes) - 1, -1, -1):
-        node = fg.nodes[k]
-        if strict:
-            hit = any(o in reached and output_is_diff(fg, k, j) for j, o in enumerate(node.output))
-        else:
-            hit = any(o in reached for o in node.output)
-        if hit:
-            reached.update(name for i, name in _node_inputs(fg, k) if not strict or edge_is_diff(fg, k, i))
+        if any((d or not strict) and o in reached for o, d in edges.outputs[k]):
+            reached.update(name for _, name, d in edges.inputs[k] if d or not strict)
     return reached
 
 
-def _first_stop_edge(fg: ForwardGraph, name: str, loose: set[str]) -> str | None:
+def _first_stop_edge(fg: ForwardGraph, edges: Edges, name: str, loose: set[str]) -> str | None:
     frontier = {name}
     for k, node in enumerate(fg.nodes):
-        ins = [(i, n) for i, n in _node_inputs(fg, k) if n in frontier]
+        ins = [(i, n, d) for i, n, d in edges.inputs[k] if n in frontier]
         if not ins:
             continue
-        for i, n in ins:
-            if any(o in loose for o in node.output) and not edge_is_diff(fg, k, i):
+        for i, n, d in ins:
+            if any(o in loose for o in node.output) and not d:
                 kind = "a non-float tensor" if not fg.tensor_info(n).is_float else "a non-differentiable input"
                 return f"'{n}' is {kind} (input {i}) of node {describe(node)}"
         frontier.update(o for o in node.output if o)
@@ -107,18 +99,25 @@ def _first_stop_edge(fg: ForwardGraph, name: str, loose: set[str]) -> str | None
 
 
 def analyze(fg: ForwardGraph, wrt: Sequence[str], seeds: Sequence[str]) -> Reachability:
-    fwd = _walk_forward(fg, wrt)
-    bwd = _walk_backward(fg, seeds)
+    edges = Edges(fg)
+    fwd = _walk_forward(fg, edges, wrt)
+    bwd = _walk_backward(fg, edges, seeds)
     needs = fwd & bwd
     active: dict[int, list[bool]] = {}
     for k, node in enumerate(fg.nodes):
-        if not any(o in needs and output_is_diff(fg, k, j) for j, o in enumerate(node.output)):
+        if not any(d and o in needs for o, d in edges.outputs[k]):
             continue
-        flags = [bool(n) and n in needs and edge_is_diff(fg, k, i) for i, n in enumerate(node.input)]
-        hidden = any(n in needs for n in fg.hidden_inputs.get(k, ()))
+        flags = [False] * len(node.input)
+        hidden = False
+        for i, n, d in edges.inputs[k]:
+            if d and n in needs:
+                if i < 0:
+                    hidden = True
+                else:
+                    flags[i] = True
         if any(flags) or hidden:
             active[k] = flags
-    return Reachability(fwd, bwd, needs, active)
+    return Reachability(fwd, bwd, needs, edges, active)
 
 
 def is_control_flow(op_type: str) -> bool:

@@ -142,7 +142,8 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
     trainer = Trainer(training)
 
     outs, _ = trainer.run_forward(feeds)
-    cot = [np.asarray(rng.standard_normal(o.shape), dtype=o.dtype) if j in diff_outputs else None for j, o in enumerate(outs)]
+    cot = [np.asarray(rng.standard_normal(o.shape), dtype=o.dtype) if j in diff_outputs else None
+           for j, o in enumerate(outs)]
     _, grads = trainer.step(feeds, cot)
 
     # torch reference

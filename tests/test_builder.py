@@ -178,7 +178,7 @@ def test_loss_is_seeded_inside_the_graph():
 
 def test_bad_requests_fail_clearly():
     m = two_layer()
-    with pytest.raises(UnknownNameError, match="W3.*Did you mean"):
+    with pytest.raises(UnknownNameError, match=r"W3.*Did you mean"):
         gradbuilder.build_gradient_graph(m, wrt=["W3"])
     with pytest.raises(LossError, match="shape"):
         gradbuilder.build_gradient_graph(m, loss="y2")

@@ -36,7 +36,7 @@ class Emitter:
         outs = list(outputs) if outputs is not None else [self.names.fresh(f"{hint}/{op_type}") for _ in range(n_out)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
         node = helper.make_node(op_type, ["" if i is None else i for i in inputs], outs,
-                                name=self.names.fresh(f"{hint}/{op_type}_node"), domain=domain or None, **attrs)
+                                name=f"{outs[0]}_node", domain=domain or None, **attrs)
         (self.forward_extra if forward else self.backward).append(node)
         self.produced.update(outs)
         return outs
@@ -88,16 +88,16 @@ class Grad:
     def n_inputs(self) -> int:
         return len(self.node.input)
 
-    def I(self, i: int) -> str | None:  # noqa: N802 - reads like the math
+    def I(self, i: int) -> str | None:
         return self.node.input[i] if i < len(self.node.input) and self.node.input[i] else None
 
-    def O(self, j: int) -> str:  # noqa: N802
+    def O(self, j: int) -> str:
         return self.node.output[j]
 
-    def GO(self, j: int) -> str | None:  # noqa: N802
+    def GO(self, j: int) -> str | None:
         return self._go[j] if j < len(self._go) else None
 
-    def GO_or_zeros(self, j: int) -> str:  # noqa: N802
+    def GO_or_zeros(self, j: int) -> str:
         go = self.GO(j)
         return go if go is not None else self.zeros_like(self.O(j))
 
