@@ -94,8 +94,12 @@ def load_model(model: onnx.ModelProto | str | os.PathLike | bytes, *, copy: bool
         except Exception as e:  # protobuf raises a zoo of types
             raise ModelLoadError(f"the bytes given are not a serialized ONNX model ({e}).") from e
     path = Path(model)
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a directory; give the path of the .onnx file itself.")
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such file.")
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: the file is empty (0 bytes); it is not an ONNX model.")
     try:
         loaded = onnx.load(str(path), load_external_data=True)
     except FileNotFoundError as e:
