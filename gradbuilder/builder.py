@@ -261,8 +261,7 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
     backward = _live(em.backward, wanted)
     extra = _live(em.forward_extra, wanted)
     inits = [t for t in em.initializers if t.name in wanted]
-    names = NameAllocator(fg.all_names() | set(grads.values()) | {x for n in em.backward for x in n.output})
-    yield_node = make_yield(sig, names.fresh("gradbuilder_yield"))
+    yield_node = make_yield(sig, em.names.fresh("gradbuilder_yield"))
 
     graph = m.graph
     del graph.node[:]

@@ -236,10 +236,7 @@ class ForwardGraph:
         return self.info.get(name, UNKNOWN)
 
     def all_names(self) -> set[str]:
-        names = set(self.inputs) | set(self.initializers)
-        for n in self.nodes:
-            names.update(x for x in n.output if x)
-        return names
+        return set(self.inputs) | set(self.initializers) | set(self.producer)
 
 
 def describe(node: onnx.NodeProto) -> str:

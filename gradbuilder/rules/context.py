@@ -34,9 +34,10 @@ class Emitter:
     def node(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, *, domain: str = "",
              forward: bool = False, outputs: Sequence[str] | None = None, **attrs: Any) -> list[str]:
         outs = list(outputs) if outputs is not None else [self.names.fresh(f"{hint}/{op_type}") for _ in range(n_out)]
-        attrs = {k: v for k, v in attrs.items() if v is not None}
-        node = helper.make_node(op_type, ["" if i is None else i for i in inputs], outs,
-                                name=f"{outs[0]}_node", domain=domain or None, **attrs)
+        node = onnx.NodeProto(op_type=op_type, input=["" if i is None else i for i in inputs], output=outs,
+                              name=f"{outs[0]}_node", domain=domain)
+        if attrs:
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
         (self.forward_extra if forward else self.backward).append(node)
         self.produced.update(outs)
         return outs
