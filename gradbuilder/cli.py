@@ -1,0 +1,303 @@
+"""The `gradbuilder` command: parse, call the library, report; turn every failure into a message and an exit code.
+
+Exit codes: 0 success, 2 bad input or usage (a GradBuilderError: the message says what to change),
+1 a bug in gradbuilder (any other exception: a short message, "please report", `--debug` for the traceback).
+Outputs are written atomically, so a failed run leaves nothing behind and never touches the input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .builder import build_gradient_graph
+from .errors import GradBuilderError
+from .graph import save_model_atomic, save_text_atomic
+from .inspect_model import (
+    gradient_table,
+    inspect_model,
+    node_counts,
+    op_table,
+    render_gradients,
+    render_json,
+    render_ops_markdown,
+    render_ops_text,
+    render_text,
+)
+from .split import split
+
+PROG = "gradbuilder"
+SPLIT_FILES = ("forward.onnx", "backward.onnx", "manifest.json")
+REPORT_URL = "https://github.com/gradbuilder/gradbuilder/issues"
+
+
+class CliError(GradBuilderError):
+    """A problem with a path or option given on the command line (not with the model itself)."""
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("gradbuilder")
+    except Exception:  # running from a source tree that was never installed
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------------
+# paths
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_writable(out: Path, what: str) -> None:
+    """Fail before the work, not after it: the nearest existing ancestor must be a writable directory."""
+    parent = out.parent
+    while not parent.exists():
+        if parent == parent.parent:
+            break
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CliError(f"cannot write {what} {out}: {parent} is a file, not a directory.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"cannot write {what} {out}: directory {parent} is not writable.")
+
+
+def _check_output_file(out: Path, inp: Path) -> None:
+    if out.is_dir():
+        raise CliError(f"output {out} is a directory; give the path of the .onnx file to write.")
+    if _same_file(out, inp):
+        raise CliError(f"output {out} is the input file; gradbuilder never overwrites its input. "
+                       "Give another output path.")
+    _check_writable(out, "output")
+
+
+def _check_output_dir(out: Path, inp: Path) -> None:
+    """DIR may be new, empty, or an earlier split's output (then it is replaced as a whole)."""
+    if out.exists() and not out.is_dir():
+        raise CliError(f"output {out} exists and is not a directory; give a directory for {', '.join(SPLIT_FILES)}.")
+    if inp.resolve().is_relative_to(out.resolve()):
+        raise CliError(f"the input {inp} lies inside the output directory {out}, which split replaces as a whole; "
+                       "give another output directory.")
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if p.name not in SPLIT_FILES
+                        and p.name.removesuffix(".data") not in SPLIT_FILES)
+        if others:
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            raise CliError(f"output directory {out} already holds other files ({shown}); split replaces the "
+                           "directory as a whole, so give a new or empty one, or the directory of an earlier split.")
+    _check_writable(out, "output directory")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_dir_atomic(out: Path, write: Callable[[Path], None]) -> None:
+    """Let `write` fill a temp dir beside `out`, then move it into place; on any failure nothing is left."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    old: Path | None = None
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())
+        if out.exists():  # an earlier split (checked): swap it out, then delete it
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None:
+                os.replace(old / out.name, out)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not (old / out.name).exists():
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _writing(path: Path, what: str) -> Callable[[BaseException], CliError]:
+    def wrap(e: BaseException) -> CliError:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return CliError(f"cannot write {what} {path}: {why}.")
+
+    return wrap
+
+
+# --------------------------------------------------------------------------------------------------
+# commands
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    if not args.quiet and text:
+        print(text)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    inp, out = Path(args.input), Path(args.output)
+    _check_output_file(out, inp)
+    training = build_gradient_graph(inp, wrt=args.wrt, outputs=args.outputs, loss=args.loss,
+                                    freeze=args.freeze or ())
+    try:
+        save_model_atomic(training, out)
+    except OSError as e:
+        raise _writing(out, "output")(e) from e
+    fwd, bwd = node_counts(training)
+    _say(args, render_gradients(gradient_table(training)))
+    _say(args, f"wrote {out}: {fwd} forward nodes, {bwd} backward nodes")
+    return 0
+
+
+def cmd_split(args: argparse.Namespace) -> int:
+    inp, out = Path(args.input), Path(args.output)
+    _check_output_dir(out, inp)
+    forward, backward, manifest = split(inp)
+
+    def write(d: Path) -> None:
+        save_model_atomic(forward, d / "forward.onnx")
+        save_model_atomic(backward, d / "backward.onnx")
+        save_text_atomic(manifest.to_json() + "\n", d / "manifest.json")
+
+    try:
+        _write_dir_atomic(out, write)
+    except OSError as e:
+        raise _writing(out, "output directory")(e) from e
+    _say(args, f"wrote {out}/: forward.onnx ({len(forward.graph.node)} nodes), backward.onnx "
+               f"({len(backward.graph.node)} nodes), manifest.json ({len(manifest.stashed)} stashed tensors)")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    report = inspect_model(Path(args.input), dict(args.dim or ()))
+    print(render_json(report) if args.json else render_text(report))
+    return 0
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    rows = op_table()
+    print(render_ops_markdown(rows) if args.markdown else render_ops_text(rows), end="" if args.markdown else "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# parsing
+
+
+def _dim(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not sep or not name or n < 0:
+        raise argparse.ArgumentTypeError(f"expected NAME=N with N a non-negative integer, got '{text}'")
+    return name, n
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: given after the command they override, absent they leave the top-level value alone
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="print nothing but errors (build, split)")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the Python traceback of an error")
+    p = argparse.ArgumentParser(prog=PROG, parents=[common],
+                                description="Backward graphs for ONNX models, in standard ONNX ops.")
+    p.set_defaults(quiet=False, debug=False)
+    p.add_argument("--version", action="version", version=f"{PROG} {version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("build", parents=[common], help="forward model -> training graph",
+                       description="Emit the training graph (forward, Yield, backward) of a forward ONNX model.")
+    b.add_argument("input", metavar="IN.onnx")
+    b.add_argument("-o", "--output", metavar="OUT.onnx", required=True)
+    b.add_argument("--loss", metavar="NAME", help="scalar float output seeded with gradient 1 in the graph")
+    b.add_argument("--wrt", metavar="NAME", nargs="+", action="extend",
+                   help="tensors to differentiate (default: every float initializer)")
+    b.add_argument("--freeze", metavar="NAME", nargs="+", action="extend", help="tensors that get no gradient")
+    b.add_argument("--outputs", metavar="NAME", nargs="+", action="extend",
+                   help="outputs whose gradient the host supplies (default: every float output, none with --loss)")
+    b.set_defaults(run=cmd_build)
+
+    s = sub.add_parser("split", parents=[common], help="training graph -> forward.onnx, backward.onnx, manifest.json",
+                       description="Cut a training graph at its Yield node into two runnable models and a manifest.")
+    s.add_argument("input", metavar="TRAINING.onnx")
+    s.add_argument("-o", "--output", metavar="DIR", required=True)
+    s.set_defaults(run=cmd_split)
+
+    i = sub.add_parser("inspect", parents=[common], help="summarise a forward model or a training graph")
+    i.add_argument("input", metavar="FILE.onnx")
+    i.add_argument("--json", action="store_true", help="print the summary as JSON")
+    i.add_argument("--dim", metavar="NAME=N", type=_dim, action="append",
+                   help="value of a symbolic dim for byte counts, e.g. --dim batch=32")
+    i.set_defaults(run=cmd_inspect)
+
+    o = sub.add_parser("ops", parents=[common], help="list the ops that have gradient rules")
+    o.add_argument("--markdown", action="store_true", help="print the table of docs/ops.md")
+    o.set_defaults(run=cmd_ops)
+    return p
+
+
+# --------------------------------------------------------------------------------------------------
+# entry point
+
+
+def _error(text: str) -> None:
+    print(f"{PROG}: error: {text}", file=sys.stderr)
+
+
+def _report_bug(e: BaseException, argv: Sequence[str]) -> None:
+    _error(f"internal error: {type(e).__name__}: {e}")
+    print(f"This is a bug in gradbuilder, not a problem with your model or command. Please report it at "
+          f"{REPORT_URL} with the command line ({PROG} {' '.join(argv)}), the version ({version()}) and, "
+          "if you can, the model; run again with --debug for the traceback.", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # usage errors, --help, --version: argparse already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        return int(args.run(args))
+    except GradBuilderError as e:
+        if args.debug:
+            traceback.print_exc()
+        _error(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        _error("interrupted.")
+        return 130
+    except BrokenPipeError:  # `gradbuilder ops | head`: the reader left; not an error worth a message
+        _silence_stdout()
+        return 141
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        _report_bug(e, argv)
+        return 1
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
