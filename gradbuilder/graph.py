@@ -271,6 +271,16 @@ class NameAllocator:
         return name
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+"""Read once at import: mkstemp creates 0600 files, and a saved model should get the mode of any new file."""
+
+
 def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write next to the target and rename, so a crash never leaves a half-written model."""
     path = Path(path)
@@ -278,6 +288,7 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     large = model.ByteSize() > 2**31 - 2**20
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~UMASK)
     try:
         if large:
             data_name = path.name + ".data"
@@ -304,6 +315,7 @@ def save_text_atomic(text: str, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~UMASK)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
