@@ -18,12 +18,13 @@ from pathlib import Path
 
 from .builder import build_gradient_graph
 from .errors import GradBuilderError
-from .graph import save_model_atomic, save_text_atomic
+from .graph import UMASK, save_model_atomic, save_text_atomic
 from .inspect_model import (
     gradient_table,
     inspect_model,
     node_counts,
     op_table,
+    plural,
     render_gradients,
     render_json,
     render_ops_markdown,
@@ -100,12 +101,6 @@ def _check_output_dir(out: Path, inp: Path) -> None:
     _check_writable(out, "output directory")
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _write_dir_atomic(out: Path, write: Callable[[Path], None]) -> None:
     """Let `write` fill a temp dir beside `out`, then move it into place; on any failure nothing is left."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +108,7 @@ def _write_dir_atomic(out: Path, write: Callable[[Path], None]) -> None:
     old: Path | None = None
     try:
         write(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~UMASK)  # mkdtemp makes it 0700
         if out.exists():  # an earlier split (checked): swap it out, then delete it
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             os.replace(out, old / out.name)
@@ -179,7 +174,7 @@ def cmd_split(args: argparse.Namespace) -> int:
     except OSError as e:
         raise _writing(out, "output directory")(e) from e
     _say(args, f"wrote {out}/: forward.onnx ({len(forward.graph.node)} nodes), backward.onnx "
-               f"({len(backward.graph.node)} nodes), manifest.json ({len(manifest.stashed)} stashed tensors)")
+               f"({len(backward.graph.node)} nodes), manifest.json ({plural(len(manifest.stashed), 'stashed tensor')})")
     return 0
 
 
@@ -212,14 +207,14 @@ def _dim(text: str) -> tuple[str, int]:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    # SUPPRESS: given after the command they override, absent they leave the top-level value alone
+    # accepted before and after the command; SUPPRESS keeps a later absence from resetting an earlier -q (the
+    # action objects are shared with every parser that lists `common` as a parent, so no set_defaults here)
     common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
                         help="print nothing but errors (build, split)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the Python traceback of an error")
     p = argparse.ArgumentParser(prog=PROG, parents=[common],
                                 description="Backward graphs for ONNX models, in standard ONNX ops.")
-    p.set_defaults(quiet=False, debug=False)
     p.add_argument("--version", action="version", version=f"{PROG} {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -275,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # usage errors, --help, --version: argparse already printed
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    args.quiet = getattr(args, "quiet", False)
+    args.debug = getattr(args, "debug", False)
     try:
         return int(args.run(args))
     except GradBuilderError as e:

@@ -353,7 +353,8 @@ def _table(rows: Iterable[Sequence[str]], indent: str = "  ") -> list[str]:
     return [indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _n(count: int, word: str) -> str:
+def plural(count: int, word: str) -> str:
+    """"1 tensor", "2 tensors"."""
     return f"{count} {word}" + ("" if count == 1 else "s")
 
 
@@ -374,14 +375,14 @@ def _tensor_rows(ts: Sequence[TensorSummary], with_bytes: bool = False) -> list[
 
 
 def _render_forward(r: ForwardReport) -> list[str]:
-    out = [f"forward model: opset {r.opset}, IR {r.ir_version}, {_n(r.nodes, 'node')}"
+    out = [f"forward model: opset {r.opset}, IR {r.ir_version}, {plural(r.nodes, 'node')}"
            + (f", producer {r.producer}" if r.producer else "")]
     out.append(f"inputs ({len(r.inputs)}):")
     out += _tensor_rows(r.inputs) or ["  (none)"]
     out.append(f"outputs ({len(r.outputs)}):")
     out += _tensor_rows(r.outputs) or ["  (none)"]
     out.append(f"parameters ({len(r.parameters)}, {format_bytes(r.parameter_bytes)}"
-               + (f"; plus {_n(r.constants, 'non-float initializer')}" if r.constants else "") + "):")
+               + (f"; plus {plural(r.constants, 'non-float initializer')}" if r.constants else "") + "):")
     out += _table([p.name, p.dtype, format_shape(p.shape), format_bytes(p.bytes),
                    "gradient" if p.reason is None else f"no gradient: {p.reason}"]
                   for p in r.parameters) or ["  (none)"]
@@ -394,13 +395,13 @@ def _render_forward(r: ForwardReport) -> list[str]:
 
 
 def _render_training(r: TrainingReport) -> list[str]:
-    out = [f"training graph: opset {r.opset}, IR {r.ir_version}, {_n(r.forward_nodes, 'forward node')}, "
-           f"{_n(r.backward_nodes, 'backward node')}" + (f", loss '{r.loss}'" if r.loss else "")]
+    out = [f"training graph: opset {r.opset}, IR {r.ir_version}, {plural(r.forward_nodes, 'forward node')}, "
+           f"{plural(r.backward_nodes, 'backward node')}" + (f", loss '{r.loss}'" if r.loss else "")]
     got = sum(1 for g in r.gradients if g.reason is None)
     out.append(f"gradients ({got} of {len(r.gradients)}):")
     out += ["  " + gradient_line(g) for g in r.gradients] or ["  (none)"]
-    out.append(f"Yield ({DOMAIN}): {_n(len(r.yield_outputs), 'module output')}, "
-               f"{_n(sum(y.differentiable for y in r.yield_outputs), 'host gradient')}")
+    out.append(f"Yield ({DOMAIN}): {plural(len(r.yield_outputs), 'module output')}, "
+               f"{plural(sum(y.differentiable for y in r.yield_outputs), 'host gradient')}")
     rows = []
     for y in r.yield_outputs:
         if y.differentiable:
@@ -412,7 +413,7 @@ def _render_training(r: TrainingReport) -> list[str]:
         rows.append([str(y.index), y.name, what])
     out += _table(rows)
     at = ", ".join(f"{k}={v}" for k, v in r.dims.items())
-    out.append(f"stashed for backward ({_n(len(r.stashed), 'tensor')}, {format_bytes(r.stash_bytes)}"
+    out.append(f"stashed for backward ({plural(len(r.stashed), 'tensor')}, {format_bytes(r.stash_bytes)}"
                + (f" at {at}" if at else "") + "):")
     out += _tensor_rows(r.stashed, with_bytes=True) or ["  (none)"]
     if r.backward_reads_inputs or r.backward_reads_parameters:
