@@ -1,0 +1,83 @@
+"""Tensors in and out of onnxruntime without copies: numpy and torch both go through DLPack.
+
+`torch.utils.dlpack.to_dlpack` + `OrtValue.from_dlpack` costs ~2 µs and shares memory; the
+capsule keeps the source tensor alive for as long as the OrtValue lives. onnxruntime only accepts
+contiguous tensors, so strided ones (expanded gradients, transposes) are made contiguous first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.utils.dlpack as tdl
+from onnxruntime.capi import _pybind_state as C
+
+Tensor = Any
+"""A numpy array, a torch tensor or an OrtValue."""
+
+_ZEROS: dict[tuple[int, torch.device], C.OrtValue] = {}
+
+ONNX_TO_TORCH = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.INT16: torch.int16,
+    onnx.TensorProto.INT8: torch.int8,
+    onnx.TensorProto.UINT8: torch.uint8,
+    onnx.TensorProto.BOOL: torch.bool,
+}
+
+
+def to_ortvalue(x: Tensor) -> C.OrtValue:
+    """Share `x`'s memory with a C-level OrtValue (copying only when `x` is not contiguous)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return C.OrtValue.from_dlpack(tdl.to_dlpack(x))
+    if isinstance(x, C.OrtValue):
+        return x
+    if hasattr(x, "_ortvalue"):  # onnxruntime.OrtValue
+        return x._ortvalue
+    a = np.ascontiguousarray(x)
+    if not a.flags.writeable:  # DLPack 0.x cannot say read-only
+        a = a.copy()
+    return C.OrtValue.from_dlpack(a.__dlpack__())
+
+
+def to_torch(v: C.OrtValue) -> torch.Tensor:
+    """A torch tensor on the OrtValue's memory; the tensor keeps the OrtValue alive."""
+    return tdl.from_dlpack(v.to_dlpack())
+
+
+def to_numpy(v: C.OrtValue) -> np.ndarray:
+    return np.from_dlpack(v)
+
+
+def is_torch(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def scalar_zero(elem_type: int) -> C.OrtValue:
+    """A cached scalar 0 of an ONNX element type: Yield's stand-in for a `None` gradient."""
+    key = (elem_type, torch.device("cpu"))
+    v = _ZEROS.get(key)
+    if v is None:
+        v = to_ortvalue(torch.zeros((), dtype=ONNX_TO_TORCH[elem_type]))
+        _ZEROS[key] = v
+    return v
+
+
+def zeros_like(v: C.OrtValue) -> C.OrtValue:
+    """Full-shape zeros for outputs listed in Yield's full_shape_outputs."""
+    return to_ortvalue(torch.zeros(v.shape(), dtype=ONNX_TO_TORCH[v.element_type()]))
+
+
+def element_type(v: C.OrtValue) -> int:
+    return v.element_type()

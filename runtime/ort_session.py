@@ -1,0 +1,64 @@
+"""One onnxruntime session configured for training, run on OrtValues at the C level.
+
+Training graphs need two things inference sessions do not: Dropout must survive optimization
+(`EliminateDropout` removes it at level BASIC and above, whatever its `training_mode`), and a step
+runs thousands of times, so the Python wrappers' per-call conversions are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as C
+
+DISABLED_OPTIMIZERS = ("EliminateDropout",)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How every onnxruntime session of one TrainingSession is created."""
+
+    threads: int | None = None
+    """intra-op threads; None lets onnxruntime choose (one per core)."""
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+
+    def options(self) -> ort.SessionOptions:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = self.optimization
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.inter_op_num_threads = 1
+        if self.threads is not None:
+            so.intra_op_num_threads = int(self.threads)
+        so.log_severity_level = 3
+        return so
+
+
+class Runner:
+    """A created-once onnxruntime session plus its input and output names."""
+
+    def __init__(self, model: onnx.ModelProto, config: SessionConfig, what: str):
+        self.what = what
+        try:
+            self.session = ort.InferenceSession(model.SerializeToString(), config.options(),
+                                                providers=list(config.providers),
+                                                disabled_optimizers=list(DISABLED_OPTIMIZERS))
+        except Exception as e:  # onnxruntime raises its own zoo of types
+            raise RuntimeError(f"onnxruntime cannot load the {what} model: {e}") from e
+        self._c = self.session._sess
+        self._run_options = C.RunOptions()
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
+        """Run on C-level OrtValues; returns OrtValues in `outputs` order (default: all outputs)."""
+        names = self.output_names if outputs is None else list(outputs)
+        try:
+            return list(self._c.run_with_ort_values(dict(feeds), names, self._run_options))
+        except Exception as e:
+            missing = [n for n in self.input_names if n not in feeds]
+            hint = f" (missing inputs: {missing})" if missing else ""
+            raise RuntimeError(f"onnxruntime failed running the {self.what} model{hint}: {e}") from e

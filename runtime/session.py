@@ -1,0 +1,274 @@
+"""TrainingSession: run a gradbuilder training graph as forward and backward on onnxruntime.
+
+Forward returns the module outputs and a `ForwardState` holding the stashed tensors as OrtValues;
+backward takes that state and the output gradients (None allowed, PyTorch's `None`) and returns
+the `wrt` gradients. Sessions are created once and cached.
+
+Backward specialisation: the forward always runs the full build (every differentiable output
+selected), because which outputs will get gradients is only known at backward time. Backward is
+cached per subset of outputs that actually receive a gradient: the first time a subset is seen, the
+gradient graph is rebuilt with `outputs=` that subset and its forward-side helpers are aligned with
+the full forward (see `programs.specialise`), so an output whose gradient is always None costs no
+backward work. If a subset's backward would read a tensor the full forward does not stash, that
+subset uses the full backward with scalar zeros (full-shape zeros for `full_shape_outputs`) for the
+missing gradients, and returns gradients only for the tensors the subset reaches (torch's `None`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnxruntime.capi import _pybind_state as C
+
+import gradbuilder
+
+from . import exchange
+from .exchange import Tensor
+from .ort_session import Runner, SessionConfig
+from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
+
+ModelLike = onnx.ModelProto | str | os.PathLike | bytes
+
+
+@dataclass
+class ForwardState:
+    """One forward's values that backward may read: its feeds and forward outputs, as OrtValues."""
+
+    values: dict[str, C.OrtValue]
+    outputs: list[C.OrtValue]
+    as_torch: bool
+    released: bool = False
+
+    def release(self) -> None:
+        """Drop the stash (like torch freeing saved tensors after backward)."""
+        self.values = {}
+        self.released = True
+
+
+@dataclass
+class _Backward:
+    """A backward session for one subset of outputs receiving gradients."""
+
+    program: Program
+    runner: Runner | None
+    grads: dict[str, str]
+    """wrt tensor -> backward output name, restricted to the tensors this subset reaches."""
+    consts: dict[str, C.OrtValue] = field(default_factory=dict)
+    specialised: bool = True
+
+
+class TrainingSession:
+    """Forward and backward of a training graph on two cached onnxruntime sessions.
+
+    `TrainingSession(training)` takes a graph made by `gradbuilder build` (ModelProto, bytes or path);
+    `from_split(forward, backward, manifest)` takes its split files; `from_forward(model, wrt=...)` builds
+    the training graph itself. Inputs may be numpy arrays, torch tensors or OrtValues; outputs are
+    torch tensors if any input was one, else numpy arrays, in both cases sharing onnxruntime's memory.
+    """
+
+    def __init__(self, training: ModelLike, *, threads: int | None = None, specialise: bool = True,
+                 config: SessionConfig | None = None, save_dir: str | os.PathLike | None = None):
+        model = gradbuilder.load_model(training)
+        self._setup(forward_source(model), spec_from_metadata(model), from_training(model),
+                    config or SessionConfig(threads=threads), specialise, save_dir)
+
+    @classmethod
+    def from_forward(cls, model: ModelLike, *, wrt: Sequence[str] | None = None,
+                     outputs: Sequence[str] | None = None, loss: str | None = None, freeze: Sequence[str] = (),
+                     threads: int | None = None, specialise: bool = True, config: SessionConfig | None = None,
+                     save_dir: str | os.PathLike | None = None) -> TrainingSession:
+        """Build the training graph of a forward model and run it."""
+        source = gradbuilder.load_model(model)
+        training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
+        self = cls.__new__(cls)
+        self._setup(source, spec_from_metadata(training), from_training(training),
+                    config or SessionConfig(threads=threads), specialise, save_dir)
+        return self
+
+    @classmethod
+    def from_split(cls, forward: ModelLike, backward: ModelLike, manifest: gradbuilder.Manifest | str | os.PathLike,
+                   *, threads: int | None = None, specialise: bool = True, config: SessionConfig | None = None,
+                   save_dir: str | os.PathLike | None = None) -> TrainingSession:
+        """Run the files written by `gradbuilder split` (manifest: a Manifest, its JSON text or a path)."""
+        if not isinstance(manifest, gradbuilder.Manifest):
+            text = str(manifest)
+            if not text.lstrip().startswith("{"):
+                text = Path(manifest).read_text(encoding="utf-8")
+            manifest = gradbuilder.Manifest.from_json(text)
+        fwd, bwd = gradbuilder.load_model(forward), gradbuilder.load_model(backward)
+        self = cls.__new__(cls)
+        self._setup(forward_source(fwd, manifest.module_outputs), spec_from_metadata(fwd),
+                    Program(fwd, bwd, manifest), config or SessionConfig(threads=threads), specialise, save_dir)
+        return self
+
+    def _setup(self, source: onnx.ModelProto, spec: BuildSpec, full: Program, config: SessionConfig,
+               specialise: bool, save_dir: str | os.PathLike | None) -> None:
+        self.source = source
+        self.spec = spec
+        self.full = full
+        self.config = config
+        self.specialise = specialise
+        self.save_dir = Path(save_dir) if save_dir is not None else None
+        man = full.manifest
+        self.input_names: list[str] = list(man.forward_inputs)
+        self.output_names: list[str] = list(man.module_outputs)
+        self.differentiable: tuple[int, ...] = tuple(sorted(
+            e.output_index for e in man.backward_inputs if e.role == "output_grad"))  # type: ignore[misc]
+        self._fwd = Runner(full.forward, config, "forward")
+        self._fwd_names = full.forward_outputs
+        self._infer: Runner | None = None
+        self._backwards: dict[frozenset[int], _Backward] = {}
+        self.stats = {"backward_builds": 0, "fallbacks": 0}
+        if self.save_dir is not None:
+            self._save(full, "")
+
+    # --- public API ------------------------------------------------------------------------------
+    @property
+    def wrt(self) -> list[str]:
+        """Tensors that get gradients from the full backward, in build order."""
+        return list(self.full.gradients)
+
+    def forward(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[list[Tensor], ForwardState]:
+        """Run forward, stashing what backward reads. Returns (module outputs, state)."""
+        feeds, as_torch = self._feeds(inputs)
+        outs, state = self.forward_ortvalues(feeds, as_torch)
+        return [self._convert(v, as_torch) for v in outs], state
+
+    def backward(self, state: ForwardState, output_grads: Mapping[str, Tensor | None] | Sequence[Tensor | None],
+                 *, retain: bool = False) -> dict[str, Tensor]:
+        """Gradients of the `wrt` tensors, given the gradients of the module outputs (None: no gradient).
+
+        Returns {wrt tensor: gradient} for the tensors the given gradients reach; `retain` keeps the
+        state for another backward.
+        """
+        if isinstance(output_grads, Mapping):
+            unknown = set(output_grads) - set(self.output_names)
+            if unknown:
+                raise KeyError(f"not module outputs: {sorted(unknown)}; outputs are {self.output_names}")
+            grads: list[Tensor | None] = [output_grads.get(n) for n in self.output_names]
+        else:
+            grads = list(output_grads)
+            if len(grads) != len(self.output_names):
+                raise ValueError(f"expected {len(self.output_names)} output gradients (None for none), "
+                                 f"got {len(grads)}")
+        ort_grads = [None if g is None else exchange.to_ortvalue(g) for g in grads]
+        result = self.backward_ortvalues(state, ort_grads, retain=retain)
+        return {w: self._convert(v, state.as_torch) for w, v in result.items()}
+
+    def run(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> list[Tensor]:
+        """Inference: forward only, on the forward graph itself; nothing is stashed."""
+        feeds, as_torch = self._feeds(inputs)
+        return [self._convert(v, as_torch) for v in self.run_ortvalues(feeds)]
+
+    # --- OrtValue-level API (no conversions; what ORTModule uses) -------------------------------
+    def forward_ortvalues(self, feeds: Mapping[str, C.OrtValue], as_torch: bool = True
+                          ) -> tuple[list[C.OrtValue], ForwardState]:
+        values = self._fwd.run(feeds, self._fwd_names)
+        env = dict(feeds)
+        env.update(zip(self._fwd_names, values))
+        outs = [env[n] for n in self.output_names]
+        return outs, ForwardState(env, outs, as_torch)
+
+    def backward_ortvalues(self, state: ForwardState, grads: Sequence[C.OrtValue | None], *,
+                           retain: bool = False) -> dict[str, C.OrtValue]:
+        if state.released:
+            raise RuntimeError("backward through a ForwardState a second time: its stashed tensors were already "
+                               "freed; pass retain=True to the first backward to keep them.")
+        given = frozenset(i for i in self.differentiable if grads[i] is not None)
+        if not given and self.spec.loss is None:
+            if not retain:
+                state.release()
+            return {}
+        bw = self._backward_for(given)
+        result: dict[str, C.OrtValue] = {}
+        if bw.runner is not None:
+            feeds = self._backward_feeds(bw, state, grads)
+            names = [e.name for e in bw.program.manifest.backward_outputs]
+            values = dict(zip(names, bw.runner.run(feeds, names)))
+            result = {w: values[g] for w, g in bw.grads.items()}
+        if not retain:
+            state.release()
+        return result
+
+    def run_ortvalues(self, feeds: Mapping[str, C.OrtValue]) -> list[C.OrtValue]:
+        if self._infer is None:
+            self._infer = Runner(self.source, self.config, "inference")
+        return self._infer.run(feeds, self.output_names)
+
+    # --- internals ----------------------------------------------------------------------------------
+    def _feeds(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[dict[str, C.OrtValue], bool]:
+        if not isinstance(inputs, Mapping):
+            inputs = list(inputs)
+            if len(inputs) != len(self.input_names):
+                raise ValueError(f"expected {len(self.input_names)} inputs {self.input_names}, got {len(inputs)}")
+            inputs = dict(zip(self.input_names, inputs))
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise KeyError(f"missing inputs {missing}; the model's inputs are {self.input_names}")
+        as_torch = any(exchange.is_torch(v) for v in inputs.values())
+        return {n: exchange.to_ortvalue(v) for n, v in inputs.items()}, as_torch
+
+    @staticmethod
+    def _convert(v: C.OrtValue, as_torch: bool) -> Any:
+        return exchange.to_torch(v) if as_torch else exchange.to_numpy(v)
+
+    def _backward_for(self, given: frozenset[int]) -> _Backward:
+        bw = self._backwards.get(given)
+        if bw is None:
+            bw = self._make_backward(given)
+            self._backwards[given] = bw
+        return bw
+
+    def _make_backward(self, given: frozenset[int]) -> _Backward:
+        program, specialised = self.full, True
+        if self.specialise and given != frozenset(self.differentiable):
+            self.stats["backward_builds"] += 1
+            outputs = [self.output_names[i] for i in sorted(given)]
+            candidate = specialise(self.source, self.spec, outputs, self.full)
+            if candidate.missing_stash(self.full):
+                self.stats["fallbacks"] += 1
+                grads = {w: g for w, g in self.full.gradients.items() if w in candidate.gradients}
+                return self._backward(self.full, grads, specialised=False)
+            program = candidate
+            if self.save_dir is not None:
+                self._save(program, "_" + "_".join(str(i) for i in sorted(given)))
+        return self._backward(program, program.gradients, specialised=specialised)
+
+    def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool) -> _Backward:
+        runner = None
+        if grads and program.manifest.backward_outputs:
+            runner = Runner(program.backward, self.config, "backward")
+        inits = {t.name: t for t in program.forward.graph.initializer}
+        consts = {e.name: exchange.to_ortvalue(onnx.numpy_helper.to_array(inits[e.name]))
+                  for e in program.manifest.backward_inputs if e.role == "initializer" and e.name in inits}
+        return _Backward(program, runner, grads, consts, specialised)
+
+    def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]
+                        ) -> dict[str, C.OrtValue]:
+        feeds: dict[str, C.OrtValue] = {}
+        for e in bw.program.manifest.backward_inputs:
+            if e.role == "output_grad":
+                g = grads[e.output_index]  # type: ignore[index]
+                if g is None:
+                    out = state.outputs[e.output_index]  # type: ignore[index]
+                    g = exchange.zeros_like(out) if e.full_shape else exchange.scalar_zero(out.element_type())
+                feeds[e.name] = g
+            elif e.role == "initializer" and e.name in bw.consts:
+                feeds[e.name] = bw.consts[e.name]
+            else:
+                feeds[e.name] = state.values[e.name]
+        return feeds
+
+    def _save(self, program: Program, suffix: str) -> None:
+        assert self.save_dir is not None
+        if program.training is not None:
+            gradbuilder.save_model_atomic(program.training, self.save_dir / f"training{suffix}.onnx")
+        if not suffix:
+            gradbuilder.save_model_atomic(program.forward, self.save_dir / "forward.onnx")
+        gradbuilder.save_model_atomic(program.backward, self.save_dir / f"backward{suffix}.onnx")
+        (self.save_dir / f"manifest{suffix}.json").write_text(program.manifest.to_json(), encoding="utf-8")
