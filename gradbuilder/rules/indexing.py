@@ -1,0 +1,191 @@
+"""Gather/Scatter/TopK: gradients of reads go back by scatter-adding, gradients of writes by reading.
+
+Several reads may hit one element, so the adjoints of the gathers must add, not overwrite: ScatterND and
+ScatterElements only learned `reduction="add"` at opset 16. Before that, the sum is a MatMul with a one-hot
+matrix built from the indices (Equal against a Range): more memory, the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from .context import Grad
+from .reduce import cast_like
+from .registry import rule
+
+SCATTER_ADD_OPSET = 16
+
+
+def zeros(g: Grad, shape: str, like: str) -> str:
+    """Zeros of the run-time `shape` with the element type of the forward tensor `like`."""
+    elem_type = g.dtype(like)
+    if elem_type:
+        return g.ConstantOfShape(shape, value=helper.make_tensor("value", elem_type, [1], [0]))
+    if g.opset < 15:
+        g.fail(f"the element type of '{like}' is unknown")
+    return g.CastLike(g.ConstantOfShape(shape), like)
+
+
+def size_along(g: Grad, x: str, axis: int) -> int | str:
+    """x's size along `axis` (may be negative): an int when static, else a 1-element int64 tensor."""
+    shape = g.info(x).shape
+    if shape is not None and -len(shape) <= axis < len(shape) and isinstance(shape[axis], int):
+        return shape[axis]
+    return g.Gather(g.shape_of(x), g.ints([axis]))
+
+
+def as_tensor(g: Grad, v: int | str) -> str:
+    """A size from `size_along` as a 1-element int64 tensor."""
+    return g.ints([v]) if isinstance(v, int) else v
+
+
+def _dims_of(g: Grad, x: str, order: Sequence[int]) -> str:
+    """x's sizes in `order` as a 1-D int64 tensor (a constant when static)."""
+    static = g.info(x).static_shape
+    if static is not None:
+        return g.ints([static[a] for a in order])
+    return g.Gather(g.shape_of(x), g.ints(list(order)))
+
+
+def _int64(g: Grad, t: str) -> str:
+    return t if g.dtype(t) == TensorProto.INT64 else g.Cast(t, to=TensorProto.INT64)
+
+
+def _nonneg(g: Grad, index: str, size: int | str) -> str:
+    """Indices with negative values counted from the end, as the gather did."""
+    size_t = g.ints(size) if isinstance(size, int) else size
+    return g.Where(g.Less(index, g.ints(0)), g.Add(index, size_t), index)
+
+
+def rows_adjoint(g: Grad, t: str, src: str, d: int | str, like: str) -> str:
+    """Adjoint of reading rows: `t` [L, Q] holds rows `src` [L] (int64 in [0, d)) of a [d, Q] matrix;
+    return that [d, Q] matrix's gradient, rows read several times summed."""
+    if g.opset >= SCATTER_ADD_OPSET:
+        shape = g.Concat(as_tensor(g, d), g.Slice(g.Shape(t), g.ints([1]), g.ints([2])), axis=0)
+        return g.ScatterND(zeros(g, shape, like), g.unsqueeze(src, [1]), t, reduction="add")
+    n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
+    rows = g.unsqueeze(g.Range(g.ints(0), n, g.ints(1)), [1])
+    onehot = cast_like(g, g.Equal(rows, g.unsqueeze(src, [0])), like)  # [d, L]
+    return g.MatMul(onehot, t)
+
+
+@rule("Gather", nondiff=(1,))
+def gather(g: Grad):
+    """Move the index dims of the gradient to the front, flatten to [M, rest], scatter-add rows back along
+    the gathered axis, restore the layout."""
+    data, dy = g.I(0), g.GO(0)
+    r, q = g.require_rank(data), g.require_rank(g.I(1))
+    a = int(g.attr("axis", 0)) % r
+    d = size_along(g, data, a)
+    src = g.Reshape(_nonneg(g, _int64(g, g.I(1)), d), g.ints([-1]))
+    if a:  # dy is data[:a] + indices + data[a+1:]
+        dy = g.Transpose(dy, perm=[*range(a, a + q), *range(a), *range(a + q, r - 1 + q)])
+    summed = rows_adjoint(g, g.Flatten(dy, axis=q), src, d, like=data)
+    if not a:
+        return (g.Reshape(summed, g.shape_of(data)),)
+    front = [a, *range(a), *range(a + 1, r)]
+    summed = g.Reshape(summed, _dims_of(g, data, front))
+    return (g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]),)
+
+
+@rule("GatherND", nondiff=(1,))
+def gather_nd(g: Grad):
+    """Each index tuple (plus its batch position) is one row of data viewed as [B*D, R]: turn the tuples
+    into flat row numbers and scatter-add the gradient's rows there."""
+    data, index, dy = g.I(0), g.I(1), g.GO(0)
+    q = g.require_rank(index)
+    b = int(g.attr("batch_dims", 0))
+    k = (g.info(index).shape or (None,))[-1]
+    if not isinstance(k, int):
+        g.fail("the last dimension of the indices must be static")
+    sizes = g.info(data).shape
+    static = sizes is not None and all(isinstance(s, int) for s in sizes[: b + k])
+    block = _dims_of(g, data, range(b, b + k))
+    index = _nonneg(g, index, block)
+    if static:
+        rows_per_batch = int(np.prod(sizes[b : b + k], dtype=np.int64))
+        strides = g.ints([int(np.prod(sizes[b + j + 1 : b + k], dtype=np.int64)) for j in range(k)])
+    else:
+        shape = g.shape_of(data)
+        rows_per_batch = g.ReduceProd(block, keepdims=1)
+        strides = g.Concat(*[g.ReduceProd(g.Slice(shape, g.ints([b + j + 1]), g.ints([b + k])), keepdims=1)
+                             for j in range(k - 1)], g.ints([1]), axis=0)
+    flat = g.ReduceSum(g.Mul(index, strides), g.ints([-1]), keepdims=0)
+    total: int | str = rows_per_batch
+    if b:
+        batch = _dims_of(g, data, range(b))
+        n_batch = g.ReduceProd(batch, keepdims=0)
+        grid = g.Reshape(g.Range(g.ints(0), n_batch, g.ints(1)), g.Concat(batch, g.ints([1] * (q - 1 - b)), axis=0))
+        flat = g.Add(flat, g.Mul(grid, as_tensor(g, rows_per_batch)))
+        total = g.Mul(g.Reshape(n_batch, g.ints([1])), as_tensor(g, rows_per_batch))
+    summed = rows_adjoint(g, g.Flatten(dy, axis=q - 1), g.Reshape(flat, g.ints([-1])), total, like=data)
+    return (g.Reshape(summed, g.shape_of(data)),)
+
+
+def _scatter_add_elements_onehot(g: Grad, data: str, index: str, dy: str, axis: int) -> str:
+    """GatherElements' adjoint before opset 16: compare each index with 0..d-1 along a new last axis,
+    weight by the gradient, sum over the gathered axis, move the new axis into its place, and pad the
+    other axes when the indices were smaller than the data."""
+    r = g.require_rank(data)
+    ds, ids = g.info(data).shape, g.info(index).shape
+    d = size_along(g, data, axis)
+    n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
+    position = _nonneg(g, _int64(g, index), d)
+    onehot = cast_like(g, g.Equal(g.unsqueeze(position, [r]), g.Range(g.ints(0), n, g.ints(1))), data)
+    summed = g.reduce_sum(g.Mul(onehot, g.unsqueeze(dy, [r])), [axis], keepdims=True)
+    perm = list(range(r + 1))
+    perm[axis], perm[r] = r, axis
+    out = g.squeeze(g.Transpose(summed, perm=perm), [r])
+    if ds is not None and ds == ids and all(isinstance(s, int) for s in ds):
+        return out
+    short = g.Sub(g.shape_of(data), g.Shape(out))
+    return g.Pad(out, g.Concat(g.ints([0] * r), short, axis=0))
+
+
+@rule("GatherElements", nondiff=(1,))
+def gather_elements(g: Grad):
+    data, index, dy = g.I(0), g.I(1), g.GO(0)
+    axis = int(g.attr("axis", 0))
+    if g.opset >= SCATTER_ADD_OPSET:
+        return (g.ScatterElements(g.zeros_like(data), index, dy, axis=axis, reduction="add"),)
+    return (_scatter_add_elements_onehot(g, data, index, dy, axis % g.require_rank(data)),)
+
+
+def _scatter_reduction(g: Grad) -> str:
+    reduction = g.attr("reduction", "none")
+    if reduction not in ("none", "add"):
+        g.fail(f"reduction='{reduction}' has no gradient rule (only 'none' and 'add')")
+    return reduction
+
+
+@rule("ScatterND", nondiff=(1,))
+def scatter_nd(g: Grad):
+    """Overwritten elements of data get no gradient (with reduction='add' they all do); updates get the
+    gradient read back where they were written."""
+    dy, index = g.GO(0), g.I(1)
+    reduction = _scatter_reduction(g)
+    d_data = None
+    if g.needs(0):
+        d_data = dy if reduction == "add" else g.ScatterND(dy, index, g.zeros_like(g.I(2)))
+    return (d_data, None, g.GatherND(dy, index) if g.needs(2) else None)
+
+
+@rule("ScatterElements", nondiff=(1,))
+def scatter_elements(g: Grad):
+    dy, index = g.GO(0), g.I(1)
+    axis = int(g.attr("axis", 0))
+    reduction = _scatter_reduction(g)
+    d_data = None
+    if g.needs(0):
+        d_data = dy if reduction == "add" else g.ScatterElements(dy, index, g.zeros_like(g.I(2)), axis=axis)
+    return (d_data, None, g.GatherElements(dy, index, axis=axis) if g.needs(2) else None)
+
+
+@rule("TopK", nondiff=(1,), nondiff_outputs=(1,))
+def topk(g: Grad):
+    """The values' gradient goes back to the positions the Indices output names (all distinct)."""
+    x = g.I(0)
+    return (g.ScatterElements(g.zeros_like(x), g.O(1), g.GO(0), axis=int(g.attr("axis", -1))),)

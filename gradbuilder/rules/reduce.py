@@ -1,0 +1,159 @@
+"""Reductions and CumSum: the output gradient is broadcast back over the reduced axes, times the local
+derivative, which every rule reads off the forward output where it can.
+
+Axes come as an attribute (opset < 18, except ReduceSum) or as an input (ReduceSum from 13, the others from
+18), constant or computed at run time; `_Axes` hides the difference. Reducing over no axes with
+`noop_with_empty_axes` is, in onnxruntime, the reduction of each element alone (ReduceL1 gives |x|,
+ReduceSumSquare x*x), so the general formulas cover it without a special case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .context import Grad
+from .registry import rule
+
+
+@dataclass(frozen=True)
+class _Axes:
+    """The reduced axes of one Reduce node."""
+
+    const: tuple[int, ...] | None
+    """The axes when known at build time (() when none are given); None when computed at run time."""
+    tensor: str | None
+    """The axes input, read at run time when `const` is None."""
+    keepdims: bool
+    noop: bool
+
+
+def _axes(g: Grad) -> _Axes:
+    as_input = g.op_type == "ReduceSum" or g.opset >= 18
+    keepdims = bool(g.attr("keepdims", 1))
+    if not as_input:
+        return _Axes(tuple(g.attr("axes", None) or ()), None, keepdims, False)
+    noop = bool(g.attr("noop_with_empty_axes", 0))
+    if g.I(1) is None:
+        return _Axes((), None, keepdims, noop)
+    value = g.const_input(1)
+    const = None if value is None else tuple(int(a) for a in value.ravel())
+    return _Axes(const, g.I(1), keepdims, noop)
+
+
+def cast_like(g: Grad, t: str, like: str) -> str:
+    """`t` cast to the element type of the forward tensor `like` (CastLike when that type is unknown)."""
+    elem_type = g.dtype(like)
+    if elem_type:
+        return g.Cast(t, to=elem_type)
+    if g.opset < 15:
+        g.fail(f"the element type of '{like}' is unknown")
+    return g.CastLike(t, like)
+
+
+def _kept(g: Grad, t: str, ax: _Axes) -> str:
+    """`t`, shaped like the node's output, with the reduced axes back as size 1 so it broadcasts against the
+    input. With keepdims=0 and no axes the output is a scalar (all reduced) or the input itself (noop): both
+    broadcast already; run-time axes go straight to Unsqueeze, whose negative axes count like Reduce's."""
+    if ax.keepdims or ax.const == ():
+        return t
+    return g.Unsqueeze(t, g.ints(list(ax.const)) if ax.const is not None else ax.tensor)
+
+
+def _reduce_kept(g: Grad, op: str, t: str, ax: _Axes) -> str:
+    """`op` over the node's own axes with keepdims=1, in the form valid at this opset."""
+    if op == "ReduceSum" or g.opset >= 18:
+        axes = ax.tensor if ax.const is None else (g.ints(list(ax.const)) if ax.const else None)
+        inputs = [t] if axes is None else [t, axes]
+        return g.op(op, *inputs, keepdims=1, noop_with_empty_axes=int(ax.noop))
+    return g.op(op, t, keepdims=1, axes=list(ax.const) if ax.const else None)
+
+
+def _count(g: Grad, x: str, y: str) -> str:
+    """How many input elements fold into each output element, as a scalar of x's type: numel(x)/numel(y),
+    from shapes only (computed in the forward part, so nothing big is stashed)."""
+    xs, ys = g.info(x).static_shape, g.info(y).static_shape
+    if xs is not None and ys is not None:
+        return g.const(np.prod(xs, dtype=np.int64) / max(int(np.prod(ys, dtype=np.int64)), 1), like=x)
+    nx = g.ReduceProd(g.shape_of(x), keepdims=0)
+    ny = g.Max(g.ReduceProd(g.shape_of(y), keepdims=0), g.ints(1))
+    return cast_like(g, g.Div(nx, ny), x)
+
+
+@rule("ReduceSum", nondiff=(1,))
+def reduce_sum(g: Grad):
+    return (g.Expand(_kept(g, g.GO(0), _axes(g)), g.shape_of(g.I(0))),)
+
+
+@rule("ReduceMean", nondiff=(1,))
+def reduce_mean(g: Grad):
+    x = g.I(0)
+    dy = g.Div(g.GO(0), _count(g, x, g.O(0)))
+    return (g.Expand(_kept(g, dy, _axes(g)), g.shape_of(x)),)
+
+
+def _extremum(g: Grad):
+    """Max/Min: the gradient is split evenly between tied extrema, as torch.amax/amin do."""
+    ax = _axes(g)
+    x = g.I(0)
+    hit = cast_like(g, g.Equal(x, _kept(g, g.O(0), ax)), x)
+    share = g.Div(_kept(g, g.GO(0), ax), _reduce_kept(g, "ReduceSum", hit, ax))
+    return (g.Mul(share, hit),)
+
+
+rule("ReduceMax", nondiff=(1,))(_extremum)
+rule("ReduceMin", nondiff=(1,))(_extremum)
+
+
+@rule("ReduceProd", nondiff=(1,))
+def reduce_prod(g: Grad):
+    """d prod / d x_i = product of the others, computed without dividing by zero: with no zero it is
+    p/x_i, with exactly one zero it is p (of the non-zeros) at the zero and 0 elsewhere, else 0."""
+    ax = _axes(g)
+    x = g.I(0)
+    zero, one = g.const(0, like=x), g.const(1, like=x)
+    is_zero = g.Equal(x, zero)
+    n_zero = _reduce_kept(g, "ReduceSum", cast_like(g, is_zero, x), ax)
+    x_nz = g.Where(is_zero, one, x)
+    p_nz = _reduce_kept(g, "ReduceProd", x_nz, ax)
+    at_zero = g.Where(g.Equal(n_zero, one), p_nz, zero)
+    elsewhere = g.Where(g.Equal(n_zero, zero), g.Div(p_nz, x_nz), zero)
+    return (g.Mul(g.Where(is_zero, at_zero, elsewhere), _kept(g, g.GO(0), ax)),)
+
+
+@rule("ReduceL2", nondiff=(1,))
+def reduce_l2(g: Grad):
+    """x / ||x||, with 0 where the norm is 0 (torch's convention)."""
+    ax = _axes(g)
+    x = g.I(0)
+    norm = _kept(g, g.O(0), ax)
+    zero = g.const(0, like=x)
+    ratio = g.Where(g.Equal(norm, zero), zero, g.Div(_kept(g, g.GO(0), ax), norm))
+    return (g.Mul(x, ratio),)
+
+
+@rule("ReduceL1", nondiff=(1,))
+def reduce_l1(g: Grad):
+    return (g.Mul(g.Sign(g.I(0)), _kept(g, g.GO(0), _axes(g))),)
+
+
+@rule("ReduceSumSquare", nondiff=(1,))
+def reduce_sum_square(g: Grad):
+    x = g.I(0)
+    return (g.Mul(g.Add(x, x), _kept(g, g.GO(0), _axes(g))),)
+
+
+@rule("ReduceLogSumExp", nondiff=(1,))
+def reduce_log_sum_exp(g: Grad):
+    """softmax(x) over the axes, read off the output: exp(x - y)."""
+    ax = _axes(g)
+    return (g.Mul(g.Exp(g.Sub(g.I(0), _kept(g, g.O(0), ax))), _kept(g, g.GO(0), ax)),)
+
+
+@rule("CumSum", nondiff=(1,))
+def cumsum(g: Grad):
+    """The adjoint of a running sum is the running sum the other way, equally exclusive."""
+    reverse = 1 - int(g.attr("reverse", 0))
+    return (g.CumSum(g.GO(0), g.I(1), exclusive=int(g.attr("exclusive", 0)), reverse=reverse),)
+

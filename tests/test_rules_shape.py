@@ -1,0 +1,297 @@
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import harness
+import numpy as np
+import onnx
+import pytest
+import torch
+from harness import check_op
+
+rng = np.random.default_rng(0)
+
+
+def r(*shape, dtype=np.float64):
+    return np.asarray(rng.standard_normal(shape), dtype=dtype)
+
+
+def i64(*values):
+    return np.array(values, dtype=np.int64)
+
+
+@contextmanager
+def symbolic_dims(dims: dict[str, Sequence[int]]):
+    """Inside, check_op builds its model with the listed input axes symbolic ('<input>_<axis>'), so the
+    rules take their run-time shape paths."""
+    base = harness.single_op_model
+
+    def build(*args, **kwargs):
+        m = base(*args, **kwargs)
+        for vi in m.graph.input:
+            for a in dims.get(vi.name, ()):
+                d = vi.type.tensor_type.shape.dim[a]
+                d.Clear()
+                d.dim_param = f"{vi.name}_{a}"
+        del m.graph.value_info[:]
+        outs = [o.name for o in m.graph.output]
+        del m.graph.output[:]
+        m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(o) for o in outs)
+        m = onnx.shape_inference.infer_shapes(m)
+        del m.graph.output[:]
+        for o in outs:
+            vi = next((v for v in m.graph.value_info if v.name == o), None)
+            m.graph.output.append(vi if vi is not None else onnx.helper.make_empty_tensor_value_info(o))
+        symbolic = [d for vi in m.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param]
+        assert len(symbolic) == sum(len(v) for v in dims.values()), "symbolic_dims: unknown input or axis"
+        return m
+
+    harness.single_op_model = build
+    try:
+        yield
+    finally:
+        harness.single_op_model = base
+
+
+def check_dynamic(dims: dict[str, Sequence[int]], *args, **kwargs):
+    with symbolic_dims(dims):
+        return check_op(*args, **kwargs)
+
+
+# --- views ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opset", [13, 14, 21])
+@pytest.mark.parametrize("shape,torch_shape", [((4, -1), (4, -1)), ((0, 12), (2, 12)), ((24,), (24,))])
+def test_reshape(opset, shape, torch_shape):
+    check_op("Reshape", [("x", r(2, 3, 4)), ("s", i64(*shape))], lambda x: x.reshape(torch_shape),
+             consts=["s"], opset=opset)
+
+
+def test_reshape_dynamic():
+    check_dynamic({"x": [0]}, "Reshape", [("x", r(2, 3, 4)), ("s", i64(-1, 4))], lambda x: x.reshape(-1, 4),
+                  consts=["s"])
+    # the target shape itself computed at run time (a graph input)
+    check_op("Reshape", [("x", r(2, 3, 4)), ("s", i64(6, 4))], lambda x, s: x.reshape(6, 4))
+
+
+@pytest.mark.parametrize("perm", [None, [1, 2, 0], [0, 2, 1], [2, 0, 1]])
+def test_transpose(perm):
+    fn = (lambda x: x.permute(2, 1, 0)) if perm is None else (lambda x: x.permute(*perm))
+    check_op("Transpose", [("x", r(2, 3, 4))], fn, perm=perm)
+
+
+def test_transpose_dynamic():
+    check_dynamic({"x": [0, 2]}, "Transpose", [("x", r(2, 3, 4))], lambda x: x.permute(1, 2, 0), perm=[1, 2, 0])
+    check_dynamic({"x": [1]}, "Transpose", [("x", r(2, 3, 4))], lambda x: x.permute(2, 1, 0))
+
+
+@pytest.mark.parametrize("axes,fn", [
+    ((1,), lambda x: x.squeeze(1)),
+    ((-1, 1), lambda x: x.squeeze(3).squeeze(1)),
+    (None, lambda x: x.squeeze()),
+])
+def test_squeeze(axes, fn):
+    inputs = [("x", r(2, 1, 3, 1))] + ([("a", i64(*axes))] if axes else [])
+    check_op("Squeeze", inputs, fn, consts=["a"], opset=13)
+
+
+@pytest.mark.parametrize("axes,fn", [
+    ((0,), lambda x: x.unsqueeze(0)),
+    ((-1, 1), lambda x: x.unsqueeze(1).unsqueeze(-1)),
+])
+def test_unsqueeze(axes, fn):
+    check_op("Unsqueeze", [("x", r(2, 3)), ("a", i64(*axes))], fn, consts=["a"], opset=13)
+
+
+def test_squeeze_unsqueeze_dynamic():
+    check_dynamic({"x": [0]}, "Squeeze", [("x", r(2, 1, 3)), ("a", i64(1))], lambda x: x.squeeze(1),
+                  consts=["a"], opset=18)
+    check_dynamic({"x": [0, 1]}, "Unsqueeze", [("x", r(2, 3)), ("a", i64(-1))], lambda x: x.unsqueeze(-1),
+                  consts=["a"], opset=21)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, 3, -1, -3])
+def test_flatten(axis):
+    a = axis % 3 if axis < 0 else axis
+
+    def fn(x):
+        return x.reshape(int(np.prod(x.shape[:a])), -1)
+
+    check_op("Flatten", [("x", r(2, 3, 4))], fn, axis=axis)
+    check_dynamic({"x": [0]}, "Flatten", [("x", r(2, 3, 4))], fn, axis=axis)
+
+
+# --- broadcasting and copying ---------------------------------------------------------------------------
+@pytest.mark.parametrize("xs,shape", [((3, 1), (2, 3, 4)), ((1,), (2, 2)), ((2, 3), (1, 3)), ((2, 1, 4), (3, 1))])
+def test_expand(xs, shape):
+    out = np.broadcast_shapes(xs, shape)
+    check_op("Expand", [("x", r(*xs)), ("s", i64(*shape))], lambda x: x.expand(*out), consts=["s"])
+
+
+def test_expand_dynamic():
+    check_dynamic({"x": [0]}, "Expand", [("x", r(2, 1)), ("s", i64(2, 3))], lambda x: x.expand(2, 3),
+                  consts=["s"])
+    # shape known only at run time: the output shape is unknown at build time
+    check_op("Expand", [("x", r(3, 1)), ("s", i64(2, 3, 4))], lambda x, s: x.expand(2, 3, 4))
+
+
+@pytest.mark.parametrize("reps", [(2, 1, 3), (1, 1, 1), (1, 4, 1)])
+def test_tile(reps):
+    check_op("Tile", [("x", r(2, 3, 2)), ("k", i64(*reps))], lambda x: x.repeat(*reps), consts=["k"])
+
+
+def test_tile_dynamic():
+    check_dynamic({"x": [0, 2]}, "Tile", [("x", r(2, 3, 2)), ("k", i64(3, 1, 2))], lambda x: x.repeat(3, 1, 2),
+                  consts=["k"])
+    check_op("Tile", [("x", r(2, 3)), ("k", i64(2, 3))], lambda x, k: x.repeat(2, 3))
+
+
+# --- concat and split -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_concat(axis):
+    shapes = [(2, 3, 4), (2, 3, 4), (2, 3, 4)]
+    shapes = [tuple(s if d != axis % 3 else k for d, s in enumerate(shape)) for k, shape in zip((1, 2, 3), shapes)]
+    inputs = [(f"x{k}", r(*s)) for k, s in enumerate(shapes)]
+    fn = lambda *xs: torch.cat(xs, dim=axis)  # noqa: E731
+    check_op("Concat", inputs, fn, axis=axis)
+    check_op("Concat", inputs, fn, axis=axis, wrt=["x0", "x2"])  # Slice only the parts needed
+    check_op("Concat", inputs, fn, axis=axis, wrt=["x1"])
+    check_dynamic({"x0": [1], "x1": [0, 1, 2]}, "Concat", inputs, fn, axis=axis)
+    check_dynamic({"x0": [1], "x1": [0, 1, 2]}, "Concat", inputs, fn, axis=axis, wrt=["x1", "x2"])
+
+
+def test_concat_single():
+    check_op("Concat", [("x", r(2, 3))], lambda x: torch.cat([x], 0), axis=0)
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_split_sizes_input(opset):
+    x = r(2, 6, 3)
+    fn = lambda x: torch.split(x, [1, 2, 3], dim=1)  # noqa: E731
+    check_op("Split", [("x", x), ("s", i64(1, 2, 3))], fn, n_out=3, consts=["s"], opset=opset, axis=1)
+    check_op("Split", [("x", x), ("s", i64(1, 2, 3))], fn, n_out=3, diff_outputs=[0, 2], consts=["s"],
+             opset=opset, axis=-2)
+    check_op("Split", [("x", x)], lambda x: torch.split(x, 3, dim=1), n_out=2, opset=opset, axis=1)
+
+
+@pytest.mark.parametrize("opset", [18, 23])
+def test_split_num_outputs(opset):
+    x = r(7, 2)
+    fn = lambda x: torch.split(x, 3, dim=0)  # noqa: E731  ONNX's uneven num_outputs split: 3, 3, 1
+    check_op("Split", [("x", x)], fn, n_out=3, opset=opset, num_outputs=3, axis=0)
+    check_op("Split", [("x", x)], fn, n_out=3, diff_outputs=[1], opset=opset, num_outputs=3, axis=0)
+    check_dynamic({"x": [0, 1]}, "Split", [("x", x)], fn, n_out=3, diff_outputs=[0, 2], opset=opset,
+                  num_outputs=3, axis=0)
+
+
+# --- slice ----------------------------------------------------------------------------------------------
+def _torch_slice(x, starts, ends, axes, steps):
+    """numpy basic slicing has ONNX's clamping rules; torch lacks negative steps, so index with numpy's ranges."""
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        idx = np.arange(x.shape[a])[slice(s, e, st)]
+        x = torch.index_select(x, a, torch.from_numpy(idx.copy()))
+    return x
+
+
+SLICES = [
+    ((1,), (3,), (1,), None),  # step 1, static: Pad
+    ((-3, 0), (100, -1), (-1, 0), None),  # negative indices, clamping, negative axis
+    ((0,), (2**62,), (2,), (2,)),  # steps: scatter
+    ((-1, 3), (-100, 0), (1, 2), (-1, -2)),  # negative steps
+    ((5,), (1,), (2,), (1,)),  # empty slice
+    ((0, 1), (2, 3), None, None),  # no axes
+]
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", SLICES)
+@pytest.mark.parametrize("opset", [13, 18])
+def test_slice(starts, ends, axes, steps, opset):
+    x = r(3, 4, 5)
+    inputs = [("x", x), ("s", i64(*starts)), ("e", i64(*ends)), ("a", None if axes is None else i64(*axes)),
+              ("t", None if steps is None else i64(*steps))]
+    axes_ = axes if axes is not None else range(len(starts))
+    steps_ = steps if steps is not None else [1] * len(starts)
+    fn = lambda x: _torch_slice(x, starts, ends, axes_, steps_)  # noqa: E731
+    check_op("Slice", inputs, fn, consts=["s", "e", "a", "t"], opset=opset)
+    check_dynamic({"x": [0, 1, 2]}, "Slice", inputs, fn, consts=["s", "e", "a", "t"], opset=opset)
+
+
+def test_slice_runtime_starts():
+    x = r(4, 6)
+    inputs = [("x", x), ("s", i64(1, -4)), ("e", i64(3, 100)), ("a", i64(0, 1)), ("t", i64(1, 2))]
+    check_op("Slice", inputs, lambda x, s, e: _torch_slice(x, (1, -4), (3, 100), (0, 1), (1, 2)),
+             consts=["a", "t"])
+
+
+def test_slice_uses_pad_when_static():
+    import gradbuilder
+
+    model = harness.single_op_model("Slice", [("x", r(3, 4)), ("s", i64(1)), ("e", i64(3)), ("a", i64(1))],
+                                    consts=["s", "e", "a"])
+    ops = [n.op_type for n in gradbuilder.build_gradient_graph(model, wrt=["x"]).graph.node]
+    assert "Pad" in ops and "ScatterElements" not in ops
+
+
+# --- pad ------------------------------------------------------------------------------------------------
+def _np_pad_index(d, b, e, mode):
+    """Source position of each output position along one axis (-1: the fill value)."""
+    if mode != "constant":
+        return np.pad(np.arange(d), (b, e), mode=mode)
+    idx = np.arange(d)[max(-b, 0): d - max(-e, 0)]  # negative pads crop
+    return np.pad(idx, (max(b, 0), max(e, 0)), constant_values=-1)
+
+
+def _torch_pad(x, pads, mode, axes=None, fill=0.0):
+    """Gather through numpy.pad's index map (the same semantics as ONNX Pad), zeros for constant fill."""
+    axes = list(range(x.dim())) if axes is None else [a % x.dim() for a in axes]
+    k = len(axes)
+    for n, a in enumerate(axes):
+        idx = _np_pad_index(x.shape[a], pads[n], pads[n + k], mode)
+        picked = torch.index_select(x, a, torch.from_numpy(np.maximum(idx, 0)))
+        keep = torch.from_numpy((idx >= 0).astype(np.float64)).reshape([-1 if j == a else 1 for j in range(x.dim())])
+        x = picked * keep + fill * (1 - keep)
+    return x
+
+
+@pytest.mark.parametrize("pads", [(1, 0, 2, 3), (0, 0, 0, 0), (-1, 2, 1, -2)])
+@pytest.mark.parametrize("opset", [13, 18])
+def test_pad_constant(pads, opset):
+    x = r(3, 4)
+    fn = lambda x: _torch_pad(x, pads, "constant")  # noqa: E731
+    check_op("Pad", [("x", x), ("p", i64(*pads))], fn, consts=["p"], opset=opset)
+    # a fill value does not change x's gradient; pads computed at run time
+    check_op("Pad", [("x", x), ("p", i64(*pads)), ("v", np.array(2.0))],
+             lambda x: _torch_pad(x, pads, "constant", fill=2.0), consts=["p", "v"], opset=opset)
+    check_dynamic({"x": [0]}, "Pad", [("x", x), ("p", i64(*pads))], lambda x, p: fn(x), opset=opset)
+
+
+def test_pad_constant_axes():
+    x = r(2, 3, 4)
+    check_op("Pad", [("x", x), ("p", i64(1, 2, 0, 1)), ("v", None), ("a", i64(-1, 0))],
+             lambda x, _: _torch_pad(x, (1, 2, 0, 1), "constant", axes=(-1, 0)), consts=["p", "a"], opset=18)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge"])
+@pytest.mark.parametrize("opset", [13, 18])
+def test_pad_reflect_edge(mode, opset):
+    x = r(3, 5)
+    pads = (2, 0, 1, 3)
+    fn = lambda x: _torch_pad(x, pads, mode)  # noqa: E731
+    check_op("Pad", [("x", x), ("p", i64(*pads))], fn, consts=["p"], opset=opset, mode=mode)
+    check_dynamic({"x": [0, 1]}, "Pad", [("x", x), ("p", i64(*pads))], lambda x, p: fn(x), opset=opset, mode=mode)
+
+
+def test_pad_wrap_axes():
+    x = r(2, 3, 4)
+    pads = (2, 1, 3, 2)
+    fn = lambda x, _: _torch_pad(x, pads, "wrap", axes=(2, -2))  # noqa: E731
+    check_op("Pad", [("x", x), ("p", i64(*pads)), ("v", None), ("a", i64(2, -2))], fn, consts=["p", "a"],
+             opset=19, mode="wrap")
+
+
+# --- trilu ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [None, 0, 1, -2])
+@pytest.mark.parametrize("upper", [0, 1])
+def test_trilu(k, upper):
+    kk = 0 if k is None else k
+    fn = (lambda x: torch.triu(x, kk)) if upper else (lambda x: torch.tril(x, kk))
+    inputs = [("x", r(2, 4, 5))] + ([("k", np.array(k, dtype=np.int64))] if k is not None else [])
+    check_op("Trilu", inputs, fn, consts=["k"], opset=14, upper=upper)
