@@ -1,0 +1,186 @@
+"""Matrix products: MatMul (numpy semantics), Gemm, Einsum."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..graph import Dim
+from .context import Grad
+from .registry import rule
+
+
+def _swap_last(g: Grad, x: str, rank: int) -> str:
+    """x with its last two axes swapped (matrix transpose of every batch entry)."""
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    return g.Transpose(x, perm=perm)
+
+
+def _batch(shape: tuple[Dim, ...] | None, rank: int, matrix: bool) -> tuple[Dim, ...] | None:
+    if shape is None:
+        return None
+    return tuple(shape[:rank - 2]) if matrix else ()
+
+
+def _sum_to(g: Grad, full: str, like: str, like_batch: tuple[Dim, ...] | None,
+            full_batch: tuple[Dim, ...] | None) -> str:
+    """Reduce the broadcast batch axes of `full` (batch dims `full_batch`, then two matrix dims) and reshape
+    to `like`, which also drops the axis a 1-D operand was promoted with.
+
+    Static batch shapes give one ReduceSum; symbolic dims that may or may not broadcast fall back to
+    run-time axes (only possible when `like` is itself a batched matrix).
+    """
+    rank = g.require_rank(like)
+    if like_batch is not None and full_batch is not None:
+        lead = len(full_batch) - len(like_batch)
+        axes = list(range(lead))
+        certain = True
+        for k, (dx, dy) in enumerate(zip(like_batch, full_batch[lead:])):
+            if dx == dy and dx is not None:
+                continue
+            if dx == 1:
+                axes.append(lead + k)
+            elif not (isinstance(dx, int) and dx > 1):
+                certain = False
+        if certain:
+            out = g.reduce_sum(full, axes, keepdims=True) if axes else full
+            return g.reshape_like(out, like) if lead or rank < 2 else out
+    return g.unbroadcast(full, like=like, grad_like=full)  # grad_like unknown to shape inference: run time
+
+
+@rule("MatMul", since=13)
+def matmul(g: Grad):
+    """numpy matmul: 1-D operands are promoted (A to a row, B to a column) and batch dims broadcast."""
+    a, b, dy = g.I(0), g.I(1), g.GO(0)
+    ra, rb = g.require_rank(a), g.require_rank(b)
+    if ra == 1 and rb == 1:
+        return (g.Mul(dy, b) if g.needs(0) else None, g.Mul(dy, a) if g.needs(1) else None)
+    # promote dy to (batch..., M, N) with the 1-D operands' removed axes restored
+    dy2 = g.unsqueeze(dy, [-2]) if ra == 1 else dy
+    dy2 = g.unsqueeze(dy2, [-1]) if rb == 1 else dy2
+    ry = max(ra, rb, 2)
+    y_shape = g.info(g.O(0)).shape
+    y_batch = tuple(y_shape[:ry - 2]) if y_shape is not None else None
+    da = db = None
+    if g.needs(0):
+        b_t = g.unsqueeze(b, [0]) if rb == 1 else _swap_last(g, b, rb)  # (..., N, K)
+        da = _sum_to(g, g.MatMul(dy2, b_t), a, _batch(g.info(a).shape, ra, ra > 1), y_batch)
+    if g.needs(1):
+        if rb == 2 and ra > 2:
+            # a 2-D weight shared across the batch: one matmul over the flattened batch, no reduction
+            a_flat, dy_flat = g.Flatten(a, axis=ra - 1), g.Flatten(dy2, axis=ry - 1)
+            db = g.MatMul(g.Transpose(a_flat, perm=[1, 0]), dy_flat)
+        else:
+            a_t = g.unsqueeze(a, [-1]) if ra == 1 else _swap_last(g, a, ra)  # (..., K, M)
+            db = _sum_to(g, g.MatMul(a_t, dy2), b, _batch(g.info(b).shape, rb, rb > 1), y_batch)
+    return (da, db)
+
+
+@rule("Gemm", since=13)
+def gemm(g: Grad):
+    """Y = alpha * A' B' + beta * C with A' = A or A^T, B' = B or B^T; the transposes fold into Gemm itself."""
+    a, b, c, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
+    alpha, beta = float(g.attr("alpha", 1.0)), float(g.attr("beta", 1.0))
+    ta, tb = int(g.attr("transA", 0)), int(g.attr("transB", 0))
+    scale = alpha if alpha != 1.0 else None
+    da = db = dc = None
+    if g.needs(0):
+        # dA' = alpha dY B'^T; dA = dA'^T = alpha B' dY^T when transA
+        da = (g.Gemm(b, dy, alpha=scale, transA=tb, transB=1) if ta
+              else g.Gemm(dy, b, alpha=scale, transB=1 - tb))
+    if g.needs(1):
+        # dB' = alpha A'^T dY; dB = dB'^T = alpha dY^T A' when transB
+        db = (g.Gemm(dy, a, alpha=scale, transA=1, transB=ta) if tb
+              else g.Gemm(a, dy, alpha=scale, transA=1 - ta))
+    if c is not None and g.needs(2):
+        if beta == 0.0:
+            dc = g.zeros_like(c)
+        else:
+            dc = g.unbroadcast(dy, like=c)
+            dc = g.Mul(dc, g.const(beta, like=c)) if beta != 1.0 else dc
+    return (da, db, dc)
+
+
+def _einsum_terms(g: Grad, equation: str, ranks: Sequence[int]) -> tuple[list[str], str, str]:
+    """Operand and output subscripts with '...' spelled out as fresh letters (also returned) and an implicit
+    output made explicit (numpy's rule: ellipsis, then the labels used once, sorted)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        g.fail(f"the equation has {len(terms)} operands but the node has {len(ranks)} inputs")
+    used = set(eq) - set(",->.")
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used]
+    n_ell = max((r - (len(t) - 3) for t, r in zip(terms, ranks) if "..." in t), default=0)
+    ell = "".join(spare[:n_ell])
+    out_terms = []
+    for t, r in zip(terms, ranks):
+        if "..." in t:
+            k = r - (len(t) - 3)
+            t = t.replace("...", ell[n_ell - k:] if k else "")
+        if len(t) != r:
+            g.fail(f"subscripts '{t}' do not match an operand of rank {r}")
+        out_terms.append(t)
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:
+        counts = {ch: "".join(out_terms).count(ch) for ch in set("".join(out_terms))}
+        out = ell + "".join(sorted(ch for ch, n in counts.items() if n == 1 and ch not in ell))
+    return out_terms, out, ell
+
+
+def _einsum_operand_grad(g: Grad, k: int, terms: list[str], out: str, ell: str, dy: str) -> str:
+    """Gradient of operand k: an Einsum of dY with the other operands onto k's labels, then k's own
+    structure restored: ellipsis dims it broadcast summed, repeated labels put on the diagonal, labels
+    only k has (summed away in the forward pass) broadcast back."""
+    x, sub = g.I(k), terms[k]
+    others = [(terms[j], g.I(j)) for j in range(len(terms)) if j != k]
+    avail = set(out) | {ch for t, _ in others for ch in t}
+    first = [i for i, ch in enumerate(sub) if sub.index(ch) == i]
+    keep = [i for i in first if sub[i] in avail]
+    eq = ",".join([out, *(t for t, _ in others)]) + "->" + "".join(sub[i] for i in keep)
+    grad = dy if not others and eq == f"{out}->{out}" else g.Einsum(dy, *(n for _, n in others), equation=eq)
+    x_shape = g.info(x).shape or (None,) * len(sub)
+    y_shape = g.info(g.O(0)).shape
+    broadcast = []
+    for axis, i in enumerate(keep):
+        ch, dx = sub[i], x_shape[i]
+        if ch not in ell or (isinstance(dx, int) and dx > 1):
+            continue
+        if dx == 1:
+            broadcast.append(axis)
+        elif any(ch in t for t, _ in others) and not (y_shape and ch in out and y_shape[out.index(ch)] == dx):
+            g.fail(f"dim {i} of '{x}' is symbolic inside the ellipsis and may broadcast; give it a static size")
+    if broadcast:
+        grad = g.reduce_sum(grad, broadcast, keepdims=True)
+    placed = [i for i in range(len(sub)) if i not in keep]
+    if placed:
+        grad = g.unsqueeze(grad, placed)
+    for i in first:
+        for j in (j for j in range(i + 1, len(sub)) if sub[j] == sub[i]):
+            grad = g.Mul(grad, _diagonal_mask(g, x, i, j, len(sub)))
+    if len(keep) < len(first):
+        grad = g.Expand(grad, g.shape_of(x))
+    return grad
+
+
+def _diagonal_mask(g: Grad, x: str, p: int, q: int, rank: int) -> str:
+    """1 where index p equals index q (p < q), shaped to broadcast against a rank-`rank` tensor."""
+    shape = g.info(x).shape
+    n = shape[p] if shape is not None else None
+    if isinstance(n, int):
+        square = g.ints([n, n])
+    else:
+        side = g.Gather(g.shape_of(x), g.ints([p]))
+        square = g.Concat(side, side, axis=0)
+    eye = g.EyeLike(g.ConstantOfShape(square), dtype=g.dtype(x) or None)
+    return g.unsqueeze(eye, [i for i in range(rank) if i not in (p, q)])
+
+
+@rule("Einsum", since=13)
+def einsum(g: Grad):
+    """Each operand's gradient is another einsum: dY and the other operands contracted onto its labels."""
+    n = g.n_inputs
+    ranks = [g.require_rank(g.I(i)) for i in range(n)]
+    terms, out, ell = _einsum_terms(g, g.attr("equation"), ranks)
+    dy = g.GO(0)
+    return tuple(_einsum_operand_grad(g, k, terms, out, ell, dy) if g.needs(k) else None for k in range(n))

@@ -1,0 +1,169 @@
+import harness
+import numpy as np
+import onnx
+import pytest
+import torch
+from harness import check_op
+
+rng = np.random.default_rng(0)
+
+
+def r(*shape):
+    return np.asarray(rng.standard_normal(shape))
+
+
+@pytest.fixture
+def symbolic(monkeypatch):
+    """declare(name={axis: "sym"}) makes check_op's model give those input dims a symbolic size, so a rule
+    that bakes in a static shape where it must not shows up."""
+
+    def declare(**dims: dict[int, str]) -> None:
+        make = onnx.helper.make_tensor_value_info
+
+        def patched(name, elem_type, shape, *args, **kwargs):
+            if shape is not None and name in dims:
+                shape = [dims[name].get(i, d) for i, d in enumerate(shape)]
+            return make(name, elem_type, shape, *args, **kwargs)
+
+        monkeypatch.setattr(harness.helper, "make_tensor_value_info", patched)
+
+    return declare
+
+
+MATMUL_SHAPES = [
+    ((3, 4), (4, 5)),
+    ((4,), (4, 5)),
+    ((3, 4), (4,)),
+    ((4,), (4,)),
+    ((2, 3, 4), (4, 5)),
+    ((3, 4), (2, 4, 5)),
+    ((2, 3, 4), (2, 4, 5)),
+    ((2, 1, 3, 4), (5, 4, 2)),
+    ((1, 3, 4), (2, 4, 5)),
+    ((4,), (2, 4, 5)),
+    ((2, 3, 4), (4,)),
+    ((2, 2, 3, 4), (4, 5)),
+]
+
+
+@pytest.mark.parametrize("sa,sb", MATMUL_SHAPES)
+def test_matmul(sa, sb):
+    check_op("MatMul", [("a", r(*sa)), ("b", r(*sb))], torch.matmul)
+
+
+@pytest.mark.parametrize("sa,sb", MATMUL_SHAPES[:2])
+def test_matmul_one_side(sa, sb):
+    """Only one operand needs a gradient: the other branch is not emitted (and the result still checks)."""
+    check_op("MatMul", [("a", r(*sa)), ("b", r(*sb))], torch.matmul, wrt=["b"])
+    check_op("MatMul", [("a", r(*sa)), ("b", r(*sb))], torch.matmul, wrt=["a"])
+
+
+@pytest.mark.parametrize("sa,sb,dims", [
+    ((3, 3, 4), (4, 5), {"a": {0: "B"}}),
+    ((3, 3, 4), (3, 4, 5), {"a": {0: "B"}, "b": {0: "B"}}),
+    ((3, 3, 4), (1, 4, 5), {"a": {0: "B"}}),
+    ((3, 4), (2, 4, 5), {"b": {0: "B"}}),
+    ((3, 1, 3, 4), (2, 4, 5), {"a": {0: "B"}}),
+    ((3, 3, 4), (3, 4, 5), {"a": {0: "B"}, "b": {0: "C"}}),  # may or may not broadcast: run-time axes
+    ((3, 3, 4), (1, 4, 5), {"a": {0: "B"}, "b": {0: "C"}}),
+])
+def test_matmul_symbolic(symbolic, sa, sb, dims):
+    symbolic(**dims)
+    check_op("MatMul", [("a", r(*sa)), ("b", r(*sb))], torch.matmul)
+
+
+def test_matmul_float32():
+    check_op("MatMul", [("a", r(2, 3, 4).astype(np.float32)), ("b", r(4, 5).astype(np.float32))], torch.matmul)
+
+
+C_SHAPES = [None, (), (5,), (3, 1), (1, 5), (3, 5), (1, 1), (1,)]
+
+
+def _gemm_ref(ta, tb, alpha, beta):
+    def fn(a, b, c=None):
+        y = alpha * ((a.T if ta else a) @ (b.T if tb else b))
+        return y if c is None else y + beta * c
+    return fn
+
+
+@pytest.mark.parametrize("cs", C_SHAPES, ids=str)
+@pytest.mark.parametrize("ta,tb", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_gemm(ta, tb, cs):
+    a = r(4, 3) if ta else r(3, 4)
+    b = r(5, 4) if tb else r(4, 5)
+    inputs = [("a", a), ("b", b)] + ([("c", r(*cs))] if cs is not None else [])
+    check_op("Gemm", inputs, _gemm_ref(ta, tb, 0.7, 1.3), transA=ta, transB=tb, alpha=0.7, beta=1.3)
+
+
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (2.0, 0.0), (1.0, -0.5)])
+def test_gemm_scales(alpha, beta):
+    check_op("Gemm", [("a", r(3, 4)), ("b", r(5, 4)), ("c", r(5))], _gemm_ref(0, 1, alpha, beta),
+             transB=1, alpha=alpha, beta=beta)
+
+
+def test_gemm_default_attributes():
+    check_op("Gemm", [("a", r(3, 4)), ("b", r(4, 5)), ("c", r(3, 5))], _gemm_ref(0, 0, 1.0, 1.0))
+
+
+@pytest.mark.parametrize("ta", [0, 1])
+@pytest.mark.parametrize("cs", [(5,), (1, 5), ()])
+def test_gemm_symbolic_batch(symbolic, ta, cs):
+    """torch.nn.Linear as exported: a dynamic batch dim, weight transposed, bias broadcast."""
+    symbolic(a={1 if ta else 0: "batch"})
+    a = r(4, 3) if ta else r(3, 4)
+    check_op("Gemm", [("a", a), ("b", r(5, 4)), ("c", r(*cs))], _gemm_ref(ta, 1, 1.0, 1.0), transA=ta, transB=1)
+
+
+def test_gemm_only_weight():
+    grads = check_op("Gemm", [("a", r(3, 4)), ("b", r(5, 4)), ("c", r(5))], _gemm_ref(0, 1, 1.0, 1.0),
+                     transB=1, wrt=["b", "c"])
+    assert set(grads) == {"b", "c"}
+
+
+EINSUM = [
+    ("ij,jk->ik", [(3, 4), (4, 5)]),
+    ("ij,jk", [(3, 4), (4, 5)]),  # implicit output: ik
+    ("ba,ac", [(3, 4), (4, 5)]),  # implicit output sorted: bc
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    ("...ij,...jk->...ik", [(2, 3, 4), (1, 4, 5)]),  # ellipsis broadcasting
+    ("...ij,jk->...ik", [(2, 2, 3, 4), (4, 5)]),
+    ("i...,i...->...", [(3, 2, 4), (3, 2, 4)]),
+    ("ij->", [(3, 4)]),
+    ("ij->j", [(3, 4)]),
+    ("ij->ji", [(3, 4)]),
+    ("ii->i", [(4, 4)]),
+    ("ii->", [(4, 4)]),
+    ("ii", [(4, 4)]),  # implicit trace
+    ("bii->bi", [(2, 3, 3)]),
+    ("iij->ji", [(3, 3, 2)]),
+    ("iii->i", [(3, 3, 3)]),
+    ("i,j->ij", [(3,), (4,)]),
+    ("i,i", [(3,), (3,)]),  # implicit dot
+    ("ij,ij->ij", [(3, 4), (3, 4)]),
+    ("ij,k->ik", [(3, 4), (5,)]),  # j only in the first operand, summed away
+    ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 5)]),
+    ("ij,jj->i", [(3, 4), (4, 4)]),
+    ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),  # attention scores
+]
+
+
+@pytest.mark.parametrize("eq,shapes", EINSUM, ids=[e for e, _ in EINSUM])
+def test_einsum(eq, shapes):
+    inputs = [(f"x{i}", r(*s)) for i, s in enumerate(shapes)]
+    check_op("Einsum", inputs, lambda *xs: torch.einsum(eq, *xs), equation=eq)
+
+
+def test_einsum_symbolic_batch(symbolic):
+    symbolic(x0={0: "B"}, x1={0: "B"})
+    eq = "bij,bjk->bik"
+    check_op("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], lambda a, b: torch.einsum(eq, a, b), equation=eq)
+
+
+def test_einsum_symbolic_ellipsis_that_may_broadcast_fails_clearly(symbolic):
+    import gradbuilder
+    from gradbuilder.errors import RuleError
+
+    symbolic(x0={0: "B"}, x1={0: "C"})
+    model = harness.single_op_model("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], equation="...ij,...jk->...ik")
+    with pytest.raises(RuleError, match="may broadcast"):
+        gradbuilder.build_gradient_graph(model, wrt=["x0", "x1"], outputs=["y0"])
