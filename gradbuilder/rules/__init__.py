@@ -3,7 +3,7 @@
 from . import registry
 from .registry import Rule, all_rules, lookup, nondifferentiable, rule
 
-_FAMILIES = ("elementwise", "activations", "linalg", "reduce", "shape", "indexing", "nn", "losses", "nondiff")
+_FAMILIES = ("elementwise", "activations", "linalg", "reduce", "shape", "indexing", "nn", "losses", "recurrent", "nondiff")
 
 
 def _load_families() -> None:
