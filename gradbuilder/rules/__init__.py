@@ -3,7 +3,8 @@
 from . import registry
 from .registry import Rule, all_rules, lookup, nondifferentiable, rule
 
-_FAMILIES = ("elementwise", "activations", "linalg", "reduce", "shape", "indexing", "nn", "losses", "recurrent", "nondiff")
+_FAMILIES = ("elementwise", "activations", "linalg", "reduce", "shape", "indexing", "nn", "losses", "recurrent",
+             "nondiff")
 
 
 def _load_families() -> None:
