@@ -129,7 +129,7 @@ class OpSummary:
     op: str
     count: int
     rule: str
-    """"yes", "missing", "non-differentiable" (gradients stop there) or "control flow"."""
+    """"yes", "missing", "non-differentiable" (gradients stop there), "control flow" or "no inputs" (needs none)."""
     blocking: bool
     """Whether a default build (every float parameter, every float output) would stop on this op."""
 
@@ -214,6 +214,8 @@ def _rule_status(fg: ForwardGraph, k: int) -> str:
     if is_control_flow(node.op_type) or k in fg.hidden_inputs:
         return "control flow"
     rule = registry.lookup(node.op_type, fg.opset, node.domain)
+    if rule is None and not any(node.input):
+        return "no inputs"  # Constant, RandomNormal...: nothing upstream could want a gradient through it
     if rule is None:
         return "missing"
     return "yes" if rule.fn is not None else "non-differentiable"
@@ -384,10 +386,11 @@ def _render_forward(r: ForwardReport) -> list[str]:
     out.append(f"parameters ({len(r.parameters)}, {format_bytes(r.parameter_bytes)}"
                + (f"; plus {plural(r.constants, 'non-float initializer')}" if r.constants else "") + "):")
     out += _table([p.name, p.dtype, format_shape(p.shape), format_bytes(p.bytes),
-                   "gradient" if p.reason is None else f"no gradient: {p.reason}"]
+                   "gets a gradient" if p.reason is None else f"no gradient: {p.reason}"]
                   for p in r.parameters) or ["  (none)"]
     out.append("ops:")
-    out += _table([o.op, str(o.count), {"yes": "rule", "missing": "NO GRADIENT RULE"}.get(o.rule, o.rule)
+    labels = {"yes": "rule", "missing": "NO GRADIENT RULE", "no inputs": "no rule needed (no inputs)"}
+    out += _table([o.op, str(o.count), labels.get(o.rule, o.rule)
                    + (" (on the gradient path)" if o.blocking else "")] for o in r.ops) or ["  (none)"]
     missing = [o.op for o in r.ops if o.rule in ("missing", "control flow")]
     out.append("ops without a gradient rule: " + (", ".join(missing) if missing else "none"))

@@ -280,9 +280,23 @@ def test_inspect_forward(capsys, files):
     assert "  x  FLOAT  [batch, 3]" in out
     assert "plus 1 non-float initializer)" in out
     param = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "B " in line}
-    assert param["W"].split()[1:4] == ["FLOAT", "[3]", "12"] and param["W"].endswith("gradient")
+    assert param["W"].split()[1:4] == ["FLOAT", "[3]", "12"] and param["W"].endswith("gets a gradient")
     assert param["U"].endswith("no gradient: no node reads it and it is not an output (unused)")
     assert "parameters (4, 44 B;" in out
+    assert "ops without a gradient rule: none" in out
+
+
+def test_inspect_source_ops_need_no_rule(capsys, tmp_path):
+    """A Constant has no inputs, so no gradient could ever have to cross it: not a missing rule."""
+    x = helper.make_tensor_value_info("x", TP.FLOAT, [3])
+    y = helper.make_tensor_value_info("y", TP.FLOAT, [3])
+    nodes = [helper.make_node("Constant", [], ["c"], value=_f32("v", [1, 2, 3])),
+             helper.make_node("Add", ["x", "c"], ["s"]), helper.make_node("Mul", ["s", "W"], ["y"])]
+    path = _save(_model(nodes, [x], [y], [_f32("W", [1, 1, 1])]), tmp_path / "m.onnx")
+    rc, out, _ = run(capsys, ["inspect", path])
+    assert rc == 0
+    constant = next(line for line in out.splitlines() if line.split()[:1] == ["Constant"])
+    assert "NO GRADIENT RULE" not in constant
     assert "ops without a gradient rule: none" in out
 
 
@@ -425,6 +439,18 @@ def test_bad_output_paths(capsys, files, tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")
     assert_fails(capsys, tmp_path, ["split", training, "-o", tmp_path / "busy"], "keep.txt", "already holds")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_output_directory(capsys, files, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        assert_fails(capsys, tmp_path, ["build", files["tiny"], "-o", ro / "t.onnx"], "is not writable")
+        assert_fails(capsys, tmp_path, ["split", files["training"], "-o", ro / "parts"], "is not writable")
+    finally:
+        ro.chmod(0o755)
 
 
 def test_failed_write_leaves_nothing(capsys, files, tmp_path, monkeypatch):
