@@ -35,7 +35,6 @@ from .split import split
 
 PROG = "gradbuilder"
 SPLIT_FILES = ("forward.onnx", "backward.onnx", "manifest.json")
-REPORT_URL = "https://github.com/gradbuilder/gradbuilder/issues"
 
 
 class CliError(GradBuilderError):
@@ -127,12 +126,8 @@ def _write_dir_atomic(out: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _writing(path: Path, what: str) -> Callable[[BaseException], CliError]:
-    def wrap(e: BaseException) -> CliError:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        return CliError(f"cannot write {what} {path}: {why}.")
-
-    return wrap
+def _write_error(what: str, path: Path, e: OSError) -> CliError:
+    return CliError(f"cannot write {what} {path}: {e.strerror or e}.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,7 +147,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     try:
         save_model_atomic(training, out)
     except OSError as e:
-        raise _writing(out, "output")(e) from e
+        raise _write_error("output", out, e) from e
     fwd, bwd = node_counts(training)
     _say(args, render_gradients(gradient_table(training)))
     _say(args, f"wrote {out}: {fwd} forward nodes, {bwd} backward nodes")
@@ -172,7 +167,7 @@ def cmd_split(args: argparse.Namespace) -> int:
     try:
         _write_dir_atomic(out, write)
     except OSError as e:
-        raise _writing(out, "output directory")(e) from e
+        raise _write_error("output directory", out, e) from e
     _say(args, f"wrote {out}/: forward.onnx ({len(forward.graph.node)} nodes), backward.onnx "
                f"({len(backward.graph.node)} nodes), manifest.json ({plural(len(manifest.stashed), 'stashed tensor')})")
     return 0
@@ -258,10 +253,10 @@ def _error(text: str) -> None:
 
 
 def _report_bug(e: BaseException, argv: Sequence[str]) -> None:
-    _error(f"internal error: {type(e).__name__}: {e}")
-    print(f"This is a bug in gradbuilder, not a problem with your model or command. Please report it at "
-          f"{REPORT_URL} with the command line ({PROG} {' '.join(argv)}), the version ({version()}) and, "
-          "if you can, the model; run again with --debug for the traceback.", file=sys.stderr)
+    _error(f"internal error: {type(e).__name__}: {e}. This is a bug in gradbuilder, not a problem with your model "
+           f"or command: please report it to the gradbuilder maintainers with the command line "
+           f"({PROG} {' '.join(argv)}), the version ({version()}) and, if you can, the model. Run again with "
+           "--debug for the traceback.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

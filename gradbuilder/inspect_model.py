@@ -193,7 +193,7 @@ def is_training_graph(model: onnx.ModelProto) -> bool:
 def inspect_model(model: onnx.ModelProto | str | os.PathLike | bytes, dims: Mapping[str, int] = NO_DIMS) -> Report:
     """Summarise a forward model or a training graph; `dims` gives values to symbolic dims for byte counts."""
     m = load_model(model, copy=False)
-    return training_report(m, dims) if is_training_graph(m) else forward_report(m)
+    return training_report(m, dims) if is_training_graph(m) else forward_report(m, dims)
 
 
 def _summary(name: str, info: TensorInfo, dims: Mapping[str, int] = NO_DIMS) -> TensorSummary:
@@ -221,7 +221,7 @@ def _rule_status(fg: ForwardGraph, k: int) -> str:
     return "yes" if rule.fn is not None else "non-differentiable"
 
 
-def forward_report(m: onnx.ModelProto) -> ForwardReport:
+def forward_report(m: onnx.ModelProto, dims: Mapping[str, int] = NO_DIMS) -> ForwardReport:
     fg = ForwardGraph(m)
     # the request a plain `gradbuilder build` makes: every float parameter, every float output
     req = _resolve(fg, None, None, None, ())
@@ -257,8 +257,8 @@ def forward_report(m: onnx.ModelProto) -> ForwardReport:
         producer=" ".join(x for x in (m.producer_name, m.producer_version) if x),
         nodes=len(fg.nodes),
         ops=ops,
-        inputs=[_summary(n, fg.tensor_info(n)) for n in fg.inputs if n not in inits],
-        outputs=[_summary(n, fg.tensor_info(n)) for n in fg.outputs],
+        inputs=[_summary(n, fg.tensor_info(n), dims) for n in fg.inputs if n not in inits],
+        outputs=[_summary(n, fg.tensor_info(n), dims) for n in fg.outputs],
         parameters=params,
         parameter_bytes=sum(p.bytes for p in params if isinstance(p.bytes, int)),
         constants=sum(1 for n in fg.initializers if n not in {p.name for p in params}),
@@ -297,9 +297,8 @@ def gradient_table(model: onnx.ModelProto) -> list[GradientStatus]:
 
 
 def training_report(m: onnx.ModelProto, dims: Mapping[str, int] = NO_DIMS) -> TrainingReport:
-    nodes = list(m.graph.node)
-    y = find_yield(nodes)
-    sig = read_yield(nodes[y])
+    sig = read_yield(m.graph.node[find_yield(m.graph.node)])
+    n_forward, n_backward = node_counts(m)
     meta = read_metadata(m)
     loss = meta["loss"]
     grad_of = sig.grad_of()
@@ -323,8 +322,8 @@ def training_report(m: onnx.ModelProto, dims: Mapping[str, int] = NO_DIMS) -> Tr
     return TrainingReport(
         opset=default_opset(m),
         ir_version=m.ir_version,
-        forward_nodes=y,
-        backward_nodes=len(nodes) - y - 1,
+        forward_nodes=n_forward,
+        backward_nodes=n_backward,
         loss=loss,  # type: ignore[arg-type]
         gradients=gradient_table(m),
         yield_outputs=yields,
@@ -380,9 +379,9 @@ def _render_forward(r: ForwardReport) -> list[str]:
     out = [f"forward model: opset {r.opset}, IR {r.ir_version}, {plural(r.nodes, 'node')}"
            + (f", producer {r.producer}" if r.producer else "")]
     out.append(f"inputs ({len(r.inputs)}):")
-    out += _tensor_rows(r.inputs) or ["  (none)"]
+    out += _tensor_rows(r.inputs, with_bytes=True) or ["  (none)"]
     out.append(f"outputs ({len(r.outputs)}):")
-    out += _tensor_rows(r.outputs) or ["  (none)"]
+    out += _tensor_rows(r.outputs, with_bytes=True) or ["  (none)"]
     out.append(f"parameters ({len(r.parameters)}, {format_bytes(r.parameter_bytes)}"
                + (f"; plus {plural(r.constants, 'non-float initializer')}" if r.constants else "") + "):")
     out += _table([p.name, p.dtype, format_shape(p.shape), format_bytes(p.bytes),
