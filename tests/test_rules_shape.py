@@ -20,9 +20,10 @@ def i64(*values):
 
 
 @contextmanager
-def symbolic_dims(dims: dict[str, Sequence[int]]):
+def symbolic_dims(dims: dict[str, Sequence[int]], out_ranks: dict[str, int] | None = None):
     """Inside, check_op builds its model with the listed input axes symbolic ('<input>_<axis>'), so the
-    rules take their run-time shape paths."""
+    rules take their run-time shape paths. `out_ranks` declares outputs whose rank inference cannot tell
+    (the checker wants a shape on every output) with all dims symbolic."""
     base = harness.single_op_model
 
     def build(*args, **kwargs):
@@ -40,7 +41,11 @@ def symbolic_dims(dims: dict[str, Sequence[int]]):
         del m.graph.output[:]
         for o in outs:
             vi = next((v for v in m.graph.value_info if v.name == o), None)
-            m.graph.output.append(vi if vi is not None else onnx.helper.make_empty_tensor_value_info(o))
+            vi = vi if vi is not None else onnx.helper.make_empty_tensor_value_info(o)
+            if o in (out_ranks or {}) and not vi.type.tensor_type.HasField("shape"):
+                vi = onnx.helper.make_tensor_value_info(o, vi.type.tensor_type.elem_type,
+                                                        [f"{o}_{k}" for k in range(out_ranks[o])])
+            m.graph.output.append(vi)
         symbolic = [d for vi in m.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param]
         assert len(symbolic) == sum(len(v) for v in dims.values()), "symbolic_dims: unknown input or axis"
         return m
@@ -52,8 +57,9 @@ def symbolic_dims(dims: dict[str, Sequence[int]]):
         harness.single_op_model = base
 
 
-def check_dynamic(dims: dict[str, Sequence[int]], *args, **kwargs):
-    with symbolic_dims(dims):
+def check_dynamic(dims: dict[str, Sequence[int]], *args, out_ranks: dict[str, int] | None = None, **kwargs):
+    """check_op with symbolic input dims (see `symbolic_dims`)."""
+    with symbolic_dims(dims, out_ranks):
         return check_op(*args, **kwargs)
 
 
