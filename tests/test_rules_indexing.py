@@ -1,0 +1,175 @@
+import harness
+import numpy as np
+import pytest
+import torch
+from harness import check_op
+from test_rules_shape import check_dynamic
+
+import gradbuilder
+
+rng = np.random.default_rng(0)
+
+OLD, NEW = 13, 16  # before/after ScatterND/ScatterElements learned reduction="add": one-hot MatMul vs scatter-add
+
+
+def r(*shape):
+    return np.asarray(rng.standard_normal(shape))
+
+
+def idx(values, dtype=np.int64):
+    return np.array(values, dtype=dtype)
+
+
+def _torch_gather(x, index, axis):
+    """ONNX Gather: x[..., index, ...] at `axis`; torch advanced indexing wraps negative indices the same way."""
+    return x[(slice(None),) * (axis % x.dim()) + (torch.as_tensor(index),)]
+
+
+GATHERS = [
+    ((5, 3), [[0, 4, -1, 0], [2, 2, 0, -5]], 0),  # the embedding case, duplicates and negative indices
+    ((2, 5, 3), [[1, -1], [1, 0]], 1),
+    ((2, 3, 4), [3, 0, 3], -1),
+    ((4, 3), 2, 0),  # scalar index
+    ((2, 4, 3), -2, 1),
+]
+
+
+@pytest.mark.parametrize("shape,index,axis", GATHERS)
+@pytest.mark.parametrize("opset", [OLD, NEW, 18])
+def test_gather(shape, index, axis, opset):
+    check_op("Gather", [("x", r(*shape)), ("i", idx(index))], lambda x: _torch_gather(x, index, axis),
+             consts=["i"], opset=opset, axis=axis)
+
+
+@pytest.mark.parametrize("opset", [OLD, NEW])
+def test_gather_runtime_int32_indices(opset):
+    index = [[1, -1, 1], [0, 0, 2]]
+    check_op("Gather", [("x", r(3, 4)), ("i", idx(index, np.int32))], lambda x, i: _torch_gather(x, index, 1),
+             opset=opset, axis=1)
+
+
+@pytest.mark.parametrize("opset", [OLD, NEW])
+def test_gather_dynamic(opset):
+    index = [[0, 2, -1], [1, 1, 0]]
+    check_dynamic({"x": [0, 1, 2]}, "Gather", [("x", r(2, 4, 3)), ("i", idx(index))],
+                  lambda x, i: _torch_gather(x, index, 1), opset=opset, axis=1)
+    check_dynamic({"x": [0], "i": [0, 1]}, "Gather", [("x", r(5, 3)), ("i", idx(index))],
+                  lambda x, i: _torch_gather(x, index, 0), opset=opset, axis=0)
+
+
+def test_gather_embedding_uses_scatter_add():
+    model = harness.single_op_model("Gather", [("x", r(5, 3)), ("i", idx([1, 1]))], opset=NEW)
+    ops = [n.op_type for n in gradbuilder.build_gradient_graph(model, wrt=["x"]).graph.node]
+    assert "ScatterND" in ops and "MatMul" not in ops and "Transpose" not in ops
+
+
+# --- GatherElements --------------------------------------------------------------------------------------
+GATHER_ELEMENTS = [
+    ((3, 4), [[0, 3, 3, -1], [1, 1, 1, 1]], 1),  # fewer rows than the data, duplicates, negative
+    ((3, 4), [[2, 0], [2, -3]], 0),
+    ((2, 3, 4), np.array([[[1, 0], [2, 2]], [[0, -1], [1, 1]]]), -2),
+]
+
+
+@pytest.mark.parametrize("shape,index,axis", GATHER_ELEMENTS)
+@pytest.mark.parametrize("opset", [OLD, NEW])
+def test_gather_elements(shape, index, axis, opset):
+    index = np.asarray(index, dtype=np.int64)
+    d = shape[axis]
+    check_op("GatherElements", [("x", r(*shape)), ("i", index)],
+             lambda x: torch.gather(x, axis, torch.from_numpy(index % d)), consts=["i"], opset=opset, axis=axis)
+
+
+@pytest.mark.parametrize("opset", [OLD, NEW])
+def test_gather_elements_dynamic(opset):
+    index = np.array([[0, 3, 3], [1, -1, 1]], dtype=np.int64)
+    check_dynamic({"x": [0, 1], "i": [1]}, "GatherElements", [("x", r(3, 4)), ("i", index)],
+                  lambda x, i: torch.gather(x, 1, torch.from_numpy(index % 4)), opset=opset, axis=1)
+
+
+# --- GatherND --------------------------------------------------------------------------------------------
+def _torch_gather_nd(x, index, batch_dims):
+    index = np.asarray(index)
+    if batch_dims == 0:
+        return x[tuple(torch.from_numpy(index[..., j]) for j in range(index.shape[-1]))]
+    return torch.stack([_torch_gather_nd(x[b], index[b], batch_dims - 1) for b in range(x.shape[0])])
+
+
+GATHER_ND = [
+    ((4, 3), [[1, 2], [1, 2], [-1, 0]], 0),  # full index tuples, one repeated
+    ((4, 3, 2), [[[1], [-1]], [[1], [0]]], 0),  # partial: rows
+    ((2, 4, 3), [[[1, 0], [1, 0]], [[3, -1], [0, 2]]], 1),  # batch_dims=1
+    ((2, 3, 4, 2), [[[2], [0]], [[1], [1]]], 1),
+]
+
+
+@pytest.mark.parametrize("shape,index,batch_dims", GATHER_ND)
+@pytest.mark.parametrize("opset", [OLD, NEW])
+def test_gather_nd(shape, index, batch_dims, opset):
+    check_op("GatherND", [("x", r(*shape)), ("i", idx(index))], lambda x: _torch_gather_nd(x, index, batch_dims),
+             consts=["i"], opset=opset, batch_dims=batch_dims)
+
+
+@pytest.mark.parametrize("opset", [OLD, NEW])
+def test_gather_nd_dynamic(opset):
+    index = [[[1, 0], [1, 0]], [[3, -1], [0, 2]]]
+    check_dynamic({"x": [0, 1, 2], "i": [0, 1]}, "GatherND", [("x", r(2, 4, 3)), ("i", idx(index))],
+                  lambda x, i: _torch_gather_nd(x, index, 1), opset=opset, batch_dims=1)
+
+
+# --- scatters --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opset", [13, 18])
+def test_scatter_nd(opset):
+    index = idx([[2], [0], [-1]])  # -1 is row 4; distinct rows, as reduction 'none' needs
+    fn = lambda x, i, u: x.index_put((torch.tensor([2, 0, 4]),), u)  # noqa: E731
+    check_op("ScatterND", [("x", r(5, 3)), ("i", index), ("u", r(3, 3))], fn, opset=opset)
+    check_op("ScatterND", [("x", r(5, 3)), ("i", index), ("u", r(3, 3))], fn, opset=opset, wrt=["u"])
+    pairs = idx([[1, 2], [0, 0]])
+    check_op("ScatterND", [("x", r(2, 3)), ("i", pairs), ("u", r(2))],
+             lambda x, i, u: x.index_put((torch.tensor([1, 0]), torch.tensor([2, 0])), u), opset=opset, wrt=["x"])
+
+
+def test_scatter_nd_add():
+    index = idx([[2], [0], [2]])
+    check_op("ScatterND", [("x", r(5, 3)), ("i", index), ("u", r(3, 3))],
+             lambda x, i, u: x.index_put((torch.tensor([2, 0, 2]),), u, accumulate=True), opset=16,
+             reduction="add")
+
+
+def test_scatter_nd_mul_is_refused():
+    model = harness.single_op_model("ScatterND", [("x", r(5, 3)), ("i", idx([[2]])), ("u", r(1, 3))], opset=16,
+                                    reduction="mul")
+    with pytest.raises(gradbuilder.GradBuilderError, match="reduction='mul'"):
+        gradbuilder.build_gradient_graph(model, wrt=["x"])
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("opset", [13, 18])
+def test_scatter_elements(axis, opset):
+    index = np.array([[1, 0, 2], [2, 1, -3]], dtype=np.int64)  # distinct along every axis
+    norm = torch.from_numpy(index % 3)
+    check_op("ScatterElements", [("x", r(3, 3)), ("i", index), ("u", r(2, 3))],
+             lambda x, u: torch.scatter(x, axis, norm, u), consts=["i"], opset=opset, axis=axis)
+
+
+def test_scatter_elements_add_dynamic():
+    index = np.array([[1, 1, 0], [0, 1, 1]], dtype=np.int64)
+    check_dynamic({"x": [0, 1], "u": [1]}, "ScatterElements", [("x", r(2, 3)), ("i", index), ("u", r(2, 3))],
+                  lambda x, i, u: torch.scatter_add(x, 1, torch.from_numpy(index), u), opset=18, axis=1,
+                  reduction="add")
+
+
+# --- TopK ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("largest", [0, 1])
+def test_topk(axis, largest):
+    x = rng.permutation(60).reshape(3, 4, 5) / 7.0  # distinct values: no ties
+    check_op("TopK", [("x", x), ("k", idx([2]))],
+             lambda x: torch.topk(x, 2, dim=axis, largest=bool(largest)), n_out=2, diff_outputs=[0], consts=["k"],
+             axis=axis, largest=largest)
+
+
+def test_topk_dynamic():
+    x = rng.permutation(12).reshape(3, 4) / 5.0
+    check_dynamic({"x": [0, 1]}, "TopK", [("x", x), ("k", idx([3]))], lambda x, k: torch.topk(x, 3, dim=-1),
+                  n_out=2, diff_outputs=[0])
