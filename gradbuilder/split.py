@@ -15,7 +15,8 @@ import onnx
 from onnx import helper
 
 from .builder import read_metadata
-from .graph import TensorInfo, info_from_type, load_model, value_info
+from .errors import SplitError
+from .graph import TensorInfo, describe, info_from_type, load_model, value_info
 from .yield_op import DOMAIN, find_yield, read_yield
 
 ROLES = ("input", "initializer", "stash", "output_grad", "output", "grad")
@@ -114,7 +115,9 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
             elif x in fwd_produced:
                 bwd_inputs.append(Entry(x, "stash"))
             else:
-                raise ValueError(f"backward reads '{x}', which nothing defines")
+                raise SplitError(f"backward node {describe(n)} reads '{x}', which no forward node, input, initializer "
+                                 "or Yield output defines: the training graph is damaged; rebuild it with "
+                                 "`gradbuilder build`.")
 
     stash = [e.name for e in bwd_inputs if e.role == "stash"]
     module_outputs = list(sig.outputs)

@@ -71,7 +71,7 @@ def read_yield(node: onnx.NodeProto) -> YieldSignature:
 def find_yield(nodes: Sequence[onnx.NodeProto]) -> int:
     found = [k for k, n in enumerate(nodes) if is_yield(n)]
     if len(found) != 1:
-        what = "no" if not found else f"{len(found)}"
+        what = "none" if not found else f"{len(found)}"
         raise SplitError(
             f"expected exactly one {DOMAIN}.Yield node, found {what}: this is not a training graph made by "
             "`gradbuilder build` (build one first)."
