@@ -428,6 +428,16 @@ def test_split_rejects_forward_graph(capsys, files, tmp_path):
                  "Yield", "not a training graph", "build one first")
 
 
+@pytest.mark.parametrize("command", ["split", "inspect"])
+def test_damaged_training_graph(capsys, files, tmp_path, command):
+    """A backward node reading a name nothing defines: bad input (exit 2), not an internal error."""
+    m = onnx.load(str(files["training"]))
+    m.graph.node.append(helper.make_node("Neg", ["ghost"], ["ghost_neg"], name="haunted"))
+    path = _save(m, tmp_path / "in" / "damaged.onnx")
+    out = ["-o", tmp_path / "parts"] if command == "split" else []
+    assert_fails(capsys, tmp_path, [command, path, *out], "'ghost'", "'haunted'", "damaged")
+
+
 def test_bad_output_paths(capsys, files, tmp_path):
     tiny_, training = files["tiny"], files["training"]
     assert_fails(capsys, tmp_path, ["build", tiny_, "-o", files["a_file"] / "out.onnx"], "is a file, not a directory")
