@@ -51,7 +51,7 @@ def _dedupe(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _resolve(fg: ForwardGraph, wrt: Sequence[str] | None, outputs: Sequence[str] | None, loss: str | None,
+def resolve_request(fg: ForwardGraph, wrt: Sequence[str] | None, outputs: Sequence[str] | None, loss: str | None,
              freeze: Sequence[str]) -> BuildRequest:
     known = fg.all_names()
     for name in freeze:
@@ -82,6 +82,9 @@ def _resolve(fg: ForwardGraph, wrt: Sequence[str] | None, outputs: Sequence[str]
     else:
         for name in outputs:
             if name not in fg.outputs:
+                if name in known:
+                    raise UnknownNameError(f"'{name}' is a tensor of the graph but not a graph output; outputs "
+                                           f"are taken from the graph outputs ({', '.join(fg.outputs)}).")
                 raise _unknown("output", name, fg.outputs)
         outs = _dedupe(outputs)
         if loss is not None and loss in outs:
@@ -145,7 +148,7 @@ def build_gradient_graph(
         raise InvalidModelError("the model already contains a Yield node: it is a training graph, not a forward "
                                 "graph. Build from the forward model instead.")
     fg = ForwardGraph(m)
-    req = _resolve(fg, wrt, outputs, loss, freeze)
+    req = resolve_request(fg, wrt, outputs, loss, freeze)
     seeds = list(req.outputs) + ([req.loss] if req.loss else [])
     reach = analyze(fg, req.wrt, seeds)
     names = NameAllocator(fg.all_names())

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .builder import _resolve, read_metadata
+from .builder import read_metadata, resolve_request
 from .graph import ForwardGraph, TensorInfo, default_opset, info_from_type, load_model, type_name
 from .reachability import analyze, is_control_flow
 from .rules import registry
@@ -224,7 +224,7 @@ def _rule_status(fg: ForwardGraph, k: int) -> str:
 def forward_report(m: onnx.ModelProto, dims: Mapping[str, int] = NO_DIMS) -> ForwardReport:
     fg = ForwardGraph(m)
     # the request a plain `gradbuilder build` makes: every float parameter, every float output
-    req = _resolve(fg, None, None, None, ())
+    req = resolve_request(fg, None, None, None, ())
     seeds = list(req.outputs)
     reach = analyze(fg, req.wrt, seeds)
 
