@@ -1,0 +1,99 @@
+"""BatchNorm in training mode with PyTorch's running-statistics semantics.
+
+ONNX BatchNormalization(training_mode=1) updates `running = m*running + (1-m)*batch` with the
+BIASED batch variance; torch uses `running = (1-t)*running + t*batch` with the UNBIASED variance,
+`t = momentum` (or 1/num_batches_tracked when momentum is None), and counts num_batches_tracked.
+So the exported node is set to momentum 0 (its running outputs are then the batch statistics), the
+variance is made unbiased in the graph (n/(n-1), n = elements per channel), both become graph
+outputs, and the host applies torch's update to the module's buffers after each forward.
+The dynamo exporter emits BatchNormalization in inference mode even for train(); such nodes of
+modules in training mode are switched to training mode here as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+from torch import nn
+
+_ONE = "batchnorm.one"
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Graph outputs holding one BatchNorm module's batch mean and unbiased batch variance."""
+
+    module: str
+    mean: str
+    var: str
+
+
+def _attr(node: onnx.NodeProto, name: str, value: float | int) -> None:
+    for a in node.attribute:
+        if a.name == name:
+            node.attribute.remove(a)
+            break
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules: Mapping[str, nn.Module]
+                       ) -> list[BatchStats]:
+    """Rewrite the BatchNormalization nodes of BatchNorm modules in training mode (see module doc).
+
+    owner: graph input name of a running_mean buffer -> the module's qualified name.
+    """
+    g = model.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in g.input}
+    stats: list[BatchStats] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in g.node:
+        nodes.append(node)
+        if node.op_type != "BatchNormalization" or len(node.input) < 5:
+            continue
+        fqn = owner.get(node.input[3])
+        mod = modules.get(fqn) if fqn is not None else None
+        if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or not (mod.training and mod.track_running_stats):
+            continue
+        p = f"batchnorm.{fqn}" if fqn else "batchnorm"
+        _attr(node, "training_mode", 1)
+        _attr(node, "momentum", 0.0)
+        while len(node.output) < 3:
+            node.output.append("")
+        node.output[1], node.output[2] = f"{p}.mean", f"{p}.biased_var"
+        nodes += [
+            helper.make_node("Size", [node.input[0]], [f"{p}.numel"]),
+            helper.make_node("Size", [f"{p}.mean"], [f"{p}.channels"]),
+            helper.make_node("Div", [f"{p}.numel", f"{p}.channels"], [f"{p}.n_int"]),
+            helper.make_node("CastLike", [f"{p}.n_int", f"{p}.mean"], [f"{p}.n"]),
+            helper.make_node("CastLike", [_ONE, f"{p}.mean"], [f"{p}.one"]),
+            helper.make_node("Sub", [f"{p}.n", f"{p}.one"], [f"{p}.n_minus_1"]),
+            helper.make_node("Div", [f"{p}.n", f"{p}.n_minus_1"], [f"{p}.factor"]),
+            helper.make_node("Mul", [f"{p}.biased_var", f"{p}.factor"], [f"{p}.var"]),
+        ]
+        elem = types.get(node.input[3], onnx.TensorProto.FLOAT)
+        g.output.extend([helper.make_tensor_value_info(f"{p}.mean", elem, None),
+                         helper.make_tensor_value_info(f"{p}.var", elem, None)])
+        stats.append(BatchStats(fqn, f"{p}.mean", f"{p}.var"))  # type: ignore[arg-type]
+    if stats:
+        g.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, dtype=np.float32), _ONE))
+    del g.node[:]
+    g.node.extend(nodes)
+    return stats
+
+
+@torch.no_grad()
+def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[BatchStats],
+                         values: Sequence[torch.Tensor]) -> None:
+    """torch's update: num_batches_tracked += 1; running = (1-t)*running + t*batch."""
+    for s, mean, var in zip(stats, values[0::2], values[1::2]):
+        mod = modules[s.module]
+        if mod.num_batches_tracked is not None:
+            mod.num_batches_tracked.add_(1)
+        t = mod.momentum if mod.momentum is not None else 1.0 / float(mod.num_batches_tracked)
+        mod.running_mean.mul_(1 - t).add_(mean.to(mod.running_mean.dtype), alpha=t)
+        mod.running_var.mul_(1 - t).add_(var.to(mod.running_var.dtype), alpha=t)

@@ -1,0 +1,216 @@
+"""What ORTModule does per call: find the export for the call's schema, feed it, run it.
+
+A schema is everything an export bakes in: the argument structure with its non-tensor values, each
+tensor's dtype, rank and device, every submodule's train/eval flag, and the parameters' dtypes and
+devices (a counter bumped by `.to()`). Sizes are not part of it (all dimensions are dynamic). Per
+schema, one training session is built for each set of tensors that require grad, so frozen
+parameters cost nothing; with grad disabled (or nothing requiring grad) the exported forward runs
+alone, stashing nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from onnxruntime.capi import _pybind_state as C
+from torch import nn
+
+import gradbuilder
+
+from . import exchange, function
+from .batchnorm import update_running_stats
+from .export import Exported, ExportError, ExportOptions, export
+from .ort_session import Runner, SessionConfig
+from .session import TrainingSession
+from .structure import flatten, unflatten
+
+SAVE_ENV = "GRADBUILDER_SAVE_ONNX"
+
+
+class ORTModuleError(RuntimeError):
+    """The module cannot run on onnxruntime (export failed, or an op has no gradient rule)."""
+
+
+class FallbackWarning(RuntimeWarning):
+    """ORTModule runs (part of) a module in PyTorch instead of onnxruntime."""
+
+
+@dataclass(frozen=True)
+class Options:
+    export: ExportOptions
+    threads: int | None
+    specialise: bool
+    fallback: bool
+    save_dir: Path | None
+
+
+class Schema:
+    """One export and the sessions built from it (one per set of tensors requiring grad)."""
+
+    def __init__(self, exported: Exported, options: Options, save_dir: Path | None):
+        self.exported = exported
+        self.options = options
+        self.save_dir = save_dir
+        self.config = SessionConfig(threads=options.threads)
+        self._infer: Runner | None = None
+        self.sessions: dict[frozenset[str], TrainingSession] = {}
+        types = {o.name: o.type.tensor_type.elem_type for o in exported.model.graph.output}
+        float_types = gradbuilder.graph.FLOAT_TYPES
+        self.float_outputs = [n for n in exported.outputs if types.get(n, 0) in float_types or not types.get(n)]
+        if save_dir is not None:
+            gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")
+
+    def session(self, wrt: Sequence[str]) -> TrainingSession:
+        key = frozenset(wrt)
+        s = self.sessions.get(key)
+        if s is None:
+            save = self.save_dir / f"grad{len(self.sessions)}" if self.save_dir is not None else None
+            s = TrainingSession.from_forward(self.exported.model, wrt=list(wrt), outputs=self.float_outputs,
+                                             config=self.config, specialise=self.options.specialise, save_dir=save)
+            self.sessions[key] = s
+        return s
+
+    def infer(self, feeds: dict[str, C.OrtValue]) -> list[C.OrtValue]:
+        if self._infer is None:
+            self._infer = Runner(self.exported.model, self.config, "forward (inference)")
+        return self._infer.run(feeds)
+
+
+_FALLBACK = object()
+
+
+class Engine:
+    """The state of one ORTModule: cached schemas, parameter OrtValues, counters."""
+
+    def __init__(self, module: nn.Module, options: Options):
+        self.module = module
+        self.options = options
+        self.name = type(module).__name__
+        self.signature = inspect.signature(module.forward)
+        self.schemas: dict[Hashable, Any] = {}
+        self.failed: set[tuple[Hashable, frozenset[str]]] = set()
+        self.version = 0
+        self.stats = {"exports": 0, "builds": 0, "fallbacks": 0}
+        self._ortvalues: dict[str, tuple[torch.Tensor, int, tuple[int, ...], C.OrtValue]] = {}
+        self._owners: dict[str, tuple[nn.Module, str]] = {}
+
+    def invalidate(self) -> None:
+        """Parameters changed dtype or device (`.to()`): re-export on the next call."""
+        self.version += 1
+        self._ortvalues.clear()
+        self._owners.clear()
+
+    # --- the call ------------------------------------------------------------------------------------
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        leaves, in_spec = flatten(bound.arguments)
+        for t in leaves:
+            if t.device.type != "cpu":
+                raise ORTModuleError(f"ORTModule({self.name}) runs on onnxruntime's CPU provider; an input is on "
+                                     f"{t.device}. Move the module and inputs to the CPU.")
+        key = (in_spec, tuple((t.dtype, t.dim()) for t in leaves),
+               tuple(m.training for m in self.module.modules()), self.version)
+        schema = self.schemas.get(key)
+        if schema is None:
+            schema = self._new_schema(key, in_spec, leaves)
+        if schema is _FALLBACK:
+            return self.module(*args, **kwargs)
+        ex: Exported = schema.exported
+        state = [(name, self._tensor(fqn)) for name, fqn in ex.state]
+        wrt, tensors = [], []
+        if torch.is_grad_enabled():
+            for name, k in ex.inputs:
+                if leaves[k].requires_grad:
+                    wrt.append(name)
+                    tensors.append(leaves[k])
+            for name, t in state:
+                if t.requires_grad:
+                    wrt.append(name)
+                    tensors.append(t)
+        feeds = {name: exchange.to_ortvalue(leaves[k]) for name, k in ex.inputs}
+        for name, t in state:
+            feeds[name] = self._ortvalue(name, t)
+        n = len(ex.outputs)
+        if wrt:
+            session = self._session(key, schema, wrt)
+            if session is None:
+                return self.module(*args, **kwargs)
+            user, stats = function.apply(function.Call(session, feeds, wrt, n), tensors)
+        else:
+            values = [exchange.to_torch(v) for v in schema.infer(feeds)]
+            user, stats = values[:n], values[n:]
+        if ex.batch_stats:
+            update_running_stats(dict(self.module.named_modules()), ex.batch_stats, stats)
+        return unflatten(ex.out_spec, user)
+
+    # --- caches -----------------------------------------------------------------------------------------
+    def _new_schema(self, key: Hashable, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
+        self.stats["exports"] += 1
+        try:
+            exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
+        except ExportError as e:
+            schema = self._fail(e, "export")
+        else:
+            save = self.options.save_dir
+            schema = Schema(exported, self.options, save / f"{self.name}_{len(self.schemas)}" if save else None)
+        self.schemas[key] = schema
+        return schema
+
+    def _session(self, key: Hashable, schema: Schema, wrt: list[str]) -> TrainingSession | None:
+        if (key, frozenset(wrt)) in self.failed:
+            return None
+        known = frozenset(wrt) in schema.sessions
+        try:
+            session = schema.session(wrt)
+        except (gradbuilder.GradBuilderError, RuntimeError) as e:
+            self.failed.add((key, frozenset(wrt)))
+            self._fail(e, "gradient build")
+            return None
+        if not known:
+            self.stats["builds"] += 1
+        return session
+
+    def _fail(self, error: Exception, stage: str) -> Any:
+        message = (f"ORTModule({self.name}): the {stage} failed, so this module cannot train on onnxruntime: "
+                   f"{error}")
+        if not self.options.fallback:
+            raise ORTModuleError(message + "\nPass ORTModule(module, fallback=True) to run such calls in PyTorch "
+                                 "instead (with a warning).") from error
+        self.stats["fallbacks"] += 1
+        warnings.warn(f"{message}\n*** ORTModule FALLBACK: these calls run in PyTorch, not onnxruntime. ***",
+                      FallbackWarning, stacklevel=4)
+        return _FALLBACK
+
+    def _tensor(self, fqn: str) -> torch.Tensor:
+        where = self._owners.get(fqn)
+        if where is None:
+            owner, _, attr = fqn.rpartition(".")
+            where = self._owners[fqn] = (self.module.get_submodule(owner) if owner else self.module, attr)
+        mod, attr = where
+        t = mod._parameters.get(attr)
+        return t if t is not None else mod._buffers[attr]
+
+    def _ortvalue(self, name: str, t: torch.Tensor) -> C.OrtValue:
+        """Parameters' OrtValues are made once and reused while the tensor keeps its memory: in-place
+        optimizer updates are seen by the next step through the shared memory."""
+        hit = self._ortvalues.get(name)
+        ptr, shape = t.data_ptr(), tuple(t.shape)
+        if hit is not None and hit[0] is t and hit[1] == ptr and hit[2] == shape:
+            return hit[3]
+        v = exchange.to_ortvalue(t)
+        if t.is_contiguous():
+            self._ortvalues[name] = (t, ptr, shape, v)
+        return v
+
+
+def default_save_dir(save_onnx: str | os.PathLike | None) -> Path | None:
+    path = save_onnx if save_onnx is not None else os.environ.get(SAVE_ENV) or None
+    return Path(path) if path else None

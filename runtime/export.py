@@ -1,0 +1,251 @@
+"""torch module + one call's arguments -> a forward ONNX graph whose parameters and buffers are INPUTS.
+
+Parameters must be graph inputs, not initializers, so every step feeds their current values (an
+optimizer's in-place update is seen without re-export). Two exporters:
+
+- "torchscript" (default; torch's legacy exporter, opset 17): exports in 0.1 s, keeps each module's
+  own train/eval mode (TrainingMode.PRESERVE: BatchNorm in training mode, Dropout active), and with
+  `keep_initializers_as_inputs=True` never merges parameters that happen to hold equal values (its
+  de-duplication pass would otherwise fuse e.g. two freshly initialised LayerNorms). EVAL mode is
+  avoided because its peephole pass folds BatchNorm into Conv weights.
+- "dynamo" (torch.export, opset 18+, `optimize=False` so parameters keep their names): slower
+  (seconds), emits BatchNorm in inference mode even in train(), which `batchnorm` corrects.
+
+Every tensor argument gets all dimensions dynamic; non-tensor arguments are baked in as constants
+(their values are part of the cache key in `module.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import onnx
+import torch
+from onnx import helper
+from torch import nn
+
+from .batchnorm import BatchStats, training_batchnorm
+from .structure import Spec, flatten, tensor_paths, unflatten
+
+EXPORTERS = ("torchscript", "dynamo")
+DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
+
+
+class ExportError(RuntimeError):
+    """torch could not export the module, or the export is unusable for training."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    exporter: str = "torchscript"
+    opset: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.exporter not in EXPORTERS:
+            raise ValueError(f"exporter must be one of {EXPORTERS}, not {self.exporter!r}")
+
+    @property
+    def opset_version(self) -> int:
+        return self.opset or DEFAULT_OPSET[self.exporter]
+
+
+@dataclass
+class Exported:
+    """The forward graph of one call schema and how its inputs and outputs map to torch."""
+
+    model: onnx.ModelProto
+    inputs: list[tuple[str, int]]
+    """(graph input, index of the argument leaf feeding it), for the leaves the graph reads."""
+    state: list[tuple[str, str]]
+    """(graph input, qualified name of the parameter or buffer feeding it)."""
+    outputs: list[str]
+    """Graph outputs for the tensor leaves of the module's result, in leaf order."""
+    out_spec: Spec
+    batch_stats: list[BatchStats] = field(default_factory=list)
+
+    @property
+    def stat_outputs(self) -> list[str]:
+        return [n for s in self.batch_stats for n in (s.mean, s.var)]
+
+
+class _Flat(nn.Module):
+    """The module as a function of flat tensors returning a flat tuple of tensors.
+
+    It shares the module's parameter, buffer and child dicts, so the exporters name every parameter
+    by its qualified name in the module itself.
+    """
+
+    def __init__(self, module: nn.Module, signature: inspect.Signature, in_spec: Spec):
+        super().__init__()
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self._modules = module._modules
+        self.training = module.training
+        object.__setattr__(self, "_target", module)
+        self._signature = signature
+        self._in_spec = in_spec
+        self.out_spec: Spec | None = None
+
+    def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        arguments = unflatten(self._in_spec, leaves)
+        bound = inspect.BoundArguments(self._signature, arguments)
+        out = self._target(*bound.args, **bound.kwargs)
+        flat, self.out_spec = flatten(out)
+        return tuple(flat)
+
+
+@contextlib.contextmanager
+def _preserved(module: nn.Module) -> Iterator[None]:
+    """Tracing runs the module: put back its buffers (BatchNorm statistics) and the RNG state after."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+        torch.random.set_rng_state(rng)
+
+
+def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
+    out = []
+    for n in names:
+        name, k = n or "input", 1
+        while name in taken:
+            name, k = f"{n}#{k}", k + 1
+        taken.add(name)
+        out.append(name)
+    return out
+
+
+def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
+            dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, leaves)},
+            training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
+            export_params=True, keep_initializers_as_inputs=True,
+        )
+    return onnx.load_from_string(buf.getvalue())
+
+
+def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
+    dims = tuple({d: torch.export.Dim.DYNAMIC for d in range(t.dim())} for t in leaves)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
+                                    input_names=names, dynamic_shapes=(dims,), verbose=False)
+    return program.model_proto  # type: ignore[union-attr]
+
+
+def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leaves: Sequence[torch.Tensor],
+           options: ExportOptions) -> Exported:
+    """Export one call of `module` (bound arguments flattened to `in_spec` + `leaves`)."""
+    state = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    names = _unique(tensor_paths(in_spec), set(state))
+    flat = _Flat(module, signature, in_spec)
+    try:
+        with _preserved(module):
+            run = _torchscript if options.exporter == "torchscript" else _dynamo
+            model = run(flat, leaves, names, options.opset_version)
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
+                          f"{type(e).__name__}: {e}") from e
+    assert flat.out_spec is not None
+    out_spec = flat.out_spec
+    _state_as_inputs(model, state, type(module).__name__)
+    _dynamic_inputs(model, set(names))
+    outputs = _name_outputs(model, out_spec)
+    graph_inputs = {i.name for i in model.graph.input}
+    inputs = [(n, k) for k, n in enumerate(names) if n in graph_inputs]
+    state_inputs = [(i.name, i.name) for i in model.graph.input if i.name in state]
+    owner = {n: n.rsplit(".", 1)[0] if "." in n else "" for n, _ in state_inputs if n.endswith("running_mean")}
+    stats = training_batchnorm(model, owner, dict(module.named_modules()))
+    return Exported(model, inputs, state_inputs, outputs, out_spec, stats)
+
+
+def _state_as_inputs(model: onnx.ModelProto, state: dict[str, torch.Tensor], what: str) -> None:
+    """Parameters and buffers become graph inputs; every other initializer stays a constant."""
+    g = model.graph
+    declared = {i.name for i in g.input}
+    keep, params = [], []
+    for t in g.initializer:
+        (params if t.name in state else keep).append(t)
+    # a parameter folded into a constant or renamed would silently get no gradient: refuse
+    present = {t.name for t in params} | declared
+    missing = {k: v for k, v in state.items() if k not in present and v.is_floating_point() and v.numel() > 1}
+    if missing:
+        sigs = {(tuple(v.shape), str(v.dtype).replace("torch.", "")): k for k, v in missing.items()}
+        for t in keep:
+            arr = onnx.numpy_helper.to_array(t)
+            k = sigs.get((tuple(arr.shape), str(arr.dtype)))
+            if k is not None and torch.equal(torch.from_numpy(arr.copy()), missing[k].detach().cpu()):
+                raise ExportError(f"exporting {what}: parameter '{k}' became the constant '{t.name}' (folded or "
+                                  "renamed by the exporter); it would get no gradient.")
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    consts = {t.name for t in keep}
+    inputs = [i for i in g.input if i.name not in consts]
+    for t in params:
+        if t.name not in declared:
+            inputs.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    del g.input[:]
+    g.input.extend(inputs)
+
+
+def _dynamic_inputs(model: onnx.ModelProto, names: set[str]) -> None:
+    for vi in model.graph.input:
+        if vi.name in names:
+            for d, dim in enumerate(vi.type.tensor_type.shape.dim):
+                if not dim.dim_param:
+                    dim.Clear()
+                    dim.dim_param = f"{vi.name}_dim{d}"
+
+
+def _name_outputs(model: onnx.ModelProto, out_spec: Spec) -> list[str]:
+    """Readable, distinct output names (`output`, `output.logits`, ...); an output that is a graph input or
+    repeats another output gets an Identity, so each output is its own tensor."""
+    g = model.graph
+    paths = tensor_paths(out_spec)
+    wanted = ["output" + (f".{p}" if p else "") for p in paths]
+    taken = {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    inputs = {i.name for i in g.input} | {t.name for t in g.initializer}
+    seen: set[str] = set()
+    rename: dict[str, str] = {}
+    for vi, want in zip(g.output, _unique(wanted, set(taken) - {o.name for o in g.output})):
+        old = vi.name
+        if old in inputs or old in seen:
+            g.node.append(helper.make_node("Identity", [old], [want]))
+        else:
+            rename[old] = want
+        seen.add(old)
+        vi.name = want
+    _rename(g, rename)
+    return [o.name for o in g.output]
+
+
+def _rename(g: onnx.GraphProto, mapping: dict[str, str]) -> None:
+    """Rename tensors produced by nodes (and their uses, including inside subgraphs)."""
+    if not mapping:
+        return
+    for n in g.node:
+        for seq in (n.input, n.output):
+            for i, x in enumerate(seq):
+                if x in mapping:
+                    seq[i] = mapping[x]
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                _rename(sub, mapping)
+    for vi in g.value_info:
+        if vi.name in mapping:
+            vi.name = mapping[vi.name]

@@ -1,0 +1,64 @@
+"""The autograd bridge: one torch.autograd.Function whose forward and backward are onnxruntime runs.
+
+Gradients come back as torch tensors on onnxruntime's memory and torch's AccumulateGrad adds them to
+`.grad` exactly as for eager modules. Output gradients that torch does not compute arrive as None
+(`set_materialize_grads(False)`) and are passed on as None, so the TrainingSession can pick a
+backward specialised to the outputs that do get gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from onnxruntime.capi import _pybind_state as C
+from torch.autograd.function import once_differentiable
+
+from . import exchange
+from .session import TrainingSession
+
+
+@dataclass
+class Call:
+    """One forward call: the session, its feeds, which tensors get gradients, and what came out."""
+
+    session: TrainingSession
+    feeds: dict[str, C.OrtValue]
+    wrt: list[str]
+    """Graph names receiving gradients, in the order of the tensors handed to `apply`."""
+    n_user: int
+    """The first n_user module outputs are the user's; the rest are BatchNorm statistics."""
+
+
+class ORTFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        outs, state = call.session.forward_ortvalues(call.feeds)
+        values = [exchange.to_torch(v) for v in outs]
+        ctx.call = call
+        ctx.state = state
+        ctx.mark_non_differentiable(*[t for k, t in enumerate(values)
+                                      if k >= call.n_user or not t.is_floating_point()])
+        return tuple(values)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: Call = ctx.call
+        n_out = len(call.session.output_names)
+        ort_grads: list[C.OrtValue | None] = [None] * n_out
+        for i, g in enumerate(grads[:call.n_user]):
+            if g is not None:
+                ort_grads[i] = exchange.to_ortvalue(g)
+        result = call.session.backward_ortvalues(ctx.state, ort_grads)
+        ctx.state = None
+        return (None, *[exchange.to_torch(result[w]) if w in result else None for w in call.wrt])
+
+
+def apply(call: Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Run `call` through autograd; returns (user outputs, BatchNorm statistics)."""
+    out = ORTFunction.apply(call, *tensors)
+    return list(out[:call.n_user]), list(out[call.n_user:])

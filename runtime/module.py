@@ -1,0 +1,126 @@
+"""ORTModule: a drop-in nn.Module that trains its wrapped module on stock onnxruntime.
+
+ORTModule shares the wrapped module's parameter, buffer and child dicts instead of holding it as a
+child, so it *is* the module as far as torch is concerned: `named_parameters()`, `state_dict()` keys,
+`load_state_dict()`, optimizers, `.to()` and `train()/eval()` see exactly the module's own names and
+tensors (`ORTModule(m).state_dict()` loads into `m` and back). Its `forward` has the module's
+signature. Each call is exported once per schema (see `engine`) and runs through an autograd
+Function whose forward and backward are onnxruntime sessions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import types
+from typing import Any
+
+from torch import nn
+
+from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir
+from .export import ExportOptions
+
+__all__ = ["FallbackWarning", "ORTModule", "ORTModuleError"]
+
+
+def _forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
+    return self._engine(args, kwargs)
+
+
+def _bind_forward(obj: ORTModule, module: nn.Module) -> None:
+    """`forward` as a bound method whose signature is the module's own (`self` positional-only first)."""
+    sig = inspect.signature(module.forward)
+    fn = types.FunctionType(_forward.__code__, _forward.__globals__, "forward", None, _forward.__closure__)
+    self_param = inspect.Parameter("_ortmodule_self", inspect.Parameter.POSITIONAL_ONLY)
+    fn.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])  # type: ignore[attr-defined]
+    fn.__doc__ = module.forward.__doc__
+    fn.__qualname__ = f"ORTModule({type(module).__name__}).forward"
+    object.__setattr__(obj, "forward", types.MethodType(fn, obj))
+
+
+class ORTModule(nn.Module):
+    """Train `module` on onnxruntime with PyTorch semantics (autograd, optimizers, state_dict).
+
+    exporter: "torchscript" (default, fast, keeps BatchNorm/Dropout training semantics) or "dynamo".
+    fallback: run calls that cannot be exported or differentiated in PyTorch, with a FallbackWarning,
+        instead of raising ORTModuleError. threads: onnxruntime intra-op threads (default: torch's).
+    specialise: build backwards specialised to the outputs that receive gradients.
+    save_onnx: directory receiving the exported, training, forward and backward ONNX files of every
+        schema (default: the GRADBUILDER_SAVE_ONNX environment variable).
+    """
+
+    def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,
+                 fallback: bool = False, threads: int | None = None, specialise: bool = True,
+                 save_onnx: str | os.PathLike | None = None):
+        if isinstance(module, ORTModule):
+            raise TypeError("the module is already an ORTModule")
+        super().__init__()
+        import torch
+
+        options = Options(ExportOptions(exporter, opset), threads if threads is not None else torch.get_num_threads(),
+                          specialise, fallback, default_save_dir(save_onnx))
+        object.__setattr__(self, "_options", options)
+        self._share(module)
+        _bind_forward(self, module)
+
+    def _share(self, module: nn.Module) -> None:
+        object.__setattr__(self, "_original", module)
+        object.__setattr__(self, "_engine", Engine(module, self._options))
+        self.__dict__.update(_parameters=module._parameters, _buffers=module._buffers, _modules=module._modules,
+                             _non_persistent_buffers_set=module._non_persistent_buffers_set)
+        self.training = module.training
+
+    # --- the wrapped module ----------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped PyTorch module (same parameters and buffers)."""
+        return self._original
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: exports (one per schema), builds (one per set of tensors requiring grad), fallbacks."""
+        return self._engine.stats
+
+    def reset(self) -> None:
+        """Forget every export and session (after replacing submodules, for instance)."""
+        object.__setattr__(self, "_engine", Engine(self._original, self._options))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def train(self, mode: bool = True) -> ORTModule:
+        super().train(mode)
+        self._original.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ORTModule:
+        super()._apply(fn, recurse)
+        self._engine.invalidate()
+        return self
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        self._original._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._original._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"module={type(self._original).__name__}, exporter={self._options.export.exporter!r}"
+
+    # --- pickling and deepcopy: sessions are not copyable, they are rebuilt on demand --------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_engine", None)
+        state.pop("forward", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_engine", Engine(self._original, self._options))
+        _bind_forward(self, self._original)

@@ -1,0 +1,125 @@
+"""Nested Python values <-> a flat list of tensors plus a hashable spec.
+
+Inputs and outputs of a module can be tensors inside tuples, lists, dicts, namedtuples, dataclasses
+and Hugging Face `ModelOutput`s (an OrderedDict subclass dataclass). Everything that is not a tensor
+is a constant of the export and is kept in the spec, so it is part of the cache key and comes back
+unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A tensor: position `index` in the flat list."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Const:
+    value: Any
+
+    def __hash__(self) -> int:
+        return hash(_hashable(self.value))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Const) and type(self.value) is type(other.value) and \
+            _hashable(self.value) == _hashable(other.value)
+
+
+@dataclass(frozen=True)
+class Node:
+    """A container: its type, keys (dicts and dataclasses) and children specs."""
+
+    kind: type
+    keys: tuple[Any, ...] | None
+    children: tuple[Spec, ...]
+
+
+Spec = Leaf | Const | Node
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return ("unhashable", type(value).__qualname__, id(value))
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def flatten(value: Any) -> tuple[list[torch.Tensor], Spec]:
+    """Tensors of `value` in depth-first order, and the spec to rebuild it."""
+    leaves: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Spec:
+        if isinstance(x, torch.Tensor):
+            leaves.append(x)
+            return Leaf(len(leaves) - 1)
+        if isinstance(x, Mapping):
+            keys = tuple(x.keys())
+            return Node(type(x), keys, tuple(walk(x[k]) for k in keys))
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            keys = tuple(f.name for f in dataclasses.fields(x))
+            return Node(type(x), keys, tuple(walk(getattr(x, k)) for k in keys))
+        if isinstance(x, (tuple, list)):
+            return Node(type(x), None, tuple(walk(v) for v in x))
+        return Const(x)
+
+    spec = walk(value)
+    return leaves, spec
+
+
+def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:
+    """Rebuild the value `flatten` took apart, with `leaves` in place of its tensors."""
+    if isinstance(spec, Leaf):
+        return leaves[spec.index]
+    if isinstance(spec, Const):
+        return spec.value
+    items = [unflatten(c, leaves) for c in spec.children]
+    kind = spec.kind
+    if spec.keys is not None:
+        pairs = dict(zip(spec.keys, items))
+        if dataclasses.is_dataclass(kind):  # dataclasses, including ModelOutput (an OrderedDict subclass)
+            return kind(**pairs)
+        if kind is dict:
+            return pairs
+        return kind(pairs)
+    if kind is tuple or kind is list:
+        return kind(items)
+    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        return kind(*items)
+    return kind(items)
+
+
+def tensor_paths(spec: Spec, prefix: str = "") -> list[str]:
+    """A readable name per leaf (`x`, `inputs.1`, `out.logits`), in leaf order, for ONNX names and messages."""
+    names: list[tuple[int, str]] = []
+
+    def walk(s: Spec, path: str) -> None:
+        if isinstance(s, Leaf):
+            names.append((s.index, path))
+        elif isinstance(s, Node):
+            keys = s.keys if s.keys is not None else range(len(s.children))
+            if s.keys is None and _is_namedtuple_type(s.kind):
+                keys = s.kind._fields  # type: ignore[attr-defined]
+            for k, c in zip(keys, s.children):
+                walk(c, f"{path}.{k}" if path else str(k))
+
+    walk(spec, prefix)
+    return [p for _, p in sorted(names)]
+
+
+def _is_namedtuple_type(kind: type) -> bool:
+    return issubclass(kind, tuple) and hasattr(kind, "_fields")
