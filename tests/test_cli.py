@@ -410,7 +410,7 @@ def test_unreadable_input(capsys, files, tmp_path, name, needles, command):
     ("loss", ["--loss", "n"], ["loss 'n'", "INT64", "float"]),
     ("tiny", ["--wrt", "Wx"], ["wrt tensor 'Wx'", "Did you mean", "'W'"]),
     ("tiny", ["--freeze", "nope"], ["frozen tensor 'nope'"]),
-    ("tiny", ["--outputs", "t"], ["output 't'"]),
+    ("tiny", ["--outputs", "t"], ["'t'", "not a graph output"]),
     ("training", [], ["Yield", "training graph", "forward"]),
 ])
 def test_build_rejects(capsys, files, tmp_path, model, flags, needles):
