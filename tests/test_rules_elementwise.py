@@ -228,6 +228,19 @@ def test_pow_constant_array_exponent():
     check_op("Pow", [("a", a), ("b", b)], lambda x: torch.pow(x, torch.from_numpy(b)), consts=["b"])
 
 
+def test_pow_trained_exponent_is_read_at_run_time():
+    """An exponent initializer that is itself trained must not be baked into the base's gradient."""
+    a = np.abs(r(3, 4)) + 0.2
+    model = single_op_model("Pow", [("a", a), ("b", np.asarray(2.0))], consts=["b"])
+    training = gradbuilder.build_gradient_graph(model, wrt=["a", "b"])
+    b_init = next(t for t in training.graph.initializer if t.name == "b")
+    b_init.CopyFrom(onnx.numpy_helper.from_array(np.asarray(3.0), "b"))  # a training step has updated b
+    cot = r(3, 4)
+    _, grads = Trainer(training).step({"a": a}, [cot])
+    np.testing.assert_allclose(grads["a"], 3 * a**2 * cot, rtol=1e-12)
+    np.testing.assert_allclose(grads["b"], np.sum(a**3 * np.log(a) * cot), rtol=1e-12)
+
+
 @pytest.mark.parametrize("opset", [13, 15, 20])
 @pytest.mark.parametrize("const", [True, False])
 def test_pow_integer_exponent(opset, const):
@@ -266,6 +279,15 @@ def test_minmax_ties_split_like_torch(op, fn):
     b = rng.integers(-1, 2, (5,)).astype(np.float64)
     assert np.any(a == b) and np.any(a != b)
     check_op(op, [("a", a), ("b", b)], fn, fd=False)
+
+
+@pytest.mark.parametrize("op,fn", [("Max", torch.maximum), ("Min", torch.minimum)])
+def test_minmax_nan_like_torch(op, fn):
+    """torch gives a NaN pair's gradient to both inputs in full."""
+    a = np.array([np.nan, 1.0, np.nan, 2.0])
+    b = np.array([1.0, np.nan, np.nan, 2.0])
+    grads = check_op(op, [("a", a), ("b", b)], fn, fd=False)
+    assert np.all(np.isfinite(grads["a"]))
 
 
 @pytest.mark.parametrize("op,red", [("Max", torch.amax), ("Min", torch.amin)])

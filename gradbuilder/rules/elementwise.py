@@ -172,7 +172,7 @@ def pow_(g: Grad) -> Grads:
 
 
 def _pow_base_grad(g: Grad, a: str, b: str, dy: str) -> str:
-    c = g.const_input(1)
+    c = None if g.needs(1) else g.const_input(1)  # a trained exponent changes: never bake its value in
     if c is not None and c.size == 1 and (g.rank(a) or 0) >= c.ndim:  # constant scalar exponent: x**2, x**0.5
         c = float(c.reshape(()))
         if c == 0:
@@ -261,30 +261,35 @@ def acosh(g: Grad) -> Grads:
 
 # --- selections -------------------------------------------------------------------------------
 
-def _extremum(g: Grad, ge: str) -> Grads:
-    """Min/Max: the gradient goes to the inputs equal to the result, split equally among ties (torch's
-    minimum/maximum for two inputs, amin/amax over the stacked inputs for more)."""
-    dy = g.GO(0)
+def _extremum(g: Grad, beaten: str) -> Grads:
+    """Min/Max: the gradient goes to the inputs equal to the result, split equally among ties.
+
+    Two inputs follow torch.maximum/minimum exactly (NaN included) and compare the inputs, so backward keeps
+    no copy of the output; more inputs follow amax/amin over the stacked inputs. `beaten` is the comparison
+    under which the first input loses (Less for Max)."""
+    y, dy = g.O(0), g.GO(0)
     xs = [g.I(i) for i in range(g.n_inputs)]
     if len(xs) == 1:
         return (dy,)
-    if len(xs) == 2:  # compare the inputs directly: backward needs no copy of the output
+    zero = g.const(0.0, like=y)
+    if len(xs) == 2:
         a, b = xs
-        hits = [compare(g, ge, a, b, like=g.O(0)), compare(g, ge, b, a, like=g.O(0))]
-    else:
-        hits = [g.Equal(x, g.O(0)) for x in xs]
-    share = g.Div(dy, g.Sum(*(cast_to(g, h, like=g.O(0)) for h in hits)))
-    return _each_input(g, {i: keep(g, h, share, like=g.O(0)) for i, h in enumerate(hits) if g.needs(i)})
+        half = where(g, g.Equal(a, b), g.Mul(dy, g.const(0.5, like=y)), dy, like=y)
+        pairs = {0: (a, b), 1: (b, a)}
+        return _each_input(g, {i: where(g, g.op(beaten, *pairs[i]), zero, half, like=y) for i in (0, 1) if g.needs(i)})
+    hits = [g.Equal(x, y) for x in xs]
+    share = g.Div(dy, g.Sum(*(cast_to(g, h, like=y) for h in hits)))
+    return _each_input(g, {i: keep(g, h, share, like=y) for i, h in enumerate(hits) if g.needs(i)})
 
 
 @rule("Max", since=13)
 def max_(g: Grad) -> Grads:
-    return _extremum(g, "GreaterOrEqual")
+    return _extremum(g, "Less")
 
 
 @rule("Min", since=13)
 def min_(g: Grad) -> Grads:
-    return _extremum(g, "LessOrEqual")
+    return _extremum(g, "Greater")
 
 
 @rule("Clip", since=13, nondiff=(1, 2))
