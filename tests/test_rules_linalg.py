@@ -12,22 +12,17 @@ def r(*shape):
     return np.asarray(rng.standard_normal(shape))
 
 
-@pytest.fixture
-def symbolic(monkeypatch):
-    """declare(name={axis: "sym"}) makes check_op's model give those input dims a symbolic size, so a rule
-    that bakes in a static shape where it must not shows up."""
+def symbolic(monkeypatch, **dims: dict[int, str]) -> None:
+    """symbolic(monkeypatch, name={axis: "sym"}) makes check_op's models give those input dims a symbolic size,
+    so a rule that bakes in a static shape where it must not shows up."""
+    make = onnx.helper.make_tensor_value_info
 
-    def declare(**dims: dict[int, str]) -> None:
-        make = onnx.helper.make_tensor_value_info
+    def patched(name, elem_type, shape, *args, **kwargs):
+        if shape is not None and name in dims:
+            shape = [dims[name].get(i, d) for i, d in enumerate(shape)]
+        return make(name, elem_type, shape, *args, **kwargs)
 
-        def patched(name, elem_type, shape, *args, **kwargs):
-            if shape is not None and name in dims:
-                shape = [dims[name].get(i, d) for i, d in enumerate(shape)]
-            return make(name, elem_type, shape, *args, **kwargs)
-
-        monkeypatch.setattr(harness.helper, "make_tensor_value_info", patched)
-
-    return declare
+    monkeypatch.setattr(harness.helper, "make_tensor_value_info", patched)
 
 
 MATMUL_SHAPES = [
@@ -67,8 +62,8 @@ def test_matmul_one_side(sa, sb):
     ((3, 3, 4), (3, 4, 5), {"a": {0: "B"}, "b": {0: "C"}}),  # may or may not broadcast: run-time axes
     ((3, 3, 4), (1, 4, 5), {"a": {0: "B"}, "b": {0: "C"}}),
 ])
-def test_matmul_symbolic(symbolic, sa, sb, dims):
-    symbolic(**dims)
+def test_matmul_symbolic(monkeypatch, sa, sb, dims):
+    symbolic(monkeypatch, **dims)
     check_op("MatMul", [("a", r(*sa)), ("b", r(*sb))], torch.matmul)
 
 
@@ -107,9 +102,9 @@ def test_gemm_default_attributes():
 
 @pytest.mark.parametrize("ta", [0, 1])
 @pytest.mark.parametrize("cs", [(5,), (1, 5), ()])
-def test_gemm_symbolic_batch(symbolic, ta, cs):
+def test_gemm_symbolic_batch(monkeypatch, ta, cs):
     """torch.nn.Linear as exported: a dynamic batch dim, weight transposed, bias broadcast."""
-    symbolic(a={1 if ta else 0: "batch"})
+    symbolic(monkeypatch, a={1 if ta else 0: "batch"})
     a = r(4, 3) if ta else r(3, 4)
     check_op("Gemm", [("a", a), ("b", r(5, 4)), ("c", r(*cs))], _gemm_ref(ta, 1, 1.0, 1.0), transA=ta, transB=1)
 
@@ -153,17 +148,17 @@ def test_einsum(eq, shapes):
     check_op("Einsum", inputs, lambda *xs: torch.einsum(eq, *xs), equation=eq)
 
 
-def test_einsum_symbolic_batch(symbolic):
-    symbolic(x0={0: "B"}, x1={0: "B"})
+def test_einsum_symbolic_batch(monkeypatch):
+    symbolic(monkeypatch, x0={0: "B"}, x1={0: "B"})
     eq = "bij,bjk->bik"
     check_op("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], lambda a, b: torch.einsum(eq, a, b), equation=eq)
 
 
-def test_einsum_symbolic_ellipsis_that_may_broadcast_fails_clearly(symbolic):
+def test_einsum_symbolic_ellipsis_that_may_broadcast_fails_clearly(monkeypatch):
     import gradbuilder
     from gradbuilder.errors import RuleError
 
-    symbolic(x0={0: "B"}, x1={0: "C"})
+    symbolic(monkeypatch, x0={0: "B"}, x1={0: "C"})
     model = harness.single_op_model("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], equation="...ij,...jk->...ik")
     with pytest.raises(RuleError, match="may broadcast"):
         gradbuilder.build_gradient_graph(model, wrt=["x0", "x1"], outputs=["y0"])

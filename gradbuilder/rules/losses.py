@@ -1,0 +1,97 @@
+"""Classification losses: SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss.
+
+Both pick, per sample (and per spatial position of (N, C, d1, ...) inputs), the class of its label, weight
+it by `weights[label]` (0 for `ignore_index`) and reduce with none/sum/mean, mean dividing by the total
+weight. So both gradients are `coef * (something - onehot(label))` along the class axis with the same
+per-sample coefficient, built once by `_coefficient`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from .context import Grad
+from .registry import rule
+
+
+def _labels(g: Grad) -> str:
+    labels = g.I(1)
+    return labels if g.dtype(labels) == TensorProto.INT64 else g.Cast(labels, to=TensorProto.INT64)
+
+
+def _coefficient(g: Grad, x: str, labels: str, dy: str) -> str:
+    """dLoss/dloss_i per sample: dY times the sample's weight, over the total weight for mean; shaped
+    (N, 1, d1, ...) to broadcast over the class axis, or a scalar when every sample weighs the same."""
+    weights, ignore = g.I(2), g.attr("ignore_index")
+    reduction = g.attr("reduction", "mean")
+    w = None
+    if ignore is not None:
+        kept = g.Not(g.Equal(labels, g.ints(ignore)))
+        w = g.Cast(kept, to=g.dtype(x)) if g.dtype(x) else g.CastLike(kept, x)
+        labels = g.Where(kept, labels, g.ints(0))  # a valid index for Gather below
+    if weights is not None:
+        picked = g.Gather(weights, labels, axis=0)
+        w = picked if w is None else g.Mul(picked, w)
+    if reduction in ("none", "sum"):
+        coef = dy if w is None else g.Mul(dy, w)
+    elif reduction == "mean":
+        total = g.ReduceSum(w, keepdims=0) if w is not None else _count(g, x, labels)
+        coef = g.Div(dy, total) if w is None else g.Mul(g.Div(dy, total), w)
+    else:
+        g.fail(f"unknown reduction '{reduction}'")
+    per_sample = w is not None or reduction == "none"
+    return g.unsqueeze(coef, [1]) if per_sample else coef
+
+
+def _count(g: Grad, x: str, labels: str) -> str:
+    """Number of labels (N * d1 * ...), as a scalar of x's type."""
+    n = g.info(g.I(1)).numel()
+    if n is not None:
+        return g.const(float(n), like=x)
+    size = g.Size(labels)
+    return g.Cast(size, to=g.dtype(x)) if g.dtype(x) else g.CastLike(size, x)
+
+
+def _onehot(g: Grad, x: str, labels: str) -> str:
+    """(N, C, d1, ...) one-hot of the labels along axis 1, in x's type (ignored labels match no class)."""
+    rank = g.require_rank(x)
+    shape = g.info(x).shape
+    c = shape[1] if shape is not None else None
+    tail = [1] * (rank - 2)
+    if isinstance(c, int):
+        classes = g.ints(np.arange(c).reshape([1, c, *tail]).tolist())
+    else:
+        depth = g.Squeeze(g.Gather(g.shape_of(x), g.ints([1])), g.ints([0]))
+        classes = g.Reshape(g.Range(g.ints(0), depth, g.ints(1)), g.ints([1, -1, *tail]))
+    hit = g.Equal(g.unsqueeze(labels, [1]), classes)
+    return g.Cast(hit, to=g.dtype(x)) if g.dtype(x) else g.CastLike(hit, x)
+
+
+@rule("SoftmaxCrossEntropyLoss", since=13, nondiff=(1, 2))
+def softmax_cross_entropy(g: Grad):
+    """d scores = coef * (softmax - onehot), plus the log_prob output's own gradient when it has one.
+
+    The softmax is exp of the log_prob output when the node has it, else recomputed from the scores.
+    """
+    scores = g.I(0)
+    outs = g.node.output
+    log_prob = outs[1] if len(outs) > 1 and outs[1] else None
+    prob = g.Exp(log_prob) if log_prob is not None else g.Softmax(scores, axis=1)
+    grad = None
+    if g.GO(0) is not None:
+        labels = _labels(g)
+        grad = g.Mul(g.Sub(prob, _onehot(g, scores, labels)), _coefficient(g, scores, labels, g.GO(0)))
+    if g.GO(1) is not None:  # log_softmax's own backward
+        dlp = g.GO(1)
+        own = g.Sub(dlp, g.Mul(prob, g.reduce_sum(dlp, [1], keepdims=True)))
+        grad = own if grad is None else g.Add(grad, own)
+    return (grad,)
+
+
+@rule("NegativeLogLikelihoodLoss", since=13, nondiff=(1, 2))
+def negative_log_likelihood(g: Grad):
+    """d input = -coef * onehot(label)."""
+    x = g.I(0)
+    labels = _labels(g)
+    return (g.Neg(g.Mul(_onehot(g, x, labels), _coefficient(g, x, labels, g.GO(0)))),)

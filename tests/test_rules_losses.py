@@ -1,0 +1,119 @@
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import Trainer, check_op, single_op_model
+from test_rules_linalg import symbolic
+
+import gradbuilder
+
+rng = np.random.default_rng(0)
+
+
+def r(*shape):
+    return np.asarray(rng.standard_normal(shape))
+
+
+SHAPES = [(5, 4), (3, 4, 6), (2, 3, 2, 4)]  # (N, C), (N, C, d1), (N, C, d1, d2)
+
+
+def _labels(shape, ignore=None):
+    c = shape[1]
+    labels = rng.integers(0, c, size=(shape[0], *shape[2:])).astype(np.int64)
+    if ignore is not None:  # a few ignored samples, never all of them
+        labels.flat[::3] = ignore
+    return labels
+
+
+def _attrs(reduction, ignore):
+    return {"reduction": reduction} | ({"ignore_index": ignore} if ignore is not None else {})
+
+
+CASES = [(red, ign, w) for red in ("mean", "sum", "none") for ign in (None, -100, 1) for w in (False, True)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("reduction,ignore,weighted", CASES)
+def test_softmax_cross_entropy(shape, reduction, ignore, weighted):
+    labels = _labels(shape, ignore)
+    weights = np.abs(r(shape[1])) + 0.1 if weighted else None
+    inputs = [("x", r(*shape)), ("labels", labels)] + ([("w", weights)] if weighted else [])
+    tw = torch.from_numpy(weights) if weighted else None
+
+    def ref(x, lab, *_):
+        return F.cross_entropy(x, lab, weight=tw, reduction=reduction,
+                               ignore_index=ignore if ignore is not None else -100)
+
+    # weights are graph inputs here (not constants): they still get no gradient
+    check_op("SoftmaxCrossEntropyLoss", inputs, ref, wrt=["x"], **_attrs(reduction, ignore))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softmax_cross_entropy_log_prob_output(reduction):
+    """Both outputs carry a gradient: the loss and the log-probabilities (log_softmax over axis 1)."""
+    shape = (3, 4, 5)
+    labels = _labels(shape, -1)
+    check_op("SoftmaxCrossEntropyLoss", [("x", r(*shape)), ("labels", labels)],
+             lambda x, lab: (F.cross_entropy(x, lab, reduction=reduction, ignore_index=-1),
+                             F.log_softmax(x, dim=1)),
+             n_out=2, reduction=reduction, ignore_index=-1)
+
+
+def test_softmax_cross_entropy_only_log_prob_differentiated():
+    check_op("SoftmaxCrossEntropyLoss", [("x", r(4, 5)), ("labels", _labels((4, 5)))],
+             lambda x, lab: (F.cross_entropy(x, lab), F.log_softmax(x, dim=1)), n_out=2, diff_outputs=[1])
+
+
+def test_softmax_cross_entropy_labels_as_initializer_float32_int32():
+    labels = _labels((6, 3)).astype(np.int32)
+    check_op("SoftmaxCrossEntropyLoss", [("x", r(6, 3).astype(np.float32)), ("labels", labels)],
+             lambda x: F.cross_entropy(x, torch.from_numpy(labels).long()), consts=["labels"])
+
+
+def test_softmax_cross_entropy_symbolic_batch(monkeypatch):
+    """Mean over a batch whose size is only known at run time: the count is computed from the labels."""
+    symbolic(monkeypatch, x={0: "N"}, labels={0: "N"})
+    model = single_op_model("SoftmaxCrossEntropyLoss", [("x", r(5, 4)), ("labels", _labels((5, 4)))])
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], loss="y0")
+    onnx.checker.check_model(training, full_check=True)
+    trainer = Trainer(training)
+    for n in (5, 2):
+        xs, ls = r(n, 4), _labels((n, 4))
+        _, grads = trainer.step({"x": xs, "labels": ls})
+        tx = torch.from_numpy(xs).requires_grad_()
+        F.cross_entropy(tx, torch.from_numpy(ls)).backward()
+        np.testing.assert_allclose(grads["x"], tx.grad.numpy(), rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("reduction,ignore,weighted", CASES)
+def test_negative_log_likelihood(shape, reduction, ignore, weighted):
+    labels = _labels(shape, ignore)
+    weights = np.abs(r(shape[1])) + 0.1 if weighted else None
+    inputs = [("x", r(*shape)), ("labels", labels)] + ([("w", weights)] if weighted else [])
+    tw = torch.from_numpy(weights) if weighted else None
+
+    def ref(x, lab, *_):
+        return F.nll_loss(x, lab, weight=tw, reduction=reduction, ignore_index=ignore if ignore is not None else -100)
+
+    check_op("NegativeLogLikelihoodLoss", inputs, ref, wrt=["x"], **_attrs(reduction, ignore))
+
+
+def test_losses_give_labels_and_weights_no_gradient():
+    """Asking for the weights' gradient yields none: they are a non-differentiable input (like torch)."""
+    model = single_op_model("SoftmaxCrossEntropyLoss", [("x", r(4, 3)), ("labels", _labels((4, 3))),
+                                                         ("w", np.ones(3))])
+    training = gradbuilder.build_gradient_graph(model, wrt=["x", "w"], loss="y0")
+    meta = gradbuilder.read_metadata(training)
+    assert set(meta["gradients"]) == {"x"}
+    assert "non-differentiable" in meta["no_gradient"]["w"]
+
+
+@pytest.mark.parametrize("opset", [13, 22])
+def test_nll_opsets(opset):
+    shape = (4, 3)
+    labels = _labels(shape)
+    check_op("NegativeLogLikelihoodLoss", [("x", r(*shape)), ("labels", labels)],
+             lambda x, lab: F.nll_loss(x, lab), opset=opset)
