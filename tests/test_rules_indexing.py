@@ -173,3 +173,37 @@ def test_topk_dynamic():
     x = rng.permutation(12).reshape(3, 4) / 5.0
     check_dynamic({"x": [0, 1]}, "TopK", [("x", x), ("k", idx([3]))], lambda x, k: torch.topk(x, 3, dim=-1),
                   n_out=2, diff_outputs=[0])
+
+
+# --- every opset, float32 ---------------------------------------------------------------------------------
+def _sweep(opset, dtype):
+    x = np.asarray(rng.permutation(24).reshape(2, 3, 4) / 10.0, dtype=dtype)
+    index = [[0, 2], [2, -1]]
+    for axis in (0, 1):
+        check_op("Gather", [("x", x), ("i", idx([1, -1, 1]))], lambda x, axis=axis: _torch_gather(x, [1, -1, 1], axis),
+                 consts=["i"], opset=opset, axis=axis)
+    check_op("Gather", [("x", np.asarray(x[0, 0])), ("i", idx(index))], lambda x: _torch_gather(x, index, 0),
+             consts=["i"], opset=opset)  # rank-1 data
+    ge = np.array([[[1, 0, 2, 2]], [[0, 0, 1, -1]]], dtype=np.int64)
+    check_op("GatherElements", [("x", x), ("i", ge)], lambda x: torch.gather(x, 1, torch.from_numpy(ge % 3)),
+             consts=["i"], opset=opset, axis=1)
+    nd = [[[1, 0], [1, 0]], [[2, -1], [0, 2]]]
+    check_op("GatherND", [("x", x), ("i", idx(nd))], lambda x: _torch_gather_nd(x, nd, 1), consts=["i"],
+             opset=opset, batch_dims=1)
+    check_op("ScatterND", [("x", x), ("i", idx([[1], [0]])), ("u", np.asarray(x[::-1] + 1, dtype=dtype))],
+             lambda x, u: x.index_put((torch.tensor([1, 0]),), u), consts=["i"], opset=opset)
+    se = np.array([[[1, 0, 2, 2]], [[0, 2, 1, 0]]], dtype=np.int64)
+    check_op("ScatterElements", [("x", x), ("i", se), ("u", np.asarray(x[:, :1], dtype=dtype) + 1)],
+             lambda x, u: torch.scatter(x, 1, torch.from_numpy(se), u), consts=["i"], opset=opset, axis=1)
+    check_op("TopK", [("x", x), ("k", idx([2]))], lambda x: torch.topk(x, 2, dim=1), n_out=2, diff_outputs=[0],
+             consts=["k"], opset=opset, axis=1)
+
+
+@pytest.mark.parametrize("opset", range(13, 24))
+def test_every_opset(opset):
+    _sweep(opset, np.float64)
+
+
+def test_float32():
+    _sweep(14, np.float32)
+    _sweep(18, np.float32)

@@ -186,3 +186,29 @@ def test_cumsum(axis, exclusive, reverse):
 def test_cumsum_runtime_axis_dynamic():
     check_dynamic({"x": [0]}, "CumSum", [("x", r(3, 4)), ("a", np.array(1, dtype=np.int32))],
                   lambda x, a: _torch_cumsum(x, 1, 1, 0), exclusive=1)
+
+
+# --- every opset, float32 ---------------------------------------------------------------------------------
+REDUCTIONS = [("ReduceSum", SUM), ("ReduceMean", MEAN), ("ReduceL2", L2), ("ReduceL1", L1),
+              ("ReduceSumSquare", SUMSQ), ("ReduceLogSumExp", LSE),
+              ("ReduceProd", lambda x, d, k: x.prod(d[0], keepdim=bool(k))),
+              ("ReduceMax", lambda x, d, k: torch.amax(x, d, bool(k))),
+              ("ReduceMin", lambda x, d, k: torch.amin(x, d, bool(k)))]
+
+
+def _sweep(opset, dtype):
+    x = np.asarray(rng.permutation(24).reshape(2, 3, 4) / 10.0 + 0.05, dtype=dtype)  # distinct, no zeros
+    for op, fn in REDUCTIONS:
+        _reduce_check(op, fn, x, (-2,), 0, opset)
+    check_op("CumSum", [("x", x), ("a", np.array(1, dtype=np.int64))], lambda x: _torch_cumsum(x, 1, 0, 1),
+             consts=["a"], opset=opset, reverse=1)
+
+
+@pytest.mark.parametrize("opset", range(13, 24))
+def test_every_opset(opset):
+    _sweep(opset, np.float64)
+
+
+def test_float32():
+    _sweep(17, np.float32)
+    _sweep(20, np.float32)

@@ -301,3 +301,40 @@ def test_trilu(k, upper):
     fn = (lambda x: torch.triu(x, kk)) if upper else (lambda x: torch.tril(x, kk))
     inputs = [("x", r(2, 4, 5))] + ([("k", np.array(k, dtype=np.int64))] if k is not None else [])
     check_op("Trilu", inputs, fn, consts=["k"], opset=14, upper=upper)
+
+
+# --- every opset, float32 ---------------------------------------------------------------------------------
+def _sweep(opset, dtype):
+    x = r(2, 3, 4, dtype=dtype)
+    check_op("Reshape", [("x", x), ("s", i64(4, -1))], lambda x: x.reshape(4, -1), consts=["s"], opset=opset)
+    check_op("Transpose", [("x", x)], lambda x: x.permute(1, 0, 2), opset=opset, perm=[1, 0, 2])
+    check_op("Squeeze", [("x", r(2, 1, 3, dtype=dtype)), ("a", i64(1))], lambda x: x.squeeze(1), consts=["a"],
+             opset=opset)
+    check_op("Unsqueeze", [("x", x), ("a", i64(-1))], lambda x: x.unsqueeze(-1), consts=["a"], opset=opset)
+    check_op("Flatten", [("x", x)], lambda x: x.reshape(2, -1), opset=opset)
+    check_op("Expand", [("x", r(3, 1, dtype=dtype)), ("s", i64(2, 3, 4))], lambda x: x.expand(2, 3, 4),
+             consts=["s"], opset=opset)
+    check_op("Concat", [("a", x), ("b", r(2, 1, 4, dtype=dtype))], lambda a, b: torch.cat([a, b], 1), opset=opset,
+             axis=1)
+    attrs = {"num_outputs": 2} if opset >= 18 else {}
+    check_op("Split", [("x", x)], lambda x: torch.split(x, 2, 2), n_out=2, opset=opset, axis=2, **attrs)
+    sl = [("x", x), ("s", i64(1)), ("e", i64(4)), ("a", i64(2)), ("t", i64(2))]
+    check_op("Slice", sl, lambda x: x[:, :, 1::2], consts=["s", "e", "a", "t"], opset=opset)
+    check_op("Slice", sl[:4], lambda x: x[:, :, 1:], consts=["s", "e", "a"], opset=opset)
+    check_op("Tile", [("x", x), ("k", i64(1, 2, 1))], lambda x: x.repeat(1, 2, 1), consts=["k"], opset=opset)
+    pads = (0, 1, 2, 0, 2, 1)
+    for mode in ("constant", "reflect", "edge") + (("wrap",) if opset >= 19 else ()):
+        check_op("Pad", [("x", x), ("p", i64(*pads))], lambda x, mode=mode: _torch_pad(x, pads, mode), consts=["p"],
+                 opset=opset, mode=mode)
+    if opset >= 14:
+        check_op("Trilu", [("x", x)], torch.triu, opset=opset)
+
+
+@pytest.mark.parametrize("opset", range(13, 24))
+def test_every_opset(opset):
+    _sweep(opset, np.float64)
+
+
+def test_float32():
+    _sweep(17, np.float32)
+    _sweep(21, np.float32)
