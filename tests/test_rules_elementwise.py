@@ -251,6 +251,19 @@ def test_pow_integer_exponent(opset, const):
              consts=["b"] if const else [], opset=opset)
 
 
+@pytest.mark.parametrize("opset", [13, 15])
+def test_pow_bfloat16_base_float_exponent_graph_is_valid(opset):
+    """Pow-13 takes a bfloat16 base but no bfloat16 exponent: b - 1 must stay float."""
+    ins = [helper.make_tensor_value_info("a", TensorProto.BFLOAT16, [2, 3]),
+           helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])]
+    graph = helper.make_graph([helper.make_node("Pow", ["a", "b"], ["y"])], "g", ins,
+                              [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    training = gradbuilder.build_gradient_graph(model, wrt=["a", "b"])
+    onnx.checker.check_model(training, full_check=True)
+    assert set(gradbuilder.read_metadata(training)["gradients"]) == {"a", "b"}
+
+
 def test_pow_mixed_float_types():
     """Pow-15 lets the exponent be another float type: its gradient comes back in its own type."""
     a = f32(np.abs(r(3, 4)) + 0.3)

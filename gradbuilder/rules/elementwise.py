@@ -47,9 +47,12 @@ def compare(g: Grad, op: str, a: str, b: str, like: str | None = None) -> str:
     return g.op(op, *(g.Cast(t, to=TensorProto.FLOAT) for t in (a, b)))
 
 
-def cast_to(g: Grad, x: str, like: str) -> str:
-    """`x` cast to the element type of forward tensor `like` (CastLike when that type is unknown)."""
+def cast_to(g: Grad, x: str, like: str, x_like: str | None = None) -> str:
+    """`x` cast to the element type of forward tensor `like` (CastLike when that type is unknown); no cast
+    when `x` is known to have it already (it has the type of forward tensor `x_like`, default x itself)."""
     elem_type = g.dtype(like)
+    if elem_type and g.dtype(x_like or x) == elem_type:
+        return x
     if elem_type:
         return g.Cast(x, to=elem_type)
     if g.opset < 15:
@@ -167,7 +170,7 @@ def pow_(g: Grad) -> Grads:
         zero = g.const(0.0, like=a)
         base_zero = g.And(g.Equal(a, zero), compare(g, "GreaterOrEqual", b, g.const(0.0, like=b)))
         dlog = keep(g, g.Not(base_zero), g.Mul(y, g.Log(a)), like=a)
-        db = g.unbroadcast(cast_to(g, g.Mul(dy, dlog), like=b), like=b)
+        db = g.unbroadcast(cast_to(g, g.Mul(dy, dlog), like=b, x_like=a), like=b)
     return (da, db)
 
 
@@ -182,10 +185,9 @@ def _pow_base_grad(g: Grad, a: str, b: str, dy: str) -> str:
         coef = g.Mul(a, g.const(2.0, like=a)) if c == 2 else g.Mul(g.Pow(a, g.const(c - 1, like=a)),
                                                                    g.const(c, like=a))
         return g.Mul(dy, coef)
-    bb = cast_to(g, b, like=a)  # the exponent may have another type (int, double)
-    zero = g.const(0.0, like=a)
-    full = g.Mul(dy, g.Mul(bb, g.Pow(a, g.Sub(bb, g.const(1.0, like=a)))))
-    return keep(g, g.Not(g.Equal(bb, zero)), full, like=a)
+    # b - 1 stays in the exponent's own type (int, or float where Pow-13 takes no bfloat16 exponent)
+    full = g.Mul(dy, g.Mul(cast_to(g, b, like=a), g.Pow(a, g.Sub(b, g.const(1, like=b)))))
+    return keep(g, g.Not(g.Equal(b, g.const(0, like=b))), full, like=a)
 
 
 @rule("Erf", since=13)
@@ -318,10 +320,7 @@ def where_(g: Grad) -> Grads:
 @rule("Cast", since=13)
 def cast(g: Grad) -> Grads:
     """Float to float only (reachability stops at integer ends): the gradient is cast back."""
-    x = g.I(0)
-    if g.dtype(x) and g.dtype(x) == g.dtype(g.O(0)):
-        return (g.GO(0),)
-    return (cast_to(g, g.GO(0), like=x),)
+    return (cast_to(g, g.GO(0), like=g.I(0), x_like=g.O(0)),)
 
 
 @rule("CastLike", since=15, nondiff=(1,))
