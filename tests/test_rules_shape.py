@@ -8,6 +8,8 @@ import pytest
 import torch
 from harness import check_op
 
+import gradbuilder
+
 rng = np.random.default_rng(0)
 
 
@@ -220,20 +222,40 @@ def test_slice(starts, ends, axes, steps, opset):
     check_dynamic({"x": [0, 1, 2]}, "Slice", inputs, fn, consts=["s", "e", "a", "t"], opset=opset)
 
 
-def test_slice_runtime_starts():
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_slice_runtime_inputs(dtype):
     x = r(4, 6)
-    inputs = [("x", x), ("s", i64(1, -4)), ("e", i64(3, 100)), ("a", i64(0, 1)), ("t", i64(1, 2))]
-    check_op("Slice", inputs, lambda x, s, e: _torch_slice(x, (1, -4), (3, 100), (0, 1), (1, 2)),
-             consts=["a", "t"])
+    ref = lambda x: _torch_slice(x, (1, -4), (3, 100), (0, 1), (1, 2))  # noqa: E731
+    inputs = [("x", x), ("s", np.array([1, -4], dtype)), ("e", np.array([3, 100], dtype)),
+              ("a", np.array([0, 1], dtype)), ("t", np.array([1, 2], dtype))]
+    check_op("Slice", inputs, lambda x, s, e: ref(x), consts=["a", "t"])  # starts, ends at run time
+    check_op("Slice", inputs, lambda x, s, e, t: ref(x), consts=["a"])  # steps too
+    check_op("Slice", inputs, lambda x, s, e, a, t: ref(x))  # and the axes: flat positions
+    step1 = [("x", x), ("s", np.array([-3], dtype)), ("e", np.array([5], dtype)), ("a", np.array([1], dtype))]
+    check_dynamic({"x": [0, 1]}, "Slice", step1, lambda x, s: x[:, -3:5], consts=["e", "a"])
 
 
-def test_slice_uses_pad_when_static():
-    import gradbuilder
+def _slice_grad_ops(inputs, consts, dims=()):
+    model = harness.single_op_model("Slice", inputs, consts=consts)
+    if dims:
+        with symbolic_dims({"x": dims}):
+            model = harness.single_op_model("Slice", inputs, consts=consts)
+    nodes = [n.op_type for n in gradbuilder.build_gradient_graph(model, wrt=["x"]).graph.node]
+    return set(nodes[nodes.index("Yield") + 1:])  # the backward part
 
-    model = harness.single_op_model("Slice", [("x", r(3, 4)), ("s", i64(1)), ("e", i64(3)), ("a", i64(1))],
-                                    consts=["s", "e", "a"])
-    ops = [n.op_type for n in gradbuilder.build_gradient_graph(model, wrt=["x"]).graph.node]
-    assert "Pad" in ops and "ScatterElements" not in ops
+
+def test_slice_strategy():
+    """Pad for step 1 (static or not), per-axis ScatterND for other steps, flat positions only for run-time axes:
+    the costly fallback must stay the fallback."""
+    x = ("x", r(3, 4))
+    s, e, a, t = ("s", i64(1)), ("e", i64(3)), ("a", i64(1)), ("t", i64(2))
+    assert _slice_grad_ops([x, s, e, a], ["s", "e", "a"]) == {"Pad"}
+    dynamic = _slice_grad_ops([x, s, e, a], ["s", "e", "a"], dims=[0, 1])
+    assert "Pad" in dynamic and "Range" not in dynamic
+    steps = _slice_grad_ops([x, s, e, a, t], ["s", "e", "a", "t"], dims=[1])
+    assert "ScatterND" in steps and "ReduceProd" not in steps
+    flat = _slice_grad_ops([x, s, e, a, t], ["s", "e", "t"])
+    assert {"ScatterElements", "ReduceProd"} <= flat
 
 
 # --- pad ------------------------------------------------------------------------------------------------

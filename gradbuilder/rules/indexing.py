@@ -42,7 +42,7 @@ def as_tensor(g: Grad, v: int | str) -> str:
     return g.ints([v]) if isinstance(v, int) else v
 
 
-def _dims_of(g: Grad, x: str, order: Sequence[int]) -> str:
+def dims_of(g: Grad, x: str, order: Sequence[int]) -> str:
     """x's sizes in `order` as a 1-D int64 tensor (a constant when static)."""
     static = g.info(x).static_shape
     if static is not None:
@@ -50,26 +50,40 @@ def _dims_of(g: Grad, x: str, order: Sequence[int]) -> str:
     return g.Gather(g.shape_of(x), g.ints(list(order)))
 
 
-def _int64(g: Grad, t: str) -> str:
+def int64(g: Grad, t: str) -> str:
+    """Indices as int64, the one index type ScatterND and the Range comparisons accept."""
     return t if g.dtype(t) == TensorProto.INT64 else g.Cast(t, to=TensorProto.INT64)
 
 
-def _nonneg(g: Grad, index: str, size: int | str) -> str:
+def nonneg(g: Grad, index: str, size: int | str) -> str:
     """Indices with negative values counted from the end, as the gather did."""
     size_t = g.ints(size) if isinstance(size, int) else size
     return g.Where(g.Less(index, g.ints(0)), g.Add(index, size_t), index)
 
 
-def rows_adjoint(g: Grad, t: str, src: str, d: int | str, like: str) -> str:
+def rows_adjoint(g: Grad, t: str, src: str, d: int | str, like: str, *, add: bool = True) -> str:
     """Adjoint of reading rows: `t` [L, Q] holds rows `src` [L] (int64 in [0, d)) of a [d, Q] matrix;
-    return that [d, Q] matrix's gradient, rows read several times summed."""
-    if g.opset >= SCATTER_ADD_OPSET:
+    return that [d, Q] matrix's gradient, rows read several times summed. `add=False` promises the rows
+    are distinct, so a plain ScatterND does at every opset."""
+    if g.opset >= SCATTER_ADD_OPSET or not add:
         shape = g.Concat(as_tensor(g, d), g.Slice(g.Shape(t), g.ints([1]), g.ints([2])), axis=0)
-        return g.ScatterND(zeros(g, shape, like), g.unsqueeze(src, [1]), t, reduction="add")
+        return g.ScatterND(zeros(g, shape, like), g.unsqueeze(src, [1]), t, reduction="add" if add else None)
     n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
     rows = g.unsqueeze(g.Range(g.ints(0), n, g.ints(1)), [1])
     onehot = cast_like(g, g.Equal(rows, g.unsqueeze(src, [0])), like)  # [d, L]
     return g.MatMul(onehot, t)
+
+
+def axis_adjoint(g: Grad, t: str, axis: int, rank: int, src: str, d: int | str, like: str, *,
+                 add: bool = True) -> str:
+    """Adjoint of reading positions `src` along `axis` (of size d) of a rank-`rank` tensor: `t` is the
+    gradient of what was read; `rows_adjoint` with that axis moved to the front."""
+    front = [axis, *[j for j in range(rank) if j != axis]]
+    moved = g.Transpose(t, perm=front) if axis else t
+    summed = rows_adjoint(g, g.Flatten(moved, axis=1), src, d, like, add=add)
+    rest = g.Slice(g.Shape(moved), g.ints([1]), g.ints([rank]))
+    summed = g.Reshape(summed, g.Concat(as_tensor(g, d), rest, axis=0))
+    return g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]) if axis else summed
 
 
 @rule("Gather", nondiff=(1,))
@@ -80,14 +94,14 @@ def gather(g: Grad):
     r, q = g.require_rank(data), g.require_rank(g.I(1))
     a = int(g.attr("axis", 0)) % r
     d = size_along(g, data, a)
-    src = g.Reshape(_nonneg(g, _int64(g, g.I(1)), d), g.ints([-1]))
+    src = g.Reshape(nonneg(g, int64(g, g.I(1)), d), g.ints([-1]))
     if a:  # dy is data[:a] + indices + data[a+1:]
         dy = g.Transpose(dy, perm=[*range(a, a + q), *range(a), *range(a + q, r - 1 + q)])
     summed = rows_adjoint(g, g.Flatten(dy, axis=q), src, d, like=data)
     if not a:
         return (g.Reshape(summed, g.shape_of(data)),)
     front = [a, *range(a), *range(a + 1, r)]
-    summed = g.Reshape(summed, _dims_of(g, data, front))
+    summed = g.Reshape(summed, dims_of(g, data, front))
     return (g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]),)
 
 
@@ -103,8 +117,8 @@ def gather_nd(g: Grad):
         g.fail("the last dimension of the indices must be static")
     sizes = g.info(data).shape
     static = sizes is not None and all(isinstance(s, int) for s in sizes[: b + k])
-    block = _dims_of(g, data, range(b, b + k))
-    index = _nonneg(g, index, block)
+    block = dims_of(g, data, range(b, b + k))
+    index = nonneg(g, index, block)
     if static:
         rows_per_batch = int(np.prod(sizes[b : b + k], dtype=np.int64))
         strides = g.ints([int(np.prod(sizes[b + j + 1 : b + k], dtype=np.int64)) for j in range(k)])
@@ -116,7 +130,7 @@ def gather_nd(g: Grad):
     flat = g.ReduceSum(g.Mul(index, strides), g.ints([-1]), keepdims=0)
     total: int | str = rows_per_batch
     if b:
-        batch = _dims_of(g, data, range(b))
+        batch = dims_of(g, data, range(b))
         n_batch = g.ReduceProd(batch, keepdims=0)
         grid = g.Reshape(g.Range(g.ints(0), n_batch, g.ints(1)), g.Concat(batch, g.ints([1] * (q - 1 - b)), axis=0))
         flat = g.Add(flat, g.Mul(grid, as_tensor(g, rows_per_batch)))
@@ -133,7 +147,7 @@ def _scatter_add_elements_onehot(g: Grad, data: str, index: str, dy: str, axis: 
     ds, ids = g.info(data).shape, g.info(index).shape
     d = size_along(g, data, axis)
     n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
-    position = _nonneg(g, _int64(g, index), d)
+    position = nonneg(g, int64(g, index), d)
     onehot = cast_like(g, g.Equal(g.unsqueeze(position, [r]), g.Range(g.ints(0), n, g.ints(1))), data)
     summed = g.reduce_sum(g.Mul(onehot, g.unsqueeze(dy, [r])), [axis], keepdims=True)
     perm = list(range(r + 1))

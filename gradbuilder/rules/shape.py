@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .context import Grad
-from .indexing import as_tensor, rows_adjoint, size_along, zeros
+from .indexing import as_tensor, axis_adjoint, dims_of, int64, nonneg, size_along, zeros
 from .registry import rule
 
 
@@ -71,46 +71,86 @@ def split(g: Grad):
     return (g.Concat(*[g.GO_or_zeros(j) for j in outs], axis=int(g.attr("axis", 0))),)
 
 
-def _static_slice_pads(g: Grad) -> list[int] | None:
-    """Pads that put a step-1 slice back in place, when starts/ends/axes and the sliced sizes are static."""
-    x = g.I(0)
-    shape = g.info(x).shape
-    starts, ends = g.const_input(1), g.const_input(2)
-    axes = g.const_input(3) if g.I(3) is not None else None
-    steps = g.const_input(4) if g.I(4) is not None else None
-    if shape is None or starts is None or ends is None or (g.I(3) is not None and axes is None):
+def _slice_axes(g: Grad, rank: int | None) -> list[int] | None:
+    """The sliced axes, non-negative; None when they are only known at run time or the rank is unknown."""
+    if rank is None:
         return None
-    if g.I(4) is not None and (steps is None or np.any(steps != 1)):
-        return None
-    r = len(shape)
-    axes = list(range(len(starts))) if axes is None else [int(a) % r for a in axes.ravel()]
-    pads = [0] * (2 * r)
-    for a, s, e in zip(axes, starts.ravel().tolist(), ends.ravel().tolist()):
-        d = shape[a]
-        if not isinstance(d, int):
-            return None
-        s = min(max(s + d if s < 0 else s, 0), d)
-        e = min(max(e + d if e < 0 else e, 0), d)
-        pads[a], pads[a + r] = s, d - max(e, s)
-    return pads
+    if g.I(3) is None:
+        starts = g.const_input(1)
+        n = len(starts) if starts is not None else (g.info(g.I(1)).shape or (None,))[0]
+        return list(range(n)) if isinstance(n, int) else None
+    axes = g.const_input(3)
+    return None if axes is None else [int(a) % rank for a in axes.ravel()]
 
 
-@rule("Slice", nondiff=(1, 2, 3, 4))
-def slice_(g: Grad):
-    """Zeros with the gradient put back where the slice read. Static step-1 slices are one Pad; anything
-    else (steps, run-time starts, dynamic sizes) slices a tensor of flat positions the same way and
-    scatters the gradient to them, so ONNX's own clamping rules decide where it goes."""
+def _unit_steps(g: Grad) -> bool:
+    steps = g.const_input(4)
+    return g.I(4) is None or (steps is not None and bool(np.all(steps == 1)))
+
+
+def _slice_pads(g: Grad, axes: list[int], rank: int) -> str:
+    """Pads putting a step-1 slice back in place: begin = the clamped start, end = what is left after the
+    slice. Numbers when starts, ends and the sliced sizes are static, else computed at run time."""
     x, dy = g.I(0), g.GO(0)
-    pads = _static_slice_pads(g)
-    if pads is not None:
-        return (g.Pad(dy, g.ints(pads)) if any(pads) else dy,)
+    shape, starts, ends = g.info(x).shape, g.const_input(1), g.const_input(2)
+    if starts is not None and ends is not None and all(isinstance(shape[a], int) for a in axes):
+        pads = [0] * (2 * rank)
+        for a, s, e in zip(axes, starts.ravel().tolist(), ends.ravel().tolist()):
+            d = shape[a]
+            s = min(max(s + d if s < 0 else s, 0), d)
+            e = min(max(e + d if e < 0 else e, 0), d)
+            pads[a], pads[a + rank] = s, d - max(e, s)
+        return g.ints(pads)
+    d = dims_of(g, x, axes)
+    begin = g.Min(g.Max(nonneg(g, int64(g, g.I(1)), d), g.ints(0)), d)
+    end = g.Sub(g.Sub(d, begin), g.Gather(g.Shape(dy), g.ints(axes)))
+    where = g.ints([*axes, *[a + rank for a in axes]])
+    return g.ScatterElements(g.ints([0] * (2 * rank)), where, g.Concat(begin, end, axis=0), axis=0)
+
+
+def _slice_input(g: Grad, i: int, k: int) -> str | None:
+    """Entry k of Slice input i (starts, ends, steps) as a 1-element int64 tensor."""
+    if g.I(i) is None:
+        return None
+    value = g.const_input(i)
+    if value is not None:
+        return g.ints([int(value.ravel()[k])])
+    return int64(g, g.Gather(g.I(i), g.ints([k])))
+
+
+def _slice_flat(g: Grad) -> str:
+    """Any slice, even with run-time axes: slice a tensor of flat positions the same way and scatter the
+    gradient there. Costs an int64 tensor the size of x, hence the last resort."""
+    x, dy = g.I(0), g.GO(0)
     shape = g.shape_of(x)
     n = g.ReduceProd(shape, keepdims=0)
     positions = g.Reshape(g.Range(g.ints(0), n, g.ints(1)), shape)
     picked = g.Slice(positions, *g.node.input[1:])
     flat = g.ScatterElements(zeros(g, g.Reshape(n, g.ints([1])), x), g.Reshape(picked, g.ints([-1])),
                              g.Reshape(dy, g.ints([-1])), axis=0)
-    return (g.Reshape(flat, shape),)
+    return g.Reshape(flat, shape)
+
+
+@rule("Slice", nondiff=(1, 2, 3, 4))
+def slice_(g: Grad):
+    """Zeros with the gradient put back where the slice read. Step 1: one Pad. Other steps: per sliced
+    axis, Slice 0..d-1 the same way (so ONNX's own clamping rules say which positions were read) and
+    scatter there. Run-time axes: the flat-position fallback."""
+    x, dy = g.I(0), g.GO(0)
+    rank = g.rank(x)
+    axes = _slice_axes(g, rank)
+    if axes is None:
+        return (_slice_flat(g),)
+    if _unit_steps(g):
+        return (g.Pad(dy, _slice_pads(g, axes, rank)),)
+    t = dy
+    for k, a in enumerate(axes):
+        d = size_along(g, x, a)
+        n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
+        src = g.Slice(g.Range(g.ints(0), n, g.ints(1)), _slice_input(g, 1, k), _slice_input(g, 2, k),
+                      g.ints([0]), _slice_input(g, 4, k))
+        t = axis_adjoint(g, t, a, rank, src, d, like=x, add=False)
+    return (t,)
 
 
 @rule("Tile", nondiff=(1,))
@@ -148,7 +188,7 @@ def _axis_positions(g: Grad, x: str, a: int, pads: str, mode: str) -> tuple[str,
 def pad(g: Grad):
     """Constant mode: the adjoint is the Pad with negated pads (cropping what was added, zero-filling what
     was cropped). Other modes copy input elements to several places: the adjoint sums them back, one axis
-    at a time (`indexing.rows_adjoint`)."""
+    at a time (`indexing.axis_adjoint`)."""
     x, dy, pads_in, axes_in = g.I(0), g.GO(0), g.I(1), g.I(3)
     mode = g.attr("mode", "constant")
     pads = g.const_input(1)
@@ -173,10 +213,5 @@ def pad(g: Grad):
         else:
             axis_pads = g.Gather(pads_in, g.ints([i, i + k]))
         src, d = _axis_positions(g, x, a, axis_pads, mode)
-        front = [a, *[j for j in range(r) if j != a]]
-        moved = g.Transpose(t, perm=front) if a else t
-        summed = rows_adjoint(g, g.Flatten(moved, axis=1), src, d, like=x)
-        rest = g.Slice(g.Shape(moved), g.ints([1]), g.ints([r]))
-        summed = g.Reshape(summed, g.Concat(as_tensor(g, d), rest, axis=0))
-        t = g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]) if a else summed
+        t = axis_adjoint(g, t, a, r, src, d, like=x)
     return (t,)
