@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import harness
 import numpy as np
+import onnx
 import pytest
 import torch
 from harness import check_op
 from onnx.reference import ReferenceEvaluator
+from test_models import check as check_model
+from torch import nn
+
+import gradbuilder
 
 T, B, I, H = 4, 3, 5, 3
 ACT = {"Sigmoid": torch.sigmoid, "Tanh": torch.tanh, "Relu": torch.relu}
@@ -74,6 +79,8 @@ def reference(op, direction="forward", layout=0, acts=None, lbr=0):
                 inside = torch.ones(batch, 1, dtype=torch.bool) if lens is None else (t < lens)[:, None]
                 h, c = torch.where(inside, hn, h), torch.where(inside, cn, c)
                 out[t] = torch.where(inside, hn, torch.zeros_like(hn))
+            if lens is not None:  # onnxruntime: the last state of an empty sequence is 0, not the initial one
+                h, c = (torch.where((lens > 0)[:, None], s, torch.zeros_like(s)) for s in (h, c))
             ys.append(torch.stack(out))
             hs.append(h)
             cs.append(c)
@@ -172,7 +179,7 @@ def test_layout_1(op, forward_on_reference):
 
 @pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
 def test_sequence_lens(op):
-    ins = inputs(op, 2, h0=True, c0=True, peep=op == "LSTM", lens=[T, 2, 1])
+    ins = inputs(op, 2, h0=True, c0=True, peep=op == "LSTM", lens=[T, 2, 1, 0], batch=4)
     run(op, ins, direction="bidirectional")
 
 
@@ -193,3 +200,105 @@ def test_lstm_other_activations():
 @pytest.mark.parametrize("opset", [13, 14, 23])
 def test_opsets(opset):
     run("LSTM", inputs("LSTM", 2, h0=True, c0=True), direction="bidirectional", opset=opset)
+
+
+# --- graphs check_op does not build --------------------------------------------------------------------
+
+def _grads(model, ins, ref_fn, outputs, cot_seed=1):
+    """Training graph of `model` on onnxruntime vs torch autograd through `ref_fn`; `outputs` says which of
+    ref_fn's results the graph outputs are. Returns onnxruntime's gradients."""
+    assert len(outputs) == len(model.graph.output)
+    feeds = {n: v for n, v in ins if v is not None}
+    wrt = [n for n, v in feeds.items() if v.dtype.kind == "f"]
+    training = gradbuilder.build_gradient_graph(model, wrt=wrt)
+    onnx.checker.check_model(training, full_check=True)
+    trainer = harness.Trainer(training)
+    outs, _ = trainer.run_forward(feeds)
+    crng = np.random.default_rng(cot_seed)
+    cot = [np.asarray(crng.standard_normal(o.shape), np.float32) for o in outs]
+    _, grads = trainer.step(feeds, cot)
+    tin = {n: torch.from_numpy(v.astype(np.float64) if n in wrt else v).requires_grad_(n in wrt)
+           for n, v in feeds.items()}
+    ty = ref_fn(*(tin.get(n) for n, _ in ins))
+    for o, j in zip(outs, outputs):
+        np.testing.assert_allclose(o, ty[j].detach().numpy(), rtol=2e-4, atol=1e-4)
+    ref = torch.autograd.grad([ty[j] for j in outputs], [tin[n] for n in wrt],
+                              [torch.from_numpy(c.astype(np.float64)) for c in cot])
+    for n, r in zip(wrt, ref):
+        np.testing.assert_allclose(grads[n], r.numpy(), rtol=2e-4, atol=1e-4, err_msg=f"gradient of {n}")
+    return grads
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_without_y_output(op):
+    """Only Y_h (and Y_c) leave the node: backward reruns the op for the hidden states it reads."""
+    ins = inputs(op, 2, h0=True, c0=True, peep=op == "LSTM")
+    model = harness.single_op_model(op, ins, 3 if op == "LSTM" else 2, hidden_size=H, direction="bidirectional")
+    model.graph.node[0].output[0] = ""
+    del model.graph.output[0]
+    outputs = [1, 2] if op == "LSTM" else [1]
+    _grads(model, ins, reference(op, "bidirectional"), outputs)
+
+
+def _dynamic(model, dims):
+    """The model with its inputs' dims named (dims: input -> names per axis, None keeps the size)."""
+    for vi in model.graph.input:
+        for d, name in zip(vi.type.tensor_type.shape.dim, dims.get(vi.name, ())):
+            if name is not None:
+                d.dim_param = name
+    for vi in model.graph.output:
+        for d in vi.type.tensor_type.shape.dim:
+            d.Clear()
+    return model
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_dynamic_time_and_batch(op):
+    """One training graph, built with symbolic sequence length and batch, runs at other sizes."""
+    ins = inputs(op, 2, h0=True, c0=True, lens=[T, 2, 1])
+    model = harness.single_op_model(op, ins, 3 if op == "LSTM" else 2, hidden_size=H, direction="bidirectional")
+    model = _dynamic(model, {"x": ["T", "B"], "lens": ["B"], "h0": [None, "B"], "c0": [None, "B"]})
+    for steps, batch in ((2, 5), (6, 1)):
+        ins = inputs(op, 2, h0=True, c0=True, lens=np.arange(batch) % steps + 1, batch=batch, steps=steps)
+        _grads(model, ins, reference(op, "bidirectional"), [0, 1, 2] if op == "LSTM" else [0, 1])
+
+
+@pytest.mark.parametrize("attrs,match", [
+    ({"clip": 3.0}, "clip"),
+    ({"input_forget": 1}, "input_forget"),
+    ({"activations": ["Sigmoid", "Elu", "Tanh"]}, "activation 'Elu' is not supported"),
+    ({"activations": ["Sigmoid", "Tanh"]}, "needs 3 per direction"),
+])
+def test_unsupported_attributes_fail_clearly(attrs, match):
+    model = harness.single_op_model("LSTM", inputs("LSTM"), 3, hidden_size=H, **attrs)
+    with pytest.raises(gradbuilder.errors.RuleError, match=match):
+        gradbuilder.build_gradient_graph(model, wrt=["x", "w"])
+
+
+# --- what torch exports -----------------------------------------------------------------------------
+
+class Classifier(nn.Module):
+    """A recurrent layer read at its last step (both exporters emit the ONNX op for LSTM and GRU;
+    the dynamo exporter unrolls RNN into MatMul/Tanh)."""
+
+    def __init__(self, kind: str, **kw):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(4, 6, batch_first=True, **kw)
+        self.fc = nn.Linear(6 * (2 if kw.get("bidirectional") else 1), 3)
+
+    def forward(self, x, y):
+        out, _ = self.rnn(x)
+        logits = self.fc(out[:, -1])
+        return nn.functional.cross_entropy(logits, y), logits
+
+
+@pytest.mark.parametrize("kind,kw,dynamo", [
+    ("LSTM", {}, False), ("LSTM", {"bidirectional": True, "num_layers": 2}, False), ("GRU", {"bias": False}, False),
+    ("GRU", {"bidirectional": True}, False), ("RNN", {"nonlinearity": "relu"}, False),
+    ("LSTM", {"bidirectional": True}, True)])  # the dynamo exporter takes 10-20 s a model: one is enough
+def test_exported(kind, kw, dynamo):
+    torch.manual_seed(0)
+    args = (torch.randn(3, 5, 4), torch.randint(0, 3, (3,)))
+    training, _ = check_model(Classifier(kind, **kw), args, dynamo)
+    ops = {n.op_type for n in training.graph.node}
+    assert kind in ops or (kind == "RNN" and dynamo)

@@ -261,6 +261,10 @@ def _recurrent(g: Grad, spec: _Spec, cell: Callable[[Grad, _Seq], _Back]) -> Gra
     dy = _time_major(g, g.GO(0), [1, 2, 0, 3], lay)
     h0, c0, dyh, dyc = (_time_major(g, t, [1, 0, 2], lay) for t in (g.I(5), g.I(6), g.GO(1), g.GO(2)))
     mask, mask_next = _masks(g, spec)
+    if mask is not None:  # onnxruntime gives Y_h = Y_c = 0 (not the initial state) for an empty sequence
+        nonempty = g.Gather(mask, g.ints(0), axis=0)
+        zero = g.const(0.0, like=g.I(0))
+        dyh, dyc = (t and g.Where(nonempty, t, zero) for t in (dyh, dyc))
     zeros = _zeros_bh(g, spec) if None in (h0, dyh) or (spec.gates == 4 and None in (c0, dyc)) else ""
     gh = spec.gates * spec.hidden
     b = g.I(3)
