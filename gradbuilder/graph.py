@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+from google.protobuf.message import Message
 from onnx import TensorProto
 
 from .errors import InvalidModelError, ModelLoadError
@@ -55,8 +56,13 @@ class TensorInfo:
 UNKNOWN = TensorInfo()
 
 
+KNOWN_TYPES = frozenset(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
+
+
 def type_name(elem_type: int) -> str:
-    return TensorProto.DataType.Name(elem_type) if elem_type else "unknown"
+    if not elem_type:
+        return "unknown"
+    return TensorProto.DataType.Name(elem_type) if elem_type in KNOWN_TYPES else f"type {elem_type} (not an ONNX type)"
 
 
 def info_from_type(tp: onnx.TypeProto) -> TensorInfo:
@@ -90,16 +96,24 @@ def load_model(model: onnx.ModelProto | str | os.PathLike | bytes, *, copy: bool
         return out
     if isinstance(model, bytes):
         try:
-            return onnx.load_from_string(model)
+            loaded = onnx.load_from_string(model)
         except Exception as e:  # protobuf raises a zoo of types
             raise ModelLoadError(f"the bytes given are not a serialized ONNX model ({e}).") from e
+        return _require_graph(loaded, "the bytes given")
     path = Path(model)
     if path.is_dir():
         raise ModelLoadError(f"{path}: is a directory; give the path of the .onnx file itself.")
-    if not path.is_file():
+    if not path.exists():
         raise ModelLoadError(f"{path}: no such file.")
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: not a regular file (a device, socket or pipe); give the path of an .onnx file.")
     if path.stat().st_size == 0:
         raise ModelLoadError(f"{path}: the file is empty (0 bytes); it is not an ONNX model.")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read it ({e.strerror or e}).") from e
     try:
         loaded = onnx.load(str(path), load_external_data=True)
     except FileNotFoundError as e:
@@ -108,13 +122,25 @@ def load_model(model: onnx.ModelProto | str | os.PathLike | bytes, *, copy: bool
             "Keep the .onnx file next to its external data files."
         ) from e
     except Exception as e:
-        raise ModelLoadError(
-            f"{path}: not a readable ONNX model ({type(e).__name__}: {e}). "
-            "The file may be truncated or not an ONNX protobuf at all."
-        ) from e
-    if not loaded.HasField("graph") or (not loaded.graph.node and not loaded.graph.output):
-        raise ModelLoadError(f"{path}: the file parsed but holds no graph; is it really an ONNX model?")
-    return loaded
+        external = "external data" in str(e).lower() or "data_location" in str(e).lower()
+        hint = ("Its external data references are broken: they must name files in the model's directory, "
+                "and those files must hold the bytes the model says they do." if external else
+                "The file may be truncated or not an ONNX protobuf at all.")
+        raise ModelLoadError(f"{path}: not a readable ONNX model ({type(e).__name__}: {_first_line(e)}). {hint}") from e
+    return _require_graph(loaded, str(path))
+
+
+def _first_line(e: BaseException) -> str:
+    """onnx's checker messages carry a multi-line context; the CLI prints one paragraph."""
+    return str(e).strip().split("\n", 1)[0].rstrip(".")
+
+
+def _require_graph(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
+    # protobuf happily parses many byte strings as a ModelProto full of unknown fields
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise ModelLoadError(f"{what}: the contents parse as protobuf but hold no ONNX graph; is it really an "
+                             "ONNX model?")
+    return model
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -123,7 +149,7 @@ def default_opset(model: onnx.ModelProto) -> int:
             return op.version
     raise InvalidModelError(
         "the model imports no version of the default ONNX domain (opset_import has no '' entry); "
-        "re-export it with an opset between 13 and the latest."
+        f"re-export it with an opset between {MIN_OPSET} and {onnx.defs.onnx_opset_version()}."
     )
 
 
@@ -151,11 +177,7 @@ class ForwardGraph:
         self.model = model
         self.graph = model.graph
         self.opset = default_opset(model)
-        if self.opset < MIN_OPSET:
-            raise InvalidModelError(
-                f"the model uses opset {self.opset}; gradbuilder supports opset {MIN_OPSET} and later. "
-                "Convert it with onnx.version_converter.convert_version(model, 17)."
-            )
+        _check_versions(model, self.opset)
         self.nodes: list[onnx.NodeProto] = list(self.graph.node)
         self.initializers: dict[str, TensorProto] = {t.name: t for t in self.graph.initializer}
         self.inputs: list[str] = [i.name for i in self.graph.input]
@@ -163,7 +185,11 @@ class ForwardGraph:
         self.producer: dict[str, int] = {}
         self.consumers: dict[str, list[tuple[int, int]]] = {}
         self.hidden_inputs: dict[int, set[str]] = {}
+        _check_interface(self.graph)
         self._index()
+        _check_nodes(model, self.nodes)
+        for t in self.graph.initializer:
+            _check_tensor(t, f"initializer '{t.name}'")
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
 
     def _index(self) -> None:
@@ -181,7 +207,7 @@ class ForwardGraph:
                 hidden = subgraph_free_names(node)
                 for name in sorted(hidden):
                     if name not in defined:
-                        self._undefined(node, name)
+                        self._undefined(node, name, hidden=True)
                     self.consumers.setdefault(name, []).append((k, -1))
                 self.hidden_inputs[k] = hidden
             for name in node.output:
@@ -197,17 +223,30 @@ class ForwardGraph:
         for name in self.outputs:
             if name not in defined:
                 raise InvalidModelError(
-                    f"graph output '{name}' is produced by no node and is neither an input nor an initializer."
+                    f"graph output '{name}' is produced by no node and is neither an input nor an initializer; "
+                    "fix its name or remove it from the graph outputs."
                 )
 
-    def _undefined(self, node: onnx.NodeProto, name: str) -> None:
-        later = any(name in n.output for n in self.nodes)
-        why = (
-            "it is produced later: the nodes are not in topological order, or the graph has a cycle"
-            if later
-            else "no node, graph input or initializer defines it (a dangling input)"
+    def _undefined(self, node: onnx.NodeProto, name: str, *, hidden: bool = False) -> None:
+        reads = f"reads tensor '{name}'" + (" inside its subgraph" if hidden else "")
+        later = next((n for n in self.nodes if name in n.output), None)
+        if later is None:
+            raise InvalidModelError(
+                f"node {describe(node)} {reads}, but no node, graph input or initializer defines it (a dangling "
+                f"input). Add '{name}' as a graph input or initializer, or fix the node's input name."
+            )
+        cycle = find_cycle(self.nodes)
+        if cycle:
+            path = " -> ".join(describe(n) for n in [*cycle, cycle[0]])
+            raise InvalidModelError(
+                f"the graph has a cycle: {path}. ONNX graphs must be acyclic; the model is damaged or was exported "
+                "wrongly (a loop must be a Loop or Scan node)."
+            )
+        raise InvalidModelError(
+            f"node {describe(node)} {reads}, which node {describe(later)} produces after it: the nodes are not in "
+            "topological order, as ONNX requires. Sort them, e.g. with onnx_ir: m = onnx_ir.load(path); "
+            "m.graph.sort(); onnx_ir.save(m, path)."
         )
-        raise InvalidModelError(f"node {describe(node)} reads tensor '{name}', but {why}.")
 
     def _declared_types(self) -> dict[str, TensorInfo]:
         info: dict[str, TensorInfo] = {}
@@ -219,7 +258,8 @@ class ForwardGraph:
 
     def _infer_types(self) -> dict[str, TensorInfo]:
         try:
-            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False, data_prop=True)
+            inferred = onnx.shape_inference.infer_shapes(without_weights(self.model), strict_mode=False,
+                                                         data_prop=True)
             graph = inferred.graph
         except Exception:  # inference is a help, never a requirement
             return self._declared_types()
@@ -228,7 +268,7 @@ class ForwardGraph:
             declared = info_from_type(vi.type)
             if declared.elem_type or vi.name not in info:
                 info[vi.name] = declared
-        for t in graph.initializer:
+        for t in self.graph.initializer:
             info[t.name] = TensorInfo(t.data_type, tuple(t.dims))
         return info
 
@@ -237,6 +277,209 @@ class ForwardGraph:
 
     def all_names(self) -> set[str]:
         return set(self.inputs) | set(self.initializers) | set(self.producer)
+
+
+def _check_versions(model: onnx.ModelProto, opset: int) -> None:
+    latest = onnx.defs.onnx_opset_version()
+    if opset < MIN_OPSET:
+        raise InvalidModelError(
+            f"the model uses opset {opset}; gradbuilder supports opset {MIN_OPSET} and later. "
+            "Convert it with onnx.version_converter.convert_version(model, 17)."
+        )
+    if opset > latest:
+        raise InvalidModelError(
+            f"the model imports opset {opset} of the default domain, but the newest ONNX opset (onnx "
+            f"{onnx.__version__}) is {latest}; the opset_import is wrong. Re-export it with a real opset."
+        )
+    if model.ir_version <= 0:
+        raise InvalidModelError(
+            "the model has no IR version (ir_version is 0), so no runtime will load it; set "
+            f"model.ir_version (onnx {onnx.__version__} writes {onnx.IR_VERSION}) or re-export it."
+        )
+    if model.ir_version > onnx.IR_VERSION:
+        raise InvalidModelError(
+            f"the model has IR version {model.ir_version}, newer than onnx {onnx.__version__} reads "
+            f"({onnx.IR_VERSION}); upgrade onnx or re-export the model for an older IR version."
+        )
+
+
+def _check_interface(graph: onnx.GraphProto) -> None:
+    """Outputs, inputs and declared types: what the builder and the runtime take at face value."""
+    if not graph.output:
+        raise InvalidModelError(
+            "the graph has no outputs, so nothing depends on its parameters and there is nothing to "
+            "differentiate; add the loss or the module outputs as graph outputs."
+        )
+    seen: set[str] = set()
+    for vi in graph.input:
+        if vi.name in seen:
+            raise InvalidModelError(f"graph input '{vi.name}' is listed twice; remove the duplicate.")
+        seen.add(vi.name)
+    if graph.sparse_initializer:
+        raise InvalidModelError(
+            f"the graph has sparse initializers ('{graph.sparse_initializer[0].values.name}'), which gradbuilder "
+            "does not support; store them as dense initializers."
+        )
+    for kind, vis in (("graph input", graph.input), ("graph output", graph.output), ("value_info", graph.value_info)):
+        for vi in vis:
+            if not vi.name:
+                raise InvalidModelError(f"a {kind} has an empty name; give every graph input and output a name.")
+            t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if t is not None and t.elem_type and t.elem_type not in KNOWN_TYPES:
+                raise InvalidModelError(
+                    f"{kind} '{vi.name}' has element type {t.elem_type}, which is not an ONNX type; fix its "
+                    "declaration or re-export the model."
+                )
+
+
+def _checker_context(model: onnx.ModelProto) -> onnx.checker.C.CheckerContext:
+    ctx = onnx.checker.C.CheckerContext()
+    ctx.ir_version = model.ir_version
+    opsets = {op.domain: op.version for op in reversed(model.opset_import)}  # the first entry wins, as above
+    default = opsets.get("", opsets.get("ai.onnx"))
+    if default is not None:
+        opsets.setdefault("", default)
+        opsets.setdefault("ai.onnx", default)
+    ctx.opset_imports = opsets
+    return ctx
+
+
+def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> None:
+    """onnx's schema check per node: unknown ops, attribute names and types, input and output counts.
+
+    The rules read attributes and inputs by position, so a node that breaks its schema must stop here, with
+    its name, rather than deep inside a rule. Control-flow nodes are skipped: their bodies read outer names
+    the checker cannot be told about, and their bodies are never differentiated.
+    """
+    ctx = _checker_context(model)
+    for node in nodes:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            continue
+        try:
+            onnx.checker.check_node(node, ctx)
+        except onnx.checker.ValidationError as e:
+            why = _first_line(e)
+            if why.startswith("No Op registered") and node.domain in ("", "ai.onnx"):
+                todo = ("If it is a custom op, give it a domain of its own (and an opset_import for that domain); "
+                        "otherwise re-export the model")
+            elif why.startswith("No opset import for domain"):
+                todo = f"Add an opset_import entry for domain '{node.domain}'"
+            else:
+                todo = "Fix the node or re-export the model (onnx.checker.check_model reports the same)"
+            raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
+
+
+TENSOR_CHECK_LIMIT = 16 * 2**20
+"""Tensors up to this size go through onnx.checker.check_tensor (which copies them); bigger ones get a size check."""
+
+
+def _check_tensor(t: TensorProto, what: str) -> None:
+    """A tensor whose bytes do not match its type and shape would make a rule or the runtime fail obscurely."""
+    fix = "the model is damaged; re-export it"
+    if t.data_type not in KNOWN_TYPES:
+        raise InvalidModelError(f"{what} has element type {type_name(t.data_type)}; {fix}.")
+    if any(d < 0 for d in t.dims):
+        raise InvalidModelError(f"{what} has a negative dimension {list(t.dims)}; {fix}.")
+    if t.data_location == TensorProto.EXTERNAL:
+        where = next((e.value for e in t.external_data if e.key == "location"), "?")
+        raise InvalidModelError(
+            f"{what} still refers to external data ('{where}') that was not loaded; pass the model's path, or "
+            "load it with onnx.load(path) (load_external_data=True), so its weights come along."
+        )
+    if t.ByteSize() <= TENSOR_CHECK_LIMIT:
+        try:
+            onnx.checker.check_tensor(t, onnx.checker.DEFAULT_CONTEXT)
+        except onnx.checker.ValidationError as e:
+            raise InvalidModelError(f"{what} is not a valid tensor: {_first_line(e)}; {fix}.") from None
+    if t.HasField("raw_data") and t.data_type in FIXED_SIZE_TYPES:
+        numel = 1
+        for d in t.dims:
+            numel *= d
+        want, have = numel * FIXED_SIZE_TYPES[t.data_type], len(t.raw_data)
+        if want != have:
+            raise InvalidModelError(
+                f"{what} holds {have:,} bytes, but its type {type_name(t.data_type)} and shape {list(t.dims)} take "
+                f"{want:,}; {fix}."
+            )
+
+
+FIXED_SIZE_TYPES = {
+    dt: onnx.helper.tensor_dtype_to_np_dtype(dt).itemsize
+    for dt in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.INT8,
+               TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8, TensorProto.UINT16,
+               TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL, TensorProto.COMPLEX64,
+               TensorProto.COMPLEX128)
+}
+
+
+def find_cycle(nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The nodes of one cycle in the producer -> consumer relation, in order; [] when there is none."""
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    deps = [sorted({producer[x] for x in [*n.input, *subgraph_free_names(n)] if x in producer}) for n in nodes]
+    state = [0] * len(nodes)  # 0 new, 1 on the current path, 2 done
+    for start in range(len(nodes)):
+        if state[start]:
+            continue
+        path, stack = [], [(start, iter(deps[start]))]
+        state[start] = 1
+        path.append(start)
+        while stack:
+            k, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                state[k] = 2
+            elif state[nxt] == 1:
+                cycle = path[path.index(nxt):]
+                return [nodes[j] for j in reversed(cycle)]
+            elif state[nxt] == 0:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(deps[nxt])))
+    return []
+
+
+def _repeated(fd: object) -> bool:
+    rep = getattr(fd, "is_repeated", None)
+    return bool(rep) if rep is not None else fd.label == fd.LABEL_REPEATED  # type: ignore[attr-defined]
+
+
+def _copy_fields(src: Message, dst: Message, skip: frozenset[str] = frozenset()) -> None:
+    for fd, value in src.ListFields():
+        if fd.name in skip:
+            continue
+        if _repeated(fd):
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+WEIGHT_BYTES = 2**20
+"""Initializers at least this big are weights, not shape constants: inference does not need their values."""
+
+
+def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` in which big initializers are graph inputs of the same type and shape.
+
+    Shape inference serializes the model, which protobuf refuses above 2 GB, and copying the weights
+    only to learn their (already declared) shapes is waste; small constants keep their values for data
+    propagation (Reshape shapes, Slice starts).
+    """
+    out = onnx.ModelProto()
+    _copy_fields(model, out, frozenset({"graph"}))
+    g = model.graph
+    _copy_fields(g, out.graph, frozenset({"initializer", "input"}))
+    inputs = {vi.name for vi in g.input}
+    out.graph.input.extend(g.input)
+    for t in g.initializer:
+        if t.ByteSize() < WEIGHT_BYTES:
+            out.graph.initializer.append(t)
+        elif t.name not in inputs:
+            out.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return out
 
 
 def describe(node: onnx.NodeProto) -> str:
