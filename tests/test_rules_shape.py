@@ -360,3 +360,51 @@ def test_every_opset(opset):
 def test_float32():
     _sweep(17, np.float32)
     _sweep(21, np.float32)
+
+
+# --- non-differentiable ops -------------------------------------------------------------------------------
+def test_nondiff_list_is_registered_from_the_ops_first_opset():
+    from gradbuilder.rules import lookup
+    from gradbuilder.rules.nondiff import NONDIFFERENTIABLE
+
+    for op in NONDIFFERENTIABLE:
+        rule = next(rr for rr in gradbuilder.rules.all_rules() if rr.op_type == op)
+        assert rule.all_nondiff and rule.fn is None, op
+        onnx.defs.get_schema(op, rule.since)  # the op exists at the first opset its entry claims
+        if rule.since > 13:
+            with pytest.raises(onnx.defs.SchemaError):
+                onnx.defs.get_schema(op, rule.since - 1)
+        assert lookup(op, 23) is rule
+
+
+def _times_nondiff(op, x, **attrs):
+    """y = x * op(x): the op's edge carries no gradient, so dy/dx = op(x), as torch says for floor & co."""
+    nodes = [onnx.helper.make_node(op, ["x"], ["m"], **attrs), onnx.helper.make_node("Mul", ["x", "m"], ["y"])]
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", 11, list(x.shape))],
+                                   [onnx.helper.make_tensor_value_info("y", 11, list(x.shape))])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y"])
+    onnx.checker.check_model(training, full_check=True)
+    dy = r(*x.shape)
+    _, grads = harness.Trainer(training).step({"x": x}, [dy])
+    return grads["x"], dy
+
+
+@pytest.mark.parametrize("op,fn", [("Floor", torch.floor), ("Ceil", torch.ceil), ("Round", torch.round),
+                                   ("Sign", torch.sign), ("EyeLike", lambda t: torch.eye(*t.shape, dtype=t.dtype))])
+def test_nondiff_edge_carries_no_gradient(op, fn):
+    x = r(3, 4) * 3
+    t = torch.from_numpy(x).requires_grad_(True)
+    grad, dy = _times_nondiff(op, x)
+    (ref,) = torch.autograd.grad(t * fn(t), t, torch.from_numpy(dy))
+    np.testing.assert_allclose(grad, ref.numpy(), rtol=1e-12)
+
+
+def test_nondiff_only_path_gives_no_gradient_and_says_why():
+    nodes = [onnx.helper.make_node("Floor", ["x"], ["y"])]
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", 11, [3])],
+                                   [onnx.helper.make_tensor_value_info("y", 11, [3])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    meta = gradbuilder.read_metadata(gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y"]))
+    assert meta["gradients"] == {}
+    assert "Floor" in meta["no_gradient"]["x"]
