@@ -60,6 +60,13 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or not (mod.training and mod.track_running_stats):
             continue
         p = f"batchnorm.{fqn}" if fqn else "batchnorm"
+        # onnxruntime may write the batch statistics in place into the running-stat inputs, which share
+        # memory with the module's buffers; with momentum 0 their values are unused: feed constants instead
+        channels = int(mod.num_features)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(types.get(node.input[3], onnx.TensorProto.FLOAT))
+        g.initializer.extend([onnx.numpy_helper.from_array(np.zeros(channels, dtype), f"{p}.zeros"),
+                              onnx.numpy_helper.from_array(np.ones(channels, dtype), f"{p}.ones")])
+        node.input[3], node.input[4] = f"{p}.zeros", f"{p}.ones"
         _attr(node, "training_mode", 1)
         _attr(node, "momentum", 0.0)
         while len(node.output) < 3:

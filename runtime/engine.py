@@ -18,15 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import onnx
 import torch
 from onnxruntime.capi import _pybind_state as C
 from torch import nn
 
 import gradbuilder
+from gradbuilder.errors import RuleError
 
 from . import exchange, function
 from .batchnorm import update_running_stats
-from .export import Exported, ExportError, ExportOptions, export
+from .export import Exported, ExportError, ExportOptions, export, pin_dims
 from .ort_session import Runner, SessionConfig
 from .session import TrainingSession
 from .structure import flatten, unflatten
@@ -52,7 +54,13 @@ class Options:
 
 
 class Schema:
-    """One export and the sessions built from it (one per set of tensors requiring grad)."""
+    """One export and the sessions built from it (one per set of tensors requiring grad).
+
+    Some gradient rules need static sizes (Conv's spatial dims). When a build on the all-dynamic
+    export fails with a RuleError, that set of tensors is built again with every input dimension but
+    the first pinned to this call's sizes; such sessions are then cached per size (a new image size
+    rebuilds the gradient graph, it does not re-export).
+    """
 
     def __init__(self, exported: Exported, options: Options, save_dir: Path | None):
         self.exported = exported
@@ -60,22 +68,37 @@ class Schema:
         self.save_dir = save_dir
         self.config = SessionConfig(threads=options.threads)
         self._infer: Runner | None = None
-        self.sessions: dict[frozenset[str], TrainingSession] = {}
+        self.sessions: dict[tuple[frozenset[str], Hashable], TrainingSession] = {}
+        self.pinned: set[frozenset[str]] = set()
         types = {o.name: o.type.tensor_type.elem_type for o in exported.model.graph.output}
         float_types = gradbuilder.graph.FLOAT_TYPES
         self.float_outputs = [n for n in exported.outputs if types.get(n, 0) in float_types or not types.get(n)]
         if save_dir is not None:
             gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")
 
-    def session(self, wrt: Sequence[str]) -> TrainingSession:
-        key = frozenset(wrt)
-        s = self.sessions.get(key)
+    def session(self, wrt: Sequence[str], leaves: Sequence[torch.Tensor]) -> tuple[TrainingSession, bool]:
+        """The session for this set of tensors requiring grad; True when it was just built."""
+        w = frozenset(wrt)
+        shapes = {name: tuple(leaves[k].shape) for name, k in self.exported.inputs}
+        sizes = tuple(s[1:] for s in shapes.values()) if w in self.pinned else None
+        s = self.sessions.get((w, sizes))
+        if s is not None:
+            return s, False
+        if sizes is None:
+            try:
+                s = self._build(self.exported.model, wrt)
+            except RuleError:
+                self.pinned.add(w)
+                sizes = tuple(s[1:] for s in shapes.values())
         if s is None:
-            save = self.save_dir / f"grad{len(self.sessions)}" if self.save_dir is not None else None
-            s = TrainingSession.from_forward(self.exported.model, wrt=list(wrt), outputs=self.float_outputs,
-                                             config=self.config, specialise=self.options.specialise, save_dir=save)
-            self.sessions[key] = s
-        return s
+            s = self._build(pin_dims(self.exported.model, shapes), wrt)
+        self.sessions[(w, sizes)] = s
+        return s, True
+
+    def _build(self, model: onnx.ModelProto, wrt: Sequence[str]) -> TrainingSession:
+        save = self.save_dir / f"grad{len(self.sessions)}" if self.save_dir is not None else None
+        return TrainingSession.from_forward(model, wrt=list(wrt), outputs=self.float_outputs, config=self.config,
+                                            specialise=self.options.specialise, save_dir=save)
 
     def infer(self, feeds: dict[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._infer is None:
@@ -140,7 +163,7 @@ class Engine:
             feeds[name] = self._ortvalue(name, t)
         n = len(ex.outputs)
         if wrt:
-            session = self._session(key, schema, wrt)
+            session = self._session(key, schema, wrt, leaves)
             if session is None:
                 return self.module(*args, **kwargs)
             user, stats = function.apply(function.Call(session, feeds, wrt, n), tensors)
@@ -164,18 +187,17 @@ class Engine:
         self.schemas[key] = schema
         return schema
 
-    def _session(self, key: Hashable, schema: Schema, wrt: list[str]) -> TrainingSession | None:
+    def _session(self, key: Hashable, schema: Schema, wrt: list[str], leaves: list[torch.Tensor]
+                 ) -> TrainingSession | None:
         if (key, frozenset(wrt)) in self.failed:
             return None
-        known = frozenset(wrt) in schema.sessions
         try:
-            session = schema.session(wrt)
+            session, built = schema.session(wrt, leaves)
         except (gradbuilder.GradBuilderError, RuntimeError) as e:
             self.failed.add((key, frozenset(wrt)))
             self._fail(e, "gradient build")
             return None
-        if not known:
-            self.stats["builds"] += 1
+        self.stats["builds"] += built
         return session
 
     def _fail(self, error: Exception, stage: str) -> Any:

@@ -25,11 +25,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import onnx
+import onnxruntime as ort
 import torch
 from onnx import helper
 from torch import nn
 
+from . import exchange
 from .batchnorm import BatchStats, training_batchnorm
+from .ort_session import Runner, SessionConfig
 from .structure import Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -73,6 +76,16 @@ class Exported:
         return [n for s in self.batch_stats for n in (s.mean, s.var)]
 
 
+class _Shared(dict):
+    """A dict that survives the copies torch.export makes of the module it traces."""
+
+    def __deepcopy__(self, memo: dict) -> _Shared:
+        return self
+
+    def __copy__(self) -> _Shared:
+        return self
+
+
 class _Flat(nn.Module):
     """The module as a function of flat tensors returning a flat tuple of tensors.
 
@@ -90,13 +103,17 @@ class _Flat(nn.Module):
         object.__setattr__(self, "_target", module)
         self._signature = signature
         self._in_spec = in_spec
-        self.out_spec: Spec | None = None
+        object.__setattr__(self, "_result", _Shared())
+
+    @property
+    def out_spec(self) -> Spec | None:
+        return self._result.get("spec")
 
     def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(self._in_spec, leaves)
         bound = inspect.BoundArguments(self._signature, arguments)
         out = self._target(*bound.args, **bound.kwargs)
-        flat, self.out_spec = flatten(out)
+        flat, self._result["spec"] = flatten(out)
         return tuple(flat)
 
 
@@ -139,7 +156,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
-    dims = tuple({d: torch.export.Dim.DYNAMIC for d in range(t.dim())} for t in leaves)
+    dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in leaves)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
@@ -161,8 +178,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{type(e).__name__}: {e}") from e
-    assert flat.out_spec is not None
     out_spec = flat.out_spec
+    assert out_spec is not None
     _state_as_inputs(model, state, type(module).__name__)
     _dynamic_inputs(model, set(names))
     outputs = _name_outputs(model, out_spec)
@@ -171,7 +188,38 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     state_inputs = [(i.name, i.name) for i in model.graph.input if i.name in state]
     owner = {n: n.rsplit(".", 1)[0] if "." in n else "" for n, _ in state_inputs if n.endswith("running_mean")}
     stats = training_batchnorm(model, owner, dict(module.named_modules()))
+    feeds = {name: leaves[k] for name, k in inputs}
+    feeds.update({name: state[fqn] for name, fqn in state_inputs})
+    _complete_ranks(model, feeds)
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats)
+
+
+def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> None:
+    """Give every tensor whose rank ONNX shape inference cannot derive (Reshape to a computed shape, as
+    in torch's unflatten) a rank, taken from one run of the graph on the call's own inputs: gradient rules
+    need ranks. Dimensions stay unknown, so no size is baked in."""
+    g = model.graph
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True).graph
+    except Exception:
+        inferred = g
+    known = {v.name for v in [*inferred.value_info, *inferred.input, *inferred.output]
+             if v.type.tensor_type.HasField("shape")} | {t.name for t in g.initializer}
+    unknown = [o for n in g.node for o in n.output if o and o not in known]
+    if not unknown:
+        return
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in unknown)
+    config = SessionConfig(threads=1, optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    try:
+        values = Runner(probe, config, "shape probe").run({k: exchange.to_ortvalue(v) for k, v in feeds.items()},
+                                                          unknown)
+    except RuntimeError:
+        return  # the gradient build will name the tensor whose rank it misses
+    for name, v in zip(unknown, values):
+        if v.is_tensor():
+            g.value_info.append(helper.make_tensor_value_info(name, v.element_type(), [None] * len(v.shape())))
 
 
 def _state_as_inputs(model: onnx.ModelProto, state: dict[str, torch.Tensor], what: str) -> None:
@@ -210,6 +258,20 @@ def _dynamic_inputs(model: onnx.ModelProto, names: set[str]) -> None:
                 if not dim.dim_param:
                     dim.Clear()
                     dim.dim_param = f"{vi.name}_dim{d}"
+
+
+def pin_dims(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+    """A copy of `model` whose inputs in `shapes` get those sizes, except dim 0 (the batch) which stays
+    dynamic: for gradient rules that need static spatial or feature sizes."""
+    pinned = onnx.ModelProto()
+    pinned.CopyFrom(model)
+    for vi in pinned.graph.input:
+        if vi.name in shapes:
+            for d, (dim, size) in enumerate(zip(vi.type.tensor_type.shape.dim, shapes[vi.name])):
+                if d > 0:
+                    dim.Clear()
+                    dim.dim_value = size
+    return pinned
 
 
 def _name_outputs(model: onnx.ModelProto, out_spec: Spec) -> list[str]:

@@ -25,6 +25,8 @@ class SessionConfig:
     """intra-op threads; None lets onnxruntime choose (one per core)."""
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    spin: bool = False
+    """Let idle onnxruntime threads spin: faster alone, but they steal the cores torch runs on in between."""
 
     def options(self) -> ort.SessionOptions:
         so = ort.SessionOptions()
@@ -34,6 +36,8 @@ class SessionConfig:
         if self.threads is not None:
             so.intra_op_num_threads = int(self.threads)
         so.log_severity_level = 3
+        if not self.spin:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return so
 
 
