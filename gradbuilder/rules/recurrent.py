@@ -4,9 +4,9 @@ The ONNX ops output only the hidden states Y (and the last H and C), so backward
 saw: H_{t-1} is Y shifted by one step (initial_h at the start), which lets every product with X or
 H_{t-1} run batched over all steps outside any loop. Only what is truly sequential runs in a Scan:
 LSTM's cell state (one forward Scan recomputes it with the gates) and the gradient flowing from H_t to
-H_{t-1} (one Scan per direction whose body does one MatMul with R). Weight gradients are then one Gemm
-each over all steps. Scan bodies read nothing from the outer scope, since the split into forward and
-backward models sees node inputs only: R and P ride along as loop state.
+H_{t-1} (one Scan per direction, whose body multiplies by R once, twice for GRU). Weight gradients are
+then one Gemm each over all steps. Scan bodies read nothing from the outer scope, since the split into
+forward and backward models sees node inputs only: R and P ride along as loop state.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def _spec(g: Grad, gates: int, default_acts: tuple[str, ...]) -> _Spec:
         g.fail("the clip attribute is not supported (its gradient is a mask on every gate); export without it")
     if g.attr("input_forget", 0):
         g.fail("input_forget=1 (coupled input and forget gates) is not supported")
-    names = [a.decode() if isinstance(a, bytes) else a for a in g.attr("activations", [])] or \
-        list(default_acts) * len(reverse)  # type: ignore[arg-type]
+    given = g.attr("activations", [])
+    names = [a.decode() if isinstance(a, bytes) else a for a in given] or list(default_acts) * len(reverse)
     n = len(default_acts)
     if len(names) != n * len(reverse):
         g.fail(f"{len(names)} activations given; {g.op_type} needs {n} per direction")
@@ -364,14 +364,15 @@ def _gru_cell(g: Grad, s: _Seq) -> _Back:
     b = _Body(g, g.dtype(g.I(0)))
     dh, rz_t, rh_t = b.input(2), b.input(2), b.input(2)
     dy_t = s.dy and b.input(2)
-    z_t, r_t, c_t, hp_t, side_t = (b.input(2) for _ in range(5))
+    z_t, r_t, c_t, hp_t = (b.input(2) for _ in range(4))
+    side_t = b.input(2) if lbr else None
     m_t = s.mask and b.input(2, TensorProto.BOOL)
     dh_in = b.Add(dy_t, dh) if dy_t else dh
     dcand = _act_grad(b, act_g, c_t, b.Mul(dh_in, b.Sub(b.one, z_t)))
     dz = _act_grad(b, f, z_t, b.Mul(dh_in, b.Sub(hp_t, c_t)))
     if lbr:
         dside = b.Mul(dcand, r_t)
-        dr = _act_grad(b, f, r_t, b.Mul(dcand, side_t))
+        dr = _act_grad(b, f, r_t, b.Mul(dcand, side_t))  # type: ignore[arg-type]
         dprev = b.Add(b.Mul(dh_in, z_t), b.MatMul(dside, rh_t))
     else:
         ds = b.MatMul(dcand, rh_t)
@@ -381,7 +382,7 @@ def _gru_cell(g: Grad, s: _Seq) -> _Back:
     dprev = b.keep(m_t, b.Add(dprev, b.MatMul(dzr, rz_t)), dh)
     zero = b.const(0.0)
     scan_outs = [b.keep(m_t, dzr, zero), b.keep(m_t, dcand, zero)] + ([b.keep(m_t, dside, zero)] if lbr else [])
-    res = b.run([s.dh, r_zr, r_h], [s.dy, z, rg, cand, s.hprev, side, s.mask],
+    res = b.run([s.dh, r_zr, r_h], [s.dy, z, rg, cand, s.hprev, side if lbr else None, s.mask],
                 [dprev, b.Identity(rz_t), b.Identity(rh_t)], scan_outs, not s.reverse)
     dh0, dzr_all, dcand_all = res[0], res[3], res[4]
     dpre = g.Concat(dzr_all, dcand_all, axis=2)
