@@ -207,3 +207,16 @@ def test_every_opset(opset):
 def test_float32():
     _sweep(14, np.float32)
     _sweep(18, np.float32)
+
+
+@pytest.mark.parametrize("opset", [OLD, NEW])
+def test_float16(opset):
+    """16-bit floats are scatter-added in float32 (onnxruntime's CPU has no float16 ScatterND add)."""
+    x = r(2, 3, 4).astype(np.float16)
+    kw = {"rtol": 1e-2, "atol": 1e-2, "fd": False, "opset": opset}
+    check_op("Gather", [("x", x), ("i", idx([1, 1, 0]))], lambda x: x[:, [1, 1, 0]], consts=["i"], axis=1, **kw)
+    ge = np.array([[[1, 0, 2, 2]], [[0, 0, 1, -1]]], dtype=np.int64)
+    check_op("GatherElements", [("x", x), ("i", ge)], lambda x: torch.gather(x, 1, torch.from_numpy(ge % 3)),
+             consts=["i"], axis=1, **kw)
+    nd = [[1, 0], [1, 0], [0, 2]]
+    check_op("GatherND", [("x", x), ("i", idx(nd))], lambda x: _torch_gather_nd(x, nd, 0), consts=["i"], **kw)

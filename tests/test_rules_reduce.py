@@ -212,3 +212,12 @@ def test_every_opset(opset):
 def test_float32():
     _sweep(17, np.float32)
     _sweep(20, np.float32)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_float16(opset):
+    x = np.asarray(rng.permutation(24).reshape(2, 3, 4) / 10.0, dtype=np.float16)
+    kw = {"rtol": 1e-2, "atol": 1e-2, "fd": False}
+    for op, fn in [("ReduceSum", SUM), ("ReduceMean", MEAN), ("ReduceMax", lambda x, d, k: torch.amax(x, d, bool(k))),
+                   ("ReduceL2", L2)]:
+        _reduce_check(op, fn, x, (1,), 0, opset, **kw)

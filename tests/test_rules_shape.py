@@ -408,3 +408,15 @@ def test_nondiff_only_path_gives_no_gradient_and_says_why():
     meta = gradbuilder.read_metadata(gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y"]))
     assert meta["gradients"] == {}
     assert "Floor" in meta["no_gradient"]["x"]
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_float16(opset):
+    x = r(2, 3, 4, dtype=np.float16)
+    kw = {"rtol": 1e-2, "atol": 1e-2, "fd": False, "opset": opset}
+    pads = (0, 0, 1, 0, 0, 2)
+    check_op("Pad", [("x", x), ("p", i64(*pads))], lambda x: _torch_pad(x, pads, "reflect"), consts=["p"],
+             mode="reflect", **kw)
+    check_op("Slice", [("x", x), ("s", i64(3)), ("e", i64(-100)), ("a", i64(2)), ("t", i64(-2))],
+             lambda x: x[:, :, [3, 1]], consts=["s", "e", "a", "t"], **kw)
+    check_op("Concat", [("a", x), ("b", x)], lambda a, b: torch.cat([a, b], 1), axis=1, wrt=["b"], **kw)

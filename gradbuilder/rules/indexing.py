@@ -17,11 +17,12 @@ from .reduce import cast_like
 from .registry import rule
 
 SCATTER_ADD_OPSET = 16
+LOW_PRECISION = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16})
 
 
-def zeros(g: Grad, shape: str, like: str) -> str:
-    """Zeros of the run-time `shape` with the element type of the forward tensor `like`."""
-    elem_type = g.dtype(like)
+def zeros(g: Grad, shape: str, like: str, elem_type: int | None = None) -> str:
+    """Zeros of the run-time `shape` with the element type of the forward tensor `like` (or `elem_type`)."""
+    elem_type = elem_type or g.dtype(like)
     if elem_type:
         return g.ConstantOfShape(shape, value=helper.make_tensor("value", elem_type, [1], [0]))
     if g.opset < 15:
@@ -61,13 +62,30 @@ def nonneg(g: Grad, index: str, size: int | str) -> str:
     return g.Where(g.Less(index, g.ints(0)), g.Add(index, size_t), index)
 
 
+def _widen(g: Grad, t: str, like: str) -> tuple[str, int | None]:
+    """16-bit floats are scatter-added in float32: onnxruntime's CPU ScatterND/ScatterElements cannot add
+    them, and many small contributions would round away. Returns t (cast up or not) and the type to cast
+    the sum back to (None: no cast)."""
+    elem_type = g.dtype(like)
+    if elem_type in LOW_PRECISION:
+        return g.Cast(t, to=TensorProto.FLOAT), elem_type
+    return t, None
+
+
+def _narrow(g: Grad, t: str, back: int | None) -> str:
+    return g.Cast(t, to=back) if back else t
+
+
 def rows_adjoint(g: Grad, t: str, src: str, d: int | str, like: str, *, add: bool = True) -> str:
     """Adjoint of reading rows: `t` [L, Q] holds rows `src` [L] (int64 in [0, d)) of a [d, Q] matrix;
     return that [d, Q] matrix's gradient, rows read several times summed. `add=False` promises the rows
     are distinct, so a plain ScatterND does at every opset."""
     if g.opset >= SCATTER_ADD_OPSET or not add:
         shape = g.Concat(as_tensor(g, d), g.Slice(g.Shape(t), g.ints([1]), g.ints([2])), axis=0)
-        return g.ScatterND(zeros(g, shape, like), g.unsqueeze(src, [1]), t, reduction="add" if add else None)
+        t, back = _widen(g, t, like) if add else (t, None)
+        summed = g.ScatterND(zeros(g, shape, like, TensorProto.FLOAT if back else None), g.unsqueeze(src, [1]), t,
+                             reduction="add" if add else None)
+        return _narrow(g, summed, back)
     n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
     rows = g.unsqueeze(g.Range(g.ints(0), n, g.ints(1)), [1])
     onehot = cast_like(g, g.Equal(rows, g.unsqueeze(src, [0])), like)  # [d, L]
@@ -164,7 +182,9 @@ def gather_elements(g: Grad):
     data, index, dy = g.I(0), g.I(1), g.GO(0)
     axis = int(g.attr("axis", 0))
     if g.opset >= SCATTER_ADD_OPSET:
-        return (g.ScatterElements(g.zeros_like(data), index, dy, axis=axis, reduction="add"),)
+        dy, back = _widen(g, dy, data)
+        start = zeros(g, g.shape_of(data), data, TensorProto.FLOAT if back else None)
+        return (_narrow(g, g.ScatterElements(start, index, dy, axis=axis, reduction="add"), back),)
     return (_scatter_add_elements_onehot(g, data, index, dy, axis % g.require_rank(data)),)
 
 
