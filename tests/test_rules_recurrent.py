@@ -8,6 +8,9 @@ from what the ops compute.
 
 from __future__ import annotations
 
+import io
+import warnings
+
 import harness
 import numpy as np
 import onnx
@@ -302,3 +305,37 @@ def test_exported(kind, kw, dynamo):
     training, _ = check_model(Classifier(kind, **kw), args, dynamo)
     ops = {n.op_type for n in training.graph.node}
     assert kind in ops or (kind == "RNN" and dynamo)
+
+
+class Packed(nn.Module):
+    """Padded batch through pack_padded_sequence: the legacy exporter feeds sequence_lens to the op."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(4, 5, bidirectional=True)
+
+    def forward(self, x, lens):
+        y, _ = self.rnn(nn.utils.rnn.pack_padded_sequence(x, lens, enforce_sorted=False))
+        y = nn.utils.rnn.pad_packed_sequence(y, total_length=x.shape[0])[0]
+        return (y * torch.linspace(-1, 1, 10)).sum()
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_exported_packed_sequence(kind):
+    torch.manual_seed(0)
+    m, x, lens = Packed(kind), torch.randn(4, 3, 4), torch.tensor([4, 2, 3])
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (x, lens), f, dynamo=False, opset_version=17, training=torch.onnx.TrainingMode.TRAINING,
+                          do_constant_folding=False, input_names=["x", "lens"], output_names=["loss"])
+    model = onnx.load_from_string(f.getvalue())
+    assert any(n.op_type == kind and n.input[4] for n in model.graph.node), "sequence_lens is fed"
+    params = dict(m.named_parameters())
+    trainer = harness.Trainer(gradbuilder.build_gradient_graph(model, wrt=list(params), loss="loss"))
+    (loss,), grads = trainer.step({"x": x.numpy(), "lens": lens.numpy()})
+    ref = m(x, lens)
+    ref.backward()
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+    for n, p in params.items():
+        np.testing.assert_allclose(grads[n], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=n)
