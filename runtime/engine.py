@@ -124,6 +124,9 @@ class Engine:
         self._ortvalues: dict[str, tuple[torch.Tensor, int, tuple[int, ...], C.OrtValue]] = {}
         self._owners: dict[str, tuple[nn.Module, str]] = {}
 
+    def sessions(self) -> list[TrainingSession]:
+        return [s for schema in self.schemas.values() if isinstance(schema, Schema) for s in schema.sessions.values()]
+
     def invalidate(self) -> None:
         """Parameters changed dtype or device (`.to()`): re-export on the next call."""
         self.version += 1

@@ -19,6 +19,7 @@ from torch import nn
 
 from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir
 from .export import ExportOptions
+from .session import TrainingSession
 
 __all__ = ["FallbackWarning", "ORTModule", "ORTModuleError"]
 
@@ -80,6 +81,10 @@ class ORTModule(nn.Module):
     def stats(self) -> dict[str, int]:
         """Counters: exports (one per schema), builds (one per set of tensors requiring grad), fallbacks."""
         return self._engine.stats
+
+    def training_sessions(self) -> list[TrainingSession]:
+        """The TrainingSessions built so far (one per schema and set of tensors requiring grad)."""
+        return self._engine.sessions()
 
     def reset(self) -> None:
         """Forget every export and session (after replacing submodules, for instance)."""

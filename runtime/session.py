@@ -133,6 +133,13 @@ class TrainingSession:
         """Tensors that get gradients from the full backward, in build order."""
         return list(self.full.gradients)
 
+    @property
+    def backwards(self) -> dict[tuple[str, ...], tuple[Program, bool]]:
+        """Backward programs built so far, keyed by the outputs that received gradients, with whether each is
+        specialised to them (False: the full backward fed zeros). For inspection and tests."""
+        return {tuple(self.output_names[i] for i in sorted(k)): (b.program, b.specialised)
+                for k, b in self._backwards.items()}
+
     def forward(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[list[Tensor], ForwardState]:
         """Run forward, stashing what backward reads. Returns (module outputs, state)."""
         feeds, as_torch = self._feeds(inputs)
@@ -225,8 +232,8 @@ class TrainingSession:
         return bw
 
     def _make_backward(self, given: frozenset[int]) -> _Backward:
-        program, specialised = self.full, True
-        if self.specialise and given != frozenset(self.differentiable):
+        program, specialised = self.full, given == frozenset(self.differentiable)
+        if self.specialise and not specialised:
             self.stats["backward_builds"] += 1
             outputs = [self.output_names[i] for i in sorted(given)]
             candidate = specialise(self.source, self.spec, outputs, self.full)
@@ -234,7 +241,7 @@ class TrainingSession:
                 self.stats["fallbacks"] += 1
                 grads = {w: g for w, g in self.full.gradients.items() if w in candidate.gradients}
                 return self._backward(self.full, grads, specialised=False)
-            program = candidate
+            program, specialised = candidate, True
             if self.save_dir is not None:
                 self._save(program, "_" + "_".join(str(i) for i in sorted(given)))
         return self._backward(program, program.gradients, specialised=specialised)

@@ -1,0 +1,228 @@
+"""runtime.TrainingSession on hand-built ONNX graphs: gradients vs torch, numpy and torch tensors, None
+gradients, backward specialisation, split files, Dropout kept active, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import gradbuilder
+from runtime import SessionConfig, TrainingSession
+
+RNG = np.random.default_rng(0)
+W = RNG.standard_normal((4, 3)).astype(np.float32)
+B = RNG.standard_normal(3).astype(np.float32)
+
+
+def three_output_model() -> onnx.ModelProto:
+    """loss = sum(tanh(x@W+b)^2), mask = x@W+b > b (bool), aux = sigmoid(x@W+b)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"]),
+        helper.make_node("Add", ["xw", "b"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["y"]),
+        helper.make_node("Mul", ["y", "y"], ["yy"]),
+        helper.make_node("ReduceSum", ["yy"], ["loss"], keepdims=0),
+        helper.make_node("Greater", ["h", "b"], ["mask"]),
+        helper.make_node("Sigmoid", ["h"], ["aux"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "three", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("mask", TensorProto.BOOL, ["N", 3]),
+         helper.make_tensor_value_info("aux", TensorProto.FLOAT, ["N", 3])],
+        [onnx.numpy_helper.from_array(W, "w"), onnx.numpy_helper.from_array(B, "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def torch_reference(x: np.ndarray, g_loss: float | None, g_aux: np.ndarray | None) -> dict[str, np.ndarray]:
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(W, requires_grad=True)
+    bt = torch.tensor(B, requires_grad=True)
+    h = xt @ wt + bt
+    outs, grads = [], []
+    if g_loss is not None:
+        outs.append((torch.tanh(h) ** 2).sum())
+        grads.append(torch.tensor(g_loss))
+    if g_aux is not None:
+        outs.append(torch.sigmoid(h))
+        grads.append(torch.tensor(g_aux))
+    gx, gw, gb = torch.autograd.grad(outs, [xt, wt, bt], grads)
+    return {"x": gx.numpy(), "w": gw.numpy(), "b": gb.numpy()}
+
+
+@pytest.fixture(scope="module")
+def session() -> TrainingSession:
+    return TrainingSession.from_forward(three_output_model(), wrt=["w", "b", "x"], threads=1)
+
+
+def test_outputs_and_names(session: TrainingSession) -> None:
+    assert session.input_names == ["x"]
+    assert session.output_names == ["loss", "mask", "aux"]
+    assert session.differentiable == (0, 2)
+    assert set(session.wrt) == {"w", "b", "x"}
+    x = RNG.standard_normal((5, 4)).astype(np.float32)
+    outs, _ = session.forward({"x": x})
+    h = x @ W + B
+    np.testing.assert_allclose(outs[0], (np.tanh(h) ** 2).sum(), rtol=1e-5)
+    np.testing.assert_array_equal(outs[1], h > B)
+    np.testing.assert_allclose(outs[2], 1 / (1 + np.exp(-h)), rtol=1e-5)
+    assert all(isinstance(o, np.ndarray) for o in outs)
+
+
+@pytest.mark.parametrize("which", ["loss", "aux", "both"])
+def test_gradients_match_torch_for_each_subset(session: TrainingSession, which: str) -> None:
+    x = RNG.standard_normal((6, 4)).astype(np.float32)
+    g_loss = 1.5 if which in ("loss", "both") else None
+    g_aux = RNG.standard_normal((6, 3)).astype(np.float32) if which in ("aux", "both") else None
+    _, state = session.forward([torch.from_numpy(x)])
+    grads = session.backward(state, [None if g_loss is None else torch.tensor(g_loss, dtype=torch.float32), None,
+                                     None if g_aux is None else torch.from_numpy(g_aux)])
+    ref = torch_reference(x, g_loss, g_aux)
+    for name in ("x", "w", "b"):
+        assert isinstance(grads[name], torch.Tensor)
+        np.testing.assert_allclose(grads[name].numpy(), ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_backward_is_specialised_per_subset(session: TrainingSession) -> None:
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    for g in ([np.float32(1), None, None], [None, None, np.ones((3, 3), np.float32)]):
+        _, state = session.forward({"x": x})
+        session.backward(state, g)
+    backwards = session.backwards
+    for outputs in (("loss",), ("aux",)):
+        program, specialised = backwards[outputs]
+        assert specialised
+        # the backward reads no gradient for the output that got None, and computes nothing for it
+        grads_in = {e.output_index for e in program.manifest.backward_inputs if e.role == "output_grad"}
+        assert grads_in == {session.output_names.index(outputs[0])}
+        assert len(program.backward.graph.node) < len(session.full.backward.graph.node)
+    assert session.stats["fallbacks"] == 0
+
+
+def test_dict_output_grads_and_no_gradient_at_all(session: TrainingSession) -> None:
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    _, state = session.forward({"x": x})
+    assert session.backward(state, {"loss": None}) == {}
+    _, state = session.forward({"x": x})
+    grads = session.backward(state, {"loss": np.float32(1.0)})
+    np.testing.assert_allclose(grads["w"], torch_reference(x, 1.0, None)["w"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(KeyError, match="not module outputs"):
+        session.backward(state, {"nope": np.float32(1.0)})
+
+
+def test_state_is_freed_unless_retained(session: TrainingSession) -> None:
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    _, state = session.forward({"x": x})
+    first = session.backward(state, [np.float32(1.0), None, None], retain=True)
+    second = session.backward(state, [np.float32(1.0), None, None])
+    np.testing.assert_array_equal(first["w"], second["w"])
+    with pytest.raises(RuntimeError, match="second time"):
+        session.backward(state, [np.float32(1.0), None, None])
+
+
+def test_unspecialised_feeds_zeros(session: TrainingSession) -> None:
+    plain = TrainingSession.from_forward(three_output_model(), wrt=["w", "b", "x"], specialise=False)
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    _, state = plain.forward({"x": x})
+    grads = plain.backward(state, [None, None, np.ones((3, 3), np.float32)])
+    np.testing.assert_allclose(grads["w"], torch_reference(x, None, np.ones((3, 3), np.float32))["w"],
+                               rtol=1e-5, atol=1e-6)
+    assert plain.backwards == {("aux",): (plain.full, False)}  # the full program, fed a zero for the loss
+    assert plain.stats["backward_builds"] == 0
+
+
+def test_training_graph_and_split_files(tmp_path) -> None:
+    training = gradbuilder.build_gradient_graph(three_output_model(), wrt=["w", "b"])
+    forward, backward, manifest = gradbuilder.split(training)
+    onnx.save(training, tmp_path / "training.onnx")
+    onnx.save(forward, tmp_path / "forward.onnx")
+    onnx.save(backward, tmp_path / "backward.onnx")
+    (tmp_path / "manifest.json").write_text(manifest.to_json())
+    x = RNG.standard_normal((4, 4)).astype(np.float32)
+    ref = torch_reference(x, 1.0, None)
+    for s in (TrainingSession(tmp_path / "training.onnx"), TrainingSession(training),
+              TrainingSession.from_split(tmp_path / "forward.onnx", tmp_path / "backward.onnx",
+                                         tmp_path / "manifest.json")):
+        _, state = s.forward({"x": x})
+        grads = s.backward(state, [np.float32(1.0), None, None])  # specialised: only the loss
+        assert set(grads) == {"w", "b"}
+        np.testing.assert_allclose(grads["w"], ref["w"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(s.run({"x": x})[2], 1 / (1 + np.exp(-(x @ W + B))), rtol=1e-5)
+
+
+def test_loss_graph_runs_backward_without_output_grads() -> None:
+    s = TrainingSession.from_forward(three_output_model(), wrt=["w"], loss="loss")
+    x = RNG.standard_normal((4, 4)).astype(np.float32)
+    _, state = s.forward({"x": x})
+    grads = s.backward(state, [None, None, None])
+    np.testing.assert_allclose(grads["w"], torch_reference(x, 1.0, None)["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_fed_as_inputs_see_in_place_updates() -> None:
+    """A graph whose weight is an input: updating the torch tensor in place changes the next step."""
+    model = three_output_model()
+    w = model.graph.initializer[0]
+    model.graph.input.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, list(w.dims)))
+    del model.graph.initializer[0]
+    s = TrainingSession.from_forward(model, wrt=["w"], outputs=["loss"])
+    weight = torch.from_numpy(W.copy())
+    x = torch.randn(3, 4)
+    before, _ = s.forward({"x": x, "w": weight})
+    weight.mul_(0.5)
+    after, _ = s.forward({"x": x, "w": weight})
+    expected = (torch.tanh(x @ weight + torch.from_numpy(B)) ** 2).sum()
+    assert not torch.allclose(before[0], after[0])
+    torch.testing.assert_close(after[0], expected)
+
+
+def dropout_model(ratio: float) -> onnx.ModelProto:
+    nodes = [helper.make_node("Dropout", ["x", "ratio", "train"], ["y", "keep"]),
+             helper.make_node("Mul", ["y", "w"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "drop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1000])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 1000])],
+        [onnx.numpy_helper.from_array(np.array(ratio, np.float32), "ratio"),
+         onnx.numpy_helper.from_array(np.array(True), "train"),
+         onnx.numpy_helper.from_array(np.ones(1000, np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_training_dropout_really_drops() -> None:
+    s = TrainingSession.from_forward(dropout_model(0.5), wrt=["w"])
+    x = np.ones((8, 1000), np.float32)
+    (z,), state = s.forward({"x": x})
+    dropped = float((z == 0).mean())
+    assert 0.4 < dropped < 0.6, dropped
+    np.testing.assert_allclose(z[z != 0], 2.0)
+    grads = s.backward(state, [np.ones_like(z)])
+    np.testing.assert_allclose(grads["w"], z.sum(0))  # the same mask in backward
+    (zi,) = s.run({"x": x})
+    assert 0.4 < float((zi == 0).mean()) < 0.6  # inference on the training graph still drops (training_mode=1)
+
+
+def test_thread_count_is_set() -> None:
+    s = TrainingSession.from_forward(dropout_model(0.0), wrt=["w"], config=SessionConfig(threads=1))
+    options = s._fwd.session.get_session_options()
+    assert options.intra_op_num_threads == 1
+    assert options.graph_optimization_level != 0
+
+
+def test_save_dir_writes_every_file(tmp_path) -> None:
+    s = TrainingSession.from_forward(three_output_model(), wrt=["w"], save_dir=tmp_path)
+    _, state = s.forward({"x": np.ones((2, 4), np.float32)})
+    s.backward(state, [None, None, np.ones((2, 3), np.float32)])
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"training.onnx", "forward.onnx", "backward.onnx", "manifest.json", "backward_2.onnx"} <= names
+
+
+def test_input_errors(session: TrainingSession) -> None:
+    with pytest.raises(KeyError, match="missing inputs"):
+        session.forward({"y": np.ones((1, 4), np.float32)})
+    with pytest.raises(ValueError, match="expected 1 inputs"):
+        session.forward([])
+    _, state = session.forward({"x": np.ones((1, 4), np.float32)})
+    with pytest.raises(ValueError, match="expected 3 output gradients"):
+        session.backward(state, [None])
