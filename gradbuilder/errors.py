@@ -37,5 +37,9 @@ class RuleError(GradBuilderError):
     """A gradient rule could not handle a node (bad attributes, unknown ranks)."""
 
 
+class SaveError(GradBuilderError):
+    """A model cannot be written in any form ONNX can store (over 2 GB even with its weights in a data file)."""
+
+
 class SplitError(GradBuilderError):
     """The model is not a training graph made by gradbuilder (no or several Yield nodes)."""

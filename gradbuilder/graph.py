@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ import onnx
 from google.protobuf.message import Message
 from onnx import TensorProto
 
-from .errors import InvalidModelError, ModelLoadError
+from .errors import InvalidModelError, ModelLoadError, SaveError
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
@@ -98,7 +100,7 @@ def load_model(model: onnx.ModelProto | str | os.PathLike | bytes, *, copy: bool
         try:
             loaded = onnx.load_from_string(model)
         except Exception as e:  # protobuf raises a zoo of types
-            raise ModelLoadError(f"the bytes given are not a serialized ONNX model ({e}).") from e
+            raise ModelLoadError(f"the bytes given are not a serialized ONNX model ({_first_line(e)}).") from e
         return _require_graph(loaded, "the bytes given")
     path = Path(model)
     if path.is_dir():
@@ -115,19 +117,49 @@ def load_model(model: onnx.ModelProto | str | os.PathLike | bytes, *, copy: bool
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read it ({e.strerror or e}).") from e
     try:
-        loaded = onnx.load(str(path), load_external_data=True)
-    except FileNotFoundError as e:
-        raise ModelLoadError(
-            f"{path}: the model refers to an external data file that is missing ({e.filename or e}). "
-            "Keep the .onnx file next to its external data files."
-        ) from e
+        loaded = onnx.load(str(path), load_external_data=False)
     except Exception as e:
-        external = "external data" in str(e).lower() or "data_location" in str(e).lower()
-        hint = ("Its external data references are broken: they must name files in the model's directory, "
-                "and those files must hold the bytes the model says they do." if external else
-                "The file may be truncated or not an ONNX protobuf at all.")
-        raise ModelLoadError(f"{path}: not a readable ONNX model ({type(e).__name__}: {_first_line(e)}). {hint}") from e
-    return _require_graph(loaded, str(path))
+        raise ModelLoadError(
+            f"{path}: not a readable ONNX model ({type(e).__name__}: {_first_line(e)}). "
+            "The file may be truncated or not an ONNX protobuf at all."
+        ) from e
+    _require_graph(loaded, str(path))
+    _load_external_data(loaded, path)
+    return loaded
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterable[TensorProto]:
+    """Every tensor of a graph, its subgraphs and node attributes: where onnx looks for external data."""
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            if a.HasField("g"):
+                yield from _all_tensors(a.g)
+            for g in a.graphs:
+                yield from _all_tensors(g)
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    external = [t for t in _all_tensors(model.graph) if t.data_location == TensorProto.EXTERNAL]
+    if not external:
+        return
+    for t in external:
+        location = next((e.value for e in t.external_data if e.key == "location"), "")
+        if location and not os.path.isabs(location) and not (path.parent / location).exists():
+            raise ModelLoadError(
+                f"{path}: tensor '{t.name}' is stored in the external data file '{location}', which is missing "
+                f"(looked for {path.parent / location}). Keep the .onnx file next to its external data files."
+            )
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except Exception as e:
+        raise ModelLoadError(
+            f"{path}: its external data cannot be read ({type(e).__name__}: {_first_line(e)}). The references "
+            "must name files in the model's directory, and those files must hold the bytes the model says they do."
+        ) from e
 
 
 def _first_line(e: BaseException) -> str:
@@ -524,34 +556,122 @@ UMASK = _read_umask()
 """Read once at import: mkstemp creates 0600 files, and a saved model should get the mode of any new file."""
 
 
+PROTOBUF_LIMIT = 2**31 - 1
+INLINE_LIMIT = PROTOBUF_LIMIT - 2**20
+"""Protobuf cannot serialize a message of 2 GB; above this the weights go to a data file beside the model."""
+EXTERNAL_MIN_BYTES = 1024
+DATA_ALIGN = 4096
+"""Offsets of weights in a data file are page-aligned, so a runtime may map them."""
+
+
 def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write next to the target and rename, so a crash never leaves a half-written model."""
+    """Write next to the target and rename, so a crash never leaves a half-written model.
+
+    Above 2 GB the weights go to `<name>.data` (or `<name>.1.data`, ... when that name is taken): a file
+    that did not exist, written and synced before the .onnx naming it is renamed into place. So at every
+    instant `path` names a complete, matching pair, no existing file is overwritten but `path`, and the data
+    file the replaced model read is removed only after. The caller's model is never modified.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    large = model.ByteSize() > 2**31 - 2**20
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~UMASK)
+    old_data = _own_data_files(path)
+    data_path: Path | None = None
+    tmp: str | None = None
     try:
-        if large:
-            data_name = path.name + ".data"
-            onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data_name + ".tmp", size_threshold=1024)
-            os.replace(path.parent / (data_name + ".tmp"), path.parent / data_name)
-            fixed = onnx.load(tmp, load_external_data=False)
-            for t in fixed.graph.initializer:
-                for e in t.external_data:
-                    if e.key == "location":
-                        e.value = data_name
-            with open(tmp, "wb") as f:
-                f.write(fixed.SerializeToString())
+        if model.ByteSize() > INLINE_LIMIT:
+            data_path, f = _new_data_file(path)
+            with f:
+                out = _externalize(model, data_path.name, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if out.ByteSize() > PROTOBUF_LIMIT:
+                raise SaveError(f"cannot write {path}: the model is over 2 GB even with every initializer of "
+                                f"{EXTERNAL_MIN_BYTES} bytes or more in a data file (large constants in nodes?).")
+            payload = out.SerializeToString()
         else:
-            with open(tmp, "wb") as f:
-                f.write(model.SerializeToString())
+            payload = model.SerializeToString()
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if data_path is not None:
+            data_path.unlink(missing_ok=True)
         raise
+    for name in old_data:
+        if data_path is None or name != data_path.name:
+            (path.parent / name).unlink(missing_ok=True)
+
+
+def _data_names(path: Path) -> Iterable[str]:
+    yield f"{path.name}.data"
+    k = 1
+    while True:
+        yield f"{path.name}.{k}.data"
+        k += 1
+
+
+def _is_data_name(path: Path, name: str) -> bool:
+    return re.fullmatch(re.escape(path.name) + r"(\.[0-9]+)?\.data", name) is not None
+
+
+STUB_LIMIT = 64 * 2**20
+"""A model we saved with its weights outside is small; a bigger file at the target is not worth parsing."""
+
+
+def _own_data_files(path: Path) -> set[str]:
+    """The data files the model now at `path` reads that bear our names for it: removed once it is replaced.
+
+    Only tidiness depends on this: a new data file never takes an existing name.
+    """
+    try:
+        if not path.is_file() or path.stat().st_size > STUB_LIMIT:
+            return set()
+        old = onnx.load(str(path), load_external_data=False)
+    except Exception:  # unreadable or not a model: it names no data file
+        return set()
+    return {e.value for t in old.graph.initializer if t.data_location == TensorProto.EXTERNAL
+            for e in t.external_data if e.key == "location" and _is_data_name(path, e.value)}
+
+
+def _new_data_file(path: Path) -> tuple[Path, io.BufferedWriter]:
+    """Create the first free data file name for `path` exclusively: never clobber what another model reads."""
+    for name in _data_names(path):
+        candidate = path.parent / name
+        try:
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        return candidate, os.fdopen(fd, "wb")
+    raise AssertionError("unreachable")
+
+
+def _externalize(model: onnx.ModelProto, location: str, f: io.BufferedWriter) -> onnx.ModelProto:
+    """A copy of `model` whose big initializers point into `f`, written as we go; `model` is left as it is."""
+    out = onnx.ModelProto()
+    _copy_fields(model, out, frozenset({"graph"}))
+    _copy_fields(model.graph, out.graph, frozenset({"initializer"}))
+    offset = 0
+    for t in model.graph.initializer:
+        raw = t.raw_data if t.HasField("raw_data") else b""
+        if len(raw) < EXTERNAL_MIN_BYTES:
+            out.graph.initializer.append(t)
+            continue
+        pad = -offset % DATA_ALIGN
+        f.write(b"\0" * pad)
+        f.write(raw)
+        stub = out.graph.initializer.add()
+        _copy_fields(t, stub, frozenset({"raw_data"}))
+        stub.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", str(offset + pad)), ("length", str(len(raw)))):
+            stub.external_data.add(key=key, value=value)
+        offset += pad + len(raw)
+    return out
 
 
 def save_text_atomic(text: str, path: str | os.PathLike) -> None:
