@@ -244,9 +244,13 @@ def _pick(g: Grad, t: str | None, d: int, axis: int) -> str | None:
     return None if t is None else g.Gather(t, g.ints(d), axis=axis)
 
 
+def _concat(g: Grad, parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else g.Concat(*parts, axis=0)
+
+
 def _stack(g: Grad, parts: list[str]) -> str:
-    stacked = [g.unsqueeze(p, [0]) for p in parts]
-    return stacked[0] if len(stacked) == 1 else g.Concat(*stacked, axis=0)
+    """Per-direction gradients into one tensor with the num_directions axis first."""
+    return _concat(g, [g.unsqueeze(p, [0]) for p in parts])
 
 
 def _flat(g: Grad, t: str) -> str:
@@ -255,7 +259,9 @@ def _flat(g: Grad, t: str) -> str:
 
 def _recurrent(g: Grad, spec: _Spec, cell: Callable[[Grad, _Seq], _Back]) -> Grads:
     lay = spec.layout
-    y_all = g.O(0) or g.op(g.op_type, *g.node.input, n_out=1, **{a.name: g.attr(a.name) for a in g.node.attribute})
+    y_all = g.O(0)
+    if not y_all:  # the node does not output Y: backward runs it again for the hidden states
+        y_all = g.op(g.op_type, *g.node.input, n_out=1, **{a.name: g.attr(a.name) for a in g.node.attribute})
     x = _time_major(g, g.I(0), [1, 0, 2], lay)
     y = _time_major(g, y_all, [1, 2, 0, 3], lay)
     dy = _time_major(g, g.GO(0), [1, 2, 0, 3], lay)
@@ -265,7 +271,7 @@ def _recurrent(g: Grad, spec: _Spec, cell: Callable[[Grad, _Seq], _Back]) -> Gra
         nonempty = g.Gather(mask, g.ints(0), axis=0)
         zero = g.const(0.0, like=g.I(0))
         dyh, dyc = (t and g.Where(nonempty, t, zero) for t in (dyh, dyc))
-    zeros = _zeros_bh(g, spec) if None in (h0, dyh) or (spec.gates == 4 and None in (c0, dyc)) else ""
+    zeros = _zeros_bh(g, spec) if None in (h0, dyh) or (spec.gates == 4 and None in (c0, dyc)) else None
     gh = spec.gates * spec.hidden
     b = g.I(3)
     dirs = []
@@ -314,10 +320,6 @@ def _weight_grads(g: Grad, spec: _Spec, dirs: list[tuple[_Seq, _Back]]) -> Grads
     if spec.gates == 4 and g.needs(7):
         out[7] = _stack(g, [back.dp for _, back in dirs])  # type: ignore[misc]
     return tuple(out)
-
-
-def _concat(g: Grad, parts: list[str]) -> str:
-    return parts[0] if len(parts) == 1 else g.Concat(*parts, axis=0)
 
 
 def _linear(g: Grad, x: str, w: str, bias: str | None = None) -> str:
