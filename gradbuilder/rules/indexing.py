@@ -51,6 +51,12 @@ def dims_of(g: Grad, x: str, order: Sequence[int]) -> str:
     return g.Gather(g.shape_of(x), g.ints(list(order)))
 
 
+def arange(g: Grad, d: int | str) -> str:
+    """0..d-1 (int64) for a size from `size_along`."""
+    n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
+    return g.Range(g.ints(0), n, g.ints(1))
+
+
 def int64(g: Grad, t: str) -> str:
     """Indices as int64, the one index type ScatterND and the Range comparisons accept."""
     return t if g.dtype(t) == TensorProto.INT64 else g.Cast(t, to=TensorProto.INT64)
@@ -86,8 +92,7 @@ def rows_adjoint(g: Grad, t: str, src: str, d: int | str, like: str, *, add: boo
         summed = g.ScatterND(zeros(g, shape, like, TensorProto.FLOAT if back else None), g.unsqueeze(src, [1]), t,
                              reduction="add" if add else None)
         return _narrow(g, summed, back)
-    n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
-    rows = g.unsqueeze(g.Range(g.ints(0), n, g.ints(1)), [1])
+    rows = g.unsqueeze(arange(g, d), [1])
     onehot = cast_like(g, g.Equal(rows, g.unsqueeze(src, [0])), like)  # [d, L]
     return g.MatMul(onehot, t)
 
@@ -106,21 +111,17 @@ def axis_adjoint(g: Grad, t: str, axis: int, rank: int, src: str, d: int | str, 
 
 @rule("Gather", nondiff=(1,))
 def gather(g: Grad):
-    """Move the index dims of the gradient to the front, flatten to [M, rest], scatter-add rows back along
-    the gathered axis, restore the layout."""
+    """The gradient is data[:a] + indices + data[a+1:]: flatten the index dims into one axis and
+    scatter-add along it."""
     data, dy = g.I(0), g.GO(0)
-    r, q = g.require_rank(data), g.require_rank(g.I(1))
+    r = g.require_rank(data)
     a = int(g.attr("axis", 0)) % r
     d = size_along(g, data, a)
     src = g.Reshape(nonneg(g, int64(g, g.I(1)), d), g.ints([-1]))
-    if a:  # dy is data[:a] + indices + data[a+1:]
-        dy = g.Transpose(dy, perm=[*range(a, a + q), *range(a), *range(a + q, r - 1 + q)])
-    summed = rows_adjoint(g, g.Flatten(dy, axis=q), src, d, like=data)
-    if not a:
-        return (g.Reshape(summed, g.shape_of(data)),)
-    front = [a, *range(a), *range(a + 1, r)]
-    summed = g.Reshape(summed, dims_of(g, data, front))
-    return (g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]),)
+    parts = [dims_of(g, data, range(a))] if a else []
+    parts += [g.ints([-1])] + ([dims_of(g, data, range(a + 1, r))] if a + 1 < r else [])
+    one_axis = g.Reshape(dy, g.Concat(*parts, axis=0) if len(parts) > 1 else parts[0])
+    return (axis_adjoint(g, one_axis, a, r, src, d, like=data),)
 
 
 @rule("GatherND", nondiff=(1,))
@@ -149,10 +150,10 @@ def gather_nd(g: Grad):
     total: int | str = rows_per_batch
     if b:
         batch = dims_of(g, data, range(b))
-        n_batch = g.ReduceProd(batch, keepdims=0)
-        grid = g.Reshape(g.Range(g.ints(0), n_batch, g.ints(1)), g.Concat(batch, g.ints([1] * (q - 1 - b)), axis=0))
+        n_batch = g.ReduceProd(batch, keepdims=1)
+        grid = g.Reshape(arange(g, n_batch), g.Concat(batch, g.ints([1] * (q - 1 - b)), axis=0))
         flat = g.Add(flat, g.Mul(grid, as_tensor(g, rows_per_batch)))
-        total = g.Mul(g.Reshape(n_batch, g.ints([1])), as_tensor(g, rows_per_batch))
+        total = g.Mul(n_batch, as_tensor(g, rows_per_batch))
     summed = rows_adjoint(g, g.Flatten(dy, axis=q - 1), g.Reshape(flat, g.ints([-1])), total, like=data)
     return (g.Reshape(summed, g.shape_of(data)),)
 
@@ -164,9 +165,8 @@ def _scatter_add_elements_onehot(g: Grad, data: str, index: str, dy: str, axis: 
     r = g.require_rank(data)
     ds, ids = g.info(data).shape, g.info(index).shape
     d = size_along(g, data, axis)
-    n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
     position = nonneg(g, int64(g, index), d)
-    onehot = cast_like(g, g.Equal(g.unsqueeze(position, [r]), g.Range(g.ints(0), n, g.ints(1))), data)
+    onehot = cast_like(g, g.Equal(g.unsqueeze(position, [r]), arange(g, d)), data)
     summed = g.reduce_sum(g.Mul(onehot, g.unsqueeze(dy, [r])), [axis], keepdims=True)
     perm = list(range(r + 1))
     perm[axis], perm[r] = r, axis

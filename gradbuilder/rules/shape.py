@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .context import Grad
-from .indexing import as_tensor, axis_adjoint, dims_of, int64, nonneg, size_along, zeros
+from .indexing import arange, as_tensor, axis_adjoint, dims_of, int64, nonneg, size_along, zeros
 from .registry import rule
 
 
@@ -123,11 +123,9 @@ def _slice_flat(g: Grad) -> str:
     gradient there. Costs an int64 tensor the size of x, hence the last resort."""
     x, dy = g.I(0), g.GO(0)
     shape = g.shape_of(x)
-    n = g.ReduceProd(shape, keepdims=0)
-    positions = g.Reshape(g.Range(g.ints(0), n, g.ints(1)), shape)
-    picked = g.Slice(positions, *g.node.input[1:])
-    flat = g.ScatterElements(zeros(g, g.Reshape(n, g.ints([1])), x), g.Reshape(picked, g.ints([-1])),
-                             g.Reshape(dy, g.ints([-1])), axis=0)
+    n = g.ReduceProd(shape, keepdims=1)
+    picked = g.Slice(g.Reshape(arange(g, n), shape), *g.node.input[1:])
+    flat = g.ScatterElements(zeros(g, n, x), g.Reshape(picked, g.ints([-1])), g.Reshape(dy, g.ints([-1])), axis=0)
     return g.Reshape(flat, shape)
 
 
@@ -146,8 +144,7 @@ def slice_(g: Grad):
     t = dy
     for k, a in enumerate(axes):
         d = size_along(g, x, a)
-        n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
-        src = g.Slice(g.Range(g.ints(0), n, g.ints(1)), _slice_input(g, 1, k), _slice_input(g, 2, k),
+        src = g.Slice(arange(g, d), _slice_input(g, 1, k), _slice_input(g, 2, k),
                       g.ints([0]), _slice_input(g, 4, k))
         t = axis_adjoint(g, t, a, rank, src, d, like=x, add=False)
     return (t,)
@@ -180,8 +177,7 @@ def _axis_positions(g: Grad, x: str, a: int, pads: str, mode: str) -> tuple[str,
     """Which input position along axis `a` each output position of a reflect/edge/wrap Pad reads:
     the same Pad applied to 0..d-1 (pads is that axis' [begin, end])."""
     d = size_along(g, x, a)
-    n = g.ints(d) if isinstance(d, int) else g.squeeze(d, [0])
-    return g.Pad(g.Range(g.ints(0), n, g.ints(1)), pads, mode=mode), d
+    return g.Pad(arange(g, d), pads, mode=mode), d
 
 
 @rule("Pad", nondiff=(1, 2, 3))
