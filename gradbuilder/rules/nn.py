@@ -1,0 +1,485 @@
+"""Convolution, pooling, normalization and dropout: the layers of a CNN.
+
+`Window` resolves a node's kernel, strides, dilations and pads per spatial dim (auto_pad and ceil_mode
+included) the way onnxruntime does; the input gradient of a strided window op is then a ConvTranspose
+whose end pads and output_padding `Window.adjoint_pads` derives, and a weight gradient is a Conv with
+batch and channels swapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import reduce
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from .context import Grad
+from .registry import rule
+
+HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+# --- shared helpers ------------------------------------------------------------------------------
+def _forward_output(g: Grad, j: int, what: str) -> str:
+    """Output j of the forward node, added to the node when the model left that optional output out
+    (Dropout's mask, MaxPool's Indices): what the forward op drew or chose can only be read, not recomputed."""
+    outs = g.node.output
+    if j < len(outs) and outs[j]:
+        return outs[j]
+    while len(outs) <= j:
+        outs.append("")
+    outs[j] = g.em.names.fresh(f"{outs[0]}_{what}")
+    return outs[j]
+
+
+def _forward_op(g: Grad, op_type: str, *inputs: str, **attrs) -> str:
+    """A node in the forward part: backward then stashes its small result instead of its input."""
+    return g.em.node(op_type, inputs, 1, f"{g.O(0)}_fwd", forward=True, **attrs)[0]
+
+
+def _reduce(g: Grad, op_type: str, x: str, axes: Sequence[int], keepdims: bool = True) -> str:
+    """ReduceMean/L1/L2 over `axes`: an attribute before opset 18, an input from 18 on."""
+    if g.opset >= 18:
+        return g.op(op_type, x, g.ints(list(axes)), keepdims=int(keepdims))
+    return g.op(op_type, x, axes=list(axes), keepdims=int(keepdims))
+
+
+def _per_channel(g: Grad, t: str, rank: int) -> str:
+    """A (C,) tensor shaped (1, C, 1, ...) to broadcast against an (N, C, ...) tensor of rank `rank`."""
+    return g.unsqueeze(t, [0, *range(2, rank)])
+
+
+def _cast(g: Grad, t: str, elem_type: int, like: str) -> str:
+    """`t` as `elem_type` (the type of `like`); CastLike when that type is unknown."""
+    if elem_type:
+        return g.Cast(t, to=elem_type)
+    if g.opset < 15:
+        g.fail(f"the element type of '{like}' is unknown")
+    return g.CastLike(t, like)
+
+
+def _spatial(g: Grad, x: str, why: str) -> list[int]:
+    shape = g.info(x).shape
+    if shape is None or not all(isinstance(d, int) for d in shape[2:]):
+        g.fail(f"{why} needs the spatial dims of '{x}' to be static (they are {shape and list(shape[2:])})")
+    return list(shape[2:])  # type: ignore[index, arg-type]
+
+
+def _kernel(g: Grad, w: str) -> list[int]:
+    kernel = g.attr("kernel_shape")
+    if kernel is None:
+        shape = g.info(w).shape
+        if shape is None or not all(isinstance(d, int) for d in shape[2:]):
+            g.fail(f"kernel_shape is absent and the weight '{w}' has no static shape")
+        kernel = shape[2:]
+    return list(kernel)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Per spatial dim: kernel, stride, dilation and the begin/end pads of a window op."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    begin: tuple[int, ...]
+    end: tuple[int, ...]
+
+    @property
+    def pads(self) -> list[int]:
+        return [*self.begin, *self.end]
+
+    def extent(self, i: int) -> int:
+        return (self.kernel[i] - 1) * self.dilations[i] + 1
+
+    def out_sizes(self, sizes: Sequence[int], ceil: bool = False) -> list[int]:
+        """Output sizes as onnxruntime computes them: with ceil_mode, a window may not start in the end pad."""
+        outs = []
+        for i, n in enumerate(sizes):
+            s, span = self.strides[i], n + self.begin[i] + self.end[i] - self.extent(i)
+            o = (-(-span // s) if ceil else span // s) + 1
+            if ceil and (o - 1) * s >= n + self.begin[i]:
+                o -= 1
+            outs.append(o)
+        return outs
+
+    def adjoint_pads(self, sizes: Sequence[int], outs: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(end pads, deficit) for the adjoint of this window op from `outs` back onto `sizes`.
+
+        The windows reach (o-1)*s + extent padded positions; what lies past `sizes` + begin pad is cut by
+        the end pad; positions no window reaches (deficit > 0) get zero gradient: a ConvTranspose's
+        output_padding, or a crop of the input of the weight-gradient Conv.
+        """
+        ends, deficit = [], []
+        for i, (n, o) in enumerate(zip(sizes, outs)):
+            tail = (o - 1) * self.strides[i] + self.extent(i) - self.begin[i] - n
+            ends.append(max(tail, 0))
+            deficit.append(max(-tail, 0))
+        return ends, deficit
+
+
+def _window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
+    """The node's window with auto_pad resolved: SAME pads depend on the (then required static) input size."""
+    nd = len(kernel)
+    strides = tuple(g.attr("strides", [1] * nd))
+    dilations = tuple(g.attr("dilations", [1] * nd))
+    auto = g.attr("auto_pad", "NOTSET")
+    if auto in ("NOTSET", ""):
+        pads = list(g.attr("pads", [0] * 2 * nd))
+        return Window(tuple(kernel), strides, dilations, tuple(pads[:nd]), tuple(pads[nd:]))
+    if auto == "VALID":
+        return Window(tuple(kernel), strides, dilations, (0,) * nd, (0,) * nd)
+    if auto not in ("SAME_UPPER", "SAME_LOWER"):
+        g.fail(f"unknown auto_pad '{auto}'")
+    sizes = _spatial(g, x, f"auto_pad={auto}")
+    begin, end = [], []
+    for i, n in enumerate(sizes):
+        s, ext = strides[i], (kernel[i] - 1) * dilations[i] + 1
+        total = max(0, (-(-n // s) - 1) * s + ext - n)
+        small = total // 2
+        begin.append(small if auto == "SAME_UPPER" else total - small)
+        end.append(total - begin[-1])
+    return Window(tuple(kernel), strides, dilations, tuple(begin), tuple(end))
+
+
+def _weight_grad(g: Grad, inp: str, dout: str, win: Window, sizes: Sequence[int], outs: Sequence[int],
+                 group: int, per_group: int) -> str:
+    """dW[m, c, t] = sum over n, o of dout[n, m, o] * inp_padded[n, group(m) * per_group + c, o*s + t*d].
+
+    That is a Conv over `inp` with batch and channels swapped (the group's channels stacked on the batch),
+    `dout` (batch and channels swapped too) as the kernel, strides and dilations exchanged.
+    """
+    nd = len(sizes)
+    spatial = list(range(2, 2 + nd))
+    ends, crop = win.adjoint_pads(sizes, outs)
+    if any(crop):
+        inp = g.Slice(inp, g.ints([0] * nd), g.ints([n - c for n, c in zip(sizes, crop)]), g.ints(spatial))
+        sizes = [n - c for n, c in zip(sizes, crop)]
+    swap = [1, 0, *spatial]
+    if group == 1:
+        inp_t = g.Transpose(inp, perm=swap)
+    else:  # (N, G*Cg, D...) -> (Cg, G*N, D...): channel g*N + n of the grouped Conv is sample n of group g
+        inp_t = g.Reshape(inp, g.ints([0, group, per_group, -1]))
+        inp_t = g.Reshape(g.Transpose(inp_t, perm=[2, 1, 0, 3]), g.ints([per_group, -1, *sizes]))
+    dw_t = g.Conv(inp_t, g.Transpose(dout, perm=swap), strides=list(win.dilations), dilations=list(win.strides),
+                  pads=[*win.begin, *ends], group=group)
+    return g.Transpose(dw_t, perm=swap)
+
+
+def _channel_sum(g: Grad, dy: str, rank: int) -> str:
+    """Bias gradient: dY summed over every axis but the channel axis."""
+    return g.reduce_sum(dy, [0, *range(2, rank)], keepdims=False)
+
+
+# --- convolution ---------------------------------------------------------------------------------
+@rule("Conv", since=13)
+def conv(g: Grad):
+    """dX: ConvTranspose of dY with the same weight; dW: see `_weight_grad`; dB: dY summed per channel."""
+    x, w, dy = g.I(0), g.I(1), g.GO(0)
+    kernel = _kernel(g, w)
+    win = _window(g, x, kernel)
+    group = int(g.attr("group", 1))
+    dx = dw = db = None
+    if g.needs(0) or g.needs(1):
+        sizes = _spatial(g, x, "the Conv gradient")
+        outs = win.out_sizes(sizes)
+    if g.needs(0):
+        ends, extra = win.adjoint_pads(sizes, outs)
+        dx = g.ConvTranspose(dy, w, kernel_shape=kernel, strides=list(win.strides), dilations=list(win.dilations),
+                             group=group, pads=[*win.begin, *ends], output_padding=extra if any(extra) else None)
+    if g.needs(1):
+        per_group = _static_dim(g, w, 1)
+        dw = _weight_grad(g, x, dy, win, sizes, outs, group, per_group)
+    if g.I(2) is not None and g.needs(2):
+        db = _channel_sum(g, dy, len(kernel) + 2)
+    return (dx, dw, db)
+
+
+def _static_dim(g: Grad, t: str, axis: int) -> int:
+    shape = g.info(t).shape
+    if shape is None or not isinstance(shape[axis], int):
+        g.fail(f"dim {axis} of '{t}' must be static")
+    return shape[axis]  # type: ignore[index, return-value]
+
+
+def _transpose_window(g: Grad, sizes: Sequence[int], kernel: Sequence[int]) -> tuple[Window, list[int], list[int]]:
+    """ConvTranspose's window, output sizes, and how much of the output the input reaches.
+
+    Pads come from `pads`, or from `output_shape` / auto_pad SAME (output = input * stride) as onnxruntime
+    splits the total padding: the odd one at the end for SAME_UPPER, at the start otherwise. An output_shape
+    beyond what the input reaches leaves trailing zeros, whose gradient reaches nothing.
+    """
+    nd = len(kernel)
+    strides = tuple(g.attr("strides", [1] * nd))
+    dilations = tuple(g.attr("dilations", [1] * nd))
+    extra = list(g.attr("output_padding", [0] * nd))
+    auto = g.attr("auto_pad", "NOTSET")
+    out_shape = g.attr("output_shape")
+    full = [(n - 1) * s + (k - 1) * d + 1 + e for n, s, k, d, e in zip(sizes, strides, kernel, dilations, extra)]
+    if out_shape is None and auto in ("SAME_UPPER", "SAME_LOWER"):
+        out_shape = [n * s for n, s in zip(sizes, strides)]
+    if out_shape is not None:
+        outs = list(out_shape)[-nd:]
+        total = [max(0, f - o) for f, o in zip(full, outs)]
+        begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+        end = [max(0, f - b - o) for f, b, o in zip(full, begin, outs)]
+    else:
+        pads = [0] * 2 * nd if auto == "VALID" else list(g.attr("pads", [0] * 2 * nd))
+        begin, end = pads[:nd], pads[nd:]
+        outs = [f - b - e for f, b, e in zip(full, begin, end)]
+    reached = [f - b - e for f, b, e in zip(full, begin, end)]
+    return Window(tuple(kernel), strides, dilations, tuple(begin), tuple(end)), outs, reached
+
+
+@rule("ConvTranspose", since=13)
+def conv_transpose(g: Grad):
+    """The adjoint of Conv: dX is a Conv of dY with the same weight; dW is Conv's weight gradient with
+    the roles of input and output exchanged."""
+    x, w, dy = g.I(0), g.I(1), g.GO(0)
+    kernel = _kernel(g, w)
+    group = int(g.attr("group", 1))
+    rank = len(kernel) + 2
+    dx = dw = db = None
+    if g.needs(0) or g.needs(1):
+        sizes = _spatial(g, x, "the ConvTranspose gradient")
+        win, outs, reached = _transpose_window(g, sizes, kernel)
+        dy_used = dy
+        if reached != outs:
+            dy_used = g.Slice(dy, g.ints([0] * len(kernel)), g.ints(reached), g.ints(list(range(2, rank))))
+    if g.needs(0):
+        dx = g.Conv(dy_used, w, kernel_shape=kernel, strides=list(win.strides), dilations=list(win.dilations),
+                    group=group, pads=win.pads)
+    if g.needs(1):
+        dw = _weight_grad(g, dy_used, x, win, reached, sizes, group, _static_dim(g, w, 1))
+    if g.I(2) is not None and g.needs(2):
+        db = _channel_sum(g, dy, rank)
+    return (dx, dw, db)
+
+
+# --- pooling -------------------------------------------------------------------------------------
+def _scatter_flat(g: Grad, x: str, index: str, values: str, accumulate: bool) -> str:
+    """Zeros shaped like x, flattened, with `values` scattered (added when indices may repeat) at the
+    flat `index`: onnxruntime has no float16 add-scatter, so half types accumulate in float."""
+    dtype = g.dtype(x) or TensorProto.FLOAT
+    acc = TensorProto.FLOAT if accumulate and dtype in HALF_TYPES else dtype
+    numel = g.ReduceProd(g.shape_of(x), keepdims=1)
+    zeros = g.ConstantOfShape(numel, value=helper.make_tensor("value", acc, [1], [0]))
+    flat = g.Reshape(values, g.ints([-1]))
+    if acc != dtype:
+        flat = g.Cast(flat, to=acc)
+    if accumulate and g.opset < 16:
+        g.fail("overlapping windows need ScatterElements with reduction='add' (opset 16); re-export at opset "
+               ">= 16")
+    out = g.ScatterElements(zeros, g.Reshape(index, g.ints([-1])), flat, axis=0,
+                            reduction="add" if accumulate else None)
+    return g.Cast(out, to=dtype) if acc != dtype else out
+
+
+@rule("MaxPool", since=13, nondiff_outputs=(1,))
+def max_pool(g: Grad):
+    """dY goes to the element each window picked: read from the Indices output (added to the node when
+    absent), so backward stashes int64 indices the size of Y rather than X."""
+    x, dy = g.I(0), g.GO(0)
+    rank = g.require_rank(x)
+    kernel = list(g.attr("kernel_shape"))
+    strides = g.attr("strides", [1] * len(kernel))
+    dilations = g.attr("dilations", [1] * len(kernel))
+    overlap = any((k - 1) * d + 1 > s for k, s, d in zip(kernel, strides, dilations))
+    indices = _forward_output(g, 1, "indices")
+    flat = _scatter_flat(g, x, indices, dy, overlap)
+    if not int(g.attr("storage_order", 0)):
+        return (g.Reshape(flat, g.shape_of(x)),)
+    # column-major indices: the flat gradient is laid out with the spatial dims reversed
+    rev = [0, 1, *range(rank - 1, 1, -1)]
+    shape_rev = g.Gather(g.shape_of(x), g.ints(rev))
+    return (g.Transpose(g.Reshape(flat, shape_rev), perm=rev),)
+
+
+def _divisors(win: Window, sizes: Sequence[int], outs: Sequence[int], include_pad: bool) -> np.ndarray:
+    """How many elements each average-pool window divides by (product over dims of the window taps that
+    fall inside the input, or inside input plus pads with count_include_pad)."""
+    per_dim = []
+    for i, (n, o) in enumerate(zip(sizes, outs)):
+        lo, hi = (-win.begin[i], n + win.end[i]) if include_pad else (0, n)
+        taps = (np.arange(o) * win.strides[i] - win.begin[i])[:, None] + np.arange(win.kernel[i]) * win.dilations[i]
+        per_dim.append(((taps >= lo) & (taps < hi)).sum(axis=1))
+    return np.maximum(reduce(np.multiply.outer, per_dim), 1)
+
+
+@rule("AveragePool", since=13)
+def average_pool(g: Grad):
+    """dY / divisor spread over each window: a ConvTranspose with a ones kernel over (N*C, 1, ...)."""
+    x, dy = g.I(0), g.GO(0)
+    kernel = list(g.attr("kernel_shape"))
+    sizes = _spatial(g, x, "the AveragePool gradient")
+    win = _window(g, x, kernel)
+    outs = win.out_sizes(sizes, ceil=bool(g.attr("ceil_mode", 0)))
+    inv = 1.0 / _divisors(win, sizes, outs, bool(g.attr("count_include_pad", 0)))
+    scaled = g.Mul(dy, g.const(inv.flat[0] if np.all(inv == inv.flat[0]) else inv, like=x))
+    ends, extra = win.adjoint_pads(sizes, outs)
+    ones = g.const(np.ones([1, 1, *kernel]), like=x)
+    spread = g.ConvTranspose(g.Reshape(scaled, g.ints([-1, 1, *outs])), ones, kernel_shape=kernel,
+                             strides=list(win.strides), dilations=list(win.dilations), pads=[*win.begin, *ends],
+                             output_padding=extra if any(extra) else None)
+    return (g.Reshape(spread, g.shape_of(x)),)
+
+
+def _spatial_count(g: Grad, x: str) -> str:
+    """Number of spatial positions of x, as a scalar of x's type."""
+    shape = g.info(x).shape
+    if shape is not None and all(isinstance(d, int) for d in shape[2:]):
+        return g.const(float(np.prod(shape[2:])), like=x)
+    count = g.ReduceProd(g.Slice(g.shape_of(x), g.ints([2]), g.ints([np.iinfo(np.int64).max])), keepdims=0)
+    return _cast(g, count, g.dtype(x), x)
+
+
+@rule("GlobalAveragePool", since=13)
+def global_average_pool(g: Grad):
+    x, dy = g.I(0), g.GO(0)
+    return (g.Expand(g.Div(dy, _spatial_count(g, x)), g.shape_of(x)),)
+
+
+@rule("GlobalMaxPool", since=13)
+def global_max_pool(g: Grad):
+    """dY goes to each channel's argmax, found in the forward part so only (N, C, 1) indices are stashed."""
+    x, dy = g.I(0), g.GO(0)
+    by_channel = g.ints([0, 0, -1])
+    index = _forward_op(g, "ArgMax", _forward_op(g, "Reshape", x, by_channel), axis=2, keepdims=1)
+    zeros = g.Reshape(g.zeros_like(x), by_channel)
+    return (g.Reshape(g.ScatterElements(zeros, index, g.Reshape(dy, by_channel), axis=2), g.shape_of(x)),)
+
+
+# --- normalization -------------------------------------------------------------------------------
+def _standardize(g: Grad, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
+    """(xhat, invstd) of x over `axes` (biased variance, keepdims), recomputed in backward."""
+    mean = _reduce(g, "ReduceMean", x, axes)
+    centered = g.Sub(x, mean)
+    var = _reduce(g, "ReduceMean", g.Mul(centered, centered), axes)
+    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=x))))
+    return g.Mul(centered, invstd), invstd
+
+
+def _standardize_grad(g: Grad, dxhat: str, xhat: str, invstd: str, axes: Sequence[int]) -> str:
+    """dX for xhat = (x - mean(x)) * invstd over `axes`: invstd * (dxhat - mean(dxhat) - xhat mean(dxhat xhat))."""
+    mean_d = _reduce(g, "ReduceMean", dxhat, axes)
+    mean_dx = _reduce(g, "ReduceMean", g.Mul(dxhat, xhat), axes)
+    return g.Mul(invstd, g.Sub(g.Sub(dxhat, mean_d), g.Mul(xhat, mean_dx)))
+
+
+def _is_training_bn(g: Grad) -> bool:
+    if g.opset >= 14:
+        return bool(g.attr("training_mode", 0))
+    return sum(1 for o in g.node.output if o) > 1  # opset 9-13: the statistics outputs mean training
+
+
+@rule("BatchNormalization", since=13, nondiff=(3, 4), nondiff_outputs=(1, 2, 3, 4))
+def batch_norm(g: Grad):
+    """Training mode normalizes with the batch statistics (recomputed from X in backward), inference mode
+    with the given running mean/var, which get no gradient (buffers in PyTorch)."""
+    x, scale, dy = g.I(0), g.I(1), g.GO(0)
+    rank = g.require_rank(x)
+    axes = [0, *range(2, rank)]
+    eps = float(g.attr("epsilon", 1e-5))
+    if _is_training_bn(g):
+        xhat, invstd = _standardize(g, x, axes, eps)
+        dx = None
+        if g.needs(0):
+            dx = _standardize_grad(g, g.Mul(dy, _per_channel(g, scale, rank)), xhat, invstd, axes)
+    else:
+        invstd = _per_channel(g, g.Reciprocal(g.Sqrt(g.Add(g.I(4), g.const(eps, like=x)))), rank)
+        xhat = g.Mul(g.Sub(x, _per_channel(g, g.I(3), rank)), invstd) if g.needs(1) else None
+        dx = g.Mul(dy, g.Mul(_per_channel(g, scale, rank), invstd)) if g.needs(0) else None
+    dscale = g.reduce_sum(g.Mul(dy, xhat), axes, keepdims=False) if g.needs(1) else None
+    dbias = g.reduce_sum(dy, axes, keepdims=False) if g.needs(2) else None
+    return (dx, dscale, dbias)
+
+
+@rule("LayerNormalization", since=17, nondiff_outputs=(1, 2))
+def layer_norm(g: Grad):
+    """Normalized over axes [axis, rank); reads the Mean/InvStdDev outputs when the node has them."""
+    x, scale, bias, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
+    rank = g.require_rank(x)
+    axis = int(g.attr("axis", -1)) % rank
+    axes = list(range(axis, rank))
+    outs, dtype = g.node.output, g.dtype(x)
+    if len(outs) > 2 and outs[1] and outs[2] and (g.dtype(outs[1]) == dtype or dtype in HALF_TYPES):
+        mean, invstd = outs[1], outs[2]
+        if g.dtype(mean) != dtype:  # stash_type: statistics in float for half inputs
+            mean, invstd = _cast(g, mean, dtype, x), _cast(g, invstd, dtype, x)
+        xhat = g.Mul(g.Sub(x, mean), invstd)
+    else:  # no statistics outputs, or float ones for a double input: recompute at full precision
+        xhat, invstd = _standardize(g, x, axes, float(g.attr("epsilon", 1e-5)))
+    dx = _standardize_grad(g, g.Mul(dy, scale), xhat, invstd, axes) if g.needs(0) else None
+    dscale = g.unbroadcast(g.Mul(dy, xhat), like=scale) if g.needs(1) else None
+    dbias = g.unbroadcast(dy, like=bias) if bias is not None and g.needs(2) else None
+    return (dx, dscale, dbias)
+
+
+@rule("InstanceNormalization", since=13)
+def instance_norm(g: Grad):
+    """Per sample and channel over the spatial axes, then a per-channel affine."""
+    x, scale, dy = g.I(0), g.I(1), g.GO(0)
+    rank = g.require_rank(x)
+    spatial = list(range(2, rank))
+    xhat, invstd = _standardize(g, x, spatial, float(g.attr("epsilon", 1e-5)))
+    dx = _standardize_grad(g, g.Mul(dy, _per_channel(g, scale, rank)), xhat, invstd, spatial) if g.needs(0) else None
+    dscale = g.reduce_sum(g.Mul(dy, xhat), [0, *spatial], keepdims=False) if g.needs(1) else None
+    dbias = _channel_sum(g, dy, rank) if g.needs(2) else None
+    return (dx, dscale, dbias)
+
+
+@rule("GroupNormalization", since=21)
+def group_norm(g: Grad):
+    """Standardized over (N, G, C/G * spatial), then a per-channel affine (opset 21; GroupNormalization-18,
+    with one scale per group, is deprecated and rejected by the ONNX checker)."""
+    x, scale, dy = g.I(0), g.I(1), g.GO(0)
+    rank = g.require_rank(x)
+    grouped = g.ints([0, int(g.attr("num_groups")), -1])
+    xhat, invstd = _standardize(g, g.Reshape(x, grouped), [2], float(g.attr("epsilon", 1e-5)))
+    dx = dscale = dbias = None
+    if g.needs(0):
+        dxhat = g.Reshape(g.Mul(dy, _per_channel(g, scale, rank)), grouped)
+        dx = g.Reshape(_standardize_grad(g, dxhat, xhat, invstd, [2]), g.shape_of(x))
+    if g.needs(1):
+        dscale = g.reduce_sum(g.Mul(dy, g.Reshape(xhat, g.shape_of(x))), [0, *range(2, rank)], keepdims=False)
+    if g.needs(2):
+        dbias = _channel_sum(g, dy, rank)
+    return (dx, dscale, dbias)
+
+
+@rule("LpNormalization", since=13)
+def lp_normalization(g: Grad):
+    """y = x / |x|_p along axis: dX = (dY - s * sum(dY * y)) / |x|_p with s = y (p=2) or sign(x) (p=1)."""
+    x, dy = g.I(0), g.GO(0)
+    rank = g.require_rank(x)
+    axis = int(g.attr("axis", -1)) % rank
+    p = int(g.attr("p", 2))
+    if p not in (1, 2):
+        g.fail(f"p must be 1 or 2, not {p}")
+    norm = _reduce(g, "ReduceL2" if p == 2 else "ReduceL1", x, [axis])
+    y = g.Div(x, norm)
+    s = y if p == 2 else g.Sign(x)
+    return (g.Div(g.Sub(dy, g.Mul(s, g.reduce_sum(g.Mul(dy, y), [axis]))), norm),)
+
+
+# --- dropout -------------------------------------------------------------------------------------
+@rule("Dropout", since=13, nondiff=(1, 2), nondiff_outputs=(1,))
+def dropout(g: Grad):
+    """Training: dX = dY * mask / (1 - ratio), with the mask the forward op drew (read from its mask
+    output, added to the node when absent). Inference (training_mode absent or false): identity."""
+    x, ratio, mode, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
+    known_mode = g.const_input(2)
+    if mode is None or (known_mode is not None and not bool(known_mode)):
+        return (dy,)
+    mask = _forward_output(g, 1, "mask")
+    known_ratio = 0.5 if ratio is None else g.const_input(1)
+    if known_ratio is not None:
+        r = float(known_ratio)
+        scale = g.const(1.0 / (1.0 - r) if r < 1.0 else 0.0, like=x)
+    else:
+        keep = g.Sub(g.const(1.0, like=ratio), ratio)
+        scale = _cast(g, g.Reciprocal(keep), g.dtype(x), x)
+    dropped = g.Where(mask, g.Mul(dy, scale), g.const(0.0, like=x))
+    return (dropped if known_mode is not None else g.Where(mode, dropped, dy),)

@@ -1,0 +1,538 @@
+import math
+
+import harness
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import Trainer, check_op, single_op_model
+from test_rules_linalg import symbolic
+
+import gradbuilder
+from gradbuilder.errors import RuleError
+
+rng = np.random.default_rng(0)
+
+
+def r(*shape, dtype=np.float64):
+    return np.asarray(rng.standard_normal(shape), dtype=dtype)
+
+
+def f32(*shape):
+    return r(*shape, dtype=np.float32)
+
+
+def torch_pad(x, begin, end, value=0.0):
+    """F.pad with ONNX-ordered begin/end pads per spatial dim."""
+    pads = []
+    for b, e in zip(reversed(begin), reversed(end)):
+        pads += [b, e]
+    return F.pad(x, pads, value=value)
+
+
+def same_pads(sizes, kernel, strides, dilations, upper):
+    begin, end = [], []
+    for n, k, s, d in zip(sizes, kernel, strides, dilations):
+        total = max(0, (math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n)
+        b = total // 2 if upper else total - total // 2
+        begin.append(b)
+        end.append(total - b)
+    return begin, end
+
+
+def backward_reads(model, wrt, outputs=("y0",)):
+    """Names the backward half reads from the forward half (stash) and the forward inputs it reads."""
+    training = gradbuilder.build_gradient_graph(model, wrt=list(wrt), outputs=list(outputs))
+    manifest = gradbuilder.split(training)[2]
+    return {e.name for e in manifest.backward_inputs if e.role in ("stash", "input")}
+
+
+# --- Conv ----------------------------------------------------------------------------------------
+def conv_ref(strides, dilations, begin, end, group):
+    def fn(x, w, b=None):
+        conv = (F.conv1d, F.conv2d, F.conv3d)[x.dim() - 3]
+        return conv(torch_pad(x, begin, end), w, b, stride=strides, dilation=dilations, groups=group)
+    return fn
+
+
+CONV = [
+    # x shape, w shape, strides, dilations, pads, group
+    ((2, 4, 9), (6, 4, 3), [2], [1], [1, 2], 1),
+    ((2, 4, 9), (6, 2, 3), [1], [2], [0, 0], 2),
+    ((2, 3, 7, 8), (5, 3, 3, 3), [1, 1], [1, 1], [0, 0, 0, 0], 1),
+    ((2, 3, 7, 8), (5, 3, 3, 3), [2, 2], [1, 1], [1, 1, 1, 1], 1),
+    ((2, 3, 7, 8), (5, 3, 3, 2), [2, 3], [1, 1], [1, 0, 2, 1], 1),
+    ((2, 3, 8, 8), (4, 3, 3, 3), [3, 3], [1, 1], [0, 0, 0, 0], 1),  # rows no window reaches
+    ((2, 3, 9, 8), (4, 3, 3, 3), [2, 1], [2, 2], [2, 1, 0, 2], 1),
+    ((2, 4, 7, 7), (6, 2, 3, 3), [1, 2], [1, 1], [1, 1, 1, 1], 2),
+    ((2, 4, 7, 7), (4, 1, 3, 3), [1, 1], [1, 1], [1, 1, 1, 1], 4),  # depthwise
+    ((2, 4, 7, 7), (8, 1, 3, 3), [2, 2], [2, 1], [2, 2, 2, 2], 4),  # depthwise multiplier 2
+    ((1, 2, 5, 6, 5), (4, 1, 3, 2, 3), [2, 1, 2], [1, 1, 1], [1, 0, 1, 1, 1, 0], 2),
+    ((2, 2, 4, 5, 4), (3, 2, 2, 2, 2), [1, 1, 1], [1, 2, 1], [0, 0, 0, 0, 0, 0], 1),
+]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("xs,ws,strides,dilations,pads,group", CONV)
+def test_conv(xs, ws, strides, dilations, pads, group, bias):
+    nd = len(strides)
+    inputs = [("x", f32(*xs)), ("w", f32(*ws))] + ([("b", f32(ws[0]))] if bias else [])
+    check_op("Conv", inputs, conv_ref(strides, dilations, pads[:nd], pads[nd:], group), strides=strides,
+             dilations=dilations, pads=pads, group=group, kernel_shape=list(ws[2:]))
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+@pytest.mark.parametrize("xs,ws,strides", [
+    ((2, 3, 7, 8), (4, 3, 3, 2), [1, 1]),
+    ((2, 3, 7, 8), (4, 3, 3, 3), [2, 3]),
+    ((2, 3, 9), (4, 3, 4), [2]),
+])
+def test_conv_auto_pad(xs, ws, strides, auto_pad):
+    nd = len(strides)
+    if auto_pad == "VALID":
+        begin, end = [0] * nd, [0] * nd
+    else:
+        begin, end = same_pads(xs[2:], ws[2:], strides, [1] * nd, auto_pad == "SAME_UPPER")
+    check_op("Conv", [("x", f32(*xs)), ("w", f32(*ws)), ("b", f32(ws[0]))],
+             conv_ref(strides, [1] * nd, begin, end, 1), strides=strides, auto_pad=auto_pad)
+
+
+def test_conv_symbolic_batch_no_kernel_shape(monkeypatch):
+    symbolic(monkeypatch, x={0: "N"})
+    check_op("Conv", [("x", f32(3, 2, 6, 6)), ("w", f32(4, 2, 3, 3)), ("b", f32(4))],
+             conv_ref([2, 2], [1, 1], [1, 1], [1, 1], 1), strides=[2, 2], pads=[1, 1, 1, 1])
+
+
+def test_conv_weight_only_stashes_no_output():
+    """A frozen input: only dW and dB are built, reading X (needed) and nothing else from the forward."""
+    model = single_op_model("Conv", [("x", f32(2, 3, 6, 6)), ("w", f32(4, 3, 3, 3)), ("b", f32(4))], pads=[1] * 4)
+    assert backward_reads(model, ["w", "b"]) == {"x"}
+    check_op("Conv", [("x", f32(2, 3, 6, 6)), ("w", f32(4, 3, 3, 3)), ("b", f32(4))],
+             conv_ref([1, 1], [1, 1], [1, 1], [1, 1], 1), pads=[1] * 4, wrt=["w", "b"])
+
+
+# --- ConvTranspose -------------------------------------------------------------------------------
+def conv_transpose_ref(strides, dilations, begin, end, extra, group):
+    def fn(x, w, b=None):
+        nd = x.dim() - 2
+        convt = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+        full = torch_pad(convt(x, w, None, stride=strides, dilation=dilations, groups=group), [0] * nd, extra)
+        y = full[(slice(None), slice(None), *(slice(bg, full.shape[2 + i] - e) for i, (bg, e) in
+                                               enumerate(zip(begin, end))))]
+        return y if b is None else y + b.view(1, -1, *[1] * nd)
+    return fn
+
+
+CONVT = [
+    # x shape, w shape, strides, dilations, pads, output_padding, group
+    ((2, 3, 5), (3, 4, 3), [2], [1], [1, 0], [1], 1),
+    ((2, 4, 5), (4, 2, 3), [1], [2], [0, 2], [0], 2),
+    ((2, 3, 4, 5), (3, 2, 3, 3), [1, 1], [1, 1], [0, 0, 0, 0], [0, 0], 1),
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], [1, 1], [1, 1, 1, 1], [1, 1], 1),
+    ((2, 3, 4, 5), (3, 2, 3, 2), [2, 3], [2, 1], [1, 0, 2, 1], [1, 2], 1),
+    ((2, 4, 4, 5), (4, 3, 3, 3), [2, 1], [1, 2], [1, 2, 0, 1], [1, 0], 2),
+    ((2, 4, 4, 4), (4, 1, 3, 3), [2, 2], [1, 1], [1, 1, 1, 1], [1, 1], 4),
+    ((1, 2, 3, 4, 3), (2, 2, 2, 3, 2), [2, 1, 2], [1, 1, 1], [0, 1, 1, 0, 0, 1], [1, 0, 0], 2),
+]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("xs,ws,strides,dilations,pads,extra,group", CONVT)
+def test_conv_transpose(xs, ws, strides, dilations, pads, extra, group, bias):
+    nd = len(strides)
+    inputs = [("x", f32(*xs)), ("w", f32(*ws))] + ([("b", f32(ws[1] * group))] if bias else [])
+    check_op("ConvTranspose", inputs, conv_transpose_ref(strides, dilations, pads[:nd], pads[nd:], extra, group),
+             strides=strides, dilations=dilations, pads=pads, output_padding=extra, group=group,
+             kernel_shape=list(ws[2:]))
+
+
+@pytest.mark.parametrize("xs,ws,strides,out_shape,auto_pad,begin,end,extra", [
+    # output_shape: total padding split with the odd one at the start (begin = total - total // 2)
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], [8, 10], None, [1, 1], [0, 0], [0, 0]),
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], [7, 9], None, [1, 1], [1, 1], [0, 0]),
+    ((2, 3, 5), (3, 2, 4), [3], [13], None, [2], [1], [0]),
+    ((2, 3, 5), (3, 2, 3), [2], [12], None, [0], [0], [1]),  # longer than the input reaches: a zero at the end
+    # SAME: output = input * stride; SAME_UPPER puts the odd one at the end
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], None, "SAME_UPPER", [0, 0], [1, 1], [0, 0]),
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], None, "SAME_LOWER", [1, 1], [0, 0], [0, 0]),
+    ((2, 3, 4, 5), (3, 2, 4, 3), [1, 2], None, "SAME_UPPER", [1, 0], [2, 1], [0, 0]),
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], None, "VALID", [0, 0], [0, 0], [0, 0]),
+])
+def test_conv_transpose_output_shape_auto_pad(xs, ws, strides, out_shape, auto_pad, begin, end, extra):
+    attrs = {"strides": strides}
+    if out_shape is not None:
+        attrs["output_shape"] = out_shape
+    if auto_pad is not None:
+        attrs["auto_pad"] = auto_pad
+    nd = len(strides)
+    check_op("ConvTranspose", [("x", f32(*xs)), ("w", f32(*ws)), ("b", f32(ws[1]))],
+             conv_transpose_ref(strides, [1] * nd, begin, end, extra, 1), **attrs)
+
+
+def test_conv_transpose_symbolic_batch(monkeypatch):
+    symbolic(monkeypatch, x={0: "N"})
+    check_op("ConvTranspose", [("x", f32(2, 3, 4, 4)), ("w", f32(3, 2, 3, 3))],
+             conv_transpose_ref([2, 2], [1, 1], [1, 1], [1, 1], [1, 1], 1), strides=[2, 2], pads=[1] * 4,
+             output_padding=[1, 1])
+
+
+# --- pooling -------------------------------------------------------------------------------------
+def out_sizes(sizes, kernel, strides, dilations, begin, end, ceil):
+    outs = []
+    for n, k, s, d, b, e in zip(sizes, kernel, strides, dilations, begin, end):
+        span = n + b + e - (k - 1) * d - 1
+        o = (math.ceil(span / s) if ceil else span // s) + 1
+        outs.append(o - 1 if ceil and (o - 1) * s >= n + b else o)
+    return outs
+
+
+def windows(x, kernel, strides, dilations, begin, end, outs, fill):
+    """(N, C, out..., k...) windows of x padded with `fill` (the end extended for ceil_mode windows)."""
+    nd = len(kernel)
+    need = [max(e, (o - 1) * s + (k - 1) * d + 1 - n - b)
+            for n, k, s, d, b, e, o in zip(x.shape[2:], kernel, strides, dilations, begin, end, outs)]
+    xp = torch_pad(x, begin, need, value=fill)
+    ceil_extra = [nd_ - e for nd_, e in zip(need, end)]
+    if fill == 0.0 and any(ceil_extra):  # positions past the end pad count as nothing
+        pass
+    for i in range(nd):
+        xp = xp.unfold(2 + i, (kernel[i] - 1) * dilations[i] + 1, strides[i])
+    return xp[(slice(None), slice(None), *(slice(0, o) for o in outs), *(slice(None, None, d) for d in dilations))]
+
+
+def pool_ref(kind, kernel, strides, dilations, begin, end, ceil, include_pad=False):
+    nd = len(kernel)
+
+    def fn(x):
+        outs = out_sizes(x.shape[2:], kernel, strides, dilations, begin, end, ceil)
+        dims = tuple(range(-nd, 0))
+        if kind == "max":
+            return windows(x, kernel, strides, dilations, begin, end, outs, -math.inf).amax(dims)
+        total = windows(x, kernel, strides, dilations, begin, end, outs, 0.0).sum(dims)
+        # what each window divides by: taps inside x (or inside x plus pads), not past the end pad
+        ones = torch.ones((1, 1, *x.shape[2:]), dtype=x.dtype)
+        region = torch_pad(ones, begin, end, value=1.0 if include_pad else 0.0)
+        count = windows(region, kernel, strides, dilations, [0] * nd, [0] * nd, outs, 0.0).sum(dims)
+        return total / count
+    return fn
+
+
+POOL = [
+    # x shape, kernel, strides, dilations, pads, ceil_mode
+    ((2, 3, 8, 8), [2, 2], [2, 2], [1, 1], [0, 0, 0, 0], 0),
+    ((2, 3, 7, 9), [3, 3], [2, 2], [1, 1], [1, 1, 1, 1], 0),
+    ((2, 3, 7, 9), [3, 2], [1, 2], [1, 1], [1, 0, 2, 1], 0),
+    ((2, 3, 7, 8), [3, 3], [2, 2], [1, 1], [0, 0, 0, 0], 1),
+    ((2, 3, 8, 9), [3, 2], [2, 3], [1, 1], [1, 1, 1, 1], 1),
+    ((2, 3, 9, 10), [2, 3], [3, 2], [1, 1], [1, 0, 0, 0], 1),
+    ((2, 2, 9), [3], [2], [1], [1, 1], 0),
+    ((2, 2, 10), [4], [3], [1], [2, 1], 1),
+    ((1, 2, 5, 6, 5), [2, 3, 2], [2, 2, 1], [1, 1, 1], [0, 1, 1, 0, 1, 0], 0),
+]
+
+
+@pytest.mark.parametrize("xs,kernel,strides,dilations,pads,ceil", POOL)
+def test_max_pool(xs, kernel, strides, dilations, pads, ceil):
+    nd = len(kernel)
+    check_op("MaxPool", [("x", r(*xs))], pool_ref("max", kernel, strides, dilations, pads[:nd], pads[nd:], ceil),
+             kernel_shape=kernel, strides=strides, pads=pads, ceil_mode=ceil)
+
+
+@pytest.mark.parametrize("xs,kernel,strides,dilations,pads,ceil", [
+    ((2, 3, 9, 9), [2, 2], [1, 1], [2, 2], [1, 1, 1, 1], 0),
+    ((2, 3, 9, 10), [3, 2], [2, 2], [2, 3], [0, 1, 0, 1], 1),
+    ((2, 2, 11), [3], [3], [2], [1, 1], 0),
+])
+def test_max_pool_dilations(xs, kernel, strides, dilations, pads, ceil):
+    nd = len(kernel)
+    check_op("MaxPool", [("x", r(*xs))], pool_ref("max", kernel, strides, dilations, pads[:nd], pads[nd:], ceil),
+             kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads, ceil_mode=ceil)
+
+
+@pytest.mark.parametrize("storage_order", [0, 1])
+@pytest.mark.parametrize("xs,kernel,strides", [((2, 3, 7, 6), [3, 3], [2, 2]), ((2, 2, 6, 5, 4), [2, 2, 2], [1, 2, 2]),
+                                                ((2, 3, 7, 6), [2, 2], [2, 2])])
+def test_max_pool_indices_output(xs, kernel, strides, storage_order):
+    """The node has its Indices output (nondiff): backward reads it, in either storage order."""
+    check_op("MaxPool", [("x", r(*xs))], pool_ref("max", kernel, strides, [1] * len(kernel), [0] * len(kernel),
+                                                  [0] * len(kernel), 0),
+             n_out=2, diff_outputs=[0], kernel_shape=kernel, strides=strides, storage_order=storage_order)
+
+
+def test_max_pool_stashes_indices_not_input():
+    model = single_op_model("MaxPool", [("x", r(2, 3, 8, 8))], kernel_shape=[3, 3], strides=[2, 2])
+    reads = backward_reads(model, ["x"])
+    assert "x" not in reads and len(reads) == 1
+
+
+@pytest.mark.parametrize("opset", [13, 15, 16, 22])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_pool_opsets(opset, overlap):
+    kernel, strides = ([3, 3], [2, 2]) if overlap else ([2, 2], [2, 2])
+    args = ("MaxPool", [("x", r(2, 3, 8, 8))], pool_ref("max", kernel, strides, [1, 1], [0, 0], [0, 0], 0))
+    if overlap and opset < 16:
+        with pytest.raises(RuleError, match="opset 16"):
+            check_op(*args, opset=opset, kernel_shape=kernel, strides=strides)
+    else:
+        check_op(*args, opset=opset, kernel_shape=kernel, strides=strides)
+
+
+@pytest.mark.parametrize("kernel,strides", [([3, 3], [2, 2]), ([2, 2], [2, 2])])
+def test_max_pool_float16(kernel, strides):
+    """onnxruntime has no float16 add-scatter: overlapping windows accumulate in float."""
+    x = r(2, 3, 8, 8).astype(np.float16)
+    check_op("MaxPool", [("x", x)], pool_ref("max", kernel, strides, [1, 1], [0, 0], [0, 0], 0),
+             kernel_shape=kernel, strides=strides, fd=False, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+def test_max_pool_auto_pad(auto_pad):
+    sizes, kernel, strides = (7, 8), [3, 2], [2, 3]
+    begin, end = ([0, 0], [0, 0]) if auto_pad == "VALID" else same_pads(sizes, kernel, strides, [1, 1],
+                                                                           auto_pad == "SAME_UPPER")
+    check_op("MaxPool", [("x", r(2, 3, *sizes))], pool_ref("max", kernel, strides, [1, 1], begin, end, 0),
+             kernel_shape=kernel, strides=strides, auto_pad=auto_pad)
+
+
+def test_max_pool_symbolic_dims(monkeypatch):
+    symbolic(monkeypatch, x={0: "N", 2: "H", 3: "W"})
+    check_op("MaxPool", [("x", r(2, 3, 7, 8))], pool_ref("max", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1),
+             kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("xs,kernel,strides,dilations,pads,ceil", POOL)
+def test_average_pool(xs, kernel, strides, dilations, pads, ceil, include_pad):
+    nd = len(kernel)
+    check_op("AveragePool", [("x", f32(*xs))],
+             pool_ref("avg", kernel, strides, dilations, pads[:nd], pads[nd:], ceil, include_pad),
+             kernel_shape=kernel, strides=strides, pads=pads, ceil_mode=ceil, count_include_pad=include_pad)
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_average_pool_dilations(include_pad):
+    """Dilations exist from opset 19."""
+    kernel, strides, dilations, pads = [2, 3], [2, 1], [2, 2], [1, 2, 1, 1]
+    check_op("AveragePool", [("x", f32(2, 3, 9, 8))],
+             pool_ref("avg", kernel, strides, dilations, pads[:2], pads[2:], 1, include_pad), opset=19,
+             kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads, ceil_mode=1,
+             count_include_pad=include_pad)
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+def test_average_pool_auto_pad(auto_pad):
+    sizes, kernel, strides = (7, 8), [3, 2], [2, 3]
+    begin, end = same_pads(sizes, kernel, strides, [1, 1], auto_pad == "SAME_UPPER")
+    check_op("AveragePool", [("x", f32(2, 3, *sizes))], pool_ref("avg", kernel, strides, [1, 1], begin, end, 0),
+             kernel_shape=kernel, strides=strides, auto_pad=auto_pad)
+
+
+def test_average_pool_symbolic_batch(monkeypatch):
+    symbolic(monkeypatch, x={0: "N", 1: "C"})
+    check_op("AveragePool", [("x", f32(2, 3, 7, 8))], pool_ref("avg", [2, 2], [2, 2], [1, 1], [0, 0], [0, 0], 1),
+             kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)
+
+
+@pytest.mark.parametrize("xs", [(2, 3, 5, 4), (2, 3, 6), (1, 2, 3, 4, 2)])
+def test_global_pools(xs):
+    dims = tuple(range(2, len(xs)))
+    check_op("GlobalAveragePool", [("x", f32(*xs))], lambda x: x.mean(dims, keepdim=True))
+    check_op("GlobalMaxPool", [("x", f32(*xs))], lambda x: x.amax(dims, keepdim=True))
+
+
+def test_global_pools_symbolic(monkeypatch):
+    symbolic(monkeypatch, x={0: "N", 2: "H", 3: "W"})
+    check_op("GlobalAveragePool", [("x", f32(2, 3, 5, 4))], lambda x: x.mean((2, 3), keepdim=True))
+    check_op("GlobalMaxPool", [("x", f32(2, 3, 5, 4))], lambda x: x.amax((2, 3), keepdim=True))
+    model = single_op_model("GlobalMaxPool", [("x", f32(2, 3, 5, 4))])
+    assert "x" not in backward_reads(model, ["x"])
+
+
+# --- normalization -------------------------------------------------------------------------------
+def bn_inputs(xs, dtype=np.float64):
+    c = xs[1]
+    return [("x", r(*xs, dtype=dtype)), ("scale", r(c, dtype=dtype)), ("bias", r(c, dtype=dtype)),
+            ("mean", r(c, dtype=dtype)), ("var", (np.abs(r(c)) + 0.5).astype(dtype))]
+
+
+def type_untyped_outputs(monkeypatch, elem_type, shape):
+    """Declare the outputs shape inference leaves untyped (BatchNormalization-9's saved statistics, the
+    function op GroupNormalization-21)."""
+    make = harness.single_op_model
+
+    def patched(*args, **kwargs):
+        model = make(*args, **kwargs)
+        for o in model.graph.output:
+            if not o.type.HasField("tensor_type"):
+                o.CopyFrom(onnx.helper.make_tensor_value_info(o.name, elem_type, shape))
+        return model
+
+    monkeypatch.setattr(harness, "single_op_model", patched)
+
+
+@pytest.mark.parametrize("xs", [(4, 3), (4, 3, 5), (3, 2, 4, 5), (2, 3, 2, 3, 2)])
+@pytest.mark.parametrize("opset", [13, 15, 17])
+def test_batch_norm_training(monkeypatch, xs, opset):
+    inputs = bn_inputs(xs)
+    mean, var = (torch.from_numpy(v) for _, v in inputs[3:])
+
+    def ref(x, scale, bias):
+        return F.batch_norm(x, mean.clone(), var.clone(), scale, bias, training=True, momentum=0.1, eps=1e-3)
+
+    attrs = {"training_mode": 1} if opset >= 14 else {}
+    n_out = 3 if opset >= 14 else 5  # opset 13: the statistics outputs are what make it training mode
+    type_untyped_outputs(monkeypatch, onnx.TensorProto.DOUBLE, [xs[1]])
+    check_op("BatchNormalization", inputs, ref, n_out=n_out, diff_outputs=[0], consts=["mean", "var"],
+             opset=opset, epsilon=1e-3, momentum=0.9, **attrs)
+
+
+@pytest.mark.parametrize("xs", [(4, 3), (3, 2, 4, 5), (2, 3, 2, 3, 2)])
+@pytest.mark.parametrize("opset", [13, 15])
+def test_batch_norm_inference(xs, opset):
+    def ref(x, scale, bias):
+        return F.batch_norm(x, mean, var, scale, bias, training=False, eps=1e-3)
+
+    inputs = bn_inputs(xs)
+    mean, var = (torch.from_numpy(v) for _, v in inputs[3:])
+    check_op("BatchNormalization", inputs, ref, opset=opset, epsilon=1e-3, consts=["mean", "var"])
+
+
+def test_batch_norm_running_statistics_get_no_gradient():
+    """Asked for in wrt, the running mean/var (buffers in PyTorch) get none, in either mode."""
+    for attrs in ({"training_mode": 1}, {}):
+        model = single_op_model("BatchNormalization", bn_inputs((3, 2, 4)), n_out=3 if attrs else 1,
+                                opset=15, **attrs)
+        meta = gradbuilder.read_metadata(
+            gradbuilder.build_gradient_graph(model, wrt=["x", "scale", "bias", "mean", "var"], outputs=["y0"]))
+        assert set(meta["gradients"]) == {"x", "scale", "bias"}
+        assert "non-differentiable" in meta["no_gradient"]["mean"]
+
+
+def test_batch_norm_symbolic_batch(monkeypatch):
+    symbolic(monkeypatch, x={0: "N", 2: "H"})
+    inputs = bn_inputs((3, 2, 4, 5))
+    mean, var = (torch.from_numpy(v) for _, v in inputs[3:])
+    check_op("BatchNormalization", inputs,
+             lambda x, s, b: F.batch_norm(x, mean.clone(), var.clone(), s, b, training=True),
+             n_out=3, diff_outputs=[0], consts=["mean", "var"], training_mode=1, opset=15)
+
+
+def test_batch_norm_float32():
+    inputs = bn_inputs((4, 3, 5, 5), np.float32)
+    mean, var = (torch.from_numpy(v.astype(np.float64)) for _, v in inputs[3:])
+    check_op("BatchNormalization", inputs,
+             lambda x, s, b: F.batch_norm(x, mean.clone(), var.clone(), s, b, training=True),
+             n_out=3, diff_outputs=[0], consts=["mean", "var"], training_mode=1)
+
+
+@pytest.mark.parametrize("xs,axis", [((3, 4), -1), ((2, 3, 4), -1), ((2, 3, 4), 1), ((2, 3, 4), 0),
+                                     ((2, 3, 2, 4), -2)])
+@pytest.mark.parametrize("n_out", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm(xs, axis, n_out, bias):
+    norm = xs[axis % len(xs):]
+    inputs = [("x", r(*xs)), ("scale", r(*norm))] + ([("bias", r(*norm))] if bias else [])
+    check_op("LayerNormalization", inputs, lambda x, s, b=None: F.layer_norm(x, norm, s, b, eps=1e-4),
+             n_out=n_out, diff_outputs=[0], axis=axis, epsilon=1e-4)
+
+
+def test_layer_norm_stashes_statistics_not_recomputed():
+    """With the Mean/InvStdDev outputs present, backward reads them and recomputes no statistics."""
+    model = single_op_model("LayerNormalization", [("x", f32(2, 3, 4)), ("s", f32(4)), ("b", f32(4))], n_out=3)
+    training = gradbuilder.build_gradient_graph(model, wrt=["x", "s", "b"], outputs=["y0"])
+    ops = [n.op_type for n in training.graph.node]
+    assert "ReduceMean" in ops and "Sqrt" not in ops
+
+
+def test_layer_norm_broadcast_scale_float32_symbolic(monkeypatch):
+    symbolic(monkeypatch, x={0: "N"})
+    check_op("LayerNormalization", [("x", f32(2, 3, 4)), ("s", f32(1, 4)), ("b", f32(4))],
+             lambda x, s, b: F.layer_norm(x, (3, 4)) * s + b, axis=1, n_out=3, diff_outputs=[0])
+
+
+@pytest.mark.parametrize("xs", [(2, 3, 5), (2, 3, 4, 5), (1, 2, 3, 2, 3)])
+def test_instance_norm(xs):
+    c = xs[1]
+    check_op("InstanceNormalization", [("x", f32(*xs)), ("s", f32(c)), ("b", f32(c))],
+             lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-4), epsilon=1e-4)
+
+
+@pytest.mark.parametrize("xs,groups", [((2, 4, 5), 2), ((2, 6, 3, 4), 3), ((2, 4, 3, 2), 4), ((2, 4, 3), 1)])
+def test_group_norm(monkeypatch, xs, groups):
+    """Opset 21: scale and bias are per channel (torch.nn.GroupNorm)."""
+    c = xs[1]
+    type_untyped_outputs(monkeypatch, onnx.TensorProto.DOUBLE, list(xs))
+    check_op("GroupNormalization", [("x", r(*xs)), ("s", r(c)), ("b", r(c))],
+             lambda x, s, b: F.group_norm(x, groups, s, b, eps=1e-4), opset=21, num_groups=groups, epsilon=1e-4,
+             stash_type=onnx.TensorProto.DOUBLE)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("xs,axis", [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1)])
+def test_lp_normalization(xs, axis, p):
+    check_op("LpNormalization", [("x", r(*xs))], lambda x: x / x.norm(p, dim=axis, keepdim=True), axis=axis, p=p)
+
+
+# --- Dropout -------------------------------------------------------------------------------------
+def dropout_step(model, x, wrt=("x",), feeds=None):
+    """One ORT forward+backward; returns (y, grad, the mask ORT drew in that same forward pass)."""
+    training = gradbuilder.build_gradient_graph(model, wrt=list(wrt), outputs=["y0"])
+    onnx.checker.check_model(training, full_check=True)
+    trainer = Trainer(training)
+    feeds = {"x": x, **(feeds or {})}
+    cot = r(*x.shape).astype(x.dtype)
+    outs, env = trainer.run_forward(feeds)
+    grads = trainer.run_backward(feeds, env, [cot] + [None] * (len(outs) - 1))
+    stash = [n for n in trainer.manifest.stashed if n.endswith("mask") or n == "y1"]
+    mask = env[stash[0]] if stash else None
+    return outs[0], grads["x"], mask, cot
+
+
+def dropout_torch(x, mask, ratio, cot):
+    tx = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    y = tx * torch.from_numpy(mask) / (1.0 - ratio)
+    y.backward(torch.from_numpy(cot.astype(np.float64)))
+    return y.detach().numpy(), tx.grad.numpy()
+
+
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask-output", "no-mask-output"])
+@pytest.mark.parametrize("ratio", [0.3, 0.75])
+def test_dropout_training(with_mask, ratio):
+    """Legacy export: the mask output is there; dynamo export: absent, then added to the node for backward.
+    The torch reference uses the very mask onnxruntime drew."""
+    x = r(6, 40)
+    model = single_op_model("Dropout", [("x", x), ("ratio", np.array(ratio)), ("mode", np.array(True))],
+                            n_out=2 if with_mask else 1, consts=["ratio", "mode"])
+    y, grad, mask, cot = dropout_step(model, x)
+    assert mask is not None and mask.dtype == np.bool_ and 0 < mask.mean() < 1
+    ty, tgrad = dropout_torch(x, mask, ratio, cot)
+    np.testing.assert_allclose(y, ty, rtol=1e-7)  # onnxruntime scales by 1 / (1 - ratio) in float
+    np.testing.assert_allclose(grad, tgrad, rtol=1e-12)
+
+
+def test_dropout_default_ratio_float32():
+    x = f32(6, 40)
+    model = single_op_model("Dropout", [("x", x), ("ratio", None), ("mode", np.array(True))], n_out=2,
+                            consts=["mode"])
+    _, grad, mask, cot = dropout_step(model, x)
+    _, tgrad = dropout_torch(x, mask, 0.5, cot)
+    np.testing.assert_allclose(grad, tgrad, rtol=1e-6)
+
+
+def test_dropout_runtime_ratio_and_mode():
+    """ratio and training_mode fed at run time: both branches of the mode are built."""
+    x = r(6, 40)
+    model = single_op_model("Dropout", [("x", x), ("ratio", np.array(0.4)), ("mode", np.array(True))], n_out=2)
+    _, grad, mask, cot = dropout_step(model, x, feeds={"ratio": np.array(0.4), "mode": np.array(True)})
+    np.testing.assert_allclose(grad, dropout_torch(x, mask, 0.4, cot)[1], rtol=1e-12)
+    _, grad, _, cot = dropout_step(model, x, feeds={"ratio": np.array(0.4), "mode": np.array(False)})
+    np.testing.assert_allclose(grad, cot)
+
+
+@pytest.mark.parametrize("mode", [None, False])
+def test_dropout_inference_is_identity(mode):
+    inputs = [("x", r(3, 4)), ("ratio", np.array(0.5))] + ([("mode", np.array(mode))] if mode is not None else [])
+    check_op("Dropout", inputs, lambda x: x, consts=["ratio", "mode"])
+    model = single_op_model("Dropout", inputs, consts=["ratio", "mode"])
+    assert backward_reads(model, ["x"]) == set()
