@@ -170,14 +170,15 @@ def test_concat_single():
     check_op("Concat", [("x", r(2, 3))], lambda x: torch.cat([x], 0), axis=0)
 
 
-@pytest.mark.parametrize("opset", [13, 17])
+@pytest.mark.parametrize("opset", [13, 17, 18])
 def test_split_sizes_input(opset):
     x = r(2, 6, 3)
     fn = lambda x: torch.split(x, [1, 2, 3], dim=1)  # noqa: E731
     check_op("Split", [("x", x), ("s", i64(1, 2, 3))], fn, n_out=3, consts=["s"], opset=opset, axis=1)
     check_op("Split", [("x", x), ("s", i64(1, 2, 3))], fn, n_out=3, diff_outputs=[0, 2], consts=["s"],
              opset=opset, axis=-2)
-    check_op("Split", [("x", x)], lambda x: torch.split(x, 3, dim=1), n_out=2, opset=opset, axis=1)
+    if opset < 18:  # equal parts without num_outputs
+        check_op("Split", [("x", x)], lambda x: torch.split(x, 3, dim=1), n_out=2, opset=opset, axis=1)
 
 
 @pytest.mark.parametrize("opset", [18, 23])
@@ -313,6 +314,13 @@ def test_pad_wrap_axes():
     fn = lambda x, _: _torch_pad(x, pads, "wrap", axes=(2, -2))  # noqa: E731
     check_op("Pad", [("x", x), ("p", i64(*pads)), ("v", None), ("a", i64(2, -2))], fn, consts=["p", "a"],
              opset=19, mode="wrap")
+
+
+def test_pad_reflect_runtime_axes_is_refused():
+    model = harness.single_op_model("Pad", [("x", r(2, 3)), ("p", i64(1, 1)), ("v", None), ("a", i64(1))],
+                                    consts=["p"], opset=18, mode="reflect")
+    with pytest.raises(gradbuilder.GradBuilderError, match="axes computed at run time"):
+        gradbuilder.build_gradient_graph(model, wrt=["x"])
 
 
 # --- trilu ----------------------------------------------------------------------------------------------

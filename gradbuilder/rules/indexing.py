@@ -142,10 +142,9 @@ def gather_nd(g: Grad):
         rows_per_batch = int(np.prod(sizes[b : b + k], dtype=np.int64))
         strides = g.ints([int(np.prod(sizes[b + j + 1 : b + k], dtype=np.int64)) for j in range(k)])
     else:
-        shape = g.shape_of(data)
         rows_per_batch = g.ReduceProd(block, keepdims=1)
-        strides = g.Concat(*[g.ReduceProd(g.Slice(shape, g.ints([b + j + 1]), g.ints([b + k])), keepdims=1)
-                             for j in range(k - 1)], g.ints([1]), axis=0)
+        inner = [g.ReduceProd(dims_of(g, data, range(b + j + 1, b + k)), keepdims=1) for j in range(k - 1)]
+        strides = g.Concat(*inner, g.ints([1]), axis=0)
     flat = g.ReduceSum(g.Mul(index, strides), g.ints([-1]), keepdims=0)
     total: int | str = rows_per_batch
     if b:
