@@ -5,7 +5,7 @@
 """
 
 from .engine import FallbackWarning, ORTModuleError
-from .export import ExportError, ExportOptions
+from .export import ExportError, ExportOptions, ExportWarning
 from .module import ORTModule
 from .ort_session import SessionConfig
 from .session import ForwardState, TrainingSession
@@ -13,6 +13,7 @@ from .session import ForwardState, TrainingSession
 __all__ = [
     "ExportError",
     "ExportOptions",
+    "ExportWarning",
     "FallbackWarning",
     "ForwardState",
     "ORTModule",

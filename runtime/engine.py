@@ -29,7 +29,7 @@ from gradbuilder.errors import RuleError
 from . import exchange, function
 from .batchnorm import update_running_stats
 from .export import Exported, ExportError, ExportOptions, export, pin_dims
-from .ort_session import Runner, SessionConfig
+from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
 from .structure import flatten, unflatten
 
@@ -171,7 +171,12 @@ class Engine:
                 return self.module(*args, **kwargs)
             user, stats = function.apply(function.Call(session, feeds, wrt, n), tensors)
         else:
-            values = [exchange.to_torch(v) for v in schema.infer(feeds)]
+            try:
+                outs = schema.infer(feeds)
+            except SessionLoadError as e:
+                self.schemas[key] = self._fail(e, "onnxruntime session creation")
+                return self.module(*args, **kwargs)
+            values = [exchange.to_torch(v) for v in outs]
             user, stats = values[:n], values[n:]
         if ex.batch_stats:
             update_running_stats(dict(self.module.named_modules()), ex.batch_stats, stats)

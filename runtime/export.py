@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
 
 class ExportError(RuntimeError):
     """torch could not export the module, or the export is unusable for training."""
+
+
+class ExportWarning(UserWarning):
+    """The trace may not generalise to other inputs (a tensor became a Python value while tracing)."""
 
 
 @dataclass(frozen=True)
@@ -144,14 +149,22 @@ def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
 
 def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
     buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         torch.onnx.export(
             flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
             dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, leaves)},
             training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
             export_params=True, keep_initializers_as_inputs=True,
         )
+    seen = set()
+    for w in caught:
+        inside_torch = w.filename.startswith(os.path.dirname(torch.__file__))  # torch's own size checks
+        if issubclass(w.category, torch.jit.TracerWarning) and not inside_torch and str(w.message) not in seen:
+            seen.add(str(w.message))
+            warnings.warn(f"ORTModule({type(flat._target).__name__}): the export baked a traced value in and may be "
+                          f"wrong for other inputs: {w.message} ({w.filename}:{w.lineno})", ExportWarning,
+                          stacklevel=2)
     return onnx.load_from_string(buf.getvalue())
 
 
@@ -180,6 +193,9 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                           f"{type(e).__name__}: {e}") from e
     out_spec = flat.out_spec
     assert out_spec is not None
+    if not model.graph.output:
+        raise ExportError(f"exporting {type(module).__name__}: the exported graph has no outputs; the module returns "
+                          "no tensor computed by torch operations.")
     _state_as_inputs(model, state, type(module).__name__)
     _dynamic_inputs(model, set(names))
     outputs = _name_outputs(model, out_spec)

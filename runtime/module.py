@@ -99,6 +99,19 @@ class ORTModule(nn.Module):
                 raise
             return getattr(original, name)
 
+    # containers (nn.Sequential, nn.ModuleList) keep their indexing; dunders bypass __getattr__
+    def __getitem__(self, index: Any) -> Any:
+        return self._original[index]
+
+    def __len__(self) -> int:
+        return len(self._original)
+
+    def __iter__(self) -> Any:
+        return iter(self._original)
+
+    def __bool__(self) -> bool:
+        return True
+
     def train(self, mode: bool = True) -> ORTModule:
         super().train(mode)
         self._original.train(mode)

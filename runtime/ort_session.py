@@ -17,6 +17,10 @@ from onnxruntime.capi import _pybind_state as C
 DISABLED_OPTIMIZERS = ("EliminateDropout",)
 
 
+class SessionLoadError(RuntimeError):
+    """onnxruntime refused to create a session for a model."""
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """How every onnxruntime session of one TrainingSession is created."""
@@ -51,7 +55,7 @@ class Runner:
                                                 providers=list(config.providers),
                                                 disabled_optimizers=list(DISABLED_OPTIMIZERS))
         except Exception as e:  # onnxruntime raises its own zoo of types
-            raise RuntimeError(f"onnxruntime cannot load the {what} model: {e}") from e
+            raise SessionLoadError(f"onnxruntime cannot load the {what} model: {e}") from e
         self._c = self.session._sess
         self._run_options = C.RunOptions()
         self.input_names = [i.name for i in self.session.get_inputs()]

@@ -1,0 +1,509 @@
+"""runtime.ORTModule against torch eager: argument and output structures, gradients landing like torch,
+export caching, grad modes, train/eval, state_dict, errors and fallback."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass, fields
+
+import pytest
+import torch
+from torch import nn
+
+from runtime import ExportWarning, FallbackWarning, ORTModule, ORTModuleError
+
+torch.manual_seed(0)
+
+
+def pair(module: nn.Module, **kw) -> tuple[nn.Module, ORTModule]:
+    """(torch reference, ORTModule) from the same initial weights."""
+    ref = copy.deepcopy(module)
+    return ref, ORTModule(module, **kw)
+
+
+def assert_grads_equal(a: nn.Module, b: nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{name}: {p.grad is None} vs torch {q.grad is None}"
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+# --- arguments ------------------------------------------------------------------------------------------
+class Mixed(nn.Module):
+    """Positional, keyword, default, *args and **kwargs inputs; a non-tensor flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, y=None, *extra, scale: float = 2.0, shift=None, **named):
+        h = self.fc(x) * scale
+        if y is not None:
+            h = h + y
+        for e in extra:
+            h = h * e
+        if shift is not None:
+            h = h - shift
+        for key in sorted(named):
+            h = h + named[key].sum()
+        return h
+
+
+def test_signature_is_the_modules() -> None:
+    m = Mixed()
+    om = ORTModule(m)
+    assert inspect.signature(om.forward) == inspect.signature(m.forward)
+    assert inspect.signature(ORTModule(MLP()).forward) == inspect.signature(MLP().forward)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, y: ((x,), {}),
+    lambda x, y: ((x, y), {}),
+    lambda x, y: ((x,), {"y": y, "scale": 0.5}),
+    lambda x, y: ((x, y, y.sigmoid(), y.tanh()), {"shift": y}),
+    lambda x, y: ((x,), {"shift": y, "extra_a": y, "extra_b": y * 2}),
+], ids=["positional", "two-positional", "keyword", "varargs", "kwargs"])
+def test_argument_kinds_match_torch(call) -> None:
+    ref, om = pair(Mixed())
+    x = torch.randn(5, 4, requires_grad=True)
+    y = torch.randn(5, 3)
+    args, kwargs = call(x, y)
+    out = om(*args, **kwargs)
+    expected = ref(*args, **kwargs)
+    torch.testing.assert_close(out, expected)
+    g = torch.randn_like(out)
+    out.backward(g)
+    xg = x.grad.clone()
+    x.grad = None
+    expected.backward(g)
+    assert_grads_equal(om, ref)
+    torch.testing.assert_close(xg, x.grad)
+
+
+def test_inputs_requiring_grad_get_grad() -> None:
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, a, b):
+            return (a * self.w + b.exp()).sum()
+
+    ref, om = pair(Two())
+    a, b = torch.randn(2, 3, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+    om(a, b).backward()
+    ga, gb = a.grad, b.grad
+    a.grad = b.grad = None
+    ref(a, b).backward()
+    torch.testing.assert_close(ga, a.grad)
+    torch.testing.assert_close(gb, b.grad)
+    assert_grads_equal(om, ref)
+    c = torch.randn(2, 3)  # not requiring grad: a different session, no gradient for it
+    om(a, c).backward()
+    assert c.grad is None
+
+
+def test_parameterless_module() -> None:
+    class Gate(nn.Module):
+        def forward(self, x, y):
+            return torch.softmax(x, -1) * torch.tanh(y)
+
+    om = ORTModule(Gate())
+    x, y = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    g = torch.randn(3, 5)
+    om(x, y).backward(g)
+    gx, gy = x.grad, y.grad
+    x.grad = y.grad = None
+    (torch.softmax(x, -1) * torch.tanh(y)).backward(g)
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gy, y.grad)
+    assert list(om.parameters()) == []
+
+
+# --- outputs --------------------------------------------------------------------------------------------
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+@dataclass
+class ModelOutput(OrderedDict):
+    """Hugging Face style: a dataclass that is also an OrderedDict of its non-None fields."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden: tuple | None = None
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                self[f.name] = value
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return {
+            "pair": Pair(h, [h.relu(), 3]),
+            "out": ModelOutput(logits=h * 2, hidden=(h, h.sum())),
+            "label": "constant",
+            "none": None,
+        }
+
+
+def test_nested_outputs_keep_their_structure() -> None:
+    ref, om = pair(Nested())
+    x = torch.randn(2, 4)
+    out, expected = om(x), ref(x)
+    assert out.keys() == expected.keys()
+    assert isinstance(out["pair"], Pair) and isinstance(out["pair"].second, list)
+    assert out["pair"].second[1] == 3 and out["label"] == "constant" and out["none"] is None
+    assert isinstance(out["out"], ModelOutput) and list(out["out"].keys()) == ["logits", "hidden"]
+    assert out["out"].loss is None and isinstance(out["out"].hidden, tuple)
+    torch.testing.assert_close(out["out"].logits, expected["out"].logits)
+    torch.testing.assert_close(out["pair"].second[0], expected["pair"].second[0])
+    (out["out"].logits.sum() + out["out"].hidden[1]).backward()
+    (expected["out"].logits.sum() + expected["out"].hidden[1]).backward()
+    assert_grads_equal(om, ref)
+
+
+class WithMasks(nn.Module):
+    """Float, bool, int and float outputs: non-differentiable ones in the middle."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.tanh(), h > 0, h.argmax(-1), (h * h).mean()
+
+
+def test_non_differentiable_outputs_in_the_middle() -> None:
+    ref, om = pair(WithMasks())
+    x = torch.randn(5, 4)
+    a, mask, idx, b = om(x)
+    ea, emask, eidx, eb = ref(x)
+    assert mask.dtype == torch.bool and idx.dtype == torch.int64
+    assert not mask.requires_grad and not idx.requires_grad
+    torch.testing.assert_close(mask, emask)
+    torch.testing.assert_close(idx, eidx)
+    (a.sum() * 3 + b).backward()
+    (ea.sum() * 3 + eb).backward()
+    assert_grads_equal(om, ref)
+
+
+class ThreeHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.score = nn.Linear(8, 3)
+        self.aux_head = nn.Linear(8, 5)
+
+    def forward(self, x, target):
+        h = torch.relu(self.body(x))
+        scores = self.score(h)
+        loss = nn.functional.cross_entropy(scores, target)
+        return loss, scores, self.aux_head(h).sigmoid()
+
+
+def test_multi_output_aux_gradient_is_never_materialised() -> None:
+    ref, om = pair(ThreeHeads())
+    x, t = torch.randn(7, 6), torch.randint(0, 3, (7,))
+    loss, scores, aux = om(x, t)
+    assert aux.requires_grad  # differentiable, it just receives no gradient in this backward
+    (loss + scores.sum()).backward()
+    eloss, escores, _ = ref(x, t)
+    (eloss + escores.sum()).backward()
+    assert_grads_equal(om, ref)
+    assert om.aux_head.weight.grad is None and ref.aux_head.weight.grad is None  # torch: None, not zeros
+    (session,) = om.training_sessions()
+    (outputs, (program, specialised)), = session.backwards.items()
+    assert specialised and "output.2" not in outputs
+    aux_index = session.output_names.index("output.2")
+    assert all(e.output_index != aux_index for e in program.manifest.backward_inputs if e.role == "output_grad")
+    assert session.stats["fallbacks"] == 0
+
+
+def test_gradients_accumulate_until_zeroed() -> None:
+    ref, om = pair(MLP())
+    x1, x2 = torch.randn(3, 8), torch.randn(5, 8)
+    for m in (om, ref):
+        m(x1).sum().backward()
+        m(x2).pow(2).mean().backward()
+    assert_grads_equal(om, ref)
+    om.zero_grad()
+    assert all(p.grad is None for p in om.parameters())
+
+
+# --- parameters -----------------------------------------------------------------------------------------
+class PartlyUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool = True):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def test_unused_parameters_get_none() -> None:
+    ref, om = pair(PartlyUsed())
+    x = torch.randn(2, 4)
+    om(x, use_b=False).sum().backward()
+    ref(x, use_b=False).sum().backward()
+    assert_grads_equal(om, ref)
+    assert om.b.weight.grad is None and om.unused.weight.grad is None
+
+
+def test_frozen_parameters_get_nothing_and_changes_rebuild() -> None:
+    ref, om = pair(PartlyUsed())
+    for m in (ref, om):
+        m.a.requires_grad_(False)
+    x = torch.randn(3, 4)
+    om(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(om, ref)
+    assert om.a.weight.grad is None
+    (session,) = om.training_sessions()
+    assert "a.weight" not in session.wrt  # frozen: not differentiated at all
+    for m in (ref, om):
+        m.a.requires_grad_(True)
+    om(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(om, ref)
+    assert om.stats["exports"] == 1 and om.stats["builds"] == 2
+
+
+# --- caching ----------------------------------------------------------------------------------------------
+class Flexible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, mode: str = "sum"):
+        h = self.fc(x.float().reshape(-1, 4))
+        return h.sum() if mode == "sum" else h.mean()
+
+
+def test_reexport_on_schema_change_only() -> None:
+    om = ORTModule(Flexible())
+    ref = copy.deepcopy(om.module)
+    x = torch.randn(3, 4)
+    om(x)
+    om(torch.randn(7, 4))  # batch size: dynamic
+    assert om.stats["exports"] == 1
+    om(x, mode="mean")  # a non-tensor argument is a constant of the export
+    assert om.stats["exports"] == 2
+    om(x, "sum")
+    assert om.stats["exports"] == 2
+    om(x.double())  # dtype
+    assert om.stats["exports"] == 3
+    x3 = torch.randn(2, 5, 4)
+    out = om(x3)  # rank
+    assert om.stats["exports"] == 4
+    torch.testing.assert_close(out, ref(x3))
+    om(torch.randn(6, 3, 4))
+    om(torch.randn(1, 4))  # back to rank 2, batch 1: cached
+    assert om.stats["exports"] == 4
+
+
+def test_to_dtype_reexports_and_matches() -> None:
+    ref, om = pair(MLP())
+    x = torch.randn(4, 8)
+    om(x)
+    om.double()
+    ref.double()
+    xd = x.double()
+    torch.testing.assert_close(om(xd), ref(xd))
+    om(xd).sum().backward()
+    ref(xd).sum().backward()
+    assert_grads_equal(om, ref, rtol=1e-10, atol=1e-12)
+    assert om.fc1.weight.grad.dtype == torch.float64 and om.stats["exports"] == 2
+
+
+# --- modes ------------------------------------------------------------------------------------------------
+class DropNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.bn(self.fc(x)))
+
+
+def test_no_grad_and_inference_mode_stash_nothing() -> None:
+    ref, om = pair(MLP())
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        out = om(x)
+    with torch.inference_mode():
+        out2 = om(x)
+    assert out.grad_fn is None and out2.grad_fn is None
+    assert om.training_sessions() == [] and om.stats["builds"] == 0
+    torch.testing.assert_close(out, ref(x).detach())
+    torch.testing.assert_close(out2, out)
+
+
+def test_train_and_eval_modes() -> None:
+    torch.manual_seed(1)
+    ref, om = pair(DropNorm())
+    x = torch.randn(64, 8) * 3 + 1
+    om.train()
+    y = om(x)
+    dropped = float((y == 0).float().mean())
+    assert 0.35 < dropped < 0.65  # Dropout active in training
+    ref.train()
+    ref(x)
+    torch.testing.assert_close(om.bn.running_mean, ref.bn.running_mean)
+    torch.testing.assert_close(om.bn.running_var, ref.bn.running_var)  # unbiased, like torch
+    assert int(om.bn.num_batches_tracked) == 1
+    with torch.no_grad():  # still training mode: statistics update under no_grad, as in torch
+        om(x)
+        ref(x)
+    torch.testing.assert_close(om.bn.running_var, ref.bn.running_var)
+    assert int(om.bn.num_batches_tracked) == 2
+    om.eval()
+    ref.eval()
+    assert not om.module.training and not om.bn.training
+    torch.testing.assert_close(om(x), ref(x))  # running statistics, no Dropout
+    assert int(om.bn.num_batches_tracked) == 2
+    om.train()
+    assert om.module.training and om.drop.training
+
+
+def test_batchnorm_cumulative_momentum() -> None:
+    ref, om = pair(nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4, momentum=None)))
+    for _ in range(3):
+        x, w = torch.randn(6, 3), torch.randn(6, 4)
+        (om(x) * w).sum().backward()
+        (ref(x) * w).sum().backward()
+    torch.testing.assert_close(om[1].running_var, ref[1].running_var)
+    torch.testing.assert_close(om[1].running_mean, ref[1].running_mean)
+    assert_grads_equal(om, ref)
+
+
+# --- nn.Module behaviour ---------------------------------------------------------------------------------------
+def test_state_dict_round_trip() -> None:
+    m = MLP()
+    om = ORTModule(m)
+    assert list(om.state_dict()) == list(m.state_dict()) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert [n for n, _ in om.named_parameters()] == [n for n, _ in m.named_parameters()]
+    fresh = MLP()
+    fresh.load_state_dict(om.state_dict())
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(fresh(x), om(x))
+    other = MLP()
+    om.load_state_dict(other.state_dict())
+    torch.testing.assert_close(om(x), other(x))  # the cached parameter OrtValues see the new values
+    parent = nn.Sequential(om, nn.ReLU())
+    assert list(parent.state_dict()) == ["0.fc1.weight", "0.fc1.bias", "0.fc2.weight", "0.fc2.bias"]
+    parent.load_state_dict(nn.Sequential(MLP(), nn.ReLU()).state_dict())
+    copied = copy.deepcopy(om)
+    torch.testing.assert_close(copied(x), om(x))
+
+
+def test_optimizer_and_scheduler_unchanged() -> None:
+    ref, om = pair(MLP())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (om, ref)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    for _ in range(5):
+        for m, opt, sched in zip((om, ref), opts, scheds):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            sched.step()
+    for p, q in zip(om.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_attribute_passthrough() -> None:
+    m = MLP()
+    m.config = {"hidden": 16}
+    om = ORTModule(m)
+    assert om.config == {"hidden": 16} and om.fc1 is m.fc1 and om.module is m
+
+
+# --- errors, fallback, debugging ------------------------------------------------------------------------
+class WithDet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(3) + 0.1 * torch.randn(3, 3))
+
+    def forward(self, x):
+        return torch.det(self.w @ x)
+
+
+def test_unsupported_op_is_a_clear_error() -> None:
+    om = ORTModule(WithDet())
+    with pytest.raises(ORTModuleError, match=r"ORTModule\(WithDet\).*\bDet\b.*no gradient rule"):
+        om(torch.randn(3, 3)).backward()
+
+
+def test_fallback_warns_and_matches_torch() -> None:
+    ref, om = pair(WithDet(), fallback=True)
+    x = torch.randn(3, 3)
+    with pytest.warns(FallbackWarning, match="FALLBACK"):
+        out = om(x)
+    out.backward()
+    ref(x).backward()
+    assert_grads_equal(om, ref)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # inference needs no gradient rule: runs on onnxruntime
+        torch.testing.assert_close(om(x), ref(x))
+
+
+def test_export_failure_is_a_clear_error() -> None:
+    class Cholesky(nn.Module):
+        def forward(self, x):
+            return torch.linalg.cholesky(x @ x.T + torch.eye(3))  # no ONNX export for aten::linalg_cholesky
+
+    with pytest.raises(ORTModuleError, match=r"ORTModule\(Cholesky\): the export failed.*linalg_cholesky"):
+        ORTModule(Cholesky())(torch.randn(3, 3))
+
+
+def test_data_dependent_trace_warns() -> None:
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return x * 2 if bool(x.sum() > 0) else x * 3
+
+    with pytest.warns(ExportWarning, match=r"ORTModule\(Branchy\).*Python boolean"):
+        ORTModule(Branchy())(torch.ones(2))
+
+
+def test_save_onnx_env_writes_all_files(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GRADBUILDER_SAVE_ONNX", str(tmp_path))
+    om = ORTModule(MLP())
+    om(torch.randn(2, 8)).sum().backward()
+    files = {p.name for p in tmp_path.rglob("*.onnx")}
+    assert {"exported.onnx", "training.onnx", "forward.onnx", "backward.onnx"} <= files
+
+
+def test_dynamo_exporter() -> None:
+    ref, om = pair(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)), exporter="dynamo")
+    x = torch.randn(6, 4)
+    om(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    assert_grads_equal(om, ref)
+    torch.testing.assert_close(om[1].running_var, ref[1].running_var)
