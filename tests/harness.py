@@ -82,8 +82,15 @@ class Trainer:
 
 
 def single_op_model(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], n_out: int = 1, *,
-                    opset: int = 17, consts: Sequence[str] = (), domain: str = "", **attrs: Any) -> onnx.ModelProto:
-    """One node; `consts` inputs become initializers (axes, shapes), the others graph inputs."""
+                    opset: int = 17, consts: Sequence[str] = (), domain: str = "",
+                    symbolic: dict[str, Sequence[int]] | None = None, out_ranks: dict[str, int] | None = None,
+                    **attrs: Any) -> onnx.ModelProto:
+    """One node; `consts` inputs become initializers (axes, shapes), the others graph inputs.
+
+    `symbolic` names, per input, the axes declared with a symbolic dim (as a dynamic batch would be);
+    `out_ranks` gives outputs whose shape inference fails a rank, which the full checker needs.
+    """
+    symbolic = symbolic or {}
     graph_inputs, inits, names = [], [], []
     for name, value in inputs:
         names.append("" if value is None else name)
@@ -93,7 +100,8 @@ def single_op_model(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]
         if name in consts:
             inits.append(onnx.numpy_helper.from_array(value, name))
         else:
-            graph_inputs.append(helper.make_tensor_value_info(name, NP_TO_ONNX[value.dtype], list(value.shape)))
+            dims = [f"{name}_{a}" if a in symbolic.get(name, ()) else d for a, d in enumerate(value.shape)]
+            graph_inputs.append(helper.make_tensor_value_info(name, NP_TO_ONNX[value.dtype], dims))
     outs = [f"y{j}" for j in range(n_out)]
     node = helper.make_node(op_type, names, outs, domain=domain or None, **attrs)
     graph = helper.make_graph([node], op_type.lower(), graph_inputs,
@@ -103,7 +111,11 @@ def single_op_model(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]
     del model.graph.output[:]
     for o in outs:  # typed outputs from inference
         vi = next((v for v in model.graph.value_info if v.name == o), None)
-        model.graph.output.append(vi if vi is not None else helper.make_empty_tensor_value_info(o))
+        vi = vi if vi is not None else helper.make_empty_tensor_value_info(o)
+        if o in (out_ranks or {}) and not vi.type.tensor_type.HasField("shape"):
+            dims = [f"{o}_{k}" for k in range(out_ranks[o])]
+            vi = helper.make_tensor_value_info(o, vi.type.tensor_type.elem_type, dims)
+        model.graph.output.append(vi)
     return model
 
 
@@ -118,7 +130,9 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
              n_out: int = 1, diff_outputs: Sequence[int] | None = None, opset: int = 17,
              consts: Sequence[str] = (), wrt: Sequence[str] | None = None, rtol: float | None = None,
              atol: float | None = None, fd: bool = True, fd_eps: float | None = None, fd_rtol: float | None = None,
-             seed: int = 0, fd_mask: dict[str, np.ndarray] | None = None, **attrs: Any) -> dict[str, np.ndarray]:
+             seed: int = 0, fd_mask: dict[str, np.ndarray] | None = None,
+             symbolic: dict[str, Sequence[int]] | None = None, out_ranks: dict[str, int] | None = None,
+             **attrs: Any) -> dict[str, np.ndarray]:
     """Check one op's gradients against torch.autograd and finite differences; return ORT's gradients.
 
     `torch_fn` takes the torch versions (float64, requires_grad for `wrt`) of all non-const inputs, in order,
@@ -131,7 +145,8 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
     atol = atol if atol is not None else (1e-4 if low else 1e-8)
     fd_eps = fd_eps if fd_eps is not None else (1e-2 if low else 1e-6)
     fd_rtol = fd_rtol if fd_rtol is not None else (2e-2 if low else 1e-5)
-    model = single_op_model(op_type, inputs, n_out, opset=opset, consts=consts, **attrs)
+    model = single_op_model(op_type, inputs, n_out, opset=opset, consts=consts, symbolic=symbolic,
+                            out_ranks=out_ranks, **attrs)
     feeds = {n: np.asarray(v) for n, v in inputs if v is not None and n not in consts}
     if wrt is None:
         wrt = [n for n, v in feeds.items() if v.dtype.kind == "f"]

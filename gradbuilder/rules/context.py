@@ -145,8 +145,11 @@ class Grad:
         raise RuleError(f"cannot differentiate node {describe(self.node)} at opset {self.opset}: {why}.")
 
     # --- emitting ----------------------------------------------------------------------------
-    def op(self, op_type: str, *inputs: str | None, n_out: int = 1, domain: str = "", **attrs: Any) -> Any:
-        outs = self.em.node(op_type, inputs, n_out, self._hint, domain=domain, **attrs)
+    def op(self, op_type: str, *inputs: str | None, n_out: int = 1, domain: str = "", forward: bool = False,
+           **attrs: Any) -> Any:
+        """Emit a node; `forward=True` puts it in the forward part (it may read forward tensors only), so
+        backward stashes its small result (a mask, a shape) instead of the tensors it reads."""
+        outs = self.em.node(op_type, inputs, n_out, self._hint, domain=domain, forward=forward, **attrs)
         return outs[0] if n_out == 1 else outs
 
     def __getattr__(self, op_type: str) -> Any:
