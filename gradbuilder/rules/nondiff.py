@@ -3,7 +3,7 @@
 Non-float outputs already stop gradients; this list is for the float outputs whose derivative is zero
 almost everywhere or undefined (Floor, Round, Sign, random draws, EyeLike, one-hot values) and for the
 shape/compare/logic ops, so that `gradbuilder ops` lists them and reachability cuts the edge by name.
-Mod is not here: fmod has a gradient (1 for the dividend, -trunc(a/b) for the divisor).
+Mod is not here: fmod has a gradient (1 for the dividend, -trunc(a/b) for the divisor); see elementwise.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ NONDIFFERENTIABLE = (
     "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "IsNaN", "IsInf",
     "Not", "And", "Or", "Xor", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
     # piecewise constant
-    "Floor", "Ceil", "Round", "Sign", "ArgMax", "ArgMin",
+    "Floor", "Ceil", "Round", "Sign", "ArgMax", "ArgMin", "Hardmax",
     # random draws
     "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial",
     "NonMaxSuppression",
