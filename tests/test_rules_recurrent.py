@@ -98,6 +98,13 @@ def reference(op, direction="forward", layout=0, acts=None, lbr=0):
 rng = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _reseed():
+    """Each test draws the same inputs however the tests are selected or ordered."""
+    global rng
+    rng = np.random.default_rng(0)
+
+
 def f32(*shape, scale=1.0):
     return np.asarray(rng.standard_normal(shape) * scale, dtype=np.float32)
 
@@ -180,6 +187,15 @@ def test_layout_1(op, forward_on_reference):
     run(op, inputs(op, 2, h0=True, c0=True, layout=1), direction="bidirectional", layout=1)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_other_dtypes(op, dtype, forward_on_reference):
+    """Backward is dtype-generic: float64 at tight tolerances, float16 loosely (forward on the reference)."""
+    ins = [(n, v if v is None or v.dtype.kind != "f" else v.astype(dtype)) for n, v in inputs(op, 2, h0=True, c0=True)]
+    loose = {} if dtype == np.float64 else {"rtol": 3e-2, "atol": 3e-2, "fd": False}
+    run(op, ins, direction="bidirectional", lbr=1, **loose)
+
+
 @pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
 def test_sequence_lens(op):
     ins = inputs(op, 2, h0=True, c0=True, peep=op == "LSTM", lens=[T, 2, 1, 0], batch=4)
@@ -197,7 +213,7 @@ def test_rnn_relu():
 
 
 def test_lstm_other_activations():
-    run("LSTM", inputs("LSTM", 1, h0=True, c0=True), acts=["Tanh", "Sigmoid", "Relu"])
+    run("LSTM", inputs("LSTM", 1, h0=True, c0=True), acts=["Tanh", "Sigmoid", "Relu"], fd_eps=1e-3)
 
 
 @pytest.mark.parametrize("opset", [13, 14, 23])
