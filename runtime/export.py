@@ -185,7 +185,10 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     names = _unique(tensor_paths(in_spec), set(state))
     flat = _Flat(module, signature, in_spec)
     try:
-        with _preserved(module):
+        # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
+        # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
+        with torch.inference_mode(False), torch.enable_grad(), _preserved(module):
+            leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
     except Exception as e:
