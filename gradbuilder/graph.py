@@ -172,7 +172,29 @@ def _require_graph(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise ModelLoadError(f"{what}: the contents parse as protobuf but hold no ONNX graph; is it really an "
                              "ONNX model?")
+    bad = _non_utf8(model)
+    if bad is not None:
+        raise ModelLoadError(f"{what}: {bad} is not valid UTF-8, as every ONNX name must be; the file is damaged.")
     return model
+
+
+def _non_utf8(msg: Message) -> str | None:
+    """The first string field holding invalid UTF-8, which protobuf hands to Python as bytes, not str."""
+    if isinstance(msg, TensorProto):  # never list a tensor's fields: that would copy its data
+        fields = [("name", msg.name), ("doc_string", msg.doc_string)]
+        fields += [("external_data", x) for e in msg.external_data for x in (e.key, e.value)]
+        return next((f"a tensor's {f} {v!r}" for f, v in fields if isinstance(v, bytes)), None)
+    for fd, value in msg.ListFields():
+        if fd.type == fd.TYPE_STRING:
+            for v in value if _repeated(fd) else [value]:
+                if isinstance(v, bytes):
+                    return f"the {fd.containing_type.name} field '{fd.name}' {v!r}"
+        elif fd.message_type is not None:
+            for m in value if _repeated(fd) else [value]:
+                bad = _non_utf8(m)
+                if bad is not None:
+                    return bad
+    return None
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -223,6 +245,8 @@ class ForwardGraph:
         for t in self.graph.initializer:
             _check_tensor(t, f"initializer '{t.name}'")
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
+        for node in self.nodes:
+            self._check_input_types(node)
 
     def _index(self) -> None:
         defined = set(self.inputs) | set(self.initializers)
@@ -290,9 +314,11 @@ class ForwardGraph:
 
     def _infer_types(self) -> dict[str, TensorInfo]:
         try:
-            inferred = onnx.shape_inference.infer_shapes(without_weights(self.model), strict_mode=False,
+            inferred = onnx.shape_inference.infer_shapes(without_weights(self.model), strict_mode=True,
                                                          data_prop=True)
             graph = inferred.graph
+        except onnx.shape_inference.InferenceError as e:
+            raise self._inconsistent(e) from None
         except Exception:  # inference is a help, never a requirement
             return self._declared_types()
         info = {vi.name: info_from_type(vi.type) for vi in graph.value_info}
@@ -303,6 +329,58 @@ class ForwardGraph:
         for t in self.graph.initializer:
             info[t.name] = TensorInfo(t.data_type, tuple(t.dims))
         return info
+
+    def _check_input_types(self, node: onnx.NodeProto) -> None:
+        """Every input's element type must be one the op's schema allows, and inputs sharing a type parameter
+        must agree: rules trust both, and strict shape inference checks neither (Add(float, double) passes)."""
+        if node.domain not in ("", "ai.onnx"):
+            return
+        try:
+            schema = onnx.defs.get_schema(node.op_type, self.opset, node.domain)
+        except Exception:  # check_node has already refused ops ONNX does not know
+            return
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        formals = schema.inputs
+        bound: dict[str, tuple[str, str]] = {}
+        for i, name in enumerate(node.input):
+            if not name or not formals:
+                continue
+            formal = formals[min(i, len(formals) - 1)]
+            elem_type = self.tensor_info(name).elem_type
+            if not elem_type:
+                continue
+            actual = f"tensor({TensorProto.DataType.Name(elem_type).lower()})"
+            ok = allowed.get(formal.type_str, {formal.type_str})
+            if actual not in ok and any(t.startswith("tensor(") for t in ok):
+                raise InvalidModelError(
+                    f"node {describe(node)}: input {i} ('{name}') is {type_name(elem_type)}, but {node.op_type} "
+                    f"at opset {self.opset} takes {' or '.join(sorted(ok))} there; fix the model (a Cast is "
+                    "probably missing) or re-export it."
+                )
+            if formal.type_str in allowed and formal.is_homogeneous:
+                first = bound.setdefault(formal.type_str, (actual, name))
+                if first[0] != actual:
+                    raise InvalidModelError(
+                        f"node {describe(node)}: inputs '{first[1]}' ({first[0]}) and '{name}' ({actual}) must have "
+                        f"the same type ({node.op_type}'s type parameter {formal.type_str}); fix the model (a Cast "
+                        "is probably missing) or re-export it."
+                    )
+
+    def _inconsistent(self, e: Exception) -> InvalidModelError:
+        """A type or shape conflict in a node: a rule would build on a wrong shape, so refuse, naming the node."""
+        text = str(e).replace("[ShapeInferenceError] Inference error(s): ", "").replace("[TypeInferenceError] ", "")
+        found = re.search(r"\(op_type:([^,)]*)(?:, node name: ([^)]*))?\): (?:\[\w+\] )?([^\n]*)", text)
+        if found is None:
+            where, why = "", _first_line(e)
+        else:
+            op, name, why = found.groups()
+            same = [n for n in self.nodes if n.op_type == op and (name is None or n.name == name)]
+            where = f" at node {describe(same[0])}" if len(same) == 1 else f" at a {op} node"
+        return InvalidModelError(
+            f"the model's types or shapes are inconsistent{where}: {why.rstrip('.')}. Fix the node's inputs or the "
+            "declared shapes, or re-export the model (onnx.shape_inference.infer_shapes(model, strict_mode=True) "
+            "reports the same)."
+        )
 
     def tensor_info(self, name: str) -> TensorInfo:
         return self.info.get(name, UNKNOWN)
@@ -389,7 +467,7 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
             continue
         try:
             onnx.checker.check_node(node, ctx)
-        except onnx.checker.ValidationError as e:
+        except Exception as e:  # ValidationError, or whatever else a broken node makes the checker raise
             why = _first_line(e)
             if why.startswith("No Op registered") and node.domain in ("", "ai.onnx"):
                 todo = ("If it is a custom op, give it a domain of its own (and an opset_import for that domain); "
@@ -399,6 +477,24 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
             else:
                 todo = "Fix the node or re-export the model (onnx.checker.check_model reports the same)"
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
+        if node.op_type == "Einsum" and node.domain in ("", "ai.onnx"):
+            _check_einsum(node)
+
+
+_EINSUM_TERM = r"\s*(?:[A-Za-z]\s*)*(?:\.\.\.\s*)?(?:[A-Za-z]\s*)*"
+_EINSUM = re.compile(rf"{_EINSUM_TERM}(?:,{_EINSUM_TERM})*(?:->{_EINSUM_TERM})?")
+
+
+def _check_einsum(node: onnx.NodeProto) -> None:
+    """onnx's Einsum shape inference loops forever on some malformed equations ('..i', 'aß'): check them first."""
+    eq = next((a.s.decode("utf-8", "replace") for a in node.attribute if a.name == "equation"), "")
+    terms = eq.split("->", 1)[0].split(",")
+    if _EINSUM.fullmatch(eq) is None or len(terms) != len(node.input):
+        raise InvalidModelError(
+            f"node {describe(node)} has a malformed Einsum equation {eq!r} for {len(node.input)} inputs: it must be "
+            "one term of letters (and at most one '...') per input, separated by commas, optionally followed by "
+            "'->' and the output term. Fix the equation or re-export the model."
+        )
 
 
 TENSOR_CHECK_LIMIT = 16 * 2**20
@@ -421,7 +517,7 @@ def _check_tensor(t: TensorProto, what: str) -> None:
     if t.ByteSize() <= TENSOR_CHECK_LIMIT:
         try:
             onnx.checker.check_tensor(t, onnx.checker.DEFAULT_CONTEXT)
-        except onnx.checker.ValidationError as e:
+        except Exception as e:  # ValidationError, or whatever else a broken tensor makes the checker raise
             raise InvalidModelError(f"{what} is not a valid tensor: {_first_line(e)}; {fix}.") from None
     if t.HasField("raw_data") and t.data_type in FIXED_SIZE_TYPES:
         numel = 1
