@@ -162,3 +162,25 @@ def test_einsum_symbolic_ellipsis_that_may_broadcast_fails_clearly(monkeypatch):
     model = harness.single_op_model("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], equation="...ij,...jk->...ik")
     with pytest.raises(RuleError, match="may broadcast"):
         gradbuilder.build_gradient_graph(model, wrt=["x0", "x1"], outputs=["y0"])
+
+
+@pytest.mark.parametrize("opset", [13, 23])
+def test_opset_range_ends(opset):
+    check_op("MatMul", [("a", r(2, 3, 4)), ("b", r(4, 5))], torch.matmul, opset=opset)
+    check_op("Gemm", [("a", r(4, 3)), ("b", r(5, 4)), ("c", r(5))], _gemm_ref(1, 1, 0.5, 2.0), opset=opset,
+             transA=1, transB=1, alpha=0.5, beta=2.0)
+    check_op("Einsum", [("x0", r(2, 3, 3)), ("x1", r(3, 4))], lambda a, b: torch.einsum("bii,ij->bj", a, b),
+             opset=opset, equation="bii,ij->bj")
+
+
+def test_einsum_symbolic_diagonal(monkeypatch):
+    """A repeated label of symbolic size: the diagonal mask is sized at run time."""
+    symbolic(monkeypatch, x0={0: "B", 1: "I", 2: "I"})
+    eq = "bii->bi"
+    check_op("Einsum", [("x0", r(2, 3, 3))], lambda a: torch.einsum(eq, a), equation=eq)
+
+
+def test_matmul_float16():
+    half = np.float16
+    check_op("MatMul", [("a", r(2, 3, 4).astype(half)), ("b", r(4, 5).astype(half))], torch.matmul, fd=False,
+             rtol=1e-2, atol=1e-2)

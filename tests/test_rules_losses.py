@@ -117,3 +117,37 @@ def test_nll_opsets(opset):
     labels = _labels(shape)
     check_op("NegativeLogLikelihoodLoss", [("x", r(*shape)), ("labels", labels)],
              lambda x, lab: F.nll_loss(x, lab), opset=opset)
+
+
+def test_softmax_cross_entropy_symbolic_classes(monkeypatch):
+    """The class count is symbolic too: the one-hot classes come from the run-time shape."""
+    symbolic(monkeypatch, x={0: "N", 1: "C", 2: "D"}, labels={0: "N", 1: "D"})
+    shape = (3, 4, 5)
+    labels = _labels(shape, -1)
+    check_op("SoftmaxCrossEntropyLoss", [("x", r(*shape)), ("labels", labels)],
+             lambda x, lab: F.cross_entropy(x, lab, ignore_index=-1, reduction="sum"), reduction="sum",
+             ignore_index=-1)
+
+
+@pytest.mark.parametrize("opset", [13, 23])
+def test_opset_range_ends(opset):
+    shape = (4, 3, 2)
+    labels = _labels(shape, 0)
+    w = np.abs(r(3)) + 0.1
+    tw = torch.from_numpy(w)
+    check_op("SoftmaxCrossEntropyLoss", [("x", r(*shape)), ("labels", labels), ("w", w)],
+             lambda x, lab: F.cross_entropy(x, lab, weight=tw, ignore_index=0), opset=opset, consts=["w"],
+             ignore_index=0)
+    check_op("NegativeLogLikelihoodLoss", [("x", r(*shape)), ("labels", labels), ("w", w)],
+             lambda x, lab: F.nll_loss(x, lab, weight=tw, ignore_index=0), opset=opset, consts=["w"],
+             ignore_index=0)
+
+
+def test_float16_losses():
+    shape = (4, 3)
+    labels = _labels(shape)
+    x = r(*shape).astype(np.float16)
+    check_op("SoftmaxCrossEntropyLoss", [("x", x), ("labels", labels)], lambda x, lab: F.cross_entropy(x, lab),
+             fd=False, rtol=1e-2, atol=1e-3)
+    check_op("NegativeLogLikelihoodLoss", [("x", x), ("labels", labels)], lambda x, lab: F.nll_loss(x, lab),
+             fd=False, rtol=1e-2, atol=1e-3)

@@ -23,6 +23,11 @@ def f32(*shape):
     return r(*shape, dtype=np.float32)
 
 
+def distinct(*shape):
+    """float32 values at least 0.1 apart: float32 finite differences (eps 1e-2) never swap a max."""
+    return (rng.permutation(int(np.prod(shape))).reshape(shape) * 0.1 - 1.0).astype(np.float32)
+
+
 def torch_pad(x, begin, end, value=0.0):
     """F.pad with ONNX-ordered begin/end pads per spatial dim."""
     pads = []
@@ -338,13 +343,13 @@ def test_average_pool_symbolic_batch(monkeypatch):
 def test_global_pools(xs):
     dims = tuple(range(2, len(xs)))
     check_op("GlobalAveragePool", [("x", f32(*xs))], lambda x: x.mean(dims, keepdim=True))
-    check_op("GlobalMaxPool", [("x", f32(*xs))], lambda x: x.amax(dims, keepdim=True))
+    check_op("GlobalMaxPool", [("x", distinct(*xs))], lambda x: x.amax(dims, keepdim=True))
 
 
 def test_global_pools_symbolic(monkeypatch):
     symbolic(monkeypatch, x={0: "N", 2: "H", 3: "W"})
     check_op("GlobalAveragePool", [("x", f32(2, 3, 5, 4))], lambda x: x.mean((2, 3), keepdim=True))
-    check_op("GlobalMaxPool", [("x", f32(2, 3, 5, 4))], lambda x: x.amax((2, 3), keepdim=True))
+    check_op("GlobalMaxPool", [("x", distinct(2, 3, 5, 4))], lambda x: x.amax((2, 3), keepdim=True))
     model = single_op_model("GlobalMaxPool", [("x", f32(2, 3, 5, 4))])
     assert "x" not in backward_reads(model, ["x"])
 
@@ -536,3 +541,104 @@ def test_dropout_inference_is_identity(mode):
     check_op("Dropout", inputs, lambda x: x, consts=["ratio", "mode"])
     model = single_op_model("Dropout", inputs, consts=["ratio", "mode"])
     assert backward_reads(model, ["x"]) == set()
+
+
+# --- opsets, dtypes, limits ----------------------------------------------------------------------
+def _conv_case(opset):
+    check_op("Conv", [("x", f32(2, 4, 6, 6)), ("w", f32(4, 2, 3, 3)), ("b", f32(4))],
+             conv_ref([2, 2], [1, 1], [1, 1], [1, 1], 2), opset=opset, strides=[2, 2], pads=[1] * 4, group=2)
+
+
+def _conv_transpose_case(opset):
+    check_op("ConvTranspose", [("x", f32(2, 4, 3, 3)), ("w", f32(4, 2, 3, 3))],
+             conv_transpose_ref([2, 2], [1, 1], [1, 1], [1, 1], [1, 1], 2), opset=opset, strides=[2, 2],
+             pads=[1] * 4, output_padding=[1, 1], group=2)
+
+
+def _pool_case(opset):
+    check_op("AveragePool", [("x", f32(2, 3, 7, 7))], pool_ref("avg", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1),
+             opset=opset, kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4, ceil_mode=1)
+    check_op("MaxPool", [("x", r(2, 3, 7, 7))], pool_ref("max", [2, 2], [2, 2], [1, 1], [1, 1], [1, 1], 0),
+             opset=opset, kernel_shape=[2, 2], strides=[2, 2], pads=[1] * 4)  # no overlap: opset 13 has no add-scatter
+    check_op("GlobalAveragePool", [("x", f32(2, 3, 4, 4))], lambda x: x.mean((2, 3), keepdim=True), opset=opset)
+    check_op("GlobalMaxPool", [("x", distinct(2, 3, 4, 4))], lambda x: x.amax((2, 3), keepdim=True), opset=opset)
+
+
+def _norm_case(opset):
+    check_op("InstanceNormalization", [("x", f32(2, 3, 5)), ("s", f32(3)), ("b", f32(3))],
+             lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-5), opset=opset)
+    check_op("LpNormalization", [("x", r(3, 4))], lambda x: x / x.norm(2, dim=1, keepdim=True), opset=opset)
+    inputs = bn_inputs((3, 2, 4))
+    mean, var = (torch.from_numpy(v) for _, v in inputs[3:])
+    bn_train = {"training_mode": 1, "n_out": 3, "diff_outputs": [0]} if opset >= 14 else {}
+    check_op("BatchNormalization", inputs,
+             lambda x, s, b: F.batch_norm(x, mean.clone(), var.clone(), s, b, training=bool(bn_train)),
+             consts=["mean", "var"], opset=opset, **bn_train)
+    if opset >= 17:
+        check_op("LayerNormalization", [("x", r(2, 3, 4)), ("s", r(4))], lambda x, s: F.layer_norm(x, (4,), s),
+                 opset=opset)
+
+
+def _dropout_case(opset):
+    model = single_op_model("Dropout", [("x", r(4, 50)), ("ratio", np.array(0.5)), ("mode", np.array(True))],
+                            opset=opset, consts=["ratio", "mode"])
+    x = r(4, 50)
+    _, grad, mask, cot = dropout_step(model, x)
+    np.testing.assert_allclose(grad, dropout_torch(x, mask, 0.5, cot)[1], rtol=1e-12)
+
+
+@pytest.mark.parametrize("opset", [13, 23])
+@pytest.mark.parametrize("case", [_conv_case, _conv_transpose_case, _pool_case, _norm_case, _dropout_case],
+                         ids=lambda f: f.__name__)
+def test_opset_range_ends(case, opset):
+    """Every rule at both ends of its declared opset range emits ops valid there (checker + onnxruntime)."""
+    case(opset)
+
+
+def test_group_norm_opset_23(monkeypatch):
+    type_untyped_outputs(monkeypatch, onnx.TensorProto.DOUBLE, [2, 4, 3])
+    check_op("GroupNormalization", [("x", r(2, 4, 3)), ("s", r(4)), ("b", r(4))],
+             lambda x, s, b: F.group_norm(x, 2, s, b), opset=23, num_groups=2, stash_type=onnx.TensorProto.DOUBLE)
+
+
+def test_float16_conv_and_layer_norm():
+    """Half inputs: the rules build their constants in the input's type; LayerNorm reads float statistics."""
+    half = np.float16
+    check_op("Conv", [("x", r(2, 3, 6, 6).astype(half)), ("w", (0.3 * r(4, 3, 3, 3)).astype(half))],
+             conv_ref([2, 2], [1, 1], [1, 1], [1, 1], 1), strides=[2, 2], pads=[1] * 4, fd=False, rtol=2e-2, atol=2e-2)
+    check_op("LayerNormalization", [("x", r(3, 8).astype(half)), ("s", r(8).astype(half)), ("b", r(8).astype(half))],
+             lambda x, s, b: F.layer_norm(x, (8,), s, b), n_out=3, diff_outputs=[0], fd=False, rtol=2e-2, atol=2e-2)
+    check_op("AveragePool", [("x", r(2, 3, 6, 6).astype(half))],
+             pool_ref("avg", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 0), kernel_shape=[3, 3], strides=[2, 2],
+             pads=[1] * 4, fd=False, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("Conv", [("x", f32(2, 3, 6, 6)), ("w", f32(4, 3, 3, 3))], {}),
+    ("AveragePool", [("x", f32(2, 3, 6, 6))], {"kernel_shape": [2, 2]}),
+    ("ConvTranspose", [("x", f32(2, 3, 6, 6)), ("w", f32(3, 4, 3, 3))], {}),
+])
+def test_symbolic_spatial_dims_fail_clearly(monkeypatch, op, inputs, attrs):
+    symbolic(monkeypatch, x={2: "H"})
+    model = single_op_model(op, inputs, **attrs)
+    with pytest.raises(RuleError, match="spatial dims of 'x' to be static"):
+        gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
+
+
+def test_window_out_sizes_match_onnxruntime():
+    """Window.out_sizes against the sizes onnxruntime produces, including ceil_mode windows that would start
+    in the end padding (dropped; ONNX shape inference still counts them, so no model test can have them)."""
+    from itertools import product
+
+    from gradbuilder.rules.nn import Window
+
+    for n, k, s, d, pb, pe, ceil in product([7, 8], [2, 3], [2, 3], [1, 2], [0, 1], [0, 1, 2], [0, 1]):
+        if pb >= k or pe >= k:
+            continue
+        node = onnx.helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[k], strides=[s], dilations=[d],
+                                     pads=[pb, pe], ceil_mode=ceil)
+        graph = onnx.helper.make_graph([node], "g", [onnx.helper.make_tensor_value_info("x", 1, [1, 1, n])],
+                                       [onnx.helper.make_tensor_value_info("y", 1, None)])
+        sess = harness.session(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 19)]))
+        got = sess.run(None, {"x": np.zeros((1, 1, n), np.float32)})[0].shape[2]
+        assert Window((k,), (s,), (d,), (pb,), (pe,)).out_sizes([n], bool(ceil)) == [got], (n, k, s, d, pb, pe, ceil)
