@@ -13,8 +13,8 @@ def r(*shape):
 
 
 def symbolic(monkeypatch, **dims: dict[int, str]) -> None:
-    """symbolic(monkeypatch, name={axis: "sym"}) makes check_op's models give those input dims a symbolic size,
-    so a rule that bakes in a static shape where it must not shows up."""
+    """symbolic(monkeypatch, name={axis: "sym"}) makes check_op's models give those input dims the named
+    symbolic size; unlike check_op(symbolic=...), inputs can share a symbol (the same batch size)."""
     make = onnx.helper.make_tensor_value_info
 
     def patched(name, elem_type, shape, *args, **kwargs):
@@ -102,11 +102,11 @@ def test_gemm_default_attributes():
 
 @pytest.mark.parametrize("ta", [0, 1])
 @pytest.mark.parametrize("cs", [(5,), (1, 5), ()])
-def test_gemm_symbolic_batch(monkeypatch, ta, cs):
+def test_gemm_symbolic_batch(ta, cs):
     """torch.nn.Linear as exported: a dynamic batch dim, weight transposed, bias broadcast."""
-    symbolic(monkeypatch, a={1 if ta else 0: "batch"})
     a = r(4, 3) if ta else r(3, 4)
-    check_op("Gemm", [("a", a), ("b", r(5, 4)), ("c", r(*cs))], _gemm_ref(ta, 1, 1.0, 1.0), transA=ta, transB=1)
+    check_op("Gemm", [("a", a), ("b", r(5, 4)), ("c", r(*cs))], _gemm_ref(ta, 1, 1.0, 1.0), transA=ta, transB=1,
+             symbolic={"a": [1 if ta else 0]})
 
 
 def test_gemm_only_weight():
@@ -154,12 +154,12 @@ def test_einsum_symbolic_batch(monkeypatch):
     check_op("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], lambda a, b: torch.einsum(eq, a, b), equation=eq)
 
 
-def test_einsum_symbolic_ellipsis_that_may_broadcast_fails_clearly(monkeypatch):
+def test_einsum_symbolic_ellipsis_that_may_broadcast_fails_clearly():
     import gradbuilder
     from gradbuilder.errors import RuleError
 
-    symbolic(monkeypatch, x0={0: "B"}, x1={0: "C"})
-    model = harness.single_op_model("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], equation="...ij,...jk->...ik")
+    model = harness.single_op_model("Einsum", [("x0", r(2, 3, 4)), ("x1", r(2, 4, 5))], equation="...ij,...jk->...ik",
+                                    symbolic={"x0": [0], "x1": [0]})
     with pytest.raises(RuleError, match="may broadcast"):
         gradbuilder.build_gradient_graph(model, wrt=["x0", "x1"], outputs=["y0"])
 
@@ -173,11 +173,10 @@ def test_opset_range_ends(opset):
              opset=opset, equation="bii,ij->bj")
 
 
-def test_einsum_symbolic_diagonal(monkeypatch):
+def test_einsum_symbolic_diagonal():
     """A repeated label of symbolic size: the diagonal mask is sized at run time."""
-    symbolic(monkeypatch, x0={0: "B", 1: "I", 2: "I"})
     eq = "bii->bi"
-    check_op("Einsum", [("x0", r(2, 3, 3))], lambda a: torch.einsum(eq, a), equation=eq)
+    check_op("Einsum", [("x0", r(2, 3, 3))], lambda a: torch.einsum(eq, a), equation=eq, symbolic={"x0": [0, 1, 2]})
 
 
 def test_matmul_float16():

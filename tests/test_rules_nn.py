@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import Trainer, check_op, single_op_model
-from test_rules_linalg import symbolic
 
 import gradbuilder
 from gradbuilder.errors import RuleError
@@ -103,10 +102,9 @@ def test_conv_auto_pad(xs, ws, strides, auto_pad):
              conv_ref(strides, [1] * nd, begin, end, 1), strides=strides, auto_pad=auto_pad)
 
 
-def test_conv_symbolic_batch_no_kernel_shape(monkeypatch):
-    symbolic(monkeypatch, x={0: "N"})
+def test_conv_symbolic_batch_no_kernel_shape():
     check_op("Conv", [("x", f32(3, 2, 6, 6)), ("w", f32(4, 2, 3, 3)), ("b", f32(4))],
-             conv_ref([2, 2], [1, 1], [1, 1], [1, 1], 1), strides=[2, 2], pads=[1, 1, 1, 1])
+             conv_ref([2, 2], [1, 1], [1, 1], [1, 1], 1), strides=[2, 2], pads=[1, 1, 1, 1], symbolic={"x": [0]})
 
 
 def test_conv_weight_only_stashes_no_output():
@@ -175,11 +173,10 @@ def test_conv_transpose_output_shape_auto_pad(xs, ws, strides, out_shape, auto_p
              conv_transpose_ref(strides, [1] * nd, begin, end, extra, 1), **attrs)
 
 
-def test_conv_transpose_symbolic_batch(monkeypatch):
-    symbolic(monkeypatch, x={0: "N"})
+def test_conv_transpose_symbolic_batch():
     check_op("ConvTranspose", [("x", f32(2, 3, 4, 4)), ("w", f32(3, 2, 3, 3))],
              conv_transpose_ref([2, 2], [1, 1], [1, 1], [1, 1], [1, 1], 1), strides=[2, 2], pads=[1] * 4,
-             output_padding=[1, 1])
+             output_padding=[1, 1], symbolic={"x": [0]})
 
 
 # --- pooling -------------------------------------------------------------------------------------
@@ -300,10 +297,9 @@ def test_max_pool_auto_pad(auto_pad):
              kernel_shape=kernel, strides=strides, auto_pad=auto_pad)
 
 
-def test_max_pool_symbolic_dims(monkeypatch):
-    symbolic(monkeypatch, x={0: "N", 2: "H", 3: "W"})
+def test_max_pool_symbolic_dims():
     check_op("MaxPool", [("x", r(2, 3, 7, 8))], pool_ref("max", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1),
-             kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)
+             kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1, symbolic={"x": [0, 2, 3]})
 
 
 @pytest.mark.parametrize("include_pad", [0, 1])
@@ -333,10 +329,9 @@ def test_average_pool_auto_pad(auto_pad):
              kernel_shape=kernel, strides=strides, auto_pad=auto_pad)
 
 
-def test_average_pool_symbolic_batch(monkeypatch):
-    symbolic(monkeypatch, x={0: "N", 1: "C"})
+def test_average_pool_symbolic_batch():
     check_op("AveragePool", [("x", f32(2, 3, 7, 8))], pool_ref("avg", [2, 2], [2, 2], [1, 1], [0, 0], [0, 0], 1),
-             kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)
+             kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, symbolic={"x": [0, 1]})
 
 
 @pytest.mark.parametrize("xs", [(2, 3, 5, 4), (2, 3, 6), (1, 2, 3, 4, 2)])
@@ -346,10 +341,10 @@ def test_global_pools(xs):
     check_op("GlobalMaxPool", [("x", distinct(*xs))], lambda x: x.amax(dims, keepdim=True))
 
 
-def test_global_pools_symbolic(monkeypatch):
-    symbolic(monkeypatch, x={0: "N", 2: "H", 3: "W"})
-    check_op("GlobalAveragePool", [("x", f32(2, 3, 5, 4))], lambda x: x.mean((2, 3), keepdim=True))
-    check_op("GlobalMaxPool", [("x", distinct(2, 3, 5, 4))], lambda x: x.amax((2, 3), keepdim=True))
+def test_global_pools_symbolic():
+    dyn = {"x": [0, 2, 3]}
+    check_op("GlobalAveragePool", [("x", f32(2, 3, 5, 4))], lambda x: x.mean((2, 3), keepdim=True), symbolic=dyn)
+    check_op("GlobalMaxPool", [("x", distinct(2, 3, 5, 4))], lambda x: x.amax((2, 3), keepdim=True), symbolic=dyn)
     model = single_op_model("GlobalMaxPool", [("x", f32(2, 3, 5, 4))])
     assert "x" not in backward_reads(model, ["x"])
 
@@ -414,13 +409,12 @@ def test_batch_norm_running_statistics_get_no_gradient():
         assert "non-differentiable" in meta["no_gradient"]["mean"]
 
 
-def test_batch_norm_symbolic_batch(monkeypatch):
-    symbolic(monkeypatch, x={0: "N", 2: "H"})
+def test_batch_norm_symbolic_batch():
     inputs = bn_inputs((3, 2, 4, 5))
     mean, var = (torch.from_numpy(v) for _, v in inputs[3:])
     check_op("BatchNormalization", inputs,
              lambda x, s, b: F.batch_norm(x, mean.clone(), var.clone(), s, b, training=True),
-             n_out=3, diff_outputs=[0], consts=["mean", "var"], training_mode=1, opset=15)
+             n_out=3, diff_outputs=[0], consts=["mean", "var"], training_mode=1, opset=15, symbolic={"x": [0, 2]})
 
 
 def test_batch_norm_float32():
@@ -450,10 +444,9 @@ def test_layer_norm_stashes_statistics_not_recomputed():
     assert "ReduceMean" in ops and "Sqrt" not in ops
 
 
-def test_layer_norm_broadcast_scale_float32_symbolic(monkeypatch):
-    symbolic(monkeypatch, x={0: "N"})
+def test_layer_norm_broadcast_scale_float32_symbolic():
     check_op("LayerNormalization", [("x", f32(2, 3, 4)), ("s", f32(1, 4)), ("b", f32(4))],
-             lambda x, s, b: F.layer_norm(x, (3, 4)) * s + b, axis=1, n_out=3, diff_outputs=[0])
+             lambda x, s, b: F.layer_norm(x, (3, 4)) * s + b, axis=1, n_out=3, diff_outputs=[0], symbolic={"x": [0]})
 
 
 @pytest.mark.parametrize("xs", [(2, 3, 5), (2, 3, 4, 5), (1, 2, 3, 2, 3)])
@@ -618,9 +611,8 @@ def test_float16_conv_and_layer_norm():
     ("AveragePool", [("x", f32(2, 3, 6, 6))], {"kernel_shape": [2, 2]}),
     ("ConvTranspose", [("x", f32(2, 3, 6, 6)), ("w", f32(3, 4, 3, 3))], {}),
 ])
-def test_symbolic_spatial_dims_fail_clearly(monkeypatch, op, inputs, attrs):
-    symbolic(monkeypatch, x={2: "H"})
-    model = single_op_model(op, inputs, **attrs)
+def test_symbolic_spatial_dims_fail_clearly(op, inputs, attrs):
+    model = single_op_model(op, inputs, symbolic={"x": [2]}, **attrs)
     with pytest.raises(RuleError, match="spatial dims of 'x' to be static"):
         gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
 
