@@ -34,11 +34,6 @@ def _forward_output(g: Grad, j: int, what: str) -> str:
     return outs[j]
 
 
-def _forward_op(g: Grad, op_type: str, *inputs: str, **attrs) -> str:
-    """A node in the forward part: backward then stashes its small result instead of its input."""
-    return g.em.node(op_type, inputs, 1, f"{g.O(0)}_fwd", forward=True, **attrs)[0]
-
-
 def _reduce(g: Grad, op_type: str, x: str, axes: Sequence[int], keepdims: bool = True) -> str:
     """ReduceMean/L1/L2 over `axes`: an attribute before opset 18, an input from 18 on."""
     if g.opset >= 18:
@@ -51,16 +46,17 @@ def _per_channel(g: Grad, t: str, rank: int) -> str:
     return g.unsqueeze(t, [0, *range(2, rank)])
 
 
-def _cast(g: Grad, t: str, elem_type: int, like: str) -> str:
-    """`t` as `elem_type` (the type of `like`); CastLike when that type is unknown."""
-    if elem_type:
-        return g.Cast(t, to=elem_type)
+def cast_like(g: Grad, t: str, like: str) -> str:
+    """`t` cast to the element type of the forward tensor `like` (CastLike when that type is unknown)."""
+    if g.dtype(like):
+        return g.Cast(t, to=g.dtype(like))
     if g.opset < 15:
         g.fail(f"the element type of '{like}' is unknown")
     return g.CastLike(t, like)
 
 
 def _spatial(g: Grad, x: str, why: str) -> list[int]:
+    """x's spatial sizes, which pads, output_padding and divisors are computed from at build time."""
     shape = g.info(x).shape
     if shape is None or not all(isinstance(d, int) for d in shape[2:]):
         g.fail(f"{why} needs the spatial dims of '{x}' to be static (they are {shape and list(shape[2:])})")
@@ -68,6 +64,7 @@ def _spatial(g: Grad, x: str, why: str) -> list[int]:
 
 
 def _kernel(g: Grad, w: str) -> list[int]:
+    """kernel_shape, which Conv may leave to the weight's shape."""
     kernel = g.attr("kernel_shape")
     if kernel is None:
         shape = g.info(w).shape
@@ -75,6 +72,14 @@ def _kernel(g: Grad, w: str) -> list[int]:
             g.fail(f"kernel_shape is absent and the weight '{w}' has no static shape")
         kernel = shape[2:]
     return list(kernel)
+
+
+def _static_dim(g: Grad, t: str, axis: int) -> int:
+    """A dim the emitted graph bakes in (channels per group of a weight)."""
+    shape = g.info(t).shape
+    if shape is None or not isinstance(shape[axis], int):
+        g.fail(f"dim {axis} of '{t}' must be static")
+    return shape[axis]  # type: ignore[index, return-value]
 
 
 @dataclass(frozen=True)
@@ -197,13 +202,6 @@ def conv(g: Grad):
     return (dx, dw, db)
 
 
-def _static_dim(g: Grad, t: str, axis: int) -> int:
-    shape = g.info(t).shape
-    if shape is None or not isinstance(shape[axis], int):
-        g.fail(f"dim {axis} of '{t}' must be static")
-    return shape[axis]  # type: ignore[index, return-value]
-
-
 def _transpose_window(g: Grad, sizes: Sequence[int], kernel: Sequence[int]) -> tuple[Window, list[int], list[int]]:
     """ConvTranspose's window, output sizes, and how much of the output the input reaches.
 
@@ -262,6 +260,9 @@ def conv_transpose(g: Grad):
 def _scatter_flat(g: Grad, x: str, index: str, values: str, accumulate: bool) -> str:
     """Zeros shaped like x, flattened, with `values` scattered (added when indices may repeat) at the
     flat `index`: onnxruntime has no float16 add-scatter, so half types accumulate in float."""
+    if accumulate and g.opset < 16:
+        g.fail("overlapping windows need ScatterElements with reduction='add' (opset 16); re-export at opset "
+               ">= 16")
     dtype = g.dtype(x) or TensorProto.FLOAT
     acc = TensorProto.FLOAT if accumulate and dtype in HALF_TYPES else dtype
     numel = g.ReduceProd(g.shape_of(x), keepdims=1)
@@ -269,9 +270,6 @@ def _scatter_flat(g: Grad, x: str, index: str, values: str, accumulate: bool) ->
     flat = g.Reshape(values, g.ints([-1]))
     if acc != dtype:
         flat = g.Cast(flat, to=acc)
-    if accumulate and g.opset < 16:
-        g.fail("overlapping windows need ScatterElements with reduction='add' (opset 16); re-export at opset "
-               ">= 16")
     out = g.ScatterElements(zeros, g.Reshape(index, g.ints([-1])), flat, axis=0,
                             reduction="add" if accumulate else None)
     return g.Cast(out, to=dtype) if acc != dtype else out
@@ -332,7 +330,7 @@ def _spatial_count(g: Grad, x: str) -> str:
     if shape is not None and all(isinstance(d, int) for d in shape[2:]):
         return g.const(float(np.prod(shape[2:])), like=x)
     count = g.ReduceProd(g.Slice(g.shape_of(x), g.ints([2]), g.ints([np.iinfo(np.int64).max])), keepdims=0)
-    return _cast(g, count, g.dtype(x), x)
+    return cast_like(g, count, x)
 
 
 @rule("GlobalAveragePool", since=13)
@@ -346,7 +344,7 @@ def global_max_pool(g: Grad):
     """dY goes to each channel's argmax, found in the forward part so only (N, C, 1) indices are stashed."""
     x, dy = g.I(0), g.GO(0)
     by_channel = g.ints([0, 0, -1])
-    index = _forward_op(g, "ArgMax", _forward_op(g, "Reshape", x, by_channel), axis=2, keepdims=1)
+    index = g.ArgMax(g.Reshape(x, by_channel, forward=True), axis=2, keepdims=1, forward=True)
     zeros = g.Reshape(g.zeros_like(x), by_channel)
     return (g.Reshape(g.ScatterElements(zeros, index, g.Reshape(dy, by_channel), axis=2), g.shape_of(x)),)
 
@@ -384,9 +382,8 @@ def batch_norm(g: Grad):
     eps = float(g.attr("epsilon", 1e-5))
     if _is_training_bn(g):
         xhat, invstd = _standardize(g, x, axes, eps)
-        dx = None
-        if g.needs(0):
-            dx = _standardize_grad(g, g.Mul(dy, _per_channel(g, scale, rank)), xhat, invstd, axes)
+        dxhat = g.Mul(dy, _per_channel(g, scale, rank))
+        dx = _standardize_grad(g, dxhat, xhat, invstd, axes) if g.needs(0) else None
     else:
         invstd = _per_channel(g, g.Reciprocal(g.Sqrt(g.Add(g.I(4), g.const(eps, like=x)))), rank)
         xhat = g.Mul(g.Sub(x, _per_channel(g, g.I(3), rank)), invstd) if g.needs(1) else None
@@ -407,7 +404,7 @@ def layer_norm(g: Grad):
     if len(outs) > 2 and outs[1] and outs[2] and (g.dtype(outs[1]) == dtype or dtype in HALF_TYPES):
         mean, invstd = outs[1], outs[2]
         if g.dtype(mean) != dtype:  # stash_type: statistics in float for half inputs
-            mean, invstd = _cast(g, mean, dtype, x), _cast(g, invstd, dtype, x)
+            mean, invstd = cast_like(g, mean, x), cast_like(g, invstd, x)
         xhat = g.Mul(g.Sub(x, mean), invstd)
     else:  # no statistics outputs, or float ones for a double input: recompute at full precision
         xhat, invstd = _standardize(g, x, axes, float(g.attr("epsilon", 1e-5)))
@@ -480,6 +477,6 @@ def dropout(g: Grad):
         scale = g.const(1.0 / (1.0 - r) if r < 1.0 else 0.0, like=x)
     else:
         keep = g.Sub(g.const(1.0, like=ratio), ratio)
-        scale = _cast(g, g.Reciprocal(keep), g.dtype(x), x)
+        scale = cast_like(g, g.Reciprocal(keep), x)
     dropped = g.Where(mask, g.Mul(dy, scale), g.const(0.0, like=x))
     return (dropped if known_mode is not None else g.Where(mode, dropped, dy),)
