@@ -464,6 +464,7 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
     ctx = _checker_context(model)
     for node in nodes:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            _check_control_flow(node)
             continue
         try:
             onnx.checker.check_node(node, ctx)
@@ -479,6 +480,33 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
         if node.op_type == "Einsum" and node.domain in ("", "ai.onnx"):
             _check_einsum(node)
+
+
+def _check_control_flow(node: onnx.NodeProto) -> None:
+    """Body signatures of If/Loop/Scan: onnx's shape inference crashes (C++ vector::reserve) on a Loop whose
+    body has fewer than two inputs, and the checker cannot look at bodies that read outer names."""
+    if node.domain not in ("", "ai.onnx"):
+        return
+    bodies = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+    n_in, n_out = len(node.input), len(node.output)
+    if node.op_type == "If":
+        want = {"then_branch": (0, n_out), "else_branch": (0, n_out)}
+    elif node.op_type == "Loop":
+        want = {"body": (2 + max(n_in - 2, 0), 1 + n_out)}
+    elif node.op_type == "Scan":
+        want = {"body": (n_in, n_out)}
+    else:
+        return
+    for attr, (ins, outs) in want.items():
+        g = bodies.get(attr)
+        if g is None:
+            raise InvalidModelError(f"node {describe(node)} has no '{attr}' graph; fix the node or re-export it.")
+        if len(g.input) != ins or len(g.output) != outs:
+            raise InvalidModelError(
+                f"node {describe(node)}: its '{attr}' graph has {len(g.input)} inputs and {len(g.output)} outputs, "
+                f"but a {node.op_type} with {n_in} inputs and {n_out} outputs needs {ins} and {outs}; fix the node "
+                "or re-export the model."
+            )
 
 
 _EINSUM_TERM = r"\s*(?:[A-Za-z]\s*)*(?:\.\.\.\s*)?(?:[A-Za-z]\s*)*"

@@ -17,6 +17,15 @@ from ..errors import RuleError
 from ..graph import ForwardGraph, NameAllocator, TensorInfo, describe
 
 
+def _attribute(name: str, value: Any) -> onnx.AttributeProto:
+    """make_attribute with a fast path for the scalar ints and floats most backward nodes carry."""
+    if type(value) is int:
+        return onnx.AttributeProto(name=name, type=onnx.AttributeProto.INT, i=value)
+    if type(value) is float:
+        return onnx.AttributeProto(name=name, type=onnx.AttributeProto.FLOAT, f=value)
+    return helper.make_attribute(name, value)
+
+
 class Emitter:
     """Build-wide sink for backward nodes, forward-side helper nodes and constants."""
 
@@ -37,7 +46,7 @@ class Emitter:
         node = onnx.NodeProto(op_type=op_type, input=["" if i is None else i for i in inputs], output=outs,
                               name=f"{outs[0]}_node", domain=domain)
         if attrs:
-            node.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
+            node.attribute.extend(_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
         (self.forward_extra if forward else self.backward).append(node)
         self.produced.update(outs)
         return outs
@@ -94,6 +103,17 @@ class Grad:
 
     def O(self, j: int) -> str:
         return self.node.output[j]
+
+    def output(self, j: int, hint: str) -> str:
+        """Optional output j, added to the forward node when the model left it out (Dropout's mask,
+        MaxPool's Indices): what the forward op drew or chose can only be read, not recomputed."""
+        outs = self.node.output
+        if j < len(outs) and outs[j]:
+            return outs[j]
+        while len(outs) <= j:
+            outs.append("")
+        outs[j] = self.em.names.fresh(f"{outs[0]}_{hint}")
+        return outs[j]
 
     def GO(self, j: int) -> str | None:
         return self._go[j] if j < len(self._go) else None
@@ -182,6 +202,24 @@ class Grad:
         return self.ConstantOfShape(self.shape_of(tensor), value=value)
 
     # --- named helpers for repeated patterns ---------------------------------------------------
+    def cast_like(self, x: str, like: str, x_like: str | None = None) -> str:
+        """`x` cast to the element type of forward tensor `like` (CastLike when that type is unknown); no cast
+        when `x` is known to have it already (it has the type of forward tensor `x_like`, default x itself)."""
+        elem_type = self.dtype(like)
+        if elem_type and self.dtype(x_like or x) == elem_type:
+            return x
+        if elem_type:
+            return self.Cast(x, to=elem_type)
+        if self.opset < 15:
+            self.fail(f"the element type of '{like}' is unknown")
+        return self.CastLike(x, like)
+
+    def reduce(self, op_type: str, x: str, axes: Sequence[int], keepdims: bool = True) -> str:
+        """Any Reduce* over constant axes: an attribute before opset 18 (13 for ReduceSum), an input after."""
+        if self.opset >= (13 if op_type == "ReduceSum" else 18):
+            return self.op(op_type, x, self.ints(list(axes)), keepdims=int(keepdims))
+        return self.op(op_type, x, axes=list(axes), keepdims=int(keepdims))
+
     def reduce_sum(self, x: str, axes: Sequence[int] | str, keepdims: bool = True) -> str:
         axes_in = axes if isinstance(axes, str) else self.ints(list(axes))
         return self.ReduceSum(x, axes_in, keepdims=int(keepdims))
@@ -217,6 +255,8 @@ class Grad:
             if certain:
                 if not axes:
                     return grad
+                if axes == list(range(lead)):  # only leading axes: they vanish in one node
+                    return self.reduce_sum(grad, axes, keepdims=False)
                 r = self.reduce_sum(grad, axes, keepdims=True)
                 return self.squeeze(r, list(range(lead))) if lead else r
         return self._unbroadcast_dynamic(grad, like, xs, ys)

@@ -47,18 +47,6 @@ def compare(g: Grad, op: str, a: str, b: str, like: str | None = None) -> str:
     return g.op(op, *(g.Cast(t, to=TensorProto.FLOAT) for t in (a, b)))
 
 
-def cast_to(g: Grad, x: str, like: str, x_like: str | None = None) -> str:
-    """`x` cast to the element type of forward tensor `like` (CastLike when that type is unknown); no cast
-    when `x` is known to have it already (it has the type of forward tensor `x_like`, default x itself)."""
-    elem_type = g.dtype(like)
-    if elem_type and g.dtype(x_like or x) == elem_type:
-        return x
-    if elem_type:
-        return g.Cast(x, to=elem_type)
-    if g.opset < 15:
-        g.fail(f"the element type of '{like}' is unknown")
-    return g.CastLike(x, like)
-
 
 def _sq(g: Grad, x: str) -> str:
     return g.Mul(x, x)
@@ -184,7 +172,7 @@ def pow_(g: Grad) -> Grads:
         zero = g.const(0.0, like=a)
         base_zero = g.And(g.Equal(a, zero), compare(g, "GreaterOrEqual", b, g.const(0.0, like=b)))
         dlog = keep(g, g.Not(base_zero), g.Mul(y, g.Log(a)), like=a)
-        db = g.unbroadcast(cast_to(g, g.Mul(dy, dlog), like=b, x_like=a), like=b)
+        db = g.unbroadcast(g.cast_like(g.Mul(dy, dlog), like=b, x_like=a), like=b)
     return (da, db)
 
 
@@ -200,7 +188,7 @@ def _pow_base_grad(g: Grad, a: str, b: str, dy: str) -> str:
                                                                    g.const(c, like=a))
         return g.Mul(dy, coef)
     # b - 1 stays in the exponent's own type (int, or float where Pow-13 takes no bfloat16 exponent)
-    full = g.Mul(dy, g.Mul(cast_to(g, b, like=a), g.Pow(a, g.Sub(b, g.const(1, like=b)))))
+    full = g.Mul(dy, g.Mul(g.cast_like(b, like=a), g.Pow(a, g.Sub(b, g.const(1, like=b)))))
     return keep(g, g.Not(g.Equal(b, g.const(0, like=b))), full, like=a)
 
 
@@ -294,7 +282,7 @@ def _extremum(g: Grad, beaten: str) -> Grads:
         pairs = {0: (a, b), 1: (b, a)}
         return _each_input(g, {i: where(g, g.op(beaten, *pairs[i]), zero, half, like=y) for i in (0, 1) if g.needs(i)})
     hits = [g.Equal(x, y) for x in xs]
-    share = g.Div(dy, g.Sum(*(cast_to(g, h, like=y) for h in hits)))
+    share = g.Div(dy, g.Sum(*(g.cast_like(h, like=y) for h in hits)))
     return _each_input(g, {i: keep(g, h, share, like=y) for i, h in enumerate(hits) if g.needs(i)})
 
 
@@ -334,7 +322,7 @@ def where_(g: Grad) -> Grads:
 @rule("Cast", since=13)
 def cast(g: Grad) -> Grads:
     """Float to float only (reachability stops at integer ends): the gradient is cast back."""
-    return (cast_to(g, g.GO(0), like=g.I(0), x_like=g.O(0)),)
+    return (g.cast_like(g.GO(0), like=g.I(0), x_like=g.O(0)),)
 
 
 @rule("CastLike", since=15, nondiff=(1,))

@@ -13,7 +13,6 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from .context import Grad
-from .reduce import cast_like
 from .registry import rule
 
 SCATTER_ADD_OPSET = 16
@@ -93,7 +92,7 @@ def rows_adjoint(g: Grad, t: str, src: str, d: int | str, like: str, *, add: boo
                              reduction="add" if add else None)
         return _narrow(g, summed, back)
     rows = g.unsqueeze(arange(g, d), [1])
-    onehot = cast_like(g, g.Equal(rows, g.unsqueeze(src, [0])), like)  # [d, L]
+    onehot = g.cast_like(g.Equal(rows, g.unsqueeze(src, [0])), like)  # [d, L]
     return g.MatMul(onehot, t)
 
 
@@ -165,7 +164,7 @@ def _scatter_add_elements_onehot(g: Grad, data: str, index: str, dy: str, axis: 
     ds, ids = g.info(data).shape, g.info(index).shape
     d = size_along(g, data, axis)
     position = nonneg(g, int64(g, index), d)
-    onehot = cast_like(g, g.Equal(g.unsqueeze(position, [r]), arange(g, d)), data)
+    onehot = g.cast_like(g.Equal(g.unsqueeze(position, [r]), arange(g, d)), data)
     summed = g.reduce_sum(g.Mul(onehot, g.unsqueeze(dy, [r])), [axis], keepdims=True)
     perm = list(range(r + 1))
     perm[axis], perm[r] = r, axis

@@ -12,7 +12,6 @@ import numpy as np
 from onnx import TensorProto
 
 from .context import Grad
-from .nn import cast_like
 from .registry import rule
 
 
@@ -29,7 +28,7 @@ def _coefficient(g: Grad, x: str, labels: str, dy: str) -> str:
     w = None
     if ignore is not None:
         kept = g.Not(g.Equal(labels, g.ints(ignore)))
-        w = cast_like(g, kept, x)
+        w = g.cast_like(kept, x)
         labels = g.Where(kept, labels, g.ints(0))  # a valid index for Gather below
     if weights is not None:
         picked = g.Gather(weights, labels, axis=0)
@@ -51,7 +50,7 @@ def _count(g: Grad, x: str, labels: str) -> str:
     if n is not None:
         return g.const(float(n), like=x)
     size = g.Size(labels)
-    return cast_like(g, size, x)
+    return g.cast_like(size, x)
 
 
 def _onehot(g: Grad, x: str, labels: str) -> str:
@@ -66,7 +65,7 @@ def _onehot(g: Grad, x: str, labels: str) -> str:
         depth = g.Squeeze(g.Gather(g.shape_of(x), g.ints([1])), g.ints([0]))
         classes = g.Reshape(g.Range(g.ints(0), depth, g.ints(1)), g.ints([1, -1, *tail]))
     hit = g.Equal(g.unsqueeze(labels, [1]), classes)
-    return cast_like(g, hit, x)
+    return g.cast_like(hit, x)
 
 
 @rule("SoftmaxCrossEntropyLoss", since=13, nondiff=(1, 2))

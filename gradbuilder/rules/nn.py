@@ -22,37 +22,12 @@ HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 # --- shared helpers ------------------------------------------------------------------------------
-def _forward_output(g: Grad, j: int, what: str) -> str:
-    """Output j of the forward node, added to the node when the model left that optional output out
-    (Dropout's mask, MaxPool's Indices): what the forward op drew or chose can only be read, not recomputed."""
-    outs = g.node.output
-    if j < len(outs) and outs[j]:
-        return outs[j]
-    while len(outs) <= j:
-        outs.append("")
-    outs[j] = g.em.names.fresh(f"{outs[0]}_{what}")
-    return outs[j]
-
-
-def _reduce(g: Grad, op_type: str, x: str, axes: Sequence[int], keepdims: bool = True) -> str:
-    """ReduceMean/L1/L2 over `axes`: an attribute before opset 18, an input from 18 on."""
-    if g.opset >= 18:
-        return g.op(op_type, x, g.ints(list(axes)), keepdims=int(keepdims))
-    return g.op(op_type, x, axes=list(axes), keepdims=int(keepdims))
 
 
 def _per_channel(g: Grad, t: str, rank: int) -> str:
     """A (C,) tensor shaped (1, C, 1, ...) to broadcast against an (N, C, ...) tensor of rank `rank`."""
     return g.unsqueeze(t, [0, *range(2, rank)])
 
-
-def cast_like(g: Grad, t: str, like: str) -> str:
-    """`t` cast to the element type of the forward tensor `like` (CastLike when that type is unknown)."""
-    if g.dtype(like):
-        return g.Cast(t, to=g.dtype(like))
-    if g.opset < 15:
-        g.fail(f"the element type of '{like}' is unknown")
-    return g.CastLike(t, like)
 
 
 def _spatial(g: Grad, x: str, why: str) -> list[int]:
@@ -285,7 +260,7 @@ def max_pool(g: Grad):
     strides = g.attr("strides", [1] * len(kernel))
     dilations = g.attr("dilations", [1] * len(kernel))
     overlap = any((k - 1) * d + 1 > s for k, s, d in zip(kernel, strides, dilations))
-    indices = _forward_output(g, 1, "indices")
+    indices = g.output(1, "indices")
     flat = _scatter_flat(g, x, indices, dy, overlap)
     if not int(g.attr("storage_order", 0)):
         return (g.Reshape(flat, g.shape_of(x)),)
@@ -330,7 +305,7 @@ def _spatial_count(g: Grad, x: str) -> str:
     if shape is not None and all(isinstance(d, int) for d in shape[2:]):
         return g.const(float(np.prod(shape[2:])), like=x)
     count = g.ReduceProd(g.Slice(g.shape_of(x), g.ints([2]), g.ints([np.iinfo(np.int64).max])), keepdims=0)
-    return cast_like(g, count, x)
+    return g.cast_like(count, x)
 
 
 @rule("GlobalAveragePool", since=13)
@@ -352,17 +327,17 @@ def global_max_pool(g: Grad):
 # --- normalization -------------------------------------------------------------------------------
 def _standardize(g: Grad, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
     """(xhat, invstd) of x over `axes` (biased variance, keepdims), recomputed in backward."""
-    mean = _reduce(g, "ReduceMean", x, axes)
+    mean = g.reduce("ReduceMean", x, axes)
     centered = g.Sub(x, mean)
-    var = _reduce(g, "ReduceMean", g.Mul(centered, centered), axes)
+    var = g.reduce("ReduceMean", g.Mul(centered, centered), axes)
     invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=x))))
     return g.Mul(centered, invstd), invstd
 
 
 def _standardize_grad(g: Grad, dxhat: str, xhat: str, invstd: str, axes: Sequence[int]) -> str:
     """dX for xhat = (x - mean(x)) * invstd over `axes`: invstd * (dxhat - mean(dxhat) - xhat mean(dxhat xhat))."""
-    mean_d = _reduce(g, "ReduceMean", dxhat, axes)
-    mean_dx = _reduce(g, "ReduceMean", g.Mul(dxhat, xhat), axes)
+    mean_d = g.reduce("ReduceMean", dxhat, axes)
+    mean_dx = g.reduce("ReduceMean", g.Mul(dxhat, xhat), axes)
     return g.Mul(invstd, g.Sub(g.Sub(dxhat, mean_d), g.Mul(xhat, mean_dx)))
 
 
@@ -404,7 +379,7 @@ def layer_norm(g: Grad):
     if len(outs) > 2 and outs[1] and outs[2] and (g.dtype(outs[1]) == dtype or dtype in HALF_TYPES):
         mean, invstd = outs[1], outs[2]
         if g.dtype(mean) != dtype:  # stash_type: statistics in float for half inputs
-            mean, invstd = cast_like(g, mean, x), cast_like(g, invstd, x)
+            mean, invstd = g.cast_like(mean, x), g.cast_like(invstd, x)
         xhat = g.Mul(g.Sub(x, mean), invstd)
     else:  # no statistics outputs, or float ones for a double input: recompute at full precision
         xhat, invstd = _standardize(g, x, axes, float(g.attr("epsilon", 1e-5)))
@@ -455,7 +430,7 @@ def lp_normalization(g: Grad):
     p = int(g.attr("p", 2))
     if p not in (1, 2):
         g.fail(f"p must be 1 or 2, not {p}")
-    norm = _reduce(g, "ReduceL2" if p == 2 else "ReduceL1", x, [axis])
+    norm = g.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis])
     y = g.Div(x, norm)
     s = y if p == 2 else g.Sign(x)
     return (g.Div(g.Sub(dy, g.Mul(s, g.reduce_sum(g.Mul(dy, y), [axis]))), norm),)
@@ -470,13 +445,13 @@ def dropout(g: Grad):
     known_mode = g.const_input(2)
     if mode is None or (known_mode is not None and not bool(known_mode)):
         return (dy,)
-    mask = _forward_output(g, 1, "mask")
+    mask = g.output(1, "mask")
     known_ratio = 0.5 if ratio is None else g.const_input(1)
     if known_ratio is not None:
         r = float(known_ratio)
         scale = g.const(1.0 / (1.0 - r) if r < 1.0 else 0.0, like=x)
     else:
         keep = g.Sub(g.const(1.0, like=ratio), ratio)
-        scale = cast_like(g, g.Reciprocal(keep), x)
+        scale = g.cast_like(g.Reciprocal(keep), x)
     dropped = g.Where(mask, g.Mul(dy, scale), g.const(0.0, like=x))
     return (dropped if known_mode is not None else g.Where(mode, dropped, dy),)

@@ -42,15 +42,6 @@ def _axes(g: Grad) -> _Axes:
     return _Axes(const, g.I(1), keepdims, noop)
 
 
-def cast_like(g: Grad, t: str, like: str) -> str:
-    """`t` cast to the element type of the forward tensor `like` (CastLike when that type is unknown)."""
-    elem_type = g.dtype(like)
-    if elem_type:
-        return g.Cast(t, to=elem_type)
-    if g.opset < 15:
-        g.fail(f"the element type of '{like}' is unknown")
-    return g.CastLike(t, like)
-
 
 def _kept(g: Grad, t: str, ax: _Axes) -> str:
     """`t`, shaped like the node's output, with the reduced axes back as size 1 so it broadcasts against the
@@ -78,7 +69,7 @@ def _count(g: Grad, x: str, y: str) -> str:
         return g.const(np.prod(xs, dtype=np.int64) / max(int(np.prod(ys, dtype=np.int64)), 1), like=x)
     nx = g.ReduceProd(g.shape_of(x), keepdims=0)
     ny = g.Max(g.ReduceProd(g.shape_of(y), keepdims=0), g.ints(1))
-    return cast_like(g, g.Div(nx, ny), x)
+    return g.cast_like(g.Div(nx, ny), x)
 
 
 @rule("ReduceSum", nondiff=(1,))
@@ -97,7 +88,7 @@ def _extremum(g: Grad):
     """Max/Min: the gradient is split evenly between tied extrema, as torch.amax/amin do."""
     ax = _axes(g)
     x = g.I(0)
-    hit = cast_like(g, g.Equal(x, _kept(g, g.O(0), ax)), x)
+    hit = g.cast_like(g.Equal(x, _kept(g, g.O(0), ax)), x)
     share = g.Div(_kept(g, g.GO(0), ax), _reduce_kept(g, "ReduceSum", hit, ax))
     return (g.Mul(share, hit),)
 
@@ -114,7 +105,7 @@ def reduce_prod(g: Grad):
     x = g.I(0)
     zero, one = g.const(0, like=x), g.const(1, like=x)
     is_zero = g.Equal(x, zero)
-    n_zero = _reduce_kept(g, "ReduceSum", cast_like(g, is_zero, x), ax)
+    n_zero = _reduce_kept(g, "ReduceSum", g.cast_like(is_zero, x), ax)
     x_nz = g.Where(is_zero, one, x)
     p_nz = _reduce_kept(g, "ReduceProd", x_nz, ax)
     at_zero = g.Where(g.Equal(n_zero, one), p_nz, zero)
