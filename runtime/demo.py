@@ -100,13 +100,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads of both torch and onnxruntime (models this small gain nothing from "
+                             "more, and spinning thread pools fight over the cores of a busy machine)")
     args = parser.parse_args(argv)
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = load_digits()
     model = MODELS[args.model]()
     reference = copy.deepcopy(model)
-    ort_model = ORTModule(model)
+    ort_model = ORTModule(model, threads=args.threads)
     runs = [Run("onnxruntime", ort_model, torch.optim.Adam(ort_model.parameters(), lr=args.lr)),
             Run("torch eager", reference, torch.optim.Adam(reference.parameters(), lr=args.lr))]
     print(f"digits: {len(x_train)} train / {len(x_test)} test images, {type(model).__name__} with "

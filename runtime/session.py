@@ -52,7 +52,7 @@ class ForwardState:
 
 @dataclass
 class _Backward:
-    """A backward session for one subset of outputs receiving gradients."""
+    """A backward session for one subset of outputs receiving gradients, with its feed plan precomputed."""
 
     program: Program
     runner: Runner | None
@@ -60,6 +60,14 @@ class _Backward:
     """wrt tensor -> backward output name, restricted to the tensors this subset reaches."""
     consts: dict[str, C.OrtValue] = field(default_factory=dict)
     specialised: bool = True
+
+    def __post_init__(self) -> None:
+        man = self.program.manifest
+        self.out_names = [e.name for e in man.backward_outputs]
+        index = {n: i for i, n in enumerate(self.out_names)}
+        self.results = [(w, index[g]) for w, g in self.grads.items()]
+        self.plan = [(e.name, e.role, e.output_index if e.output_index is not None else -1, e.full_shape)
+                     for e in man.backward_inputs]
 
 
 class TrainingSession:
@@ -194,10 +202,8 @@ class TrainingSession:
         bw = self._backward_for(given)
         result: dict[str, C.OrtValue] = {}
         if bw.runner is not None:
-            feeds = self._backward_feeds(bw, state, grads)
-            names = [e.name for e in bw.program.manifest.backward_outputs]
-            values = dict(zip(names, bw.runner.run(feeds, names)))
-            result = {w: values[g] for w, g in bw.grads.items()}
+            values = bw.runner.run(self._backward_feeds(bw, state, grads), bw.out_names)
+            result = {w: values[i] for w, i in bw.results}
         if not retain:
             state.release()
         return result
@@ -258,17 +264,18 @@ class TrainingSession:
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]
                         ) -> dict[str, C.OrtValue]:
         feeds: dict[str, C.OrtValue] = {}
-        for e in bw.program.manifest.backward_inputs:
-            if e.role == "output_grad":
-                g = grads[e.output_index]  # type: ignore[index]
+        values = state.values
+        for name, role, index, full_shape in bw.plan:
+            if role == "output_grad":
+                g = grads[index]
                 if g is None:
-                    out = state.outputs[e.output_index]  # type: ignore[index]
-                    g = exchange.zeros_like(out) if e.full_shape else exchange.scalar_zero(out.element_type())
-                feeds[e.name] = g
-            elif e.role == "initializer" and e.name in bw.consts:
-                feeds[e.name] = bw.consts[e.name]
+                    out = state.outputs[index]
+                    g = exchange.zeros_like(out) if full_shape else exchange.scalar_zero(out.element_type())
+                feeds[name] = g
+            elif role == "initializer" and name in bw.consts:
+                feeds[name] = bw.consts[name]
             else:
-                feeds[e.name] = state.values[e.name]
+                feeds[name] = values[name]
         return feeds
 
     def _save(self, program: Program, suffix: str) -> None:
