@@ -79,6 +79,23 @@ class Emitter:
         return name
 
 
+def broadcast_axes(small: Sequence[Any] | None, full: Sequence[Any] | None) -> tuple[list[int], int] | None:
+    """Axes of `full` that numpy broadcasting stretched `small` along, and how many leading axes it added;
+    None when static shapes cannot tell (a symbolic dim that may or may not be 1)."""
+    if small is None or full is None or len(full) < len(small):
+        return None
+    lead = len(full) - len(small)
+    axes = list(range(lead))
+    for k, (dx, dy) in enumerate(zip(small, full[lead:])):
+        if dx == dy and dx is not None:
+            continue
+        if dx == 1:
+            axes.append(lead + k)
+        elif not (isinstance(dx, int) and dx > 1):
+            return None
+    return axes, lead
+
+
 class Grad:
     """The rule's view of one forward node: `I(i)`, `O(j)`, `GO(j)`, `needs(i)`, and emit helpers."""
 
@@ -241,24 +258,15 @@ class Grad:
         """
         ys = self.info(grad_like or self.O(0)).shape
         xs = self.info(like).shape
-        if ys is not None and xs is not None and len(ys) >= len(xs):
-            lead = len(ys) - len(xs)
-            axes = list(range(lead))
-            certain = True
-            for k, (dx, dy) in enumerate(zip(xs, ys[lead:])):
-                if dx == dy and dx is not None:
-                    continue
-                if dx == 1:
-                    axes.append(lead + k)
-                elif not (isinstance(dx, int) and dx > 1):
-                    certain = False
-            if certain:
-                if not axes:
-                    return grad
-                if axes == list(range(lead)):  # only leading axes: they vanish in one node
-                    return self.reduce_sum(grad, axes, keepdims=False)
-                r = self.reduce_sum(grad, axes, keepdims=True)
-                return self.squeeze(r, list(range(lead))) if lead else r
+        plan = broadcast_axes(xs, ys)
+        if plan is not None:
+            axes, lead = plan
+            if not axes:
+                return grad
+            if axes == list(range(lead)):  # only leading axes: they vanish in one node
+                return self.reduce_sum(grad, axes, keepdims=False)
+            r = self.reduce_sum(grad, axes, keepdims=True)
+            return self.squeeze(r, list(range(lead))) if lead else r
         return self._unbroadcast_dynamic(grad, like, xs, ys)
 
     def _unbroadcast_dynamic(self, grad: str, like: str, xs: Any, ys: Any) -> str:

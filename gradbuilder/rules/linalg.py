@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..graph import Dim
-from .context import Grad
+from .context import Grad, broadcast_axes
 from .registry import rule
 
 
@@ -30,20 +30,11 @@ def _sum_to(g: Grad, full: str, like: str, like_batch: tuple[Dim, ...] | None,
     run-time axes (only possible when `like` is itself a batched matrix).
     """
     rank = g.require_rank(like)
-    if like_batch is not None and full_batch is not None:
-        lead = len(full_batch) - len(like_batch)
-        axes = list(range(lead))
-        certain = True
-        for k, (dx, dy) in enumerate(zip(like_batch, full_batch[lead:])):
-            if dx == dy and dx is not None:
-                continue
-            if dx == 1:
-                axes.append(lead + k)
-            elif not (isinstance(dx, int) and dx > 1):
-                certain = False
-        if certain:
-            out = g.reduce_sum(full, axes, keepdims=True) if axes else full
-            return g.reshape_like(out, like) if lead or rank < 2 else out
+    plan = broadcast_axes(like_batch, full_batch)
+    if plan is not None:
+        axes, lead = plan
+        out = g.reduce_sum(full, axes, keepdims=True) if axes else full
+        return g.reshape_like(out, like) if lead or rank < 2 else out
     return g.unbroadcast(full, like=like, grad_like=full)  # grad_like unknown to shape inference: run time
 
 
