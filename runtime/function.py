@@ -32,6 +32,14 @@ class Call:
     """The first n_user module outputs are the user's; the rest are BatchNorm statistics."""
 
 
+def _keep_graph() -> bool:
+    """Whether the running backward was called with retain_graph=True (then the stash must survive it)."""
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class ORTFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -53,8 +61,7 @@ class ORTFunction(torch.autograd.Function):
         for i, g in enumerate(grads[:call.n_user]):
             if g is not None:
                 ort_grads[i] = exchange.to_ortvalue(g)
-        result = call.session.backward_ortvalues(ctx.state, ort_grads)
-        ctx.state = None
+        result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph())
         return (None, *[exchange.to_torch(result[w]) if w in result else None for w in call.wrt])
 
 

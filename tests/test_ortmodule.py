@@ -252,6 +252,40 @@ def test_gradients_accumulate_until_zeroed() -> None:
     assert all(p.grad is None for p in om.parameters())
 
 
+def test_retain_graph_like_torch() -> None:
+    ref, om = pair(MLP())
+    x = torch.randn(3, 8)
+    out = om(x).sum()
+    out.backward(retain_graph=True)
+    out.backward()  # the stash survived the first backward
+    expected = ref(x).sum()
+    expected.backward(retain_graph=True)
+    expected.backward()
+    assert_grads_equal(om, ref)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward()
+
+
+def test_equal_initial_weights_stay_distinct_parameters() -> None:
+    """Two LayerNorms start identical (ones, zeros): the exporter must not merge them into one tensor."""
+
+    class Twins(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.LayerNorm(6), nn.LayerNorm(6)
+
+        def forward(self, x):
+            return self.b(self.a(x) * 2)
+
+    ref, om = pair(Twins())
+    x, w = torch.randn(4, 6), torch.randn(4, 6)
+    (om(x) * w).sum().backward()
+    (ref(x) * w).sum().backward()
+    assert_grads_equal(om, ref)
+    (session,) = om.training_sessions()
+    assert {"a.weight", "b.weight", "a.bias", "b.bias"} <= set(session.wrt)
+
+
 # --- parameters -----------------------------------------------------------------------------------------
 class PartlyUsed(nn.Module):
     def __init__(self):
@@ -501,9 +535,15 @@ def test_save_onnx_env_writes_all_files(tmp_path, monkeypatch) -> None:
 
 
 def test_dynamo_exporter() -> None:
-    ref, om = pair(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)), exporter="dynamo")
+    """BatchNorm (emitted in inference mode by dynamo, switched to training mode) and two LayerNorms with equal
+    initial weights (optimize=False keeps them apart)."""
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.LayerNorm(8),
+                          nn.LayerNorm(8), nn.Linear(8, 2))
+    ref, om = pair(model, exporter="dynamo")
     x = torch.randn(6, 4)
     om(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     assert_grads_equal(om, ref)
     torch.testing.assert_close(om[1].running_var, ref[1].running_var)
+    om(torch.randn(9, 4))  # dynamic batch
+    assert om.stats["exports"] == 1
