@@ -19,6 +19,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .builder import read_metadata, resolve_request
+from .coverage import FLOAT_TYPES, ORT_TRAINING_OPS
 from .graph import ForwardGraph, TensorInfo, default_opset, info_from_type, load_model, type_name
 from .reachability import analyze, is_control_flow
 from .rules import registry
@@ -446,6 +447,8 @@ class OpRow:
     family: str
     nondiff_inputs: str
     nondiff_outputs: str
+    dtypes: str = ""
+    in_ort: bool = False
 
 
 def _positions(op: str, domain: str, until: int, idx: Iterable[int], outputs: bool) -> str:
@@ -471,11 +474,13 @@ def op_table() -> list[OpRow]:
         else:
             ins = _positions(r.op_type, r.domain, r.until, r.nondiff_inputs, outputs=False)
             outs = _positions(r.op_type, r.domain, r.until, r.nondiff_outputs, outputs=True)
-        rows.append(OpRow(op, r.opset_range, r.family, ins, outs))
+        rows.append(OpRow(op, r.opset_range, r.family, ins, outs, "-" if r.all_nondiff else FLOAT_TYPES,
+                          not r.domain and r.op_type in ORT_TRAINING_OPS))
     return rows
 
 
 _HEADERS = ("op", "opsets", "family", "non-differentiable inputs", "non-differentiable outputs")
+_MD_HEADERS = (*_HEADERS, "gradient dtypes", "ORT training")
 
 
 def render_ops_text(rows: Sequence[OpRow]) -> str:
@@ -496,10 +501,19 @@ def render_ops_markdown(rows: Sequence[OpRow]) -> str:
         "the gradient path but stops gradients (Shape, comparisons). An op that is not listed has no rule:",
         "a model using it builds only if no gradient has to cross it (freeze the parameters that feed it).",
         "",
-        "| " + " | ".join(_HEADERS) + " |",
-        "|" + "---|" * len(_HEADERS),
+        "The last column says whether ONNX Runtime's old training stack had a gradient for the op",
+        "(from its `gradient_builder_registry.cc`; its com.microsoft-only entries are left out).",
+        "",
+        "| " + " | ".join(_MD_HEADERS) + " |",
+        "|" + "---|" * len(_MD_HEADERS),
     ]
     for r in rows:
-        cells = [f"`{r.op}`", r.opsets, r.family, r.nondiff_inputs, r.nondiff_outputs]
+        cells = [f"`{r.op}`", r.opsets, r.family, r.nondiff_inputs, r.nondiff_outputs, r.dtypes,
+                 "yes" if r.in_ort else ""]
         lines.append("| " + " | ".join(esc(c) for c in cells) + " |")
+    ours = {r.op for r in rows if r.dtypes != "-"}
+    missing = sorted(ORT_TRAINING_OPS - ours)
+    extra = len(ours - ORT_TRAINING_OPS)
+    lines += ["", f"{len(ours)} differentiable ops; ONNX Runtime training had {len(ORT_TRAINING_OPS)} of the default "
+              f"domain. Ours and not theirs: {extra}. Theirs and not ours: {', '.join(missing) or 'none'}."]
     return "\n".join(lines) + "\n"
