@@ -50,12 +50,15 @@ class ORTFunction(torch.autograd.Function):
         ctx.state = state
         ctx.mark_non_differentiable(*[t for k, t in enumerate(values)
                                       if k >= call.n_user or not t.is_floating_point()])
+        # outputs backward reads share memory with the stash: saving them lets torch detect in-place changes
+        ctx.save_for_backward(*[values[i] for i in call.session.stashed_outputs if i < call.n_user])
         return tuple(values)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: Call = ctx.call
+        ctx.saved_tensors  # noqa: B018 - raises if an output backward reads was modified in place
         n_out = len(call.session.output_names)
         ort_grads: list[C.OrtValue | None] = [None] * n_out
         for i, g in enumerate(grads[:call.n_user]):

@@ -127,6 +127,9 @@ class TrainingSession:
         self.output_names: list[str] = list(man.module_outputs)
         self.differentiable: tuple[int, ...] = tuple(sorted(
             e.output_index for e in man.backward_inputs if e.role == "output_grad"))  # type: ignore[misc]
+        read = {e.name for e in man.backward_inputs if e.role == "stash"}
+        self.stashed_outputs: tuple[int, ...] = tuple(i for i, n in enumerate(self.output_names) if n in read)
+        """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
         self._fwd = Runner(full.forward, config, "forward")
         self._fwd_names = full.forward_outputs
         self._infer: Runner | None = None

@@ -266,6 +266,14 @@ def test_retain_graph_like_torch() -> None:
         out.backward()
 
 
+def test_in_place_change_of_a_stashed_output_is_detected() -> None:
+    om = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()))  # Sigmoid's gradient reads its output
+    out = om(torch.randn(2, 4))
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_equal_initial_weights_stay_distinct_parameters() -> None:
     """Two LayerNorms start identical (ones, zeros): the exporter must not merge them into one tensor."""
 
