@@ -169,7 +169,10 @@ class Engine:
             session = self._session(key, schema, wrt, leaves)
             if session is None:
                 return self.module(*args, **kwargs)
-            user, stats = function.apply(function.Call(session, feeds, wrt, n), tensors)
+            named = {name: leaves[k] for name, k in ex.inputs}
+            named.update(state)
+            read = tuple(named[name] for name in session.read_inputs if name in named)
+            user, stats = function.apply(function.Call(session, feeds, wrt, n, read), tensors)
         else:
             try:
                 outs = schema.infer(feeds)

@@ -30,6 +30,8 @@ class Call:
     """Graph names receiving gradients, in the order of the tensors handed to `apply`."""
     n_user: int
     """The first n_user module outputs are the user's; the rest are BatchNorm statistics."""
+    read: tuple[torch.Tensor, ...] = ()
+    """The caller's tensors behind the graph inputs backward reads (saved to detect in-place changes)."""
 
 
 def _keep_graph() -> bool:
@@ -51,14 +53,15 @@ class ORTFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(*[t for k, t in enumerate(values)
                                       if k >= call.n_user or not t.is_floating_point()])
         # outputs backward reads share memory with the stash: saving them lets torch detect in-place changes
-        ctx.save_for_backward(*[values[i] for i in call.session.stashed_outputs if i < call.n_user])
+        ctx.save_for_backward(*[values[i] for i in call.session.stashed_outputs if i < call.n_user], *call.read)
+        call.read = ()
         return tuple(values)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: Call = ctx.call
-        ctx.saved_tensors  # noqa: B018 - raises if an output backward reads was modified in place
+        ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
         n_out = len(call.session.output_names)
         ort_grads: list[C.OrtValue | None] = [None] * n_out
         for i, g in enumerate(grads[:call.n_user]):

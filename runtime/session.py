@@ -130,6 +130,8 @@ class TrainingSession:
         read = {e.name for e in man.backward_inputs if e.role == "stash"}
         self.stashed_outputs: tuple[int, ...] = tuple(i for i, n in enumerate(self.output_names) if n in read)
         """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
+        self.read_inputs: tuple[str, ...] = tuple(e.name for e in man.backward_inputs if e.role == "input")
+        """Graph inputs backward reads (the same hazard, for the caller's input tensors)."""
         self._fwd = Runner(full.forward, config, "forward")
         self._fwd_names = full.forward_outputs
         self._infer: Runner | None = None

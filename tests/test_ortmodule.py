@@ -274,6 +274,15 @@ def test_in_place_change_of_a_stashed_output_is_detected() -> None:
         out.sum().backward()
 
 
+def test_in_place_change_of_an_input_backward_reads_is_detected() -> None:
+    om = ORTModule(MLP())
+    x = torch.randn(2, 8)
+    out = om(x)
+    x.add_(1)  # the weight gradient of fc1 reads x
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_equal_initial_weights_stay_distinct_parameters() -> None:
     """Two LayerNorms start identical (ones, zeros): the exporter must not merge them into one tensor."""
 
