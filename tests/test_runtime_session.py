@@ -131,6 +131,10 @@ def test_unspecialised_feeds_zeros(session: TrainingSession) -> None:
     np.testing.assert_allclose(grads["w"], torch_reference(x, None, np.ones((3, 3), np.float32))["w"],
                                rtol=1e-5, atol=1e-6)
     assert plain.backwards == {("aux",): (plain.full, False)}  # the full program, fed a zero for the loss
+    _, state = plain.forward({"x": x})
+    grads = plain.backward(state, [np.float32(1.0), None, None])  # aux gets full-shape zeros (full_shape_outputs)
+    assert 2 in plain.full.manifest.full_shape_outputs
+    np.testing.assert_allclose(grads["w"], torch_reference(x, 1.0, None)["w"], rtol=1e-5, atol=1e-6)
     assert plain.stats["backward_builds"] == 0
 
 
