@@ -12,7 +12,8 @@ modules in training mode are switched to training mode here as well.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
                        ) -> list[BatchStats]:
     """Rewrite the BatchNormalization nodes of BatchNorm modules in training mode (see module doc).
 
-    owner: graph input name of a running_mean buffer -> the module's qualified name.
+    owner: name of the tensor feeding a BatchNorm module's running mean -> the module's qualified name.
     """
     g = model.graph
     types = {vi.name: vi.type.tensor_type.elem_type for vi in g.input}
@@ -57,9 +58,17 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
             continue
         fqn = owner.get(node.input[3])
         mod = modules.get(fqn) if fqn is not None else None
-        if not isinstance(mod, nn.modules.batchnorm._BatchNorm) or not (mod.training and mod.track_running_stats):
+        if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
             continue
         p = f"batchnorm.{fqn}" if fqn else "batchnorm"
+        if not mod.track_running_stats:  # batch statistics in train and eval, nothing to update
+            _attr(node, "training_mode", 1)
+            for k, what in ((1, "unused_mean"), (2, "unused_var")):
+                if len(node.output) <= k:
+                    node.output.append(f"{p}.{what}")
+            continue
+        if not mod.training:
+            continue
         # onnxruntime may write the batch statistics in place into the running-stat inputs, which share
         # memory with the module's buffers; with momentum 0 their values are unused: feed constants instead
         channels = int(mod.num_features)
@@ -91,6 +100,29 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
     del g.node[:]
     g.node.extend(nodes)
     return stats
+
+
+@contextlib.contextmanager
+def stand_in_statistics(module: nn.Module) -> Iterator[dict[str, str]]:
+    """BatchNorm without running statistics normalizes with batch statistics in train and eval; the legacy
+    exporter cannot export that with a dynamic batch size. During export, such modules get stand-in
+    running buffers (constants of the export) and training mode, so they export as training-mode nodes.
+    Yields {stand-in running_mean name: module name} for `training_batchnorm`."""
+    patched = []
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and not mod.track_running_stats:
+            patched.append((name, mod, mod.training, dict(mod._buffers)))
+            like = mod.weight if mod.weight is not None else torch.zeros(())
+            mod._buffers["running_mean"] = torch.zeros(mod.num_features, dtype=like.dtype)
+            mod._buffers["running_var"] = torch.ones(mod.num_features, dtype=like.dtype)
+            mod.track_running_stats, mod.training = True, True
+    try:
+        yield {f"{name}.running_mean" if name else "running_mean": name for name, *_ in patched}
+    finally:
+        for _, mod, training, buffers in patched:
+            mod._buffers.clear()
+            mod._buffers.update(buffers)
+            mod.track_running_stats, mod.training = False, training
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from onnx import helper
 from torch import nn
 
 from . import exchange
-from .batchnorm import BatchStats, training_batchnorm
+from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .ort_session import Runner, SessionConfig
 from .structure import Spec, flatten, tensor_paths, unflatten
 
@@ -187,7 +187,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     try:
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
-        with torch.inference_mode(False), torch.enable_grad(), _preserved(module):
+        with torch.inference_mode(False), torch.enable_grad(), _preserved(module), \
+                stand_in_statistics(module) as stand_ins:
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
@@ -206,6 +207,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     inputs = [(n, k) for k, n in enumerate(names) if n in graph_inputs]
     state_inputs = [(i.name, i.name) for i in model.graph.input if i.name in state]
     owner = {n: n.rsplit(".", 1)[0] if "." in n else "" for n, _ in state_inputs if n.endswith("running_mean")}
+    owner.update(stand_ins)
     stats = training_batchnorm(model, owner, dict(module.named_modules()))
     feeds = {name: leaves[k] for name, k in inputs}
     feeds.update({name: state[fqn] for name, fqn in state_inputs})

@@ -454,6 +454,21 @@ def test_batchnorm_cumulative_momentum() -> None:
     assert_grads_equal(om, ref)
 
 
+def test_batchnorm_without_running_stats() -> None:
+    """Batch statistics in train and eval; the legacy exporter cannot export it with a dynamic batch."""
+    ref, om = pair(nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4, track_running_stats=False)))
+    for mode in (True, False):
+        om.train(mode)
+        ref.train(mode)
+        om.zero_grad()
+        ref.zero_grad()
+        x, w = torch.randn(6, 3), torch.randn(6, 4)
+        (om(x) * w).sum().backward()
+        (ref(x) * w).sum().backward()
+        assert_grads_equal(om, ref)
+    assert om[1].running_mean is None and list(om.state_dict()) == list(ref.state_dict())
+
+
 # --- nn.Module behaviour ---------------------------------------------------------------------------------------
 def test_state_dict_round_trip() -> None:
     m = MLP()
