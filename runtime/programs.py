@@ -134,7 +134,8 @@ def _align(sub: onnx.ModelProto, full: onnx.ModelProto) -> None:
         n_source += 1
 
     rename: dict[str, str] = {}
-    by_content = {_tensor_key(t): t.name for t in full.graph.initializer}
+    own = {t.name for t in g.initializer}
+    by_content = {_tensor_key(t): t.name for t in full.graph.initializer if t.name not in own}
     for t in g.initializer:
         if t.name in full_inits and _tensor_key(full_inits[t.name]) == _tensor_key(t):
             continue

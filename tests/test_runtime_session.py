@@ -102,6 +102,68 @@ def test_backward_is_specialised_per_subset(session: TrainingSession) -> None:
     assert session.stats["fallbacks"] == 0
 
 
+def test_specialised_backward_reuses_forward_helpers() -> None:
+    """Dynamic shapes make rules compute Shape nodes in the forward part; a subset build's helpers are
+    matched to the full forward's, so the subset backward still runs on the full forward's stash."""
+    nodes = [
+        helper.make_node("Flatten", ["x"], ["flat"], axis=1),
+        helper.make_node("MatMul", ["flat", "w"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["t"]),
+        helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+        helper.make_node("Sigmoid", ["h"], ["aux"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "flat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "A", 2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("aux", TensorProto.FLOAT, ["N", 3])],
+        [onnx.numpy_helper.from_array(W, "w")])
+    s = TrainingSession.from_forward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                     wrt=["w", "x"])
+    assert any(n.op_type == "Shape" for n in s.full.forward.graph.node)
+    x = torch.randn(5, 2, 2, requires_grad=True)
+    for which in ("loss", "aux"):
+        _, state = s.forward({"x": x})
+        g = torch.randn(5, 3)
+        grads = s.backward(state, {which: torch.tensor(1.0) if which == "loss" else g})
+        h = x.flatten(1) @ torch.from_numpy(W)
+        out = h.tanh().sum() if which == "loss" else (h.sigmoid() * g).sum()
+        ref = torch.autograd.grad(out, x)[0]
+        torch.testing.assert_close(grads["x"], ref)
+        program, specialised = s.backwards[(which,)]
+        assert specialised and not program.missing_stash(s.full)
+    assert s.stats == {"backward_builds": 2, "fallbacks": 0}
+
+
+def test_alignment_renames_matches_moves_the_rest_and_avoids_clashes() -> None:
+    """programs._align on hand-made graphs: a helper equal to one of the full forward's takes its name, a
+    helper with no equal moves behind the Yield, and a backward tensor already using a taken name is renamed."""
+    from gradbuilder.yield_op import YieldSignature, make_yield
+    from runtime.programs import _align
+
+    def vi(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+
+    source = [helper.make_node("Relu", ["x"], ["r"])]
+    full = helper.make_model(helper.make_graph(
+        [*source, helper.make_node("Shape", ["r"], ["r/Shape_1"])], "full", [vi("x")], [vi("r"), vi("r/Shape_1")]))
+    sub_nodes = [
+        *source,
+        helper.make_node("Shape", ["r"], ["r/Shape"]),  # equal to full's r/Shape_1
+        helper.make_node("Shape", ["x"], ["x/Shape"], start=1),  # no equal: recomputed in backward
+        make_yield(YieldSignature(("r",), ("r_host_grad",), (), ()), "y"),
+        helper.make_node("Reshape", ["r_host_grad", "r/Shape"], ["r/Shape_1"]),  # clashes with the new name
+        helper.make_node("Expand", ["r/Shape_1", "x/Shape"], ["x_grad"]),
+    ]
+    sub = helper.make_model(helper.make_graph(sub_nodes, "sub", [vi("x")], [vi("x_grad")]))
+    _align(sub, full)
+    ops = [(n.op_type, list(n.input), list(n.output)) for n in sub.graph.node]
+    assert ops[1] == ("Shape", ["r"], ["r/Shape_1"])
+    assert ops[2][0] == "Yield" and ops[3] == ("Shape", ["x"], ["x/Shape"])
+    reshape, expand = ops[4], ops[5]
+    assert reshape[1] == ["r_host_grad", "r/Shape_1"] and reshape[2][0] not in ("r/Shape_1", "r/Shape")
+    assert expand[1] == [reshape[2][0], "x/Shape"] and expand[2] == ["x_grad"]
+
+
 def test_dict_output_grads_and_no_gradient_at_all(session: TrainingSession) -> None:
     x = RNG.standard_normal((2, 4)).astype(np.float32)
     _, state = session.forward({"x": x})
