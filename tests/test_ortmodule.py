@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import pickle
 import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass, fields
@@ -487,6 +488,8 @@ def test_state_dict_round_trip() -> None:
     parent.load_state_dict(nn.Sequential(MLP(), nn.ReLU()).state_dict())
     copied = copy.deepcopy(om)
     torch.testing.assert_close(copied(x), om(x))
+    unpickled = pickle.loads(pickle.dumps(om))  # sessions are not pickled, they are rebuilt
+    torch.testing.assert_close(unpickled(x), om(x))
 
 
 def test_optimizer_and_scheduler_unchanged() -> None:
