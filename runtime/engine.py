@@ -123,6 +123,7 @@ class Engine:
         self.stats = {"exports": 0, "builds": 0, "fallbacks": 0}
         self._ortvalues: dict[str, tuple[torch.Tensor, int, tuple[int, ...], C.OrtValue]] = {}
         self._owners: dict[str, tuple[nn.Module, str]] = {}
+        self._by_name: dict[str, nn.Module] | None = None
 
     def sessions(self) -> list[TrainingSession]:
         return [s for schema in self.schemas.values() if isinstance(schema, Schema) for s in schema.sessions.values()]
@@ -132,6 +133,7 @@ class Engine:
         self.version += 1
         self._ortvalues.clear()
         self._owners.clear()
+        self._by_name = None
 
     # --- the call ------------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -150,29 +152,19 @@ class Engine:
         if schema is _FALLBACK:
             return self.module(*args, **kwargs)
         ex: Exported = schema.exported
-        state = [(name, self._tensor(fqn)) for name, fqn in ex.state]
-        wrt, tensors = [], []
-        if torch.is_grad_enabled():
-            for name, k in ex.inputs:
-                if leaves[k].requires_grad:
-                    wrt.append(name)
-                    tensors.append(leaves[k])
-            for name, t in state:
-                if t.requires_grad:
-                    wrt.append(name)
-                    tensors.append(t)
-        feeds = {name: exchange.to_ortvalue(leaves[k]) for name, k in ex.inputs}
-        for name, t in state:
-            feeds[name] = self._ortvalue(name, t)
+        named = {name: leaves[k] for name, k in ex.inputs}
+        named.update((name, self._tensor(fqn)) for name, fqn in ex.state)
+        feeds = {name: self._ortvalue(name, t) if name in ex.state_names else exchange.to_ortvalue(t)
+                 for name, t in named.items()}
+        wrt = [name for name, t in named.items() if t.requires_grad] if torch.is_grad_enabled() else []
         n = len(ex.outputs)
         if wrt:
             session = self._session(key, schema, wrt, leaves)
             if session is None:
                 return self.module(*args, **kwargs)
-            named = {name: leaves[k] for name, k in ex.inputs}
-            named.update(state)
             read = tuple(named[name] for name in session.read_inputs if name in named)
-            user, stats = function.apply(function.Call(session, feeds, wrt, n, read), tensors)
+            call = function.Call(session, feeds, wrt, n, read)
+            user, stats = function.apply(call, [named[name] for name in wrt])
         else:
             try:
                 outs = schema.infer(feeds)
@@ -182,7 +174,7 @@ class Engine:
             values = [exchange.to_torch(v) for v in outs]
             user, stats = values[:n], values[n:]
         if ex.batch_stats:
-            update_running_stats(dict(self.module.named_modules()), ex.batch_stats, stats)
+            update_running_stats(self._modules(), ex.batch_stats, stats)
         return unflatten(ex.out_spec, user)
 
     # --- caches -----------------------------------------------------------------------------------------
@@ -221,6 +213,11 @@ class Engine:
         warnings.warn(f"{message}\n*** ORTModule FALLBACK: these calls run in PyTorch, not onnxruntime. ***",
                       FallbackWarning, stacklevel=4)
         return _FALLBACK
+
+    def _modules(self) -> dict[str, nn.Module]:
+        if self._by_name is None:
+            self._by_name = dict(self.module.named_modules())
+        return self._by_name
 
     def _tensor(self, fqn: str) -> torch.Tensor:
         where = self._owners.get(fqn)

@@ -18,6 +18,7 @@ Every tensor argument gets all dimensions dynamic; non-tensor arguments are bake
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import os
@@ -76,9 +77,9 @@ class Exported:
     out_spec: Spec
     batch_stats: list[BatchStats] = field(default_factory=list)
 
-    @property
-    def stat_outputs(self) -> list[str]:
-        return [n for s in self.batch_stats for n in (s.mean, s.var)]
+    @functools.cached_property
+    def state_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.state)
 
 
 class _Shared(dict):
