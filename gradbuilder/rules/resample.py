@@ -1,0 +1,274 @@
+"""Resampling and rearranging: Resize, DepthToSpace, SpaceToDepth, Col2Im.
+
+Resize is linear in X and separable: along each resized axis, output position o is a weighted sum of input
+positions, with weights that depend only on that axis' sizes, scale and roi and on the node's attributes. The
+rule asks Resize itself for them: the same Resize applied to an identity matrix, along one axis, gives the
+[m, n] matrix F with Y = F X along that axis, whatever the mode, coordinate transformation, rounding, cubic
+coefficient, exclude_outside or antialias; then dX = F^T dY, one MatMul per resized axis. Nearest modes read
+each output position's source index instead (the same Resize of 0..n-1) and scatter-add dY there. With
+static sizes those small Resizes only read constants, so onnxruntime folds them when the session starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from .context import Grad
+from .indexing import as_tensor, axis_adjoint, size_along
+from .registry import rule
+
+Entry = Any
+"""One entry of a folded 1-D tensor: a number, or (tensor, axis) for a dim that a Shape node read."""
+
+
+# --- build-time values of small shape computations ------------------------------------------------------
+def _folded(g: Grad, i: int) -> list[Entry] | None:
+    """Input i of g's node as a list of entries when constants and Shape/Slice/Gather/Concat/Cast of them
+    give it (what the exporters emit for Resize's scales and sizes), else None."""
+    value = g.const_input(i)
+    if value is not None:
+        return value.ravel().tolist()
+    fg = g.em.fg
+    k = fg.producer.get(g.I(i) or "")
+    if k is None:
+        return None
+    p = Grad(g.em, fg.nodes[k], (), ())
+    op = p.op_type
+    if op == "Shape":
+        x = p.I(0)
+        shape = p.info(x).shape
+        if shape is None:
+            return None
+        lo, hi, _ = slice(p.attr("start", 0), p.attr("end", len(shape))).indices(len(shape))
+        return [shape[a] if isinstance(shape[a], int) else (x, a) for a in range(lo, hi)]
+    if op == "Concat":
+        parts = [_folded(p, j) for j in range(p.n_inputs)]
+        return None if any(v is None for v in parts) else [e for v in parts for e in v]  # type: ignore[union-attr]
+    vals = _folded(p, 0)
+    if vals is None:
+        return None
+    if op in ("Identity", "Squeeze", "Unsqueeze", "Reshape"):
+        return vals
+    if op == "Cast":
+        kind = float if helper.tensor_dtype_to_np_dtype(int(p.attr("to"))).kind == "f" else int
+        return [e if isinstance(e, tuple) else kind(e) for e in vals]
+    if op == "Gather" and int(p.attr("axis", 0)) == 0 and (index := p.const_input(1)) is not None:
+        return [vals[int(j)] for j in index.ravel()]
+    if op == "Slice" and _first_axis(p):
+        starts, ends, steps = p.const_input(1), p.const_input(2), p.const_input(4)
+        if starts is None or ends is None or (p.I(4) is not None and steps is None):
+            return None
+        step = 1 if steps is None else int(steps.ravel()[0])
+        return vals[slice(int(starts.ravel()[0]), int(ends.ravel()[0]), step)]
+    return None
+
+
+def _first_axis(p: Grad) -> bool:
+    """A Slice of a 1-D tensor: its axes input, if any, names axis 0."""
+    axes = p.const_input(3)
+    return p.I(3) is None or (axes is not None and int(axes.ravel()[0]) in (0, -1))
+
+
+# --- Resize ---------------------------------------------------------------------------------------
+RESIZE_COPIED = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside",
+                 "antialias")
+"""The attributes the per-axis Resizes share with the forward node (not axes, keep_aspect_ratio_policy, or
+extrapolation_value, whose extrapolated outputs do not depend on X: 0 in the weights)."""
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """One resized axis: its position in x, its entry in scales/sizes/roi, and the 1-D scales or sizes a
+    Resize of a tensor along it takes (a number, or a 1-element tensor computed at run time)."""
+
+    axis: int
+    k: int
+    scale: float | str | None
+    size: int | str | None
+
+
+class _ResizePlan:
+    def __init__(self, g: Grad):
+        self.g = g
+        x = g.I(0)
+        self.x = x
+        self.rank = g.require_rank(x)
+        self.axes = [int(a) % self.rank for a in g.attr("axes", range(self.rank))]
+        self.mode = g.attr("mode", "nearest")
+        self.transform = g.attr("coordinate_transformation_mode", "half_pixel")
+        self.crop = self.transform == "tf_crop_and_resize"
+        scales, known = g.I(2), g.const_input(2)
+        if scales is not None and (g.info(scales).shape == (0,) or (known is not None and known.size == 0)):
+            scales = None  # an empty scales tensor next to sizes (the opset 11 form, still exported)
+        self.scales = scales
+        self.sizes = g.I(3) if scales is None else None
+        if self.scales is None and self.sizes is None:
+            g.fail("neither scales nor sizes is given")
+        self.values = _folded(g, 2 if scales is not None else 3)
+        self.roi = _folded(g, 1) if self.crop and g.I(1) is not None else None
+        if self.crop and g.I(1) is not None and self.roi is None:
+            g.fail("tf_crop_and_resize with a roi computed at run time is not supported; make the roi a constant")
+
+    def _roi_trivial(self, k: int) -> bool:
+        if not self.crop:
+            return True
+        n = len(self.axes)
+        return self.roi is None or (self.roi[k] == 0 and self.roi[k + n] == 1)
+
+    def resized(self) -> list[_Axis]:
+        """The axes the node resizes, each with the 1-D scales or sizes that resize one tensor along it the
+        same way; axes that provably keep their size and mapping are left out."""
+        policy = self.g.attr("keep_aspect_ratio_policy", "stretch")
+        if self.sizes is not None and policy != "stretch":
+            return self._keep_aspect(policy)
+        out = []
+        for k, a in enumerate(self.axes):
+            e = self.values[k] if self.values is not None else None
+            if self.scales is not None:
+                if e == 1 and self._roi_trivial(k):
+                    continue
+                out.append(_Axis(a, k, float(e) if isinstance(e, (int, float)) else None, None))
+                continue
+            n = (self.g.info(self.x).shape or [None] * self.rank)[a]
+            if (e == (self.x, a) or (isinstance(e, int) and e == n)) and self._roi_trivial(k):
+                continue
+            out.append(_Axis(a, k, None, int(e) if isinstance(e, int) else None))
+        return out
+
+    def _keep_aspect(self, policy: str) -> list[_Axis]:
+        """not_larger / not_smaller: one scale for all axes (min / max of the size ratios, in float as
+        onnxruntime does) and sizes rounded from it. A Resize by that scale gives the same mapping but
+        truncates the size, so the rule needs the two to agree, which it checks at build time."""
+        shape = self.g.info(self.x).shape
+        dims = [shape[a] if shape is not None else None for a in self.axes]
+        if self.values is None or not all(isinstance(v, int) for v in [*self.values, *dims]):
+            self.g.fail(f"keep_aspect_ratio_policy={policy} needs constant sizes and static resized dims")
+        ratios = [np.float32(v) / np.float32(n) for v, n in zip(self.values, dims)]  # type: ignore[arg-type]
+        s = np.float32(min(ratios) if policy == "not_larger" else max(ratios))
+        out = []
+        for k, (a, n) in enumerate(zip(self.axes, dims)):
+            m = int(np.floor(s * np.float32(n) + np.float32(0.5)))
+            if int(s * np.float32(n)) != m:
+                self.g.fail(f"keep_aspect_ratio_policy={policy} rounds axis {a} to {m} while the scale {s} "
+                            f"gives {int(s * np.float32(n))} positions; no Resize reproduces its weights")
+            if s != 1 or not self._roi_trivial(k):
+                out.append(_Axis(a, k, float(s), None))
+        return out
+
+    # --- what one axis' small Resize takes -------------------------------------------------------------
+    def _per_axis_inputs(self, ax: _Axis, n: int | str, two_d: bool) -> list[str | None]:
+        """roi, scales and sizes for a Resize of an [n] (or [n, n], the second axis kept) tensor along ax."""
+        g = self.g
+        roi = None
+        if self.crop and self.roi is not None:
+            lo, hi = self.roi[ax.k], self.roi[ax.k + len(self.axes)]
+            roi = g.em.const(np.array([lo, 0.0, hi, 1.0] if two_d else [lo, hi]), TensorProto.FLOAT)
+        kept = [1.0] if two_d else []
+        if ax.scale is not None:
+            return [roi, g.em.const(np.array([ax.scale, *kept]), TensorProto.FLOAT)]
+        if self.scales is not None:
+            scale = g.Gather(self.scales, g.ints([ax.k]))
+            return [roi, g.Concat(scale, g.em.const(np.array(kept), TensorProto.FLOAT), axis=0) if two_d else scale]
+        size = g.ints([ax.size]) if ax.size is not None else g.Gather(self.sizes, g.ints([ax.k]))
+        return [roi, None, g.Concat(size, as_tensor(g, n), axis=0) if two_d else size]
+
+    def _resize(self, t: str, inputs: Sequence[str | None]) -> str:
+        attrs = {name: self.g.attr(name) for name in RESIZE_COPIED if self.g.attr(name) is not None}
+        return self.g.Resize(t, *inputs, **attrs)
+
+    def weights(self, ax: _Axis) -> str:
+        """F [m, n] (float): row o holds the weight of each input position in output position o."""
+        g = self.g
+        n = size_along(g, self.x, ax.axis)
+        if isinstance(n, int):
+            eye = g.em.const(np.eye(n), TensorProto.FLOAT)
+        else:
+            eye = g.EyeLike(g.ConstantOfShape(g.Concat(n, n, axis=0)))
+        return self._resize(eye, self._per_axis_inputs(ax, n, two_d=True))
+
+    def sources(self, ax: _Axis) -> str:
+        """Nearest modes: the input position each output position copies (int64 [m])."""
+        g = self.g
+        n = size_along(g, self.x, ax.axis)
+        if isinstance(n, int):
+            positions = g.em.const(np.arange(n), TensorProto.FLOAT)
+        else:
+            positions = g.Cast(g.Range(g.ints(0), g.squeeze(n, [0]), g.ints(1)), to=TensorProto.FLOAT)
+        picked = self._resize(positions, self._per_axis_inputs(ax, n, two_d=False))
+        return g.Cast(picked, to=TensorProto.INT64)
+
+
+def _contract(g: Grad, t: str, f: str, axis: int, rank: int) -> str:
+    """t with its `axis` (of size m) replaced by sum_o t[..., o, ...] f[o, i] (f is [m, n])."""
+    if axis == rank - 1:
+        return g.MatMul(t, f)
+    if axis == rank - 2:
+        return g.MatMul(g.Transpose(f, perm=[1, 0]), t)
+    perm = [j for j in range(rank) if j != axis] + [axis]
+    moved = g.MatMul(g.Transpose(t, perm=perm), f)
+    return g.Transpose(moved, perm=[int(p) for p in np.argsort(perm)])
+
+
+@rule("Resize", since=13, nondiff=(1, 2, 3))
+def resize(g: Grad):
+    """dX = the transposed interpolation, axis by axis (see the module docstring)."""
+    plan = _ResizePlan(g)
+    x, t = plan.x, g.GO(0)
+    nearest = plan.mode == "nearest" and not plan.crop and not int(g.attr("antialias", 0))
+    for ax in reversed(plan.resized()):
+        if nearest:
+            t = axis_adjoint(g, t, ax.axis, plan.rank, plan.sources(ax), size_along(g, x, ax.axis), like=x)
+            continue
+        f = plan.weights(ax)
+        if g.dtype(x) != TensorProto.FLOAT:
+            f = g.cast_like(f, x)
+        t = _contract(g, t, f, ax.axis, plan.rank)
+    return (t,)
+
+
+# --- rearranging ----------------------------------------------------------------------------------
+def _blocksize(g: Grad) -> int:
+    return int(g.attr("blocksize"))
+
+
+@rule("SpaceToDepth")
+def space_to_depth(g: Grad):
+    """A permutation whose inverse is DepthToSpace in DCR order."""
+    return (g.DepthToSpace(g.GO(0), blocksize=_blocksize(g), mode="DCR"),)
+
+
+@rule("DepthToSpace")
+def depth_to_space(g: Grad):
+    """DCR: SpaceToDepth is the inverse permutation. CRD reads channel c*b*b + k where DCR reads
+    k*C' + c: SpaceToDepth, then that channel permutation undone."""
+    x, b = g.I(0), _blocksize(g)
+    back = g.SpaceToDepth(g.GO(0), blocksize=b)
+    if g.attr("mode", "DCR") == "DCR":
+        return (back,)
+    channels = size_along(g, x, 1)
+    per_block = (g.ints([channels // (b * b)]) if isinstance(channels, int)
+                 else g.Div(channels, g.ints([b * b])))
+    grouped = g.Reshape(back, g.Concat(g.ints([0, b * b]), per_block, g.ints([-1]), axis=0))
+    return (g.Reshape(g.Transpose(grouped, perm=[0, 2, 1, 3]), g.shape_of(x)),)
+
+
+@rule("Col2Im", since=18, nondiff=(1, 2))
+def col2im(g: Grad):
+    """The adjoint of Col2Im is im2col: a Conv of each channel of dY with one one-hot kernel per block
+    position, which puts block position k of sliding window l at [n, c*K + k, l]."""
+    x, dy = g.I(0), g.GO(0)
+    image, block = g.const_input(1), g.const_input(2)
+    if image is None or block is None:
+        g.fail("image_shape and block_shape must be constants")
+    image, block = [int(v) for v in image.ravel()], [int(v) for v in block.ravel()]  # type: ignore[union-attr]
+    nd, taps = len(block), int(np.prod(block))
+    kernel = g.const(np.eye(taps).reshape(taps, 1, *block), like=x)
+    per_channel = g.Reshape(dy, g.ints([-1, 1, *image]))
+    cols = g.Conv(per_channel, kernel, kernel_shape=block, strides=list(g.attr("strides", [1] * nd)),
+                  dilations=list(g.attr("dilations", [1] * nd)), pads=list(g.attr("pads", [0] * 2 * nd)))
+    return (g.Reshape(cols, g.shape_of(x)), None, None)
