@@ -58,9 +58,11 @@ class Edges:
                 f = floats[name] = fg.tensor_info(name).is_float
             return f
 
+        is_computed = fg.producer.__contains__
         for k, node in enumerate(fg.nodes):
             r = registry.lookup(node.op_type, fg.opset, node.domain)
-            ins = [(i, n, is_float(n) and (r is None or r.input_is_diff(i))) for i, n in enumerate(node.input) if n]
+            stops = r.stop_inputs(node, fg.opset, is_computed) if r is not None else frozenset()
+            ins = [(i, n, is_float(n) and i not in stops) for i, n in enumerate(node.input) if n]
             # a control-flow body's hidden reads count as differentiable for reachability
             ins += [(-1, n, True) for n in sorted(fg.hidden_inputs.get(k, ()))]
             self.inputs.append(ins)

@@ -634,3 +634,46 @@ def test_window_out_sizes_match_onnxruntime():
         sess = harness.session(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 19)]))
         got = sess.run(None, {"x": np.zeros((1, 1, n), np.float32)})[0].shape[2]
         assert Window((k,), (s,), (d,), (pb,), (pe,)).out_sizes([n], bool(ceil)) == [got], (n, k, s, d, pb, pe, ceil)
+
+
+def test_batch_norm_inference_with_computed_statistics():
+    """Inference-mode BatchNormalization fed statistics the graph computes (dynamo's export of a BatchNorm
+    without running stats): mean and var carry gradient back to what they are computed from."""
+    oh = onnx.helper
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3, 5, 5))
+    scale, bias = rng.standard_normal(3), rng.standard_normal(3)
+    mean, var = rng.standard_normal(3), rng.uniform(0.5, 2.0, 3)
+    d = onnx.TensorProto.DOUBLE
+    nodes = [oh.make_node("Identity", ["m_in"], ["m"]), oh.make_node("Identity", ["v_in"], ["v"]),
+             oh.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], epsilon=1e-5)]
+    ins = [oh.make_tensor_value_info(n, d, list(a.shape)) for n, a in
+           (("x", x), ("s", scale), ("b", bias), ("m_in", mean), ("v_in", var))]
+    model = oh.make_model(oh.make_graph(nodes, "bn", ins, [oh.make_tensor_value_info("y", d, list(x.shape))]),
+                          opset_imports=[oh.make_opsetid("", 15)])
+    names = ["x", "s", "b", "m_in", "v_in"]
+    training = gradbuilder.build_gradient_graph(model, wrt=names)
+    c = rng.standard_normal(x.shape)
+    feeds = dict(zip(names, (x, scale, bias, mean, var)))
+    _, grads = Trainer(training).step(feeds, [c])
+
+    t = {n: torch.tensor(a, requires_grad=True) for n, a in feeds.items()}
+    shape = (1, -1, 1, 1)
+    y = ((t["x"] - t["m_in"].reshape(shape)) / torch.sqrt(t["v_in"].reshape(shape) + 1e-5) * t["s"].reshape(shape)
+         + t["b"].reshape(shape))
+    ref = torch.autograd.grad(y, list(t.values()), torch.tensor(c))
+    for n, r in zip(names, ref):
+        np.testing.assert_allclose(grads[n], r.numpy(), rtol=1e-9, atol=1e-12, err_msg=n)
+
+
+def test_batch_norm_running_statistics_stay_buffers():
+    rng = np.random.default_rng(4)
+    inputs = [("x", rng.standard_normal((4, 3, 5))), ("s", np.ones(3)), ("b", np.zeros(3)),
+              ("m", np.zeros(3)), ("v", np.ones(3))]
+    for training in (0, 1):
+        model = single_op_model("BatchNormalization", inputs, 1 + 2 * training, opset=15, consts=["m", "v"],
+                                training_mode=training)
+        meta = gradbuilder.read_metadata(gradbuilder.build_gradient_graph(model, wrt=["x", "m", "v"],
+                                                                            outputs=["y0"]))
+        assert set(meta["gradients"]) == {"x"}
+        assert "non-differentiable" in meta["no_gradient"]["m"]

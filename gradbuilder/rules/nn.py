@@ -8,11 +8,12 @@ batch and channels swapped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper
 
 from .context import Grad
@@ -341,31 +342,46 @@ def _standardize_grad(g: Grad, dxhat: str, xhat: str, invstd: str, axes: Sequenc
     return g.Mul(invstd, g.Sub(g.Sub(dxhat, mean_d), g.Mul(xhat, mean_dx)))
 
 
-def _is_training_bn(g: Grad) -> bool:
-    if g.opset >= 14:
-        return bool(g.attr("training_mode", 0))
-    return sum(1 for o in g.node.output if o) > 1  # opset 9-13: the statistics outputs mean training
+def _is_training_bn(node: onnx.NodeProto, opset: int) -> bool:
+    if opset >= 14:
+        return any(a.name == "training_mode" and a.i for a in node.attribute)
+    return sum(1 for o in node.output if o) > 1  # opset 9-13: the statistics outputs mean training
 
 
-@rule("BatchNormalization", since=13, nondiff=(3, 4), nondiff_outputs=(1, 2, 3, 4))
+def _bn_stats_stop(node: onnx.NodeProto, opset: int, is_computed: Callable[[str], bool]) -> list[int]:
+    """Mean and var are buffers (no gradient) in training mode, where Y ignores them, and in inference mode
+    when they come from outside (running statistics); statistics the graph computes itself carry gradient."""
+    if _is_training_bn(node, opset):
+        return [3, 4]
+    return [i for i in (3, 4) if i < len(node.input) and not is_computed(node.input[i])]
+
+
+@rule("BatchNormalization", since=13, nondiff=(3, 4), nondiff_if=_bn_stats_stop, nondiff_outputs=(1, 2, 3, 4))
 def batch_norm(g: Grad):
     """Training mode normalizes with the batch statistics (recomputed from X in backward), inference mode
-    with the given running mean/var, which get no gradient (buffers in PyTorch)."""
+    with the given mean/var: running statistics get no gradient (buffers in PyTorch), computed ones do."""
     x, scale, dy = g.I(0), g.I(1), g.GO(0)
     rank = g.require_rank(x)
     axes = [0, *range(2, rank)]
     eps = float(g.attr("epsilon", 1e-5))
-    if _is_training_bn(g):
+    dmean = dvar = None
+    if _is_training_bn(g.node, g.opset):
         xhat, invstd = _standardize(g, x, axes, eps)
         dxhat = g.Mul(dy, _per_channel(g, scale, rank))
         dx = _standardize_grad(g, dxhat, xhat, invstd, axes) if g.needs(0) else None
     else:
         invstd = _per_channel(g, g.Reciprocal(g.Sqrt(g.Add(g.I(4), g.const(eps, like=x)))), rank)
-        xhat = g.Mul(g.Sub(x, _per_channel(g, g.I(3), rank)), invstd) if g.needs(1) else None
-        dx = g.Mul(dy, g.Mul(_per_channel(g, scale, rank), invstd)) if g.needs(0) else None
+        xhat = g.Mul(g.Sub(x, _per_channel(g, g.I(3), rank)), invstd) if g.needs(1) or g.needs(4) else None
+        dxhat = g.Mul(dy, _per_channel(g, scale, rank)) if g.needs(0) or g.needs(3) or g.needs(4) else None
+        dx = g.Mul(dxhat, invstd) if g.needs(0) else None
+        # y = scale * (x - mean) * (var + eps)^-1/2 + bias
+        dmean = g.Neg(g.reduce_sum(g.Mul(dxhat, invstd), axes, keepdims=False)) if g.needs(3) else None
+        if g.needs(4):
+            half_inv_var = g.Mul(g.const(-0.5, like=x), g.Mul(invstd, invstd))
+            dvar = g.reduce_sum(g.Mul(g.Mul(dxhat, xhat), half_inv_var), axes, keepdims=False)
     dscale = g.reduce_sum(g.Mul(dy, xhat), axes, keepdims=False) if g.needs(1) else None
     dbias = g.reduce_sum(dy, axes, keepdims=False) if g.needs(2) else None
-    return (dx, dscale, dbias)
+    return (dx, dscale, dbias, dmean, dvar)
 
 
 @rule("LayerNormalization", since=17, nondiff_outputs=(1, 2))

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import onnx
+
 if TYPE_CHECKING:
     from .context import Grad
 
@@ -17,6 +19,8 @@ MAX_OPSET = 23
 """Highest default-domain opset the rules are written and tested for."""
 
 RuleFn = Callable[["Grad"], Sequence["str | None"] | None]
+StopFn = Callable[[onnx.NodeProto, int, Callable[[str], bool]], Iterable[int]]
+"""(node, opset, is_computed) -> which of the rule's `nondiff` inputs stop gradients at this node."""
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,15 @@ class Rule:
     nondiff_outputs: frozenset[int] = field(default_factory=frozenset)
     all_nondiff: bool = False
     family: str = ""
+    nondiff_if: StopFn | None = None
 
-    def input_is_diff(self, i: int) -> bool:
-        return not self.all_nondiff and i not in self.nondiff_inputs
+    def stop_inputs(self, node: onnx.NodeProto, opset: int, is_computed: Callable[[str], bool]) -> frozenset[int]:
+        """Input positions that carry no gradient at this node."""
+        if self.all_nondiff:
+            return frozenset(range(len(node.input)))
+        if self.nondiff_if is None:
+            return self.nondiff_inputs
+        return frozenset(self.nondiff_if(node, opset, is_computed)) & self.nondiff_inputs
 
     def output_is_diff(self, j: int) -> bool:
         return not self.all_nondiff and j not in self.nondiff_outputs
@@ -65,17 +75,20 @@ def rule(
     until: int = MAX_OPSET,
     nondiff: Iterable[int] = (),
     nondiff_outputs: Iterable[int] = (),
+    nondiff_if: StopFn | None = None,
     domain: str = "",
 ) -> Callable[[RuleFn], RuleFn]:
     """Register `fn(g) -> (grad of input 0, grad of input 1, ...)` for `op_type` at opsets since..until.
 
     `nondiff` lists input positions that never get a gradient (indices, shapes, axes, masks);
-    `nondiff_outputs` the output positions gradients never flow back from (indices, masks).
+    `nondiff_outputs` the output positions gradients never flow back from (indices, masks);
+    `nondiff_if(node, opset, is_computed)`, when given, says which of `nondiff` apply at a given node (a
+    BatchNormalization's statistics are buffers, except when the graph computes them in inference mode).
     """
 
     def deco(fn: RuleFn) -> RuleFn:
         _add(Rule(op_type, fn, since, until, domain, frozenset(nondiff), frozenset(nondiff_outputs),
-                  family=_family_of(fn)))
+                  family=_family_of(fn), nondiff_if=nondiff_if))
         return fn
 
     return deco
