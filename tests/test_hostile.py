@@ -1,0 +1,735 @@
+"""Hostile and broken inputs, end to end through the CLI and the library.
+
+Every broken model gets one paragraph naming what is wrong and what to do, exit 2, the input untouched and
+nothing written (`assert_fails`); the odd but valid ones (control flow off the gradient path, external data,
+non-ASCII names) build, split and run on onnxruntime. Also: save_model_atomic's guarantees, determinism across
+processes, and a model over protobuf's 2 GB limit (slow: GRADBUILDER_SLOW=1). All models are made here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from clihelpers import assert_fails, f32, make_model, run, save, snapshot, tiny, with_loss
+from fuzz.fuzz_models import seeds
+from onnx import TensorProto as TP
+from onnx import helper
+
+import gradbuilder
+from gradbuilder import graph
+from gradbuilder.errors import GradBuilderError, SaveError
+
+V3 = [3]
+
+
+def vi(name: str, elem_type: int = TP.FLOAT, shape: list | None = V3) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def i64(name: str, value) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(np.asarray(value, np.int64), name)
+
+
+def node(op: str, ins: list[str], outs: list[str], name: str = "", **attrs) -> onnx.NodeProto:
+    return helper.make_node(op, ins, outs, name=name or None, **attrs)
+
+
+W3 = [1.5, -2.0, 0.5]
+
+
+def _params() -> list[onnx.TensorProto]:
+    return [f32("W", W3)]
+
+
+# --------------------------------------------------------------------------------------------------
+# broken models: (maker, words the message must contain); every one is refused by build and inspect
+
+
+def _no_default_opset() -> onnx.ModelProto:
+    m = tiny()
+    del m.opset_import[:]
+    m.opset_import.append(helper.make_opsetid("com.example", 1))
+    return m
+
+
+def _opset(version: int) -> Callable[[], onnx.ModelProto]:
+    def make() -> onnx.ModelProto:
+        m = tiny()
+        m.opset_import[0].version = version
+        return m
+    return make
+
+
+def _opset_import_cleared() -> onnx.ModelProto:
+    m = tiny()
+    del m.opset_import[:]
+    return m
+
+
+def _ir_version_zero() -> onnx.ModelProto:
+    m = tiny()
+    m.ir_version = 0
+    return m
+
+
+def _no_outputs() -> onnx.ModelProto:
+    m = tiny()
+    del m.graph.output[:]
+    return m
+
+
+def _duplicate_input() -> onnx.ModelProto:
+    m = tiny()
+    m.graph.input.append(m.graph.input[0])
+    return m
+
+
+def _unknown_attribute() -> onnx.ModelProto:
+    m = tiny()
+    m.graph.node[1].attribute.append(helper.make_attribute("frobnication", 1))
+    return m
+
+
+def _bad_initializer() -> onnx.ModelProto:
+    m = tiny()
+    m.graph.initializer[0].raw_data = b"\0" * 5
+    return m
+
+
+def _sparse_initializer() -> onnx.ModelProto:
+    m = tiny()
+    values = f32("S", [1.0])
+    m.graph.sparse_initializer.append(helper.make_sparse_tensor(values, i64("S_idx", [0]), [3]))
+    return m
+
+
+def _loop_without_body_inputs() -> onnx.ModelProto:
+    """onnx's shape inference crashes on this one (vector::reserve): it must be refused before."""
+    true = helper.make_tensor("true", TP.BOOL, [], [True])
+    body = helper.make_graph([node("Constant", [], ["c_out"], value=true), node("Constant", [], ["k"], value=true)],
+                             "body", [], [vi("c_out", TP.BOOL, []), vi("k", TP.BOOL, [])])
+    nodes = [node("Loop", ["M", ""], ["ks"], "looper", body=body), node("Mul", ["x", "W"], ["y"], "mul")]
+    return make_model(nodes, [vi("x"), vi("M", TP.INT64, [])], [vi("y")], _params())
+
+
+BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
+    "no default opset": (_no_default_opset, ["no version of the default ONNX domain", "re-export"]),
+    "no opset import": (_opset_import_cleared, ["no version of the default ONNX domain"]),
+    "opset 7": (_opset(7), ["opset 7", "13 and later", "convert_version"]),
+    "opset 99": (_opset(99), ["opset 99", "newest ONNX opset", "Re-export"]),
+    "ir_version 0": (_ir_version_zero, ["no IR version", "ir_version"]),
+    "dangling input": (lambda: make_model([node("Add", ["x", "ghost"], ["y"], "adder")], [vi("x")], [vi("y")]),
+                       ["'adder'", "'ghost'", "dangling", "Add 'ghost' as a graph input or initializer"]),
+    "two nodes write one tensor": (
+        lambda: make_model([node("Neg", ["x"], ["y"], "first"), node("Abs", ["x"], ["y"], "second")], [vi("x")],
+                           [vi("y")]), ["'y'", "defined twice", "'second'", "Rename"]),
+    "initializer and node output": (
+        lambda: make_model([node("Neg", ["x"], ["W"], "shadow"), node("Mul", ["W", "x"], ["y"])], [vi("x")],
+                           [vi("y")], _params()), ["'W'", "defined twice", "'shadow'"]),
+    "cycle": (lambda: make_model([node("Add", ["x", "b"], ["a"], "n1"), node("Mul", ["a", "W"], ["b"], "n2"),
+                                  node("Neg", ["b"], ["y"], "n3")], [vi("x")], [vi("y")], _params()),
+              ["cycle", "'n1' (Add -> a)", "'n2' (Mul -> b)", "acyclic"]),
+    "not in topological order": (
+        lambda: make_model([node("Neg", ["a"], ["y"], "late"), node("Mul", ["x", "W"], ["a"], "early")], [vi("x")],
+                           [vi("y")], _params()), ["'late'", "'early'", "'a'", "topological order", "m.graph.sort()"]),
+    "unknown op on the gradient path": (
+        lambda: make_model([node("Frobnicate", ["x", "W"], ["y"], "frob")], [vi("x")], [vi("y")], _params()),
+        ["'frob'", "Frobnicate", "No Op registered", "a domain of its own"]),
+    "unknown op off the gradient path": (
+        lambda: make_model([node("Frobnicate", ["x"], ["z"], "frob"), node("Mul", ["x", "W"], ["y"])], [vi("x")],
+                           [vi("y"), vi("z")], _params()), ["'frob'", "Frobnicate", "a domain of its own"]),
+    "custom domain without opset import": (
+        lambda: make_model([helper.make_node("Frob", ["x"], ["z"], name="frob", domain="com.example"),
+                            node("Mul", ["x", "W"], ["y"])], [vi("x")], [vi("y"), vi("z")], _params()),
+        ["'frob'", "com.example", "Add an opset_import entry for domain 'com.example'"]),
+    "custom domain op on the gradient path": (
+        lambda: make_model([helper.make_node("Frob", ["x", "W"], ["y"], name="frob", domain="com.example")],
+                           [vi("x")], [vi("y")], _params(), extra_opsets=["com.example"]),
+        ["com.example.Frob", "'frob'", "no gradient rule", "--freeze"]),
+    "no outputs": (_no_outputs, ["no outputs", "add the loss or the module outputs"]),
+    "output produced by nothing": (lambda: make_model([node("Neg", ["x"], ["y"])], [vi("x")], [vi("y"), vi("nope")]),
+                                   ["graph output 'nope'", "produced by no node"]),
+    "duplicate graph input": (_duplicate_input, ["graph input 'x'", "listed twice"]),
+    "unknown attribute": (_unknown_attribute, ["'mul'", "Unrecognized attribute: frobnication"]),
+    "too many inputs": (lambda: make_model([node("Mul", ["x", "W", "x"], ["y"], "mul3")], [vi("x")], [vi("y")],
+                                           _params()), ["'mul3'", "input size 3"]),
+    "initializer bytes do not match its shape": (_bad_initializer, ["initializer 'W'", "12 bytes"]),
+    "sparse initializer": (_sparse_initializer, ["sparse initializers", "dense"]),
+    "mixed input types": (lambda: make_model([node("Add", ["x", "d"], ["y"], "adder")], [vi("x"), vi("d", TP.DOUBLE)],
+                                             [vi("y")]), ["'adder'", "'x'", "'d'", "same type", "Cast"]),
+    "float where the schema wants ints": (
+        lambda: make_model([node("Slice", ["x", "W", "W"], ["y"], "slicer")], [vi("x")], [vi("y", shape=None)],
+                           _params()), ["'slicer'", "starts", "int64"]),
+    "shape conflict": (lambda: make_model([node("Conv", ["x", "W"], ["y"], "conv")], [vi("x")], [vi("y", shape=None)],
+                                          _params()), ["inconsistent", "'conv'", "dimensions"]),
+    "empty required input": (lambda: make_model([node("Max", ["x", ""], ["y"], "maxer")], [vi("x")], [vi("y")]),
+                             ["'maxer'", "input 1 is empty", "not"]),
+    "malformed Einsum": (lambda: make_model([node("Einsum", ["x", "W"], ["y"], "ein", equation="..i")], [vi("x")],
+                                            [vi("y")], _params()), ["'ein'", "'..i'", "Einsum equation"]),
+    "Loop body without inputs": (_loop_without_body_inputs, ["'looper'", "'body' graph has 0 inputs", "needs 2"]),
+}
+
+
+def _non_utf8_name(tmp: Path) -> Path:
+    """Protobuf hands strings that are not UTF-8 to Python as bytes: patch a name in the serialized model."""
+    m = tiny()
+    m.graph.node[0].name = "XXXXXX"
+    data = m.SerializeToString().replace(b"XXXXXX", b"\xff\xfe\xfd\xfc\xfb\xfa")
+    return _write(tmp / "non_utf8.onnx", data)
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+BUILD_ONLY = {"custom domain op on the gradient path"}
+"""Valid models that cannot be differentiated: inspect summarises them (and names the op); build refuses."""
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_model_is_refused(capsys, tmp_path, case):
+    make, needles = BROKEN[case]
+    path = save(make(), _write(tmp_path / "in" / "model.onnx", b""))
+    assert_fails(capsys, tmp_path, ["build", path, "-o", tmp_path / "out.onnx"], *needles)
+    if case not in BUILD_ONLY:
+        assert_fails(capsys, tmp_path, ["inspect", path], *needles)
+
+
+def test_non_utf8_names(capsys, tmp_path):
+    path = _non_utf8_name(tmp_path / "in")
+    assert_fails(capsys, tmp_path, ["build", path, "-o", tmp_path / "o.onnx"], "non_utf8.onnx", "not valid UTF-8",
+                 "b'\\xff\\xfe")
+
+
+# --------------------------------------------------------------------------------------------------
+# unreadable bytes
+
+
+def test_unreadable_files(capsys, tmp_path):
+    good = tiny().SerializeToString()
+    rng = np.random.default_rng(0)
+    files = {
+        "empty.onnx": b"",
+        "half.onnx": good[: len(good) // 2],
+        "one_byte.onnx": good[:1],
+        "text.onnx": b"this is not a model\n",
+        "random1.onnx": rng.bytes(64),
+        "random2.onnx": rng.bytes(4096),
+        "tensor.onnx": f32("W", np.ones(100)).SerializeToString(),
+        "zeros.onnx": bytes(1000),
+    }
+    for name, data in files.items():
+        path = _write(tmp_path / "in" / name, data)
+        for command in (["build", path, "-o", tmp_path / "o.onnx"], ["split", path, "-o", tmp_path / "parts"],
+                        ["inspect", path]):
+            err = assert_fails(capsys, tmp_path, command, name)
+            assert any(w in err for w in ("empty", "not a readable ONNX model", "no ONNX graph", "no version")), err
+
+
+def test_every_truncation_is_refused_or_builds():
+    """A protobuf cut anywhere either fails to parse or parses as a shorter model: both must end cleanly."""
+    for data in [tiny().SerializeToString(), with_loss().SerializeToString()]:
+        for n in range(len(data)):
+            with contextlib.suppress(GradBuilderError):
+                gradbuilder.build_gradient_graph(data[:n])
+
+
+# --------------------------------------------------------------------------------------------------
+# control flow: refused on the gradient path, built and run when off it
+
+
+def _branch(name: str, nodes: list[onnx.NodeProto], out: str) -> onnx.GraphProto:
+    return helper.make_graph(nodes, name, [], [vi(out)])
+
+
+def _if_reading_w() -> onnx.ModelProto:
+    """W is read only inside the branches: a hidden input."""
+    n = node("If", ["c"], ["y"], "brancher", then_branch=_branch("then", [node("Identity", ["W"], ["a"])], "a"),
+             else_branch=_branch("else", [node("Neg", ["W"], ["b"])], "b"))
+    return make_model([n], [vi("c", TP.BOOL, [])], [vi("y")], _params())
+
+
+def _loop_reading_w() -> onnx.ModelProto:
+    """acc <- acc * W, M times: W read only inside the body."""
+    body = helper.make_graph([node("Identity", ["c_in"], ["c_out"]), node("Mul", ["acc_in", "W"], ["acc_out"])],
+                             "body", [vi("i", TP.INT64, []), vi("c_in", TP.BOOL, []), vi("acc_in")],
+                             [vi("c_out", TP.BOOL, []), vi("acc_out")])
+    n = node("Loop", ["M", "", "x"], ["y"], "looper", body=body)
+    return make_model([n], [vi("x"), vi("M", TP.INT64, [])], [vi("y")], _params())
+
+
+def _scan_with_w_as_state() -> onnx.ModelProto:
+    """W is the Scan's explicit initial state."""
+    body = helper.make_graph([node("Add", ["s_in", "row"], ["s_out"])], "body", [vi("s_in"), vi("row")],
+                             [vi("s_out")])
+    n = node("Scan", ["W", "X"], ["y"], "scanner", body=body, num_scan_inputs=1)
+    return make_model([n], [vi("X", shape=[4, 3])], [vi("y")], _params())
+
+
+def _nested_if_in_loop() -> onnx.ModelProto:
+    """W is read two subgraphs deep: an If inside a Loop body."""
+    inner = node("If", ["c_in"], ["v"], "inner", then_branch=_branch("t", [node("Identity", ["W"], ["a"])], "a"),
+                 else_branch=_branch("e", [node("Neg", ["W"], ["b"])], "b"))
+    body = helper.make_graph([inner, node("Identity", ["c_in"], ["c_out"]), node("Add", ["acc_in", "v"], ["acc_out"])],
+                             "body", [vi("i", TP.INT64, []), vi("c_in", TP.BOOL, []), vi("acc_in")],
+                             [vi("c_out", TP.BOOL, []), vi("acc_out")])
+    n = node("Loop", ["M", "c", "x"], ["y"], "outer", body=body)
+    return make_model([n], [vi("x"), vi("M", TP.INT64, []), vi("c", TP.BOOL, [])], [vi("y")], _params())
+
+
+@pytest.mark.parametrize("make,name,op", [(_if_reading_w, "brancher", "If"), (_loop_reading_w, "looper", "Loop"),
+                                          (_scan_with_w_as_state, "scanner", "Scan"),
+                                          (_nested_if_in_loop, "outer", "Loop")])
+def test_control_flow_on_the_gradient_path(capsys, tmp_path, make, name, op):
+    path = save(make(), _write(tmp_path / "in" / "m.onnx", b""))
+    assert_fails(capsys, tmp_path, ["build", path, "-o", tmp_path / "o.onnx"], f"'{name}'", f"({op} ->",
+                 "control flow", "--freeze")
+    rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "frozen.onnx", "--freeze", "W"])
+    assert rc == 0, err  # the way out the message offers works
+    assert "W: no gradient: frozen" in out
+
+
+def _control_flow_off_path() -> onnx.ModelProto:
+    """If, Loop and Scan on inputs only; y = acc * W + z * W reads their outputs, so gradients cross none of them.
+
+    z = If(c, x * 2, -x); n = Loop(3 times, n + 1); acc = Scan(rows of X, acc + row) from x.
+    """
+    two = helper.make_tensor("two", TP.FLOAT, [], [2.0])
+    then = _branch("then", [node("Constant", [], ["k"], value=two), node("Mul", ["x", "k"], ["a"])], "a")
+    other = _branch("else", [node("Neg", ["x"], ["b"])], "b")
+    if_ = node("If", ["c"], ["z"], "brancher", then_branch=then, else_branch=other)
+    one = helper.make_tensor("one", TP.INT64, [], [1])
+    loop_body = helper.make_graph(
+        [node("Identity", ["c_in"], ["c_out"]), node("Constant", [], ["inc"], value=one),
+         node("Add", ["n_in", "inc"], ["n_out"])], "loop_body",
+        [vi("i", TP.INT64, []), vi("c_in", TP.BOOL, []), vi("n_in", TP.INT64, [])],
+        [vi("c_out", TP.BOOL, []), vi("n_out", TP.INT64, [])])
+    loop = node("Loop", ["M", "", "n0"], ["n"], "counter", body=loop_body)
+    scan_body = helper.make_graph([node("Add", ["s_in", "row"], ["s_out"])], "scan_body", [vi("s_in"), vi("row")],
+                                  [vi("s_out")])
+    scan = node("Scan", ["x", "X"], ["acc"], "scanner", body=scan_body, num_scan_inputs=1)
+    nodes = [if_, loop, scan, node("Mul", ["acc", "W"], ["p"]), node("Mul", ["z", "W"], ["q"]),
+             node("Add", ["p", "q"], ["y"])]
+    inputs = [vi("c", TP.BOOL, []), vi("x"), vi("X", shape=[4, 3])]
+    inits = [*_params(), i64("M", 3), i64("n0", 0)]
+    return make_model(nodes, inputs, [vi("y"), vi("n", TP.INT64, [])], inits)
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def run_split(parts: Path, feeds: dict[str, np.ndarray], params: dict[str, np.ndarray],
+              out_grads: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Run forward.onnx then backward.onnx the way a host would; return (forward values, gradients by wrt)."""
+    manifest = json.loads((parts / "manifest.json").read_text(encoding="utf-8"))
+    names = [e["name"] for e in manifest["forward_outputs"]]
+    env = dict(zip(names, _session(parts / "forward.onnx").run(names, feeds)))
+    known = {**feeds, **params, **env}
+    bfeeds = {e["name"]: out_grads[manifest["module_outputs"][e["output_index"]]] if e["role"] == "output_grad"
+              else known[e["name"]] for e in manifest["backward_inputs"]}
+    outs = [e["name"] for e in manifest["backward_outputs"]]
+    grads = _session(parts / "backward.onnx").run(outs, bfeeds)
+    return env, {e["wrt"]: g for e, g in zip(manifest["backward_outputs"], grads)}
+
+
+def test_control_flow_off_the_gradient_path(capsys, tmp_path):
+    path = save(_control_flow_off_path(), _write(tmp_path / "m.onnx", b""))
+    rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "t.onnx"])
+    assert rc == 0, err
+    assert out.startswith("W: gradient W_grad\n")
+    assert run(capsys, ["-q", "split", tmp_path / "t.onnx", "-o", tmp_path / "parts"])[0] == 0
+    rng = np.random.default_rng(0)
+    x, X, dy = (rng.standard_normal(s).astype(np.float32) for s in ([3], [4, 3], [3]))
+    W = np.float32(W3)
+    for c in (True, False):
+        env, grads = run_split(tmp_path / "parts", {"c": np.array(c), "x": x, "X": X}, {"W": W}, {"y": dy})
+        acc, z = x + X.sum(0), (2 * x if c else -x)
+        np.testing.assert_allclose(env["y"], acc * W + z * W, rtol=1e-5)
+        assert env["n"] == 3
+        np.testing.assert_allclose(grads["W"], dy * (acc + z), rtol=1e-5)
+
+
+def test_custom_domain_op_off_the_gradient_path(capsys, tmp_path):
+    """A node in a domain nobody here knows, fed only by inputs: kept as is, with its opset import."""
+    nodes = [helper.make_node("Frob", ["x"], ["z"], name="frob", domain="com.example"), node("Mul", ["x", "W"], ["y"])]
+    path = save(make_model(nodes, [vi("x")], [vi("y"), vi("z")], _params(), extra_opsets=["com.example"]),
+                _write(tmp_path / "m.onnx", b""))
+    rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "t.onnx"])
+    assert rc == 0, err
+    assert out.startswith("W: gradient W_grad\n")
+    training = onnx.load(str(tmp_path / "t.onnx"))
+    assert any(n.domain == "com.example" and n.op_type == "Frob" for n in training.graph.node)
+    assert {(o.domain, o.version) for o in training.opset_import} >= {("com.example", 1)}
+    forward, _, _ = gradbuilder.split(training)
+    assert any(n.op_type == "Frob" for n in forward.graph.node)
+
+
+# --------------------------------------------------------------------------------------------------
+# external data
+
+
+def _external_model(d: Path) -> Path:
+    """tiny() with a second output y2 = x2 * E, E (4 KB) stored in weights.bin beside the model."""
+    m = tiny()
+    m.graph.initializer.append(f32("E", np.linspace(-1, 1, 1000)))
+    m.graph.input.append(vi("x2", shape=[1000]))
+    m.graph.output.append(vi("y2", shape=[1000]))
+    m.graph.node.append(node("Mul", ["x2", "E"], ["y2"], "mul_e"))
+    d.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(m, str(d / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=1024)
+    assert (d / "weights.bin").stat().st_size == 4000
+    return d / "model.onnx"
+
+
+def test_external_data_works_and_is_untouched(capsys, tmp_path):
+    path = _external_model(tmp_path / "in")
+    before = snapshot(tmp_path / "in")
+    out = tmp_path / "out" / "t.onnx"
+    rc, stdout, err = run(capsys, ["build", path, "-o", out, "--freeze", "F"])
+    assert rc == 0, err
+    assert "E: gradient E_grad" in stdout
+    assert snapshot(tmp_path / "in") == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["t.onnx"]  # small: the weights are inline
+    assert run(capsys, ["-q", "split", out, "-o", tmp_path / "parts"])[0] == 0
+    rng = np.random.default_rng(0)
+    x, x2 = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    dy, dy2 = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    E = np.linspace(-1, 1, 1000).astype(np.float32)
+    params = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    _, grads = run_split(tmp_path / "parts", {"x": x, "x2": x2}, params, {"y": dy, "y2": dy2})
+    np.testing.assert_allclose(grads["E"], dy2 * x2, rtol=1e-6)
+    np.testing.assert_allclose(params["E"], E)
+    assert snapshot(tmp_path / "in") == before
+
+
+def _retarget(path: Path, **fields: str) -> None:
+    m = onnx.load(str(path), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key in fields:
+                e.value = fields[e.key]
+    path.write_bytes(m.SerializeToString())
+
+
+@pytest.mark.parametrize("damage,needles", [
+    ("missing", ["'E'", "'weights.bin'", "missing", "next to its external data"]),
+    ("outside", ["external data", "points outside the directory", "must name files in the model's directory"]),
+    ("absolute", ["external data", "absolute path"]),
+    ("short", ["external data", "exceeds", "hold the bytes"]),
+])
+@pytest.mark.parametrize("command", ["build", "split", "inspect"])
+def test_broken_external_data(capsys, tmp_path, damage, needles, command):
+    path = _external_model(tmp_path / "in")
+    if damage == "missing":
+        (tmp_path / "in" / "weights.bin").unlink()
+    elif damage == "outside":
+        (tmp_path / "secret.bin").write_bytes(bytes(4000))
+        _retarget(path, location="../secret.bin")
+    elif damage == "absolute":
+        _retarget(path, location=str(tmp_path / "in" / "weights.bin"))
+    else:
+        _retarget(path, length="40000")
+    out = {"build": ["-o", tmp_path / "o.onnx"], "split": ["-o", tmp_path / "parts"], "inspect": []}[command]
+    assert_fails(capsys, tmp_path, [command, path, *out], "model.onnx", *needles)
+
+
+def test_unloaded_external_data_in_memory():
+    """A ModelProto whose weights were never loaded: the library says how to load them, it does not guess."""
+    m = tiny()
+    t = m.graph.initializer[0]
+    t.ClearField("raw_data")
+    t.data_location = TP.EXTERNAL
+    t.external_data.add(key="location", value="weights.bin")
+    with pytest.raises(GradBuilderError, match=r"'W' still refers to external data \('weights.bin'\) that was not"):
+        gradbuilder.build_gradient_graph(m)
+
+
+# --------------------------------------------------------------------------------------------------
+# non-ASCII names, end to end
+
+
+def _non_ascii() -> onnx.ModelProto:
+    """y = (входные_данные + 偏置) * 权重; names in Cyrillic, Chinese, Japanese, Greek, with spaces and emoji."""
+    x, y = "входные_данные", "出力 ✓"
+    nodes = [node("Add", [x, "偏置"], ["сумма"], "узел→1"), node("Mul", ["сумма", "权重"], ["積"], "ノード 2"),
+             node("Identity", ["積"], [y], "ταυτότητα 🙂")]
+    m = make_model(nodes, [vi(x, shape=["パッチ", 3])], [vi(y, shape=["パッチ", 3])],
+                   [f32("权重", W3), f32("偏置", [0.1, 0.2, 0.3])])
+    m.graph.name = "グラフ"
+    m.doc_string = "modèle d'essai"
+    return m
+
+
+def test_non_ascii_names_end_to_end(capsys, tmp_path):
+    d = tmp_path / "données ünïcode"
+    path = save(_non_ascii(), _write(d / "モデル.onnx", b""))
+    training = d / "学習.onnx"
+    rc, out, err = run(capsys, ["build", path, "-o", training])
+    assert rc == 0, err
+    assert out.splitlines()[:2] == ["权重: gradient 权重_grad", "偏置: gradient 偏置_grad"]
+    rc, out, err = run(capsys, ["split", training, "-o", d / "части"])
+    assert rc == 0, err
+    rc, out, err = run(capsys, ["inspect", training])
+    assert rc == 0 and "出力 ✓" in out and "сумма" in out, err
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((2, 3)).astype(np.float32)
+    W, b = np.float32(W3), np.float32([0.1, 0.2, 0.3])
+    env, grads = run_split(d / "части", {"входные_данные": x}, {"权重": W, "偏置": b}, {"出力 ✓": dy})
+    np.testing.assert_allclose(env["出力 ✓"], (x + b) * W, rtol=1e-6)
+    np.testing.assert_allclose(grads["权重"], (dy * (x + b)).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(grads["偏置"], (dy * W).sum(0), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# save_model_atomic: no mutation, no mismatched pair, nothing left on failure, nothing clobbered
+
+
+@pytest.fixture
+def small_limit(monkeypatch) -> None:
+    """Take the over-2-GB path for a few kB: the logic is the same, only the threshold moves."""
+    monkeypatch.setattr(graph, "INLINE_LIMIT", 2000)
+
+
+def _weighty(seed: int = 0) -> onnx.ModelProto:
+    """tiny() plus two 4 kB initializers, so it is 'large' under small_limit."""
+    m = tiny()
+    rng = np.random.default_rng(seed)
+    m.graph.initializer.extend([f32("E1", rng.standard_normal(1000)), f32("E2", rng.standard_normal(1000))])
+    return m
+
+
+def _same_weights(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
+    arrays = [{t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer} for m in (a, b)]
+    return arrays[0].keys() == arrays[1].keys() and all(np.array_equal(arrays[0][k], arrays[1][k]) for k in arrays[0])
+
+
+def test_large_save_leaves_the_model_alone(tmp_path, small_limit):
+    m = _weighty()
+    before = m.SerializeToString()
+    graph.save_model_atomic(m, tmp_path / "m.onnx")
+    assert m.SerializeToString() == before  # onnx.save_model(save_as_external_data=True) emptied the caller's tensors
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]
+    stub = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    offsets = [int(e.value) for t in stub.graph.initializer for e in t.external_data if e.key == "offset"]
+    assert len(offsets) == 2 and all(o % graph.DATA_ALIGN == 0 for o in offsets)
+    assert _same_weights(onnx.load(str(tmp_path / "m.onnx")), m)
+    _session(tmp_path / "m.onnx")  # onnxruntime reads the pair too
+
+
+def test_large_overwrite_replaces_the_pair(tmp_path, small_limit):
+    path = tmp_path / "m.onnx"
+    models = [_weighty(seed) for seed in range(3)]
+    names = []
+    for m in models:
+        graph.save_model_atomic(m, path)
+        names.append(sorted(os.listdir(tmp_path)))
+        assert _same_weights(onnx.load(str(path)), m)
+    # the data file in use is never written over: the name alternates, the old one goes after the rename
+    assert names == [["m.onnx", "m.onnx.data"], ["m.onnx", "m.onnx.1.data"], ["m.onnx", "m.onnx.data"]]
+    graph.INLINE_LIMIT = 2**40
+    graph.save_model_atomic(models[0], path)  # small again: the data file goes
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+
+
+def test_large_save_pair_matches_at_every_step(tmp_path, small_limit, monkeypatch):
+    """Whatever instant a crash hits, m.onnx loads with the weights of one whole model: the old or the new."""
+    path = tmp_path / "m.onnx"
+    old, new = _weighty(1), _weighty(2)
+    graph.save_model_atomic(old, path)
+    real_replace = os.replace
+    seen = []
+
+    def checking_replace(src, dst):
+        seen.append(_same_weights(onnx.load(str(path)), old))  # just before the switch: still the old pair
+        real_replace(src, dst)
+        seen.append(_same_weights(onnx.load(str(path)), new))  # just after: the new pair, complete
+
+    monkeypatch.setattr(os, "replace", checking_replace)
+    graph.save_model_atomic(new, path)
+    assert seen == [True, True]
+
+
+@pytest.mark.parametrize("where", ["rename", "data"])
+def test_failed_large_save_leaves_the_old_pair(tmp_path, small_limit, monkeypatch, where):
+    path = tmp_path / "m.onnx"
+    old = _weighty(1)
+    graph.save_model_atomic(old, path)
+    before = snapshot(tmp_path)
+
+    def fail(*_args, **_kw):
+        raise OSError(28, "No space left on device")
+
+    if where == "rename":
+        monkeypatch.setattr(os, "replace", fail)
+    else:  # half-way through the data file
+        real = graph._externalize
+
+        def partial(model, location, f):
+            f.write(b"\0" * 1000)
+            fail()
+            return real(model, location, f)
+
+        monkeypatch.setattr(graph, "_externalize", partial)
+    with pytest.raises(OSError, match="No space"):
+        graph.save_model_atomic(_weighty(2), path)
+    assert snapshot(tmp_path) == before  # no new data file, no temp file, the old pair as it was
+    assert _same_weights(onnx.load(str(path)), old)
+
+
+def test_large_save_never_clobbers_a_data_file_in_use(tmp_path, small_limit):
+    """Another model reads b.onnx.data; saving b.onnx must not write over it."""
+    onnx.save_model(_weighty(5), str(tmp_path / "a.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="b.onnx.data", size_threshold=1024)
+    before = (tmp_path / "b.onnx.data").read_bytes()
+    graph.save_model_atomic(_weighty(6), tmp_path / "b.onnx")
+    assert (tmp_path / "b.onnx.data").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["a.onnx", "b.onnx", "b.onnx.1.data", "b.onnx.data"]
+    assert _same_weights(onnx.load(str(tmp_path / "a.onnx")), _weighty(5))
+    assert _same_weights(onnx.load(str(tmp_path / "b.onnx")), _weighty(6))
+
+
+def test_too_large_even_without_weights(tmp_path, small_limit, monkeypatch):
+    monkeypatch.setattr(graph, "PROTOBUF_LIMIT", 100)
+    with pytest.raises(SaveError, match="over 2 GB even with every initializer"):
+        graph.save_model_atomic(_weighty(), tmp_path / "m.onnx")
+    assert os.listdir(tmp_path) == []
+
+
+def test_large_build_through_the_cli(capsys, tmp_path, small_limit):
+    """build and split write pairs; a re-split into the same directory replaces them as a whole."""
+    src = save(_weighty(), _write(tmp_path / "in" / "m.onnx", b""))
+    # E1, E2 are unused: make them matter so they reach forward.onnx and the gradients
+    m = onnx.load(str(src))
+    m.graph.input.append(vi("e", shape=[1000]))
+    m.graph.output.append(vi("f", shape=[1000]))
+    m.graph.node.extend([node("Mul", ["e", "E1"], ["g"]), node("Mul", ["g", "E2"], ["f"])])
+    save(m, src)
+    rc, _, err = run(capsys, ["-q", "build", src, "-o", tmp_path / "t.onnx"])
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "t.onnx", "t.onnx.data"]
+    for _ in range(2):
+        rc, _, err = run(capsys, ["-q", "split", tmp_path / "t.onnx", "-o", tmp_path / "parts"])
+        assert rc == 0, err
+        assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [
+            "backward.onnx", "forward.onnx", "forward.onnx.data", "manifest.json"]
+    rng = np.random.default_rng(0)
+    e, df = rng.standard_normal(1000).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    x, dy = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((2, 3)).astype(np.float32)
+    params = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "t.onnx")).graph.initializer}
+    _, grads = run_split(tmp_path / "parts", {"x": x, "e": e}, params, {"y": dy, "f": df})
+    np.testing.assert_allclose(grads["E2"], df * e * params["E1"], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# determinism across processes
+
+
+DRIVER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from gradbuilder.cli import main
+    src, out = Path(sys.argv[1]), Path(sys.argv[2])
+    for model in sorted(src.glob("*.onnx")):
+        training = out / model.stem / "training.onnx"
+        assert main(["-q", "build", str(model), "-o", str(training)]) == 0, model
+        assert main(["-q", "split", str(training), "-o", str(out / model.stem / "parts")]) == 0, model
+""")
+
+
+def test_same_input_same_bytes_across_processes(tmp_path):
+    """build and split twice, in two interpreters with different hash seeds: byte-identical files."""
+    src = tmp_path / "src"
+    models = {**seeds(), "non_ascii": _non_ascii(), "control_flow": _control_flow_off_path(),
+              "fan_out": _fan_out()}
+    for name, m in models.items():
+        save(m, _write(src / f"{name}.onnx", b""))
+    outs = []
+    for hash_seed in ("0", "4242"):
+        out = tmp_path / f"out{hash_seed}"
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        p = subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out)], capture_output=True, text=True,
+                           env=env, timeout=300)
+        assert p.returncode == 0, p.stderr
+        outs.append({str(f.relative_to(out)): f.read_bytes() for f in sorted(out.rglob("*")) if f.is_file()})
+    assert len(outs[0]) == 4 * len(models)  # training, forward, backward, manifest per model
+    assert outs[0].keys() == outs[1].keys()
+    differ = [k for k in outs[0] if outs[0][k] != outs[1][k]]
+    assert not differ, f"not byte-identical across processes: {differ}"
+
+
+def _fan_out() -> onnx.ModelProto:
+    """One parameter read by many nodes and several outputs: gradient sums whose order must not vary."""
+    nodes, outs = [], []
+    for k in range(6):
+        nodes += [node("Mul", ["x", "W"], [f"m{k}"]), node("Add", [f"m{k}", "b"], [f"a{k}"]),
+                  node("Tanh", [f"a{k}"], [f"y{k}"])]
+        outs.append(vi(f"y{k}"))
+    return make_model(nodes, [vi("x")], outs, [*_params(), f32("b", [0.1, 0.2, 0.3])])
+
+
+def test_broken_input_in_a_real_process(tmp_path):
+    """The console entry point too: exit 2, one message, no traceback, nothing written."""
+    path = save(BROKEN["cycle"][0](), _write(tmp_path / "in" / "m.onnx", b""))
+    before = snapshot(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "gradbuilder", "build", str(path), "-o", str(tmp_path / "o.onnx")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("gradbuilder: error: the graph has a cycle") and "Traceback" not in p.stderr
+    assert snapshot(tmp_path) == before
+
+
+# --------------------------------------------------------------------------------------------------
+# over protobuf's 2 GB limit
+
+
+BIG = 2**31 + 2**26  # 2.06 GiB of float32 zeros
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GRADBUILDER_SLOW") != "1", reason="writes 4+ GB; set GRADBUILDER_SLOW=1")
+def test_model_over_2gb(capsys, tmp_path):
+    """y = x * W with W 2.06 GiB of zeros in a sparse external file: build writes an .onnx + .data pair."""
+    src = tmp_path / "in"
+    src.mkdir()
+    n = BIG // 4
+    w = onnx.TensorProto(name="W", data_type=TP.FLOAT, dims=[n], data_location=TP.EXTERNAL)
+    for key, value in (("location", "W.bin"), ("offset", "0"), ("length", str(BIG))):
+        w.external_data.add(key=key, value=value)
+    model = make_model([node("Mul", ["x", "W"], ["y"], "scale")], [vi("x", shape=[n])], [vi("y", shape=[n])], [w])
+    save(model, src / "big.onnx")
+    with open(src / "W.bin", "wb") as f:
+        f.truncate(BIG)  # sparse: costs no disk until read
+    before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in src.iterdir()}  # 2 GB: no bytes compared
+    stub = (src / "big.onnx").read_bytes()
+    t0 = time.perf_counter()
+    rc, out, err = run(capsys, ["build", src / "big.onnx", "-o", tmp_path / "out" / "t.onnx"])
+    elapsed = time.perf_counter() - t0
+    print(f"build of a {BIG / 2**30:.2f} GiB model: {elapsed:.1f} s")
+    assert rc == 0, err
+    assert "W: gradient W_grad" in out
+    assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in src.iterdir()} == before
+    assert (src / "big.onnx").read_bytes() == stub
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["t.onnx", "t.onnx.data"]
+    training = onnx.load(str(tmp_path / "out" / "t.onnx"), load_external_data=False)
+    w_out = next(t for t in training.graph.initializer if t.name == "W")
+    ext = {e.key: e.value for e in w_out.external_data}
+    assert ext["location"] == "t.onnx.data" and int(ext["length"]) == BIG
+    assert (tmp_path / "out" / "t.onnx.data").stat().st_size == int(ext["offset"]) + BIG
+    assert "W_grad" in [o.name for o in training.graph.output]
