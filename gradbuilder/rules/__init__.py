@@ -2,15 +2,18 @@
 
 from . import (  # noqa: F401 - each import registers one family
     activations,
+    attention,
     elementwise,
     indexing,
     linalg,
     losses,
     nn,
     nondiff,
+    normalization,
     recurrent,
     reduce,
     registry,
+    resample,
     shape,
 )
 from .registry import Rule, all_rules, lookup, nondifferentiable, rule
