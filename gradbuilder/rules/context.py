@@ -23,6 +23,8 @@ def _attribute(name: str, value: Any) -> onnx.AttributeProto:
         return onnx.AttributeProto(name=name, type=onnx.AttributeProto.INT, i=value)
     if type(value) is float:
         return onnx.AttributeProto(name=name, type=onnx.AttributeProto.FLOAT, f=value)
+    if type(value) in (list, tuple) and value and all(type(v) is int for v in value):
+        return onnx.AttributeProto(name=name, type=onnx.AttributeProto.INTS, ints=value)
     return helper.make_attribute(name, value)
 
 
@@ -53,7 +55,7 @@ class Emitter:
 
     def const(self, value: Any, elem_type: int) -> str:
         arr = np.asarray(value)
-        key = (elem_type, arr.shape, arr.tobytes(), str(arr.dtype))
+        key = (elem_type, arr.shape, arr.tobytes(), arr.dtype.char)
         name = self._consts.get(key)
         if name is None:
             name = self.names.fresh("gb_const")
