@@ -1,8 +1,11 @@
 """One onnxruntime session configured for training, run on OrtValues at the C level.
 
-Training graphs need two things inference sessions do not: Dropout must survive optimization
-(`EliminateDropout` removes it at level BASIC and above, whatever its `training_mode`), and a step
-runs thousands of times, so the Python wrappers' per-call conversions are skipped.
+Training graphs need things inference sessions do not: Dropout must survive optimization
+(`EliminateDropout` removes it at level BASIC and above, whatever its `training_mode`); equal
+constants must stay apart (`ConstantSharing` merges them, but training-mode BatchNormalization writes
+its batch statistics in place into its running-stat inputs, constants here (see `batchnorm`), so two
+BatchNorms of equal width would report one's statistics for both); and a step runs thousands of
+times, so the Python wrappers' per-call conversions are skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
-DISABLED_OPTIMIZERS = ("EliminateDropout",)
+DISABLED_OPTIMIZERS = ("EliminateDropout", "ConstantSharing")
 
 
 class SessionLoadError(RuntimeError):

@@ -455,6 +455,22 @@ def test_batchnorm_cumulative_momentum() -> None:
     assert_grads_equal(om, ref)
 
 
+def test_batchnorm_equal_widths_keep_their_statistics() -> None:
+    """Two BatchNorms of equal width: their stand-in running inputs are equal constants, which onnxruntime's
+    ConstantSharing would merge into one buffer that both nodes write their batch statistics into."""
+    ref, om = pair(nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4, bias=False),
+                                 nn.BatchNorm1d(4)))
+    x = torch.randn(6, 3)
+    om(x).sum().backward()
+    ref(x).sum().backward()
+    with torch.no_grad():
+        om(x)
+        ref(x)
+    for k in (1, 4):
+        torch.testing.assert_close(om[k].running_mean, ref[k].running_mean)
+        torch.testing.assert_close(om[k].running_var, ref[k].running_var)
+
+
 def test_batchnorm_without_running_stats() -> None:
     """Batch statistics in train and eval; the legacy exporter cannot export it with a dynamic batch."""
     ref, om = pair(nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4, track_running_stats=False)))
