@@ -7,6 +7,7 @@ rule asks Resize itself for them: the same Resize applied to an identity matrix,
 coefficient, exclude_outside or antialias; then dX = F^T dY, one MatMul per resized axis. Nearest modes read
 each output position's source index instead (the same Resize of 0..n-1) and scatter-add dY there. With
 static sizes those small Resizes only read constants, so onnxruntime folds them when the session starts.
+The matrices are dense, [m, n] per axis: fine for feature maps, quadratic in the side of large images.
 """
 
 from __future__ import annotations
@@ -185,10 +186,8 @@ class _ResizePlan:
         """F [m, n] (float): row o holds the weight of each input position in output position o."""
         g = self.g
         n = size_along(g, self.x, ax.axis)
-        if isinstance(n, int):
-            eye = g.em.const(np.eye(n), TensorProto.FLOAT)
-        else:
-            eye = g.EyeLike(g.ConstantOfShape(g.Concat(n, n, axis=0)))
+        square = g.ints([n, n]) if isinstance(n, int) else g.Concat(n, n, axis=0)
+        eye = g.EyeLike(g.ConstantOfShape(square))  # not an n*n initializer: onnxruntime folds it at load
         return self._resize(eye, self._per_axis_inputs(ax, n, two_d=True))
 
     def sources(self, ax: _Axis) -> str:
