@@ -126,6 +126,9 @@ def test_attention_past_and_present(three_d, causal):
              is_causal=causal, **attrs)
     check_op("Attention", inputs, attention_ref(causal=bool(causal), heads=(4, 2)), n_out=3, diff_outputs=[0],
              opset=23, is_causal=causal, **attrs)
+    for outs in ([1, 2], [1]):
+        check_op("Attention", inputs, attention_ref(causal=bool(causal), heads=(4, 2)), n_out=3, diff_outputs=outs,
+                 opset=23, is_causal=causal, **attrs)
 
 
 def test_attention_symbolic_dims():

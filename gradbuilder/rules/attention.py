@@ -156,7 +156,9 @@ def attention(g: Grad):
             dk_all = _plus(g, dk_all, g.Mul(g.MatMul(_last_t(g, ds_g), a.grouped(a.q)), scale))
     dpast_k, dk = a.split(dk_all, 1, 4)
     dpast_v, dv = a.split(dv_all, 2, 5)
-    return (dq, dk, dv, dmask, dpast_k, dpast_v)
+    grads = (dq, dk, dv, dmask, dpast_k, dpast_v)
+    # zeros where only some outputs carry a gradient (present_key alone says nothing about Q or V)
+    return [d if d is not None or not g.needs(i) else g.zeros_like(g.I(i)) for i, d in enumerate(grads)]
 
 
 # --- RotaryEmbedding -------------------------------------------------------------------------------------
