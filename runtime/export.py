@@ -22,6 +22,7 @@ import functools
 import inspect
 import io
 import os
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -178,17 +179,22 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     return program.model_proto  # type: ignore[union-attr]
 
 
+_EXPORT_LOCK = threading.Lock()
+"""torch.onnx.export keeps process-wide state (it refuses to start while another export runs): one at a time."""
+
+
 def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leaves: Sequence[torch.Tensor],
            options: ExportOptions) -> Exported:
     """Export one call of `module` (bound arguments flattened to `in_spec` + `leaves`)."""
-    state = dict(module.named_parameters())
-    state.update(module.named_buffers())
+    # every name of a shared (tied) tensor: the exporters may call it by any of them (dynamo by the last)
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
     names = _unique(tensor_paths(in_spec), set(state))
     flat = _Flat(module, signature, in_spec)
     try:
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
-        with torch.inference_mode(False), torch.enable_grad(), _preserved(module), \
+        with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), _preserved(module), \
                 stand_in_statistics(module) as stand_ins:
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
@@ -253,7 +259,8 @@ def _state_as_inputs(model: onnx.ModelProto, state: dict[str, torch.Tensor], wha
         (params if t.name in state else keep).append(t)
     # a parameter folded into a constant or renamed would silently get no gradient: refuse
     present = {t.name for t in params} | declared
-    missing = {k: v for k, v in state.items() if k not in present and v.is_floating_point() and v.numel() > 1}
+    reached = {id(v) for k, v in state.items() if k in present}
+    missing = {k: v for k, v in state.items() if id(v) not in reached and v.is_floating_point() and v.numel() > 1}
     if missing:
         sigs = {(tuple(v.shape), str(v.dtype).replace("torch.", "")): k for k, v in missing.items()}
         for t in keep:
