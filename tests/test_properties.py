@@ -68,6 +68,14 @@ def _broadcastable(draw, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d if draw(st.booleans()) else 1 for d in shape[drop:])
 
 
+def _fits(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether `small` broadcasts to exactly `shape`."""
+    try:
+        return np.broadcast_shapes(small, shape) == shape
+    except ValueError:
+        return False
+
+
 @st.composite
 def graphs(draw):
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
@@ -142,9 +150,7 @@ def graphs(draw):
         elif kind == "softmax" and len(sa) >= 1:
             g.add(draw(st.sampled_from(["Softmax", "LogSoftmax"])), [a], sa, axis=-1)
         elif kind == "where":
-            c = draw(st.sampled_from(g.floats))
-            if np.broadcast_shapes(sa, g.shapes[c]) != sa:
-                continue
+            c = draw(st.sampled_from([t for t in g.floats if _fits(g.shapes[t], sa)]))
             mask = g.add("Greater", [a, c], sa, is_float=False)  # a stop edge: no gradient through the mask
             g.add("Where", [mask, a, c], sa)
         elif kind == "cast":  # float -> int -> float: a stop edge on a float path
