@@ -349,6 +349,177 @@ def test_global_pools_symbolic():
     assert "x" not in backward_reads(model, ["x"])
 
 
+# --- symbolic spatial dims: one gradient graph for every input size --------------------------------
+def check_sizes(op, cases, torch_fn, symbolic, *, opset=17, rtol=2e-4, atol=1e-4, **attrs):
+    """Build one training graph with `symbolic` dims declared, run it on each input set of `cases` (the
+    same names, other sizes along the symbolic dims): outputs and every gradient match torch at each size.
+    Returns the op types of the training graph."""
+    model = single_op_model(op, cases[0], opset=opset, symbolic=symbolic, **attrs)
+    names = [n for n, _ in cases[0]]
+    training = gradbuilder.build_gradient_graph(model, wrt=names, outputs=["y0"])
+    onnx.checker.check_model(training, full_check=True)
+    trainer = Trainer(training)
+    shapes = set()
+    for inputs in cases:
+        feeds = dict(inputs)
+        (y,), env = trainer.run_forward(feeds)
+        cot = np.asarray(rng.standard_normal(y.shape), dtype=y.dtype)
+        grads = trainer.run_backward(feeds, env, [cot])
+        tin = [torch.from_numpy(v.astype(np.float64)).requires_grad_() for v in feeds.values()]
+        ty = torch_fn(*tin)
+        np.testing.assert_allclose(y, ty.detach().numpy(), rtol=rtol, atol=atol, err_msg="forward")
+        ref = torch.autograd.grad(ty, tin, torch.from_numpy(cot.astype(np.float64)))
+        for n, want in zip(names, ref):
+            np.testing.assert_allclose(grads[n], want.numpy(), rtol=rtol, atol=atol, err_msg=f"{n} at {y.shape}")
+        shapes.add(feeds["x"].shape)
+    assert len(shapes) == len(cases)
+    return [n.op_type for n in training.graph.node]
+
+
+def sizes_of(*spatial):
+    return [tuple(s) for s in spatial]
+
+
+CONV_SYMBOLIC = [
+    # x shape (batch, channels), spatial sizes, w shape, strides, dilations, pads, group, symbolic axes
+    ((2, 4), sizes_of([9], [12]), (6, 4, 3), [2], [1], [1, 2], 1, [0, 2]),
+    ((2, 4), sizes_of([11], [8]), (6, 2, 3), [3], [2], [0, 1], 2, [2]),
+    ((2, 3), sizes_of([7, 8], [10, 9]), (5, 3, 3, 3), [2, 2], [1, 1], [1, 1, 1, 1], 1, [0, 2, 3]),
+    ((2, 3), sizes_of([7, 8], [8, 11]), (5, 3, 3, 2), [2, 3], [1, 1], [1, 0, 2, 1], 1, [2, 3]),
+    ((2, 3), sizes_of([8, 8], [9, 10]), (4, 3, 3, 3), [3, 3], [1, 1], [0, 0, 0, 0], 1, [2, 3]),  # rows unreached
+    ((2, 3), sizes_of([9, 8], [9, 11]), (4, 3, 3, 3), [2, 1], [2, 2], [2, 1, 0, 2], 1, [3]),  # W only
+    ((2, 4), sizes_of([7, 7], [6, 9]), (6, 2, 3, 3), [1, 2], [1, 1], [1, 1, 1, 1], 2, [2, 3]),
+    ((2, 4), sizes_of([7, 7], [8, 6]), (8, 1, 3, 3), [2, 2], [2, 1], [2, 2, 2, 2], 4, [2, 3]),  # depthwise x2
+    ((1, 2), sizes_of([5, 6, 5], [6, 7, 4]), (4, 1, 3, 2, 3), [2, 1, 2], [1, 1, 1], [1, 0, 1, 1, 1, 0], 2,
+     [2, 3, 4]),
+    ((2, 2), sizes_of([4, 5, 4], [5, 4, 6]), (3, 2, 2, 2, 2), [1, 1, 1], [1, 2, 1], [0] * 6, 1, [2, 3, 4]),
+]
+
+
+@pytest.mark.parametrize("lead,sizes,ws,strides,dilations,pads,group,axes", CONV_SYMBOLIC)
+def test_conv_symbolic_spatial(lead, sizes, ws, strides, dilations, pads, group, axes):
+    nd = len(strides)
+    cases = [[("x", f32(*lead, *s)), ("w", f32(*ws)), ("b", f32(ws[0]))] for s in sizes]
+    check_sizes("Conv", cases, conv_ref(strides, dilations, pads[:nd], pads[nd:], group), {"x": axes},
+                strides=strides, dilations=dilations, pads=pads, group=group, kernel_shape=list(ws[2:]))
+
+
+def same_ref(strides, dilations, kernel, upper, group=1):
+    """conv_ref with SAME pads for the call's own size."""
+    def fn(x, w, b):
+        begin, end = same_pads(x.shape[2:], kernel, strides, dilations, upper)
+        return conv_ref(strides, dilations, begin, end, group)(x, w, b)
+    return fn
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+@pytest.mark.parametrize("lead,sizes,ws,strides,dilations,group", [
+    ((2, 3), sizes_of([7, 8], [8, 11]), (4, 3, 3, 2), [2, 3], [1, 1], 1),
+    ((2, 4), sizes_of([7, 9], [10, 6]), (4, 2, 3, 3), [2, 1], [1, 1], 2),
+    ((2, 3), sizes_of([9], [12]), (4, 3, 4), [2], [1], 1),
+    ((2, 3), sizes_of([9], [12]), (4, 3, 4), [1], [1], 1),
+])  # onnxruntime's Conv has no dilations with SAME
+def test_conv_symbolic_auto_pad(lead, sizes, ws, strides, dilations, group, auto_pad):
+    cases = [[("x", f32(*lead, *s)), ("w", f32(*ws)), ("b", f32(ws[0]))] for s in sizes]
+    nd = len(strides)
+    ref = (conv_ref(strides, dilations, [0] * nd, [0] * nd, group) if auto_pad == "VALID" else
+           same_ref(strides, dilations, ws[2:], auto_pad == "SAME_UPPER", group))
+    check_sizes("Conv", cases, ref, {"x": [0, *range(2, 2 + nd)]}, strides=strides, dilations=dilations,
+                group=group, auto_pad=auto_pad)
+
+
+def test_conv_static_shapes_and_unit_strides_need_no_run_time_pads():
+    """Static sizes, or symbolic ones with stride 1 (Conv1d over text): the gradients bake in every pad."""
+    static = single_op_model("Conv", [("x", f32(2, 3, 7, 8)), ("w", f32(4, 3, 3, 3))], strides=[2, 2], pads=[1] * 4)
+    ops = [n.op_type for n in gradbuilder.build_gradient_graph(static, wrt=["x", "w"], outputs=["y0"]).graph.node]
+    assert not {"Pad", "Shape", "Concat"} & set(ops)
+    cases = [[("x", f32(2, 4, n)), ("w", f32(6, 4, 3)), ("b", f32(6))] for n in (9, 14)]
+    ops = check_sizes("Conv", cases, conv_ref([1], [2], [2], [1], 1), {"x": [0, 2]}, dilations=[2], pads=[2, 1])
+    assert not {"Pad", "Shape", "Concat"} & set(ops)
+    ops = check_sizes("Conv", cases, same_ref([1], [1], [3], True), {"x": [0, 2]}, auto_pad="SAME_UPPER")
+    assert not {"Pad", "Shape", "Concat"} & set(ops)
+
+
+@pytest.mark.parametrize("xs,ws,strides,dilations,pads,extra,group", CONVT)
+def test_conv_transpose_symbolic_spatial(xs, ws, strides, dilations, pads, extra, group):
+    nd = len(strides)
+    other = tuple(n + 1 + i for i, n in enumerate(xs[2:]))
+    cases = [[("x", f32(*xs[:2], *s)), ("w", f32(*ws)), ("b", f32(ws[1] * group))] for s in (xs[2:], other)]
+    ref = conv_transpose_ref(strides, dilations, pads[:nd], pads[nd:], extra, group)
+    check_sizes("ConvTranspose", cases, ref, {"x": [0, *range(2, 2 + nd)]},
+                strides=strides, dilations=dilations, pads=pads, output_padding=extra, group=group,
+                kernel_shape=list(ws[2:]))
+
+
+@pytest.mark.parametrize("xs,ws,strides,auto_pad,begin,end,extra", [
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], "SAME_UPPER", [0, 0], [1, 1], [0, 0]),
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], "SAME_LOWER", [1, 1], [0, 0], [0, 0]),
+    ((2, 3, 4, 5), (3, 2, 4, 3), [1, 2], "SAME_UPPER", [1, 0], [2, 1], [0, 0]),
+    ((2, 3, 5), (3, 2, 3), [3], "SAME_LOWER", [0], [0], [0]),
+    ((2, 3, 4, 5), (3, 2, 3, 3), [2, 2], "VALID", [0, 0], [0, 0], [0, 0]),
+])
+def test_conv_transpose_symbolic_auto_pad(xs, ws, strides, auto_pad, begin, end, extra):
+    nd = len(strides)
+    other = tuple(n + 2 for n in xs[2:])
+    cases = [[("x", f32(*xs[:2], *s)), ("w", f32(*ws)), ("b", f32(ws[1]))] for s in (xs[2:], other)]
+    check_sizes("ConvTranspose", cases, conv_transpose_ref(strides, [1] * nd, begin, end, extra, 1),
+                {"x": list(range(2, 2 + nd))}, strides=strides, auto_pad=auto_pad)
+
+
+def test_conv_transpose_output_shape_with_symbolic_input_fails_clearly():
+    """output_shape fixes the output whatever the input size: its pads need the input size when building."""
+    model = single_op_model("ConvTranspose", [("x", f32(2, 3, 4, 5)), ("w", f32(3, 2, 3, 3))], strides=[2, 2],
+                            output_shape=[8, 10], symbolic={"x": [2, 3]})
+    with pytest.raises(RuleError, match="output_shape needs the spatial dims of 'x' to be static"):
+        gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("xs,kernel,strides,dilations,pads,ceil", POOL)
+def test_average_pool_symbolic_spatial(xs, kernel, strides, dilations, pads, ceil, include_pad):
+    nd = len(kernel)
+    other = tuple(n + 1 + i for i, n in enumerate(xs[2:]))
+    cases = [[("x", f32(*xs[:2], *s))] for s in (xs[2:], other)]
+    ops = check_sizes("AveragePool", cases,
+                      pool_ref("avg", kernel, strides, dilations, pads[:nd], pads[nd:], ceil, include_pad),
+                      {"x": [0, *range(2, 2 + nd)]}, kernel_shape=kernel, strides=strides, pads=pads, ceil_mode=ceil,
+                      count_include_pad=include_pad)
+    every_window_counts_all = not ceil and (include_pad or not any(pads))
+    assert ("ConstantOfShape" in ops) != every_window_counts_all  # run-time divisors only when they vary
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_average_pool_symbolic_dilations(include_pad):
+    kernel, strides, dilations, pads = [2, 3], [2, 1], [2, 2], [1, 2, 1, 1]
+    cases = [[("x", f32(2, 3, *s))] for s in ((9, 8), (12, 11))]
+    check_sizes("AveragePool", cases, pool_ref("avg", kernel, strides, dilations, pads[:2], pads[2:], 1, include_pad),
+                {"x": [2, 3]}, opset=19, kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads,
+                ceil_mode=1, count_include_pad=include_pad)
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+def test_average_pool_symbolic_auto_pad(auto_pad, include_pad):
+    kernel, strides = [3, 2], [2, 3]
+
+    def ref(x):
+        begin, end = same_pads(x.shape[2:], kernel, strides, [1, 1], auto_pad == "SAME_UPPER")
+        return pool_ref("avg", kernel, strides, [1, 1], begin, end, 0, include_pad)(x)
+
+    cases = [[("x", f32(2, 3, *s))] for s in ((7, 8), (8, 10), (9, 11))]  # onnxruntime fails W = 9 (pad -1)
+    check_sizes("AveragePool", cases, ref, {"x": [2, 3]}, kernel_shape=kernel, strides=strides, auto_pad=auto_pad,
+                count_include_pad=include_pad)
+
+
+def test_symbolic_spatial_finite_differences():
+    """The run-time pads and divisors of the symbolic paths, probed by check_op's finite differences too."""
+    check_op("Conv", [("x", f32(2, 3, 7, 8)), ("w", f32(4, 3, 3, 3)), ("b", f32(4))],
+             same_ref([2, 3], [1, 1], [3, 3], False), strides=[2, 3], auto_pad="SAME_LOWER",
+             symbolic={"x": [0, 2, 3]})
+    check_op("AveragePool", [("x", f32(2, 3, 7, 8))], pool_ref("avg", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1),
+             kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4, ceil_mode=1, symbolic={"x": [2, 3]})
+
+
 # --- normalization -------------------------------------------------------------------------------
 def bn_inputs(xs, dtype=np.float64):
     c = xs[1]
@@ -604,17 +775,6 @@ def test_float16_conv_and_layer_norm():
     check_op("AveragePool", [("x", r(2, 3, 6, 6).astype(half))],
              pool_ref("avg", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 0), kernel_shape=[3, 3], strides=[2, 2],
              pads=[1] * 4, fd=False, rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("op,inputs,attrs", [
-    ("Conv", [("x", f32(2, 3, 6, 6)), ("w", f32(4, 3, 3, 3))], {}),
-    ("AveragePool", [("x", f32(2, 3, 6, 6))], {"kernel_shape": [2, 2]}),
-    ("ConvTranspose", [("x", f32(2, 3, 6, 6)), ("w", f32(3, 4, 3, 3))], {}),
-])
-def test_symbolic_spatial_dims_fail_clearly(op, inputs, attrs):
-    model = single_op_model(op, inputs, symbolic={"x": [2]}, **attrs)
-    with pytest.raises(RuleError, match="spatial dims of 'x' to be static"):
-        gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
 
 
 def test_window_out_sizes_match_onnxruntime():

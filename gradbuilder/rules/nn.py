@@ -1,9 +1,11 @@
 """Convolution, pooling, normalization and dropout: the layers of a CNN.
 
 `Window` resolves a node's kernel, strides, dilations and pads per spatial dim (auto_pad and ceil_mode
-included) the way onnxruntime does; the input gradient of a strided window op is then a ConvTranspose
-whose end pads and output_padding `Window.adjoint_pads` derives, and a weight gradient is a Conv with
-batch and channels swapped.
+included) the way onnxruntime does. The input gradient of a strided window op is a ConvTranspose whose
+end pads and output_padding follow from each dim's tail (how far the last window reaches past the input);
+a weight gradient is a Conv with batch and channels swapped. Symbolic spatial dims make tails (and SAME
+pads) run-time int64 vectors: ConvTranspose then runs without them and a Pad with run-time pads (negative
+ones crop) lays its output onto the input, so one gradient graph serves every input size.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import reduce
+from typing import Any
 
 import numpy as np
 import onnx
@@ -20,6 +23,10 @@ from .context import Grad
 from .registry import rule
 
 HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+Sizes = Sequence[int] | str
+"""Per spatial dim: ints known when building, or (str) a 1-D int64 tensor computed at run time."""
 
 
 # --- shared helpers ------------------------------------------------------------------------------
@@ -30,13 +37,39 @@ def _per_channel(g: Grad, t: str, rank: int) -> str:
     return g.unsqueeze(t, [0, *range(2, rank)])
 
 
+def _dims(g: Grad, x: str, nd: int) -> list[int | None]:
+    """x's nd spatial sizes, None where symbolic."""
+    shape = g.info(x).shape
+    if shape is None or len(shape) != nd + 2:
+        return [None] * nd
+    return [d if isinstance(d, int) else None for d in shape[2:]]
+
 
 def _spatial(g: Grad, x: str, why: str) -> list[int]:
-    """x's spatial sizes, which pads, output_padding and divisors are computed from at build time."""
+    """x's spatial sizes, for a rule that computes from them at build time."""
     shape = g.info(x).shape
     if shape is None or not all(isinstance(d, int) for d in shape[2:]):
         g.fail(f"{why} needs the spatial dims of '{x}' to be static (they are {shape and list(shape[2:])})")
     return list(shape[2:])  # type: ignore[index, arg-type]
+
+
+def _vec(g: Grad, v: Sizes) -> str:
+    return v if isinstance(v, str) else g.ints(list(v))
+
+
+def _sizes(g: Grad, x: str, nd: int) -> Sizes:
+    """x's spatial sizes: ints when static, else sliced from its run-time shape (a forward tensor)."""
+    dims = _dims(g, x, nd)
+    if all(d is not None for d in dims):
+        return dims  # type: ignore[return-value]
+    return g.Slice(g.shape_of(x), g.ints([2]), g.ints([INT64_MAX]))
+
+
+def _pads(g: Grad, begin: Sizes, end: Sizes) -> str:
+    """Pad's run-time `pads` over (N, C, spatial...): nothing added to batch and channels."""
+    if not isinstance(begin, str) and not isinstance(end, str):
+        return g.ints([0, 0, *begin, 0, 0, *end])
+    return g.Concat(g.ints([0, 0]), _vec(g, begin), g.ints([0, 0]), _vec(g, end), axis=0)
 
 
 def _kernel(g: Grad, w: str) -> list[int]:
@@ -58,51 +91,52 @@ def _static_dim(g: Grad, t: str, axis: int) -> int:
     return shape[axis]  # type: ignore[index, return-value]
 
 
+def _ends_deficit(tails: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Static tails as (end pads, deficit): past the input the end pad cuts, short of it (deficit) no window
+    reaches and the gradient there is zero (a ConvTranspose's output_padding)."""
+    return [max(t, 0) for t in tails], [max(-t, 0) for t in tails]
+
+
 @dataclass(frozen=True)
 class Window:
-    """Per spatial dim: kernel, stride, dilation and the begin/end pads of a window op."""
+    """Per spatial dim: kernel, stride, dilation and the begin/end pads of a window op. The pads are
+    run-time vectors (str) only for auto_pad SAME over a symbolic dim with a stride above 1."""
 
     kernel: tuple[int, ...]
     strides: tuple[int, ...]
     dilations: tuple[int, ...]
-    begin: tuple[int, ...]
-    end: tuple[int, ...]
+    begin: tuple[int, ...] | str
+    end: tuple[int, ...] | str
 
     @property
     def pads(self) -> list[int]:
-        return [*self.begin, *self.end]
+        return [*self.begin, *self.end]  # type: ignore[misc]
 
     def extent(self, i: int) -> int:
         return (self.kernel[i] - 1) * self.dilations[i] + 1
 
+    def out_size(self, i: int, n: int, ceil: bool = False) -> int:
+        """Output size as onnxruntime computes it: with ceil_mode, a window may not start in the end pad."""
+        s, b = self.strides[i], self.begin[i]  # type: ignore[index]
+        span = n + b + self.end[i] - self.extent(i)  # type: ignore[index]
+        o = (-(-span // s) if ceil else span // s) + 1
+        return o - 1 if ceil and (o - 1) * s >= n + b else o
+
     def out_sizes(self, sizes: Sequence[int], ceil: bool = False) -> list[int]:
-        """Output sizes as onnxruntime computes them: with ceil_mode, a window may not start in the end pad."""
-        outs = []
-        for i, n in enumerate(sizes):
-            s, span = self.strides[i], n + self.begin[i] + self.end[i] - self.extent(i)
-            o = (-(-span // s) if ceil else span // s) + 1
-            if ceil and (o - 1) * s >= n + self.begin[i]:
-                o -= 1
-            outs.append(o)
-        return outs
+        return [self.out_size(i, n, ceil) for i, n in enumerate(sizes)]
+
+    def tail(self, i: int, n: int, o: int) -> int:
+        """How far the windows of dim i reach past an input of size n: (o-1)*s + extent - begin - n."""
+        return (o - 1) * self.strides[i] + self.extent(i) - self.begin[i] - n  # type: ignore[index]
 
     def adjoint_pads(self, sizes: Sequence[int], outs: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(end pads, deficit) for the adjoint of this window op from `outs` back onto `sizes`.
-
-        The windows reach (o-1)*s + extent padded positions; what lies past `sizes` + begin pad is cut by
-        the end pad; positions no window reaches (deficit > 0) get zero gradient: a ConvTranspose's
-        output_padding, or a crop of the input of the weight-gradient Conv.
-        """
-        ends, deficit = [], []
-        for i, (n, o) in enumerate(zip(sizes, outs)):
-            tail = (o - 1) * self.strides[i] + self.extent(i) - self.begin[i] - n
-            ends.append(max(tail, 0))
-            deficit.append(max(-tail, 0))
-        return ends, deficit
+        """(end pads, deficit) of the adjoint of this window op from `outs` back onto `sizes`."""
+        return _ends_deficit([self.tail(i, n, o) for i, (n, o) in enumerate(zip(sizes, outs))])
 
 
 def _window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
-    """The node's window with auto_pad resolved: SAME pads depend on the (then required static) input size."""
+    """The node's window with auto_pad resolved. SAME pads total (ceil(n/s) - 1) * s + extent - n: static
+    for stride 1 or a static size, else computed at run time."""
     nd = len(kernel)
     strides = tuple(g.attr("strides", [1] * nd))
     dilations = tuple(g.attr("dilations", [1] * nd))
@@ -114,38 +148,88 @@ def _window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
         return Window(tuple(kernel), strides, dilations, (0,) * nd, (0,) * nd)
     if auto not in ("SAME_UPPER", "SAME_LOWER"):
         g.fail(f"unknown auto_pad '{auto}'")
-    sizes = _spatial(g, x, f"auto_pad={auto}")
-    begin, end = [], []
-    for i, n in enumerate(sizes):
-        s, ext = strides[i], (kernel[i] - 1) * dilations[i] + 1
-        total = max(0, (-(-n // s) - 1) * s + ext - n)
-        small = total // 2
-        begin.append(small if auto == "SAME_UPPER" else total - small)
-        end.append(total - begin[-1])
-    return Window(tuple(kernel), strides, dilations, tuple(begin), tuple(end))
+    extents = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    dims = _dims(g, x, nd)
+    if all(n is not None or s == 1 for n, s in zip(dims, strides)):
+        total = [e - 1 if s == 1 else max(0, (-(-n // s) - 1) * s + e - n)  # type: ignore[operator]
+                 for n, s, e in zip(dims, strides, extents)]
+        begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+        return Window(tuple(kernel), strides, dilations, tuple(begin), tuple(t - b for t, b in zip(total, begin)))
+    n, s = _sizes(g, x, nd), g.ints(list(strides))
+    last = g.Mul(g.Div(g.Add(n, g.ints([k - 1 for k in strides])), s), s)  # ceil(n/s) * s
+    total_rt = g.Max(g.Sub(g.Add(last, g.ints([e - k for e, k in zip(extents, strides)])), n), g.ints([0] * nd))
+    half = g.Div(total_rt, g.ints([2] * nd))
+    begin_rt = half if auto == "SAME_UPPER" else g.Sub(total_rt, half)
+    return Window(tuple(kernel), strides, dilations, begin_rt, g.Sub(total_rt, begin_rt))
 
 
-def _weight_grad(g: Grad, inp: str, dout: str, win: Window, sizes: Sequence[int], outs: Sequence[int],
-                 group: int, per_group: int) -> str:
+def _tails(g: Grad, win: Window, x: str, ceil: bool = False) -> Sizes:
+    """Per spatial dim, `Window.tail` of the node's windows over x: ints when x's size is static or the
+    stride is 1 (the tail is then the end pad), else computed at run time from x's and y's shapes."""
+    nd = len(win.kernel)
+    if not isinstance(win.begin, str):
+        static: list[int] = []
+        for i, n in enumerate(_dims(g, x, nd)):
+            if n is not None:
+                static.append(win.tail(i, n, win.out_size(i, n, ceil)))
+            elif win.strides[i] == 1:  # o - 1 = n + begin + end - extent
+                static.append(win.end[i])  # type: ignore[index]
+            else:
+                break
+        else:
+            return static
+    reach = g.Add(g.Mul(_vec(g, _sizes(g, g.O(0), nd)), g.ints(list(win.strides))),
+                  g.ints([win.extent(i) - s for i, s in enumerate(win.strides)]))  # (o-1)*s + extent
+    return g.Sub(g.Sub(reach, _vec(g, win.begin)), _vec(g, _sizes(g, x, nd)))
+
+
+def _onto_input(g: Grad, t: str, w: str, win: Window, tails: Sizes, **attrs: Any) -> str:
+    """ConvTranspose of t (shaped like the window op's output) by w, laid onto the input's positions: the
+    adjoint of the window op. Run-time tails: the transposed output runs from the static begin pad (or 0)
+    to the end of the last window, and a Pad crops or zero-extends it to the input."""
+    common = {"strides": list(win.strides), "dilations": list(win.dilations), **attrs}
+    if not isinstance(tails, str):
+        ends, extra = _ends_deficit(tails)
+        return g.ConvTranspose(t, w, pads=[*win.begin, *ends], output_padding=extra if any(extra) else None,
+                               **common)
+    nd = len(win.kernel)
+    if isinstance(win.begin, str):
+        full = g.ConvTranspose(t, w, pads=[0] * 2 * nd, **common)
+        return g.Pad(full, _pads(g, g.Neg(win.begin), g.Neg(tails)))
+    full = g.ConvTranspose(t, w, pads=[*win.begin, *[0] * nd], **common)
+    return g.Pad(full, _pads(g, [0] * nd, g.Neg(tails)))
+
+
+def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails: Sizes, group: int,
+                 per_group: int) -> str:
     """dW[m, c, t] = sum over n, o of dout[n, m, o] * inp_padded[n, group(m) * per_group + c, o*s + t*d].
 
-    That is a Conv over `inp` with batch and channels swapped (the group's channels stacked on the batch),
-    `dout` (batch and channels swapped too) as the kernel, strides and dilations exchanged.
+    That is a Conv over `inp` (spatial `sizes`) with batch and channels swapped (the group's channels
+    stacked on the batch), `dout` (batch and channels swapped too) as the kernel, strides and dilations
+    exchanged; `inp` is padded by the begin pads and the tails (negative ones crop what no window reaches).
     """
-    nd = len(sizes)
+    nd = len(win.kernel)
     spatial = list(range(2, 2 + nd))
-    ends, crop = win.adjoint_pads(sizes, outs)
-    if any(crop):
-        inp = g.Slice(inp, g.ints([0] * nd), g.ints([n - c for n, c in zip(sizes, crop)]), g.ints(spatial))
-        sizes = [n - c for n, c in zip(sizes, crop)]
     swap = [1, 0, *spatial]
     if group == 1:
         inp_t = g.Transpose(inp, perm=swap)
     else:  # (N, G*Cg, D...) -> (Cg, G*N, D...): channel g*N + n of the grouped Conv is sample n of group g
         inp_t = g.Reshape(inp, g.ints([0, group, per_group, -1]))
-        inp_t = g.Reshape(g.Transpose(inp_t, perm=[2, 1, 0, 3]), g.ints([per_group, -1, *sizes]))
+        if isinstance(sizes, str):
+            target = g.Concat(g.ints([per_group, -1]), sizes, axis=0)
+        else:
+            target = g.ints([per_group, -1, *sizes])
+        inp_t = g.Reshape(g.Transpose(inp_t, perm=[2, 1, 0, 3]), target)
+    if not isinstance(tails, str):
+        ends, crop = _ends_deficit(tails)
+        if any(crop):
+            inp_t = g.Slice(inp_t, g.ints([0] * nd), g.ints([-c if c else INT64_MAX for c in crop]), g.ints(spatial))
+        pads = [*win.begin, *ends]
+    else:
+        inp_t = g.Pad(inp_t, _pads(g, win.begin, tails))
+        pads = None
     dw_t = g.Conv(inp_t, g.Transpose(dout, perm=swap), strides=list(win.dilations), dilations=list(win.strides),
-                  pads=[*win.begin, *ends], group=group)
+                  pads=pads, group=group)
     return g.Transpose(dw_t, perm=swap)
 
 
@@ -164,71 +248,73 @@ def conv(g: Grad):
     group = int(g.attr("group", 1))
     dx = dw = db = None
     if g.needs(0) or g.needs(1):
-        sizes = _spatial(g, x, "the Conv gradient")
-        outs = win.out_sizes(sizes)
+        tails = _tails(g, win, x)
     if g.needs(0):
-        ends, extra = win.adjoint_pads(sizes, outs)
-        dx = g.ConvTranspose(dy, w, kernel_shape=kernel, strides=list(win.strides), dilations=list(win.dilations),
-                             group=group, pads=[*win.begin, *ends], output_padding=extra if any(extra) else None)
+        dx = _onto_input(g, dy, w, win, tails, kernel_shape=kernel, group=group)
     if g.needs(1):
-        per_group = _static_dim(g, w, 1)
-        dw = _weight_grad(g, x, dy, win, sizes, outs, group, per_group)
+        dw = _weight_grad(g, x, _sizes(g, x, len(kernel)), dy, win, tails, group, _static_dim(g, w, 1))
     if g.I(2) is not None and g.needs(2):
         db = _channel_sum(g, dy, len(kernel) + 2)
     return (dx, dw, db)
 
 
-def _transpose_window(g: Grad, sizes: Sequence[int], kernel: Sequence[int]) -> tuple[Window, list[int], list[int]]:
-    """ConvTranspose's window, output sizes, and how much of the output the input reaches.
+def _transpose_window(g: Grad, x: str, kernel: Sequence[int]) -> tuple[Window, list[int], list[int]]:
+    """ConvTranspose's window; per dim, how many trailing output positions the input does not reach (short);
+    and the tails of the adjoint Conv (its weight gradient's), end pad - output_padding.
 
-    Pads come from `pads`, or from `output_shape` / auto_pad SAME (output = input * stride) as onnxruntime
-    splits the total padding: the odd one at the end for SAME_UPPER, at the start otherwise. An output_shape
-    beyond what the input reaches leaves trailing zeros, whose gradient reaches nothing.
+    The full output is (n-1)*s + extent + output_padding. Pads come from `pads`, or from the excess of the full
+    output over `output_shape` or, with auto_pad SAME, over n*s (excess = extent + output_padding - s, static),
+    split as onnxruntime does: the odd one at the end for SAME_UPPER, at the start otherwise. An output
+    beyond what the input reaches has trailing zeros, whose gradient reaches nothing.
     """
     nd = len(kernel)
-    strides = tuple(g.attr("strides", [1] * nd))
-    dilations = tuple(g.attr("dilations", [1] * nd))
+    strides = list(g.attr("strides", [1] * nd))
+    dilations = list(g.attr("dilations", [1] * nd))
     extra = list(g.attr("output_padding", [0] * nd))
     auto = g.attr("auto_pad", "NOTSET")
     out_shape = g.attr("output_shape")
-    full = [(n - 1) * s + (k - 1) * d + 1 + e for n, s, k, d, e in zip(sizes, strides, kernel, dilations, extra)]
-    if out_shape is None and auto in ("SAME_UPPER", "SAME_LOWER"):
-        out_shape = [n * s for n, s in zip(sizes, strides)]
+    extents = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
     if out_shape is not None:
-        outs = list(out_shape)[-nd:]
-        total = [max(0, f - o) for f, o in zip(full, outs)]
-        begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
-        end = [max(0, f - b - o) for f, b, o in zip(full, begin, outs)]
+        sizes = _spatial(g, x, "output_shape")
+        excess = [(n - 1) * s + e + p - o for n, s, e, p, o in zip(sizes, strides, extents, extra, out_shape[-nd:])]
+    elif auto in ("SAME_UPPER", "SAME_LOWER"):
+        excess = [e + p - s for s, e, p in zip(strides, extents, extra)]
     else:
         pads = [0] * 2 * nd if auto == "VALID" else list(g.attr("pads", [0] * 2 * nd))
-        begin, end = pads[:nd], pads[nd:]
-        outs = [f - b - e for f, b, e in zip(full, begin, end)]
-    reached = [f - b - e for f, b, e in zip(full, begin, end)]
-    return Window(tuple(kernel), strides, dilations, tuple(begin), tuple(end)), outs, reached
+        win = Window(tuple(kernel), tuple(strides), tuple(dilations), tuple(pads[:nd]), tuple(pads[nd:]))
+        return win, [0] * nd, [e - p for e, p in zip(pads[nd:], extra)]
+    total = [max(0, t) for t in excess]
+    begin = [t // 2 if auto == "SAME_UPPER" else t - t // 2 for t in total]
+    end = [max(0, t - b) for t, b in zip(excess, begin)]
+    short = [b + e - t for b, e, t in zip(begin, end, excess)]
+    win = Window(tuple(kernel), tuple(strides), tuple(dilations), tuple(begin), tuple(end))
+    return win, short, [e - p for e, p in zip(end, extra)]
 
 
 @rule("ConvTranspose", since=13)
 def conv_transpose(g: Grad):
     """The adjoint of Conv: dX is a Conv of dY with the same weight; dW is Conv's weight gradient with
-    the roles of input and output exchanged."""
+    the roles of input and output exchanged. Every pad is static whatever the input size."""
     x, w, dy = g.I(0), g.I(1), g.GO(0)
     kernel = _kernel(g, w)
     group = int(g.attr("group", 1))
-    rank = len(kernel) + 2
+    nd = len(kernel)
     dx = dw = db = None
     if g.needs(0) or g.needs(1):
-        sizes = _spatial(g, x, "the ConvTranspose gradient")
-        win, outs, reached = _transpose_window(g, sizes, kernel)
+        win, short, tails = _transpose_window(g, x, kernel)
         dy_used = dy
-        if reached != outs:
-            dy_used = g.Slice(dy, g.ints([0] * len(kernel)), g.ints(reached), g.ints(list(range(2, rank))))
+        if any(short):
+            dy_used = g.Slice(dy, g.ints([0] * nd), g.ints([-c if c else INT64_MAX for c in short]),
+                              g.ints(list(range(2, nd + 2))))
     if g.needs(0):
         dx = g.Conv(dy_used, w, kernel_shape=kernel, strides=list(win.strides), dilations=list(win.dilations),
                     group=group, pads=win.pads)
     if g.needs(1):
-        dw = _weight_grad(g, dy_used, x, win, reached, sizes, group, _static_dim(g, w, 1))
+        outs = _sizes(g, g.O(0), nd)
+        reached = g.Sub(outs, g.ints(short)) if isinstance(outs, str) else [o - c for o, c in zip(outs, short)]
+        dw = _weight_grad(g, dy_used, reached, x, win, tails, group, _static_dim(g, w, 1))
     if g.I(2) is not None and g.needs(2):
-        db = _channel_sum(g, dy, rank)
+        db = _channel_sum(g, dy, nd + 2)
     return (dx, dw, db)
 
 
@@ -276,28 +362,59 @@ def _divisors(win: Window, sizes: Sequence[int], outs: Sequence[int], include_pa
     fall inside the input, or inside input plus pads with count_include_pad)."""
     per_dim = []
     for i, (n, o) in enumerate(zip(sizes, outs)):
-        lo, hi = (-win.begin[i], n + win.end[i]) if include_pad else (0, n)
+        lo, hi = (-win.begin[i], n + win.end[i]) if include_pad else (0, n)  # type: ignore[index]
         taps = (np.arange(o) * win.strides[i] - win.begin[i])[:, None] + np.arange(win.kernel[i]) * win.dilations[i]
         per_dim.append(((taps >= lo) & (taps < hi)).sum(axis=1))
     return np.maximum(reduce(np.multiply.outer, per_dim), 1)
 
 
+def _counted(g: Grad, x: str, win: Window, tails: Sizes, include_pad: bool) -> str:
+    """`_divisors` at run time, shaped (1, 1, out...): a ones-kernel Conv over the indicator of the counted
+    positions (the input, or input plus pads) laid on the padded grid the windows span, which begins at
+    -begin and ends at n + tail."""
+    nd = len(win.kernel)
+    n = _sizes(g, x, nd)
+    if include_pad:  # counted: [-begin, n + end)
+        end = _vec(g, win.end)
+        length, lead, trail = g.Add(g.Add(_vec(g, n), _vec(g, win.begin)), end), [0] * nd, g.Sub(_vec(g, tails), end)
+    else:
+        length, lead, trail = n, win.begin, tails
+    one = helper.make_tensor("value", g.dtype(x) or TensorProto.FLOAT, [1], [1])
+    ones = g.cast_like(g.ConstantOfShape(g.Concat(g.ints([1, 1]), _vec(g, length), axis=0), value=one), x, x)
+    region = g.Pad(ones, _pads(g, lead, trail))
+    return g.Conv(region, g.const(np.ones([1, 1, *win.kernel]), like=x), kernel_shape=list(win.kernel),
+                  strides=list(win.strides), dilations=list(win.dilations))
+
+
+def spread_windows(g: Grad, t: str, x: str, win: Window, tails: Sizes) -> str:
+    """Adjoint of summing each window of x: t (shaped like the pool's output) added onto every position of
+    its window, a ones-kernel ConvTranspose over (N*C, 1, out...) shaped back like x."""
+    nd = len(win.kernel)
+    flat = g.Reshape(t, g.ints([-1, 1, *[0] * nd]))  # 0: the output's spatial sizes, whatever they are
+    ones = g.const(np.ones([1, 1, *win.kernel]), like=x)
+    return g.Reshape(_onto_input(g, flat, ones, win, tails, kernel_shape=list(win.kernel)), g.shape_of(x))
+
+
 @rule("AveragePool", since=13)
 def average_pool(g: Grad):
-    """dY / divisor spread over each window: a ConvTranspose with a ones kernel over (N*C, 1, ...)."""
+    """dY / divisor spread over each window. The divisors are constants when the sizes are static or every
+    window counts all its taps (no ceil_mode, and count_include_pad or no pads), else computed at run time."""
     x, dy = g.I(0), g.GO(0)
     kernel = list(g.attr("kernel_shape"))
-    sizes = _spatial(g, x, "the AveragePool gradient")
+    nd = len(kernel)
+    ceil, include_pad = bool(g.attr("ceil_mode", 0)), bool(g.attr("count_include_pad", 0))
     win = _window(g, x, kernel)
-    outs = win.out_sizes(sizes, ceil=bool(g.attr("ceil_mode", 0)))
-    inv = 1.0 / _divisors(win, sizes, outs, bool(g.attr("count_include_pad", 0)))
-    scaled = g.Mul(dy, g.const(inv.flat[0] if np.all(inv == inv.flat[0]) else inv, like=x))
-    ends, extra = win.adjoint_pads(sizes, outs)
-    ones = g.const(np.ones([1, 1, *kernel]), like=x)
-    spread = g.ConvTranspose(g.Reshape(scaled, g.ints([-1, 1, *outs])), ones, kernel_shape=kernel,
-                             strides=list(win.strides), dilations=list(win.dilations), pads=[*win.begin, *ends],
-                             output_padding=extra if any(extra) else None)
-    return (g.Reshape(spread, g.shape_of(x)),)
+    tails = _tails(g, win, x, ceil)
+    sizes = _dims(g, x, nd)
+    if not ceil and (include_pad or (not isinstance(win.begin, str) and not any(win.pads))):
+        scaled = g.Mul(dy, g.const(1.0 / float(np.prod(kernel)), like=x))
+    elif all(n is not None for n in sizes):
+        outs = win.out_sizes(sizes, ceil)  # type: ignore[arg-type]
+        inv = 1.0 / _divisors(win, sizes, outs, include_pad)  # type: ignore[arg-type]
+        scaled = g.Mul(dy, g.const(inv.flat[0] if np.all(inv == inv.flat[0]) else inv, like=x))
+    else:
+        scaled = g.Div(dy, _counted(g, x, win, tails, include_pad))
+    return (spread_windows(g, scaled, x, win, tails),)
 
 
 def _spatial_count(g: Grad, x: str) -> str:
