@@ -587,9 +587,11 @@ def test_save_onnx_env_writes_all_files(tmp_path, monkeypatch) -> None:
 
 def test_dynamo_exporter() -> None:
     """BatchNorm (emitted in inference mode by dynamo, switched to training mode) and two LayerNorms with equal
-    initial weights (optimize=False keeps them apart)."""
+    initial weights (optimize=False keeps them apart); a tied weight, which dynamo names by its last alias
+    (`named_parameters()` by its first)."""
     model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.LayerNorm(8),
-                          nn.LayerNorm(8), nn.Linear(8, 2))
+                          nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    model[6].weight = model[5].weight
     ref, om = pair(model, exporter="dynamo")
     x = torch.randn(6, 4)
     om(x).pow(2).sum().backward()
