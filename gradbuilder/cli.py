@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .builder import build_gradient_graph
+from .draw import DEFAULT_MAX_NODES, render_svg, to_dot
 from .errors import GradBuilderError
 from .graph import UMASK, save_model_atomic, save_text_atomic
 from .inspect_model import (
@@ -74,9 +75,9 @@ def _check_writable(out: Path, what: str) -> None:
         raise CliError(f"cannot write {what} {out}: directory {parent} is not writable.")
 
 
-def _check_output_file(out: Path, inp: Path) -> None:
+def _check_output_file(out: Path, inp: Path, kind: str = ".onnx") -> None:
     if out.is_dir():
-        raise CliError(f"output {out} is a directory; give the path of the .onnx file to write.")
+        raise CliError(f"output {out} is a directory; give the path of the {kind} file to write.")
     if _same_file(out, inp):
         raise CliError(f"output {out} is the input file; gradbuilder never overwrites its input. "
                        "Give another output path.")
@@ -179,6 +180,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+DRAW_FORMATS = {".svg": "svg", ".dot": "dot", ".gv": "dot"}
+
+
+def cmd_draw(args: argparse.Namespace) -> int:
+    inp, out = Path(args.input), Path(args.output)
+    fmt = DRAW_FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise CliError(f"cannot tell what to write to {out}: give OUT.svg for the picture, or OUT.dot (or .gv) "
+                       "for its Graphviz source.")
+    _check_output_file(out, inp, kind=out.suffix)
+    picture = to_dot(inp, around=args.around or (), radius=args.radius, max_nodes=args.max_nodes)
+    text = render_svg(picture.dot) if fmt == "svg" else picture.dot
+    try:
+        save_text_atomic(text, out)
+    except OSError as e:
+        raise _write_error("output", out, e) from e
+    _say(args, "\n".join([f"wrote {out}: {picture.summary()}", *(f"note: {n}" for n in picture.notes)]))
+    return 0
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected an integer of at least {low}, got '{text}'")
+        return n
+    return parse
+
+
 def cmd_ops(args: argparse.Namespace) -> int:
     rows = op_table()
     print(render_ops_markdown(rows) if args.markdown else render_ops_text(rows), end="" if args.markdown else "\n")
@@ -205,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     # accepted before and after the command; SUPPRESS keeps a later absence from resetting an earlier -q (the
     # action objects are shared with every parser that lists `common` as a parent, so no set_defaults here)
     common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                        help="print nothing but errors (build, split)")
+                        help="print nothing but errors (build, split, draw)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the Python traceback of an error")
     p = argparse.ArgumentParser(prog=PROG, parents=[common],
@@ -237,6 +270,21 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--dim", metavar="NAME=N", type=_dim, action="append",
                    help="value of a symbolic dim for byte counts, e.g. --dim batch=32")
     i.set_defaults(run=cmd_inspect)
+
+    d = sub.add_parser("draw", parents=[common], help="picture of a training graph (or forward model) as SVG",
+                       description="Draw a training graph: forward nodes, the Yield boundary and backward nodes in "
+                       "three colours, stashed tensors as purple cylinders, parameters that get no gradient dashed. "
+                       "SVG needs Graphviz: `pip install 'gradbuilder[draw]'` (no system package) or a `dot` program; "
+                       "OUT.dot writes the Graphviz source without it.")
+    d.add_argument("input", metavar="FILE.onnx")
+    d.add_argument("-o", "--output", metavar="OUT.svg", required=True, help="OUT.svg, or OUT.dot for the DOT source")
+    d.add_argument("--around", metavar="NAME", nargs="+", action="extend",
+                   help="draw only the neighbourhood of these nodes or tensors (highlighted)")
+    d.add_argument("--radius", metavar="N", type=_at_least(0),
+                   help="steps out from --around (default 2) or from the Yield")
+    d.add_argument("--max-nodes", metavar="N", type=_at_least(1), default=DEFAULT_MAX_NODES,
+                   help=f"draw at most N nodes, nearest the Yield or --around first (default {DEFAULT_MAX_NODES})")
+    d.set_defaults(run=cmd_draw)
 
     o = sub.add_parser("ops", parents=[common], help="list the ops that have gradient rules")
     o.add_argument("--markdown", action="store_true", help="print the table of docs/ops.md")
