@@ -56,10 +56,12 @@ class Options:
 class Schema:
     """One export and the sessions built from it (one per set of tensors requiring grad).
 
-    Some gradient rules need static sizes (Conv's spatial dims). When a build on the all-dynamic
-    export fails with a RuleError, that set of tensors is built again with every input dimension but
-    the first pinned to this call's sizes; such sessions are then cached per size (a new image size
-    rebuilds the gradient graph, it does not re-export).
+    Gradient graphs are built on the all-dynamic export, so one serves every size (Conv, ConvTranspose
+    and pooling compute their size-dependent pads at run time). Fallback for the few rules that still
+    need a static size (Einsum broadcasting a symbolic dim of an ellipsis, GatherND's index depth,
+    LpPool, ConvTranspose's output_shape, Resize's keep_aspect_ratio_policy): when a build raises a
+    RuleError, that set of tensors is built again with every input dimension but the first pinned to
+    this call's sizes, and such sessions are cached per size (a new size rebuilds, it does not re-export).
     """
 
     def __init__(self, exported: Exported, options: Options, save_dir: Path | None):

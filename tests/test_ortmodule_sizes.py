@@ -1,0 +1,87 @@
+"""ORTModule over inputs whose spatial sizes change from call to call: one export and one gradient build
+serve every image size or sequence length (the Conv, ConvTranspose and pooling rules compute what depends
+on the sizes at run time)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from runtime import ORTModule
+
+torch.manual_seed(0)
+
+
+class SmallCNN(nn.Module):
+    """Strided and dilated convs (odd/even sizes change their output_padding), ceil-mode average pooling
+    without the pads in its divisors, a depthwise conv and an upsampling ConvTranspose."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+            nn.Conv2d(8, 8, 3, stride=2, padding=2, dilation=2, groups=4), nn.Tanh(),
+            nn.ConvTranspose2d(8, 6, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+class TextCNN(nn.Module):
+    """Conv1d over a sequence of embeddings (N, C, L) with a variable length L."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv1d(4, 8, 5, padding=2), nn.ReLU(), nn.Conv1d(8, 8, 3, stride=2),
+                                  nn.ReLU(), nn.AvgPool1d(2, ceil_mode=True))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean(-1))
+
+
+@pytest.mark.parametrize("make,shapes", [
+    (SmallCNN, [(2, 3, 15, 17), (3, 3, 20, 12), (2, 3, 16, 16)]),
+    (TextCNN, [(2, 4, 11), (3, 4, 20), (2, 4, 7)]),
+], ids=["cnn", "text"])
+def test_one_gradient_build_for_every_size(make, shapes) -> None:
+    model = make()
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    opt, ref_opt = torch.optim.SGD(om.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for shape in shapes:
+        x = torch.randn(shape)
+        target = torch.randn(shape[0], ref.head.out_features)
+        for m, o in ((om, opt), (ref, ref_opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), target).backward()
+        for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{name} at {shape}")
+        opt.step()
+        ref_opt.step()
+    assert om.stats == {"exports": 1, "builds": 1, "fallbacks": 0}
+    assert len(om.training_sessions()) == 1
+
+
+class BroadcastEinsum(nn.Module):
+    """b's second dim broadcasts inside the ellipsis: the Einsum rule needs it static."""
+
+    def forward(self, a, b):
+        return torch.einsum("b...ij,b...jk->b...ik", a, b)
+
+
+def test_rules_needing_static_sizes_fall_back_to_a_build_per_size() -> None:
+    om, ref = ORTModule(BroadcastEinsum()), BroadcastEinsum()
+    for n in (3, 5, 3):
+        a, b = torch.randn(2, n, 3, 4, requires_grad=True), torch.randn(2, 1, 4, 5, requires_grad=True)
+        c = torch.randn(2, n, 3, 5)
+        got = torch.autograd.grad((om(a, b) * c).sum(), (a, b))
+        want = torch.autograd.grad((ref(a, b) * c).sum(), (a, b))
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)
+    assert om.stats == {"exports": 1, "builds": 2, "fallbacks": 0}  # one per size (the failed dynamic build uncounted)
