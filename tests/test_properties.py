@@ -197,7 +197,7 @@ def test_random_graphs_match_finite_differences(case):
     _check_invariants(training, model, g, wrt, selected)
 
     trainer = Trainer(training)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(12345)  # not the parameters' stream: x == w would sit on Greater's kink
     feeds = {"x": rng.standard_normal(g.inputs["x"])}
     outs, _ = trainer.run_forward(feeds)
     cot = [rng.standard_normal(o.shape) if o.dtype == np.float64 else None for o in outs]
