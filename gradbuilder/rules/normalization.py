@@ -6,13 +6,11 @@ Statistics are recomputed from X in backward (X is read anyway); the pools read 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from .context import Grad
 from .elementwise import keep
-from .nn import Window, _spatial, _window
+from .nn import _tails, _window, spread_windows
 from .registry import rule
 
 
@@ -80,16 +78,6 @@ def rms_normalization(g: Grad):
 
 
 # --- Lp pools ----------------------------------------------------------------------------------------
-def _window_sum_adjoint(g: Grad, t: str, x: str, win: Window, sizes: Sequence[int], outs: Sequence[int]) -> str:
-    """Adjoint of summing each window of x: t (shaped like the pool's output) spread over the positions
-    of each window, a ConvTranspose with a ones kernel over (N*C, 1, ...)."""
-    ends, extra = win.adjoint_pads(sizes, outs)
-    ones = g.const(np.ones([1, 1, *win.kernel]), like=x)
-    spread = g.ConvTranspose(g.Reshape(t, g.ints([-1, 1, *outs])), ones, kernel_shape=list(win.kernel),
-                             strides=list(win.strides), dilations=list(win.dilations), pads=[*win.begin, *ends],
-                             output_padding=extra if any(extra) else None)
-    return g.Reshape(spread, g.shape_of(x))
-
 
 def _lp_factor(g: Grad, x: str, y: str, dy: str, p: int) -> tuple[str, str]:
     """y = (sum |x|^p)^(1/p): dX = sign(x) |x|^(p-1) * spread(dY / y^(p-1)). Returns (the factor of x,
@@ -115,12 +103,10 @@ def _p(g: Grad) -> int:
 def lp_pool(g: Grad):
     """Each window's Lp norm: dY / y^(p-1) spread over the window, times sign(x)|x|^(p-1)."""
     x, y, dy = g.I(0), g.O(0), g.GO(0)
-    kernel = list(g.attr("kernel_shape"))
-    sizes = _spatial(g, x, "the LpPool gradient")
-    win = _window(g, x, kernel)
-    outs = win.out_sizes(sizes, ceil=bool(g.attr("ceil_mode", 0)))
+    win = _window(g, x, list(g.attr("kernel_shape")))
+    tails = _tails(g, win, x, bool(g.attr("ceil_mode", 0)))
     factor, per_output = _lp_factor(g, x, y, dy, _p(g))
-    return (g.Mul(factor, _window_sum_adjoint(g, per_output, x, win, sizes, outs)),)
+    return (g.Mul(factor, spread_windows(g, per_output, x, win, tails)),)
 
 
 @rule("GlobalLpPool", since=13)
