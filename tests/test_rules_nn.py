@@ -406,7 +406,7 @@ def test_conv_symbolic_spatial(lead, sizes, ws, strides, dilations, pads, group,
 
 def same_ref(strides, dilations, kernel, upper, group=1):
     """conv_ref with SAME pads for the call's own size."""
-    def fn(x, w, b):
+    def fn(x, w, b=None):
         begin, end = same_pads(x.shape[2:], kernel, strides, dilations, upper)
         return conv_ref(strides, dilations, begin, end, group)(x, w, b)
     return fn
@@ -518,6 +518,29 @@ def test_symbolic_spatial_finite_differences():
              symbolic={"x": [0, 2, 3]})
     check_op("AveragePool", [("x", f32(2, 3, 7, 8))], pool_ref("avg", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1),
              kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4, ceil_mode=1, symbolic={"x": [2, 3]})
+
+
+@pytest.mark.parametrize("opset", [13, 23])
+def test_symbolic_spatial_opset_range_ends(opset):
+    """The run-time pads (Pad with a pads input, negative ones cropping) and divisors at both opset ends."""
+    dyn = {"x": [0, 2, 3]}
+    check_op("Conv", [("x", f32(2, 4, 7, 8)), ("w", f32(4, 2, 3, 3)), ("b", f32(4))],
+             conv_ref([2, 2], [1, 1], [1, 1], [1, 1], 2), opset=opset, strides=[2, 2], pads=[1] * 4, group=2,
+             symbolic=dyn)
+    check_op("Conv", [("x", f32(2, 3, 7, 8)), ("w", f32(4, 3, 3, 3))], same_ref([2, 3], [1, 1], [3, 3], True),
+             opset=opset, strides=[2, 3], auto_pad="SAME_UPPER", symbolic=dyn)
+    check_op("AveragePool", [("x", f32(2, 3, 7, 7))], pool_ref("avg", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1),
+             opset=opset, kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4, ceil_mode=1, symbolic=dyn)
+
+
+def test_symbolic_spatial_float16():
+    half, dyn = np.float16, {"x": [2, 3]}
+    check_op("Conv", [("x", r(2, 3, 7, 7).astype(half)), ("w", (0.3 * r(4, 3, 3, 3)).astype(half))],
+             conv_ref([2, 2], [1, 1], [1, 1], [1, 1], 1), strides=[2, 2], pads=[1] * 4, fd=False, rtol=2e-2,
+             atol=2e-2, symbolic=dyn)
+    check_op("AveragePool", [("x", r(2, 3, 7, 7).astype(half))],
+             pool_ref("avg", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1), kernel_shape=[3, 3], strides=[2, 2],
+             pads=[1] * 4, ceil_mode=1, fd=False, rtol=1e-2, atol=1e-2, symbolic=dyn)
 
 
 # --- normalization -------------------------------------------------------------------------------
