@@ -59,7 +59,7 @@ class Schema:
     Gradient graphs are built on the all-dynamic export, so one serves every size (Conv, ConvTranspose
     and pooling compute their size-dependent pads at run time). Fallback for the few rules that still
     need a static size (Einsum broadcasting a symbolic dim of an ellipsis, GatherND's index depth,
-    LpPool, ConvTranspose's output_shape, Resize's keep_aspect_ratio_policy): when a build raises a
+    ConvTranspose's output_shape, Resize's keep_aspect_ratio_policy): when a build raises a
     RuleError, that set of tensors is built again with every input dimension but the first pinned to
     this call's sizes, and such sessions are cached per size (a new size rebuilds, it does not re-export).
     """

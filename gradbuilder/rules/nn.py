@@ -129,10 +129,6 @@ class Window:
         """How far the windows of dim i reach past an input of size n: (o-1)*s + extent - begin - n."""
         return (o - 1) * self.strides[i] + self.extent(i) - self.begin[i] - n  # type: ignore[index]
 
-    def adjoint_pads(self, sizes: Sequence[int], outs: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(end pads, deficit) of the adjoint of this window op from `outs` back onto `sizes`."""
-        return _ends_deficit([self.tail(i, n, o) for i, (n, o) in enumerate(zip(sizes, outs))])
-
 
 def _window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
     """The node's window with auto_pad resolved. SAME pads total (ceil(n/s) - 1) * s + extent - n: static
