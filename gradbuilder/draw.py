@@ -298,7 +298,10 @@ class _Writer:
             body += [f"  subgraph cluster_{part} {{", f"    graph {frame};",
                      *("  " + b for b in boxes), "  }"]
         notes = self._notes()
-        label = "\n".join(([self.title] if self.title else []) + notes + [self._legend()])
+        lines = [self.title] if self.title else []
+        for text in [*notes, self._legend()]:  # Graphviz does not wrap, and a line wider than the graph is cut off
+            lines += textwrap.wrap(text, 100)
+        label = "\n".join(lines)
         tail = [f"  graph {_attrs(label=label)};", "}"]
         dot = "\n".join(head + body + self.lines + edges + tail) + "\n"
         return Picture(dot, self.drawn, self.total, self._stashed_drawn(), notes)
@@ -354,8 +357,8 @@ class _Writer:
     def _legend(self) -> str:
         if self.ix.yield_at is None:
             return "forward model: boxes are nodes, edges are tensors; constants are not drawn"
-        return ("blue: forward  |  gold hexagon: Yield  |  orange: backward  |  purple cylinder: stashed for "
-                "backward  |  dashed ellipse: no gradient  |  constants are not drawn")
+        return ("blue: forward  ·  gold hexagon: Yield  ·  orange: backward  ·  purple cylinder: stashed for "
+                "backward  ·  dashed ellipse: no gradient  ·  constants are not drawn")
 
 
 # --------------------------------------------------------------------------------------------------
