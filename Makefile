@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench docs notebooks clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,15 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks
+
+# the generated parts of docs/ (help blocks of docs/cli.md, docs/images/, docs/ops.md); tests fail when stale
+docs: setup
+	$(BIN)/python tests/test_docs.py
+	$(BIN)/gradbuilder ops --markdown > docs/ops.md
+
+# re-execute the notebooks in place, refreshing their committed outputs
+notebooks: setup
+	$(BIN)/python tests/test_notebooks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

