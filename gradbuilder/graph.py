@@ -143,23 +143,58 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterable[TensorProto]:
 
 
 def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
-    external = [t for t in _all_tensors(model.graph) if t.data_location == TensorProto.EXTERNAL]
-    if not external:
-        return
-    for t in external:
-        location = next((e.value for e in t.external_data if e.key == "location"), "")
-        if location and not os.path.isabs(location) and not (path.parent / location).exists():
-            raise ModelLoadError(
-                f"{path}: tensor '{t.name}' is stored in the external data file '{location}', which is missing "
-                f"(looked for {path.parent / location}). Keep the .onnx file next to its external data files."
-            )
-    try:
-        onnx.load_external_data_for_model(model, str(path.parent))
-    except Exception as e:
-        raise ModelLoadError(
-            f"{path}: its external data cannot be read ({type(e).__name__}: {_first_line(e)}). The references "
-            "must name files in the model's directory, and those files must hold the bytes the model says they do."
-        ) from e
+    """Read each external tensor once, straight into the model.
+
+    onnx.load_external_data_for_model reads every byte twice (once to check the file's bounds), and each
+    read of a 2 GB tensor costs a 2 GB allocation; its errors also do not say which file or what to do.
+    Like onnx, only regular files inside the model's directory are read.
+    """
+    base = path.parent.resolve()
+    for t in _all_tensors(model.graph):
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        fields = {e.key: e.value for e in t.external_data}
+        location = fields.get("location", "")
+        what = f"{path}: tensor '{t.name}'"
+        broken = ("Keep the .onnx file next to its external data files, as they were written: references must "
+                  "name files in the model's directory, holding the bytes the model says they do.")
+        if not location or os.path.isabs(location):
+            how = "names no file" if not location else f"names an absolute path ({location})"
+            raise ModelLoadError(f"{what} is stored as external data but {how}. {broken}")
+        file = path.parent / location
+        if not file.resolve().is_relative_to(base):
+            raise ModelLoadError(f"{what} is stored in '{location}', which points outside the model's directory "
+                                 f"({path.parent}); gradbuilder does not read it. {broken}")
+        if not file.exists():
+            raise ModelLoadError(f"{what} is stored in the external data file '{location}', which is missing "
+                                 f"(looked for {file}). Keep the .onnx file next to its external data files.")
+        if not file.is_file():
+            raise ModelLoadError(f"{what} is stored in '{location}', which is not a regular file. {broken}")
+        try:
+            offset = int(fields.get("offset", "0"))
+            length = int(fields["length"]) if "length" in fields else None
+        except ValueError:
+            raise ModelLoadError(f"{what}: its external data offset or length is not a number. {broken}") from None
+        size = file.stat().st_size
+        want = fixed_nbytes(t)
+        if offset < 0 or (length is not None and length < 0) or offset > size or (
+                length is not None and offset + length > size):
+            raise ModelLoadError(f"{what} takes bytes {offset}..{offset + (length or 0)} of '{location}', which "
+                                 f"holds {size:,} bytes. {broken}")
+        if want is not None and (length if length is not None else size - offset) != want:
+            got = length if length is not None else size - offset
+            raise ModelLoadError(f"{what} has {got:,} bytes in '{location}', but its type {type_name(t.data_type)} "
+                                 f"and shape {list(t.dims)} take {want:,}. {broken}")
+        try:
+            with open(file, "rb") as f:
+                f.seek(offset)
+                data = f.read(-1 if length is None else length)
+        except OSError as e:
+            raise ModelLoadError(f"{what}: cannot read '{location}' ({e.strerror or e}).") from e
+        t.raw_data = data
+        del data
+        t.data_location = TensorProto.DEFAULT
+        del t.external_data[:]
 
 
 def _first_line(e: BaseException) -> str:
@@ -314,20 +349,11 @@ class ForwardGraph:
 
     def _infer_types(self) -> dict[str, TensorInfo]:
         copy, untyped = without_unknown_ops(without_weights(self.model))
-        try:
-            graph = onnx.shape_inference.infer_shapes(copy, strict_mode=True, data_prop=True).graph
-        except onnx.shape_inference.InferenceError as e:
-            lines = str(e).replace("[ShapeInferenceError] Inference error(s): ", "").splitlines()
-            problems = [line for line in lines if line.strip()
-                        and not (untyped and "instead is null" in line)]  # inputs we made untyped
-            if problems:
-                raise self._inconsistent(problems[0]) from None
-            try:
-                graph = onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True).graph
-            except Exception:
-                return self._declared_types()
-        except Exception:  # inference is a help, never a requirement
+        graph = self._inferred(copy, untyped, data_prop=False)
+        if graph is None:  # inference is a help, never a requirement
             return self._declared_types()
+        if _cheap_data_propagation(graph):  # values of shape tensors: static shapes through Shape/Concat/Reshape
+            graph = self._inferred(copy, untyped, data_prop=True) or graph
         info = {vi.name: info_from_type(vi.type) for vi in graph.value_info}
         for vi in [*graph.input, *graph.output]:
             declared = info_from_type(vi.type)
@@ -336,6 +362,23 @@ class ForwardGraph:
         for t in self.graph.initializer:
             info[t.name] = TensorInfo(t.data_type, tuple(t.dims))
         return info
+
+    def _inferred(self, copy: onnx.ModelProto, untyped: bool, data_prop: bool) -> onnx.GraphProto | None:
+        """Strict shape inference: a conflict it reports is refused, naming the node; None if inference fails."""
+        try:
+            return onnx.shape_inference.infer_shapes(copy, strict_mode=True, data_prop=data_prop).graph
+        except onnx.shape_inference.InferenceError as e:
+            lines = str(e).replace("[ShapeInferenceError] Inference error(s): ", "").splitlines()
+            problems = [line for line in lines if line.strip()
+                        and not (untyped and "instead is null" in line)]  # inputs we made untyped
+            if problems:
+                raise self._inconsistent(problems[0]) from None
+            try:
+                return onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=data_prop).graph
+            except Exception:
+                return None
+        except Exception:
+            return None
 
     def _check_input_types(self, node: onnx.NodeProto) -> None:
         """Every input's element type must be one the op's schema allows, inputs sharing a type parameter must
@@ -552,6 +595,26 @@ def _check_einsum(node: onnx.NodeProto) -> None:
         )
 
 
+def fixed_nbytes(t: TensorProto) -> int | None:
+    """Bytes of the data of a tensor of a fixed-size type, from its type and shape; None for other types."""
+    itemsize = FIXED_SIZE_TYPES.get(t.data_type)
+    if itemsize is None:
+        return None
+    n = itemsize
+    for d in t.dims:
+        n *= d
+    return n
+
+
+def tensor_nbytes(t: TensorProto) -> int:
+    """About t.ByteSize(), without encoding the data: upb encodes a message to measure it, which takes seconds
+    for big tensors and fails above 2 GB."""
+    n = fixed_nbytes(t)
+    if n is None or not t.HasField("raw_data"):
+        return t.ByteSize()
+    return n + len(t.name.encode()) + 11 * len(t.dims) + 32
+
+
 TENSOR_CHECK_LIMIT = 16 * 2**20
 """Tensors up to this size go through onnx.checker.check_tensor (which copies them); bigger ones get a size check."""
 
@@ -569,16 +632,15 @@ def _check_tensor(t: TensorProto, what: str) -> None:
             f"{what} still refers to external data ('{where}') that was not loaded; pass the model's path, or "
             "load it with onnx.load(path) (load_external_data=True), so its weights come along."
         )
-    if t.ByteSize() <= TENSOR_CHECK_LIMIT:
-        try:
-            onnx.checker.check_tensor(t, onnx.checker.DEFAULT_CONTEXT)
-        except Exception as e:  # ValidationError, or whatever else a broken tensor makes the checker raise
-            raise InvalidModelError(f"{what} is not a valid tensor: {_first_line(e)}; {fix}.") from None
-    if t.HasField("raw_data") and t.data_type in FIXED_SIZE_TYPES:
-        numel = 1
-        for d in t.dims:
-            numel *= d
-        want, have = numel * FIXED_SIZE_TYPES[t.data_type], len(t.raw_data)
+    if tensor_nbytes(t) > TENSOR_CHECK_LIMIT:
+        return  # a weight: its bytes are checked when read from external data, by the runtime when inline
+    try:
+        onnx.checker.check_tensor(t, onnx.checker.DEFAULT_CONTEXT)
+    except Exception as e:  # ValidationError, or whatever else a broken tensor makes the checker raise
+        raise InvalidModelError(f"{what} is not a valid tensor: {_first_line(e)}; {fix}.") from None
+    want = fixed_nbytes(t)
+    if t.HasField("raw_data") and want is not None:
+        have = len(t.raw_data)
         if want != have:
             raise InvalidModelError(
                 f"{what} holds {have:,} bytes, but its type {type_name(t.data_type)} and shape {list(t.dims)} take "
@@ -658,11 +720,24 @@ def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
     inputs = {vi.name for vi in g.input}
     out.graph.input.extend(g.input)
     for t in g.initializer:
-        if t.ByteSize() < WEIGHT_BYTES:
+        if tensor_nbytes(t) < WEIGHT_BYTES:
             out.graph.initializer.append(t)
         elif t.name not in inputs:
             out.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return out
+
+
+DATA_PROP_MAX_LENGTH = 2**16
+
+
+def _cheap_data_propagation(graph: onnx.GraphProto) -> bool:
+    """onnx's data propagation treats every 1-D tensor as a candidate shape and spends time and memory per
+    element (10 s and 2 GB for one Mul of two 10M-element vectors): worth it only when all 1-D tensors are short."""
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        shape = vi.type.tensor_type.shape if vi.type.HasField("tensor_type") else None
+        if shape is not None and len(shape.dim) == 1 and shape.dim[0].dim_value > DATA_PROP_MAX_LENGTH:
+            return False
+    return all(len(t.dims) != 1 or t.dims[0] <= DATA_PROP_MAX_LENGTH for t in graph.initializer)
 
 
 def without_unknown_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
@@ -756,13 +831,13 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     data_path: Path | None = None
     tmp: str | None = None
     try:
-        if model.ByteSize() > INLINE_LIMIT:
+        if _serialized_size(model) > INLINE_LIMIT:
             data_path, f = _new_data_file(path)
             with f:
                 out = _externalize(model, data_path.name, f)
                 f.flush()
                 os.fsync(f.fileno())
-            if out.ByteSize() > PROTOBUF_LIMIT:
+            if _serialized_size(out) > PROTOBUF_LIMIT:
                 raise SaveError(f"cannot write {path}: the model is over 2 GB even with every initializer of "
                                 f"{EXTERNAL_MIN_BYTES} bytes or more in a data file (large constants in nodes?).")
             payload = out.SerializeToString()
@@ -784,6 +859,18 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     for name in old_data:
         if data_path is None or name != data_path.name:
             (path.parent / name).unlink(missing_ok=True)
+
+
+def _serialized_size(model: onnx.ModelProto) -> int:
+    """About model.ByteSize(), measuring the graph without its initializers and those from their shapes."""
+    rest = onnx.ModelProto()
+    _copy_fields(model, rest, frozenset({"graph"}))
+    _copy_fields(model.graph, rest.graph, frozenset({"initializer"}))
+    try:
+        n = rest.ByteSize()
+    except Exception:  # EncodeError: even the graph without its weights is over 2 GB
+        return PROTOBUF_LIMIT + 1
+    return n + sum(tensor_nbytes(t) for t in model.graph.initializer)
 
 
 def _data_names(path: Path) -> Iterable[str]:
@@ -836,10 +923,10 @@ def _externalize(model: onnx.ModelProto, location: str, f: io.BufferedWriter) ->
     _copy_fields(model.graph, out.graph, frozenset({"initializer"}))
     offset = 0
     for t in model.graph.initializer:
-        raw = t.raw_data if t.HasField("raw_data") else b""
-        if len(raw) < EXTERNAL_MIN_BYTES:
+        if not t.HasField("raw_data") or tensor_nbytes(t) < EXTERNAL_MIN_BYTES:
             out.graph.initializer.append(t)
             continue
+        raw = t.raw_data
         pad = -offset % DATA_ALIGN
         f.write(b"\0" * pad)
         f.write(raw)
