@@ -18,12 +18,13 @@ import textwrap
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 
 from .errors import GradBuilderError, UnknownNameError
 from .graph import load_model
-from .inspect_model import TrainingReport, format_bytes, format_shape, inspect_model, plural
+from .inspect_model import Report, TrainingReport, format_bytes, format_shape, inspect_model, plural
 from .yield_op import DOMAIN, is_yield
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class _Index:
 
 
 def to_dot(model: onnx.ModelProto | str | os.PathLike | bytes, *, around: Sequence[str] = (),
-           radius: int | None = None, max_nodes: int = DEFAULT_MAX_NODES, title: str | None = None) -> Picture:
+           radius: int | None = None, max_nodes: int = DEFAULT_MAX_NODES) -> Picture:
     """The picture of a training graph (or of a forward model, all in the forward colour) as DOT.
 
     `around` draws only the neighbourhood of the named nodes or tensors (highlighted), `radius` steps out
@@ -180,8 +181,6 @@ def to_dot(model: onnx.ModelProto | str | os.PathLike | bytes, *, around: Sequen
         raise GradBuilderError(f"max_nodes must be at least 1, got {max_nodes}.")
     m = load_model(model, copy=False)
     ix = _Index(m)
-    report = inspect_model(m)
-    training = isinstance(report, TrainingReport)
     centres = ix.centres(around)
     if centres and radius is None:
         radius = 2
@@ -190,7 +189,7 @@ def to_dot(model: onnx.ModelProto | str | os.PathLike | bytes, *, around: Sequen
         chosen = ix.select(start, radius, max(max_nodes, len(start)))
     else:
         chosen = list(range(len(ix.nodes)))
-    return _Writer(m, ix, report, training, set(chosen), set(centres), title).picture()
+    return _Writer(m, ix, inspect_model(m), set(chosen), set(centres)).picture()
 
 
 def _sinks(ix: _Index, m: onnx.ModelProto) -> list[int]:
@@ -202,27 +201,24 @@ def _sinks(ix: _Index, m: onnx.ModelProto) -> list[int]:
 class _Writer:
     """Writes the DOT lines of one picture; tensor boxes are made once, on first use."""
 
-    def __init__(self, m: onnx.ModelProto, ix: _Index, report: object, training: bool, chosen: set[int],
-                 centres: set[int], title: str | None):
-        self.m, self.ix, self.chosen, self.centres, self.title = m, ix, chosen, centres, title
+    def __init__(self, m: onnx.ModelProto, ix: _Index, report: Report, chosen: set[int], centres: set[int]):
+        self.ix, self.chosen, self.centres = ix, chosen, centres
         g = m.graph
         self.inputs = {i.name for i in g.input}
         self.outputs = [o.name for o in g.output]
-        inits = {t.name: t for t in g.initializer}
-        if training:
-            assert isinstance(report, TrainingReport)
+        inits = {t.name for t in g.initializer}
+        if isinstance(report, TrainingReport):
             self.stash = {t.name: t for t in report.stashed}
-            status = {r.name: r for r in report.gradients}
+            self.status = {r.name: r for r in report.gradients}
             self.grad_outputs = {r.gradient for r in report.gradients if r.gradient}
         else:
             self.stash = {}
-            status = {r.name: r for r in report.parameters}  # type: ignore[attr-defined]
+            self.status = {r.name: r for r in report.parameters}
             self.grad_outputs = set()
-        self.status = status
         # parameters: the differentiable candidates (initializers, or inputs named in wrt as ORTModule does);
         # other initializers are constants (shapes, axes, the builder's helpers) and get no box
-        self.params = set(status) & (set(inits) | self.inputs)
-        self.inputs -= set(inits) | self.params
+        self.params = set(self.status) & (inits | self.inputs)
+        self.inputs -= inits | self.params
         self.tensor_boxes: dict[tuple[str, str], str] = {}
         self.lines: list[str] = []
         self.total = {"forward": 0, "yield": 0, "backward": 0}
@@ -271,8 +267,8 @@ class _Writer:
     def node_box(self, k: int) -> str:
         n = self.ix.nodes[k]
         part = self.ix.part(k)
-        op = n.op_type if n.domain in ("", "ai.onnx") or is_yield(n) else f"{n.domain}.{n.op_type}"
-        label = f"{op}\n{shorten(n.name)}" if n.name and not is_yield(n) else op
+        op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}.{n.op_type}"
+        label = f"{op}\n{shorten(n.name)}" if n.name else op
         if is_yield(n):
             label = f"Yield\n{DOMAIN}"
         extra = HIGHLIGHT if k in self.centres else {}
@@ -301,7 +297,7 @@ class _Writer:
             body += [f"  subgraph cluster_{part} {{", f"    graph {frame};",
                      *("  " + b for b in boxes), "  }"]
         notes = self._notes()
-        lines = [self.title] if self.title else []
+        lines = []
         for text in notes:  # Graphviz does not wrap, and a line wider than the graph is cut off
             lines += textwrap.wrap(text, WRAP)
         lines += _wrap_items(self._legend(), WRAP)
@@ -401,11 +397,12 @@ def render_svg(dot: str) -> str:
         done = subprocess.run([shutil.which("dot") or "dot", "-Tsvg"], input=dot.encode("utf-8"),
                               capture_output=True, check=False)
         if done.returncode:
-            raise DrawError(f"Graphviz's dot could not lay out the picture: {done.stderr.decode(errors='replace')}")
+            why = " ".join(done.stderr.decode(errors="replace").split())
+            raise DrawError(f"Graphviz's dot could not lay out the picture: {why}")
         return done.stdout.decode("utf-8")
     raise DrawError(f"no Graphviz found; {INSTALL_HINT}.")
 
 
-def draw(model: onnx.ModelProto | str | os.PathLike | bytes, **options: object) -> str:
+def draw(model: onnx.ModelProto | str | os.PathLike | bytes, **options: Any) -> str:
     """SVG of `to_dot(model, **options)`: what a notebook displays and `gradbuilder draw` writes."""
-    return render_svg(to_dot(model, **options).dot)  # type: ignore[arg-type]
+    return render_svg(to_dot(model, **options).dot)
