@@ -158,7 +158,8 @@ class Engine:
         named.update((name, self._tensor(fqn)) for name, fqn in ex.state)
         feeds = {name: self._ortvalue(name, t) if name in ex.state_names else exchange.to_ortvalue(t)
                  for name, t in named.items()}
-        wrt = [name for name, t in named.items() if t.requires_grad] if torch.is_grad_enabled() else []
+        wrt = [name for name, t in named.items() if t.requires_grad and name not in ex.frozen] \
+            if torch.is_grad_enabled() else []
         n = len(ex.outputs)
         if wrt:
             session = self._session(key, schema, wrt, leaves)

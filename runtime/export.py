@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
@@ -77,6 +78,8 @@ class Exported:
     """Graph outputs for the tensor leaves of the module's result, in leaf order."""
     out_spec: Spec
     batch_stats: list[BatchStats] = field(default_factory=list)
+    frozen: frozenset[str] = frozenset()
+    """State inputs never differentiated (second reads of a tensor, see `_embedding_padding`)."""
 
     @functools.cached_property
     def state_names(self) -> frozenset[str]:
@@ -216,10 +219,61 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     owner = {n: n.rsplit(".", 1)[0] if "." in n else "" for n, _ in state_inputs if n.endswith("running_mean")}
     owner.update(stand_ins)
     stats = training_batchnorm(model, owner, dict(module.named_modules()))
+    frozen = _embedding_padding(model, module, state)
+    state_inputs += frozen
     feeds = {name: leaves[k] for name, k in inputs}
     feeds.update({name: state[fqn] for name, fqn in state_inputs})
     _complete_ranks(model, feeds)
-    return Exported(model, inputs, state_inputs, outputs, out_spec, stats)
+    return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen))
+
+
+def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[str, torch.Tensor]
+                       ) -> list[tuple[str, str]]:
+    """nn.Embedding(padding_idx=p) gives row p no gradient, but both exporters emit a plain Gather. Each Gather
+    of such a weight takes the rows of padding ids from a second graph input fed the same tensor and never
+    differentiated: Where(ids == p, Gather(weight_no_grad, ids), Gather(weight, ids)).
+    Returns the added inputs as (graph input, qualified name of the weight)."""
+    padding = {id(m.weight): m.padding_idx for m in module.modules()
+               if isinstance(m, nn.Embedding) and m.padding_idx is not None}
+    g = model.graph
+    weights = {i.name: i for i in g.input if i.name in state and id(state[i.name]) in padding}
+    if not weights:
+        return []
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    taken = {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    added: dict[str, str] = {}
+    nodes: list[onnx.NodeProto] = []
+    for node in g.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type != "Gather" or node.input[0] not in weights or axis != 0:
+            nodes.append(node)
+            continue
+        w, ids, out = node.input[0], node.input[1], node.output[0]
+        if w not in added:
+            added[w] = _unique([f"{w}#no_grad"], taken)[0]
+            frozen = onnx.ValueInfoProto()
+            frozen.CopyFrom(weights[w])
+            frozen.name = added[w]
+            g.input.append(frozen)
+        p, p_cast, rows, pad_rows, is_pad_flat, axes, is_pad = _unique(
+            [f"{out}#{k}" for k in ("padding_idx", "padding_idx_cast", "rows", "padding_rows", "is_padding_flat",
+                                    "axes", "is_padding")], taken)
+        g.initializer.append(onnx.numpy_helper.from_array(np.array(padding[id(state[w])], np.int64), p))
+        if opset >= 13:
+            g.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), axes))
+            unsqueeze = helper.make_node("Unsqueeze", [is_pad_flat, axes], [is_pad])
+        else:
+            unsqueeze = helper.make_node("Unsqueeze", [is_pad_flat], [is_pad], axes=[-1])
+        node.output[0] = rows
+        nodes += [node,
+                  helper.make_node("Gather", [added[w], ids], [pad_rows], axis=0),
+                  helper.make_node("CastLike", [p, ids], [p_cast]),
+                  helper.make_node("Equal", [ids, p_cast], [is_pad_flat]),
+                  unsqueeze,
+                  helper.make_node("Where", [is_pad, pad_rows, rows], [out])]
+    del g.node[:]
+    g.node.extend(nodes)
+    return [(name, w) for w, name in added.items()]
 
 
 def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> None:

@@ -471,6 +471,33 @@ def test_batchnorm_equal_widths_keep_their_statistics() -> None:
         torch.testing.assert_close(om[k].running_var, ref[k].running_var)
 
 
+class TiedPadded(nn.Module):
+    """A language-model head tied to an embedding with a padding row (BertForMaskedLM's layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(6, 4, padding_idx=-1)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_embedding_padding_row_gets_no_gradient_from_lookups(dtype) -> None:
+    """nn.Embedding's padding_idx (lost by both exporters' plain Gather): the padding row's gradient comes from
+    the tied head alone, and forward values are unchanged."""
+    ref, om = pair(TiedPadded())
+    ids = torch.tensor([[5, 1, 5, 2], [3, 5, 0, 5]], dtype=dtype)
+    w = torch.randn(2, 4, 6)
+    (om(ids) * w).sum().backward()
+    (ref(ids) * w).sum().backward()
+    assert_grads_equal(om, ref)
+    with torch.no_grad():
+        torch.testing.assert_close(om(ids), ref(ids))
+
+
 def test_batchnorm_without_running_stats() -> None:
     """Batch statistics in train and eval; the legacy exporter cannot export it with a dynamic batch."""
     ref, om = pair(nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4, track_running_stats=False)))
