@@ -260,7 +260,12 @@ def subgraph_free_names(node: onnx.NodeProto) -> set[str]:
 
 
 class ForwardGraph:
-    """A read-only index of a forward graph: producers, consumers, types, initializers."""
+    """A read-only index of a forward graph: producers, consumers, types, initializers.
+
+    Making one validates the model: anything the builder or a rule could mishandle (opsets, names, order,
+    schemas, tensor bytes, types and shapes) is refused here with an InvalidModelError that names the node or
+    tensor and says what to do, so that no rule ever sees a malformed node.
+    """
 
     def __init__(self, model: onnx.ModelProto, *, infer: bool = True):
         self.model = model
@@ -426,17 +431,19 @@ class ForwardGraph:
 
     def _inconsistent(self, line: str) -> InvalidModelError:
         """A type or shape conflict in a node: a rule would build on a wrong shape, so refuse, naming the node."""
+        line = re.sub(r"elem type: \((\d+)\) vs \((\d+)\)",
+                      lambda m: f"elem type: {type_name(int(m[1]))} vs {type_name(int(m[2]))}", line)
         found = re.search(r"\(op_type:([^,)]*)(?:, node name: ([^)]*))?\): (?:\[\w+\] )?(.*)", line)
-        if found is None:
-            where, why = "", line.strip()
+        if found is None:  # not about one node: a declared type or shape disagrees with what the nodes compute
+            where, why = " between the declared and the computed types", re.sub(r"^\[\w+\] ", "", line.strip())
         else:
             op, name, why = found.groups()
             same = [n for n in self.nodes if n.op_type == op and (name is None or n.name == name)]
             where = f" at node {describe(same[0])}" if len(same) == 1 else f" at a {op} node"
         return InvalidModelError(
             f"the model's types or shapes are inconsistent{where}: {why.strip().rstrip('.')}. Fix the node's inputs "
-            "or the declared shapes, or re-export the model (onnx.shape_inference.infer_shapes(model, "
-            "strict_mode=True) reports the same)."
+            "or the declared types and shapes (graph inputs, outputs, value_info), or re-export the model "
+            "(onnx.shape_inference.infer_shapes(model, strict_mode=True) reports the same)."
         )
 
     def tensor_info(self, name: str) -> TensorInfo:
@@ -487,15 +494,23 @@ def _check_interface(graph: onnx.GraphProto) -> None:
             f"the graph has sparse initializers ('{graph.sparse_initializer[0].values.name}'), which gradbuilder "
             "does not support; store them as dense initializers."
         )
+    init_types = {t.name: t.data_type for t in graph.initializer}
     for kind, vis in (("graph input", graph.input), ("graph output", graph.output), ("value_info", graph.value_info)):
         for vi in vis:
             if not vi.name:
                 raise InvalidModelError(f"a {kind} has an empty name; give every graph input and output a name.")
             t = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-            if t is not None and t.elem_type and t.elem_type not in KNOWN_TYPES:
+            if t is None or not t.elem_type:
+                continue
+            if t.elem_type not in KNOWN_TYPES:
                 raise InvalidModelError(
                     f"{kind} '{vi.name}' has element type {t.elem_type}, which is not an ONNX type; fix its "
                     "declaration or re-export the model."
+                )
+            if init_types.get(vi.name, t.elem_type) != t.elem_type:
+                raise InvalidModelError(
+                    f"{kind} '{vi.name}' is declared {type_name(t.elem_type)}, but the initializer of that name is "
+                    f"{type_name(init_types[vi.name])}; fix the declaration or re-export the model."
                 )
 
 
