@@ -96,6 +96,18 @@ def _duplicate_input() -> onnx.ModelProto:
     return m
 
 
+def _output_declared_string() -> onnx.ModelProto:
+    m = tiny()
+    m.graph.output.append(vi("W", TP.STRING))
+    return m
+
+
+def _value_info_wrong_shape() -> onnx.ModelProto:
+    m = tiny()
+    m.graph.value_info.append(vi("u", shape=["batch", 4]))
+    return m
+
+
 def _unknown_attribute() -> onnx.ModelProto:
     m = tiny()
     m.graph.node[1].attribute.append(helper.make_attribute("frobnication", 1))
@@ -162,6 +174,9 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "output produced by nothing": (lambda: make_model([node("Neg", ["x"], ["y"])], [vi("x")], [vi("y"), vi("nope")]),
                                    ["graph output 'nope'", "produced by no node"]),
     "duplicate graph input": (_duplicate_input, ["graph input 'x'", "listed twice"]),
+    "declared type contradicts the initializer": (_output_declared_string, ["graph output 'W'", "declared STRING",
+                                                                             "initializer of that name is FLOAT"]),
+    "declared shape contradicts a node": (_value_info_wrong_shape, ["inconsistent", "'mul'", "(3) vs (4)"]),
     "unknown attribute": (_unknown_attribute, ["'mul'", "Unrecognized attribute: frobnication"]),
     "too many inputs": (lambda: make_model([node("Mul", ["x", "W", "x"], ["y"], "mul3")], [vi("x")], [vi("y")],
                                            _params()), ["'mul3'", "input size 3"]),
