@@ -19,8 +19,6 @@ SLOW = [pytest.mark.slow,
         pytest.mark.skipif(os.environ.get("GRADBUILDER_SLOW") != "1", reason="dynamo export; set GRADBUILDER_SLOW=1")]
 DYNAMO_IN_CI = {"hf-bert"}
 KNOWN: dict[tuple[str, str], str] = {
-    ("hf-roberta", "torchscript"): "the export drops nn.Embedding's padding_idx: a pad id inside a sequence gives "
-                                   "the padding row a gradient torch leaves at zero",
     ("hf-mistral-sdpa", "torchscript"): "torch's legacy exporter cannot convert scaled_dot_product_attention with "
                                         "enable_gqa=True (grouped-query attention); the dynamo exporter can",
 }

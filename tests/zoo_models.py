@@ -38,12 +38,12 @@ class PaddedEncoder(nn.Module):
         return self.head((h * keep).sum(1) / keep.sum(1))
 
 
-def padded_tokens(g: torch.Generator, batch: int = 6, length: int = 12, vocab: int = 50) -> Batch:
+def padded_tokens(g: torch.Generator, batch: int = 6, length: int = 12, vocab: int = 50, classes: int = 5) -> Batch:
     """Tokens with per-row lengths (at least 2), padding id 0 and mask True past each length."""
     lengths = torch.randint(2, length + 1, (batch,), generator=g)
     padding = torch.arange(length)[None, :] >= lengths[:, None]
     tokens = torch.randint(1, vocab, (batch, length), generator=g).masked_fill(padding, 0)
-    return {"tokens": tokens, "padding": padding, "labels": torch.randint(0, 5, (batch,), generator=g)}
+    return {"tokens": tokens, "padding": padding, "labels": torch.randint(0, classes, (batch,), generator=g)}
 
 
 # --- GPT-style causal language model with rotary embeddings --------------------------------------------
@@ -208,11 +208,12 @@ class TinyUNet(nn.Module):
 
 # --- LSTM sequence classifier --------------------------------------------------------------------------
 class LSTMClassifier(nn.Module):
-    """Embedding, two-layer bidirectional LSTM, linear head on both directions' last hidden states."""
+    """Embedding with a padding row, two-layer bidirectional LSTM over right-padded sequences (no packing: the
+    padding steps reach the final states), linear head on both directions' last hidden states."""
 
     def __init__(self, vocab: int = 40, d: int = 16, hidden: int = 24, classes: int = 4):
         super().__init__()
-        self.embed = nn.Embedding(vocab, d)
+        self.embed = nn.Embedding(vocab, d, padding_idx=0)
         self.lstm = nn.LSTM(d, hidden, num_layers=2, batch_first=True, bidirectional=True)
         self.head = nn.Linear(2 * hidden, classes)
 
@@ -323,8 +324,7 @@ CASES: dict[str, Case] = {
     "vit": Case(TinyViT, _images(16, 10), _classify("images")),
     "resnet": Case(TinyResNet, _images(16, 10), _classify("images")),
     "unet": Case(TinyUNet, _masks, _classify("images")),
-    "lstm": Case(LSTMClassifier, lambda g: {"tokens": torch.randint(0, 40, (4, 9), generator=g),
-                                            "labels": torch.randint(0, 4, (4,), generator=g)}, _classify("tokens")),
+    "lstm": Case(LSTMClassifier, lambda g: padded_tokens(g, 4, 9, 40, 4), _classify("tokens")),
     # encoders
     "hf-bert": _hf("BertForSequenceClassification", "BertConfig", text_batch, **TEXT, **NO_DROPOUT, num_labels=3),
     "hf-bert-sdpa": _hf("BertForSequenceClassification", "BertConfig", text_batch, **TEXT, **NO_DROPOUT, num_labels=3,
