@@ -34,6 +34,11 @@ class SessionConfig:
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
     spin: bool = False
     """Let idle onnxruntime threads spin: faster alone, but they steal the cores torch runs on in between."""
+    shrink: bool = True
+    """Rematerialize cheap tensors and stash boolean masks instead of what they are computed from
+    (`passes.shrink_stash`)."""
+    lower: bool = True
+    """Rewrite backward nodes that onnxruntime runs slowly into equivalent faster ones (`passes.lower`)."""
 
     def options(self) -> ort.SessionOptions:
         so = ort.SessionOptions()

@@ -20,6 +20,8 @@ from onnx import helper
 import gradbuilder
 from gradbuilder.yield_op import find_yield, read_yield
 
+from . import passes
+
 
 @dataclass(frozen=True)
 class BuildSpec:
@@ -90,9 +92,13 @@ def forward_source(model: onnx.ModelProto, module_outputs: Sequence[str] | None 
     return src
 
 
-def build(source: onnx.ModelProto, spec: BuildSpec) -> onnx.ModelProto:
-    return gradbuilder.build_gradient_graph(source, wrt=list(spec.wrt), outputs=list(spec.outputs),
-                                            loss=spec.loss, freeze=list(spec.freeze))
+def build(source: onnx.ModelProto, spec: BuildSpec, shrink: bool = True) -> onnx.ModelProto:
+    """The training graph of `source`, with the stash shrunk (`passes.shrink_stash`) unless told not to."""
+    training = gradbuilder.build_gradient_graph(source, wrt=list(spec.wrt), outputs=list(spec.outputs),
+                                                loss=spec.loss, freeze=list(spec.freeze))
+    if shrink:
+        passes.shrink_stash(training)
+    return training
 
 
 def from_training(training: onnx.ModelProto) -> Program:
@@ -100,10 +106,12 @@ def from_training(training: onnx.ModelProto) -> Program:
     return Program(forward, backward, manifest, training)
 
 
-def specialise(source: onnx.ModelProto, spec: BuildSpec, outputs: Sequence[str], full: Program) -> Program:
+def specialise(source: onnx.ModelProto, spec: BuildSpec, outputs: Sequence[str], full: Program,
+               shrink: bool = True) -> Program:
     """The program for gradients arriving only for `outputs`, its forward-side names aligned with `full`'s
-    forward half; check `missing_stash(full)` before running its backward on `full`'s forward state."""
-    training = build(source, spec.with_outputs(outputs))
+    forward half; check `missing_stash(full)` before running its backward on `full`'s forward state. Pass
+    the `shrink` that `full` was built with: the stash decisions must be the same."""
+    training = build(source, spec.with_outputs(outputs), shrink)
     _align(training, full.forward)
     return from_training(training)
 

@@ -27,7 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
 
-from . import exchange
+from . import exchange, passes
 from .exchange import Tensor
 from .ort_session import Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
@@ -70,6 +70,12 @@ class _Backward:
                      for e in man.backward_inputs]
 
 
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
 class TrainingSession:
     """Forward and backward of a training graph on two cached onnxruntime sessions.
 
@@ -82,8 +88,12 @@ class TrainingSession:
     def __init__(self, training: ModelLike, *, threads: int | None = None, specialise: bool = True,
                  config: SessionConfig | None = None, save_dir: str | os.PathLike | None = None):
         model = gradbuilder.load_model(training)
-        self._setup(forward_source(model), spec_from_metadata(model), from_training(model),
-                    config or SessionConfig(threads=threads), specialise, save_dir)
+        config = config or SessionConfig(threads=threads)
+        if config.shrink:
+            model = _copy(model)
+            passes.shrink_stash(model)
+        self._setup(forward_source(model), spec_from_metadata(model), from_training(model), config, specialise,
+                    save_dir)
 
     @classmethod
     def from_forward(cls, model: ModelLike, *, wrt: Sequence[str] | None = None,
@@ -92,10 +102,12 @@ class TrainingSession:
                      save_dir: str | os.PathLike | None = None) -> TrainingSession:
         """Build the training graph of a forward model and run it."""
         source = gradbuilder.load_model(model)
+        config = config or SessionConfig(threads=threads)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
+        if config.shrink:
+            passes.shrink_stash(training)
         self = cls.__new__(cls)
-        self._setup(source, spec_from_metadata(training), from_training(training),
-                    config or SessionConfig(threads=threads), specialise, save_dir)
+        self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir)
         return self
 
     @classmethod
@@ -247,7 +259,7 @@ class TrainingSession:
         if self.specialise and not specialised:
             self.stats["backward_builds"] += 1
             outputs = [self.output_names[i] for i in sorted(given)]
-            candidate = specialise(self.source, self.spec, outputs, self.full)
+            candidate = specialise(self.source, self.spec, outputs, self.full, self.config.shrink)
             if candidate.missing_stash(self.full):
                 self.stats["fallbacks"] += 1
                 grads = {w: g for w, g in self.full.gradients.items() if w in candidate.gradients}
@@ -258,12 +270,14 @@ class TrainingSession:
         return self._backward(program, program.gradients, specialised=specialised)
 
     def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool) -> _Backward:
+        inits = {t.name: t for t in program.forward.graph.initializer}
+        arrays = {e.name: onnx.numpy_helper.to_array(inits[e.name])
+                  for e in program.manifest.backward_inputs if e.role == "initializer" and e.name in inits}
+        consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner = None
         if grads and program.manifest.backward_outputs:
-            runner = Runner(program.backward, self.config, "backward")
-        inits = {t.name: t for t in program.forward.graph.initializer}
-        consts = {e.name: exchange.to_ortvalue(onnx.numpy_helper.to_array(inits[e.name]))
-                  for e in program.manifest.backward_inputs if e.role == "initializer" and e.name in inits}
+            model = passes.lower(program.backward, arrays) if self.config.lower else program.backward
+            runner = Runner(model, self.config, "backward")
         return _Backward(program, runner, grads, consts, specialised)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]

@@ -1,0 +1,248 @@
+"""Rewrites of a training graph for onnxruntime's CPU provider: stash less, run faster.
+
+`shrink_stash` runs between the gradient build and the split (it decides what crosses the Yield);
+`lower` runs on each half before its session is created. Each rewrite keeps what the graph computes,
+except `lower`'s masked multiply (see there). Measured effects are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from gradbuilder.yield_op import find_yield
+
+CHEAP = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast", "Expand", "Shape",
+                   "Size", "Constant", "ConstantOfShape"})
+"""Ops that only move or reinterpret data: recomputing them from tensors backward has anyway costs one copy
+at most, and saves keeping their result alive from forward to backward."""
+
+COMPARE = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
+
+MASKABLE = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "ScatterElements", "ScatterND"})
+"""Producers of a Where's kept operand for which `lower` multiplies by the mask (also through rearrangements,
+multiplications by a constant and sums of such): linear maps of the incoming gradient, which hold inf/nan
+only when that gradient or a weight already does."""
+
+REARRANGE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity"})
+
+FLOATS = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE})
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Values of the initializers and Constant nodes (tensor-valued) of a graph."""
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    for n in graph.node:
+        if n.op_type == "Constant" and not n.domain:
+            for a in n.attribute:
+                if a.name == "value":
+                    values[n.output[0]] = onnx.numpy_helper.to_array(a.t)
+    return values
+
+
+def _has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}{k}"
+    taken.add(name)
+    return name
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    return ({o for n in graph.node for o in n.output} | {i.name for i in graph.input} |
+            {t.name for t in graph.initializer})
+
+
+def shrink_stash(training: onnx.ModelProto) -> None:
+    """Make backward keep fewer bytes from forward, in place: `rematerialize`, then `hoist_masks`."""
+    rematerialize(training)
+    hoist_masks(training)
+
+
+def rematerialize(training: onnx.ModelProto) -> list[str]:
+    """Backward recomputes what is a cheap function (`CHEAP` ops) of graph inputs and initializers, such as
+    a flattened input or a transposed weight, instead of reading it from the stash: feeds are kept by the
+    caller anyway, so the stash then holds nothing they already hold, and onnxruntime can fuse the forward's
+    Transpose into its MatMul once the transposed weight is no longer a graph output. Returns the tensors
+    no longer stashed."""
+    g = training.graph
+    nodes = list(g.node)
+    y = find_yield(nodes)
+    free = {i.name for i in g.input} | {t.name for t in g.initializer}
+    maker: dict[str, onnx.NodeProto] = {}
+    for n in nodes[:y]:
+        if n.op_type in CHEAP and not n.domain and not _has_subgraph(n) and all(not x or x in free for x in n.input):
+            for o in n.output:
+                if o:
+                    free.add(o)
+                    maker[o] = n
+    module_outputs = set(nodes[y].input)
+    wanted = [x for n in nodes[y + 1:] for x in n.input if x in maker and x not in module_outputs]
+    if not wanted:
+        return []
+    taken = _names(g)
+    rename: dict[str, str] = {}
+    copies: list[onnx.NodeProto] = []
+
+    def copy(name: str) -> str:
+        if name in rename or name not in maker:
+            return rename.get(name, name)
+        src = maker[name]
+        for x in src.input:
+            copy(x)
+        clone = onnx.NodeProto()
+        clone.CopyFrom(src)
+        clone.name = _fresh(f"{src.name or src.op_type}__remat", taken)
+        for i, x in enumerate(clone.input):
+            clone.input[i] = rename.get(x, x)
+        for i, o in enumerate(clone.output):
+            if o:
+                rename[o] = clone.output[i] = _fresh(f"{o}__remat", taken)
+        copies.append(clone)
+        return rename[name]
+
+    for x in dict.fromkeys(wanted):
+        copy(x)
+    backward = nodes[y + 1:]
+    for n in backward:
+        for i, x in enumerate(n.input):
+            if x in rename:
+                n.input[i] = rename[x]
+    forward = _drop_dead(nodes[:y], [nodes[y], *copies, *backward], {o.name for o in g.output})
+    del g.node[:]
+    g.node.extend([*forward, nodes[y], *copies, *backward])
+    return [x for x in dict.fromkeys(wanted)]
+
+
+def _drop_dead(forward: list[onnx.NodeProto], later: Iterable[onnx.NodeProto], outputs: set[str]
+               ) -> list[onnx.NodeProto]:
+    """Forward nodes whose outputs something still reads (rematerializing can leave helpers unread)."""
+    read = set(outputs) | {x for n in later for x in n.input}
+    for n in later:  # subgraphs read outer names implicitly
+        if _has_subgraph(n):
+            return forward
+    keep = []
+    for n in reversed(forward):
+        if _has_subgraph(n) or any(o in read for o in n.output if o) or n.op_type.startswith("Random") \
+                or n.op_type in ("Dropout", "Multinomial"):
+            keep.append(n)
+            read.update(n.input)
+    return keep[::-1]
+
+
+def hoist_masks(training: onnx.ModelProto) -> list[str]:
+    """Comparisons of a stashed tensor with a constant (Relu's `y > 0`) move into the forward part when
+    nothing else in backward reads that tensor: backward then keeps a boolean mask, a byte an element,
+    instead of the tensor. Tensors backward reads anyway (Relu's output feeding the next MatMul's weight
+    gradient) stay, and their comparison stays in backward. Returns the tensors no longer stashed."""
+    g = training.graph
+    nodes = list(g.node)
+    y = find_yield(nodes)
+    consts = _constants(g)
+    forward_made = {o for n in nodes[:y] for o in n.output if o}
+    module_outputs = set(nodes[y].input)
+    initializers = {t.name for t in g.initializer}
+    backward = nodes[y + 1:]
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in backward:
+        for x in set(n.input):
+            readers.setdefault(x, []).append(n)
+
+    def is_mask(n: onnx.NodeProto, t: str) -> bool:
+        if n.op_type not in COMPARE or n.domain or len(n.input) != 2 or t not in n.input:
+            return False
+        other = n.input[1] if n.input[0] == t else n.input[0]
+        value = consts.get(other) if other in initializers else None
+        return value is not None and value.size == 1 and value.dtype.itemsize > 1
+
+    moved: list[onnx.NodeProto] = []
+    freed = []
+    for t, users in readers.items():
+        if t in forward_made and t not in module_outputs and all(is_mask(n, t) for n in users):
+            moved.extend(users)
+            freed.append(t)
+    if not moved:
+        return []
+    ids = {id(n) for n in moved}
+    del g.node[:]
+    g.node.extend([*nodes[:y], *moved, nodes[y], *(n for n in backward if id(n) not in ids)])
+    return freed
+
+
+def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+    """`Where(c, a, 0)` becomes `a * Cast(c)` (and `Where(c, 0, a)` becomes `a * Cast(Not(c))`) when `a` is
+    a float tensor made by `MASKABLE` ops, seen through rearrangements and multiplications by constants:
+    onnxruntime's CPU Where costs ~6 ns an element, Cast + Mul ~0.6 ns. The results differ only where `a`
+    holds inf or nan at a masked position, which for these producers means the incoming gradient or a
+    weight is non-finite already; Where guarding a singular expression (a division, a log) is kept. `known`:
+    values of graph inputs that are constants (a backward half's initializers shared with the forward).
+    Returns a rewritten copy (or `model` itself when nothing changes)."""
+    g = model.graph
+    consts = {**(known or {}), **_constants(g)}
+    producer = {o: n for n in g.node for o in n.output if o}
+
+    def zero(name: str) -> int | None:
+        """The element type of a scalar float zero constant, else None."""
+        v = consts.get(name)
+        if v is None or v.size != 1 or v.ndim != 0 or float(v.reshape(-1)[0]) != 0.0:
+            return None
+        return helper.np_dtype_to_tensor_dtype(v.dtype)
+
+    memo: dict[str, bool] = {}
+
+    def maskable(name: str) -> bool:
+        if name not in memo:
+            memo[name] = False  # cycles cannot occur in a graph; this only guards the recursion
+            n = producer.get(name)
+            if n is None or n.domain:
+                ok = False
+            elif n.op_type in MASKABLE:
+                ok = True
+            elif n.op_type in REARRANGE:
+                ok = maskable(n.input[0])
+            elif n.op_type == "Mul" and sum(x in consts for x in n.input) == 1:
+                ok = maskable(next(x for x in n.input if x not in consts))
+            elif n.op_type in ("Add", "Sum"):
+                ok = all(maskable(x) for x in n.input)
+            else:
+                ok = False
+            memo[name] = ok
+        return memo[name]
+
+    plan = []
+    for k, n in enumerate(g.node):
+        if n.op_type != "Where" or n.domain or len(n.input) != 3:
+            continue
+        for kept, other, negate in ((1, 2, False), (2, 1, True)):
+            elem = zero(n.input[other])
+            if elem in FLOATS and maskable(n.input[kept]):
+                plan.append((k, n.input[0], n.input[kept], negate, elem))
+                break
+    if not plan:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = list(out.graph.node)
+    taken = _names(out.graph)
+    for k, cond, kept, negate, elem in reversed(plan):
+        where = nodes[k]
+        base = where.output[0]
+        new = []
+        if negate:
+            cond = _fresh(f"{base}/not", taken)
+            new.append(helper.make_node("Not", [where.input[0]], [cond], name=_fresh(f"{base}/not_node", taken)))
+        mask = _fresh(f"{base}/mask", taken)
+        new.append(helper.make_node("Cast", [cond], [mask], to=elem, name=_fresh(f"{base}/cast_node", taken)))
+        new.append(helper.make_node("Mul", [kept, mask], [base], name=_fresh(f"{base}/mul_node", taken)))
+        nodes[k:k + 1] = new
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
