@@ -57,9 +57,21 @@ def is_yield(node: onnx.NodeProto) -> bool:
 
 
 def read_yield(node: onnx.NodeProto) -> YieldSignature:
-    attrs = {a.name: list(helper.get_attribute_value(a)) for a in node.attribute}
-    sig = YieldSignature(tuple(node.input), tuple(node.output), tuple(attrs.get("non_differentiable_outputs", [])),
-                         tuple(attrs.get("full_shape_outputs", [])))
+    attrs = {a.name: a for a in node.attribute}
+    lists = {}
+    for key in ("non_differentiable_outputs", "full_shape_outputs"):
+        a = attrs.get(key)
+        if a is not None and a.type != AttributeProto.INTS:
+            raise SplitError(f"Yield node '{node.name}': attribute {key} is not a list of ints; the training graph "
+                             "is damaged: rebuild it with `gradbuilder build`.")
+        values = list(a.ints) if a is not None else []
+        if len(set(values)) != len(values) or any(not 0 <= i < len(node.input) for i in values):
+            raise SplitError(f"Yield node '{node.name}': {key} {values} are not distinct indices of its "
+                             f"{len(node.input)} inputs; the training graph is damaged: rebuild it with "
+                             "`gradbuilder build`.")
+        lists[key] = tuple(values)
+    sig = YieldSignature(tuple(node.input), tuple(node.output), lists["non_differentiable_outputs"],
+                         lists["full_shape_outputs"])
     if len(sig.outputs) != len(sig.grads) + len(sig.non_differentiable):
         raise SplitError(
             f"Yield node '{node.name}' is inconsistent: {len(sig.outputs)} inputs but {len(sig.grads)} outputs "
