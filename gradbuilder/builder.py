@@ -20,7 +20,15 @@ import onnx
 from onnx import TensorProto, helper
 
 from . import rules  # noqa: F401 - registers every rule family
-from .errors import ControlFlowError, InvalidModelError, LossError, RuleError, UnknownNameError, UnsupportedOpError
+from .errors import (
+    ControlFlowError,
+    InvalidModelError,
+    LossError,
+    RuleError,
+    SplitError,
+    UnknownNameError,
+    UnsupportedOpError,
+)
 from .graph import ForwardGraph, NameAllocator, describe, load_model, type_name, value_info
 from .reachability import Reachability, analyze, is_control_flow
 from .rules import registry
@@ -322,8 +330,12 @@ def read_metadata(model: onnx.ModelProto) -> dict[str, object]:
     """The build facts stored in a training graph: wrt, gradients (wrt -> output), no_gradient, outputs, loss."""
     raw = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
     out: dict[str, object] = {"loss": raw.get("loss") or None}
-    out["wrt"] = json.loads(raw.get("wrt", "[]"))
-    out["gradients"] = dict(json.loads(raw.get("gradients", "[]")))
-    out["no_gradient"] = json.loads(raw.get("no_gradient", "{}"))
-    out["outputs"] = json.loads(raw.get("outputs", "[]"))
+    try:
+        out["wrt"] = [str(w) for w in json.loads(raw.get("wrt", "[]"))]
+        out["gradients"] = {str(w): str(g) for w, g in json.loads(raw.get("gradients", "[]"))}
+        out["no_gradient"] = {str(w): str(r) for w, r in json.loads(raw.get("no_gradient", "{}")).items()}
+        out["outputs"] = [str(o) for o in json.loads(raw.get("outputs", "[]"))]
+    except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise SplitError(f"the {META_PREFIX}* metadata of the training graph is damaged ({e}); rebuild it with "
+                         "`gradbuilder build`.") from None
     return out
