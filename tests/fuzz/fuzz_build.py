@@ -32,7 +32,7 @@ def mutator(data: bytes, max_size: int, seed: int) -> bytes:
 
 def write_seeds(corpus: Path) -> None:
     corpus.mkdir(parents=True, exist_ok=True)
-    for name, model in fuzz_models.seeds().items():
+    for name, model in {**fuzz_models.seeds(), **fuzz_models.training_seeds()}.items():
         (corpus / f"seed-{name}.onnx").write_bytes(model.SerializeToString())
 
 

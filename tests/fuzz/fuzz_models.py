@@ -29,9 +29,12 @@ from gradbuilder.inspect_model import inspect_model
 
 def check(data: bytes) -> None:
     """The property: model bytes are either built into a splittable training graph (a valid one whenever the
-    input is valid ONNX) or refused with a GradBuilderError; inspect likewise. Anything else is a bug."""
+    input is valid ONNX) or refused with a GradBuilderError; inspect and split likewise (mutated training graphs
+    are seeds too). Anything else is a bug."""
     with contextlib.suppress(GradBuilderError):
         inspect_model(data)
+    with contextlib.suppress(GradBuilderError):
+        split(data)
     try:
         training = build_gradient_graph(data)
     except GradBuilderError:
@@ -98,6 +101,12 @@ def branchy() -> onnx.ModelProto:
 
 def seeds() -> dict[str, onnx.ModelProto]:
     return {"tiny": tiny(), "loss": with_loss(), "mlp": mlp(), "shapes": shapes(), "branchy": branchy()}
+
+
+def training_seeds() -> dict[str, onnx.ModelProto]:
+    """Training graphs of two seeds, so that damaged training graphs reach split and inspect."""
+    return {"tiny-training": build_gradient_graph(tiny()),
+            "loss-training": build_gradient_graph(with_loss(), loss="loss", outputs=["y"])}
 
 
 # --------------------------------------------------------------------------------------------------
