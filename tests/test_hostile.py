@@ -230,6 +230,32 @@ def test_non_utf8_names(capsys, tmp_path):
                  "b'\\xff\\xfe")
 
 
+def _damage_yield(m: onnx.ModelProto, damage: str) -> None:
+    y = next(n for n in m.graph.node if n.op_type == "Yield")
+    attr = next(a for a in y.attribute if a.name == "full_shape_outputs")
+    if damage == "yield attribute type":
+        y.attribute.remove(attr)
+        y.attribute.append(helper.make_attribute("full_shape_outputs", 1.5))
+    elif damage == "yield index":
+        attr.ints[:] = [7]
+    else:
+        next(p for p in m.metadata_props if p.key == "gradbuilder.gradients").value = "[[1, 2"
+
+
+@pytest.mark.parametrize("damage,needles", [
+    ("yield attribute type", ["Yield", "full_shape_outputs is not a list of ints", "rebuild"]),
+    ("yield index", ["Yield", "[7]", "indices of its 1 inputs", "rebuild"]),
+    ("metadata", ["gradbuilder.* metadata", "damaged", "rebuild"]),
+])
+@pytest.mark.parametrize("command", ["split", "inspect"])
+def test_damaged_training_graph(capsys, tmp_path, damage, needles, command):
+    m = gradbuilder.build_gradient_graph(tiny())
+    _damage_yield(m, damage)
+    path = save(m, _write(tmp_path / "in" / "t.onnx", b""))
+    out = ["-o", tmp_path / "parts"] if command == "split" else []
+    assert_fails(capsys, tmp_path, [command, path, *out], *needles)
+
+
 # --------------------------------------------------------------------------------------------------
 # unreadable bytes
 
