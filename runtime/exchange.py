@@ -56,6 +56,12 @@ def to_torch(v: C.OrtValue) -> torch.Tensor:
     return tdl.from_dlpack(v.to_dlpack())
 
 
+def vector_to_torch(values: C.OrtValueVector) -> list[torch.Tensor]:
+    """Every OrtValue of a run's output vector as a torch tensor, in one C++ loop (~2 µs a tensor less
+    than `to_torch` on each)."""
+    return values.to_dlpacks(torch._C._from_dlpack)
+
+
 def to_numpy(v: C.OrtValue) -> np.ndarray:
     return np.from_dlpack(v)
 

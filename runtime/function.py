@@ -67,8 +67,8 @@ class ORTFunction(torch.autograd.Function):
         for i, g in enumerate(grads[:call.n_user]):
             if g is not None:
                 ort_grads[i] = exchange.to_ortvalue(g)
-        result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph())
-        return (None, *[exchange.to_torch(result[w]) if w in result else None for w in call.wrt])
+        result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
+        return (None, *[result.get(w) for w in call.wrt])
 
 
 def apply(call: Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -71,12 +71,16 @@ class Runner:
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
         """Run on C-level OrtValues; returns OrtValues in `outputs` order (default: all outputs)."""
-        names = self.output_names if outputs is None else list(outputs)
+        out = self.run_vector(feeds, outputs)
+        # indexing, not iterating: iterating an OrtValueVector costs ~15 µs per element (IndexError at the end)
+        return [out[i] for i in range(len(out))]
+
+    def run_vector(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> C.OrtValueVector:
+        """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
+        names = self.output_names if outputs is None else outputs
         try:
-            out = self._c.run_with_ort_values(feeds if isinstance(feeds, dict) else dict(feeds), names,
-                                              self._run_options)
-            # indexing, not iterating: iterating an OrtValueVector costs ~15 µs per element (IndexError at the end)
-            return [out[i] for i in range(len(out))]
+            return self._c.run_with_ort_values(feeds if isinstance(feeds, dict) else dict(feeds), names,
+                                               self._run_options)
         except Exception as e:
             missing = [n for n in self.input_names if n not in feeds]
             hint = f" (missing inputs: {missing})" if missing else ""

@@ -207,7 +207,8 @@ class TrainingSession:
         return outs, ForwardState(env, outs, as_torch)
 
     def backward_ortvalues(self, state: ForwardState, grads: Sequence[C.OrtValue | None], *,
-                           retain: bool = False) -> dict[str, C.OrtValue]:
+                           retain: bool = False, as_torch: bool = False) -> dict[str, Any]:
+        """Gradients as OrtValues, or as torch tensors on their memory with `as_torch`."""
         if state.released:
             raise RuntimeError("backward through a ForwardState a second time: its stashed tensors were already "
                                "freed; pass retain=True to the first backward to keep them.")
@@ -217,9 +218,10 @@ class TrainingSession:
                 state.release()
             return {}
         bw = self._backward_for(given)
-        result: dict[str, C.OrtValue] = {}
+        result: dict[str, Any] = {}
         if bw.runner is not None:
-            values = bw.runner.run(self._backward_feeds(bw, state, grads), bw.out_names)
+            vector = bw.runner.run_vector(self._backward_feeds(bw, state, grads), bw.out_names)
+            values = exchange.vector_to_torch(vector) if as_torch else [vector[i] for i in range(len(vector))]
             result = {w: values[i] for w, i in bw.results}
         if not retain:
             state.release()
