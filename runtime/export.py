@@ -211,6 +211,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         raise ExportError(f"exporting {type(module).__name__}: the exported graph has no outputs; the module returns "
                           "no tensor computed by torch operations.")
     _state_as_inputs(model, state, type(module).__name__)
+    _split_sequences_to_slices(model.graph)
     _dynamic_inputs(model, set(names))
     outputs = _name_outputs(model, out_spec)
     graph_inputs = {i.name for i in model.graph.input}
@@ -377,6 +378,57 @@ def _name_outputs(model: onnx.ModelProto, out_spec: Spec) -> list[str]:
         vi.name = want
     _rename(g, rename)
     return [o.name for o in g.output]
+
+
+def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
+    """The dynamo exporter (unoptimised) turns torch.split/chunk into SplitToSequence + SequenceAt, which have no
+    gradient rule. Each SequenceAt at a constant index becomes a Slice of the split tensor: chunk i of size s is
+    [i*s, (i+1)*s) (Slice clamps the last), of sizes [s0, s1, ...] it is [s0+...+s(i-1), ... + si). Splits whose
+    sizes or indices are not of that form stay as they are (a rule error then names them)."""
+    consts: dict[str, np.ndarray] = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value":
+            consts[n.output[0]] = onnx.numpy_helper.to_array(n.attribute[0].t)
+    splits = {n.output[0]: n for n in g.node if n.op_type == "SplitToSequence" and len(n.input) == 2}
+    if not splits:
+        return
+    taken = {i.name for i in g.input} | set(consts) | {o for n in g.node for o in n.output}
+    nodes: list[onnx.NodeProto] = []
+    for n in g.node:
+        split = splits.get(n.input[0]) if n.op_type == "SequenceAt" else None
+        index = consts.get(n.input[1]) if split is not None else None
+        if split is None or index is None or index.ndim != 0:
+            nodes.append(n)
+            continue
+        x, sizes = split.input
+        axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+        i = int(index)
+        starts, ends, axes = _unique([f"{n.output[0]}#{k}" for k in ("starts", "ends", "axes")], taken)
+        const = consts.get(sizes)
+        if const is not None and const.ndim == 1 and -len(const) <= i < len(const):
+            i %= len(const)
+            bounds = [(starts, int(const[:i].sum())), (ends, int(const[: i + 1].sum()))]
+        elif i >= 0 and (const is None or const.ndim == 0):
+            size, size_1d = _unique([f"{n.output[0]}#size", f"{n.output[0]}#size_1d"], taken)
+            nodes += [helper.make_node("Reshape", [sizes, _constant(g, f"{size_1d}.shape", [1])], [size_1d]),
+                      helper.make_node("Cast", [size_1d], [size], to=onnx.TensorProto.INT64),
+                      helper.make_node("Mul", [size, _constant(g, f"{starts}.index", [i])], [starts]),
+                      helper.make_node("Add", [starts, size], [ends])]
+            bounds = []
+        else:
+            nodes.append(n)
+            continue
+        for name, value in bounds:
+            _constant(g, name, [value])
+        nodes.append(helper.make_node("Slice", [x, starts, ends, _constant(g, axes, [axis])], [n.output[0]]))
+    used = {i for n in nodes for i in n.input} | {o.name for o in g.output}
+    del g.node[:]
+    g.node.extend(n for n in nodes if not (n.op_type == "SplitToSequence" and n.output[0] not in used))
+
+
+def _constant(g: onnx.GraphProto, name: str, values: list[int]) -> str:
+    g.initializer.append(onnx.numpy_helper.from_array(np.array(values, np.int64), name))
+    return name
 
 
 def _rename(g: onnx.GraphProto, mapping: dict[str, str]) -> None:

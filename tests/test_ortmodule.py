@@ -10,11 +10,16 @@ import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass, fields
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper
 from torch import nn
 
 from runtime import ExportWarning, FallbackWarning, ORTModule, ORTModuleError
+from runtime.export import _split_sequences_to_slices
 
 torch.manual_seed(0)
 
@@ -610,6 +615,35 @@ def test_save_onnx_env_writes_all_files(tmp_path, monkeypatch) -> None:
     om(torch.randn(2, 8)).sum().backward()
     files = {p.name for p in tmp_path.rglob("*.onnx")}
     assert {"exported.onnx", "training.onnx", "forward.onnx", "backward.onnx"} <= files
+
+
+def test_split_sequences_become_slices() -> None:
+    """The dynamo exporter's torch.split/chunk (SplitToSequence + SequenceAt, no gradient rule) as Slices: chunks
+    of a constant size (uneven last), of a computed size, of listed sizes, a negative index; same values."""
+    def const(name: str, value: list[int] | int) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(value, np.int64)))
+
+    nodes = [const("five", 5), const("sizes", [2, 7, 3]), const("i0", 0), const("i1", 1), const("i2", 2),
+             const("im1", -1), const("two", 2),
+             helper.make_node("SplitToSequence", ["x", "five"], ["even"], axis=1),
+             helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "two"], ["rows"]),
+             helper.make_node("Div", ["rows", "two"], ["half"]),
+             helper.make_node("SplitToSequence", ["x", "half"], ["halves"], axis=-1),
+             helper.make_node("SplitToSequence", ["x", "sizes"], ["listed"], axis=1)]
+    outs = []
+    for seq, index in [("even", "i0"), ("even", "i2"), ("halves", "i1"), ("listed", "i1"), ("listed", "im1")]:
+        outs.append(f"{seq}_{index}")
+        nodes.append(helper.make_node("SequenceAt", [seq, index], [outs[-1]]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12, 6])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.random.default_rng(0).standard_normal((2, 12, 6)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    _split_sequences_to_slices(model.graph)
+    assert not {"SplitToSequence", "SequenceAt"} & {n.op_type for n in model.graph.node}
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_dynamo_exporter() -> None:
