@@ -212,20 +212,26 @@ def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) ->
                 ok = maskable(next(x for x in n.input if x not in consts))
             elif n.op_type in ("Add", "Sum"):
                 ok = all(maskable(x) for x in n.input)
-            else:
-                ok = False
+            else:  # a Where lowered itself (Dropout's, feeding Relu's) is a masked linear map too
+                ok = lowering(n) is not None
             memo[name] = ok
         return memo[name]
 
-    plan = []
-    for k, n in enumerate(g.node):
+    def lowering(n: onnx.NodeProto) -> tuple[str, bool, int] | None:
+        """(kept operand, whether the condition selects the zero, element type) for a Where to lower."""
         if n.op_type != "Where" or n.domain or len(n.input) != 3:
-            continue
+            return None
         for kept, other, negate in ((1, 2, False), (2, 1, True)):
             elem = zero(n.input[other])
             if elem in FLOATS and maskable(n.input[kept]):
-                plan.append((k, n.input[0], n.input[kept], negate, elem))
-                break
+                return n.input[kept], negate, elem
+        return None
+
+    plan = []
+    for k, n in enumerate(g.node):
+        how = lowering(n)
+        if how is not None:
+            plan.append((k, n.input[0], *how))
     if not plan:
         return model
     out = onnx.ModelProto()
