@@ -24,7 +24,7 @@ import io
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +37,7 @@ from torch import nn
 from . import exchange
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .ort_session import Runner, SessionConfig
-from .structure import Spec, flatten, tensor_paths, unflatten
+from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
 DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
@@ -210,6 +210,12 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     if not model.graph.output:
         raise ExportError(f"exporting {type(module).__name__}: the exported graph has no outputs; the module returns "
                           "no tensor computed by torch operations.")
+    for path, value in _objects_holding_tensors(out_spec):
+        warnings.warn(f"ORTModule({type(module).__name__}): the result's {path or 'value'} is a {type(value).__name__} "
+                      "holding tensors. ORTModule computes the tensors of a result (also inside containers and "
+                      "dataclasses) and returns any other object as the export traced it, so every call gets this "
+                      "object with the export's tensors. Leave it out of the result (Hugging Face models: "
+                      "use_cache=False).", ExportWarning, stacklevel=4)
     _state_as_inputs(model, state, type(module).__name__)
     _split_sequences_to_slices(model.graph)
     _dynamic_inputs(model, set(names))
@@ -378,6 +384,32 @@ def _name_outputs(model: onnx.ModelProto, out_spec: Spec) -> list[str]:
         vi.name = want
     _rename(g, rename)
     return [o.name for o in g.output]
+
+
+def _objects_holding_tensors(spec: Spec, path: str = "") -> Iterator[tuple[str, object]]:
+    """Constants of a result (anything `structure` does not take apart) with tensors among their attributes,
+    such as a Hugging Face DynamicCache: returned as traced, so their tensors are stale."""
+    if isinstance(spec, Const):
+        if _holds_tensors(spec.value):
+            yield path, spec.value
+    elif isinstance(spec, Node):
+        keys = spec.keys if spec.keys is not None else range(len(spec.children))
+        for k, child in zip(keys, spec.children):
+            yield from _objects_holding_tensors(child, f"{path}.{k}" if path else str(k))
+
+
+def _holds_tensors(x: object, depth: int = 4) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(x, (type, nn.Module)):
+        return False
+    if isinstance(x, Mapping):
+        items: Iterable[object] = x.values()
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        items = x
+    else:
+        items = getattr(x, "__dict__", {}).values()
+    return any(_holds_tensors(v, depth - 1) for v in items)
 
 
 def _split_sequences_to_slices(g: onnx.GraphProto) -> None:

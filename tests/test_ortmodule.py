@@ -609,6 +609,21 @@ def test_data_dependent_trace_warns() -> None:
         ORTModule(Branchy())(torch.ones(2))
 
 
+def test_result_objects_holding_tensors_warn() -> None:
+    """An object ORTModule cannot take apart (a Hugging Face DynamicCache) is returned as traced, with stale tensors."""
+    class Cache:
+        def __init__(self, layers):
+            self.layers = layers
+
+    class WithCache(nn.Module):
+        def forward(self, x):
+            return {"out": x * 2, "cache": Cache([{"keys": x + 1}]), "note": "plain constants are fine"}
+
+    with pytest.warns(ExportWarning, match=r"ORTModule\(WithCache\): the result's cache is a Cache holding tensors"):
+        out = ORTModule(WithCache())(torch.ones(2))
+    assert out["note"] == "plain constants are fine"
+
+
 def test_save_onnx_env_writes_all_files(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("GRADBUILDER_SAVE_ONNX", str(tmp_path))
     om = ORTModule(MLP())
