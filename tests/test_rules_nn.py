@@ -297,6 +297,26 @@ def test_max_pool_auto_pad(auto_pad):
              kernel_shape=kernel, strides=strides, auto_pad=auto_pad)
 
 
+@pytest.mark.parametrize("xs,kernel", [((2, 3, 8, 8), [2, 2]), ((2, 3, 7, 9), [2, 2]), ((2, 2, 9), [3]),
+                                       ((1, 2, 4, 6, 5), [2, 3, 2]), ((2, 3, 6, 6), [3, 2])])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_max_pool_tiles(xs, kernel, symbolic):
+    """Tiling windows (stride = kernel): a uint8 tile offset is stashed instead of int64 indices, the rows past
+    the last tile get no gradient."""
+    x = r(*xs)
+    check_op("MaxPool", [("x", x)], pool_ref("max", kernel, kernel, [1] * len(kernel), [0] * len(kernel),
+                                             [0] * len(kernel), 0),
+             kernel_shape=kernel, strides=kernel, fd=False, symbolic={"x": list(range(len(xs)))} if symbolic else None)
+    model = single_op_model("MaxPool", [("x", x)], kernel_shape=kernel, strides=kernel)
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
+    manifest = gradbuilder.split(training)[2]
+    stash = [e.name for e in manifest.backward_inputs if e.role == "stash"]
+    types = {v.name: v.type.tensor_type.elem_type for v in gradbuilder.split(training)[0].graph.output}
+    assert "x" not in backward_reads(model, ["x"])
+    kinds = [types[n] for n in stash]  # the offsets, and x's shape when it is symbolic
+    assert onnx.TensorProto.UINT8 in kinds and set(kinds) <= {onnx.TensorProto.UINT8, onnx.TensorProto.INT64}
+
+
 def test_max_pool_symbolic_dims():
     check_op("MaxPool", [("x", r(2, 3, 7, 8))], pool_ref("max", [3, 3], [2, 2], [1, 1], [1, 1], [1, 1], 1),
              kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1, symbolic={"x": [0, 2, 3]})

@@ -333,13 +333,77 @@ def _scatter_flat(g: Grad, x: str, index: str, values: str, accumulate: bool) ->
     return g.Cast(out, to=dtype) if acc != dtype else out
 
 
+def _tiles(g: Grad, kernel: Sequence[int]) -> bool:
+    """Whether MaxPool's windows tile x without overlap, padding or dilation (LeNet's 2x2 stride-2 pool), for
+    float inputs and no Indices output in the model."""
+    nd = len(kernel)
+    outs = g.node.output
+    return (list(g.attr("strides", [1] * nd)) == list(kernel) and list(g.attr("dilations", [1] * nd)) == [1] * nd
+            and not any(g.attr("pads", [0] * 2 * nd)) and g.attr("auto_pad", "NOTSET") in ("NOTSET", "VALID", "")
+            and not g.attr("ceil_mode", 0) and not (len(outs) > 1 and outs[1]) and int(np.prod(kernel)) <= 256
+            and g.dtype(g.I(0)) in (TensorProto.FLOAT, TensorProto.DOUBLE))
+
+
+def _tile_offsets(g: Grad, x: str, kernel: Sequence[int]) -> str:
+    """Forward side: the position in its tile (raster order, the first maximum, as torch picks) of the element
+    each output took, as uint8. MaxPool then runs without its Indices output (ten times slower in
+    onnxruntime) and backward keeps a byte an output element instead of int64 indices."""
+    nd = len(kernel)
+    fwd = {"forward": True}
+    shape = g.shape_of(x)
+    lead = g.op("Slice", shape, g.ints([0]), g.ints([2]), **fwd)
+    outs = g.op("Div", g.op("Slice", shape, g.ints([2]), g.ints([2 + nd]), **fwd), g.ints(kernel), **fwd)
+    static = g.info(x).shape
+    if static is None or not all(isinstance(n, int) and n % k == 0 for n, k in zip(static[2:], kernel)):
+        x = g.op("Slice", x, g.ints([0] * nd), g.op("Mul", outs, g.ints(kernel), **fwd), g.ints(range(2, 2 + nd)),
+                 **fwd)  # floor mode: the rows and columns past the last tile
+    dims = [lead]
+    for i in range(nd):
+        dims += [g.op("Slice", outs, g.ints([i]), g.ints([i + 1]), **fwd), g.ints([kernel[i]])]
+    tiled = g.op("Reshape", x, g.op("Concat", *dims, axis=0, **fwd), **fwd)
+    perm = [0, 1, *range(2, 2 + 2 * nd, 2), *range(3, 3 + 2 * nd, 2)]
+    grouped = g.op("Reshape", g.op("Transpose", tiled, perm=perm, **fwd),
+                   g.op("Concat", lead, outs, g.ints([-1]), axis=0, **fwd), **fwd)
+    return g.op("Cast", g.op("ArgMax", grouped, axis=-1, keepdims=0, **fwd), to=TensorProto.UINT8, **fwd)
+
+
+def _tile_scatter(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int]) -> str:
+    """dY scattered to the elements `_tile_offsets` names: their index in x's spatial plane, (o_i * k_i + tap_i)
+    per dim, then one ScatterElements over (N, C, plane)."""
+    nd = len(kernel)
+    shape = g.shape_of(x)
+    lead = g.Slice(shape, g.ints([0]), g.ints([2]))
+    sizes = g.Slice(shape, g.ints([2]), g.ints([2 + nd]))
+    outs = g.Div(sizes, g.ints(kernel))
+    off = g.Cast(offsets, to=TensorProto.INT64)
+    flat = None
+    for i in range(nd):
+        inner = int(np.prod(kernel[i + 1:]))
+        tap = g.Div(off, g.ints(inner)) if inner > 1 else off
+        tap = g.Mod(tap, g.ints(kernel[i])) if i > 0 else tap
+        o = g.Squeeze(g.Slice(outs, g.ints([i]), g.ints([i + 1])), g.ints([0]))
+        starts = g.Mul(g.Range(g.ints(0), o, g.ints(1)), g.ints(kernel[i]))
+        starts = g.unsqueeze(starts, [j for j in range(nd) if j != i]) if nd > 1 else starts
+        pos = g.Add(tap, starts)
+        size = g.Slice(sizes, g.ints([i]), g.ints([i + 1]))
+        flat = pos if flat is None else g.Add(g.Mul(flat, size), pos)
+    by_plane = g.Concat(lead, g.ints([-1]), axis=0)
+    zeros = g.ConstantOfShape(g.Concat(lead, g.ReduceProd(sizes, keepdims=1), axis=0),
+                              value=helper.make_tensor("value", g.dtype(x), [1], [0]))
+    out = g.ScatterElements(zeros, g.Reshape(flat, by_plane), g.Reshape(dy, by_plane), axis=2)
+    return g.Reshape(out, shape)
+
+
 @rule("MaxPool", since=13, nondiff_outputs=(1,))
 def max_pool(g: Grad):
-    """dY goes to the element each window picked: read from the Indices output (added to the node when
-    absent), so backward stashes int64 indices the size of Y rather than X."""
+    """dY goes to the element each window picked. Tiling windows: found in the forward part as a byte per
+    output (`_tile_offsets`); otherwise read from the Indices output (added to the node when absent), so
+    backward stashes int64 indices the size of Y rather than X."""
     x, dy = g.I(0), g.GO(0)
     rank = g.require_rank(x)
     kernel = list(g.attr("kernel_shape"))
+    if rank == len(kernel) + 2 and _tiles(g, kernel):
+        return (_tile_scatter(g, x, _tile_offsets(g, x, kernel), dy, kernel),)
     strides = g.attr("strides", [1] * len(kernel))
     dilations = g.attr("dilations", [1] * len(kernel))
     overlap = any((k - 1) * d + 1 > s for k, s, d in zip(kernel, strides, dilations))
