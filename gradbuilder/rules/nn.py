@@ -369,28 +369,35 @@ def _tile_offsets(g: Grad, x: str, kernel: Sequence[int]) -> str:
 
 def _tile_scatter(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int]) -> str:
     """dY scattered to the elements `_tile_offsets` names: their index in x's spatial plane, (o_i * k_i + tap_i)
-    per dim, then one ScatterElements over (N, C, plane)."""
+    per dim, then one ScatterElements over (N, C, plane). The index is computed in double, exact for any plane
+    onnxruntime can hold: its integer Div, Mod and Gather take ~6 ns an element, double arithmetic ~0.5."""
     nd = len(kernel)
     shape = g.shape_of(x)
     lead = g.Slice(shape, g.ints([0]), g.ints([2]))
     sizes = g.Slice(shape, g.ints([2]), g.ints([2 + nd]))
+    real = TensorProto.DOUBLE
+    size_f = g.Cast(sizes, to=real)
     outs = g.Div(sizes, g.ints(kernel))
-    off = g.Cast(offsets, to=TensorProto.INT64)
+    rest = g.Cast(offsets, to=real)
+    taps: list[str] = [""] * nd
+    for i in reversed(range(1, nd)):  # raster order: the last dim varies fastest
+        k = g.const(float(kernel[i]), elem_type=real)
+        above = g.Floor(g.Div(rest, k))
+        taps[i] = g.Sub(rest, g.Mul(above, k))
+        rest = above
+    taps[0] = rest
     flat = None
     for i in range(nd):
-        inner = int(np.prod(kernel[i + 1:]))
-        tap = g.Div(off, g.ints(inner)) if inner > 1 else off
-        tap = g.Mod(tap, g.ints(kernel[i])) if i > 0 else tap
         o = g.Squeeze(g.Slice(outs, g.ints([i]), g.ints([i + 1])), g.ints([0]))
-        starts = g.Mul(g.Range(g.ints(0), o, g.ints(1)), g.ints(kernel[i]))
+        starts = g.Mul(g.Cast(g.Range(g.ints(0), o, g.ints(1)), to=real), g.const(float(kernel[i]), elem_type=real))
         starts = g.unsqueeze(starts, [j for j in range(nd) if j != i]) if nd > 1 else starts
-        pos = g.Add(tap, starts)
-        size = g.Slice(sizes, g.ints([i]), g.ints([i + 1]))
-        flat = pos if flat is None else g.Add(g.Mul(flat, size), pos)
+        pos = g.Add(taps[i], starts)
+        flat = pos if flat is None else g.Add(g.Mul(flat, g.Slice(size_f, g.ints([i]), g.ints([i + 1]))), pos)
     by_plane = g.Concat(lead, g.ints([-1]), axis=0)
     zeros = g.ConstantOfShape(g.Concat(lead, g.ReduceProd(sizes, keepdims=1), axis=0),
                               value=helper.make_tensor("value", g.dtype(x), [1], [0]))
-    out = g.ScatterElements(zeros, g.Reshape(flat, by_plane), g.Reshape(dy, by_plane), axis=2)
+    index = g.Reshape(g.Cast(flat, to=TensorProto.INT64), by_plane)
+    out = g.ScatterElements(zeros, index, g.Reshape(dy, by_plane), axis=2)
     return g.Reshape(out, shape)
 
 
