@@ -19,7 +19,10 @@ SLOW = [pytest.mark.slow,
         pytest.mark.skipif(os.environ.get("GRADBUILDER_SLOW") != "1", reason="dynamo export; set GRADBUILDER_SLOW=1")]
 DYNAMO_IN_CI = {"hf-gpt2"}
 """Covers what dynamo exports differently: tied weights named by their last alias, torch.split as sequences."""
+PACKED = "torch's exporters cannot export pack_padded_sequence (legacy: internal error; dynamo: data-dependent sizes)"
 KNOWN: dict[tuple[str, str], str] = {
+    ("lstm-packed", "torchscript"): PACKED,
+    ("lstm-packed", "dynamo"): PACKED,
     ("hf-mistral-sdpa", "torchscript"): "torch's legacy exporter cannot convert scaled_dot_product_attention with "
                                         "enable_gqa=True (grouped-query attention); the dynamo exporter can",
 }

@@ -46,6 +46,33 @@ def padded_tokens(g: torch.Generator, batch: int = 6, length: int = 12, vocab: i
     return {"tokens": tokens, "padding": padding, "labels": torch.randint(0, classes, (batch,), generator=g)}
 
 
+class Seq2Seq(nn.Module):
+    """nn.Transformer encoder-decoder: causal target mask, source padding mask on encoder and cross-attention."""
+
+    def __init__(self, vocab: int = 40, d: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d, padding_idx=0)
+        self.transformer = nn.Transformer(d, 4, 1, 1, 64, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        h = self.transformer(self.embed(src), self.embed(tgt), tgt_mask=causal, tgt_is_causal=True,
+                             src_key_padding_mask=src_padding, memory_key_padding_mask=src_padding)
+        return self.out(h)
+
+
+def translation_batch(g: torch.Generator) -> Batch:
+    source = padded_tokens(g, 4, 9, 40)
+    return {"src": source["tokens"], "src_padding": source["padding"], "tgt": torch.randint(1, 40, (4, 7), generator=g)}
+
+
+def translation_loss(m: nn.Module, b: Batch) -> torch.Tensor:
+    """Teacher forcing with label smoothing."""
+    logits = m(b["src"], b["tgt"][:, :-1], b["src_padding"])
+    return F.cross_entropy(logits.transpose(1, 2), b["tgt"][:, 1:], label_smoothing=0.1)
+
+
 # --- GPT-style causal language model with rotary embeddings --------------------------------------------
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
@@ -119,6 +146,38 @@ class RotaryGPT(nn.Module):
 
 def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's layout: learned positions, fused qkv split, F.scaled_dot_product_attention(is_causal=True),
+    tied head, the loss computed inside forward with ignore_index."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, max_len: int = 16):
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(max_len, d)
+        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        q, k, v = self.c_attn(self.ln1(x)).split(x.shape[-1], dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+        logits = self.lm_head(self.ln_f(x + self.mlp(self.ln2(x))))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def shifted_batch(g: torch.Generator) -> Batch:
+    idx = torch.randint(0, 64, (4, 12), generator=g)
+    return {"idx": idx, "targets": torch.cat([idx[:, 1:], torch.full((4, 1), -1)], 1)}
 
 
 # --- ViT-style patch model -----------------------------------------------------------------------------
@@ -206,6 +265,26 @@ class TinyUNet(nn.Module):
         return self.out(d1)
 
 
+class NormUNet(nn.Module):
+    """Diffusion-style choices: GroupNorm + SiLU, strided conv down, nn.Upsample(align_corners=True),
+    ConvTranspose2d with output_padding, InstanceNorm, F.interpolate to the skip's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU())
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.upsample = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True)
+        self.up = nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1)
+        self.dec = nn.Sequential(nn.Conv2d(32, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True), nn.LeakyReLU(0.1))
+        self.out = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.enc(x)
+        b = self.down(a)
+        y = self.dec(torch.cat([a, self.upsample(b), self.up(b)], 1))
+        return self.out(y + F.interpolate(b, size=a.shape[2:], mode="nearest")[:, :8])
+
+
 # --- LSTM sequence classifier --------------------------------------------------------------------------
 class LSTMClassifier(nn.Module):
     """Embedding with a padding row, two-layer bidirectional LSTM over right-padded sequences (no packing: the
@@ -220,6 +299,39 @@ class LSTMClassifier(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _, (h, _) = self.lstm(self.embed(tokens))
         return self.head(torch.cat([h[-2], h[-1]], dim=-1))
+
+
+class GRUTagger(nn.Module):
+    """Time-major two-layer bidirectional GRU, a label per step."""
+
+    def __init__(self, vocab: int = 40, d: int = 16, hidden: int = 24, tags: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.gru = nn.GRU(d, hidden, num_layers=2, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, tags)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.embed(tokens))[0])
+
+
+class PackedLSTM(nn.Module):
+    """The packed-sequence way to skip padding steps (pack_padded_sequence)."""
+
+    def __init__(self, vocab: int = 40, d: int = 16, hidden: int = 24, classes: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d, padding_idx=0)
+        self.lstm = nn.LSTM(d, hidden, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, classes)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(tokens), lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.head(torch.cat([h[-2], h[-1]], dim=-1))
+
+
+def packed_batch(g: torch.Generator) -> Batch:
+    b = padded_tokens(g, 4, 9, 40, 4)
+    return {"tokens": b["tokens"], "lengths": (~b["padding"]).sum(1), "labels": b["labels"]}
 
 
 # --- Hugging Face transformers -------------------------------------------------------------------------
@@ -321,10 +433,18 @@ CASES: dict[str, Case] = {
                                 lambda m, b: F.cross_entropy(m(b["tokens"], b["padding"]), b["labels"])),
     "gpt-rotary": Case(RotaryGPT, lambda g: {"idx": torch.randint(0, 64, (4, 12), generator=g)},
                        lambda m, b: next_token_loss(m(b["idx"]), b["idx"])),
+    "gpt-sdpa": Case(NanoGPT, shifted_batch, lambda m, b: m(**b)[1]),
+    "transformer-seq2seq": Case(Seq2Seq, translation_batch, translation_loss),
     "vit": Case(TinyViT, _images(16, 10), _classify("images")),
     "resnet": Case(TinyResNet, _images(16, 10), _classify("images")),
     "unet": Case(TinyUNet, _masks, _classify("images")),
+    "unet-norms": Case(NormUNet, _masks, _classify("images")),
     "lstm": Case(LSTMClassifier, lambda g: padded_tokens(g, 4, 9, 40, 4), _classify("tokens")),
+    "lstm-packed": Case(PackedLSTM, packed_batch,
+                        lambda m, b: F.cross_entropy(m(b["tokens"], b["lengths"]), b["labels"])),
+    "gru-tagger": Case(GRUTagger, lambda g: {"tokens": torch.randint(0, 40, (9, 4), generator=g),
+                                             "labels": torch.randint(0, 5, (9, 4), generator=g)},
+                       lambda m, b: F.cross_entropy(m(b["tokens"]).flatten(0, 1), b["labels"].flatten())),
     # encoders
     "hf-bert": _hf("BertForSequenceClassification", "BertConfig", text_batch, **TEXT, **NO_DROPOUT, num_labels=3),
     "hf-bert-sdpa": _hf("BertForSequenceClassification", "BertConfig", text_batch, **TEXT, **NO_DROPOUT, num_labels=3,
