@@ -1,13 +1,107 @@
-"""Run every benchmark and print one report."""
+"""Run the benchmarks and print one report: `python -m benchmarks [--models mlp,cnn] [--write-docs]`.
+
+Step times are measured in this process (interleaved with torch eager); time to first step and peak RSS
+run in fresh processes (benchmarks/probe.py). Results are saved to benchmarks/results.json; with
+--write-docs they also become docs/performance.md and docs/performance.png. --from-json rewrites the docs
+from saved results without measuring.
+"""
 
 from __future__ import annotations
 
-from . import builder_scaling
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import builder_scaling, report
+
+DEFAULT_MODELS = ("mlp", "cnn", "transformer", "gpt2")
+PARTS = ("timing", "memory", "first", "overhead", "builder")
 
 
-def main() -> None:
-    print("## Builder time\n")
-    print(builder_scaling.report(builder_scaling.measure()))
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> dict[str, Any]:
+    from . import measure, probe
+    from .models import CASES
+
+    results: dict[str, Any] = {"machine": report.machine(), "threads": threads, "models": {},
+                               "started": time.strftime("%Y-%m-%d %H:%M"), "load_start": report.load()}
+    for name in models:
+        case = CASES[name]
+        entry: dict[str, Any] = {"description": case.description}
+        results["models"][name] = entry
+        if "timing" in parts or "memory" in parts:
+            _log(f"{name}: interleaved steps")
+            load0 = report.load()
+            r = measure.measure(case, threads=threads, reps=reps)
+            entry["timing"] = {"ort_step": r.ort.step, "torch_step": r.torch.step, "ratio": r.ratio,
+                               "ort_forward": r.ort.forward, "torch_forward": r.torch.forward,
+                               "ort_iqr": r.ort.step_iqr, "torch_iqr": r.torch.step_iqr, "samples": r.ort.samples,
+                               "ort_stash": r.ort_stash, "torch_saved": r.torch_saved,
+                               "load": (load0 + report.load()) / 2}
+        if "memory" in parts:
+            _log(f"{name}: peak RSS (fresh processes)")
+            entry["rss"] = {e: probe.run("rss", name, e, threads) for e in ("ortmodule", "eager")}
+        if "first" in parts:
+            entry["first"] = {}
+            for engine in probe.ENGINES:
+                _log(f"{name}: first step, {engine} (fresh process)")
+                entry["first"][engine] = probe.run("first", name, engine, threads)
+            entry["compile_saved"] = entry["first"]["compile"].get("saved")
+    if "overhead" in parts:
+        _log("tiny-mlp: ORTModule against bare onnxruntime")
+        results["overhead"] = {"model": CASES["tiny-mlp"].description,
+                               **measure.bare_overhead(CASES["tiny-mlp"], threads=threads, reps=reps)}
+    if "builder" in parts:
+        _log("builder scaling")
+        results["builder"] = builder_scaling.measure()
+    results["load_end"] = report.load()
+    return results
+
+
+def write_docs(results: dict[str, Any], before: dict[str, Any] | None) -> None:
+    from . import docs
+
+    if before is not None:
+        results = {**results, "before": before}
+    report.plot(results)
+    report.DOC.write_text(docs.render(results), encoding="utf-8")
+    _log(f"wrote {report.DOC.relative_to(report.ROOT)} and {report.PLOT.relative_to(report.ROOT)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated, from benchmarks/models.py")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--threads", type=int, default=2, help="torch and onnxruntime intra-op threads")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default: per model)")
+    p.add_argument("--json", type=Path, default=report.RESULTS, help="where to save the results")
+    p.add_argument("--write-docs", action="store_true", help="write docs/performance.md and its plot")
+    p.add_argument("--from-json", type=Path, default=None, help="do not measure: use these saved results")
+    p.add_argument("--before", type=Path, default=None, help="earlier results shown next to these in the docs")
+    p.add_argument("--omp-wait", default="PASSIVE",
+                   help="OMP_WAIT_POLICY for torch's OpenMP threads (PASSIVE: idle threads sleep, like onnxruntime's "
+                        "without spinning; 'default' leaves torch's spinning default)")
+    args = p.parse_args(argv)
+    if args.omp_wait != "default":
+        os.environ.setdefault("OMP_WAIT_POLICY", args.omp_wait)  # read when torch starts its pool: before import
+
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text())
+    else:
+        results = run(args.models.split(","), set(args.parts.split(",")), args.threads, args.reps)
+        results["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+        args.json.write_text(json.dumps(results, indent=1))
+    print(report.text(results))
+    if args.write_docs:
+        before = json.loads(args.before.read_text()) if args.before else results.get("before")
+        write_docs(results, before)
 
 
 if __name__ == "__main__":

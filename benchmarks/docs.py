@@ -1,0 +1,120 @@
+"""docs/performance.md from benchmark results: the tables and goals are computed; the account of the levers
+(benchmarks/notes.md) is written by hand, since it records measurements made while choosing them, which
+`python -m benchmarks` does not repeat."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import report
+
+NOTES = Path(__file__).with_name("notes.md")
+
+def _goal(ok: bool | None) -> str:
+    return "-" if ok is None else "yes" if ok else "**no**"
+
+
+def goals(results: dict[str, Any]) -> str:
+    models = {n: r for n, r in results["models"].items() if r.get("timing")}
+    small = [n for n in ("mlp", "cnn", "transformer") if n in models]
+    ratios = {n: models[n]["timing"]["ratio"] for n in small}
+    stash = {n: (r["timing"]["ort_stash"], r["timing"]["torch_saved"], r.get("compile_saved"))
+             for n, r in models.items()}
+    over = results.get("overhead", {}).get("overhead")
+    firsts = {n: ((r.get("first") or {}).get("ortmodule", {}).get("first_step"),
+                  (r.get("first") or {}).get("compile", {}).get("first_step")) for n, r in models.items()}
+    measured = ", ".join(f"{n} {v:.2f}" for n, v in ratios.items())
+    rows = [
+        ("step time <= 1.0x torch eager (MLP, CNN, transformer)",
+         all(v <= 1.0 for v in ratios.values()) if ratios else None, measured),
+        ("step time <= 0.8x torch eager", all(v <= 0.8 for v in ratios.values()) if ratios else None, measured),
+        ("per-step overhead within 0.1 ms of bare onnxruntime", None if over is None else over <= 1e-4,
+         "-" if over is None else f"{over * 1e3:.3f} ms"),
+        ("stash <= torch eager's saved bytes", all(o <= t for o, t, _ in stash.values()) if stash else None,
+         ", ".join(f"{n} {o / 1e6:.3g}/{t / 1e6:.3g} MB" for n, (o, t, _) in stash.items())),
+        ("stash <= torch.compile's saved bytes", all(o <= c for o, _, c in stash.values() if c) if any(
+            c for *_, c in stash.values()) else None,
+         ", ".join(f"{n} {o / 1e6:.3g}/{c / 1e6:.3g} MB" for n, (o, _, c) in stash.items() if c)),
+        ("time to first step <= 1/10 of torch.compile's", all(o <= c / 10 for o, c in firsts.values() if o and c)
+         if any(o and c for o, c in firsts.values()) else None,
+         ", ".join(f"{n} {o:.2f}/{c:.1f} s" for n, (o, c) in firsts.items() if o and c)),
+    ]
+    lines = ["| goal | reached | measured |", "|---|---|---|"]
+    lines += [f"| {g} | {_goal(ok)} | {m} |" for g, ok, m in rows]
+    return "\n".join(lines)
+
+
+def before_after(results: dict[str, Any]) -> str:
+    before = results.get("before")
+    if not before:
+        return ""
+    lines = ["| model | ratio before | ratio now | stash before (MB) | stash now (MB) | torch saved (MB) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in results["models"].items():
+        b = before.get("models", {}).get(name, {}).get("timing")
+        t = r.get("timing")
+        if not b or not t:
+            continue
+        lines.append(f"| {name} | {b['ratio']:.2f} | {t['ratio']:.2f} | {b['ort_stash'] / 1e6:.3g} | "
+                     f"{t['ort_stash'] / 1e6:.3g} | {t['torch_saved'] / 1e6:.3g} |")
+    return "\n".join(lines)
+
+
+def render(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    models = "\n".join(f"- **{n}**: {r['description']}" for n, r in results["models"].items())
+    ba = before_after(results)
+    before_note = ""
+    if ba:
+        b = results["before"]
+        before_note = (f"\n## Before and after the levers\n\nBefore: the runtime and rules as they were when this work "
+                       f"started, measured {b.get('started', '?')} (load {b.get('load_start', 0):.1f}) with the same "
+                       f"script.\n\n{ba}\n")
+    return f"""# Performance: ORTModule against torch eager and torch.compile
+
+Regenerate with `python -m benchmarks --write-docs` (measures; about 30 minutes with GPT-2 and three cold
+torch.compile runs) or `python -m benchmarks --from-json benchmarks/results.json --write-docs` (rewrites this
+page from saved results). `make bench` prints the tables without writing.
+
+## Machine and method
+
+- {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; Python {m['python']}, torch {m['torch']},
+  onnxruntime {m['onnxruntime']}. Measured {results.get('started', '?')}.
+- **Shared machine**: other developers' test suites ran at the same time; one-minute load average
+  {results.get('load_start', 0):.1f} at the start and {results.get('load_end', 0):.1f} at the end (per model
+  in the tables). Absolute times are therefore several times the quiet-machine numbers; ratios come from
+  interleaved runs in one process (the engines alternate step by step, the order rotating), so both see the
+  same load. The ratio is the median of the per-pair ratios.
+- {results['threads']} intra-op threads for both (`torch.set_num_threads`, `ORTModule(threads=...)`); neither
+  engine spins while idle: onnxruntime's `allow_spinning=0` (the runtime's default) and
+  `OMP_WAIT_POLICY={results.get('omp_wait_policy') or 'unset'}` for torch's OpenMP pool. On this loaded machine
+  torch's default (spinning) pool made its own 2-thread MLP step 15-40x slower than 1 thread, which would
+  flatter ORTModule; passive waiting costs torch little on a quiet machine.
+- A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
+  on onnxruntime too), gradients set to None before it, no optimizer. Forward = the training forward alone
+  (grad enabled, stash made, then dropped).
+- Saved bytes: torch eager's through `torch.autograd.graph.saved_tensors_hooks`, torch.compile's from its
+  `CompiledFunctionBackward.saved_tensors`, ORTModule's from the OrtValues its forward stashes; parameters,
+  buffers and inputs excluded (tensors sharing their memory too), deduplicated by storage.
+- Peak RSS: fresh process per engine, glibc's mmap threshold fixed at 64 KB so freed tensors leave RSS, two
+  warm-up steps, then the peak (VmHWM, reset through /proc/self/clear_refs) of a forward and of a step above
+  the RSS before each. onnxruntime's arena is switched off for this measurement only (it keeps the largest
+  step's memory mapped, which would read as zero growth).
+- Time to first step: fresh process each (imports done before the clock starts), cold inductor cache for
+  torch.compile (a new `TORCHINDUCTOR_CACHE_DIR`); "steady" is the median of the next 5 steps (not
+  interleaved).
+
+Models (`benchmarks/models.py`):
+
+{models}
+
+![step time and saved memory](performance.png)
+
+## Goals
+
+{goals(results)}
+
+{report.text(results)}
+{before_note}
+{NOTES.read_text(encoding="utf-8")}"""

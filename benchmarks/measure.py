@@ -1,0 +1,215 @@
+"""In-process measurements: step and forward times of ORTModule against torch eager, and saved bytes.
+
+Timings interleave the engines in one process at the same thread count (the machine is shared: a
+slower minute slows both), alternating which engine goes first, and report medians. A step is
+forward + backward with gradients set to None before it (no optimizer, no accumulation).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from runtime import ORTModule, exchange
+
+from .models import Case
+
+WARMUP = 3
+
+
+@dataclass
+class Timing:
+    """Medians (seconds) of interleaved runs, with the 25th-75th percentile spread of the step."""
+
+    step: float
+    forward: float
+    step_iqr: tuple[float, float]
+    samples: int
+
+    @property
+    def backward_ratio(self) -> float:
+        """(forward + backward) / forward."""
+        return self.step / self.forward
+
+
+@dataclass
+class Result:
+    """Everything measured in-process for one model."""
+
+    name: str
+    ort: Timing
+    torch: Timing
+    ort_stash: int
+    torch_saved: int
+    ratio: float
+    """Median over runs of the paired ratio ORTModule step / torch step."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _quantiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return list(model.parameters())
+
+
+def stepper(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[[], float]:
+    """A function timing one forward + backward of `model` on `args`."""
+    params = _params(model)
+
+    def step() -> float:
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        model(*args).backward()
+        return time.perf_counter() - t0
+
+    return step
+
+
+def forwarder(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[[], float]:
+    """A function timing one training forward (grad enabled, so the stash is made; then dropped)."""
+
+    def forward() -> float:
+        t0 = time.perf_counter()
+        out = model(*args)
+        dt = time.perf_counter() - t0
+        del out
+        return dt
+
+    return forward
+
+
+def interleave(fns: list[Callable[[], float]], reps: int) -> list[list[float]]:
+    """Run every function `reps` times, in rotating order, and return the times per function."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
+            times[i].append(fns[i]())
+    return times
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def torch_saved_bytes(model: nn.Module, args: tuple[torch.Tensor, ...]) -> int:
+    """Bytes torch eager saves for backward in one forward: parameters and inputs excluded, deduplicated
+    by storage (views of one tensor count once, with their whole storage)."""
+    excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers(), *args]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in excluded:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*args)
+    del loss
+    return sum(seen.values())
+
+
+def graph_saved_bytes(loss: torch.Tensor, excluded: Iterable[torch.Tensor]) -> int:
+    """Bytes saved by the autograd nodes behind `loss` that expose `saved_tensors` (torch.compile's
+    CompiledFunctionBackward does), parameters and inputs excluded, deduplicated by storage."""
+    skip = {storage_key(t) for t in excluded}
+    seen: dict[int, int] = {}
+    stack, visited = [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in visited:
+            continue
+        visited.add(fn)
+        try:
+            saved = fn.saved_tensors
+        except (AttributeError, RuntimeError):
+            saved = ()
+        for t in saved:
+            if isinstance(t, torch.Tensor) and storage_key(t) not in skip:
+                seen[storage_key(t)] = t.untyped_storage().nbytes()
+        stack.extend(n for n, _ in fn.next_functions)
+    return sum(seen.values())
+
+
+def ort_stash_bytes(model: ORTModule, args: tuple[torch.Tensor, ...]) -> int:
+    """Bytes of the OrtValues one ORTModule forward stashes for backward (its ForwardState less the
+    feeds), deduplicated by address; a stashed value sharing memory with an input or a parameter is free."""
+    loss = model(*args)
+    state = loss.grad_fn.state
+    session = loss.grad_fn.call.session
+    feeds = set(session.input_names)
+    excluded = {t.data_ptr() for t in [*model.parameters(), *model.buffers(), *args]}
+    excluded |= {v.data_ptr() for n, v in state.values.items() if n in feeds}
+    stash = {e.name for e in session.full.manifest.backward_inputs if e.role == "stash"}
+    seen: dict[int, int] = {}
+    for name, v in state.values.items():
+        if name in stash and v.data_ptr() not in excluded:
+            seen[v.data_ptr()] = v.tensor_size_in_bytes()
+    del loss
+    return sum(seen.values())
+
+
+def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0) -> Result:
+    """Step and forward times of ORTModule and torch eager on the same weights and batch, and their
+    saved bytes."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    reference = case.make()
+    ort_model = ORTModule(copy.deepcopy(reference), threads=threads)
+    args = case.batch(torch.Generator().manual_seed(seed))
+    reps = reps or case.steps
+    steps = [stepper(ort_model, args), stepper(reference, args)]
+    forwards = [forwarder(ort_model, args), forwarder(reference, args)]
+    interleave(steps + forwards, WARMUP)
+    step_times = interleave(steps, reps)
+    fwd_times = interleave(forwards, reps)
+    timings = [Timing(statistics.median(s), statistics.median(f), _quantiles(s), reps)
+               for s, f in zip(step_times, fwd_times)]
+    ratio = statistics.median(a / b for a, b in zip(*step_times))
+    return Result(case.name, timings[0], timings[1], ort_stash_bytes(ort_model, args),
+                  torch_saved_bytes(reference, args), ratio)
+
+
+def bare_overhead(case: Case, threads: int = 2, reps: int | None = None) -> dict[str, float]:
+    """ORTModule's step against the two onnxruntime sessions run directly on prepared OrtValues (the
+    forward's stash fed straight to the backward): what the Python side adds per step."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = ORTModule(case.make(), threads=threads)
+    args = case.batch(torch.Generator().manual_seed(0))
+    step = stepper(model, args)
+    step()
+    session = model.training_sessions()[0]
+    loss = model(*args)
+    feeds = {n: v for n, v in loss.grad_fn.state.values.items() if n in set(session.input_names)}
+    backward = next(iter(session._backwards.values()))
+    fwd, bwd = session._fwd, backward.runner
+    assert bwd is not None
+    one = exchange.to_ortvalue(torch.ones(()))
+    grad_names = [e.name for e in backward.program.manifest.backward_inputs if e.role == "output_grad"]
+
+    def bare() -> float:
+        t0 = time.perf_counter()
+        values = fwd.run(feeds, session._fwd_names)
+        env = dict(zip(session._fwd_names, values))
+        env.update(feeds)
+        env.update((g, one) for g in grad_names)
+        bwd.run({n: env[n] if n in env else backward.consts[n] for n in bwd.input_names}, backward.out_names)
+        return time.perf_counter() - t0
+
+    del loss
+    interleave([step, bare], WARMUP)
+    times = interleave([step, bare], reps or case.steps)
+    a, b = (statistics.median(t) for t in times)
+    return {"ortmodule": a, "bare": b, "overhead": a - b}
