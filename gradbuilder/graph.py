@@ -547,9 +547,39 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
             else:
                 todo = "Fix the node or re-export the model (onnx.checker.check_model reports the same)"
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
-        _check_control_flow(node)
-        if node.op_type == "Einsum" and node.domain in ("", "ai.onnx"):
-            _check_einsum(node)
+        for n in [node, *_nested_nodes(node)]:
+            _check_inference_hazards(n)
+
+
+def _nested_nodes(node: onnx.NodeProto) -> Iterable[onnx.NodeProto]:
+    """Every node of every body of `node`, at any depth."""
+    for a in node.attribute:
+        for g in [a.g] if a.HasField("g") else list(a.graphs):
+            for n in g.node:
+                yield n
+                yield from _nested_nodes(n)
+
+
+def _check_inference_hazards(node: onnx.NodeProto) -> None:
+    """What makes onnx's shape inference hang or crash (it visits bodies too): refused before it runs."""
+    _check_control_flow(node)
+    if node.op_type == "Einsum" and node.domain in ("", "ai.onnx"):
+        _check_einsum(node)
+
+
+def infer_shapes_safely(model: onnx.ModelProto) -> onnx.GraphProto | None:
+    """onnx's (lenient) shape inference without its hazards: None when the model has one or inference fails.
+
+    For graphs that are not validated as a ForwardGraph is (a training graph in split): no hang on a malformed
+    Einsum, no crash on a Loop body without inputs, no refusal above 2 GB, no data propagation over long vectors.
+    """
+    try:
+        for node in model.graph.node:
+            for n in [node, *_nested_nodes(node)]:
+                _check_inference_hazards(n)
+        return onnx.shape_inference.infer_shapes(without_weights(model), strict_mode=False).graph
+    except Exception:
+        return None
 
 
 def _without_bodies(node: onnx.NodeProto) -> onnx.NodeProto:
