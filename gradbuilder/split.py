@@ -16,7 +16,7 @@ from onnx import helper
 
 from .builder import read_metadata
 from .errors import SplitError
-from .graph import TensorInfo, describe, info_from_type, load_model, value_info
+from .graph import TensorInfo, describe, infer_shapes_safely, info_from_type, load_model, value_info
 from .yield_op import DOMAIN, find_yield, read_yield
 
 ROLES = ("input", "initializer", "stash", "output_grad", "output", "grad")
@@ -64,10 +64,7 @@ class Manifest:
 
 
 def _infer(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    try:
-        g = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
-    except Exception:
-        g = model.graph
+    g = infer_shapes_safely(model) or model.graph
     info = {vi.name: info_from_type(vi.type) for vi in [*g.value_info, *g.input, *g.output]}
     info.update({t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in g.initializer})
     return info
