@@ -127,6 +127,23 @@ def _sparse_initializer() -> onnx.ModelProto:
     return m
 
 
+def _einsum_in_if() -> onnx.ModelProto:
+    """onnx's inference visits bodies and loops forever on this equation: it must be refused before."""
+    body = helper.make_graph([node("Einsum", ["x", "W"], ["a"], "ein", equation="aß")], "then", [], [vi("a")])
+    other = helper.make_graph([node("Neg", ["x"], ["b"])], "else", [], [vi("b")])
+    nodes = [node("If", ["c"], ["y"], "brancher", then_branch=body, else_branch=other)]
+    return make_model(nodes, [vi("x"), vi("c", TP.BOOL, [])], [vi("y")], _params())
+
+
+def test_split_skips_inference_hazards():
+    """split infers shapes on a training graph nobody validated: a hazard means no inference, not a hang."""
+    training = gradbuilder.build_gradient_graph(tiny())
+    assert graph.infer_shapes_safely(training) is not None
+    training.graph.node.insert(0, node("Einsum", ["x", "x"], ["e"], "ein", equation="..i"))
+    assert graph.infer_shapes_safely(training) is None
+    gradbuilder.split(training)
+
+
 def _loop_without_body_inputs() -> onnx.ModelProto:
     """onnx's shape inference crashes on this one (vector::reserve): it must be refused before."""
     true = helper.make_tensor("true", TP.BOOL, [], [True])
@@ -193,6 +210,7 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
                              ["'maxer'", "input 1 is empty", "not"]),
     "malformed Einsum": (lambda: make_model([node("Einsum", ["x", "W"], ["y"], "ein", equation="..i")], [vi("x")],
                                             [vi("y")], _params()), ["'ein'", "'..i'", "Einsum equation"]),
+    "malformed Einsum inside a body": (_einsum_in_if, ["'ein'", "'aß'", "Einsum equation"]),
     "Loop body without inputs": (_loop_without_body_inputs, ["'looper'", "'body' graph has 0 inputs", "needs 2"]),
 }
 
