@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from clihelpers import OPSET, assert_fails, run, snapshot, tiny, with_loss
 from clihelpers import f32 as _f32
 from clihelpers import make_model as _model
 from clihelpers import save as _save
+from clihelpers import session as _session
 from onnx import TensorProto as TP
 from onnx import helper
 
@@ -132,10 +132,6 @@ def test_build_wrt_and_quiet(capsys, files, tmp_path):
     rc, out, err = run(capsys, ["build", files["tiny"], "-o", tmp_path / "q2.onnx", "-q"])  # after the command too
     assert (rc, out, err) == (0, "", "")
     assert (tmp_path / "q.onnx").is_file() and (tmp_path / "q2.onnx").is_file()
-
-
-def _session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def test_build_split_run_on_onnxruntime(capsys, files, tmp_path):

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from clihelpers import assert_fails, f32, make_model, run, save, snapshot, tiny, with_loss
+from clihelpers import assert_fails, f32, make_model, run, save, session, snapshot, tiny, with_loss
 from fuzz.fuzz_models import seeds
 from onnx import TensorProto as TP
 from onnx import helper
@@ -236,7 +235,7 @@ BUILD_ONLY = {"custom domain op on the gradient path"}
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_model_is_refused(capsys, tmp_path, case):
     make, needles = BROKEN[case]
-    path = save(make(), _write(tmp_path / "in" / "model.onnx", b""))
+    path = save(make(), tmp_path / "in" / "model.onnx")
     assert_fails(capsys, tmp_path, ["build", path, "-o", tmp_path / "out.onnx"], *needles)
     if case not in BUILD_ONLY:
         assert_fails(capsys, tmp_path, ["inspect", path], *needles)
@@ -269,7 +268,7 @@ def _damage_yield(m: onnx.ModelProto, damage: str) -> None:
 def test_damaged_training_graph(capsys, tmp_path, damage, needles, command):
     m = gradbuilder.build_gradient_graph(tiny())
     _damage_yield(m, damage)
-    path = save(m, _write(tmp_path / "in" / "t.onnx", b""))
+    path = save(m, tmp_path / "in" / "t.onnx")
     out = ["-o", tmp_path / "parts"] if command == "split" else []
     assert_fails(capsys, tmp_path, [command, path, *out], *needles)
 
@@ -354,7 +353,7 @@ def _nested_if_in_loop() -> onnx.ModelProto:
                                           (_scan_with_w_as_state, "scanner", "Scan"),
                                           (_nested_if_in_loop, "outer", "Loop")])
 def test_control_flow_on_the_gradient_path(capsys, tmp_path, make, name, op):
-    path = save(make(), _write(tmp_path / "in" / "m.onnx", b""))
+    path = save(make(), tmp_path / "in" / "m.onnx")
     assert_fails(capsys, tmp_path, ["build", path, "-o", tmp_path / "o.onnx"], f"'{name}'", f"({op} ->",
                  "control flow", "--freeze")
     rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "frozen.onnx", "--freeze", "W"])
@@ -388,26 +387,22 @@ def _control_flow_off_path() -> onnx.ModelProto:
     return make_model(nodes, inputs, [vi("y"), vi("n", TP.INT64, [])], inits)
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-
 def run_split(parts: Path, feeds: dict[str, np.ndarray], params: dict[str, np.ndarray],
               out_grads: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Run forward.onnx then backward.onnx the way a host would; return (forward values, gradients by wrt)."""
     manifest = json.loads((parts / "manifest.json").read_text(encoding="utf-8"))
     names = [e["name"] for e in manifest["forward_outputs"]]
-    env = dict(zip(names, _session(parts / "forward.onnx").run(names, feeds)))
+    env = dict(zip(names, session(parts / "forward.onnx").run(names, feeds)))
     known = {**feeds, **params, **env}
     bfeeds = {e["name"]: out_grads[manifest["module_outputs"][e["output_index"]]] if e["role"] == "output_grad"
               else known[e["name"]] for e in manifest["backward_inputs"]}
     outs = [e["name"] for e in manifest["backward_outputs"]]
-    grads = _session(parts / "backward.onnx").run(outs, bfeeds)
+    grads = session(parts / "backward.onnx").run(outs, bfeeds)
     return env, {e["wrt"]: g for e, g in zip(manifest["backward_outputs"], grads)}
 
 
 def test_control_flow_off_the_gradient_path(capsys, tmp_path):
-    path = save(_control_flow_off_path(), _write(tmp_path / "m.onnx", b""))
+    path = save(_control_flow_off_path(), tmp_path / "m.onnx")
     rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "t.onnx"])
     assert rc == 0, err
     assert out.startswith("W: gradient W_grad\n")
@@ -427,7 +422,7 @@ def test_custom_domain_op_off_the_gradient_path(capsys, tmp_path):
     """A node in a domain nobody here knows, fed only by inputs: kept as is, with its opset import."""
     nodes = [helper.make_node("Frob", ["x"], ["z"], name="frob", domain="com.example"), node("Mul", ["x", "W"], ["y"])]
     path = save(make_model(nodes, [vi("x")], [vi("y"), vi("z")], _params(), extra_opsets=["com.example"]),
-                _write(tmp_path / "m.onnx", b""))
+                tmp_path / "m.onnx")
     rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "t.onnx"])
     assert rc == 0, err
     assert out.startswith("W: gradient W_grad\n")
@@ -538,7 +533,7 @@ def _non_ascii() -> onnx.ModelProto:
 
 def test_non_ascii_names_end_to_end(capsys, tmp_path):
     d = tmp_path / "données ünïcode"
-    path = save(_non_ascii(), _write(d / "モデル.onnx", b""))
+    path = save(_non_ascii(), d / "モデル.onnx")
     training = d / "学習.onnx"
     rc, out, err = run(capsys, ["build", path, "-o", training])
     assert rc == 0, err
@@ -589,7 +584,7 @@ def test_large_save_leaves_the_model_alone(tmp_path, small_limit):
     offsets = [int(e.value) for t in stub.graph.initializer for e in t.external_data if e.key == "offset"]
     assert len(offsets) == 2 and all(o % graph.DATA_ALIGN == 0 for o in offsets)
     assert _same_weights(onnx.load(str(tmp_path / "m.onnx")), m)
-    _session(tmp_path / "m.onnx")  # onnxruntime reads the pair too
+    session(tmp_path / "m.onnx")  # onnxruntime reads the pair too
 
 
 def test_large_overwrite_replaces_the_pair(tmp_path, small_limit):
@@ -673,7 +668,7 @@ def test_too_large_even_without_weights(tmp_path, small_limit, monkeypatch):
 
 def test_large_build_through_the_cli(capsys, tmp_path, small_limit):
     """build and split write pairs; a re-split into the same directory replaces them as a whole."""
-    src = save(_weighty(), _write(tmp_path / "in" / "m.onnx", b""))
+    src = save(_weighty(), tmp_path / "in" / "m.onnx")
     # E1, E2 are unused: make them matter so they reach forward.onnx and the gradients
     m = onnx.load(str(src))
     m.graph.input.append(vi("e", shape=[1000]))
@@ -718,7 +713,7 @@ def test_same_input_same_bytes_across_processes(tmp_path):
     models = {**seeds(), "non_ascii": _non_ascii(), "control_flow": _control_flow_off_path(),
               "fan_out": _fan_out()}
     for name, m in models.items():
-        save(m, _write(src / f"{name}.onnx", b""))
+        save(m, src / f"{name}.onnx")
     outs = []
     for hash_seed in ("0", "4242"):
         out = tmp_path / f"out{hash_seed}"
@@ -745,7 +740,7 @@ def _fan_out() -> onnx.ModelProto:
 
 def test_broken_input_in_a_real_process(tmp_path):
     """The console entry point too: exit 2, one message, no traceback, nothing written."""
-    path = save(BROKEN["cycle"][0](), _write(tmp_path / "in" / "m.onnx", b""))
+    path = save(BROKEN["cycle"][0](), tmp_path / "in" / "m.onnx")
     before = snapshot(tmp_path)
     p = subprocess.run([sys.executable, "-m", "gradbuilder", "build", str(path), "-o", str(tmp_path / "o.onnx")],
                        capture_output=True, text=True, timeout=120)
@@ -773,7 +768,7 @@ def _big_model(src: Path, parts: int) -> None:
         out = "y" if k == parts - 1 else f"h{k}"
         nodes.append(node("Mul", [prev, w.name], [out], f"scale{k}"))
         prev = out
-    save(make_model(nodes, [vi("x", shape=[n])], [vi("y", shape=[n])], weights), _write(src / "big.onnx", b""))
+    save(make_model(nodes, [vi("x", shape=[n])], [vi("y", shape=[n])], weights), src / "big.onnx")
     with open(src / "W.bin", "wb") as f:
         f.truncate(BIG)
 
