@@ -20,6 +20,11 @@ CHEAP = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Tr
 """Ops that only move or reinterpret data: recomputing them from tensors backward has anyway costs one copy
 at most, and saves keeping their result alive from forward to backward."""
 
+POINTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Erf", "Tanh", "Sigmoid", "Exp", "Sqrt", "Reciprocal",
+                       "Abs", "Relu", "Pow"})
+"""Elementwise ops whose results backward recomputes from tensors it keeps anyway (as inductor does)."""
+REMAT_DEPTH = 3
+
 COMPARE = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
 
 MASKABLE = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "ScatterElements", "ScatterND"})
@@ -68,24 +73,55 @@ def shrink_stash(training: onnx.ModelProto) -> None:
 
 
 def rematerialize(training: onnx.ModelProto) -> list[str]:
-    """Backward recomputes what is a cheap function (`CHEAP` ops) of graph inputs and initializers, such as
-    a flattened input or a transposed weight, instead of reading it from the stash: feeds are kept by the
-    caller anyway, so the stash then holds nothing they already hold, and onnxruntime can fuse the forward's
-    Transpose into its MatMul once the transposed weight is no longer a graph output. Returns the tensors
-    no longer stashed."""
+    """Backward recomputes instead of reading from the stash: (1) cheap functions (`CHEAP` ops) of graph inputs
+    and initializers, such as a flattened input or a transposed weight: feeds are kept by the caller anyway,
+    and onnxruntime can fuse the forward's Transpose into its MatMul once the transposed weight is no longer
+    a graph output; (2) elementwise results (`POINTWISE`) of tensors the stash keeps anyway, such as GELU's
+    x / sqrt(2) and 1 + erf(...) from x, at most `REMAT_DEPTH` ops deep. Nothing is added to the stash.
+    Returns the tensors no longer stashed."""
     g = training.graph
     nodes = list(g.node)
     y = find_yield(nodes)
     free = {i.name for i in g.input} | {t.name for t in g.initializer}
     maker: dict[str, onnx.NodeProto] = {}
+    made: dict[str, onnx.NodeProto] = {}
     for n in nodes[:y]:
-        if n.op_type in CHEAP and not n.domain and not _has_subgraph(n) and all(not x or x in free for x in n.input):
+        cheap = n.op_type in CHEAP and not n.domain and not _has_subgraph(n)
+        for o in n.output:
+            if o:
+                made[o] = n
+        if cheap and all(not x or x in free for x in n.input):
             for o in n.output:
                 if o:
                     free.add(o)
                     maker[o] = n
     module_outputs = set(nodes[y].input)
-    wanted = [x for n in nodes[y + 1:] for x in n.input if x in maker and x not in module_outputs]
+    stash = {x for n in nodes[y + 1:] for x in n.input if x in made and x not in maker}
+    depth: dict[str, int] = {}
+
+    def recomputable(name: str, level: int) -> bool:
+        """Whether `name` can be made in backward from the stash, feeds and constants by pointwise ops."""
+        if not name or name in free or (name in stash and level > 0):
+            return True
+        n = made.get(name)
+        if n is None or n.op_type not in POINTWISE or n.domain or len(n.output) != 1 or level >= REMAT_DEPTH \
+                or name in module_outputs:
+            return False
+        if name in depth:
+            return depth[name] <= level
+        if all(recomputable(x, level + 1) for x in n.input):
+            depth[name] = level
+            return True
+        return False
+
+    for t in sorted(stash):
+        if recomputable(t, 0):
+            stash.discard(t)
+    for t, n in made.items():
+        if t in depth:
+            maker[t] = n
+    module_reads = module_outputs
+    wanted = [x for n in nodes[y + 1:] for x in n.input if x in maker and x not in module_reads]
     if not wanted:
         return []
     taken = _names(g)
