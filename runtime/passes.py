@@ -23,7 +23,7 @@ at most, and saves keeping their result alive from forward to backward."""
 POINTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Erf", "Tanh", "Sigmoid", "Exp", "Sqrt", "Reciprocal",
                        "Abs", "Relu", "Pow"})
 """Elementwise ops whose results backward recomputes from tensors it keeps anyway (as inductor does)."""
-REMAT_DEPTH = 3
+REMAT_DEPTH = 6
 
 COMPARE = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
 
@@ -77,7 +77,8 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     and initializers, such as a flattened input or a transposed weight: feeds are kept by the caller anyway,
     and onnxruntime can fuse the forward's Transpose into its MatMul once the transposed weight is no longer
     a graph output; (2) elementwise results (`POINTWISE`) of tensors the stash keeps anyway, such as GELU's
-    x / sqrt(2) and 1 + erf(...) from x, at most `REMAT_DEPTH` ops deep. Nothing is added to the stash.
+    x / sqrt(2) and 1 + erf(...) from x, and Dropout outputs from their input and the mask backward keeps,
+    at most `REMAT_DEPTH` ops deep. Nothing is added to the stash.
     Returns the tensors no longer stashed."""
     g = training.graph
     nodes = list(g.node)
@@ -97,6 +98,8 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
                     maker[o] = n
     module_outputs = set(nodes[y].input)
     stash = {x for n in nodes[y + 1:] for x in n.input if x in made and x not in maker}
+    consts = _constants(g)
+    opset = next((o.version for o in training.opset_import if o.domain in ("", "ai.onnx")), 0)
     depth: dict[str, int] = {}
 
     def recomputable(name: str, level: int) -> bool:
@@ -104,15 +107,28 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
         if not name or name in free or (name in stash and level > 0):
             return True
         n = made.get(name)
-        if n is None or n.op_type not in POINTWISE or n.domain or len(n.output) != 1 or level >= REMAT_DEPTH \
-                or name in module_outputs:
+        if n is None or n.domain or level >= REMAT_DEPTH or name in module_outputs:
+            return False
+        if n.op_type == "Dropout":  # its output again from its input and the mask backward keeps anyway
+            inputs = [n.input[0]] if name == n.output[0] and len(n.output) > 1 and n.output[1] in stash \
+                and dropout_scale(n) is not None else None
+        else:
+            inputs = list(n.input) if n.op_type in POINTWISE and len(n.output) == 1 else None
+        if inputs is None:
             return False
         if name in depth:
             return depth[name] <= level
-        if all(recomputable(x, level + 1) for x in n.input):
+        if all(recomputable(x, level + 1) for x in inputs):
             depth[name] = level
             return True
         return False
+
+    def dropout_scale(n: onnx.NodeProto) -> float | None:
+        """1 / (1 - ratio) of a Dropout known to be in training mode with a known ratio, else None."""
+        if opset < 15 or len(n.input) < 3 or n.input[2] not in consts or not bool(consts[n.input[2]]):
+            return None
+        ratio = 0.5 if len(n.input) < 2 or not n.input[1] else consts.get(n.input[1])
+        return None if ratio is None or float(ratio) >= 1.0 else 1.0 / (1.0 - float(ratio))
 
     for t in sorted(stash):
         if recomputable(t, 0):
@@ -132,6 +148,11 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
         if name in rename or name not in maker:
             return rename.get(name, name)
         src = maker[name]
+        if src.op_type == "Dropout":
+            rename[name] = _fresh(f"{name}__remat", taken)
+            copies.extend(_masked(copy(src.input[0]), src.output[1], dropout_scale(src) or 1.0, rename[name], g,
+                                  taken))
+            return rename[name]
         for x in src.input:
             copy(x)
         clone = onnx.NodeProto()
@@ -156,6 +177,18 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     del g.node[:]
     g.node.extend([*forward, nodes[y], *copies, *backward])
     return [x for x in dict.fromkeys(wanted)]
+
+
+def _masked(x: str, mask: str, scale: float, out: str, g: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProto]:
+    """Nodes computing Dropout's output `x * mask * scale` from its input and its boolean mask (bit for bit what
+    onnxruntime's Dropout returns: x * scale where the mask holds, 0 elsewhere, for finite x)."""
+    s = _fresh(f"{out}/scale", taken)
+    g.initializer.append(helper.make_tensor(s, TensorProto.FLOAT, [], [scale]))
+    m, kept, sx = (_fresh(f"{out}/{k}", taken) for k in ("mask", "kept", "scale_like"))
+    return [helper.make_node("CastLike", [mask, x], [m], name=_fresh(f"{m}_node", taken)),
+            helper.make_node("Mul", [x, m], [kept], name=_fresh(f"{kept}_node", taken)),
+            helper.make_node("CastLike", [s, x], [sx], name=_fresh(f"{sx}_node", taken)),
+            helper.make_node("Mul", [kept, sx], [out], name=_fresh(f"{out}_node", taken))]
 
 
 def _drop_dead(forward: list[onnx.NodeProto], later: Iterable[onnx.NodeProto], outputs: set[str]
