@@ -106,3 +106,31 @@ def test_passes_can_be_switched_off():
     stash = [e.name for e in plain.full.manifest.backward_inputs if e.role == "stash"]
     types = {o.name: o.type.tensor_type.elem_type for o in plain.full.forward.graph.output}
     assert not any(types[n] == TensorProto.BOOL for n in stash)
+
+
+def test_dropout_output_recomputed_from_its_mask():
+    """softmax -> Dropout -> MatMul: backward needs the dropped probabilities; it recomputes them from the
+    softmax output and the mask it keeps anyway, and the gradients are those of that mask."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+             helper.make_node("Dropout", ["p", "ratio", "train"], ["d", "mask"]),
+             helper.make_node("MatMul", ["d", "w2"], ["h"]), helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "drop", [helper.make_tensor_value_info(n, f, s) for n, s in
+                                              (("x", [6, 4]), ("w1", [4, 5]), ("w2", [5, 3]))],
+                              [helper.make_tensor_value_info("loss", f, [])],
+                              [helper.make_tensor("ratio", f, [], [0.3]),
+                               helper.make_tensor("train", TensorProto.BOOL, [], [True])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = TrainingSession.from_forward(model, wrt=["w1", "w2"], loss="loss", config=SessionConfig(threads=1))
+    stash = {e.name for e in session.full.manifest.backward_inputs if e.role == "stash"}
+    assert "d" not in stash and {"p", "mask"} <= stash
+    rng = np.random.default_rng(0)
+    x, w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((6, 4), (4, 5), (5, 3)))
+    _, state = session.forward({"x": x, "w1": w1, "w2": w2})
+    mask = torch.from_numpy(np.from_dlpack(state.values["mask"]).copy())
+    grads = session.backward(state, [None])
+    tw1, tw2 = torch.tensor(w1, requires_grad=True), torch.tensor(w2, requires_grad=True)
+    p = torch.softmax(torch.tensor(x) @ tw1, -1)
+    ((p * mask / 0.7) @ tw2).sum().backward()
+    np.testing.assert_allclose(grads["w1"], tw1.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads["w2"], tw2.grad.numpy(), rtol=1e-5, atol=1e-6)
