@@ -89,11 +89,11 @@ class TrainingSession:
                  config: SessionConfig | None = None, save_dir: str | os.PathLike | None = None):
         model = gradbuilder.load_model(training)
         config = config or SessionConfig(threads=threads)
+        source = forward_source(model)  # before the shrink adds forward-side masks
         if config.shrink:
             model = _copy(model)
             passes.shrink_stash(model)
-        self._setup(forward_source(model), spec_from_metadata(model), from_training(model), config, specialise,
-                    save_dir)
+        self._setup(source, spec_from_metadata(model), from_training(model), config, specialise, save_dir)
 
     @classmethod
     def from_forward(cls, model: ModelLike, *, wrt: Sequence[str] | None = None,
