@@ -80,6 +80,9 @@ def _kernel(g: Grad, w: str) -> list[int]:
         if shape is None or not all(isinstance(d, int) for d in shape[2:]):
             g.fail(f"kernel_shape is absent and the weight '{w}' has no static shape")
         kernel = shape[2:]
+    if not kernel:
+        g.fail(f"the kernel has no spatial dims (weight '{w}' of rank {g.rank(w)}); a Conv weight is "
+               "(M, C/group, k1, ...)")
     return list(kernel)
 
 
