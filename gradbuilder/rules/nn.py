@@ -371,36 +371,37 @@ def _tile_offsets(g: Grad, x: str, kernel: Sequence[int]) -> str:
 
 
 def _tile_scatter(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int]) -> str:
-    """dY scattered to the elements `_tile_offsets` names: their index in x's spatial plane, (o_i * k_i + tap_i)
-    per dim, then one ScatterElements over (N, C, plane). The index is computed in double, exact for any plane
-    onnxruntime can hold: its integer Div, Mod and Gather take ~6 ns an element, double arithmetic ~0.5."""
+    """dY scattered to the elements `_tile_offsets` names, by their index in x's spatial plane: the tile's origin
+    (a small tensor over the output positions) plus the offset's distance in the plane, t + sum_i floor(t /
+    inner_i) * c_i, with the floors counted by comparisons. All int32: onnxruntime's integer Div, Mod and Gather
+    take ~6 ns an element, int32 compare, Mul and Add well under one."""
     nd = len(kernel)
+    i32 = TensorProto.INT32
     shape = g.shape_of(x)
     lead = g.Slice(shape, g.ints([0]), g.ints([2]))
-    sizes = g.Slice(shape, g.ints([2]), g.ints([2 + nd]))
-    real = TensorProto.DOUBLE
-    size_f = g.Cast(sizes, to=real)
-    outs = g.Div(sizes, g.ints(kernel))
-    rest = g.Cast(offsets, to=real)
-    taps: list[str] = [""] * nd
-    for i in reversed(range(1, nd)):  # raster order: the last dim varies fastest
-        k = g.const(float(kernel[i]), elem_type=real)
-        above = g.Floor(g.Div(rest, k))
-        taps[i] = g.Sub(rest, g.Mul(above, k))
-        rest = above
-    taps[0] = rest
-    flat = None
+    sizes = [g.Slice(shape, g.ints([2 + i]), g.ints([3 + i])) for i in range(nd)]
+    strides: list[str] = [g.ints([1])] * nd  # plane strides, innermost last
+    for i in range(nd - 2, -1, -1):
+        strides[i] = g.Mul(strides[i + 1], sizes[i + 1])
+    t = g.Cast(offsets, to=i32)
+    flat = t
+    total = int(np.prod(kernel))
+    for i in range(nd - 1):
+        inner = int(np.prod(kernel[i + 1:]))
+        steps = [g.Cast(g.GreaterOrEqual(t, g.const(m * inner, elem_type=i32)), to=i32)
+                 for m in range(1, (total - 1) // inner + 1)]
+        floor = reduce(g.Add, steps)  # Sum takes no int32
+        coef = g.Sub(strides[i], g.Mul(g.ints([kernel[i + 1]]), strides[i + 1]))
+        flat = g.Add(flat, g.Mul(floor, g.Cast(coef, to=i32)))
     for i in range(nd):
-        o = g.Squeeze(g.Slice(outs, g.ints([i]), g.ints([i + 1])), g.ints([0]))
-        starts = g.Mul(g.Cast(g.Range(g.ints(0), o, g.ints(1)), to=real), g.const(float(kernel[i]), elem_type=real))
-        starts = g.unsqueeze(starts, [j for j in range(nd) if j != i]) if nd > 1 else starts
-        pos = g.Add(taps[i], starts)
-        flat = pos if flat is None else g.Add(g.Mul(flat, g.Slice(size_f, g.ints([i]), g.ints([i + 1]))), pos)
+        o = g.Squeeze(g.Div(sizes[i], g.ints([kernel[i]])), g.ints([0]))
+        origin = g.Mul(g.Range(g.ints(0), o, g.ints(1)), g.Mul(g.ints([kernel[i]]), strides[i]))
+        origin = g.Cast(g.unsqueeze(origin, [j for j in range(nd) if j != i]) if nd > 1 else origin, to=i32)
+        flat = g.Add(flat, origin)
     by_plane = g.Concat(lead, g.ints([-1]), axis=0)
-    zeros = g.ConstantOfShape(g.Concat(lead, g.ReduceProd(sizes, keepdims=1), axis=0),
-                              value=helper.make_tensor("value", g.dtype(x), [1], [0]))
-    index = g.Reshape(g.Cast(flat, to=TensorProto.INT64), by_plane)
-    out = g.ScatterElements(zeros, index, g.Reshape(dy, by_plane), axis=2)
+    plane = g.Mul(strides[0], sizes[0])
+    zeros = g.ConstantOfShape(g.Concat(lead, plane, axis=0), value=helper.make_tensor("value", g.dtype(x), [1], [0]))
+    out = g.ScatterElements(zeros, g.Reshape(flat, by_plane), g.Reshape(dy, by_plane), axis=2)
     return g.Reshape(out, shape)
 
 
