@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,8 @@ from typing import Any
 from . import builder_scaling, report
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "gpt2")
-PARTS = ("timing", "memory", "first", "overhead", "builder")
+PARTS = ("timing", "memory", "first", "overhead", "builder", "spinning")
+SPINNING_MODELS = ("mlp", "cnn", "transformer")
 
 
 def _log(msg: str) -> None:
@@ -58,6 +61,9 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> d
         _log("tiny-mlp: ORTModule against bare onnxruntime")
         results["overhead"] = {"model": CASES["tiny-mlp"].description,
                                **measure.bare_overhead(CASES["tiny-mlp"], threads=threads, reps=reps)}
+    if "spinning" in parts:
+        _log("torch with its default (spinning) OpenMP threads: step times in a fresh process")
+        results["spinning"] = spinning([m for m in models if m in SPINNING_MODELS], threads, reps)
     if "builder" in parts:
         _log("builder scaling")
         results["builder"] = builder_scaling.measure()
@@ -65,11 +71,24 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> d
     return results
 
 
-def write_docs(results: dict[str, Any], before: dict[str, Any] | None) -> None:
+def spinning(models: list[str], threads: int, reps: int | None) -> dict[str, Any]:
+    """Step times with torch's OpenMP threads spinning (its default), measured in a fresh process: the wait
+    policy is fixed when torch starts its pool."""
+    if not models:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "spinning.json"
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        cmd = [sys.executable, "-m", "benchmarks", "--models", ",".join(models), "--parts", "timing", "--threads",
+               str(threads), "--omp-wait", "default", "--json", str(out)] + (["--reps", str(reps)] if reps else [])
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd=report.ROOT)
+        spun = json.loads(out.read_text())
+    return {name: r["timing"] for name, r in spun["models"].items() if r.get("timing")}
+
+
+def write_docs(results: dict[str, Any]) -> None:
     from . import docs
 
-    if before is not None:
-        results = {**results, "before": before}
     report.plot(results)
     report.DOC.write_text(docs.render(results), encoding="utf-8")
     _log(f"wrote {report.DOC.relative_to(report.ROOT)} and {report.PLOT.relative_to(report.ROOT)}")
@@ -84,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=report.RESULTS, help="where to save the results")
     p.add_argument("--write-docs", action="store_true", help="write docs/performance.md and its plot")
     p.add_argument("--from-json", type=Path, default=None, help="do not measure: use these saved results")
-    p.add_argument("--before", type=Path, default=None, help="earlier results shown next to these in the docs")
+    p.add_argument("--before", type=Path, default=None,
+                   help="results measured before the levers, kept in the results and shown next to them in the docs")
     p.add_argument("--omp-wait", default="PASSIVE",
                    help="OMP_WAIT_POLICY for torch's OpenMP threads (PASSIVE: idle threads sleep, like onnxruntime's "
                         "without spinning; 'default' leaves torch's spinning default)")
@@ -95,13 +115,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json is not None:
         results = json.loads(args.from_json.read_text())
     else:
+        earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
         results = run(args.models.split(","), set(args.parts.split(",")), args.threads, args.reps)
         results["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+        if "before" in earlier:  # the measurement before the levers stays with the results
+            results["before"] = earlier["before"]
+    if args.before is not None:
+        results["before"] = json.loads(args.before.read_text())
+    if args.from_json is None or args.before is not None:
         args.json.write_text(json.dumps(results, indent=1))
     print(report.text(results))
     if args.write_docs:
-        before = json.loads(args.before.read_text()) if args.before else results.get("before")
-        write_docs(results, before)
+        write_docs(results)
 
 
 if __name__ == "__main__":
