@@ -7,7 +7,7 @@ except `lower`'s masked multiply (see there). Measured effects are in docs/perfo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import onnx
@@ -258,6 +258,24 @@ def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) ->
     return out
 
 
+def _rewrite(model: onnx.ModelProto, plan: list[tuple], build: Callable[..., list[onnx.NodeProto]]
+             ) -> onnx.ModelProto:
+    """The skeleton of `lower`'s rewrites: `plan` rows are `(index of a node, *details)` in graph order; a copy
+    of `model` gets each planned node replaced by `build(node, *details, taken)` (`taken`: the names in use, for
+    `_fresh`). Returns `model` itself when the plan is empty."""
+    if not plan:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = list(out.graph.node)
+    taken = _names(out.graph)
+    for k, *details in reversed(plan):  # from the back: a splice leaves the indices before it valid
+        nodes[k:k + 1] = build(nodes[k], *details, taken)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def _perm(node: onnx.NodeProto) -> list[int] | None:
     return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
 
@@ -287,20 +305,14 @@ def transposed_products(model: onnx.ModelProto) -> onnx.ModelProto:
         ta = swap(a)
         if ta is not None and matrix(b):
             plan.append((k, ta.input[0], b))
-    if not plan:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes = list(out.graph.node)
-    taken = _names(out.graph)
-    for k, x, b in reversed(plan):
-        target = nodes[k].output[0]
+
+    def build(outer: onnx.NodeProto, x: str, b: str, taken: set[str]) -> list[onnx.NodeProto]:
+        target = outer.output[0]
         bt = _fresh(f"{target}/bT", taken)
-        nodes[k:k + 1] = [helper.make_node("Transpose", [b], [bt], perm=[1, 0], name=_fresh(f"{bt}_node", taken)),
-                          helper.make_node("MatMul", [bt, x], [target], name=_fresh(f"{target}/mm_node", taken))]
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+        return [helper.make_node("Transpose", [b], [bt], perm=[1, 0], name=_fresh(f"{bt}_node", taken)),
+                helper.make_node("MatMul", [bt, x], [target], name=_fresh(f"{target}/mm_node", taken))]
+
+    return _rewrite(model, plan, build)
 
 
 def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
@@ -367,14 +379,9 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
         how = lowering(n)
         if how is not None:
             plan.append((k, n.input[0], *how))
-    if not plan:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes = list(out.graph.node)
-    taken = _names(out.graph)
-    for k, cond, kept, negate, elem in reversed(plan):
-        where = nodes[k]
+
+    def build(where: onnx.NodeProto, cond: str, kept: str, negate: bool, elem: int, taken: set[str]
+              ) -> list[onnx.NodeProto]:
         base = where.output[0]
         new = []
         if negate:
@@ -383,7 +390,6 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
         mask = _fresh(f"{base}/mask", taken)
         new.append(helper.make_node("Cast", [cond], [mask], to=elem, name=_fresh(f"{base}/cast_node", taken)))
         new.append(helper.make_node("Mul", [kept, mask], [base], name=_fresh(f"{base}/mul_node", taken)))
-        nodes[k:k + 1] = new
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+        return new
+
+    return _rewrite(model, plan, build)
