@@ -133,8 +133,9 @@ class Window:
         return (o - 1) * self.strides[i] + self.extent(i) - self.begin[i] - n  # type: ignore[index]
 
 
-def _window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
-    """The node's window with auto_pad resolved. SAME pads total (ceil(n/s) - 1) * s + extent - n: static
+def node_window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
+    """Public because LpPool (normalization.py) reads its windows as these window ops do.
+    The node's window with auto_pad resolved. SAME pads total (ceil(n/s) - 1) * s + extent - n: static
     for stride 1 or a static size, else computed at run time."""
     nd = len(kernel)
     strides = tuple(g.attr("strides", [1] * nd))
@@ -162,8 +163,9 @@ def _window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
     return Window(tuple(kernel), strides, dilations, begin_rt, g.Sub(total_rt, begin_rt))
 
 
-def _tails(g: Grad, win: Window, x: str, ceil: bool = False) -> Sizes:
-    """Per spatial dim, `Window.tail` of the node's windows over x: ints when x's size is static or the
+def window_tails(g: Grad, win: Window, x: str, ceil: bool = False) -> Sizes:
+    """Public because LpPool (normalization.py) spreads its gradient over windows as AveragePool does.
+    Per spatial dim, `Window.tail` of the node's windows over x: ints when x's size is static or the
     stride is 1 (the tail is then the end pad), else computed at run time from x's and y's shapes."""
     nd = len(win.kernel)
     if not isinstance(win.begin, str):
@@ -243,11 +245,11 @@ def conv(g: Grad):
     """dX: ConvTranspose of dY with the same weight; dW: see `_weight_grad`; dB: dY summed per channel."""
     x, w, dy = g.I(0), g.I(1), g.GO(0)
     kernel = _kernel(g, w)
-    win = _window(g, x, kernel)
+    win = node_window(g, x, kernel)
     group = int(g.attr("group", 1))
     dx = dw = db = None
     if g.needs(0) or g.needs(1):
-        tails = _tails(g, win, x)
+        tails = window_tails(g, win, x)
     if g.needs(0):
         dx = _onto_input(g, dy, w, win, tails, kernel_shape=kernel, group=group)
     if g.needs(1):
@@ -474,8 +476,8 @@ def average_pool(g: Grad):
     kernel = list(g.attr("kernel_shape"))
     nd = len(kernel)
     ceil, include_pad = bool(g.attr("ceil_mode", 0)), bool(g.attr("count_include_pad", 0))
-    win = _window(g, x, kernel)
-    tails = _tails(g, win, x, ceil)
+    win = node_window(g, x, kernel)
+    tails = window_tails(g, win, x, ceil)
     sizes = _dims(g, x, nd)
     if not ceil and (include_pad or (not isinstance(win.begin, str) and not any(win.pads))):
         scaled = g.Mul(dy, g.const(1.0 / float(np.prod(kernel)), like=x))

@@ -10,7 +10,7 @@ import numpy as np
 
 from .context import Grad
 from .elementwise import keep
-from .nn import _tails, _window, spread_windows
+from .nn import node_window, spread_windows, window_tails
 from .registry import rule
 
 
@@ -103,8 +103,8 @@ def _p(g: Grad) -> int:
 def lp_pool(g: Grad):
     """Each window's Lp norm: dY / y^(p-1) spread over the window, times sign(x)|x|^(p-1)."""
     x, y, dy = g.I(0), g.O(0), g.GO(0)
-    win = _window(g, x, list(g.attr("kernel_shape")))
-    tails = _tails(g, win, x, bool(g.attr("ceil_mode", 0)))
+    win = node_window(g, x, list(g.attr("kernel_shape")))
+    tails = window_tails(g, win, x, bool(g.attr("ceil_mode", 0)))
     factor, per_output = _lp_factor(g, x, y, dy, _p(g))
     return (g.Mul(factor, spread_windows(g, per_output, x, win, tails)),)
 
