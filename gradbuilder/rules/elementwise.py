@@ -200,6 +200,14 @@ def erf(g: Grad) -> Grads:
 
 # --- trigonometric and hyperbolic --------------------------------------------------------------------
 
+def _one_minus_sq(g: Grad, x: str) -> str:
+    return g.Sub(g.const(1.0, like=x), _sq(g, x))
+
+
+def _one_plus_sq(g: Grad, x: str) -> str:
+    return g.Add(_sq(g, x), g.const(1.0, like=x))
+
+
 @rule("Sin", since=13)
 def sin(g: Grad) -> Grads:
     return (g.Mul(g.GO(0), g.Cos(g.I(0))),)
@@ -212,8 +220,7 @@ def cos(g: Grad) -> Grads:
 
 @rule("Tan", since=13)
 def tan(g: Grad) -> Grads:
-    y = g.O(0)
-    return (g.Mul(g.GO(0), g.Add(_sq(g, y), g.const(1.0, like=y))),)
+    return (g.Mul(g.GO(0), _one_plus_sq(g, g.O(0))),)
 
 
 @rule("Sinh", since=13)
@@ -224,10 +231,6 @@ def sinh(g: Grad) -> Grads:
 @rule("Cosh", since=13)
 def cosh(g: Grad) -> Grads:
     return (g.Mul(g.GO(0), g.Sinh(g.I(0))),)
-
-
-def _one_minus_sq(g: Grad, x: str) -> str:
-    return g.Sub(g.const(1.0, like=x), _sq(g, x))
 
 
 @rule("Asin", since=13)
@@ -242,8 +245,7 @@ def acos(g: Grad) -> Grads:
 
 @rule("Atan", since=13)
 def atan(g: Grad) -> Grads:
-    x = g.I(0)
-    return (g.Div(g.GO(0), g.Add(_sq(g, x), g.const(1.0, like=x))),)
+    return (g.Div(g.GO(0), _one_plus_sq(g, g.I(0))),)
 
 
 @rule("Atanh", since=13)
@@ -253,8 +255,7 @@ def atanh(g: Grad) -> Grads:
 
 @rule("Asinh", since=13)
 def asinh(g: Grad) -> Grads:
-    x = g.I(0)
-    return (g.Div(g.GO(0), g.Sqrt(g.Add(_sq(g, x), g.const(1.0, like=x)))),)
+    return (g.Div(g.GO(0), g.Sqrt(_one_plus_sq(g, g.I(0)))),)
 
 
 @rule("Acosh", since=13)
