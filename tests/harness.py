@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 from onnx import TensorProto, helper
 
@@ -196,3 +197,18 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
         rhs = sum(float(np.sum(grads[n] * direction[n])) for n in wrt if n in grads)
         assert abs(lhs - rhs) <= fd_rtol * max(1.0, abs(lhs), abs(rhs)), f"finite differences: {lhs} vs {rhs}"
     return grads
+
+
+def sweep_tests(sweep: Callable[[int, type[np.floating]], None], float32_opsets: Sequence[int]
+                ) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """The two tests of a family's `sweep(opset, dtype)`, to assign to `test_every_opset, test_float32` in its
+    test module: float64 at every opset from 13 to 23 (one test each), float32 at `float32_opsets`."""
+    @pytest.mark.parametrize("opset", range(13, 24))
+    def test_every_opset(opset: int) -> None:
+        sweep(opset, np.float64)
+
+    def test_float32() -> None:
+        for opset in float32_opsets:
+            sweep(opset, np.float32)
+
+    return test_every_opset, test_float32

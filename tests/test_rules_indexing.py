@@ -2,7 +2,7 @@ import harness
 import numpy as np
 import pytest
 import torch
-from harness import check_op
+from harness import check_op, sweep_tests
 from test_rules_shape import check_dynamic
 
 import gradbuilder
@@ -201,14 +201,7 @@ def _sweep(opset, dtype):
              consts=["k"], opset=opset, axis=1)
 
 
-@pytest.mark.parametrize("opset", range(13, 24))
-def test_every_opset(opset):
-    _sweep(opset, np.float64)
-
-
-def test_float32():
-    _sweep(14, np.float32)
-    _sweep(18, np.float32)
+test_every_opset, test_float32 = sweep_tests(_sweep, float32_opsets=(14, 18))
 
 
 @pytest.mark.parametrize("opset", [OLD, NEW])

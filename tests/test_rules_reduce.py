@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 import torch
-from harness import check_op
+from harness import check_op, sweep_tests
 from test_rules_shape import check_dynamic
 
 rng = np.random.default_rng(0)
@@ -204,14 +204,7 @@ def _sweep(opset, dtype):
              consts=["a"], opset=opset, reverse=1)
 
 
-@pytest.mark.parametrize("opset", range(13, 24))
-def test_every_opset(opset):
-    _sweep(opset, np.float64)
-
-
-def test_float32():
-    _sweep(17, np.float32)
-    _sweep(20, np.float32)
+test_every_opset, test_float32 = sweep_tests(_sweep, float32_opsets=(17, 20))
 
 
 @pytest.mark.parametrize("opset", [13, 18])

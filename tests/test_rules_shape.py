@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from harness import check_op
+from harness import check_op, sweep_tests
 
 import gradbuilder
 
@@ -360,14 +360,7 @@ def _sweep(opset, dtype):
         check_op("Trilu", [("x", x)], torch.triu, opset=opset)
 
 
-@pytest.mark.parametrize("opset", range(13, 24))
-def test_every_opset(opset):
-    _sweep(opset, np.float64)
-
-
-def test_float32():
-    _sweep(17, np.float32)
-    _sweep(21, np.float32)
+test_every_opset, test_float32 = sweep_tests(_sweep, float32_opsets=(17, 21))
 
 
 # --- non-differentiable ops -------------------------------------------------------------------------------
