@@ -33,20 +33,24 @@ def _attrs(reduction, ignore):
 CASES = [(red, ign, w) for red in ("mean", "sum", "none") for ign in (None, -100, 1) for w in (False, True)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("reduction,ignore,weighted", CASES)
-def test_softmax_cross_entropy(shape, reduction, ignore, weighted):
+def _check_loss(op, torch_loss, shape, reduction, ignore, weighted):
+    """One CASES row of a class-weighted loss over labels (some ignored), against `torch_loss`."""
     labels = _labels(shape, ignore)
     weights = np.abs(r(shape[1])) + 0.1 if weighted else None
     inputs = [("x", r(*shape)), ("labels", labels)] + ([("w", weights)] if weighted else [])
     tw = torch.from_numpy(weights) if weighted else None
 
     def ref(x, lab, *_):
-        return F.cross_entropy(x, lab, weight=tw, reduction=reduction,
-                               ignore_index=ignore if ignore is not None else -100)
+        return torch_loss(x, lab, weight=tw, reduction=reduction, ignore_index=ignore if ignore is not None else -100)
 
     # weights are graph inputs here (not constants): they still get no gradient
-    check_op("SoftmaxCrossEntropyLoss", inputs, ref, wrt=["x"], **_attrs(reduction, ignore))
+    check_op(op, inputs, ref, wrt=["x"], **_attrs(reduction, ignore))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("reduction,ignore,weighted", CASES)
+def test_softmax_cross_entropy(shape, reduction, ignore, weighted):
+    _check_loss("SoftmaxCrossEntropyLoss", F.cross_entropy, shape, reduction, ignore, weighted)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -90,15 +94,7 @@ def test_softmax_cross_entropy_symbolic_batch(monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("reduction,ignore,weighted", CASES)
 def test_negative_log_likelihood(shape, reduction, ignore, weighted):
-    labels = _labels(shape, ignore)
-    weights = np.abs(r(shape[1])) + 0.1 if weighted else None
-    inputs = [("x", r(*shape)), ("labels", labels)] + ([("w", weights)] if weighted else [])
-    tw = torch.from_numpy(weights) if weighted else None
-
-    def ref(x, lab, *_):
-        return F.nll_loss(x, lab, weight=tw, reduction=reduction, ignore_index=ignore if ignore is not None else -100)
-
-    check_op("NegativeLogLikelihoodLoss", inputs, ref, wrt=["x"], **_attrs(reduction, ignore))
+    _check_loss("NegativeLogLikelihoodLoss", F.nll_loss, shape, reduction, ignore, weighted)
 
 
 def test_losses_give_labels_and_weights_no_gradient():
