@@ -29,10 +29,10 @@ from .errors import (
     UnknownNameError,
     UnsupportedOpError,
 )
-from .graph import ForwardGraph, NameAllocator, describe, load_model, type_name, value_info
+from .graph import ForwardGraph, NameAllocator, add_value_info, describe, load_model, type_name
 from .reachability import Reachability, analyze, is_control_flow
 from .rules import registry
-from .rules.context import Emitter, Grad
+from .rules.context import Emitter, Grad, Node
 from .yield_op import DOMAIN, VERSION, YieldSignature, is_yield, make_yield
 
 META_PREFIX = "gradbuilder."
@@ -194,8 +194,8 @@ def _build(model: onnx.ModelProto | str | os.PathLike | bytes, wrt: Sequence[str
 def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter, acc: _Accumulator,
           names: NameAllocator) -> YieldSignature:
     selected = set(req.outputs)
-    internal = {name for k, flags in reach.active_inputs.items()
-                for name, f in zip(fg.nodes[k].input, flags) if f}
+    ins = reach.edges.inputs
+    internal = {name for k, flags in reach.active_inputs.items() for i, name, _ in ins[k] if i >= 0 and flags[i]}
     diff, nondiff, full, grads = [], [], [], []
     for i, name in enumerate(fg.outputs):
         if name in selected and name in reach.needs:
@@ -269,20 +269,22 @@ def _finish_wrt(req: BuildRequest, em: Emitter, acc: _Accumulator, reserved: dic
                 em.node("Identity", [total], 1, f"grad/{w}", outputs=[want])
         grads[w] = want
     if renames:
+        old = renames.keys()
         for n in [*em.backward, *em.forward_extra]:
-            for seq in (n.input, n.output):
-                for i, x in enumerate(seq):
-                    if x in renames:
-                        seq[i] = renames[x]
+            if not old.isdisjoint(n.input):
+                n.input = [renames.get(x, x) for x in n.input]
+            if not old.isdisjoint(n.output):
+                n.output = [renames.get(x, x) for x in n.output]
     return grads
 
 
-def _live(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:
+def _live(nodes: list[Node], wanted: set[str]) -> list[Node]:
     keep = []
     for n in reversed(nodes):
-        if any(o in wanted for o in n.output):
+        if not wanted.isdisjoint(n.output):
             keep.append(n)
-            wanted.update(x for x in n.input if x)
+            wanted.update(n.input)
+            wanted.discard("")  # an empty (left out) input names no tensor
     keep.reverse()
     return keep
 
@@ -295,16 +297,20 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
     inits = [t for t in em.initializers if t.name in wanted]
     yield_node = make_yield(sig, em.names.fresh("gradbuilder_yield"))
 
-    graph = m.graph
-    del graph.node[:]
-    graph.node.extend([*fg.nodes, *extra, yield_node, *backward])
+    graph = m.graph  # its nodes are fg.nodes, in order, with the outputs rules added (Grad.output)
+    add = graph.node.add
+    for n in extra:
+        add(op_type=n.op_type, input=n.input, output=n.output, name=n.name, domain=n.domain, attribute=n.attribute)
+    graph.node.append(yield_node)
+    for n in backward:
+        add(op_type=n.op_type, input=n.input, output=n.output, name=n.name, domain=n.domain, attribute=n.attribute)
     graph.initializer.extend(inits)
     for w, g in grads.items():
-        graph.output.append(value_info(g, fg.tensor_info(w)))
+        add_value_info(graph.output, g, fg.tensor_info(w))
     full = set(sig.full_shape)
     for i, g in sig.grad_of().items():
         info = fg.tensor_info(fg.outputs[i])
-        graph.value_info.append(value_info(g, info if i in full else type(info)(info.elem_type, None)))
+        add_value_info(graph.value_info, g, info if i in full else type(info)(info.elem_type, None))
     if not any(op.domain == DOMAIN for op in m.opset_import):
         m.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
 

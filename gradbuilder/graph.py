@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -9,6 +10,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx
 from google.protobuf.message import Message
@@ -85,7 +87,20 @@ def info_from_type(tp: onnx.TypeProto) -> TensorInfo:
 
 
 def value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
-    return onnx.helper.make_tensor_value_info(name, info.elem_type, None if info.shape is None else list(info.shape))
+    vi = onnx.ValueInfoProto(name=name)
+    vi.type.CopyFrom(_tensor_type(info))
+    return vi
+
+
+def add_value_info(field: Any, name: str, info: TensorInfo) -> None:
+    """Append value_info(name, info) to a repeated ValueInfoProto field without building it twice."""
+    field.add(name=name).type.CopyFrom(_tensor_type(info))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_type(info: TensorInfo) -> onnx.TypeProto:
+    """The TypeProto onnx.helper makes for `info` (shared: callers only copy from it)."""
+    return onnx.helper.make_tensor_type_proto(info.elem_type, None if info.shape is None else list(info.shape))
 
 
 def load_model(model: onnx.ModelProto | str | os.PathLike | bytes, *, copy: bool = True) -> onnx.ModelProto:

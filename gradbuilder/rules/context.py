@@ -28,6 +28,26 @@ def _attribute(name: str, value: Any) -> onnx.AttributeProto:
     return helper.make_attribute(name, value)
 
 
+class Node:
+    """A backward (or forward-side helper) node under construction: plain Python until the model is assembled,
+    so that making, pruning and renaming tens of thousands of them does not go through protobuf each time."""
+
+    __slots__ = ("attribute", "domain", "input", "name", "op_type", "output")
+
+    def __init__(self, op_type: str, inputs: list[str], outputs: list[str], name: str, domain: str,
+                 attribute: Sequence[onnx.AttributeProto]):
+        self.op_type = op_type
+        self.input = inputs
+        self.output = outputs
+        self.name = name
+        self.domain = domain
+        self.attribute = attribute
+
+    def to_proto(self) -> onnx.NodeProto:
+        return onnx.NodeProto(op_type=self.op_type, input=self.input, output=self.output, name=self.name,
+                              domain=self.domain, attribute=self.attribute)
+
+
 class Emitter:
     """Build-wide sink for backward nodes, forward-side helper nodes and constants."""
 
@@ -35,8 +55,8 @@ class Emitter:
         self.fg = fg
         self.opset = fg.opset
         self.names = names
-        self.backward: list[onnx.NodeProto] = []
-        self.forward_extra: list[onnx.NodeProto] = []
+        self.backward: list[Node] = []
+        self.forward_extra: list[Node] = []
         self.initializers: list[TensorProto] = []
         self._consts: dict[tuple, str] = {}
         self._shapes: dict[str, str] = {}
@@ -44,11 +64,17 @@ class Emitter:
 
     def node(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, *, domain: str = "",
              forward: bool = False, outputs: Sequence[str] | None = None, **attrs: Any) -> list[str]:
-        outs = list(outputs) if outputs is not None else [self.names.fresh(f"{hint}/{op_type}") for _ in range(n_out)]
-        node = onnx.NodeProto(op_type=op_type, input=["" if i is None else i for i in inputs], output=outs,
-                              name=f"{outs[0]}_node", domain=domain)
-        if attrs:
-            node.attribute.extend(_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
+        if outputs is not None:
+            outs = list(outputs)
+        else:
+            fresh, base = self.names.fresh, f"{hint}/{op_type}"
+            outs = [fresh(base) for _ in range(n_out)]
+        ins = ["" if i is None else i for i in inputs]
+        for i in ins:
+            if type(i) is not str and not isinstance(i, str):  # what NodeProto(input=...) would refuse
+                raise TypeError(f"{op_type} node input {i!r} is not a tensor name")
+        attributes = [_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None] if attrs else ()
+        node = Node(op_type, ins, outs, f"{outs[0]}_node", domain, attributes)
         (self.forward_extra if forward else self.backward).append(node)
         self.produced.update(outs)
         return outs
