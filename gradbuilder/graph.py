@@ -7,7 +7,7 @@ import io
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,27 @@ def info_from_type(tp: onnx.TypeProto) -> TensorInfo:
         else:
             dims.append(None)
     return TensorInfo(tt.elem_type, tuple(dims))
+
+
+def _infos(memo: dict[Any, TensorInfo], *fields: Iterable[onnx.ValueInfoProto]) -> Iterator[tuple[str, TensorInfo]]:
+    """(name, info_from_type) of every value_info in `fields`, each distinct type converted once."""
+    for field in fields:
+        for vi in field:
+            tp = vi.type
+            key = tp.SerializeToString()
+            info = memo.get(key)
+            if info is None:
+                info = memo[key] = info_from_type(tp)
+            yield vi.name, info
+
+
+def _initializer_infos(memo: dict[Any, TensorInfo], graph: onnx.GraphProto) -> Iterator[tuple[str, TensorInfo]]:
+    for t in graph.initializer:
+        key = (t.data_type, tuple(t.dims))
+        info = memo.get(key)
+        if info is None:
+            info = memo[key] = TensorInfo(*key)
+        yield t.name, info
 
 
 def value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
@@ -360,11 +381,9 @@ class ForwardGraph:
         )
 
     def _declared_types(self) -> dict[str, TensorInfo]:
-        info: dict[str, TensorInfo] = {}
-        for vi in [*self.graph.input, *self.graph.value_info, *self.graph.output]:
-            info[vi.name] = info_from_type(vi.type)
-        for t in self.graph.initializer:
-            info[t.name] = TensorInfo(t.data_type, tuple(t.dims))
+        memo: dict[Any, TensorInfo] = {}
+        info = dict(_infos(memo, self.graph.input, self.graph.value_info, self.graph.output))
+        info.update(_initializer_infos(memo, self.graph))
         return info
 
     def _infer_types(self) -> dict[str, TensorInfo]:
@@ -372,15 +391,15 @@ class ForwardGraph:
         graph = self._inferred(copy, untyped, data_prop=False)
         if graph is None:  # inference is a help, never a requirement
             return self._declared_types()
-        if _cheap_data_propagation(graph):  # values of shape tensors: static shapes through Shape/Concat/Reshape
+        # values of shape tensors: static shapes through Shape/Concat/Reshape (a second pass, when it can differ)
+        if _data_propagation_matters(copy) and _cheap_data_propagation(graph):
             graph = self._inferred(copy, untyped, data_prop=True) or graph
-        info = {vi.name: info_from_type(vi.type) for vi in graph.value_info}
-        for vi in [*graph.input, *graph.output]:
-            declared = info_from_type(vi.type)
-            if declared.elem_type or vi.name not in info:
-                info[vi.name] = declared
-        for t in self.graph.initializer:
-            info[t.name] = TensorInfo(t.data_type, tuple(t.dims))
+        memo: dict[Any, TensorInfo] = {}
+        info = dict(_infos(memo, graph.value_info))
+        for name, declared in _infos(memo, graph.input, graph.output):
+            if declared.elem_type or name not in info:
+                info[name] = declared
+        info.update(_initializer_infos(memo, self.graph))
         return info
 
     def _inferred(self, copy: onnx.ModelProto, untyped: bool, data_prop: bool) -> onnx.GraphProto | None:
@@ -406,41 +425,42 @@ class ForwardGraph:
         shape inference checks them (Add(float, double) and Max(x, '') pass)."""
         if node.domain not in ("", "ai.onnx"):
             return
-        try:
-            schema = onnx.defs.get_schema(node.op_type, self.opset, node.domain)
-        except Exception:  # check_node has already refused ops ONNX does not know
+        summary = _input_schema(node.op_type, self.opset, node.domain)
+        if summary is None:  # check_node has already refused ops ONNX does not know
             return
-        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
-        formals = schema.inputs
+        formals, allowed = summary
+        if not formals:
+            return
+        last = len(formals) - 1
         bound: dict[str, tuple[str, str]] = {}
         for i, name in enumerate(node.input):
-            if not formals:
-                continue
-            formal = formals[min(i, len(formals) - 1)]
+            formal_name, type_str, optional, homogeneous = formals[i if i < last else last]
             if not name:
-                if formal.option != onnx.defs.OpSchema.FormalParameterOption.Optional:
+                if not optional:
                     raise InvalidModelError(
                         f"node {describe(node)}: input {i} is empty, but only optional inputs may be left out "
-                        f"({node.op_type}'s '{formal.name}' is not); remove it or name a tensor."
+                        f"({node.op_type}'s '{formal_name}' is not); remove it or name a tensor."
                     )
                 continue
             elem_type = self.tensor_info(name).elem_type
             if not elem_type:
                 continue
-            actual = f"tensor({TensorProto.DataType.Name(elem_type).lower()})"
-            ok = allowed.get(formal.type_str, {formal.type_str})
+            actual = _tensor_type_str(elem_type)
+            ok = allowed.get(type_str)
+            if ok is None:
+                ok = frozenset({type_str})
             if actual not in ok and any(t.startswith("tensor(") for t in ok):
                 raise InvalidModelError(
                     f"node {describe(node)}: input {i} ('{name}') is {type_name(elem_type)}, but {node.op_type} "
                     f"at opset {self.opset} takes {' or '.join(sorted(ok))} there; fix the model (a Cast is "
                     "probably missing) or re-export it."
                 )
-            if formal.type_str in allowed and formal.is_homogeneous:
-                first = bound.setdefault(formal.type_str, (actual, name))
+            if homogeneous and type_str in allowed:
+                first = bound.setdefault(type_str, (actual, name))
                 if first[0] != actual:
                     raise InvalidModelError(
                         f"node {describe(node)}: inputs '{first[1]}' ({first[0]}) and '{name}' ({actual}) must have "
-                        f"the same type ({node.op_type}'s type parameter {formal.type_str}); fix the model (a Cast "
+                        f"the same type ({node.op_type}'s type parameter {type_str}); fix the model (a Cast "
                         "is probably missing) or re-export it."
                     )
 
@@ -466,6 +486,26 @@ class ForwardGraph:
 
     def all_names(self) -> set[str]:
         return set(self.inputs) | set(self.initializers) | set(self.producer)
+
+
+@functools.lru_cache(maxsize=4096)
+def _input_schema(op_type: str, opset: int, domain: str) -> tuple[
+        tuple[tuple[str, str, bool, bool], ...], dict[str, frozenset[str]]] | None:
+    """What _check_input_types needs of an op's schema: per formal input (name, type string, optional,
+    homogeneous), and the allowed types of each type parameter; None when ONNX has no schema for it."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except Exception:
+        return None
+    allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+    optional = onnx.defs.OpSchema.FormalParameterOption.Optional
+    formals = tuple((f.name, f.type_str, f.option == optional, bool(f.is_homogeneous)) for f in schema.inputs)
+    return formals, allowed
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_type_str(elem_type: int) -> str:
+    return f"tensor({TensorProto.DataType.Name(elem_type).lower()})"
 
 
 def _check_versions(model: onnx.ModelProto, opset: int) -> None:
@@ -549,9 +589,11 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
     they read outer names the checker cannot be told about, and they are never differentiated.
     """
     ctx = _checker_context(model)
+    scope = onnx.checker.LEXICAL_SCOPE_CONTEXT
+    check_node = onnx.checker.C.check_node  # onnx.checker.check_node without its per-call type check
     for node in nodes:
         try:
-            onnx.checker.check_node(_without_bodies(node), ctx)
+            check_node(_without_bodies(node).SerializeToString(), ctx, scope)
         except Exception as e:  # ValidationError, or whatever else a broken node makes the checker raise
             why = _first_line(e)
             if why.startswith("No Op registered") and node.domain in ("", "ai.onnx"):
@@ -562,8 +604,10 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
             else:
                 todo = "Fix the node or re-export the model (onnx.checker.check_model reports the same)"
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
-        for n in [node, *_nested_nodes(node)]:
-            _check_inference_hazards(n)
+        _check_inference_hazards(node)
+        if _has_bodies(node):
+            for n in _nested_nodes(node):
+                _check_inference_hazards(n)
 
 
 def _nested_nodes(node: onnx.NodeProto) -> Iterable[onnx.NodeProto]:
@@ -575,10 +619,22 @@ def _nested_nodes(node: onnx.NodeProto) -> Iterable[onnx.NodeProto]:
                 yield from _nested_nodes(n)
 
 
+GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _has_bodies(node: onnx.NodeProto) -> bool:
+    for a in node.attribute:  # noqa: SIM110 - a loop: any() over a generator costs more, once per node
+        if a.type in GRAPH_ATTRIBUTES:
+            return True
+    return False
+
+
 def _check_inference_hazards(node: onnx.NodeProto) -> None:
     """What makes onnx's shape inference hang or crash (it visits bodies too): refused before it runs."""
-    _check_control_flow(node)
-    if node.op_type == "Einsum" and node.domain in ("", "ai.onnx"):
+    op = node.op_type
+    if op in ("If", "Loop", "Scan"):
+        _check_control_flow(node)
+    elif op == "Einsum" and node.domain in ("", "ai.onnx"):
         _check_einsum(node)
 
 
@@ -598,7 +654,7 @@ def infer_shapes_safely(model: onnx.ModelProto) -> onnx.GraphProto | None:
 
 
 def _without_bodies(node: onnx.NodeProto) -> onnx.NodeProto:
-    if not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+    if not _has_bodies(node):
         return node
     probe = onnx.NodeProto()
     _copy_fields(node, probe, frozenset({"attribute"}))
@@ -669,10 +725,13 @@ def fixed_nbytes(t: TensorProto) -> int | None:
 def tensor_nbytes(t: TensorProto) -> int:
     """About t.ByteSize(), without encoding the data: upb encodes a message to measure it, which takes seconds
     for big tensors and fails above 2 GB."""
-    n = fixed_nbytes(t)
-    if n is None or not t.HasField("raw_data"):
+    return _nbytes(t, fixed_nbytes(t), t.HasField("raw_data"))
+
+
+def _nbytes(t: TensorProto, fixed: int | None, raw: bool) -> int:
+    if fixed is None or not raw:
         return t.ByteSize()
-    return n + len(t.name.encode()) + 11 * len(t.dims) + 32
+    return fixed + len(t.name.encode()) + 11 * len(t.dims) + 32
 
 
 TENSOR_CHECK_LIMIT = 16 * 2**20
@@ -692,14 +751,15 @@ def _check_tensor(t: TensorProto, what: str) -> None:
             f"{what} still refers to external data ('{where}') that was not loaded; pass the model's path, or "
             "load it with onnx.load(path) (load_external_data=True), so its weights come along."
         )
-    if tensor_nbytes(t) > TENSOR_CHECK_LIMIT:
+    want = fixed_nbytes(t)
+    raw = t.HasField("raw_data")
+    if _nbytes(t, want, raw) > TENSOR_CHECK_LIMIT:
         return  # a weight: its bytes are checked when read from external data, by the runtime when inline
     try:
-        onnx.checker.check_tensor(t, onnx.checker.DEFAULT_CONTEXT)
+        onnx.checker.C.check_tensor(t.SerializeToString(), onnx.checker.DEFAULT_CONTEXT)
     except Exception as e:  # ValidationError, or whatever else a broken tensor makes the checker raise
         raise InvalidModelError(f"{what} is not a valid tensor: {_first_line(e)}; {fix}.") from None
-    want = fixed_nbytes(t)
-    if t.HasField("raw_data") and want is not None:
+    if raw and want is not None:
         have = len(t.raw_data)
         if want != have:
             raise InvalidModelError(
@@ -800,6 +860,47 @@ def _cheap_data_propagation(graph: onnx.GraphProto) -> bool:
     return all(len(t.dims) != 1 or t.dims[0] <= DATA_PROP_MAX_LENGTH for t in graph.initializer)
 
 
+DATA_FROM_INPUTS = frozenset({"Add", "Sub", "Mul", "Cast", "Concat", "Gather", "Slice", "Squeeze", "Unsqueeze"})
+"""Default-domain ops whose data propagation (onnx shape inference with data_prop) only passes on values it
+reads from its inputs; Shape and Size make values from their input's type."""
+
+SHAPE_DATA_TYPES = (TensorProto.INT32, TensorProto.INT64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _propagates_data(op_type: str, version: int, domain: str) -> bool:
+    try:
+        return bool(onnx.defs.get_schema(op_type, version, domain).has_data_propagation_function)
+    except Exception:
+        return True  # unsure: as if it did
+
+
+def _data_propagation_matters(model: onnx.ModelProto) -> bool:
+    """Whether onnx's shape inference with data_prop=True can differ from the pass without it.
+
+    Data propagation only ever starts from the values of int32/int64 scalars and vectors (initializers and
+    Constant outputs) or from Shape/Size; when no node with a data propagation function reads one, it stores
+    nothing and the two passes are the same. Conservative: bodies and model-local functions count as yes.
+    """
+    g = model.graph
+    if model.functions:
+        return True
+    opsets: dict[str, set[int]] = {}
+    for op in model.opset_import:
+        opsets.setdefault("" if op.domain == "ai.onnx" else op.domain, set()).add(op.version)
+    data = {t.name for t in g.initializer if t.data_type in SHAPE_DATA_TYPES and len(t.dims) <= 1}
+    data.update(o for n in g.node if n.op_type == "Constant" for o in n.output)
+    for n in g.node:
+        if _has_bodies(n):
+            return True
+        domain = "" if n.domain == "ai.onnx" else n.domain
+        if not any(_propagates_data(n.op_type, v, domain) for v in opsets.get(domain, ())):
+            continue  # (a domain the model does not import: onnx's shape inference skips the node)
+        if domain or n.op_type not in DATA_FROM_INPUTS or not data.isdisjoint(n.input):
+            return True
+    return False
+
+
 def without_unknown_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
     """The model with every node ONNX has no schema for (custom ops) cut out, its outputs made graph inputs of
     their declared type; and whether any output was left untyped.
@@ -809,7 +910,7 @@ def without_unknown_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
     """
     local = {(f.domain, f.name) for f in model.functions}
     g = model.graph
-    known = [onnx.defs.has(n.op_type, n.domain) or (n.domain, n.op_type) in local for n in g.node]
+    known = [_onnx_has(n.op_type, n.domain) or (n.domain, n.op_type) in local for n in g.node]
     if all(known):
         return model, False
     unknown = [n for n, k in zip(g.node, known) if not k]
@@ -825,6 +926,11 @@ def without_unknown_ops(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
                 untyped |= vi is None or not vi.type.tensor_type.elem_type
                 g.input.append(vi if vi is not None else onnx.helper.make_empty_tensor_value_info(o))
     return model, untyped
+
+
+@functools.lru_cache(maxsize=4096)
+def _onnx_has(op_type: str, domain: str) -> bool:
+    return onnx.defs.has(op_type, domain)
 
 
 def describe(node: onnx.NodeProto) -> str:
