@@ -7,7 +7,7 @@ import io
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,7 +317,7 @@ class ForwardGraph:
         self.hidden_inputs: dict[int, set[str]] = {}
         _check_interface(self.graph)
         self._index()
-        _check_nodes(model, self.nodes)
+        _check_nodes(model, self.nodes, self.hidden_inputs)
         for t in self.graph.initializer:
             _check_tensor(t, f"initializer '{t.name}'")
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
@@ -326,21 +326,24 @@ class ForwardGraph:
 
     def _index(self) -> None:
         defined = set(self.inputs) | set(self.initializers)
+        consumers, producer = self.consumers, self.producer
         for k, node in enumerate(self.nodes):
             for i, name in enumerate(node.input):
                 if not name:
                     continue
                 if name not in defined:
                     self._undefined(node, name)
-                self.consumers.setdefault(name, []).append((k, i))
-            if node.op_type in CONTROL_FLOW_OPS or any(
-                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
-            ):
+                uses = consumers.get(name)
+                if uses is None:
+                    consumers[name] = [(k, i)]
+                else:
+                    uses.append((k, i))
+            if node.op_type in CONTROL_FLOW_OPS or _has_bodies(node):
                 hidden = subgraph_free_names(node)
                 for name in sorted(hidden):
                     if name not in defined:
                         self._undefined(node, name, hidden=True)
-                    self.consumers.setdefault(name, []).append((k, -1))
+                    consumers.setdefault(name, []).append((k, -1))
                 self.hidden_inputs[k] = hidden
             for name in node.output:
                 if not name:
@@ -351,7 +354,7 @@ class ForwardGraph:
                         "ONNX graphs are single-assignment. Rename one of them."
                     )
                 defined.add(name)
-                self.producer[name] = k
+                producer[name] = k
         for name in self.outputs:
             if name not in defined:
                 raise InvalidModelError(
@@ -392,7 +395,7 @@ class ForwardGraph:
         if graph is None:  # inference is a help, never a requirement
             return self._declared_types()
         # values of shape tensors: static shapes through Shape/Concat/Reshape (a second pass, when it can differ)
-        if _data_propagation_matters(copy) and _cheap_data_propagation(graph):
+        if _data_propagation_matters(copy, bool(self.hidden_inputs)) and _cheap_data_propagation(graph):
             graph = self._inferred(copy, untyped, data_prop=True) or graph
         memo: dict[Any, TensorInfo] = {}
         info = dict(_infos(memo, graph.value_info))
@@ -428,13 +431,13 @@ class ForwardGraph:
         summary = _input_schema(node.op_type, self.opset, node.domain)
         if summary is None:  # check_node has already refused ops ONNX does not know
             return
-        formals, allowed = summary
+        formals = summary
         if not formals:
             return
         last = len(formals) - 1
         bound: dict[str, tuple[str, str]] = {}
         for i, name in enumerate(node.input):
-            formal_name, type_str, optional, homogeneous = formals[i if i < last else last]
+            formal_name, type_str, optional, ok, tensors, shared = formals[i if i < last else last]
             if not name:
                 if not optional:
                     raise InvalidModelError(
@@ -446,16 +449,13 @@ class ForwardGraph:
             if not elem_type:
                 continue
             actual = _tensor_type_str(elem_type)
-            ok = allowed.get(type_str)
-            if ok is None:
-                ok = frozenset({type_str})
-            if actual not in ok and any(t.startswith("tensor(") for t in ok):
+            if actual not in ok and tensors:
                 raise InvalidModelError(
                     f"node {describe(node)}: input {i} ('{name}') is {type_name(elem_type)}, but {node.op_type} "
                     f"at opset {self.opset} takes {' or '.join(sorted(ok))} there; fix the model (a Cast is "
                     "probably missing) or re-export it."
                 )
-            if homogeneous and type_str in allowed:
+            if shared:
                 first = bound.setdefault(type_str, (actual, name))
                 if first[0] != actual:
                     raise InvalidModelError(
@@ -490,17 +490,22 @@ class ForwardGraph:
 
 @functools.lru_cache(maxsize=4096)
 def _input_schema(op_type: str, opset: int, domain: str) -> tuple[
-        tuple[tuple[str, str, bool, bool], ...], dict[str, frozenset[str]]] | None:
-    """What _check_input_types needs of an op's schema: per formal input (name, type string, optional,
-    homogeneous), and the allowed types of each type parameter; None when ONNX has no schema for it."""
+        tuple[str, str, bool, frozenset[str], bool, bool], ...] | None:
+    """What _check_input_types needs of an op's schema, per formal input: its name, type string, whether it is
+    optional, the types it takes, whether any of them is a tensor type, and whether inputs of its type parameter
+    must agree (homogeneous); None when ONNX has no schema for the op."""
     try:
         schema = onnx.defs.get_schema(op_type, opset, domain)
     except Exception:
         return None
     allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
     optional = onnx.defs.OpSchema.FormalParameterOption.Optional
-    formals = tuple((f.name, f.type_str, f.option == optional, bool(f.is_homogeneous)) for f in schema.inputs)
-    return formals, allowed
+    formals = []
+    for f in schema.inputs:
+        ok = allowed.get(f.type_str, frozenset({f.type_str}))
+        formals.append((f.name, f.type_str, f.option == optional, ok, any(t.startswith("tensor(") for t in ok),
+                        bool(f.is_homogeneous) and f.type_str in allowed))
+    return tuple(formals)
 
 
 @functools.lru_cache(maxsize=256)
@@ -581,19 +586,22 @@ def _checker_context(model: onnx.ModelProto) -> onnx.checker.C.CheckerContext:
     return ctx
 
 
-def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> None:
+def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
+                 bodies: Container[int] | None = None) -> None:
     """onnx's schema check per node: unknown ops, attribute names and types, input and output counts.
 
     The rules read attributes and inputs by position, so a node that breaks its schema must stop here, with
     its name, rather than deep inside a rule. Bodies of control-flow nodes are checked by signature only:
-    they read outer names the checker cannot be told about, and they are never differentiated.
+    they read outer names the checker cannot be told about, and they are never differentiated. `bodies`, when
+    known, holds the positions of all nodes that may have bodies.
     """
     ctx = _checker_context(model)
     scope = onnx.checker.LEXICAL_SCOPE_CONTEXT
     check_node = onnx.checker.C.check_node  # onnx.checker.check_node without its per-call type check
-    for node in nodes:
+    for k, node in enumerate(nodes):
+        nested = _has_bodies(node) if bodies is None else k in bodies and _has_bodies(node)
         try:
-            check_node(_without_bodies(node).SerializeToString(), ctx, scope)
+            check_node((_without_bodies(node) if nested else node).SerializeToString(), ctx, scope)
         except Exception as e:  # ValidationError, or whatever else a broken node makes the checker raise
             why = _first_line(e)
             if why.startswith("No Op registered") and node.domain in ("", "ai.onnx"):
@@ -605,7 +613,7 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> Non
                 todo = "Fix the node or re-export the model (onnx.checker.check_model reports the same)"
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
         _check_inference_hazards(node)
-        if _has_bodies(node):
+        if nested:
             for n in _nested_nodes(node):
                 _check_inference_hazards(n)
 
@@ -755,6 +763,9 @@ def _check_tensor(t: TensorProto, what: str) -> None:
     raw = t.HasField("raw_data")
     if _nbytes(t, want, raw) > TENSOR_CHECK_LIMIT:
         return  # a weight: its bytes are checked when read from external data, by the runtime when inline
+    if raw and want and len(t.raw_data) == want and not (
+            t.float_data or t.int32_data or t.string_data or t.int64_data or t.double_data or t.uint64_data):
+        return  # what onnx.checker.check_tensor accepts: raw_data alone, as many bytes as type and shape take
     try:
         onnx.checker.C.check_tensor(t.SerializeToString(), onnx.checker.DEFAULT_CONTEXT)
     except Exception as e:  # ValidationError, or whatever else a broken tensor makes the checker raise
@@ -875,15 +886,16 @@ def _propagates_data(op_type: str, version: int, domain: str) -> bool:
         return True  # unsure: as if it did
 
 
-def _data_propagation_matters(model: onnx.ModelProto) -> bool:
+def _data_propagation_matters(model: onnx.ModelProto, bodies: bool | None = None) -> bool:
     """Whether onnx's shape inference with data_prop=True can differ from the pass without it.
 
     Data propagation only ever starts from the values of int32/int64 scalars and vectors (initializers and
     Constant outputs) or from Shape/Size; when no node with a data propagation function reads one, it stores
-    nothing and the two passes are the same. Conservative: bodies and model-local functions count as yes.
+    nothing and the two passes are the same. Conservative: bodies and model-local functions count as yes
+    (`bodies`: whether any node may have one, when known).
     """
     g = model.graph
-    if model.functions:
+    if model.functions or bodies:
         return True
     opsets: dict[str, set[int]] = {}
     for op in model.opset_import:
@@ -891,7 +903,7 @@ def _data_propagation_matters(model: onnx.ModelProto) -> bool:
     data = {t.name for t in g.initializer if t.data_type in SHAPE_DATA_TYPES and len(t.dims) <= 1}
     data.update(o for n in g.node if n.op_type == "Constant" for o in n.output)
     for n in g.node:
-        if _has_bodies(n):
+        if bodies is None and _has_bodies(n):
             return True
         domain = "" if n.domain == "ai.onnx" else n.domain
         if not any(_propagates_data(n.op_type, v, domain) for v in opsets.get(domain, ())):
@@ -954,14 +966,17 @@ class NameAllocator:
         return True
 
     def fresh(self, base: str) -> str:
-        if self.reserve(base):
+        taken = self._taken
+        if base not in taken:
+            taken.add(base)
             return base
         k = self._next.get(base, 1)
-        while f"{base}_{k}" in self._taken:
-            k += 1
-        self._next[base] = k + 1
         name = f"{base}_{k}"
-        self._taken.add(name)
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        self._next[base] = k + 1
+        taken.add(name)
         return name
 
 

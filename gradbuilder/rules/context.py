@@ -60,12 +60,15 @@ class Emitter:
         self.initializers: list[TensorProto] = []
         self._consts: dict[tuple, str] = {}
         self._shapes: dict[str, str] = {}
+        self._attrs: dict[tuple, tuple[onnx.AttributeProto, ...]] = {}
         self.produced: set[str] = set()
 
     def node(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, *, domain: str = "",
              forward: bool = False, outputs: Sequence[str] | None = None, **attrs: Any) -> list[str]:
         if outputs is not None:
             outs = list(outputs)
+        elif n_out == 1:
+            outs = [self.names.fresh(f"{hint}/{op_type}")]
         else:
             fresh, base = self.names.fresh, f"{hint}/{op_type}"
             outs = [fresh(base) for _ in range(n_out)]
@@ -73,11 +76,28 @@ class Emitter:
         for i in ins:
             if type(i) is not str and not isinstance(i, str):  # what NodeProto(input=...) would refuse
                 raise TypeError(f"{op_type} node input {i!r} is not a tensor name")
-        attributes = [_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None] if attrs else ()
-        node = Node(op_type, ins, outs, f"{outs[0]}_node", domain, attributes)
+        node = Node(op_type, ins, outs, f"{outs[0]}_node", domain, self._attributes(attrs) if attrs else ())
         (self.forward_extra if forward else self.backward).append(node)
         self.produced.update(outs)
         return outs
+
+    def _attributes(self, attrs: dict[str, Any]) -> Sequence[onnx.AttributeProto]:
+        """The node's attributes, sorted by name; made once per build for each set of int and int-list values
+        (nodes share them: they are only copied from, at assembly)."""
+        key = []
+        for k, v in attrs.items():
+            t = type(v)
+            if t is int:
+                key.append((k, v))
+            elif (t is list or t is tuple) and all(type(x) is int for x in v):
+                key.append((k, tuple(v)))
+            elif v is not None:
+                return [_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None]
+        key.sort()
+        made = self._attrs.get(tuple(key))
+        if made is None:
+            made = self._attrs[tuple(key)] = tuple(_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None)
+        return made
 
     def const(self, value: Any, elem_type: int) -> str:
         arr = np.asarray(value)
@@ -135,8 +155,10 @@ class Grad:
         self.op_type = node.op_type
         self._go = list(out_grads)
         self._needs = list(needed)
-        self._attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        self._hint = f"grad/{next((o for o in node.output if o), node.op_type)}"
+        self._attr_values: dict[str, Any] | None = None  # decoded on the first attr()
+        outs = node.output
+        first = outs[0] if outs and outs[0] else next((o for o in outs if o), node.op_type)
+        self._hint = f"grad/{first}"
 
     # --- the forward node ------------------------------------------------------------------
     @property
@@ -171,7 +193,9 @@ class Grad:
         return i < len(self._needs) and self._needs[i]
 
     def attr(self, name: str, default: Any = None) -> Any:
-        value = self._attrs.get(name, default)
+        if self._attr_values is None:
+            self._attr_values = {a.name: helper.get_attribute_value(a) for a in self.node.attribute}
+        value = self._attr_values.get(name, default)
         return value.decode() if isinstance(value, bytes) else value
 
     def info(self, name: str) -> TensorInfo:
@@ -311,3 +335,18 @@ class Grad:
         axes = self.Reshape(self.NonZero(self.Not(self.Equal(padded, shape_y))), self.ints([-1]))
         summed = self.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)
         return self.Reshape(summed, shape_x)
+
+
+def _op_method(op_type: str) -> Any:
+    def method(self: Grad, *inputs: str | None, **attrs: Any) -> Any:
+        return self.op(op_type, *inputs, **attrs)
+
+    method.__name__ = method.__qualname__ = op_type
+    return method
+
+
+# `g.Mul(...)` without going through __getattr__ for every ONNX op name (what __getattr__ would return, made once)
+for _op in sorted({s.name for s in onnx.defs.get_all_schemas() if s.name[:1].isupper()}):
+    if not hasattr(Grad, _op):
+        setattr(Grad, _op, _op_method(_op))
+del _op

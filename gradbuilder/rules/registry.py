@@ -6,6 +6,7 @@ so the builder stays a pure function of its inputs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -66,6 +67,7 @@ def _add(rule: Rule) -> None:
             raise ValueError(f"overlapping rules for {rule.op_type}: {other.opset_range} and {rule.opset_range}")
     rules.append(rule)
     rules.sort(key=lambda r: r.since)
+    lookup.cache_clear()
 
 
 def rule(
@@ -100,7 +102,9 @@ def nondifferentiable(*op_types: str, since: int = 1, until: int = MAX_OPSET, fa
         _add(Rule(op, None, since, until, all_nondiff=True, family=family or "nondiff"))
 
 
+@functools.lru_cache(maxsize=4096)
 def lookup(op_type: str, opset: int, domain: str = "") -> Rule | None:
+    """The rule for `op_type` at `opset` (cached: the table only changes while rules register, which clears it)."""
     for r in _RULES.get(("" if domain == "ai.onnx" else domain, op_type), ()):
         if r.since <= opset <= r.until:
             return r
