@@ -187,8 +187,8 @@ def _build(model: onnx.ModelProto | str | os.PathLike | bytes, wrt: Sequence[str
 
     sig = _seed(fg, req, reach, em, acc, names)
     _reverse_pass(fg, reach, em, acc)
-    grads = _finish_wrt(req, em, acc, reserved)
-    return _assemble(m, fg, req, reach, em, sig, grads, seeds)
+    grads, renames = _finish_wrt(req, em, acc, reserved)
+    return _assemble(m, fg, req, reach, em, sig, grads, renames, seeds)
 
 
 def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter, acc: _Accumulator,
@@ -249,9 +249,10 @@ def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accu
             acc.add(node.input[i], g)
 
 
-def _finish_wrt(req: BuildRequest, em: Emitter, acc: _Accumulator, reserved: dict[str, str]) -> dict[str, str]:
+def _finish_wrt(req: BuildRequest, em: Emitter, acc: _Accumulator, reserved: dict[str, str]) -> tuple[
+        dict[str, str], dict[str, str]]:
     """Give each gradient output its documented name: rename the producing node's output when only it
-    holds that value, else add an Identity."""
+    holds that value (the renames are returned and made by _live), else add an Identity."""
     grads: dict[str, str] = {}
     renames: dict[str, str] = {}
     for w in req.wrt:
@@ -268,21 +269,20 @@ def _finish_wrt(req: BuildRequest, em: Emitter, acc: _Accumulator, reserved: dic
             else:
                 em.node("Identity", [total], 1, f"grad/{w}", outputs=[want])
         grads[w] = want
-    if renames:
-        old = renames.keys()
-        for n in [*em.backward, *em.forward_extra]:
-            if not old.isdisjoint(n.input):
-                n.input = [renames.get(x, x) for x in n.input]
-            if not old.isdisjoint(n.output):
-                n.output = [renames.get(x, x) for x in n.output]
-    return grads
+    return grads, renames
 
 
-def _live(nodes: list[Node], wanted: set[str]) -> list[Node]:
+def _live(nodes: list[Node], wanted: set[str], renames: dict[str, str]) -> list[Node]:
+    """The nodes `wanted` depends on, in order, with their tensors renamed by `renames`."""
     keep = []
+    old = renames.keys()
     for n in reversed(nodes):
+        if old and not old.isdisjoint(n.output):
+            n.output = [renames.get(x, x) for x in n.output]
         if not wanted.isdisjoint(n.output):
             keep.append(n)
+            if old and not old.isdisjoint(n.input):
+                n.input = [renames.get(x, x) for x in n.input]
             wanted.update(n.input)
             wanted.discard("")  # an empty (left out) input names no tensor
     keep.reverse()
@@ -290,10 +290,11 @@ def _live(nodes: list[Node], wanted: set[str]) -> list[Node]:
 
 
 def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
-              sig: YieldSignature, grads: dict[str, str], seeds: list[str]) -> onnx.ModelProto:
+              sig: YieldSignature, grads: dict[str, str], renames: dict[str, str], seeds: list[str]
+              ) -> onnx.ModelProto:
     wanted = set(grads.values())
-    backward = _live(em.backward, wanted)
-    extra = _live(em.forward_extra, wanted)
+    backward = _live(em.backward, wanted, renames)
+    extra = _live(em.forward_extra, wanted, renames)
     inits = [t for t in em.initializers if t.name in wanted]
     yield_node = make_yield(sig, em.names.fresh("gradbuilder_yield"))
 

@@ -7,10 +7,11 @@ part of this graph, so gradients never get gradients of their own.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .graph import CONTROL_FLOW_OPS, ForwardGraph, describe, type_name
+from .graph import CONTROL_FLOW_OPS, ForwardGraph, TensorInfo, describe, type_name
 from .rules import registry
 
 
@@ -22,6 +23,7 @@ class Reachability:
     edges: Edges
     active_inputs: dict[int, list[bool]] = field(default_factory=dict)
     """Node index -> which of its inputs need a gradient, for nodes that must be differentiated."""
+    _loose: dict[tuple[str, ...], set[str]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def reason(self, fg: ForwardGraph, name: str, seeds: Sequence[str]) -> str | None:
         """Why `name` gets no gradient, in words, or None when it gets one."""
@@ -33,7 +35,10 @@ class Reachability:
         if not fg.consumers.get(name) and name not in fg.outputs:
             return "no node reads it and it is not an output (unused)"
         if name not in self.backward:
-            loose = _walk_backward(fg, self.edges, seeds, strict=False)
+            key = tuple(seeds)
+            loose = self._loose.get(key)
+            if loose is None:  # once per build, not once per tensor without a gradient
+                loose = self._loose[key] = _walk_backward(fg, self.edges, seeds, strict=False)
             if name in loose:
                 edge = _first_stop_edge(fg, self.edges, name, loose)
                 where = f": {edge}" if edge else ""
@@ -50,24 +55,30 @@ class Edges:
         self.fg = fg
         self.inputs: list[list[tuple[int, str, bool]]] = []
         self.outputs: list[list[tuple[str, bool]]] = []
-        floats = {}
+        floats: dict[str, bool] = {}
+        info, unknown = fg.info, TensorInfo()
 
         def is_float(name: str) -> bool:
             f = floats.get(name)
             if f is None:
-                f = floats[name] = fg.tensor_info(name).is_float
+                f = floats[name] = info.get(name, unknown).is_float
             return f
 
         is_computed = fg.producer.__contains__
+        opset, lookup, hidden = fg.opset, registry.lookup, fg.hidden_inputs
+        no_stops: frozenset[int] = frozenset()
         for k, node in enumerate(fg.nodes):
-            r = registry.lookup(node.op_type, fg.opset, node.domain)
-            stops = r.stop_inputs(node, fg.opset, is_computed) if r is not None else frozenset()
-            ins = [(i, n, is_float(n) and i not in stops) for i, n in enumerate(node.input) if n]
-            # a control-flow body's hidden reads count as differentiable for reachability
-            ins += [(-1, n, True) for n in sorted(fg.hidden_inputs.get(k, ()))]
+            r = lookup(node.op_type, opset, node.domain)
+            stops = r.stop_inputs(node, opset, is_computed) if r is not None else no_stops
+            ins = [(i, n, (i not in stops) and is_float(n)) for i, n in enumerate(node.input) if n]
+            if k in hidden:  # a control-flow body's hidden reads count as differentiable for reachability
+                ins += [(-1, n, True) for n in sorted(hidden[k])]
             self.inputs.append(ins)
-            self.outputs.append([(o, bool(o) and is_float(o) and (r is None or r.output_is_diff(j)))
-                                 for j, o in enumerate(node.output)])
+            if r is None or not (r.all_nondiff or r.nondiff_outputs):
+                self.outputs.append([(o, bool(o) and is_float(o)) for o in node.output])
+            else:
+                self.outputs.append([(o, bool(o) and r.output_is_diff(j) and is_float(o))
+                                     for j, o in enumerate(node.output)])
 
 
 def _walk_forward(fg: ForwardGraph, edges: Edges, sources: Iterable[str]) -> set[str]:
@@ -87,8 +98,14 @@ def _walk_backward(fg: ForwardGraph, edges: Edges, seeds: Iterable[str], *, stri
 
 
 def _first_stop_edge(fg: ForwardGraph, edges: Edges, name: str, loose: set[str]) -> str | None:
+    """The first stop edge, in node order, on the paths from `name` forward (only the nodes downstream of it are
+    visited, in order: a heap of node positions fed by the consumers of what they produce)."""
     frontier = {name}
-    for k, node in enumerate(fg.nodes):
+    heap = sorted({k for k, _ in fg.consumers.get(name, ())})
+    queued = set(heap)
+    while heap:
+        k = heapq.heappop(heap)
+        node = fg.nodes[k]
         ins = [(i, n, d) for i, n, d in edges.inputs[k] if n in frontier]
         if not ins:
             continue
@@ -96,7 +113,13 @@ def _first_stop_edge(fg: ForwardGraph, edges: Edges, name: str, loose: set[str])
             if any(o in loose for o in node.output) and not d:
                 kind = "a non-float tensor" if not fg.tensor_info(n).is_float else "a non-differentiable input"
                 return f"'{n}' is {kind} (input {i}) of node {describe(node)}"
-        frontier.update(o for o in node.output if o)
+        for o in node.output:
+            if o:
+                frontier.add(o)
+                for j, _ in fg.consumers.get(o, ()):
+                    if j not in queued:
+                        queued.add(j)
+                        heapq.heappush(heap, j)
     return None
 
 

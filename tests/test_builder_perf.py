@@ -83,3 +83,37 @@ def test_same_bytes_as_a_fresh_build_and_deterministic():
     first = gradbuilder.build_gradient_graph(m).SerializeToString()
     assert gradbuilder.build_gradient_graph(m).SerializeToString() == first
     onnx.checker.check_model(onnx.load_from_string(first), full_check=False)
+
+
+def _batchnorm_chain(blocks: int) -> onnx.ModelProto:
+    """`blocks` inference-mode BatchNormalizations whose running statistics are initializers, each followed by a
+    Dropout whose ratio reaches it through an Identity: statistics and ratios are float initializers that get no
+    gradient."""
+    nodes, inits, x = [], [], "x"
+    for k in range(blocks):
+        for name, value in (("s", 1.0), ("b", 0.0), ("m", 0.0), ("v", 1.0)):
+            inits.append(numpy_helper.from_array(np.full(3, value, np.float32), f"{name}{k}"))
+        inits.append(numpy_helper.from_array(np.array(0.1, np.float32), f"p0{k}"))
+        nodes += [helper.make_node("BatchNormalization", [x, f"s{k}", f"b{k}", f"m{k}", f"v{k}"], [f"h{k}"],
+                                   name=f"bn{k}"),
+                  helper.make_node("Identity", [f"p0{k}"], [f"p{k}"]),
+                  helper.make_node("Dropout", [f"h{k}", f"p{k}"], [f"y{k}"], name=f"drop{k}")]
+        x = f"y{k}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3, 4])],
+                              [helper.make_tensor_value_info(x, TP.FLOAT, [2, 3, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_why_no_gradient_names_the_stop_edge_for_every_statistic():
+    """Each reason is found from the tensor's own consumers on, not by a walk over the whole graph."""
+    blocks = 300
+    meta = gradbuilder.read_metadata(gradbuilder.build_gradient_graph(_batchnorm_chain(blocks)))
+    no_grad = meta["no_gradient"]
+    assert set(meta["gradients"]) == {f"{p}{k}" for p in "sb" for k in range(blocks)}
+    crosses = "every path from it to the differentiated outputs crosses a non-differentiable edge: "
+    for k in (0, blocks // 2, blocks - 1):
+        for stat, i in (("m", 3), ("v", 4)):
+            assert no_grad[f"{stat}{k}"] == (f"{crosses}'{stat}{k}' is a non-differentiable input (input {i}) of "
+                                              f"node 'bn{k}' (BatchNormalization -> h{k})")
+        assert no_grad[f"p0{k}"] == (f"{crosses}'p{k}' is a non-differentiable input (input 1) of node 'drop{k}' "
+                                     f"(Dropout -> y{k})")

@@ -338,8 +338,10 @@ class Grad:
 
 
 def _op_method(op_type: str) -> Any:
-    def method(self: Grad, *inputs: str | None, **attrs: Any) -> Any:
-        return self.op(op_type, *inputs, **attrs)
+    def method(self: Grad, *inputs: str | None, n_out: int = 1, domain: str = "", forward: bool = False,
+               **attrs: Any) -> Any:  # Grad.op(op_type, ...), one call less
+        outs = self.em.node(op_type, inputs, n_out, self._hint, domain=domain, forward=forward, **attrs)
+        return outs[0] if n_out == 1 else outs
 
     method.__name__ = method.__qualname__ = op_type
     return method
