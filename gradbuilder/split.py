@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import onnx
 from onnx import helper
@@ -70,6 +71,13 @@ def _infer(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     return info
 
 
+def _add_tensors(field: Any, tensors: list[onnx.TensorProto]) -> None:
+    """field.extend(tensors), one tensor at a time: upb refuses to extend a repeated field by a message over
+    2 GB (and make_graph then make_model would copy each tensor twice)."""
+    for t in tensors:
+        field.add().CopyFrom(t)
+
+
 def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
         onnx.ModelProto, onnx.ModelProto, Manifest]:
     """Cut a training graph at its Yield node into (forward, backward, manifest)."""
@@ -119,26 +127,31 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
     stash = [e.name for e in bwd_inputs if e.role == "stash"]
     module_outputs = list(sig.outputs)
     fwd_outputs = [Entry(o, "output") for o in module_outputs]
-    fwd_outputs += [Entry(s, "stash") for s in stash if s not in set(module_outputs)]
+    module_output_set = set(module_outputs)
+    fwd_outputs += [Entry(s, "stash") for s in stash if s not in module_output_set]
     bwd_outputs = [Entry(o.name, "grad", wrt=wrt_of.get(o.name)) for o in g.output if o.name in bwd_produced]
 
+    typed: dict[str, onnx.ValueInfoProto] = {}  # the first typed declaration of each name, outputs first
+    for cand in (*g.output, *g.input, *g.value_info):
+        if cand.type.tensor_type.elem_type:
+            typed.setdefault(cand.name, cand)
+
     def vi(name: str) -> onnx.ValueInfoProto:
-        for cand in (*g.output, *g.input, *g.value_info):
-            if cand.name == name and cand.type.tensor_type.elem_type:
-                return cand
-        return value_info(name, info.get(name, TensorInfo()))
+        cand = typed.get(name)
+        return cand if cand is not None else value_info(name, info.get(name, TensorInfo()))
 
     opsets = [op for op in tm.opset_import if op.domain != DOMAIN]
     fwd_init = [t for n, t in inits.items() if n in fwd_reads]
     forward = helper.make_model(
         helper.make_graph(fwd_nodes, f"{g.name}_forward", list(g.input), [vi(e.name) for e in fwd_outputs],
-                          fwd_init, value_info=[v for v in g.value_info if v.name in fwd_produced]),
+                          value_info=[v for v in g.value_info if v.name in fwd_produced]),
         opset_imports=opsets, ir_version=tm.ir_version, producer_name="gradbuilder.split")
     backward = helper.make_model(
         helper.make_graph(bwd_nodes, f"{g.name}_backward", [vi(e.name) for e in bwd_inputs],
-                          [vi(e.name) for e in bwd_outputs], bwd_inits),
+                          [vi(e.name) for e in bwd_outputs]),
         opset_imports=opsets, ir_version=tm.ir_version, producer_name="gradbuilder.split")
-    for model in (forward, backward):
+    for model, tensors in ((forward, fwd_init), (backward, bwd_inits)):
+        _add_tensors(model.graph.initializer, tensors)
         model.metadata_props.extend(tm.metadata_props)
 
     manifest = Manifest(
