@@ -76,7 +76,8 @@ def resolve_request(fg: ForwardGraph, wrt: Sequence[str] | None, outputs: Sequen
             if name not in known:
                 raise _unknown("wrt tensor", name, known)
         wrt_t = _dedupe(wrt)
-    wrt_t = tuple(n for n in wrt_t if n not in set(freeze))
+    frozen = set(freeze)
+    wrt_t = tuple(n for n in wrt_t if n not in frozen)
     if loss is not None:
         if loss not in fg.outputs:
             raise _unknown("loss output", loss, fg.outputs) if loss not in known else LossError(
