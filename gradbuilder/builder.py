@@ -216,10 +216,11 @@ def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
 
 
 def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accumulator) -> None:
-    for k in sorted(reach.active_inputs, reverse=True):
+    needs, outputs, total, active = reach.needs, reach.edges.outputs, acc.total, reach.active_inputs
+    for k in sorted(active, reverse=True):
         node = fg.nodes[k]
-        out_grads = [acc.total(o) if d and o in reach.needs else None for o, d in reach.edges.outputs[k]]
-        if all(g is None for g in out_grads):
+        out_grads = [total(o) if d and o in needs else None for o, d in outputs[k]]
+        if not any(g is not None for g in out_grads):
             continue
         if is_control_flow(node.op_type) or k in fg.hidden_inputs:
             raise ControlFlowError(
@@ -237,9 +238,10 @@ def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accu
                 "on the gradient path. Run `gradbuilder ops` for the supported ops, or freeze the parameters "
                 "that feed this node (--freeze)."
             )
-        flags = reach.active_inputs[k]
+        flags = active[k]
         result = rule.fn(Grad(em, node, out_grads, flags))
         result = list(result or ())
+        inputs = None
         for i, needed in enumerate(flags):
             if not needed:
                 continue
@@ -247,7 +249,9 @@ def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accu
             if g is None:
                 raise RuleError(f"the {node.op_type} rule returned no gradient for input {i} ('{node.input[i]}') of "
                                 f"node {describe(node)}, which needs one; this is a bug in gradbuilder.")
-            acc.add(node.input[i], g)
+            if inputs is None:
+                inputs = list(node.input)
+            acc.add(inputs[i], g)
 
 
 def _finish_wrt(req: BuildRequest, em: Emitter, acc: _Accumulator, reserved: dict[str, str]) -> tuple[
@@ -290,6 +294,21 @@ def _live(nodes: list[Node], wanted: set[str], renames: dict[str, str]) -> list[
     return keep
 
 
+def _add_nodes(graph: onnx.GraphProto, nodes: list[Node]) -> None:
+    """Append the nodes as NodeProtos, fields set one by one (faster than keyword arguments); `domain` is
+    always set, even when empty, as NodeProto(domain="") did."""
+    add = graph.node.add
+    for n in nodes:
+        p = add()
+        p.input.extend(n.input)
+        p.output.extend(n.output)
+        p.name = n.name
+        p.op_type = n.op_type
+        p.domain = n.domain
+        if n.attribute:
+            p.attribute.extend(n.attribute)
+
+
 def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
               sig: YieldSignature, grads: dict[str, str], renames: dict[str, str], seeds: list[str]
               ) -> onnx.ModelProto:
@@ -300,12 +319,9 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
     yield_node = make_yield(sig, em.names.fresh("gradbuilder_yield"))
 
     graph = m.graph  # its nodes are fg.nodes, in order, with the outputs rules added (Grad.output)
-    add = graph.node.add
-    for n in extra:
-        add(op_type=n.op_type, input=n.input, output=n.output, name=n.name, domain=n.domain, attribute=n.attribute)
+    _add_nodes(graph, extra)
     graph.node.append(yield_node)
-    for n in backward:
-        add(op_type=n.op_type, input=n.input, output=n.output, name=n.name, domain=n.domain, attribute=n.attribute)
+    _add_nodes(graph, backward)
     graph.initializer.extend(inits)
     for w, g in grads.items():
         add_value_info(graph.output, g, fg.tensor_info(w))

@@ -43,10 +43,6 @@ class Node:
         self.domain = domain
         self.attribute = attribute
 
-    def to_proto(self) -> onnx.NodeProto:
-        return onnx.NodeProto(op_type=self.op_type, input=self.input, output=self.output, name=self.name,
-                              domain=self.domain, attribute=self.attribute)
-
 
 class Emitter:
     """Build-wide sink for backward nodes, forward-side helper nodes and constants."""
@@ -61,6 +57,7 @@ class Emitter:
         self._consts: dict[tuple, str] = {}
         self._shapes: dict[str, str] = {}
         self._attrs: dict[tuple, tuple[onnx.AttributeProto, ...]] = {}
+        self._ints: dict[Any, str] = {}
         self.produced: set[str] = set()
 
     def node(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, *, domain: str = "",
@@ -112,6 +109,20 @@ class Emitter:
                 tensor = onnx.numpy_helper.from_array(arr.astype(np_type), name)
             self.initializers.append(tensor)
             self._consts[key] = name
+        return name
+
+    def ints(self, values: Sequence[int] | int) -> str:
+        """An int64 constant (axes, shapes); looked up by value without numpy for plain ints."""
+        t = type(values)
+        if t is int:
+            key: Any = values
+        elif (t is list or t is tuple) and all(type(v) is int for v in values):
+            key = tuple(values)
+        else:
+            return self.const(np.array(values, dtype=np.int64), TensorProto.INT64)
+        name = self._ints.get(key)
+        if name is None:
+            name = self._ints[key] = self.const(np.array(values, dtype=np.int64), TensorProto.INT64)
         return name
 
     def shape_of(self, tensor: str) -> str:
@@ -257,7 +268,7 @@ class Grad:
         return self.em.const(value, elem_type)
 
     def ints(self, values: Sequence[int] | int) -> str:
-        return self.em.const(np.array(values, dtype=np.int64), TensorProto.INT64)
+        return self.em.ints(values)
 
     def shape_of(self, tensor: str) -> str:
         return self.em.shape_of(tensor)
