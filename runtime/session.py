@@ -27,7 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
 
-from . import exchange, passes
+from . import exchange, passes, reductions
 from .exchange import Tensor
 from .ort_session import Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
@@ -278,7 +278,9 @@ class TrainingSession:
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner = None
         if grads and program.manifest.backward_outputs:
-            model = passes.lower(program.backward, arrays) if self.config.lower else program.backward
+            model = program.backward
+            if self.config.lower:
+                model = reductions.leading_sums_as_products(passes.lower(model, arrays))
             runner = Runner(model, self.config, "backward")
         return _Backward(program, runner, grads, consts, specialised)
 
