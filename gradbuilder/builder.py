@@ -239,9 +239,9 @@ def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accu
                 "that feed this node (--freeze)."
             )
         flags = active[k]
-        result = rule.fn(Grad(em, node, out_grads, flags))
+        inputs = fg.node_inputs[k]
+        result = rule.fn(Grad(em, node, out_grads, flags, inputs))
         result = list(result or ())
-        inputs = None
         for i, needed in enumerate(flags):
             if not needed:
                 continue
@@ -249,8 +249,6 @@ def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accu
             if g is None:
                 raise RuleError(f"the {node.op_type} rule returned no gradient for input {i} ('{node.input[i]}') of "
                                 f"node {describe(node)}, which needs one; this is a bug in gradbuilder.")
-            if inputs is None:
-                inputs = list(node.input)
             acc.add(inputs[i], g)
 
 

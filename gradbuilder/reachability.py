@@ -67,18 +67,18 @@ class Edges:
         is_computed = fg.producer.__contains__
         opset, lookup, hidden = fg.opset, registry.lookup, fg.hidden_inputs
         no_stops: frozenset[int] = frozenset()
-        for k, node in enumerate(fg.nodes):
+        for k, (node, inputs, outputs) in enumerate(zip(fg.nodes, fg.node_inputs, fg.node_outputs)):
             r = lookup(node.op_type, opset, node.domain)
             stops = r.stop_inputs(node, opset, is_computed) if r is not None else no_stops
-            ins = [(i, n, (i not in stops) and is_float(n)) for i, n in enumerate(node.input) if n]
+            ins = [(i, n, (i not in stops) and is_float(n)) for i, n in enumerate(inputs) if n]
             if k in hidden:  # a control-flow body's hidden reads count as differentiable for reachability
                 ins += [(-1, n, True) for n in sorted(hidden[k])]
             self.inputs.append(ins)
             if r is None or not (r.all_nondiff or r.nondiff_outputs):
-                self.outputs.append([(o, bool(o) and is_float(o)) for o in node.output])
+                self.outputs.append([(o, bool(o) and is_float(o)) for o in outputs])
             else:
                 self.outputs.append([(o, bool(o) and r.output_is_diff(j) and is_float(o))
-                                     for j, o in enumerate(node.output)])
+                                     for j, o in enumerate(outputs)])
 
 
 def _walk_forward(fg: ForwardGraph, edges: Edges, sources: Iterable[str]) -> set[str]:
@@ -129,10 +129,10 @@ def analyze(fg: ForwardGraph, wrt: Sequence[str], seeds: Sequence[str]) -> Reach
     bwd = _walk_backward(fg, edges, seeds)
     needs = fwd & bwd
     active: dict[int, list[bool]] = {}
-    for k, node in enumerate(fg.nodes):
+    for k, inputs in enumerate(fg.node_inputs):
         if not any(d and o in needs for o, d in edges.outputs[k]):
             continue
-        flags = [False] * len(node.input)
+        flags = [False] * len(inputs)
         hidden = False
         for i, n, d in edges.inputs[k]:
             if d and n in needs:

@@ -159,9 +159,10 @@ class Grad:
     """The rule's view of one forward node: `I(i)`, `O(j)`, `GO(j)`, `needs(i)`, and emit helpers."""
 
     def __init__(self, em: Emitter, node: onnx.NodeProto, out_grads: Sequence[str | None],
-                 needed: Sequence[bool]):
+                 needed: Sequence[bool], inputs: Sequence[str] | None = None):
         self.em = em
         self.node = node
+        self._inputs = node.input[:] if inputs is None else inputs  # node.input (ForwardGraph.node_inputs[k])
         self.opset = em.opset
         self.op_type = node.op_type
         self._go = list(out_grads)
@@ -174,10 +175,11 @@ class Grad:
     # --- the forward node ------------------------------------------------------------------
     @property
     def n_inputs(self) -> int:
-        return len(self.node.input)
+        return len(self._inputs)
 
     def I(self, i: int) -> str | None:
-        return self.node.input[i] if i < len(self.node.input) and self.node.input[i] else None
+        inputs = self._inputs
+        return inputs[i] if i < len(inputs) and inputs[i] else None
 
     def O(self, j: int) -> str:
         return self.node.output[j]
