@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import os
 import re
 import tempfile
@@ -323,8 +324,7 @@ class ForwardGraph:
         _check_interface(self.graph)
         self._index()
         _check_nodes(model, self.nodes, self.hidden_inputs)
-        for t in self.graph.initializer:
-            _check_tensor(t, f"initializer '{t.name}'")
+        self._largest = max((_check_tensor(t, f"initializer '{t.name}'") for t in self.graph.initializer), default=0)
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
         for node, inputs in zip(self.nodes, self.node_inputs):
             self._check_input_types(node, inputs)
@@ -395,7 +395,7 @@ class ForwardGraph:
         return info
 
     def _infer_types(self) -> dict[str, TensorInfo]:
-        copy, untyped = _for_inference(self.model)
+        copy, untyped = _for_inference(self.model, self._largest)
         graph = self._inferred(copy, untyped, data_prop=False)
         if graph is None:  # inference is a help, never a requirement
             return self._declared_types()
@@ -729,10 +729,7 @@ def fixed_nbytes(t: TensorProto) -> int | None:
     itemsize = FIXED_SIZE_TYPES.get(t.data_type)
     if itemsize is None:
         return None
-    n = itemsize
-    for d in t.dims:
-        n *= d
-    return n
+    return itemsize * math.prod(t.dims)
 
 
 def tensor_nbytes(t: TensorProto) -> int:
@@ -751,12 +748,12 @@ TENSOR_CHECK_LIMIT = 16 * 2**20
 """Tensors up to this size go through onnx.checker.check_tensor (which copies them); bigger ones get a size check."""
 
 
-def _check_tensor(t: TensorProto, what: str) -> None:
+def _check_tensor(t: TensorProto, what: str) -> int:
     """A tensor whose bytes do not match its type and shape would make a rule or the runtime fail obscurely."""
     fix = "the model is damaged; re-export it"
     if t.data_type not in KNOWN_TYPES:
         raise InvalidModelError(f"{what} has element type {type_name(t.data_type)}; {fix}.")
-    if any(d < 0 for d in t.dims):
+    if t.dims and min(t.dims) < 0:
         raise InvalidModelError(f"{what} has a negative dimension {list(t.dims)}; {fix}.")
     if t.data_location == TensorProto.EXTERNAL:
         where = next((e.value for e in t.external_data if e.key == "location"), "?")
@@ -766,11 +763,12 @@ def _check_tensor(t: TensorProto, what: str) -> None:
         )
     want = fixed_nbytes(t)
     raw = t.HasField("raw_data")
-    if _nbytes(t, want, raw) > TENSOR_CHECK_LIMIT:
-        return  # a weight: its bytes are checked when read from external data, by the runtime when inline
+    size = _nbytes(t, want, raw)
+    if size > TENSOR_CHECK_LIMIT:
+        return size  # a weight: its bytes are checked when read from external data, by the runtime when inline
     if raw and want and len(t.raw_data) == want and not (
             t.float_data or t.int32_data or t.string_data or t.int64_data or t.double_data or t.uint64_data):
-        return  # what onnx.checker.check_tensor accepts: raw_data alone, as many bytes as type and shape take
+        return size  # what onnx.checker.check_tensor accepts: raw_data alone, as many bytes as type and shape take
     try:
         onnx.checker.C.check_tensor(t.SerializeToString(), onnx.checker.DEFAULT_CONTEXT)
     except Exception as e:  # ValidationError, or whatever else a broken tensor makes the checker raise
@@ -782,6 +780,7 @@ def _check_tensor(t: TensorProto, what: str) -> None:
                 f"{what} holds {have:,} bytes, but its type {type_name(t.data_type)} and shape {list(t.dims)} take "
                 f"{want:,}; {fix}."
             )
+    return size
 
 
 FIXED_SIZE_TYPES = {
@@ -906,24 +905,31 @@ def _data_propagation_matters(model: onnx.ModelProto, bodies: bool | None = None
     for op in model.opset_import:
         opsets.setdefault("" if op.domain == "ai.onnx" else op.domain, set()).add(op.version)
     data = {t.name for t in g.initializer if t.data_type in SHAPE_DATA_TYPES and len(t.dims) <= 1}
-    data.update(o for n in g.node if n.op_type == "Constant" for o in n.output)
-    for n in g.node:
+    nodes = list(g.node)
+    op_types = [n.op_type for n in nodes]
+    data.update(o for n, op in zip(nodes, op_types) if op == "Constant" for o in n.output)
+    propagates: dict[tuple[str, str], bool] = {}
+    for n, op in zip(nodes, op_types):
         if bodies is None and _has_bodies(n):
             return True
-        domain = "" if n.domain == "ai.onnx" else n.domain
-        if not any(_propagates_data(n.op_type, v, domain) for v in opsets.get(domain, ())):
-            continue  # (a domain the model does not import: onnx's shape inference skips the node)
-        if domain or n.op_type not in DATA_FROM_INPUTS or not data.isdisjoint(n.input):
+        domain = n.domain
+        found = propagates.get((op, domain))
+        if found is None:
+            dom = "" if domain == "ai.onnx" else domain
+            # (a domain the model does not import: onnx's shape inference skips the node)
+            found = propagates[op, domain] = any(_propagates_data(op, v, dom) for v in opsets.get(dom, ()))
+        if found and (domain not in ("", "ai.onnx") or op not in DATA_FROM_INPUTS or not data.isdisjoint(n.input)):
             return True
     return False
 
 
-def _for_inference(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
+def _for_inference(model: onnx.ModelProto, largest: int) -> tuple[onnx.ModelProto, bool]:
     """without_unknown_ops(without_weights(model)), or `model` itself when neither would change anything
-    (shape inference reads it without modifying it): no copy of every node for the common case."""
+    (shape inference reads it without modifying it): no copy of every node for the common case. `largest`:
+    the largest tensor_nbytes of the initializers."""
     local = {(f.domain, f.name) for f in model.functions}
-    if all(_onnx_has(n.op_type, n.domain) or (n.domain, n.op_type) in local for n in model.graph.node) and all(
-            tensor_nbytes(t) < WEIGHT_BYTES for t in model.graph.initializer):
+    if largest < WEIGHT_BYTES and all(
+            _onnx_has(n.op_type, n.domain) or (n.domain, n.op_type) in local for n in model.graph.node):
         return model, False
     return without_unknown_ops(without_weights(model))
 
