@@ -147,32 +147,43 @@ class Engine:
     # --- the call ------------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, in_spec = self._flatten(args, kwargs)
+        kinds = []
         for t in leaves:
             if t.device.type != "cpu":
                 raise ORTModuleError(f"ORTModule({self.name}) runs on onnxruntime's CPU provider; an input is on "
                                      f"{t.device}. Move the module and inputs to the CPU.")
+            kinds.append((t.dtype, t.dim()))
         if self._module_list is None:
             self._module_list = list(self.module.modules())
-        key = (in_spec, tuple((t.dtype, t.dim()) for t in leaves),
-               tuple(m.training for m in self._module_list), self.version)
+        key = (in_spec, tuple(kinds), tuple([m.training for m in self._module_list]), self.version)
         schema = self.schemas.get(key)
         if schema is None:
             schema = self._new_schema(key, in_spec, leaves)
         if schema is _FALLBACK:
             return self.module(*args, **kwargs)
         ex: Exported = schema.exported
-        named = {name: leaves[k] for name, k in ex.inputs}
-        named.update((name, self._tensor(fqn)) for name, fqn in ex.state)
-        feeds = {name: self._ortvalue(name, t) if name in ex.state_names else exchange.to_ortvalue(t)
-                 for name, t in named.items()}
-        wrt = [name for name, t in named.items() if t.requires_grad and name not in ex.frozen] \
-            if torch.is_grad_enabled() else []
+        # one pass over the graph inputs: feeds, and which of them get gradients (graph input order)
+        grad = torch.is_grad_enabled()
+        frozen = ex.frozen
+        named: dict[str, torch.Tensor] = {}
+        feeds: dict[str, C.OrtValue] = {}
+        wrt: list[str] = []
+        for name, k in ex.inputs:
+            t = named[name] = leaves[k]
+            feeds[name] = exchange.to_ortvalue(t)
+            if grad and t.requires_grad and name not in frozen:
+                wrt.append(name)
+        for name, fqn in ex.state:
+            t = named[name] = self._tensor(fqn)
+            feeds[name] = self._ortvalue(name, t)
+            if grad and t.requires_grad and name not in frozen:
+                wrt.append(name)
         n = len(ex.outputs)
         if wrt:
             session = self._session(key, schema, wrt, leaves)
             if session is None:
                 return self.module(*args, **kwargs)
-            read = tuple(named[name] for name in session.read_inputs if name in named)
+            read = tuple([named[name] for name in session.read_inputs if name in named])
             call = function.Call(session, feeds, wrt, n, read)
             user, stats = function.apply(call, [named[name] for name in wrt])
         else:

@@ -35,9 +35,11 @@ ONNX_TO_TORCH = {
 
 
 def to_ortvalue(x: Tensor) -> C.OrtValue:
-    """Share `x`'s memory with a C-level OrtValue (copying only when `x` is not contiguous)."""
+    """Share `x`'s memory with a C-level OrtValue (copying only when `x` is not contiguous); DLPack refuses
+    tensors that require grad, so those are detached first."""
     if isinstance(x, torch.Tensor):
-        x = x.detach()
+        if x.requires_grad:
+            x = x.detach()
         if not x.is_contiguous():
             x = x.contiguous()
         return C.OrtValue.from_dlpack(tdl.to_dlpack(x))

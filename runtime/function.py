@@ -71,7 +71,14 @@ class ORTFunction(torch.autograd.Function):
         return (None, *[result.get(w) for w in call.wrt])
 
 
+_APPLY = super(torch.autograd.Function, ORTFunction).apply
+"""The C++ apply under `Function.apply`, whose Python layer (default-argument binding for `setup_context`,
+functorch's pytree walk over the arguments) costs ~10 µs a step and does nothing for this Function
+outside functorch transforms."""
+
+
 def apply(call: Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Run `call` through autograd; returns (user outputs, BatchNorm statistics)."""
-    out = ORTFunction.apply(call, *tensors)
+    plain = not torch._C._are_functorch_transforms_active()
+    out = _APPLY(call, *tensors) if plain else ORTFunction.apply(call, *tensors)
     return list(out[:call.n_user]), list(out[call.n_user:])
