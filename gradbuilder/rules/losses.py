@@ -68,11 +68,22 @@ def _onehot(g: Grad, x: str, labels: str) -> str:
     return g.cast_like(hit, x)
 
 
+def _label_index(g: Grad, labels: str) -> str:
+    """Labels as (N, 1, d1, ...) indices along the class axis; ignored ones point at class 0 (their
+    coefficient is 0, so whatever is written there is 0)."""
+    ignore = g.attr("ignore_index")
+    if ignore is not None:
+        labels = g.Where(g.Equal(labels, g.ints(ignore)), g.ints(0), labels)
+    return g.unsqueeze(labels, [1])
+
+
 @rule("SoftmaxCrossEntropyLoss", since=13, nondiff=(1, 2))
 def softmax_cross_entropy(g: Grad):
     """d scores = coef * (softmax - onehot), plus the log_prob output's own gradient when it has one.
 
-    The softmax is exp of the log_prob output when the node has it, else recomputed from the scores.
+    The softmax is exp of the log_prob output when the node has it, else recomputed from the scores. The
+    onehot is never built: coef * softmax everywhere, then coef * (softmax - 1) written at each label
+    (one element a sample instead of three passes over the scores).
     """
     scores = g.I(0)
     outs = g.node.output
@@ -81,7 +92,10 @@ def softmax_cross_entropy(g: Grad):
     grad = None
     if g.GO(0) is not None:
         labels = _labels(g)
-        grad = g.Mul(g.Sub(prob, _onehot(g, scores, labels)), _coefficient(g, scores, labels, g.GO(0)))
+        coef = _coefficient(g, scores, labels, g.GO(0))
+        index = _label_index(g, labels)
+        at_label = g.Mul(g.Sub(g.GatherElements(prob, index, axis=1), g.const(1.0, like=scores)), coef)
+        grad = g.ScatterElements(g.Mul(prob, coef), index, at_label, axis=1)
     if g.GO(1) is not None:  # log_softmax's own backward
         dlp = g.GO(1)
         own = g.Sub(dlp, g.Mul(prob, g.reduce_sum(dlp, [1], keepdims=True)))
