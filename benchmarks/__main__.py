@@ -21,8 +21,8 @@ from typing import Any
 from . import builder_scaling, report
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "gpt2")
-PARTS = ("timing", "memory", "first", "overhead", "builder", "spinning")
-SPINNING_MODELS = ("mlp", "cnn", "transformer")
+PARTS = ("timing", "memory", "first", "overhead", "builder", "passive")
+PASSIVE_MODELS = ("mlp", "cnn", "transformer")
 
 
 def _log(msg: str) -> None:
@@ -61,9 +61,9 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> d
         _log("tiny-mlp: ORTModule against bare onnxruntime")
         results["overhead"] = {"model": CASES["tiny-mlp"].description,
                                **measure.bare_overhead(CASES["tiny-mlp"], threads=threads, reps=reps)}
-    if "spinning" in parts:
-        _log("torch with its default (spinning) OpenMP threads: step times in a fresh process")
-        results["spinning"] = spinning([m for m in models if m in SPINNING_MODELS], threads, reps)
+    if "passive" in parts:
+        _log("torch with passive OpenMP threads (OMP_WAIT_POLICY=PASSIVE): step times in a fresh process")
+        results["passive"] = passive([m for m in models if m in PASSIVE_MODELS], threads, reps)
     if "builder" in parts:
         _log("builder scaling")
         results["builder"] = builder_scaling.measure()
@@ -71,16 +71,17 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> d
     return results
 
 
-def spinning(models: list[str], threads: int, reps: int | None) -> dict[str, Any]:
-    """Step times with torch's OpenMP threads spinning (its default), measured in a fresh process: the wait
-    policy is fixed when torch starts its pool."""
+def passive(models: list[str], threads: int, reps: int | None) -> dict[str, Any]:
+    """Step times with torch's idle OpenMP threads sleeping at once instead of spinning (its default) for a
+    while after each parallel region, measured in a fresh process: the wait policy is fixed when torch starts
+    its pool. Shows how much of the main table's ratio is the two engines' threads competing for the cores."""
     if not models:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "spinning.json"
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        out = Path(tmp) / "passive.json"
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         cmd = [sys.executable, "-m", "benchmarks", "--models", ",".join(models), "--parts", "timing", "--threads",
-               str(threads), "--omp-wait", "default", "--json", str(out)] + (["--reps", str(reps)] if reps else [])
+               str(threads), "--omp-wait", "PASSIVE", "--json", str(out)] + (["--reps", str(reps)] if reps else [])
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd=report.ROOT)
         spun = json.loads(out.read_text())
     return {name: r["timing"] for name, r in spun["models"].items() if r.get("timing")}
@@ -105,9 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--from-json", type=Path, default=None, help="do not measure: use these saved results")
     p.add_argument("--before", type=Path, default=None,
                    help="results measured before the levers, kept in the results and shown next to them in the docs")
-    p.add_argument("--omp-wait", default="PASSIVE",
-                   help="OMP_WAIT_POLICY for torch's OpenMP threads (PASSIVE: idle threads sleep, like onnxruntime's "
-                        "without spinning; 'default' leaves torch's spinning default)")
+    p.add_argument("--omp-wait", default="default",
+                   help="OMP_WAIT_POLICY for torch's OpenMP threads ('default': leave torch's default, idle threads "
+                        "spin for a while, as users run it; PASSIVE: idle threads sleep at once)")
     args = p.parse_args(argv)
     if args.omp_wait != "default":
         os.environ.setdefault("OMP_WAIT_POLICY", args.omp_wait)  # read when torch starts its pool: before import
