@@ -102,9 +102,12 @@ def axis_adjoint(g: Grad, t: str, axis: int, rank: int, src: str, d: int | str, 
     gradient of what was read; `rows_adjoint` with that axis moved to the front."""
     front = [axis, *[j for j in range(rank) if j != axis]]
     moved = g.Transpose(t, perm=front) if axis else t
-    summed = rows_adjoint(g, g.Flatten(moved, axis=1), src, d, like, add=add)
-    rest = g.Slice(g.Shape(moved), g.ints([1]), g.ints([rank]))
-    summed = g.Reshape(summed, g.Concat(as_tensor(g, d), rest, axis=0))
+    if rank == 2:  # already rows: no Reshape, which onnxruntime would copy into an embedding table's gradient
+        summed = rows_adjoint(g, moved, src, d, like, add=add)
+    else:
+        summed = rows_adjoint(g, g.Flatten(moved, axis=1), src, d, like, add=add)
+        rest = g.Slice(g.Shape(moved), g.ints([1]), g.ints([rank]))
+        summed = g.Reshape(summed, g.Concat(as_tensor(g, d), rest, axis=0))
     return g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]) if axis else summed
 
 
