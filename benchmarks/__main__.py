@@ -87,6 +87,30 @@ def passive(models: list[str], threads: int, reps: int | None) -> dict[str, Any]
     return {name: r["timing"] for name, r in spun["models"].items() if r.get("timing")}
 
 
+# where each part lands in the results: per model (keys of a model's entry) or for the whole run
+_MODEL_KEYS = {"timing": ("timing",), "memory": ("rss",), "first": ("first", "compile_saved")}
+_RUN_KEYS = {"overhead": "overhead", "builder": "builder", "passive": "passive"}
+
+
+def keep_unmeasured(results: dict[str, Any], earlier: dict[str, Any], parts: set[str]) -> None:
+    """Carry the parts this run did not measure over from the saved results (a partial re-run keeps the slow
+    cold-start and RSS measurements), and record when each part was measured."""
+    when = dict(earlier.get("measured", {}))
+    for part in PARTS:
+        if part in parts:
+            when[part] = results["started"]
+            continue
+        if part in _RUN_KEYS and _RUN_KEYS[part] in earlier:
+            results[_RUN_KEYS[part]] = earlier[_RUN_KEYS[part]]
+        for name, entry in results["models"].items():
+            old = earlier.get("models", {}).get(name, {})
+            for key in _MODEL_KEYS.get(part, ()):
+                if key in old and key not in entry:
+                    entry[key] = old[key]
+        when.setdefault(part, earlier.get("started", "?"))
+    results["measured"] = when
+
+
 def write_docs(results: dict[str, Any]) -> None:
     from . import docs
 
@@ -117,8 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         results = json.loads(args.from_json.read_text())
     else:
         earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
-        results = run(args.models.split(","), set(args.parts.split(",")), args.threads, args.reps)
+        parts = set(args.parts.split(","))
+        results = run(args.models.split(","), parts, args.threads, args.reps)
         results["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+        keep_unmeasured(results, earlier, parts)
         if "before" in earlier:  # the measurement before the levers stays with the results
             results["before"] = earlier["before"]
     if args.before is not None:

@@ -11,6 +11,14 @@ from . import report
 
 NOTES = Path(__file__).with_name("notes.md")
 
+def _measured(results: dict[str, Any]) -> str:
+    """When each part was measured, when a partial re-run carried some over from an earlier run."""
+    when = results.get("measured") or {}
+    if len(set(when.values())) <= 1:
+        return ""
+    return "Parts measured at different times: " + ", ".join(f"{p} {w}" for p, w in when.items()) + "."
+
+
 def _goal(ok: bool | None) -> str:
     return "-" if ok is None else "yes" if ok else "**no**"
 
@@ -51,8 +59,8 @@ def goals(results: dict[str, Any]) -> str:
 
 def before_after(results: dict[str, Any]) -> str:
     before = results.get("before")
-    if not before:
-        return ""
+    if not before or before.get("omp_wait_policy") != results.get("omp_wait_policy"):
+        return ""  # measured with torch's threads set up differently: not comparable
     lines = ["| model | ratio before | ratio now | stash before (MB) | stash now (MB) | torch saved (MB) |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, r in results["models"].items():
@@ -85,6 +93,7 @@ page from saved results). `make bench` prints the tables without writing.
 
 - {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; Python {m['python']}, torch {m['torch']},
   onnxruntime {m['onnxruntime']}. Measured {results.get('started', '?')}. {results.get('timing_note', '')}
+  {_measured(results)}
 - **Shared machine**: other developers' test suites ran at the same time; one-minute load average
   {results.get('load_start', 0):.1f} at the start and {results.get('load_end', 0):.1f} at the end (per model
   in the tables). Absolute times are therefore several times the quiet-machine numbers; ratios come from

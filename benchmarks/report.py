@@ -150,7 +150,9 @@ def plot(results: dict[str, Any], path: Path = PLOT) -> None:
     models = [n for n, r in results["models"].items() if r.get("timing")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     xs = range(len(models))
-    before = results.get("before", {}).get("models", {})
+    before = results.get("before", {})
+    same_threads = before.get("omp_wait_policy") == results.get("omp_wait_policy")
+    before = before.get("models", {}) if same_threads else {}
     width = 0.38
     ratios = [results["models"][m]["timing"]["ratio"] for m in models]
     olds = [_get(before, m, "timing", "ratio") for m in models]
