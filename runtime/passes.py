@@ -354,6 +354,10 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
                 ok = True
             elif n.op_type in REARRANGE:
                 ok = maskable(n.input[0])
+            elif n.op_type == "Pad":  # with zeros (MaxPool's gradient onto the rows past its last tile)
+                fill = n.input[2] if len(n.input) > 2 else ""
+                mode = next((a.s for a in n.attribute if a.name == "mode"), b"constant")
+                ok = mode == b"constant" and (not fill or zero(fill) is not None) and maskable(n.input[0])
             elif n.op_type == "Mul" and len(n.input) == 2:  # by a constant or a 0/1 mask
                 a, b = n.input
                 ok = (maskable(a) and (b in consts or is_mask(b))) or (maskable(b) and (a in consts or is_mask(a)))

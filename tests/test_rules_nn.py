@@ -297,24 +297,50 @@ def test_max_pool_auto_pad(auto_pad):
              kernel_shape=kernel, strides=strides, auto_pad=auto_pad)
 
 
-@pytest.mark.parametrize("xs,kernel", [((2, 3, 8, 8), [2, 2]), ((2, 3, 7, 9), [2, 2]), ((2, 2, 9), [3]),
-                                       ((1, 2, 4, 6, 5), [2, 3, 2]), ((2, 3, 6, 6), [3, 2])])
+TILES = [((2, 3, 8, 8), [2, 2]), ((2, 3, 7, 9), [2, 2]), ((2, 2, 9), [3]), ((1, 2, 4, 6, 5), [2, 3, 2]),
+         ((2, 3, 6, 6), [3, 2])]
+
+
+@pytest.mark.parametrize("xs,kernel", TILES)
 @pytest.mark.parametrize("symbolic", [False, True])
-def test_max_pool_tiles(xs, kernel, symbolic):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_max_pool_tiles(xs, kernel, symbolic, dtype):
     """Tiling windows (stride = kernel): a uint8 tile offset is stashed instead of int64 indices, the rows past
-    the last tile get no gradient."""
-    x = r(*xs)
+    the last tile get no gradient. float spreads dY by a ConvTranspose, double by a Transpose."""
+    x = r(*xs, dtype=dtype)
     check_op("MaxPool", [("x", x)], pool_ref("max", kernel, kernel, [1] * len(kernel), [0] * len(kernel),
                                              [0] * len(kernel), 0),
              kernel_shape=kernel, strides=kernel, fd=False, symbolic={"x": list(range(len(xs)))} if symbolic else None)
     model = single_op_model("MaxPool", [("x", x)], kernel_shape=kernel, strides=kernel)
     training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
+    ops = {n.op_type for n in training.graph.node}
+    assert "ScatterElements" not in ops and ("ConvTranspose" in ops) == (dtype == np.float32)
     manifest = gradbuilder.split(training)[2]
     stash = [e.name for e in manifest.backward_inputs if e.role == "stash"]
     types = {v.name: v.type.tensor_type.elem_type for v in gradbuilder.split(training)[0].graph.output}
     assert "x" not in backward_reads(model, ["x"])
     kinds = [types[n] for n in stash]  # the offsets, and x's shape when it is symbolic
     assert onnx.TensorProto.UINT8 in kinds and set(kinds) <= {onnx.TensorProto.UINT8, onnx.TensorProto.INT64}
+
+
+def _torch_max_pool(kernel, strides):
+    fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[len(kernel)]
+    return lambda x: fn(x, kernel, strides)
+
+
+@pytest.mark.parametrize("xs,kernel,strides", [*((xs, k, k) for xs, k in TILES), ((2, 3, 7, 8), [3, 3], [2, 2]),
+                                               ((2, 2, 9), [3], [2])])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_max_pool_ties(xs, kernel, strides, dtype):
+    """Equal maxima in a window: torch's CPU max_pool routes the gradient to the first in raster order. Values
+    on a coarse grid make ties common; windows of one repeated value, negative or zero, are forced in.
+    (NaN is not matched: torch picks the last NaN of a window, onnxruntime's ArgMax and MaxPool skip it.)"""
+    x = np.round(r(*xs) * 1.5) / 2
+    lead = (slice(None), slice(None))
+    x[(*lead, *(slice(0, k) for k in kernel))] = -1.0
+    x[(0, 0, *(slice(s, s + k) for s, k in zip(strides, kernel)))] = 0.0
+    check_op("MaxPool", [("x", x.astype(dtype))], _torch_max_pool(kernel, strides), kernel_shape=kernel,
+             strides=strides, fd=False)
 
 
 def test_max_pool_symbolic_dims():
