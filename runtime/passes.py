@@ -1,7 +1,8 @@
 """Rewrites of a training graph for onnxruntime's CPU provider: stash less, run faster.
 
-`shrink_stash` runs between the gradient build and the split (it decides what crosses the Yield);
-`lower` runs on each half before its session is created. Each rewrite keeps what the graph computes,
+`relu_after_pool` rewrites the forward source before the gradient is built; `shrink_stash` runs between
+the gradient build and the split (it decides what crosses the Yield); `lower` runs on each half before its
+session is created. Each rewrite keeps what the graph computes,
 except `lower`'s masked multiply (see there). Measured effects are in docs/performance.md.
 """
 
@@ -273,6 +274,73 @@ def _rewrite(model: onnx.ModelProto, plan: list[tuple], build: Callable[..., lis
         nodes[k:k + 1] = build(nodes[k], *details, taken)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
+    return out
+
+
+def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
+    """Every name a node's subgraphs (nested ones included) read."""
+    reads: set[str] = set()
+    for a in node.attribute:
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                    list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []):
+            for n in sub.node:
+                reads.update(n.input)
+                reads |= _subgraph_reads(n)
+    return reads
+
+
+def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`MaxPool(Relu(x))` becomes `Relu(MaxPool(x))` when the Relu output is read by that MaxPool only (no other
+    node, no subgraph, not a graph output) and the MaxPool has no Indices output. Both give the same values
+    (Relu is monotonic and pads never win a window; bit for bit up to the sign of a zero) and the same
+    gradients: when a window's maximum is positive, its first maximum is the same element in x and in Relu(x);
+    otherwise relu'(0) = 0 zeroes it either way. For the runtime's forward source, before the gradient is
+    built: Relu and its mask then work at the pooled size (a quarter of the elements after a 2x2 pool), the
+    Conv before it loses its fused Relu. Output names are kept (the pool's output becomes the new Relu's);
+    returns a rewritten copy, or `model` itself when nothing matches."""
+    g = model.graph
+    reads: dict[str, int] = {}
+    for n in g.node:
+        for x in [*n.input, *_subgraph_reads(n)]:
+            reads[x] = reads.get(x, 0) + 1
+    producer = {o: k for k, n in enumerate(g.node) for o in n.output if o}
+    outputs = {o.name for o in g.output}
+    pairs: dict[int, int] = {}  # MaxPool index -> Relu index
+    for k, n in enumerate(g.node):
+        if n.op_type != "MaxPool" or n.domain or any(n.output[1:]) or n.input[0] not in producer:
+            continue
+        relu = g.node[producer[n.input[0]]]
+        if relu.op_type == "Relu" and not relu.domain and reads.get(relu.output[0]) == 1 \
+                and relu.output[0] not in outputs:
+            pairs[k] = producer[n.input[0]]
+    if not pairs:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    old = list(out.graph.node)
+    taken = _names(out.graph)
+    gone = set()
+    relus = set(pairs.values())
+    nodes = []
+    for k, n in enumerate(old):
+        if k in relus:
+            continue
+        if k in pairs:
+            relu = old[pairs[k]]
+            y = n.output[0]
+            pooled = _fresh(f"{y}/before_relu", taken)
+            taken.add(pooled)
+            gone.add(relu.output[0])
+            n.input[0], n.output[0] = relu.input[0], pooled
+            relu.input[0], relu.output[0] = pooled, y
+            nodes += [n, relu]
+        else:
+            nodes.append(n)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    kept = [v for v in out.graph.value_info if v.name not in gone]
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(kept)
     return out
 
 

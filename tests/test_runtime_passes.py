@@ -5,10 +5,12 @@ import copy
 
 import numpy as np
 import onnx
+import pytest
 import torch
 from onnx import TensorProto, helper
 from torch import nn
 
+import gradbuilder
 from runtime import ORTModule, passes
 from runtime.ort_session import SessionConfig
 from runtime.session import TrainingSession
@@ -134,3 +136,78 @@ def test_dropout_output_recomputed_from_its_mask():
     ((p * mask / 0.7) @ tw2).sum().backward()
     np.testing.assert_allclose(grads["w1"], tw1.grad.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grads["w2"], tw2.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _relu_pool_model(dtype, extra_reader=False, relu_output=False, indices=False) -> onnx.ModelProto:
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("MaxPool", ["r"], ["y", "i"] if indices else ["y"], name="pool", kernel_shape=[2, 2],
+                              strides=[2, 2])]
+    outputs = [helper.make_tensor_value_info("y", elem, None)]
+    if extra_reader:
+        nodes.append(helper.make_node("Neg", ["r"], ["n"]))
+        outputs.append(helper.make_tensor_value_info("n", elem, None))
+    if relu_output:
+        outputs.append(helper.make_tensor_value_info("r", elem, None))
+    graph = helper.make_graph(nodes, "rp", [helper.make_tensor_value_info("x", elem, ["n", "c", "h", "w"])], outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_relu_after_pool_same_values_and_gradients(dtype):
+    """MaxPool(Relu(x)) -> Relu(MaxPool(x)): the same output values (bit for bit up to the sign of a zero: the
+    pool of a -0.0 may stay -0.0) and torch's gradients, on values with ties, zeros and all-negative windows (a
+    7x9 plane: the floor-mode rows get no gradient either way)."""
+    import onnxruntime as ort
+    from harness import Trainer
+
+    model = _relu_pool_model(dtype)
+    swapped = passes.relu_after_pool(model)
+    assert [n.op_type for n in swapped.graph.node] == ["MaxPool", "Relu"]
+    assert swapped.graph.node[1].output[0] == "y" and [o.name for o in swapped.graph.output] == ["y"]
+    assert passes.relu_after_pool(_relu_pool_model(dtype)) is not model  # a copy; the input is left alone
+    assert [n.op_type for n in model.graph.node] == ["Relu", "MaxPool"]
+    rng = np.random.default_rng(0)
+    x = (np.round(rng.standard_normal((2, 3, 7, 9)) * 1.5) / 2).astype(dtype)
+    x[:, :, :2, :2] = -1.0
+    x[0, 0, 2:4, 2:4] = 0.0
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    got = ort.InferenceSession(swapped.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(want, got)
+    assert (want + 0.0).tobytes() == (got + 0.0).tobytes()
+    trainer = Trainer(gradbuilder.build_gradient_graph(swapped, wrt=["x"], outputs=["y"]))
+    dy = rng.standard_normal(want.shape).astype(dtype)
+    _, grads = trainer.step({"x": x}, [dy])
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    nn.functional.max_pool2d(torch.relu(tx), 2).backward(torch.tensor(dy, dtype=torch.float64))
+    np.testing.assert_array_equal(grads["x"], tx.grad.numpy().astype(dtype))
+
+
+@pytest.mark.parametrize("case", [{"extra_reader": True}, {"relu_output": True}, {"indices": True}])
+def test_relu_after_pool_only_for_a_private_relu(case):
+    """Not when something else reads the Relu output, it is a graph output, or the MaxPool has Indices."""
+    model = _relu_pool_model(np.float32, **case)
+    assert passes.relu_after_pool(model) is model
+
+
+def test_relu_after_pool_in_a_training_session():
+    """ConvNet's exported forward with its Relu moved behind the MaxPool, built and run through every pass
+    (stash shrink, lowering): torch's gradients."""
+    torch.manual_seed(0)
+    model = ConvNet()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, threads=1)
+    x, y = _batch()
+    ort(x, y).backward()
+    source = ort.training_sessions()[0].source
+    swapped = passes.relu_after_pool(source)
+    assert swapped is not source
+    wrt = [i.name for i in source.graph.input if "." in i.name]
+    session = TrainingSession.from_forward(swapped, wrt=wrt, loss="output", config=SessionConfig(threads=1))
+    params = dict(reference.named_parameters())
+    feeds = {"x": x.numpy(), "y": y.numpy(), **{n: params[n].detach().numpy() for n in wrt}}
+    _, state = session.forward(feeds)
+    grads = session.backward(state, [None])
+    reference(x, y).backward()
+    for n in wrt:
+        np.testing.assert_allclose(grads[n], params[n].grad.numpy(), rtol=1e-5, atol=1e-6)
