@@ -6,6 +6,7 @@ handed to a rule as `g`. Rules only call `g`; they never touch protobufs of the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..errors import RuleError
-from ..graph import ForwardGraph, NameAllocator, TensorInfo, describe
+from ..graph import UNKNOWN, ForwardGraph, NameAllocator, TensorInfo, describe
 
 
 def _attribute(name: str, value: Any) -> onnx.AttributeProto:
@@ -59,20 +60,36 @@ class Emitter:
         self._attrs: dict[tuple, tuple[onnx.AttributeProto, ...]] = {}
         self._ints: dict[Any, str] = {}
         self.produced: set[str] = set()
+        self._taken = names._taken  # the allocator's set, for emit's inline fast path
 
     def node(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, *, domain: str = "",
              forward: bool = False, outputs: Sequence[str] | None = None, **attrs: Any) -> list[str]:
+        return self.emit(op_type, inputs, n_out, hint, domain, forward, outputs, attrs)
+
+    def emit(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, domain: str,
+             forward: bool, outputs: Sequence[str] | None, attrs: dict[str, Any]) -> list[str]:
+        """`node` with the keywords passed positionally and the attributes as a dict (one call, no repacking)."""
         if outputs is not None:
             outs = list(outputs)
         elif n_out == 1:
-            outs = [self.names.fresh(f"{hint}/{op_type}")]
+            base = f"{hint}/{op_type}"
+            taken = self._taken
+            if base in taken:
+                base = self.names.fresh(base)
+            else:  # NameAllocator.fresh's first case, inline
+                taken.add(base)
+            outs = [base]
         else:
             fresh, base = self.names.fresh, f"{hint}/{op_type}"
             outs = [fresh(base) for _ in range(n_out)]
-        ins = ["" if i is None else i for i in inputs]
-        for i in ins:
-            if type(i) is not str and not isinstance(i, str):  # what NodeProto(input=...) would refuse
-                raise TypeError(f"{op_type} node input {i!r} is not a tensor name")
+        try:
+            "".join(inputs)  # every input a str (join checks in C)
+            ins = list(inputs)
+        except TypeError:
+            ins = ["" if i is None else i for i in inputs]
+            for i in ins:
+                if type(i) is not str and not isinstance(i, str):  # what NodeProto(input=...) would refuse
+                    raise TypeError(f"{op_type} node input {i!r} is not a tensor name") from None
         node = Node(op_type, ins, outs, f"{outs[0]}_node", domain, self._attributes(attrs) if attrs else ())
         (self.forward_extra if forward else self.backward).append(node)
         self.produced.update(outs)
@@ -141,6 +158,15 @@ class Emitter:
 def broadcast_axes(small: Sequence[Any] | None, full: Sequence[Any] | None) -> tuple[list[int], int] | None:
     """Axes of `full` that numpy broadcasting stretched `small` along, and how many leading axes it added;
     None when static shapes cannot tell (a symbolic dim that may or may not be 1)."""
+    try:
+        plan = _broadcast_plan(small, full)  # shapes are tuples of int, str and None: hashable
+    except TypeError:  # lists
+        plan = _broadcast_plan.__wrapped__(small, full)
+    return None if plan is None else (list(plan[0]), plan[1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _broadcast_plan(small: Sequence[Any] | None, full: Sequence[Any] | None) -> tuple[tuple[int, ...], int] | None:
     if small is None or full is None or len(full) < len(small):
         return None
     lead = len(full) - len(small)
@@ -152,7 +178,7 @@ def broadcast_axes(small: Sequence[Any] | None, full: Sequence[Any] | None) -> t
             axes.append(lead + k)
         elif not (isinstance(dx, int) and dx > 1):
             return None
-    return axes, lead
+    return tuple(axes), lead
 
 
 class Grad:
@@ -161,6 +187,8 @@ class Grad:
     def __init__(self, em: Emitter, node: onnx.NodeProto, out_grads: Sequence[str | None],
                  needed: Sequence[bool], inputs: Sequence[str] | None = None):
         self.em = em
+        self._emit = em.emit
+        self._info = em.fg.info
         self.node = node
         self._inputs = node.input[:] if inputs is None else inputs  # node.input (ForwardGraph.node_inputs[k])
         self.opset = em.opset
@@ -212,13 +240,13 @@ class Grad:
         return value.decode() if isinstance(value, bytes) else value
 
     def info(self, name: str) -> TensorInfo:
-        return self.em.fg.tensor_info(name)
+        return self._info.get(name, UNKNOWN)  # ForwardGraph.tensor_info
 
     def rank(self, name: str) -> int | None:
-        return self.info(name).rank
+        return self._info.get(name, UNKNOWN).rank
 
     def dtype(self, name: str) -> int:
-        return self.info(name).elem_type
+        return self._info.get(name, UNKNOWN).elem_type
 
     def require_rank(self, name: str) -> int:
         r = self.rank(name)
@@ -251,7 +279,7 @@ class Grad:
            **attrs: Any) -> Any:
         """Emit a node; `forward=True` puts it in the forward part (it may read forward tensors only), so
         backward stashes its small result (a mask, a shape) instead of the tensors it reads."""
-        outs = self.em.node(op_type, inputs, n_out, self._hint, domain=domain, forward=forward, **attrs)
+        outs = self._emit(op_type, inputs, n_out, self._hint, domain, forward, None, attrs)
         return outs[0] if n_out == 1 else outs
 
     def __getattr__(self, op_type: str) -> Any:
@@ -353,7 +381,7 @@ class Grad:
 def _op_method(op_type: str) -> Any:
     def method(self: Grad, *inputs: str | None, n_out: int = 1, domain: str = "", forward: bool = False,
                **attrs: Any) -> Any:  # Grad.op(op_type, ...), one call less
-        outs = self.em.node(op_type, inputs, n_out, self._hint, domain=domain, forward=forward, **attrs)
+        outs = self._emit(op_type, inputs, n_out, self._hint, domain, forward, None, attrs)
         return outs[0] if n_out == 1 else outs
 
     method.__name__ = method.__qualname__ = op_type
