@@ -217,18 +217,20 @@ def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
 
 def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accumulator) -> None:
     needs, outputs, total, active = reach.needs, reach.edges.outputs, acc.total, reach.active_inputs
+    ops, domains, lookup, opset = fg.node_ops, fg.node_domains, registry.lookup, fg.opset
     for k in sorted(active, reverse=True):
         node = fg.nodes[k]
         out_grads = [total(o) if d and o in needs else None for o, d in outputs[k]]
         if not any(g is not None for g in out_grads):
             continue
-        if is_control_flow(node.op_type) or k in fg.hidden_inputs:
+        op_type = ops[k]
+        if is_control_flow(op_type) or k in fg.hidden_inputs:
             raise ControlFlowError(
                 f"node {describe(node)} is control flow ({node.op_type}) on the gradient path; gradbuilder does "
                 "not differentiate If/Loop/Scan bodies. Unroll the loop or take the branch at export time, or "
                 "freeze the parameters that feed it (--freeze)."
             )
-        rule = registry.lookup(node.op_type, fg.opset, node.domain)
+        rule = lookup(op_type, opset, domains[k])
         if rule is None or rule.fn is None:
             ranges = registry.known_opsets(node.op_type, node.domain)
             have = f" (rules exist for opsets {', '.join(ranges)})" if ranges else ""
@@ -240,7 +242,7 @@ def _reverse_pass(fg: ForwardGraph, reach: Reachability, em: Emitter, acc: _Accu
             )
         flags = active[k]
         inputs = fg.node_inputs[k]
-        result = rule.fn(Grad(em, node, out_grads, flags, inputs))
+        result = rule.fn(Grad(em, node, out_grads, flags, inputs, op_type))
         result = list(result or ())
         for i, needed in enumerate(flags):
             if not needed:

@@ -315,6 +315,10 @@ class ForwardGraph:
         """Input names of each node (never changed by the build)."""
         self.node_outputs: list[list[str]] = [n.output[:] for n in self.nodes]
         """Output names of each node as loaded (rules may add optional outputs to the nodes later)."""
+        self.node_ops: list[str] = [n.op_type for n in self.nodes]
+        """op_type of each node."""
+        self.node_domains: list[str] = [n.domain for n in self.nodes]
+        """domain of each node, as written ("ai.onnx" stays "ai.onnx")."""
         self.initializers: dict[str, TensorProto] = {t.name: t for t in self.graph.initializer}
         self.inputs: list[str] = [i.name for i in self.graph.input]
         self.outputs: list[str] = [o.name for o in self.graph.output]
@@ -323,16 +327,17 @@ class ForwardGraph:
         self.hidden_inputs: dict[int, set[str]] = {}
         _check_interface(self.graph)
         self._index()
-        _check_nodes(model, self.nodes, self.hidden_inputs)
+        _check_nodes(model, self.nodes, self.hidden_inputs, self.node_ops)
         self._largest = max((_check_tensor(t, f"initializer '{t.name}'") for t in self.graph.initializer), default=0)
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
-        for node, inputs in zip(self.nodes, self.node_inputs):
-            self._check_input_types(node, inputs)
+        for node, inputs, op, dom in zip(self.nodes, self.node_inputs, self.node_ops, self.node_domains):
+            self._check_input_types(node, inputs, op, dom)
 
     def _index(self) -> None:
         defined = set(self.inputs) | set(self.initializers)
         consumers, producer = self.consumers, self.producer
-        for k, (node, inputs, outputs) in enumerate(zip(self.nodes, self.node_inputs, self.node_outputs)):
+        for k, (node, inputs, outputs, op) in enumerate(zip(self.nodes, self.node_inputs, self.node_outputs,
+                                                            self.node_ops)):
             for i, name in enumerate(inputs):
                 if not name:
                     continue
@@ -343,7 +348,7 @@ class ForwardGraph:
                     consumers[name] = [(k, i)]
                 else:
                     uses.append((k, i))
-            if node.op_type in CONTROL_FLOW_OPS or (node.attribute and _has_bodies(node)):
+            if op in CONTROL_FLOW_OPS or (node.attribute and _has_bodies(node)):
                 hidden = subgraph_free_names(node)
                 for name in sorted(hidden):
                     if name not in defined:
@@ -395,12 +400,14 @@ class ForwardGraph:
         return info
 
     def _infer_types(self) -> dict[str, TensorInfo]:
-        copy, untyped = _for_inference(self.model, self._largest)
+        known = (self.node_ops, self.node_domains)  # of self.model's nodes
+        copy, untyped = _for_inference(self.model, self._largest, known)
         graph = self._inferred(copy, untyped, data_prop=False)
         if graph is None:  # inference is a help, never a requirement
             return self._declared_types()
         # values of shape tensors: static shapes through Shape/Concat/Reshape (a second pass, when it can differ)
-        if _data_propagation_matters(copy, bool(self.hidden_inputs)) and _cheap_data_propagation(graph):
+        matters = _data_propagation_matters(copy, bool(self.hidden_inputs), known if copy is self.model else None)
+        if matters and _cheap_data_propagation(graph):
             graph = self._inferred(copy, untyped, data_prop=True) or graph
         memo: dict[Any, TensorInfo] = {}
         info = dict(_infos(memo, graph.value_info))
@@ -427,13 +434,19 @@ class ForwardGraph:
         except Exception:
             return None
 
-    def _check_input_types(self, node: onnx.NodeProto, inputs: Sequence[str] | None = None) -> None:
+    def _check_input_types(self, node: onnx.NodeProto, inputs: Sequence[str] | None = None,
+                           op_type: str | None = None, domain: str | None = None) -> None:
         """Every input's element type must be one the op's schema allows, inputs sharing a type parameter must
         agree, and only optional inputs may be empty: rules trust all three, and neither the checker nor strict
-        shape inference checks them (Add(float, double) and Max(x, '') pass)."""
-        if node.domain not in ("", "ai.onnx"):
+        shape inference checks them (Add(float, double) and Max(x, '') pass). `op_type` and `domain`: the
+        node's, when already read."""
+        if domain is None:
+            domain = node.domain
+        if domain not in ("", "ai.onnx"):
             return
-        summary = _input_schema(node.op_type, self.opset, node.domain)
+        if op_type is None:
+            op_type = node.op_type
+        summary = _input_schema(op_type, self.opset, domain)
         if summary is None:  # check_node has already refused ops ONNX does not know
             return
         formals = summary
@@ -447,7 +460,7 @@ class ForwardGraph:
                 if not optional:
                     raise InvalidModelError(
                         f"node {describe(node)}: input {i} is empty, but only optional inputs may be left out "
-                        f"({node.op_type}'s '{formal_name}' is not); remove it or name a tensor."
+                        f"({op_type}'s '{formal_name}' is not); remove it or name a tensor."
                     )
                 continue
             elem_type = self.tensor_info(name).elem_type
@@ -456,7 +469,7 @@ class ForwardGraph:
             actual = _tensor_type_str(elem_type)
             if actual not in ok and tensors:
                 raise InvalidModelError(
-                    f"node {describe(node)}: input {i} ('{name}') is {type_name(elem_type)}, but {node.op_type} "
+                    f"node {describe(node)}: input {i} ('{name}') is {type_name(elem_type)}, but {op_type} "
                     f"at opset {self.opset} takes {' or '.join(sorted(ok))} there; fix the model (a Cast is "
                     "probably missing) or re-export it."
                 )
@@ -465,7 +478,7 @@ class ForwardGraph:
                 if first[0] != actual:
                     raise InvalidModelError(
                         f"node {describe(node)}: inputs '{first[1]}' ({first[0]}) and '{name}' ({actual}) must have "
-                        f"the same type ({node.op_type}'s type parameter {type_str}); fix the model (a Cast "
+                        f"the same type ({op_type}'s type parameter {type_str}); fix the model (a Cast "
                         "is probably missing) or re-export it."
                     )
 
@@ -592,13 +605,13 @@ def _checker_context(model: onnx.ModelProto) -> onnx.checker.C.CheckerContext:
 
 
 def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
-                 bodies: Container[int] | None = None) -> None:
+                 bodies: Container[int] | None = None, op_types: Sequence[str] | None = None) -> None:
     """onnx's schema check per node: unknown ops, attribute names and types, input and output counts.
 
     The rules read attributes and inputs by position, so a node that breaks its schema must stop here, with
     its name, rather than deep inside a rule. Bodies of control-flow nodes are checked by signature only:
     they read outer names the checker cannot be told about, and they are never differentiated. `bodies`, when
-    known, holds the positions of all nodes that may have bodies.
+    known, holds the positions of all nodes that may have bodies; `op_types`, when known, the nodes' op_type.
     """
     ctx = _checker_context(model)
     scope = onnx.checker.LEXICAL_SCOPE_CONTEXT
@@ -617,7 +630,7 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
             else:
                 todo = "Fix the node or re-export the model (onnx.checker.check_model reports the same)"
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
-        _check_inference_hazards(node)
+        _check_inference_hazards(node, None if op_types is None else op_types[k])
         if nested:
             for n in _nested_nodes(node):
                 _check_inference_hazards(n)
@@ -642,9 +655,10 @@ def _has_bodies(node: onnx.NodeProto) -> bool:
     return False
 
 
-def _check_inference_hazards(node: onnx.NodeProto) -> None:
+def _check_inference_hazards(node: onnx.NodeProto, op: str | None = None) -> None:
     """What makes onnx's shape inference hang or crash (it visits bodies too): refused before it runs."""
-    op = node.op_type
+    if op is None:
+        op = node.op_type
     if op in ("If", "Loop", "Scan"):
         _check_control_flow(node)
     elif op == "Einsum" and node.domain in ("", "ai.onnx"):
@@ -890,13 +904,15 @@ def _propagates_data(op_type: str, version: int, domain: str) -> bool:
         return True  # unsure: as if it did
 
 
-def _data_propagation_matters(model: onnx.ModelProto, bodies: bool | None = None) -> bool:
+def _data_propagation_matters(model: onnx.ModelProto, bodies: bool | None = None,
+                              known: tuple[list[str], list[str]] | None = None) -> bool:
     """Whether onnx's shape inference with data_prop=True can differ from the pass without it.
 
     Data propagation only ever starts from the values of int32/int64 scalars and vectors (initializers and
     Constant outputs) or from Shape/Size; when no node with a data propagation function reads one, it stores
     nothing and the two passes are the same. Conservative: bodies and model-local functions count as yes
-    (`bodies`: whether any node may have one, when known).
+    (`bodies`: whether any node may have one, when known; `known`: the op_type and domain of every node, when
+    already read).
     """
     g = model.graph
     if model.functions or bodies:
@@ -906,13 +922,12 @@ def _data_propagation_matters(model: onnx.ModelProto, bodies: bool | None = None
         opsets.setdefault("" if op.domain == "ai.onnx" else op.domain, set()).add(op.version)
     data = {t.name for t in g.initializer if t.data_type in SHAPE_DATA_TYPES and len(t.dims) <= 1}
     nodes = list(g.node)
-    op_types = [n.op_type for n in nodes]
+    op_types, domains = known if known is not None else ([n.op_type for n in nodes], [n.domain for n in nodes])
     data.update(o for n, op in zip(nodes, op_types) if op == "Constant" for o in n.output)
     propagates: dict[tuple[str, str], bool] = {}
-    for n, op in zip(nodes, op_types):
+    for n, op, domain in zip(nodes, op_types, domains):
         if bodies is None and _has_bodies(n):
             return True
-        domain = n.domain
         found = propagates.get((op, domain))
         if found is None:
             dom = "" if domain == "ai.onnx" else domain
@@ -923,13 +938,16 @@ def _data_propagation_matters(model: onnx.ModelProto, bodies: bool | None = None
     return False
 
 
-def _for_inference(model: onnx.ModelProto, largest: int) -> tuple[onnx.ModelProto, bool]:
+def _for_inference(model: onnx.ModelProto, largest: int, known: tuple[list[str], list[str]] | None = None
+                   ) -> tuple[onnx.ModelProto, bool]:
     """without_unknown_ops(without_weights(model)), or `model` itself when neither would change anything
     (shape inference reads it without modifying it): no copy of every node for the common case. `largest`:
-    the largest tensor_nbytes of the initializers."""
+    the largest tensor_nbytes of the initializers; `known`: the op_type and domain of every node, when read."""
     local = {(f.domain, f.name) for f in model.functions}
+    ops, doms = known if known is not None else ([n.op_type for n in model.graph.node],
+                                                 [n.domain for n in model.graph.node])
     if largest < WEIGHT_BYTES and all(
-            _onnx_has(n.op_type, n.domain) or (n.domain, n.op_type) in local for n in model.graph.node):
+            _onnx_has(op, dom) or (dom, op) in local for op, dom in zip(ops, doms)):
         return model, False
     return without_unknown_ops(without_weights(model))
 

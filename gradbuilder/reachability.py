@@ -67,8 +67,9 @@ class Edges:
         is_computed = fg.producer.__contains__
         opset, lookup, hidden = fg.opset, registry.lookup, fg.hidden_inputs
         no_stops: frozenset[int] = frozenset()
-        for k, (node, inputs, outputs) in enumerate(zip(fg.nodes, fg.node_inputs, fg.node_outputs)):
-            r = lookup(node.op_type, opset, node.domain)
+        for k, (node, inputs, outputs, op, dom) in enumerate(zip(fg.nodes, fg.node_inputs, fg.node_outputs,
+                                                                 fg.node_ops, fg.node_domains)):
+            r = lookup(op, opset, dom)
             stops = r.stop_inputs(node, opset, is_computed) if r is not None else no_stops
             ins = [(i, n, (i not in stops) and is_float(n)) for i, n in enumerate(inputs) if n]
             if k in hidden:  # a control-flow body's hidden reads count as differentiable for reachability

@@ -185,19 +185,19 @@ class Grad:
     """The rule's view of one forward node: `I(i)`, `O(j)`, `GO(j)`, `needs(i)`, and emit helpers."""
 
     def __init__(self, em: Emitter, node: onnx.NodeProto, out_grads: Sequence[str | None],
-                 needed: Sequence[bool], inputs: Sequence[str] | None = None):
+                 needed: Sequence[bool], inputs: Sequence[str] | None = None, op_type: str | None = None):
         self.em = em
         self._emit = em.emit
         self._info = em.fg.info
         self.node = node
         self._inputs = node.input[:] if inputs is None else inputs  # node.input (ForwardGraph.node_inputs[k])
         self.opset = em.opset
-        self.op_type = node.op_type
+        self.op_type = node.op_type if op_type is None else op_type  # (ForwardGraph.node_ops[k])
         self._go = list(out_grads)
         self._needs = list(needed)
         self._attr_values: dict[str, Any] | None = None  # decoded on the first attr()
         outs = node.output
-        first = outs[0] if outs and outs[0] else next((o for o in outs if o), node.op_type)
+        first = outs[0] if outs and outs[0] else next((o for o in outs if o), self.op_type)
         self._hint = f"grad/{first}"
 
     # --- the forward node ------------------------------------------------------------------
