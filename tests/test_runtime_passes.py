@@ -191,8 +191,8 @@ def test_relu_after_pool_only_for_a_private_relu(case):
 
 
 def test_relu_after_pool_in_a_training_session():
-    """ConvNet's exported forward with its Relu moved behind the MaxPool, built and run through every pass
-    (stash shrink, lowering): torch's gradients."""
+    """ORTModule runs ConvNet's forward with its Relu moved behind the MaxPool, through every pass (stash
+    shrink, lowering); a TrainingSession on the swapped graph gives torch's gradients, and ORTModule too."""
     torch.manual_seed(0)
     model = ConvNet()
     reference = copy.deepcopy(model)
@@ -200,14 +200,17 @@ def test_relu_after_pool_in_a_training_session():
     x, y = _batch()
     ort(x, y).backward()
     source = ort.training_sessions()[0].source
-    swapped = passes.relu_after_pool(source)
-    assert swapped is not source
+    ops = [n.op_type for n in source.graph.node]
+    assert ops.index("MaxPool") < ops.index("Relu")  # swapped by the runtime
+    assert passes.relu_after_pool(source) is source  # nothing left to swap
     wrt = [i.name for i in source.graph.input if "." in i.name]
-    session = TrainingSession.from_forward(swapped, wrt=wrt, loss="output", config=SessionConfig(threads=1))
+    session = TrainingSession.from_forward(source, wrt=wrt, loss="output", config=SessionConfig(threads=1))
     params = dict(reference.named_parameters())
     feeds = {"x": x.numpy(), "y": y.numpy(), **{n: params[n].detach().numpy() for n in wrt}}
     _, state = session.forward(feeds)
     grads = session.backward(state, [None])
     reference(x, y).backward()
+    ours = dict(model.named_parameters())
     for n in wrt:
         np.testing.assert_allclose(grads[n], params[n].grad.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours[n].grad.numpy(), params[n].grad.numpy(), rtol=1e-5, atol=1e-6)
