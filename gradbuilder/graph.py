@@ -765,19 +765,21 @@ TENSOR_CHECK_LIMIT = 16 * 2**20
 def _check_tensor(t: TensorProto, what: str) -> int:
     """A tensor whose bytes do not match its type and shape would make a rule or the runtime fail obscurely."""
     fix = "the model is damaged; re-export it"
-    if t.data_type not in KNOWN_TYPES:
-        raise InvalidModelError(f"{what} has element type {type_name(t.data_type)}; {fix}.")
-    if t.dims and min(t.dims) < 0:
-        raise InvalidModelError(f"{what} has a negative dimension {list(t.dims)}; {fix}.")
+    data_type, dims = t.data_type, t.dims  # each protobuf field read once
+    if data_type not in KNOWN_TYPES:
+        raise InvalidModelError(f"{what} has element type {type_name(data_type)}; {fix}.")
+    if dims and min(dims) < 0:
+        raise InvalidModelError(f"{what} has a negative dimension {list(dims)}; {fix}.")
     if t.data_location == TensorProto.EXTERNAL:
         where = next((e.value for e in t.external_data if e.key == "location"), "?")
         raise InvalidModelError(
             f"{what} still refers to external data ('{where}') that was not loaded; pass the model's path, or "
             "load it with onnx.load(path) (load_external_data=True), so its weights come along."
         )
-    want = fixed_nbytes(t)
+    itemsize = FIXED_SIZE_TYPES.get(data_type)
+    want = None if itemsize is None else itemsize * math.prod(dims)  # fixed_nbytes(t)
     raw = t.HasField("raw_data")
-    size = _nbytes(t, want, raw)
+    size = want + len(t.name.encode()) + 11 * len(dims) + 32 if want is not None and raw else t.ByteSize()
     if size > TENSOR_CHECK_LIMIT:
         return size  # a weight: its bytes are checked when read from external data, by the runtime when inline
     if raw and want and len(t.raw_data) == want and not (

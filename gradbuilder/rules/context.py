@@ -92,12 +92,21 @@ class Emitter:
                     raise TypeError(f"{op_type} node input {i!r} is not a tensor name") from None
         node = Node(op_type, ins, outs, f"{outs[0]}_node", domain, self._attributes(attrs) if attrs else ())
         (self.forward_extra if forward else self.backward).append(node)
-        self.produced.update(outs)
+        if len(outs) == 1:
+            self.produced.add(outs[0])
+        else:
+            self.produced.update(outs)
         return outs
 
     def _attributes(self, attrs: dict[str, Any]) -> Sequence[onnx.AttributeProto]:
         """The node's attributes, sorted by name; made once per build for each set of int and int-list values
         (nodes share them: they are only copied from, at assembly)."""
+        if len(attrs) == 1:  # the common case: one int attribute (axis, keepdims, to), the key made directly
+            for k, v in attrs.items():
+                if type(v) is int:
+                    made = self._attrs.get(((k, v),))
+                    if made is not None:
+                        return made
         key = []
         for k, v in attrs.items():
             t = type(v)
