@@ -282,7 +282,8 @@ class TrainingSession:
         if grads and program.manifest.backward_outputs:
             model = program.backward
             if self.config.lower:
-                model = reductions.leading_sums_as_products(passes.lower(model, arrays))
+                model = passes.lower(model, arrays)
+                model = reductions.scatters_into_sums(reductions.leading_sums_as_products(model))
             runner = Runner(model, self.config, "backward")
         return _Backward(program, runner, grads, consts, specialised)
 

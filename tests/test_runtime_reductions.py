@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from runtime.reductions import leading_sums_as_products
+from runtime.reductions import leading_sums_as_products, scatters_into_sums
 
 
 def _model(dims: list[int | str], axes: list[int], keepdims: int, opset: int) -> onnx.ModelProto:
@@ -68,3 +68,37 @@ def test_double_left_alone() -> None:
     model = _model([8, 6], [0], 0, 17)
     model.graph.input[0].type.tensor_type.elem_type = TensorProto.DOUBLE
     assert leading_sums_as_products(model) is model
+
+
+def _scatter_sum_model(a_dims: list[int], table: list[int]) -> onnx.ModelProto:
+    """g = a + ScatterND(zeros(table), rows, updates, add): an embedding table's gradient beside a tied head's."""
+    inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_dims),
+              helper.make_tensor_value_info("rows", TensorProto.INT64, ["n", 1]),
+              helper.make_tensor_value_info("u", TensorProto.FLOAT, ["n", table[1]])]
+    out = helper.make_tensor_value_info("g", TensorProto.FLOAT, table)
+    shape = numpy_helper.from_array(np.array(table, np.int64), "shape")
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+             helper.make_node("ScatterND", ["zeros", "rows", "u"], ["s"], reduction="add"),
+             helper.make_node("Sum", ["a", "s"], ["g"])]
+    graph = helper.make_graph(nodes, "g", inputs, [out], initializer=[shape])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_scatter_into_sum() -> None:
+    model = _scatter_sum_model([5, 3], [5, 3])
+    out = scatters_into_sums(model)
+    assert _ops(out) == ["ScatterND"] and out.graph.node[0].input[0] == "a"
+    onnx.checker.check_model(out, full_check=True)
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((5, 3)).astype(np.float32), "rows": np.array([[1], [4], [1]]),
+             "u": rng.standard_normal((3, 3)).astype(np.float32)}
+    want = feeds["a"].copy()
+    np.add.at(want, feeds["rows"][:, 0], feeds["u"])
+    for m in (model, out):
+        got = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_scatter_into_broadcast_sum_left_alone() -> None:
+    model = _scatter_sum_model([1, 3], [5, 3])  # the Sum broadcasts a; a scatter into it would not
+    assert scatters_into_sums(model) is model
