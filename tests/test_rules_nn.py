@@ -906,3 +906,20 @@ def test_batch_norm_running_statistics_stay_buffers():
                                                                             outputs=["y0"]))
         assert set(meta["gradients"]) == {"x"}
         assert "non-differentiable" in meta["no_gradient"]["m"]
+
+
+@pytest.mark.parametrize(("kernel", "pads", "strides", "by_offsets"), [
+    (3, 1, 1, True),    # small kernel, stride 1: one GEMM over shifted slices
+    (1, 0, 1, True),
+    (5, 2, 1, False),   # larger kernels: the Conv with batch and channels swapped
+    (3, 1, 2, False),   # strided
+])
+def test_conv_weight_gradient_formulation(kernel: int, pads: int, strides: int, by_offsets: bool) -> None:
+    """Which weight-gradient formulation a Conv gets (both are checked against torch by the Conv tests)."""
+    rng = np.random.default_rng(0)
+    model = single_op_model("Conv", [("x", rng.standard_normal((2, 3, 8, 8)).astype(np.float32)),
+                                     ("w", rng.standard_normal((4, 3, kernel, kernel)).astype(np.float32))],
+                            pads=[pads] * 4, strides=[strides] * 2, symbolic={"x": [0, 2, 3]})
+    training = gradbuilder.build_gradient_graph(model, wrt=["w"])
+    ops = [n.op_type for n in training.graph.node]
+    assert ("Gemm" in ops) == by_offsets and (ops.count("Conv") == 1) == by_offsets

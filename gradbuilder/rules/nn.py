@@ -3,7 +3,8 @@
 `Window` resolves a node's kernel, strides, dilations and pads per spatial dim (auto_pad and ceil_mode
 included) the way onnxruntime does. The input gradient of a strided window op is a ConvTranspose whose
 end pads and output_padding follow from each dim's tail (how far the last window reaches past the input);
-a weight gradient is a Conv with batch and channels swapped. Symbolic spatial dims make tails (and SAME
+a weight gradient is a Conv with batch and channels swapped (for kernels of at most 3x3 taps, one GEMM
+over shifted slices of the input). Symbolic spatial dims make tails (and SAME
 pads) run-time int64 vectors: ConvTranspose then runs without them and a Pad with run-time pads (negative
 ones crop) lays its output onto the input, so one gradient graph serves every input size.
 """
@@ -210,6 +211,8 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails:
     exchanged; `inp` is padded by the begin pads and the tails (negative ones crop what no window reaches).
     """
     nd = len(win.kernel)
+    if _by_offsets(g, inp, win, tails, group):
+        return _weight_grad_by_offsets(g, inp, dout, win, tails)  # type: ignore[arg-type]
     spatial = list(range(2, 2 + nd))
     swap = [1, 0, *spatial]
     if group == 1:
@@ -232,6 +235,43 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails:
     dw_t = g.Conv(inp_t, g.Transpose(dout, perm=swap), strides=list(win.dilations), dilations=list(win.strides),
                   pads=pads, group=group)
     return g.Transpose(dw_t, perm=swap)
+
+
+SMALL_KERNEL = 9
+"""Kernels of at most this many taps (3x3) take `_weight_grad_by_offsets`."""
+
+
+def _by_offsets(g: Grad, inp: str, win: Window, tails: Sizes, group: int) -> bool:
+    """Whether the weight gradient is one GEMM over shifted slices: 2-D, ungrouped, stride and dilation 1,
+    static pads that reach every input row (no crop), a small kernel, float or double."""
+    return (len(win.kernel) == 2 and group == 1 and not isinstance(win.begin, str) and not isinstance(tails, str)
+            and set(win.strides) == {1} and set(win.dilations) == {1} and all(t >= 0 for t in tails)
+            and int(np.prod(win.kernel)) <= SMALL_KERNEL
+            and g.dtype(inp) in (TensorProto.FLOAT, TensorProto.DOUBLE))
+
+
+def _weight_grad_by_offsets(g: Grad, inp: str, dout: str, win: Window, tails: Sequence[int]) -> str:
+    """dW[m, c, i, j] = sum over n, p of dout[n, m, p] * inp_padded[n, c, p + (i, j)]: one GEMM of dout as
+    [M, N*P] with the kernel's shifted slices of the padded input stacked as [K*C, N*P]. For small kernels
+    over large images this is 2x faster in onnxruntime than the Conv with batch and channels swapped, whose
+    im2col takes the whole output gradient as its kernel (3x3 over 16x16, 16 -> 32 channels, batch 64:
+    14 -> 6.5 ms; 5x5 kernels were not faster)."""
+    kh, kw = win.kernel
+    pads = _pads(g, list(win.begin), list(tails))  # type: ignore[arg-type]
+    padded = g.Pad(inp, pads) if any(win.begin) or any(tails) else inp  # type: ignore[arg-type]
+    channels_first = g.Transpose(padded, perm=[1, 0, 2, 3])  # (C, N, Hp, Wp)
+    out_hw = g.Slice(g.Shape(dout), g.ints([2]), g.ints([4]))
+    slices = []
+    for i in range(kh):
+        for j in range(kw):
+            at = g.ints([i, j])
+            window = g.Slice(channels_first, at, g.Add(out_hw, at), g.ints([2, 3]))
+            slices.append(g.Reshape(window, g.ints([0, -1])))  # (C, N*P)
+    stacked = g.Concat(*slices, axis=0) if len(slices) > 1 else slices[0]  # (K*C, N*P), offset-major
+    rows = g.Reshape(g.Transpose(dout, perm=[1, 0, 2, 3]), g.ints([0, -1]))  # (M, N*P)
+    dw = g.Gemm(rows, stacked, transB=1)  # (M, K*C)
+    dw = g.Transpose(g.Reshape(dw, g.ints([0, kh * kw, -1])), perm=[0, 2, 1])  # (M, C, K)
+    return g.Reshape(dw, g.ints([0, 0, kh, kw]))
 
 
 def _channel_sum(g: Grad, dy: str, rank: int) -> str:
