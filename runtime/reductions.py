@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .passes import _constants, _drop_dead, _fresh, _names
+from .passes import _constants, _drop_dead, _fresh, _rewrite
 
 Dims = list[int | str | None]
 
@@ -81,19 +81,9 @@ def leading_sums_as_products(model: onnx.ModelProto) -> onnx.ModelProto:
                 positions[i] = k
     if not positions:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    taken = _names(out.graph)
-    rewritten: list[onnx.NodeProto] = []
     inits: list[onnx.TensorProto] = []
-    for i, n in enumerate(out.graph.node):
-        k = positions.get(i)
-        if k is None:
-            rewritten.append(n)
-            continue
-        rewritten += _as_product(n, shapes[n.input[0]], k, opset, taken, inits)
-    del out.graph.node[:]
-    out.graph.node.extend(rewritten)
+    out = _rewrite(model, sorted(positions.items()),
+                   lambda n, k, taken: _as_product(n, shapes[n.input[0]], k, opset, taken, inits))
     out.graph.initializer.extend(inits)
     return out
 
@@ -195,25 +185,21 @@ def scatters_into_sums(model: onnx.ModelProto) -> onnx.ModelProto:
             break
     if not plan:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    taken = _names(out.graph)
-    producer = {o: n for n in out.graph.node for o in n.output}
-    rewritten: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        j = plan.get(k)
-        if j is None:
-            rewritten.append(n)
-            continue
+
+    def build(n: onnx.NodeProto, j: int, taken: set[str]) -> list[onnx.NodeProto]:
         scatter = producer[n.input[j]]
         rest = [t for i, t in enumerate(n.input) if i != j]
-        base = rest[0]
+        nodes, base = [], rest[0]
         if len(rest) > 1:
             base = _fresh(f"{n.name or n.output[0]}/others", taken)
-            rewritten.append(helper.make_node("Sum", rest, [base], name=base))
-        rewritten.append(helper.make_node("ScatterND", [base, scatter.input[1], scatter.input[2]], [n.output[0]],
-                                          name=_fresh(f"{n.name or n.output[0]}/scatter", taken), reduction="add"))
+            nodes.append(helper.make_node("Sum", rest, [base], name=base))
+        nodes.append(helper.make_node("ScatterND", [base, scatter.input[1], scatter.input[2]], [n.output[0]],
+                                      name=_fresh(f"{n.name or n.output[0]}/scatter", taken), reduction="add"))
+        return nodes
+
+    out = _rewrite(model, sorted(plan.items()), build)
+    nodes = _drop_dead(list(out.graph.node), [], outputs)  # the replaced scatters and zero fills
     del out.graph.node[:]
-    out.graph.node.extend(_drop_dead(rewritten, [], outputs))  # the replaced scatters and zero fills
+    out.graph.node.extend(nodes)
     return out
 

@@ -33,13 +33,19 @@ def _batch():
     return torch.randn(5, 1, 8, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
 
 
-def test_gradients_match_torch_with_every_pass():
+def _stepped() -> tuple[ConvNet, ConvNet, ORTModule, torch.Tensor, torch.Tensor]:
+    """ConvNet, a torch copy and the ORTModule on the first, after one ORTModule step on `_batch()`."""
     torch.manual_seed(0)
     model = ConvNet()
     reference = copy.deepcopy(model)
     ort = ORTModule(model, threads=1)
     x, y = _batch()
     ort(x, y).backward()
+    return model, reference, ort, x, y
+
+
+def test_gradients_match_torch_with_every_pass():
+    _, reference, ort, x, y = _stepped()
     reference(x, y).backward()
     for p, q in zip(ort.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
@@ -193,12 +199,7 @@ def test_relu_after_pool_only_for_a_private_relu(case):
 def test_relu_after_pool_in_a_training_session():
     """ORTModule runs ConvNet's forward with its Relu moved behind the MaxPool, through every pass (stash
     shrink, lowering); a TrainingSession on the swapped graph gives torch's gradients, and ORTModule too."""
-    torch.manual_seed(0)
-    model = ConvNet()
-    reference = copy.deepcopy(model)
-    ort = ORTModule(model, threads=1)
-    x, y = _batch()
-    ort(x, y).backward()
+    model, reference, ort, x, y = _stepped()
     source = ort.training_sessions()[0].source
     ops = [n.op_type for n in source.graph.node]
     assert ops.index("MaxPool") < ops.index("Relu")  # swapped by the runtime
