@@ -315,29 +315,20 @@ def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
             pairs[k] = producer[n.input[0]]
     if not pairs:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    old = list(out.graph.node)
-    taken = _names(out.graph)
-    gone = set()
-    relus = set(pairs.values())
-    nodes = []
-    for k, n in enumerate(old):
-        if k in relus:
-            continue
-        if k in pairs:
-            relu = old[pairs[k]]
-            y = n.output[0]
-            pooled = _fresh(f"{y}/before_relu", taken)
-            taken.add(pooled)
-            gone.add(relu.output[0])
-            n.input[0], n.output[0] = relu.input[0], pooled
-            relu.input[0], relu.output[0] = pooled, y
-            nodes += [n, relu]
-        else:
-            nodes.append(n)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
+    gone = {g.node[r].output[0] for r in pairs.values()}
+
+    def build(n: onnx.NodeProto, relu_at: int | None, taken: set[str]) -> list[onnx.NodeProto]:
+        if relu_at is None:  # the Relu moves behind its MaxPool
+            return []
+        relu = onnx.NodeProto()
+        relu.CopyFrom(g.node[relu_at])
+        y = n.output[0]
+        pooled = _fresh(f"{y}/before_relu", taken)
+        n.input[0], n.output[0] = relu.input[0], pooled
+        relu.input[0], relu.output[0] = pooled, y
+        return [n, relu]
+
+    out = _rewrite(model, sorted([*pairs.items(), *((r, None) for r in pairs.values())]), build)
     kept = [v for v in out.graph.value_info if v.name not in gone]
     del out.graph.value_info[:]
     out.graph.value_info.extend(kept)
