@@ -20,16 +20,23 @@ def _labels(g: Grad) -> str:
     return labels if g.dtype(labels) == TensorProto.INT64 else g.Cast(labels, to=TensorProto.INT64)
 
 
-def _coefficient(g: Grad, x: str, labels: str, dy: str) -> str:
+def _kept(g: Grad, labels: str) -> tuple[str | None, str]:
+    """Which labels count (None: all of them, no ignore_index), and the labels with the ignored ones at class 0:
+    a valid index everywhere, whose coefficient is 0."""
+    ignore = g.attr("ignore_index")
+    if ignore is None:
+        return None, labels
+    kept = g.Not(g.Equal(labels, g.ints(ignore)))
+    return kept, g.Where(kept, labels, g.ints(0))
+
+
+def _coefficient(g: Grad, x: str, kept: str | None, labels: str, dy: str) -> str:
     """dLoss/dloss_i per sample: dY times the sample's weight, over the total weight for mean; shaped
-    (N, 1, d1, ...) to broadcast over the class axis, or a scalar when every sample weighs the same."""
-    weights, ignore = g.I(2), g.attr("ignore_index")
+    (N, 1, d1, ...) to broadcast over the class axis, or a scalar when every sample weighs the same.
+    `kept`, `labels`: from `_kept`."""
+    weights = g.I(2)
     reduction = g.attr("reduction", "mean")
-    w = None
-    if ignore is not None:
-        kept = g.Not(g.Equal(labels, g.ints(ignore)))
-        w = g.cast_like(kept, x)
-        labels = g.Where(kept, labels, g.ints(0))  # a valid index for Gather below
+    w = g.cast_like(kept, x) if kept is not None else None
     if weights is not None:
         picked = g.Gather(weights, labels, axis=0)
         w = picked if w is None else g.Mul(picked, w)
@@ -68,15 +75,6 @@ def _onehot(g: Grad, x: str, labels: str) -> str:
     return g.cast_like(hit, x)
 
 
-def _label_index(g: Grad, labels: str) -> str:
-    """Labels as (N, 1, d1, ...) indices along the class axis; ignored ones point at class 0 (their
-    coefficient is 0, so whatever is written there is 0)."""
-    ignore = g.attr("ignore_index")
-    if ignore is not None:
-        labels = g.Where(g.Equal(labels, g.ints(ignore)), g.ints(0), labels)
-    return g.unsqueeze(labels, [1])
-
-
 @rule("SoftmaxCrossEntropyLoss", since=13, nondiff=(1, 2))
 def softmax_cross_entropy(g: Grad):
     """d scores = coef * (softmax - onehot), plus the log_prob output's own gradient when it has one.
@@ -91,9 +89,9 @@ def softmax_cross_entropy(g: Grad):
     prob = g.Exp(log_prob) if log_prob is not None else g.Softmax(scores, axis=1)
     grad = None
     if g.GO(0) is not None:
-        labels = _labels(g)
-        coef = _coefficient(g, scores, labels, g.GO(0))
-        index = _label_index(g, labels)
+        kept, labels = _kept(g, _labels(g))
+        coef = _coefficient(g, scores, kept, labels, g.GO(0))
+        index = g.unsqueeze(labels, [1])  # (N, 1, d1, ...) along the class axis
         at_label = g.Mul(g.Sub(g.GatherElements(prob, index, axis=1), g.const(1.0, like=scores)), coef)
         grad = g.ScatterElements(g.Mul(prob, coef), index, at_label, axis=1)
     if g.GO(1) is not None:  # log_softmax's own backward
@@ -108,4 +106,5 @@ def negative_log_likelihood(g: Grad):
     """d input = -coef * onehot(label)."""
     x = g.I(0)
     labels = _labels(g)
-    return (g.Neg(g.Mul(_onehot(g, x, labels), _coefficient(g, x, labels, g.GO(0)))),)
+    kept, safe = _kept(g, labels)
+    return (g.Neg(g.Mul(_onehot(g, x, labels), _coefficient(g, x, kept, safe, g.GO(0)))),)
