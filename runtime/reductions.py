@@ -63,15 +63,16 @@ def _leading(node: onnx.NodeProto, dims: Dims | None, axes: list[int] | None) ->
     return k
 
 
-def leading_sums_as_products(model: onnx.ModelProto) -> onnx.ModelProto:
+def leading_sums_as_products(model: onnx.ModelProto, shapes: dict[str, Dims] | None = None) -> onnx.ModelProto:
     """A copy of `model` whose float32 ReduceSums over leading axes are MatMuls with ones (the model itself
     when there are none). The ones are a constant when the summed dims are static, else built from x's
-    shape (three small nodes)."""
+    shape (three small nodes). `shapes`: `_shapes(model)`, when the caller has it."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     graph = model.graph
     if opset < 13 or not any(n.op_type == "ReduceSum" and not n.domain for n in graph.node):
         return model
-    shapes = _shapes(model)
+    if shapes is None:
+        shapes = _shapes(model)
     consts = _constants(graph)
     positions = {}
     for i, n in enumerate(graph.node):
@@ -154,17 +155,17 @@ def _same_shapes(shapes: list[Dims | None]) -> bool:
     return True
 
 
-def scatters_into_sums(model: onnx.ModelProto) -> onnx.ModelProto:
+def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = None) -> onnx.ModelProto:
     """A copy of `model` where `Sum(a, ..., ScatterND(zeros, i, u, reduction="add"))` is `ScatterND(Sum(a, ...),
     i, u, reduction="add")` (the model itself when nothing matches). Only when the zeros and the scatter are read
-    by that Sum alone and no term of the Sum can broadcast (`_same_shapes`; a scatter does not broadcast)."""
+    by that Sum alone and no term of the Sum can broadcast (`_same_shapes`; a scatter does not broadcast).
+    `shapes`: `_shapes(model)`, when the caller has it."""
     graph = model.graph
     if not any(n.op_type == "Sum" and not n.domain for n in graph.node):
         return model
     producer = {o: n for n in graph.node for o in n.output}
     reads = Counter(i for n in graph.node for i in n.input)
     outputs = {o.name for o in graph.output}
-    shapes: dict[str, Dims] | None = None
     plan: dict[int, int] = {}
     for k, n in enumerate(graph.node):
         if n.op_type != "Sum" or n.domain or len(n.input) < 2:
@@ -203,3 +204,13 @@ def scatters_into_sums(model: onnx.ModelProto) -> onnx.ModelProto:
     out.graph.node.extend(nodes)
     return out
 
+
+
+def lower_sums(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`leading_sums_as_products`, then `scatters_into_sums`, on one shape inference of `model` (the first rewrite
+    keeps every tensor it does not add, with its shape), run only when either may apply."""
+    ops = {n.op_type for n in model.graph.node if not n.domain}
+    if not ops & {"ReduceSum", "Sum"}:
+        return model
+    shapes = _shapes(model)
+    return scatters_into_sums(leading_sums_as_products(model, shapes), shapes)

@@ -283,7 +283,7 @@ class TrainingSession:
             model = program.backward
             if self.config.lower:
                 model = passes.lower(model, arrays)
-                model = reductions.scatters_into_sums(reductions.leading_sums_as_products(model))
+                model = reductions.lower_sums(model)
             runner = Runner(model, self.config, "backward")
         return _Backward(program, runner, grads, consts, specialised)
 
