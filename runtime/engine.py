@@ -30,7 +30,7 @@ from . import exchange, function
 from .batchnorm import update_running_stats
 from .export import Exported, ExportError, ExportOptions, export, pin_dims
 from .ort_session import Runner, SessionConfig, SessionLoadError
-from .session import TrainingSession
+from .session import TrainingSession, runnable_forward
 from .structure import flatten, unflatten
 
 SAVE_ENV = "GRADBUILDER_SAVE_ONNX"
@@ -108,7 +108,7 @@ class Schema:
 
     def infer(self, feeds: dict[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._infer is None:
-            self._infer = Runner(self.exported.model, self.config, "forward (inference)")
+            self._infer = Runner(runnable_forward(self.exported.model, self.config), self.config, "forward (inference)")
         return self._infer.run(feeds)
 
 

@@ -27,7 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
 
-from . import exchange, passes, reductions
+from . import crossentropy, exchange, passes, reductions
 from .exchange import Tensor
 from .ort_session import Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
@@ -68,6 +68,12 @@ class _Backward:
         self.results = [(w, index[g]) for w, g in self.grads.items()]
         self.plan = [(e.name, e.role, e.output_index if e.output_index is not None else -1, e.full_shape)
                      for e in man.backward_inputs]
+
+
+def runnable_forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
+    """A forward (or inference) graph as its session runs it: with `config.lower`, the classification losses
+    written out in standard ops (`crossentropy`) instead of the ONNX function bodies onnxruntime inlines."""
+    return crossentropy.lower_losses(model) if config.lower else model
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -146,7 +152,7 @@ class TrainingSession:
         """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
         self.read_inputs: tuple[str, ...] = tuple(e.name for e in man.backward_inputs if e.role == "input")
         """Graph inputs backward reads (the same hazard, for the caller's input tensors)."""
-        self._fwd = Runner(full.forward, config, "forward")
+        self._fwd = Runner(runnable_forward(full.forward, config), config, "forward")
         self._fwd_names = full.forward_outputs
         self._infer: Runner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
@@ -231,7 +237,7 @@ class TrainingSession:
 
     def run_ortvalues(self, feeds: Mapping[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._infer is None:
-            self._infer = Runner(self.source, self.config, "inference")
+            self._infer = Runner(runnable_forward(self.source, self.config), self.config, "inference")
         return self._infer.run(feeds, self.output_names)
 
     # --- internals ----------------------------------------------------------------------------------
