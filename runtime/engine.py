@@ -149,7 +149,7 @@ class Engine:
         leaves, in_spec = self._flatten(args, kwargs)
         kinds = []
         for t in leaves:
-            if t.device.type != "cpu":
+            if not t.is_cpu:
                 raise ORTModuleError(f"ORTModule({self.name}) runs on onnxruntime's CPU provider; an input is on "
                                      f"{t.device}. Move the module and inputs to the CPU.")
             kinds.append((t.dtype, t.dim()))
@@ -173,9 +173,18 @@ class Engine:
             feeds[name] = exchange.to_ortvalue(t)
             if grad and t.requires_grad and name not in frozen:
                 wrt.append(name)
-        for name, fqn in ex.state:
-            t = named[name] = self._tensor(fqn)
-            feeds[name] = self._ortvalue(name, t)
+        owners, cached = self._owners, self._ortvalues
+        for name, fqn in ex.state:  # parameters and buffers: `_tensor` and `_ortvalue` inlined for their hits
+            where = owners.get(fqn) or self._owner(fqn)
+            t = where[0]._parameters.get(where[1])
+            if t is None:
+                t = where[0]._buffers[where[1]]
+            named[name] = t
+            hit = cached.get(name)
+            if hit is not None and hit[0] is t and hit[1] == t.data_ptr() and hit[2] == t.shape:
+                feeds[name] = hit[3]
+            else:
+                feeds[name] = self._ortvalue(name, t)
             if grad and t.requires_grad and name not in frozen:
                 wrt.append(name)
         n = len(ex.outputs)
@@ -228,7 +237,7 @@ class Engine:
 
     def _session(self, key: Hashable, schema: Schema, wrt: list[str], leaves: list[torch.Tensor]
                  ) -> TrainingSession | None:
-        if (key, frozenset(wrt)) in self.failed:
+        if self.failed and (key, frozenset(wrt)) in self.failed:
             return None
         try:
             session, built = schema.session(wrt, leaves)
@@ -255,14 +264,12 @@ class Engine:
             self._by_name = dict(self.module.named_modules())
         return self._by_name
 
-    def _tensor(self, fqn: str) -> torch.Tensor:
-        where = self._owners.get(fqn)
-        if where is None:
-            owner, _, attr = fqn.rpartition(".")
-            where = self._owners[fqn] = (self.module.get_submodule(owner) if owner else self.module, attr)
-        mod, attr = where
-        t = mod._parameters.get(attr)
-        return t if t is not None else mod._buffers[attr]
+    def _owner(self, fqn: str) -> tuple[nn.Module, str]:
+        """The module holding a parameter or buffer, and its attribute name there (cached: the tensor itself is
+        read anew each call, so reassigned parameters are seen)."""
+        owner, _, attr = fqn.rpartition(".")
+        where = self._owners[fqn] = (self.module.get_submodule(owner) if owner else self.module, attr)
+        return where
 
     def _ortvalue(self, name: str, t: torch.Tensor) -> C.OrtValue:
         """Parameters' OrtValues are made once and reused while the tensor keeps its memory: in-place

@@ -50,25 +50,36 @@ class ORTFunction(torch.autograd.Function):
         values = [exchange.to_torch(v) for v in outs]
         ctx.call = call
         ctx.state = state
-        ctx.mark_non_differentiable(*[t for k, t in enumerate(values)
-                                      if k >= call.n_user or not t.is_floating_point()])
+        fixed = [t for k, t in enumerate(values) if k >= call.n_user or not t.is_floating_point()]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
         # outputs backward reads share memory with the stash: saving them lets torch detect in-place changes
         ctx.save_for_backward(*[values[i] for i in call.session.stashed_outputs if i < call.n_user], *call.read)
         call.read = ()
         return tuple(values)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call: Call = ctx.call
-        ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
-        n_out = len(call.session.output_names)
-        ort_grads: list[C.OrtValue | None] = [None] * n_out
-        for i, g in enumerate(grads[:call.n_user]):
-            if g is not None:
-                ort_grads[i] = exchange.to_ortvalue(g)
-        result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
-        return (None, *[result.get(w) for w in call.wrt])
+        if torch.is_grad_enabled():  # create_graph=True: no double backward through onnxruntime
+            return _backward_once(ctx, *grads)
+        return _backward(ctx, *grads)
+
+
+def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    call: Call = ctx.call
+    ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
+    n_out = len(call.session.output_names)
+    ort_grads: list[C.OrtValue | None] = [None] * n_out
+    for i, g in enumerate(grads[:call.n_user]):
+        if g is not None:
+            ort_grads[i] = exchange.to_ortvalue(g)
+    result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
+    return (None, *[result.get(w) for w in call.wrt])
+
+
+_backward_once = once_differentiable(_backward)
+"""The backward under `create_graph=True`: its results do not require grad. A plain `backward()` runs with grad
+mode off already, so it skips this wrapper's no_grad context (7 Python calls a step)."""
 
 
 _APPLY = super(torch.autograd.Function, ORTFunction).apply

@@ -66,8 +66,14 @@ class _Backward:
         self.out_names = [e.name for e in man.backward_outputs]
         index = {n: i for i, n in enumerate(self.out_names)}
         self.results = [(w, index[g]) for w, g in self.grads.items()]
-        self.plan = [(e.name, e.role, e.output_index if e.output_index is not None else -1, e.full_shape)
-                     for e in man.backward_inputs]
+        # the feed plan, by where each backward input comes from
+        self.fixed = {e.name: self.consts[e.name] for e in man.backward_inputs
+                      if e.role == "initializer" and e.name in self.consts}
+        """Constant feeds (initializers backward reads), the same every step."""
+        self.from_grads = [(e.name, e.output_index, e.full_shape) for e in man.backward_inputs
+                           if e.role == "output_grad"]
+        self.from_state = [e.name for e in man.backward_inputs
+                           if e.role != "output_grad" and e.name not in self.fixed]
 
 
 def runnable_forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
@@ -220,7 +226,7 @@ class TrainingSession:
         if state.released:
             raise RuntimeError("backward through a ForwardState a second time: its stashed tensors were already "
                                "freed; pass retain=True to the first backward to keep them.")
-        given = frozenset(i for i in self.differentiable if grads[i] is not None)
+        given = frozenset([i for i in self.differentiable if grads[i] is not None])
         if not given and self.spec.loss is None:
             if not retain:
                 state.release()
@@ -295,19 +301,16 @@ class TrainingSession:
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]
                         ) -> dict[str, C.OrtValue]:
-        feeds: dict[str, C.OrtValue] = {}
+        feeds = dict(bw.fixed)
         values = state.values
-        for name, role, index, full_shape in bw.plan:
-            if role == "output_grad":
-                g = grads[index]
-                if g is None:
-                    out = state.outputs[index]
-                    g = exchange.zeros_like(out) if full_shape else exchange.scalar_zero(out.element_type())
-                feeds[name] = g
-            elif role == "initializer" and name in bw.consts:
-                feeds[name] = bw.consts[name]
-            else:
-                feeds[name] = values[name]
+        for name in bw.from_state:
+            feeds[name] = values[name]
+        for name, index, full_shape in bw.from_grads:
+            g = grads[index]
+            if g is None:
+                out = state.outputs[index]
+                g = exchange.zeros_like(out) if full_shape else exchange.scalar_zero(out.element_type())
+            feeds[name] = g
         return feeds
 
     def _save(self, program: Program, suffix: str) -> None:

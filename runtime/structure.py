@@ -43,6 +43,13 @@ class Node:
     keys: tuple[Any, ...] | None
     children: tuple[Spec, ...]
 
+    def __post_init__(self) -> None:
+        # specs key the schema cache on every call: hash the tree once, not recursively per lookup
+        object.__setattr__(self, "_hash", hash((self.kind, self.keys, self.children)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined, no-any-return]
+
 
 Spec = Leaf | Const | Node
 

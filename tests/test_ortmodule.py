@@ -272,6 +272,17 @@ def test_retain_graph_like_torch() -> None:
         out.backward()
 
 
+def test_create_graph_gives_first_order_gradients_only() -> None:
+    """Under create_graph=True the first-order gradients are torch's; they do not require grad (no double
+    backward through onnxruntime), as `once_differentiable` makes them."""
+    ref, om = pair(MLP())
+    x = torch.randn(3, 8, requires_grad=True)
+    got, = torch.autograd.grad(om(x).sum(), x, create_graph=True)
+    want, = torch.autograd.grad(ref(x).sum(), x)
+    torch.testing.assert_close(got, want)
+    assert not got.requires_grad
+
+
 def test_in_place_change_of_a_stashed_output_is_detected() -> None:
     om = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()))  # Sigmoid's gradient reads its output
     out = om(torch.randn(2, 4))
