@@ -16,6 +16,7 @@ contributions instead: no table-sized zero fill, no table-sized buffer of its ow
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -206,11 +207,152 @@ def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = 
 
 
 
+class _Placed(NamedTuple):
+    """One Sum term that puts a slice at a constant position along an axis, zeros elsewhere (`_placement`)."""
+
+    axis: int
+    rank: int
+    position: int
+    size: int | tuple[str, ...]
+    """The axis length: an int, or for a run-time length a key equal for equal lengths."""
+    slice: str
+    length: str | None
+    """The run-time length tensor (None when static)."""
+
+
+def _length_key(name: str, producer: dict[str, onnx.NodeProto], consts: dict[str, np.ndarray]) -> tuple[str, ...]:
+    """A key equal for run-time lengths computed alike: `Gather(s, k)` of one shape s (a tensor's `Shape`, or the
+    one a forward computed and backward reads) and one constant k."""
+    n = producer.get(name)
+    if n is not None and n.op_type == "Gather" and not n.domain and n.input[1] in consts:
+        index = str(consts[n.input[1]].reshape(-1).tolist())
+        shape = producer.get(n.input[0])
+        if shape is not None and shape.op_type == "Shape" and not shape.domain and not shape.attribute:
+            return ("dim of", shape.input[0], index)
+        return ("element of", n.input[0], index)
+    return ("tensor", name)
+
+
+def _placement(pad: onnx.NodeProto, producer: dict[str, onnx.NodeProto], consts: dict[str, np.ndarray]
+               ) -> _Placed | None:
+    """How `pad` places a slice when it zero-pads `Unsqueeze(slice, [axis])` along that axis alone, with the
+    pads the Gather rule writes (`gradbuilder.rules.indexing.placement_pads`): a constant, or
+    `Concat(begins, length - (position + 1), zeros)`."""
+    if pad.op_type != "Pad" or pad.domain or len(pad.input) < 2:
+        return None
+    if next((a.s for a in pad.attribute if a.name == "mode"), b"constant") != b"constant":
+        return None
+    if len(pad.input) > 2 and pad.input[2] and (pad.input[2] not in consts or consts[pad.input[2]].any()):
+        return None
+    if len(pad.input) > 3 and pad.input[3]:  # explicit axes (opset 18)
+        return None
+    unsq = producer.get(pad.input[0])
+    if unsq is None or unsq.op_type != "Unsqueeze" or unsq.domain or len(unsq.input) < 2 or unsq.input[1] not in consts:
+        return None
+    axes = [int(v) for v in consts[unsq.input[1]].reshape(-1)]
+    if len(axes) != 1 or axes[0] < 0:
+        return None
+    a = axes[0]
+    if pad.input[1] in consts:  # static length
+        pads = [int(v) for v in consts[pad.input[1]].reshape(-1)]
+        r = len(pads) // 2
+        if a >= r or any(v for k, v in enumerate(pads) if k not in (a, r + a)) or min(pads[a], pads[r + a]) < 0:
+            return None
+        return _Placed(a, r, pads[a], pads[a] + pads[r + a] + 1, unsq.output[0], None)
+    cat = producer.get(pad.input[1])
+    if cat is None or cat.op_type != "Concat" or cat.domain or len(cat.input) not in (2, 3):
+        return None
+    head, end, *tail = cat.input
+    sub = producer.get(end)
+    if head not in consts or any(t not in consts for t in tail) or sub is None or sub.op_type != "Sub" \
+            or sub.input[1] not in consts:
+        return None
+    begins = [int(v) for v in consts[head].reshape(-1)]
+    r = len(begins) - a
+    zeros = [int(v) for t in tail for v in consts[t].reshape(-1)]
+    if r <= a or len(zeros) != r - a - 1 or any(zeros) or any(v for k, v in enumerate(begins) if k != a):
+        return None
+    i = begins[a]
+    if consts[sub.input[1]].reshape(-1).tolist() != [i + 1] or i < 0:
+        return None
+    return _Placed(a, r, i, _length_key(sub.input[0], producer, consts), unsq.output[0], sub.input[0])
+
+
+def placements_into_concats(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` where the terms of a Sum that place slices into zeros at positions 0..k-1 of one axis
+    (`_placement`: the q, k and v gradients of a packed projection) are one Concat of the slices, padded with
+    zeros up to the axis length when that is only known at run time (the model itself when nothing matches):
+    no zero fill and full-size buffer per slice, no Sum pass over them. Only pads read by that Sum alone;
+    other terms of the Sum are added to the result."""
+    graph = model.graph
+    if not any(n.op_type == "Sum" and not n.domain for n in graph.node):
+        return model
+    producer = {o: n for n in graph.node for o in n.output}
+    reads = Counter(i for n in graph.node for i in n.input)
+    outputs = {o.name for o in graph.output}
+    consts = _constants(graph)
+    plan: list[tuple[int, list[_Placed], list[str]]] = []
+    for k, n in enumerate(graph.node):
+        if n.op_type != "Sum" or n.domain or len(n.input) < 2:
+            continue
+        groups: dict[tuple[int, int, object], dict[int, tuple[str, _Placed]]] = {}
+        for t in n.input:
+            p = producer.get(t)
+            at = _placement(p, producer, consts) if p is not None and reads[t] == 1 and t not in outputs else None
+            if at is not None:
+                groups.setdefault((at.axis, at.rank, at.size), {})[at.position] = (t, at)
+        for (_, _, size), terms in groups.items():
+            if sorted(terms) != list(range(len(terms))) or len(terms) < 2 or \
+                    (isinstance(size, int) and size != len(terms)):
+                continue
+            joined = {t for t, _ in terms.values()}
+            plan.append((k, [terms[i][1] for i in range(len(terms))], [t for t in n.input if t not in joined]))
+            break
+    if not plan:
+        return model
+    inits: list[onnx.TensorProto] = []
+
+    def build(n: onnx.NodeProto, placed: list[_Placed], others: list[str], taken: set[str]) -> list[onnx.NodeProto]:
+        base = n.name or n.output[0]
+
+        def name(what: str) -> str:
+            return _fresh(f"{base}/{what}", taken)
+
+        def ints(what: str, values: list[int]) -> str:
+            inits.append(numpy_helper.from_array(np.array(values, np.int64), name(what)))
+            return inits[-1].name
+
+        a, length = placed[0].axis, placed[0].length
+        result = n.output[0] if not others and length is None else name("concat")
+        nodes = [helper.make_node("Concat", [p.slice for p in placed], [result], name=result, axis=a)]
+        if length is not None:  # zeros after the k slices, up to the run-time length
+            padded = n.output[0] if not others else name("padded")
+            rest, pads = name("rest"), name("pads")
+            rank = placed[0].rank
+            nodes += [helper.make_node("Sub", [length, ints("count", [len(placed)])], [rest], name=rest),
+                      helper.make_node("Concat", [ints("before", [0] * (rank + a)), rest,
+                                                  *([ints("after", [0] * (rank - a - 1))] if a + 1 < rank else [])],
+                                       [pads], name=pads, axis=0),
+                      helper.make_node("Pad", [result, pads], [padded], name=padded)]
+            result = padded
+        if others:
+            nodes.append(helper.make_node("Sum", [result, *others], [n.output[0]], name=name("sum")))
+        return nodes
+
+    out = _rewrite(model, plan, build)
+    out.graph.initializer.extend(inits)
+    nodes = _drop_dead(list(out.graph.node), [], outputs)  # the replaced pads
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def lower_sums(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`leading_sums_as_products`, then `scatters_into_sums`, on one shape inference of `model` (the first rewrite
-    keeps every tensor it does not add, with its shape), run only when either may apply."""
+    """`placements_into_concats`, then `leading_sums_as_products` and `scatters_into_sums` on one shape inference
+    of `model` (each rewrite keeps every tensor it does not add, with its shape), run only when any may apply."""
     ops = {n.op_type for n in model.graph.node if not n.domain}
     if not ops & {"ReduceSum", "Sum"}:
         return model
+    model = placements_into_concats(model)
     shapes = _shapes(model)
     return scatters_into_sums(leading_sums_as_products(model, shapes), shapes)

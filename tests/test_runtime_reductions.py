@@ -1,4 +1,5 @@
-"""runtime.reductions: ReduceSum over leading axes becomes a MatMul with ones, with the same values."""
+"""runtime.reductions: sums rewritten into MatMuls with ones, scatters into other terms, placements into Concats,
+with the same values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from runtime.reductions import leading_sums_as_products, scatters_into_sums
+from runtime.ort_session import SessionConfig
+from runtime.reductions import leading_sums_as_products, placements_into_concats, scatters_into_sums
+from runtime.session import TrainingSession
 
 
 def _model(dims: list[int | str], axes: list[int], keepdims: int, opset: int) -> onnx.ModelProto:
@@ -102,3 +105,46 @@ def test_scatter_into_sum() -> None:
 def test_scatter_into_broadcast_sum_left_alone() -> None:
     model = _scatter_sum_model([1, 3], [5, 3])  # the Sum broadcasts a; a scatter into it would not
     assert scatters_into_sums(model) is model
+
+
+def _rows_model(n: int | str, rows: list[int]) -> onnx.ModelProto:
+    """loss = sum_k <x[rows[k]], c_k>: Gathers of constant rows of x [n, 4], whose gradient puts c_k at each row."""
+    f = TensorProto.DOUBLE
+    nodes, inits, terms = [], [], []
+    for k, row in enumerate(rows):
+        inits += [numpy_helper.from_array(np.array(row, np.int64), f"i{k}"),
+                  numpy_helper.from_array(np.arange(4, dtype=np.float64) + 10 * k + 1, f"c{k}")]
+        nodes += [helper.make_node("Gather", ["x", f"i{k}"], [f"r{k}"], axis=0),
+                  helper.make_node("Mul", [f"r{k}", f"c{k}"], [f"t{k}"])]
+        terms.append(f"t{k}")
+    nodes += [helper.make_node("Sum", terms, ["s"]), helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "rows", [helper.make_tensor_value_info("x", f, [n, 4])],
+                              [helper.make_tensor_value_info("loss", f, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("n", "rows", "joined"), [
+    ("n", [2, 0, 1], True),   # q, k, v of a packed projection: run-time length, padded after the Concat
+    (3, [1, 2, 0], True),     # static length: a bare Concat
+    ("n", [0, 2], False),     # a gap: the placements stay
+    (3, [0, 1], False),       # static length not covered
+])
+def test_placements_into_concat(n: int | str, rows: list[int], joined: bool) -> None:
+    """The Gather rule's placements of constant rows, summed, become one Concat when they cover rows 0..k-1 (and
+    the whole axis when its length is static); the gradient is the same, extra rows getting zeros."""
+    config = SessionConfig(threads=1)
+    session = TrainingSession.from_forward(_rows_model(n, rows), wrt=["x"], loss="loss", config=config)
+    backward = session.full.backward
+    out = placements_into_concats(backward)
+    assert (out is not backward) == joined
+    ops = [node.op_type for node in out.graph.node]
+    if joined:
+        assert "Concat" in ops and ops.count("Pad") == (1 if n == "n" else 0)
+    for size in [3, 5] if n == "n" else [3]:
+        x = np.random.default_rng(size).standard_normal([size, 4])
+        _, state = session.forward({"x": x})
+        got = session.backward(state, [None])["x"]
+        want = np.zeros([size, 4])
+        for k, row in enumerate(rows):
+            want[row] += np.arange(4) + 10 * k + 1
+        np.testing.assert_array_equal(got, want)

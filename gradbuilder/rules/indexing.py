@@ -111,14 +111,47 @@ def axis_adjoint(g: Grad, t: str, axis: int, rank: int, src: str, d: int | str, 
     return g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]) if axis else summed
 
 
+def _constant_position(g: Grad, d: int | str) -> int | None:
+    """The position Gather reads when its index is one constant (a scalar), within a static size `d` or, for a
+    size known only at run time, when it is not negative."""
+    index = g.const_input(1)
+    if index is None or index.ndim != 0:
+        return None
+    i = int(index)
+    if isinstance(d, int):
+        return i % d if -d <= i < d else None
+    return i if i >= 0 else None
+
+
+def placement_pads(g: Grad, rank: int, axis: int, i: int, d: int | str) -> str:
+    """Pad's pads putting one slice (size 1 along `axis`) at position i of an axis of size d: a constant, or
+    `Concat(begins, d - (i + 1), zeros)` when d is known at run time only (`runtime.reductions` reads this
+    layout back to join such placements into a Concat)."""
+    if isinstance(d, int):
+        pads = [0] * (2 * rank)
+        pads[axis], pads[rank + axis] = i, d - 1 - i
+        return g.ints(pads)
+    begins = [0] * rank
+    begins[axis] = i
+    parts = [g.ints(begins + [0] * axis), g.Sub(d, g.ints([i + 1]))]
+    if axis + 1 < rank:
+        parts.append(g.ints([0] * (rank - axis - 1)))
+    return g.Concat(*parts, axis=0)
+
+
 @rule("Gather", nondiff=(1,))
 def gather(g: Grad):
     """The gradient is data[:a] + indices + data[a+1:]: flatten the index dims into one axis and
-    scatter-add along it."""
+    scatter-add along it. One constant position (a scalar index: q, k and v of a packed projection, a CLS
+    token) is padded back into place instead: no zero table, no scatter; and the placements of a Sum
+    covering the whole axis become one Concat downstream (`runtime.reductions`)."""
     data, dy = g.I(0), g.GO(0)
     r = g.require_rank(data)
     a = int(g.attr("axis", 0)) % r
     d = size_along(g, data, a)
+    i = _constant_position(g, d)
+    if i is not None:
+        return (g.Pad(g.unsqueeze(dy, [a]), placement_pads(g, r, a, i, d)),)
     src = g.Reshape(nonneg(g, int64(g, g.I(1)), d), g.ints([-1]))
     parts = [dims_of(g, data, range(a))] if a else []
     parts += [g.ints([-1])] + ([dims_of(g, data, range(a + 1, r))] if a + 1 < r else [])
