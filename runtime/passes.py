@@ -335,6 +335,27 @@ def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def layer_norm_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every LayerNormalization of the main graph outputs its Mean and InvStdDev, which onnxruntime's kernel
+    computes anyway: the gradient rule then reads them (two values a row, as torch saves) instead of recomputing
+    both over x in backward (eight nodes over the whole input). For the runtime's forward source, before the
+    gradient is built; returns a rewritten copy, or `model` itself when every LayerNormalization has them."""
+    plan = [(k,) for k, n in enumerate(model.graph.node) if n.op_type == "LayerNormalization"
+            and n.domain in ("", "ai.onnx") and not (len(n.output) > 2 and n.output[1] and n.output[2])]
+
+    def build(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
+        outs = [*n.output, "", ""][:3]
+        for k, what in ((1, "mean"), (2, "inv_std_dev")):
+            if not outs[k]:
+                outs[k] = _fresh(f"{outs[0]}/{what}", taken)
+                taken.add(outs[k])
+        del n.output[:]
+        n.output.extend(outs)
+        return [n]
+
+    return _rewrite(model, plan, build)
+
+
 def _perm(node: onnx.NodeProto) -> list[int] | None:
     return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
 

@@ -115,8 +115,8 @@ class TrainingSession:
         """Build the training graph of a forward model and run it."""
         source = gradbuilder.load_model(model)
         config = config or SessionConfig(threads=threads)
-        if config.lower:  # Relu at the pooled size: a quarter of its work and of its mask (`passes.relu_after_pool`)
-            source = passes.relu_after_pool(source)
+        if config.lower:  # Relu at the pooled size (`passes.relu_after_pool`), LayerNorm statistics for backward
+            source = passes.layer_norm_statistics(passes.relu_after_pool(source))
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
         if config.shrink:
             passes.shrink_stash(training)

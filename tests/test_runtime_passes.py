@@ -215,3 +215,32 @@ def test_relu_after_pool_in_a_training_session():
     for n in wrt:
         np.testing.assert_allclose(grads[n], params[n].grad.numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(ours[n].grad.numpy(), params[n].grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_layer_norm_statistics_read_by_backward(dtype):
+    """The runtime gives each LayerNormalization its Mean/InvStdDev outputs; for float32 backward reads them
+    (stashed: two values a row) instead of recomputing, for float64 (float statistics) it recomputes. The
+    gradients are torch's either way."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [helper.make_node("LayerNormalization", ["x", "w", "b"], ["y"], axis=-1, epsilon=1e-5),
+             helper.make_node("Mul", ["y", "y"], ["sq"]), helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "ln", [helper.make_tensor_value_info(n, elem, s) for n, s in
+                                            (("x", ["n", 6]), ("w", [6]), ("b", [6]))],
+                              [helper.make_tensor_value_info("loss", elem, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rewritten = passes.layer_norm_statistics(model)
+    assert len(rewritten.graph.node[0].output) == 3
+    assert passes.layer_norm_statistics(rewritten) is rewritten
+    session = TrainingSession.from_forward(model, wrt=["x", "w", "b"], loss="loss", config=SessionConfig(threads=1))
+    stash = {e.name for e in session.full.manifest.backward_inputs if e.role == "stash"}
+    assert any(name.endswith("/inv_std_dev") for name in stash) == (dtype == np.float32)
+    rng = np.random.default_rng(0)
+    x, w, b = rng.standard_normal([5, 6]).astype(dtype), rng.random(6).astype(dtype) + 0.5, rng.random(6).astype(dtype)
+    _, state = session.forward({"x": x, "w": w, "b": b})
+    grads = session.backward(state, [None])
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    (torch.nn.functional.layer_norm(tx, [6], tw, tb, 1e-5) ** 2).sum().backward()
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    for name, t in (("x", tx), ("w", tw), ("b", tb)):
+        np.testing.assert_allclose(grads[name], t.grad.numpy(), rtol=tol, atol=tol)
