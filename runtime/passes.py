@@ -144,6 +144,10 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     taken = _names(g)
     rename: dict[str, str] = {}
     copies: list[onnx.NodeProto] = []
+    # the float type backward already casts each Dropout mask to (the Dropout rule's Cast): a recomputed output
+    # casting the same way shares that Cast once onnxruntime merges equal nodes
+    mask_types = {n.input[0]: a.i for n in nodes[y + 1:] if n.op_type == "Cast" and not n.domain
+                  for a in n.attribute if a.name == "to" and a.i in FLOATS}
 
     def copy(name: str) -> str:
         if name in rename or name not in maker:
@@ -152,7 +156,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
         if src.op_type == "Dropout":
             rename[name] = _fresh(f"{name}__remat", taken)
             copies.extend(_masked(copy(src.input[0]), src.output[1], dropout_scale(src) or 1.0, rename[name], g,
-                                  taken))
+                                  taken, mask_types.get(src.output[1])))
             return rename[name]
         for x in src.input:
             copy(x)
@@ -180,12 +184,19 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     return [x for x in dict.fromkeys(wanted)]
 
 
-def _masked(x: str, mask: str, scale: float, out: str, g: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProto]:
+def _masked(x: str, mask: str, scale: float, out: str, g: onnx.GraphProto, taken: set[str],
+            elem: int | None = None) -> list[onnx.NodeProto]:
     """Nodes computing Dropout's output `x * mask * scale` from its input and its boolean mask (bit for bit what
-    onnxruntime's Dropout returns: x * scale where the mask holds, 0 elsewhere, for finite x)."""
+    onnxruntime's Dropout returns: x * scale where the mask holds, 0 elsewhere, for finite x). `elem`: x's
+    element type when known (then plain Casts and a typed scale), else CastLike to x."""
     s = _fresh(f"{out}/scale", taken)
-    g.initializer.append(helper.make_tensor(s, TensorProto.FLOAT, [], [scale]))
     m, kept, sx = (_fresh(f"{out}/{k}", taken) for k in ("mask", "kept", "scale_like"))
+    if elem is not None:
+        g.initializer.append(helper.make_tensor(sx, elem, [], [float(np.float32(scale))]))  # as CastLike of float
+        return [helper.make_node("Cast", [mask], [m], name=_fresh(f"{m}_node", taken), to=elem),
+                helper.make_node("Mul", [x, m], [kept], name=_fresh(f"{kept}_node", taken)),
+                helper.make_node("Mul", [kept, sx], [out], name=_fresh(f"{out}_node", taken))]
+    g.initializer.append(helper.make_tensor(s, TensorProto.FLOAT, [], [scale]))
     return [helper.make_node("CastLike", [mask, x], [m], name=_fresh(f"{m}_node", taken)),
             helper.make_node("Mul", [x, m], [kept], name=_fresh(f"{kept}_node", taken)),
             helper.make_node("CastLike", [s, x], [sx], name=_fresh(f"{sx}_node", taken)),
