@@ -421,3 +421,19 @@ def test_float16(opset):
     check_op("Slice", [("x", x), ("s", i64(3)), ("e", i64(-100)), ("a", i64(2)), ("t", i64(-2))],
              lambda x: x[:, :, [3, 1]], consts=["s", "e", "a", "t"], **kw)
     check_op("Concat", [("a", x), ("b", x)], lambda a, b: torch.cat([a, b], 1), axis=1, wrt=["b"], **kw)
+
+
+@pytest.mark.parametrize(("dims", "stashes_shape"), [(["n", 4, 3], False), (["n", "m", 3], True)])
+def test_reshape_back_without_a_stashed_shape(dims, stashes_shape):
+    """With one symbolic dim the gradient reshapes to a constant holding -1 there: no Shape node, nothing int64
+    stashed; with two it needs x's shape from the forward part."""
+    f = onnx.TensorProto.FLOAT
+    nodes = [onnx.helper.make_node("Flatten", ["x"], ["y"], axis=1), onnx.helper.make_node("Mul", ["y", "y"], ["sq"])]
+    graph = onnx.helper.make_graph(nodes, "flat", [onnx.helper.make_tensor_value_info("x", f, dims)],
+                                   [onnx.helper.make_tensor_value_info("sq", f, None)])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["sq"])
+    _, _, manifest = gradbuilder.split(training)
+    stash = [e.name for e in manifest.backward_inputs if e.role == "stash"]
+    assert sorted(stash) == (["x/Shape", "y"] if stashes_shape else ["y"]), stash
+    assert ("Shape" in [n.op_type for n in training.graph.node]) == stashes_shape

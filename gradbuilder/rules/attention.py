@@ -26,7 +26,7 @@ def _heads(g: Grad, t: str, n: int) -> str:
 
 def _merge_heads(g: Grad, t: str, like: str) -> str:
     """[B, n, S, D] -> the 3-D layout of `like`."""
-    return g.Reshape(g.Transpose(t, perm=[0, 2, 1, 3]), g.shape_of(like))
+    return g.reshape_like(g.Transpose(t, perm=[0, 2, 1, 3]), like)
 
 
 def _last_t(g: Grad, t: str) -> str:
@@ -235,4 +235,4 @@ def compress(g: Grad):
     static = g.info(x).static_shape
     numel = int(np.prod(static)) if static is not None else g.ReduceProd(g.shape_of(x), keepdims=1)
     flat = axis_adjoint(g, dy, 0, 1, kept, numel, like=x, add=False)
-    return (g.Reshape(flat, g.shape_of(x)), None)
+    return (g.reshape_like(flat, x), None)

@@ -349,8 +349,19 @@ class Grad:
     def squeeze(self, x: str, axes: Sequence[int]) -> str:
         return self.Squeeze(x, self.ints(list(axes)))
 
+    def reshape_target(self, like: str) -> str:
+        """A Reshape target giving a tensor of like's size like's shape: a constant with -1 for its only
+        symbolic dim when the others are static and positive (no Shape node, nothing stashed), else its shape."""
+        dims = self.info(like).shape
+        if dims is not None:
+            dynamic = [k for k, d in enumerate(dims) if not isinstance(d, int)]
+            if len(dynamic) == 1 and all(d > 0 for d in dims if isinstance(d, int)):
+                return self.ints([-1 if k == dynamic[0] else int(d) for k, d in enumerate(dims)])  # type: ignore[arg-type]
+        return self.shape_of(like)
+
     def reshape_like(self, x: str, like: str) -> str:
-        return self.Reshape(x, self.shape_of(like))
+        """x (of like's size) in like's shape."""
+        return self.Reshape(x, self.reshape_target(like))
 
     def unbroadcast(self, grad: str, like: str, grad_like: str | None = None) -> str:
         """Sum `grad` (shaped like `grad_like`, default output 0) down to the shape of `like`.

@@ -189,7 +189,7 @@ def gather_nd(g: Grad):
         flat = g.Add(flat, g.Mul(grid, as_tensor(g, rows_per_batch)))
         total = g.Mul(n_batch, as_tensor(g, rows_per_batch))
     summed = rows_adjoint(g, g.Flatten(dy, axis=q - 1), g.Reshape(flat, g.ints([-1])), total, like=data)
-    return (g.Reshape(summed, g.shape_of(data)),)
+    return (g.reshape_like(summed, data),)
 
 
 def _scatter_add_elements_onehot(g: Grad, data: str, index: str, dy: str, axis: int) -> str:

@@ -471,7 +471,7 @@ def max_pool(g: Grad):
     indices = g.output(1, "indices")
     flat = _scatter_flat(g, x, indices, dy, overlap)
     if not int(g.attr("storage_order", 0)):
-        return (g.Reshape(flat, g.shape_of(x)),)
+        return (g.reshape_like(flat, x),)
     # column-major indices: the flat gradient is laid out with the spatial dims reversed
     rev = [0, 1, *range(rank - 1, 1, -1)]
     shape_rev = g.Gather(g.shape_of(x), g.ints(rev))
@@ -513,7 +513,7 @@ def spread_windows(g: Grad, t: str, x: str, win: Window, tails: Sizes) -> str:
     nd = len(win.kernel)
     flat = g.Reshape(t, g.ints([-1, 1, *[0] * nd]))  # 0: the output's spatial sizes, whatever they are
     ones = g.const(np.ones([1, 1, *win.kernel]), like=x)
-    return g.Reshape(_onto_input(g, flat, ones, win, tails, kernel_shape=list(win.kernel)), g.shape_of(x))
+    return g.reshape_like(_onto_input(g, flat, ones, win, tails, kernel_shape=list(win.kernel)), x)
 
 
 @rule("AveragePool", since=13)
@@ -560,7 +560,7 @@ def global_max_pool(g: Grad):
     by_channel = g.ints([0, 0, -1])
     index = g.ArgMax(g.Reshape(x, by_channel, forward=True), axis=2, keepdims=1, forward=True)
     zeros = g.Reshape(g.zeros_like(x), by_channel)
-    return (g.Reshape(g.ScatterElements(zeros, index, g.Reshape(dy, by_channel), axis=2), g.shape_of(x)),)
+    return (g.reshape_like(g.ScatterElements(zeros, index, g.Reshape(dy, by_channel), axis=2), x),)
 
 
 # --- normalization -------------------------------------------------------------------------------
@@ -667,9 +667,9 @@ def group_norm(g: Grad):
     dx = dscale = dbias = None
     if g.needs(0):
         dxhat = g.Reshape(g.Mul(dy, _per_channel(g, scale, rank)), grouped)
-        dx = g.Reshape(_standardize_grad(g, dxhat, xhat, invstd, [2]), g.shape_of(x))
+        dx = g.reshape_like(_standardize_grad(g, dxhat, xhat, invstd, [2]), x)
     if g.needs(1):
-        dscale = g.reduce_sum(g.Mul(dy, g.Reshape(xhat, g.shape_of(x))), [0, *range(2, rank)], keepdims=False)
+        dscale = g.reduce_sum(g.Mul(dy, g.reshape_like(xhat, x)), [0, *range(2, rank)], keepdims=False)
     if g.needs(2):
         dbias = _channel_sum(g, dy, rank)
     return (dx, dscale, dbias)

@@ -253,7 +253,7 @@ def depth_to_space(g: Grad):
     per_block = (g.ints([channels // (b * b)]) if isinstance(channels, int)
                  else g.Div(channels, g.ints([b * b])))
     grouped = g.Reshape(back, g.Concat(g.ints([0, b * b]), per_block, g.ints([-1]), axis=0))
-    return (g.Reshape(g.Transpose(grouped, perm=[0, 2, 1, 3]), g.shape_of(x)),)
+    return (g.reshape_like(g.Transpose(grouped, perm=[0, 2, 1, 3]), x),)
 
 
 @rule("Col2Im", since=18, nondiff=(1, 2))
@@ -270,4 +270,4 @@ def col2im(g: Grad):
     per_channel = g.Reshape(dy, g.ints([-1, 1, *image]))
     cols = g.Conv(per_channel, kernel, kernel_shape=block, strides=list(g.attr("strides", [1] * nd)),
                   dilations=list(g.attr("dilations", [1] * nd)), pads=list(g.attr("pads", [0] * 2 * nd)))
-    return (g.Reshape(cols, g.shape_of(x)), None, None)
+    return (g.reshape_like(cols, x), None, None)

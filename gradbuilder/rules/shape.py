@@ -1,7 +1,8 @@
 """Shape and layout ops: their gradients move, sum or cut the output gradient back into the input's layout.
 
 Shapes come from `g.shape_of` (a constant when static, else a Shape computed in the forward part), so none
-of these rules stashes a float tensor.
+of these rules stashes a float tensor; a view's gradient reshapes to `g.reshape_target`, a constant with -1
+when a single dim is symbolic, so it stashes nothing at all.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .registry import rule
 def _back_to_shape(g: Grad):
     """Views (Reshape, Flatten, Squeeze, Unsqueeze): the gradient is the output gradient in x's shape.
     allowzero keeps a genuine 0 in x's shape a 0 (opset 14+)."""
-    return (g.Reshape(g.GO(0), g.shape_of(g.I(0)), allowzero=1 if g.opset >= 14 else None),)
+    return (g.Reshape(g.GO(0), g.reshape_target(g.I(0)), allowzero=1 if g.opset >= 14 else None),)
 
 
 for _op in ("Reshape", "Squeeze", "Unsqueeze"):
