@@ -1,5 +1,6 @@
 import harness
 import numpy as np
+import onnx
 import pytest
 import torch
 from harness import check_op, sweep_tests
@@ -215,3 +216,18 @@ def test_float16(opset):
              consts=["i"], axis=1, **kw)
     nd = [[1, 0], [1, 0], [0, 2]]
     check_op("GatherND", [("x", x), ("i", idx(nd))], lambda x: _torch_gather_nd(x, nd, 0), consts=["i"], **kw)
+
+
+@pytest.mark.parametrize("elem", [onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16])
+def test_constant_position_padded_into_place(elem):
+    """A scalar constant index: the gradient pads the slice into place (one Pad), except for bfloat16, which
+    onnxruntime's CPU Pad does not take (the scatter-add then)."""
+    h = onnx.helper
+    nodes = [h.make_node("Constant", [], ["i"], value=h.make_tensor("i", onnx.TensorProto.INT64, [], [1])),
+             h.make_node("Gather", ["x", "i"], ["y"], axis=0)]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", elem, [3, 4])],
+                         [h.make_tensor_value_info("y", elem, [4])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y"])
+    ops = {n.op_type for n in training.graph.node}
+    assert ("Pad" in ops) == (elem == onnx.TensorProto.FLOAT) and ("ScatterND" in ops) != ("Pad" in ops)
