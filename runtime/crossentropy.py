@@ -25,16 +25,14 @@ def _opset(model: onnx.ModelProto) -> int:
 
 
 class _Nodes:
-    """Emits nodes named after the loss they replace."""
+    """Emits nodes named after the loss they replace (fresh names from `taken`, which `_fresh` extends)."""
 
     def __init__(self, base: str, taken: set[str]):
         self.base, self.taken, self.nodes = base, taken, []
 
     def __call__(self, op: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
-        name = out or _fresh(f"{self.base}/{op}", self.taken)
-        self.taken.add(name)
+        name = out or _fresh(f"{self.base}/{op}", self.taken)  # `out`: the replaced node's own output name
         self.nodes.append(helper.make_node(op, list(inputs), [name], name=_fresh(f"{name}_node", self.taken), **attrs))
-        self.taken.add(self.nodes[-1].name)
         return name
 
     def const(self, value: int) -> str:
