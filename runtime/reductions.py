@@ -16,6 +16,7 @@ contributions instead: no table-sized zero fill, no table-sized buffer of its ow
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -156,40 +157,65 @@ def _same_shapes(shapes: list[Dims | None]) -> bool:
     return True
 
 
+class _Terms(NamedTuple):
+    """Who makes and who reads each tensor of a graph: what the Sum rewrites check a term against."""
+
+    producer: dict[str, onnx.NodeProto]
+    reads: Counter[str]
+    outputs: set[str]
+
+    def sole(self, name: str) -> onnx.NodeProto | None:
+        """The producer of `name` when one node alone reads it and it is no graph output."""
+        return self.producer.get(name) if self.reads[name] == 1 and name not in self.outputs else None
+
+
+def _rewrite_sums(model: onnx.ModelProto, match: Callable[[onnx.NodeProto, _Terms], tuple | None],
+                  build: Callable[..., list[onnx.NodeProto]], inits: list[onnx.TensorProto] | None = None
+                  ) -> onnx.ModelProto:
+    """The skeleton of the Sum rewrites: each Sum (of two terms or more) for which `match(sum, terms)` gives
+    details is replaced by `build(sum, *details, taken)`; nodes nothing reads any more (the replaced terms) are
+    dropped and `inits` (filled by `build`) added. Returns `model` itself when nothing matches."""
+    graph = model.graph
+    sums = [(k, n) for k, n in enumerate(graph.node) if n.op_type == "Sum" and not n.domain and len(n.input) > 1]
+    if not sums:
+        return model
+    terms = _Terms({o: n for n in graph.node for o in n.output}, Counter(i for n in graph.node for i in n.input),
+                   {o.name for o in graph.output})
+    plan = [(k, *details) for k, n in sums if (details := match(n, terms)) is not None]
+    if not plan:
+        return model
+    out = _rewrite(model, plan, build)
+    out.graph.initializer.extend(inits or [])
+    nodes = _drop_dead(list(out.graph.node), [], terms.outputs)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = None) -> onnx.ModelProto:
     """A copy of `model` where `Sum(a, ..., ScatterND(zeros, i, u, reduction="add"))` is `ScatterND(Sum(a, ...),
     i, u, reduction="add")` (the model itself when nothing matches). Only when the zeros and the scatter are read
     by that Sum alone and no term of the Sum can broadcast (`_same_shapes`; a scatter does not broadcast).
     `shapes`: `_shapes(model)`, when the caller has it."""
-    graph = model.graph
-    if not any(n.op_type == "Sum" and not n.domain for n in graph.node):
-        return model
-    producer = {o: n for n in graph.node for o in n.output}
-    reads = Counter(i for n in graph.node for i in n.input)
-    outputs = {o.name for o in graph.output}
-    plan: dict[int, int] = {}
-    for k, n in enumerate(graph.node):
-        if n.op_type != "Sum" or n.domain or len(n.input) < 2:
-            continue
+    known = shapes
+
+    def match(n: onnx.NodeProto, terms: _Terms) -> tuple[onnx.NodeProto, int] | None:
+        nonlocal known
         for j, name in enumerate(n.input):
-            s = producer.get(name)
-            if (s is None or s.op_type != "ScatterND" or s.domain or reads[name] != 1 or name in outputs
+            s = terms.sole(name)
+            if (s is None or s.op_type != "ScatterND" or s.domain
                     or next((a.s for a in s.attribute if a.name == "reduction"), b"none") != b"add"):
                 continue
-            zeros = producer.get(s.input[0])
-            if zeros is None or not _zero_fill(zeros) or reads[s.input[0]] != 1:
+            zeros = terms.sole(s.input[0])
+            if zeros is None or not _zero_fill(zeros):
                 continue
-            if shapes is None:
-                shapes = _shapes(model)
-            if not _same_shapes([shapes.get(t) for t in n.input]):
-                continue
-            plan[k] = j
-            break
-    if not plan:
-        return model
+            if known is None:
+                known = _shapes(model)
+            if _same_shapes([known.get(t) for t in n.input]):
+                return s, j
+        return None
 
-    def build(n: onnx.NodeProto, j: int, taken: set[str]) -> list[onnx.NodeProto]:
-        scatter = producer[n.input[j]]
+    def build(n: onnx.NodeProto, scatter: onnx.NodeProto, j: int, taken: set[str]) -> list[onnx.NodeProto]:
         rest = [t for i, t in enumerate(n.input) if i != j]
         nodes, base = [], rest[0]
         if len(rest) > 1:
@@ -199,12 +225,7 @@ def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = 
                                       name=_fresh(f"{n.name or n.output[0]}/scatter", taken), reduction="add"))
         return nodes
 
-    out = _rewrite(model, sorted(plan.items()), build)
-    nodes = _drop_dead(list(out.graph.node), [], outputs)  # the replaced scatters and zero fills
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
-
+    return _rewrite_sums(model, match, build)
 
 
 class _Placed(NamedTuple):
@@ -284,33 +305,23 @@ def placements_into_concats(model: onnx.ModelProto) -> onnx.ModelProto:
     zeros up to the axis length when that is only known at run time (the model itself when nothing matches):
     no zero fill and full-size buffer per slice, no Sum pass over them. Only pads read by that Sum alone;
     other terms of the Sum are added to the result."""
-    graph = model.graph
-    if not any(n.op_type == "Sum" and not n.domain for n in graph.node):
-        return model
-    producer = {o: n for n in graph.node for o in n.output}
-    reads = Counter(i for n in graph.node for i in n.input)
-    outputs = {o.name for o in graph.output}
-    consts = _constants(graph)
-    plan: list[tuple[int, list[_Placed], list[str]]] = []
-    for k, n in enumerate(graph.node):
-        if n.op_type != "Sum" or n.domain or len(n.input) < 2:
-            continue
+    consts = _constants(model.graph)
+    inits: list[onnx.TensorProto] = []
+
+    def match(n: onnx.NodeProto, terms: _Terms) -> tuple[list[_Placed], list[str]] | None:
         groups: dict[tuple[int, int, object], dict[int, tuple[str, _Placed]]] = {}
         for t in n.input:
-            p = producer.get(t)
-            at = _placement(p, producer, consts) if p is not None and reads[t] == 1 and t not in outputs else None
+            p = terms.sole(t)
+            at = _placement(p, terms.producer, consts) if p is not None else None
             if at is not None:
                 groups.setdefault((at.axis, at.rank, at.size), {})[at.position] = (t, at)
-        for (_, _, size), terms in groups.items():
-            if sorted(terms) != list(range(len(terms))) or len(terms) < 2 or \
-                    (isinstance(size, int) and size != len(terms)):
+        for (_, _, size), group in groups.items():
+            if sorted(group) != list(range(len(group))) or len(group) < 2 or \
+                    (isinstance(size, int) and size != len(group)):
                 continue
-            joined = {t for t, _ in terms.values()}
-            plan.append((k, [terms[i][1] for i in range(len(terms))], [t for t in n.input if t not in joined]))
-            break
-    if not plan:
-        return model
-    inits: list[onnx.TensorProto] = []
+            joined = {t for t, _ in group.values()}
+            return [group[i][1] for i in range(len(group))], [t for t in n.input if t not in joined]
+        return None
 
     def build(n: onnx.NodeProto, placed: list[_Placed], others: list[str], taken: set[str]) -> list[onnx.NodeProto]:
         base = n.name or n.output[0]
@@ -339,12 +350,7 @@ def placements_into_concats(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(helper.make_node("Sum", [result, *others], [n.output[0]], name=name("sum")))
         return nodes
 
-    out = _rewrite(model, plan, build)
-    out.graph.initializer.extend(inits)
-    nodes = _drop_dead(list(out.graph.node), [], outputs)  # the replaced pads
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+    return _rewrite_sums(model, match, build, inits)
 
 
 def lower_sums(model: onnx.ModelProto) -> onnx.ModelProto:
