@@ -3,12 +3,12 @@
 Both pick, per sample (and per spatial position of (N, C, d1, ...) inputs), the class of its label, weight
 it by `weights[label]` (0 for `ignore_index`) and reduce with none/sum/mean, mean dividing by the total
 weight. So both gradients are `coef * (something - onehot(label))` along the class axis with the same
-per-sample coefficient, built once by `_coefficient`; neither builds the one-hot: the label terms are
-scattered, one element a sample.
+per-sample coefficient, built once by `_coefficient`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from onnx import TensorProto
 
 from .context import Grad
@@ -60,6 +60,21 @@ def _count(g: Grad, x: str, labels: str) -> str:
     return g.cast_like(size, x)
 
 
+def _onehot(g: Grad, x: str, labels: str) -> str:
+    """(N, C, d1, ...) one-hot of the labels along axis 1, in x's type (ignored labels match no class)."""
+    rank = g.require_rank(x)
+    shape = g.info(x).shape
+    c = shape[1] if shape is not None else None
+    tail = [1] * (rank - 2)
+    if isinstance(c, int):
+        classes = g.ints(np.arange(c).reshape([1, c, *tail]).tolist())
+    else:
+        depth = g.Squeeze(g.Gather(g.shape_of(x), g.ints([1])), g.ints([0]))
+        classes = g.Reshape(g.Range(g.ints(0), depth, g.ints(1)), g.ints([1, -1, *tail]))
+    hit = g.Equal(g.unsqueeze(labels, [1]), classes)
+    return g.cast_like(hit, x)
+
+
 @rule("SoftmaxCrossEntropyLoss", since=13, nondiff=(1, 2))
 def softmax_cross_entropy(g: Grad):
     """d scores = coef * (softmax - onehot), plus the log_prob output's own gradient when it has one.
@@ -88,10 +103,8 @@ def softmax_cross_entropy(g: Grad):
 
 @rule("NegativeLogLikelihoodLoss", since=13, nondiff=(1, 2))
 def negative_log_likelihood(g: Grad):
-    """d input = -coef at each sample's label, 0 elsewhere: scattered into zeros, one element a sample (an
-    ignored sample scatters its zero coefficient at class 0), with no one-hot over the classes."""
+    """d input = -coef * onehot(label)."""
     x = g.I(0)
-    kept, labels = _kept(g, _labels(g))
-    index = g.unsqueeze(labels, [1])  # (N, 1, d1, ...) along the class axis
-    coef = g.Neg(_coefficient(g, x, kept, labels, g.GO(0)))
-    return (g.ScatterElements(g.zeros_like(x), index, g.Expand(coef, g.shape_of(index)), axis=1),)
+    labels = _labels(g)
+    kept, safe = _kept(g, labels)
+    return (g.Neg(g.Mul(_onehot(g, x, labels), _coefficient(g, x, kept, safe, g.GO(0)))),)
