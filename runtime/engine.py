@@ -4,8 +4,8 @@ A schema is everything an export bakes in: the argument structure with its non-t
 tensor's dtype, rank and device, every submodule's train/eval flag, and the parameters' dtypes and
 devices (a counter bumped by `.to()`). Sizes are not part of it (all dimensions are dynamic). Per
 schema, training sessions are built for each set of tensors that require grad (a static one for the
-first sizes, one dynamic one for every other size, see `Schema`), so frozen parameters cost nothing; with grad disabled (or nothing requiring grad) the exported forward runs
-alone, stashing nothing.
+first sizes, one dynamic one for every other size, see `Schema`), so frozen parameters cost nothing;
+with grad disabled (or nothing requiring grad) the exported forward runs alone, stashing nothing.
 """
 
 from __future__ import annotations
@@ -101,7 +101,12 @@ class Schema:
             except RuleError:
                 self.pinned.add(w)
         if s is None:
-            s = self._build(pin_dims(self.exported.model, {name: tuple(leaves[k].shape) for name, k in inputs}), wrt)
+            try:
+                s = self._build(pin_dims(self.exported.model, {n: tuple(leaves[k].shape) for n, k in inputs}), wrt)
+            except RuleError:
+                if w in self.first_sizes:  # the dynamic build failed too
+                    raise
+                s, key = self._build(self.exported.model, wrt), None  # a rule refusing static sizes: dynamic
             self.first_sizes.setdefault(w, sizes)
         self.sessions[(w, key)] = s
         return s, True

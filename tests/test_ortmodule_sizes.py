@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from runtime import ORTModule
+from gradbuilder.errors import RuleError
+from runtime import ORTModule, engine
 
 torch.manual_seed(0)
 
@@ -88,3 +89,26 @@ def test_rules_needing_static_sizes_fall_back_to_a_build_per_size() -> None:
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y)
     assert om.stats == {"exports": 1, "builds": 2, "fallbacks": 0}  # one per size (the failed dynamic build uncounted)
+
+
+def test_a_rule_refusing_the_pinned_build_gets_the_dynamic_one(monkeypatch) -> None:
+    """Should the pinned first build fail in a rule, the all-dynamic build serves from the first call on."""
+    original = engine.Schema._build
+
+    def build(self, model, wrt):
+        if model is not self.exported.model:
+            raise RuleError("refusing static sizes (test)")
+        return original(self, model, wrt)
+
+    monkeypatch.setattr(engine.Schema, "_build", build)
+    model = TextCNN()
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    for shape in [(2, 4, 11), (3, 4, 20)]:
+        x = torch.randn(shape)
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).sum().backward()
+        for p, q in zip(om.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    (schema,) = om._engine.schemas.values()
+    assert om.stats["builds"] == 1 and [sizes for _, sizes in schema.sessions] == [None]
