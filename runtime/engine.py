@@ -26,7 +26,7 @@ from torch import nn
 import gradbuilder
 from gradbuilder.errors import RuleError
 
-from . import exchange, function
+from . import exchange, function, workload
 from .batchnorm import update_running_stats
 from .export import Exported, ExportError, ExportOptions, export, pin_dims
 from .ort_session import Runner, SessionConfig, SessionLoadError
@@ -81,19 +81,54 @@ class Schema:
         types = {o.name: o.type.tensor_type.elem_type for o in exported.model.graph.output}
         float_types = gradbuilder.graph.FLOAT_TYPES
         self.float_outputs = [n for n in exported.outputs if types.get(n, 0) in float_types or not types.get(n)]
+        self._threads_settled = False
+        self._small: tuple[str, int, float] | None = None
+        """While a small first call keeps the sessions on one thread: the batch-bearing graph input, its leaf,
+        and the forward's work a sample, to see a bigger batch coming (`_fit_threads`)."""
+        self._batch = -1
         if save_dir is not None:
             gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")
+
+    def _settle_threads(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Once, before the first session: one intra-op thread when the forward's work for these input shapes
+        is below `workload.SMALL` (threads would cost more than they save); `options.threads` is the most."""
+        if self._threads_settled:
+            return
+        self._threads_settled = True
+        if self.options.threads == 1:
+            return
+        work = workload.forward_work(self.exported.model, shapes)
+        batched = [(name, k, shapes[name][0]) for name, k in self.exported.inputs if shapes.get(name)]
+        if work is not None and work < workload.SMALL and batched:
+            name, k, batch = batched[0]
+            self.config = SessionConfig(threads=1)
+            self._small, self._batch = (name, k, work / max(batch, 1)), batch
+
+    def _fit_threads(self, batch: int) -> None:
+        """Back to `options.threads`, for good, once a batch makes the forward's work reach `workload.SMALL`."""
+        if batch == self._batch or self._small is None:
+            return
+        self._batch = batch
+        if batch * self._small[2] >= workload.SMALL:
+            self._small = None
+            self.config = SessionConfig(threads=self.options.threads)
+            for s in self.sessions.values():
+                s.reconfigure(self.config)
+            self._infer = None
 
     def session(self, wrt: Sequence[str], leaves: Sequence[torch.Tensor]) -> tuple[TrainingSession, bool]:
         """The session for this set of tensors requiring grad and these sizes; True when it was just built."""
         w = frozenset(wrt)
         inputs = self.exported.inputs
+        if self._small is not None:
+            self._fit_threads(leaves[self._small[1]].shape[0])
         sizes = tuple([tuple(leaves[k].shape[1:]) for _, k in inputs])
         s = self.sessions.get((w, sizes))
         if s is None and w not in self.pinned:
             s = self.sessions.get((w, None))
         if s is not None:
             return s, False
+        self._settle_threads({name: tuple(leaves[k].shape) for name, k in inputs})
         key: Hashable = sizes
         if w in self.first_sizes and w not in self.pinned:  # a second size: the all-dynamic build
             try:
@@ -117,7 +152,10 @@ class Schema:
                                             specialise=self.options.specialise, save_dir=save)
 
     def infer(self, feeds: dict[str, C.OrtValue]) -> list[C.OrtValue]:
+        if self._small is not None:
+            self._fit_threads(feeds[self._small[0]].shape()[0])
         if self._infer is None:
+            self._settle_threads({name: tuple(feeds[name].shape()) for name, _ in self.exported.inputs})
             self._infer = Runner(runnable_forward(self.exported.model, self.config), self.config, "forward (inference)")
         return self._infer.run(feeds)
 

@@ -44,7 +44,8 @@ class ORTModule(nn.Module):
 
     exporter: "torchscript" (default, fast, keeps BatchNorm/Dropout training semantics) or "dynamo".
     fallback: run calls that cannot be exported or differentiated in PyTorch, with a FallbackWarning,
-        instead of raising ORTModuleError. threads: onnxruntime intra-op threads (default: torch's).
+        instead of raising ORTModuleError. threads: the most onnxruntime intra-op threads (default: torch's);
+        a model whose forward is small for its batch runs on one until a batch makes it big (`workload`).
     specialise: build backwards specialised to the outputs that receive gradients.
     save_onnx: directory receiving the exported, training, forward and backward ONNX files of every
         schema (default: the GRADBUILDER_SAVE_ONNX environment variable).

@@ -166,6 +166,15 @@ class TrainingSession:
         if self.save_dir is not None:
             self._save(full, "")
 
+    def reconfigure(self, config: SessionConfig) -> None:
+        """Run with another SessionConfig from the next call on (ORTModule raises its thread count when the
+        batch grows): new onnxruntime sessions, the backward ones rebuilt when first needed. Forward states
+        already made stay valid (they hold OrtValues, not sessions)."""
+        self.config = config
+        self._fwd = Runner(runnable_forward(self.full.forward, config), config, "forward")
+        self._infer = None
+        self._backwards.clear()
+
     # --- public API ------------------------------------------------------------------------------
     @property
     def wrt(self) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradbuilder.errors import RuleError
-from runtime import ORTModule, engine
+from runtime import ORTModule, engine, workload
 
 torch.manual_seed(0)
 
@@ -112,3 +112,40 @@ def test_a_rule_refusing_the_pinned_build_gets_the_dynamic_one(monkeypatch) -> N
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     (schema,) = om._engine.schemas.values()
     assert om.stats["builds"] == 1 and [sizes for _, sizes in schema.sessions] == [None]
+
+
+def _mlp(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def test_small_forwards_run_on_one_thread_until_the_batch_grows() -> None:
+    """Below `workload.SMALL` forward work the sessions get one intra-op thread (threads cost more than they
+    save there); a batch making the work reach it brings back the configured threads, for good, with
+    gradients still torch's; a big model keeps them from the start."""
+    model = _mlp(32)
+    ref, om = copy.deepcopy(model), ORTModule(model, threads=2)
+
+    def step(batch: int) -> None:
+        x = torch.randn(batch, 32)
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        for p, q in zip(om.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+    step(8)
+    (schema,) = om._engine.schemas.values()
+    (session,) = om.training_sessions()
+    assert schema.config.threads == 1 and session.config.threads == 1
+    ((name, _),) = schema.exported.inputs
+    per_sample = workload.forward_work(schema.exported.model, {name: (1, 32)})
+    assert per_sample is not None and 32 * 42 <= per_sample < 32 * 42 + 200  # two products, a few elementwise
+    step(8 * 64)  # still small
+    assert session.config.threads == 1
+    step(workload.SMALL // per_sample + 1)
+    assert schema.config.threads == 2 and session.config.threads == 2
+    step(8)  # never back to one thread
+    assert session.config.threads == 2
+    big = ORTModule(_mlp(2048), threads=2)
+    big(torch.randn(64, 2048)).sum().backward()
+    assert big.training_sessions()[0].config.threads == 2

@@ -1,0 +1,74 @@
+"""How much arithmetic one forward does: whether onnxruntime's intra-op threads pay for a model.
+
+onnxruntime splits every GEMM and convolution it can over its thread pool; for small kernels the hand-offs
+cost more than they save (torch, by contrast, runs an op below its grain size on one thread). Measured on
+the 2-core benchmark machine, ORTModule steps with 1 intra-op thread against 2, paired: a 64-128-64-10 MLP
+at batch 64 0.81x (alone) and 0.95-0.99 against 1.16-1.18 of torch's step (interleaved with torch); a
+3-layer 256-wide MLP (8.5M multiply-adds forward) 0.97x; a 384-wide one (19M) 1.2x; LeNet (26M) 1.3x.
+So below `SMALL` units of forward work a session gets one thread.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+
+SMALL = 12_000_000
+"""Forward work (multiply-adds of products and convolutions, plus elements every other node writes) under
+which one intra-op thread beats two."""
+
+PRODUCTS = frozenset({"MatMul", "Gemm", "FusedMatMul", "Conv", "ConvTranspose", "Einsum"})
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+    return None if any(d < 0 for d in dims) else dims
+
+
+def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """Forward work for inputs of these shapes (every graph input named in `shapes` gets all its dims):
+    multiply-adds of MatMul/Gemm/Conv/ConvTranspose (output elements times the reduced length) and the
+    element count of every other node's outputs. None when shape inference cannot size a node."""
+    sized = onnx.ModelProto()
+    sized.CopyFrom(model)
+    g = sized.graph
+    del g.value_info[:]  # the exporter's own, with symbolic dims inference would keep
+    for vi in g.input:
+        if vi.name in shapes:
+            for dim, size in zip(vi.type.tensor_type.shape.dim, shapes[vi.name]):
+                dim.Clear()
+                dim.dim_value = int(size)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(sized, strict_mode=False, data_prop=True).graph
+    except Exception:  # onnx raises several types; an unsized model keeps the configured threads
+        return None
+    known = {vi.name: _dims(vi) for vi in [*inferred.input, *inferred.value_info, *inferred.output]}
+    known.update({t.name: list(t.dims) for t in inferred.initializer})
+    total = 0
+    for n in inferred.node:
+        outs = [known.get(o) for o in n.output if o]
+        if any(d is None for d in outs):
+            if n.op_type == "Constant":
+                continue
+            return None
+        out_elems = sum(math.prod(d) for d in outs)  # type: ignore[arg-type]
+        if n.op_type not in PRODUCTS:
+            total += out_elems
+            continue
+        a, w = known.get(n.input[0]), known.get(n.input[1]) if len(n.input) > 1 else None
+        if a is None or w is None:
+            return None
+        if n.op_type == "Conv":  # per output element: C/group * kernel taps
+            total += out_elems * math.prod(w[1:])
+        elif n.op_type == "ConvTranspose":  # per input element: M/group * kernel taps
+            total += math.prod(a) * math.prod(w[1:])
+        elif n.op_type == "Gemm":
+            trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
+            total += out_elems * (a[0] if trans_a else a[-1])
+        else:  # MatMul, FusedMatMul, Einsum: the reduced length is A's last dim (an estimate for Einsum)
+            total += out_elems * (a[-1] if a else 1)
+    return total

@@ -1,0 +1,37 @@
+"""runtime.workload: the forward work that decides whether a model's sessions get more than one thread."""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from runtime.workload import forward_work
+
+
+def _model(nodes: list[onnx.NodeProto], inputs: dict[str, list[int | str]], output: str) -> onnx.ModelProto:
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, f, s) for n, s in inputs.items()],
+                              [helper.make_tensor_value_info(output, f, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_products_count_multiply_adds_and_the_rest_elements() -> None:
+    m = _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+               {"x": ["n", 16], "w": [16, 8]}, "z")
+    assert forward_work(m, {"x": (5, 16)}) == 5 * 8 * 16 + 5 * 8
+    gemm = _model([helper.make_node("Gemm", ["x", "w"], ["y"], transA=1)], {"x": [16, "n"], "w": [16, 8]}, "y")
+    assert forward_work(gemm, {"x": (16, 5)}) == 5 * 8 * 16
+
+
+def test_convolutions() -> None:
+    conv = _model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
+                  {"x": ["n", 2, 8, 8], "w": [4, 2, 3, 3]}, "y")
+    assert forward_work(conv, {"x": (3, 2, 8, 8)}) == 3 * 4 * 8 * 8 * (2 * 3 * 3)
+    up = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2])],
+                {"x": ["n", 4, 5, 5], "w": [4, 2, 3, 3]}, "y")
+    assert forward_work(up, {"x": (3, 4, 5, 5)}) == 3 * 4 * 5 * 5 * (2 * 3 * 3)
+
+
+def test_unsized_is_unknown() -> None:
+    m = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], {"x": ["n", 16], "w": [16, "k"]}, "y")
+    assert forward_work(m, {"x": (5, 16)}) is None
