@@ -105,7 +105,9 @@ page from saved results). `make bench` prints the tables without writing.
   after each parallel region, which makes torch faster and slows whatever runs next on the same cores (here
   ORTModule's step, right after torch's); onnxruntime's threads spin while a run lasts and stop at its end
   (`session.force_spinning_stop`). The second table repeats the step times with torch's threads passive, to
-  show how much of the ratio is that competition.
+  show how much of the ratio is that competition. `threads` is the most ORTModule uses: a model whose
+  forward work is small for its batch (below `runtime.workload.SMALL`, the tiny MLP) runs on one, as torch
+  runs ops below its grain size on one.
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
   on onnxruntime too), gradients set to None before it, no optimizer. Forward = the training forward alone
   (grad enabled, stash made, then dropped).
