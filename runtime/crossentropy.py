@@ -13,15 +13,13 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from gradbuilder.graph import default_opset
+
 from .passes import _fresh, _rewrite
 
 LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 MIN_OPSET = 15
 """CastLike (opset 15) casts the ignore mask to the scores' type without a shape-inference pass."""
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 class _Nodes:
@@ -95,7 +93,7 @@ def lower_losses(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss of the main graph written out in standard
     ops (module docstring); returns a rewritten copy, or `model` itself when there is none (or its opset is
     below 15)."""
-    if _opset(model) < MIN_OPSET:
+    if default_opset(model) < MIN_OPSET:
         return model
     plan = [(k,) for k, n in enumerate(model.graph.node) if n.op_type in LOSSES and n.domain in ("", "ai.onnx")]
     return _rewrite(model, plan, _build)

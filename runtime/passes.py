@@ -1,9 +1,9 @@
 """Rewrites of a training graph for onnxruntime's CPU provider: stash less, run faster.
 
-`relu_after_pool` rewrites the forward source before the gradient is built; `shrink_stash` runs between
-the gradient build and the split (it decides what crosses the Yield); `lower` runs on each half before its
-session is created. Each rewrite keeps what the graph computes,
-except `lower`'s masked multiply (see there). Measured effects are in docs/performance.md.
+`relu_after_pool` and `layer_norm_statistics` rewrite the forward source before the gradient is built;
+`shrink_stash` runs between the gradient build and the split (it decides what crosses the Yield); `lower` runs
+on each half before its session is created (`lowering` says which runs when). Each rewrite keeps what the
+graph computes, except `lower`'s masked multiply (see there). Measured effects are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from gradbuilder.graph import default_opset, subgraph_free_names
 from gradbuilder.yield_op import find_yield
 
 CHEAP = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast", "Expand", "Shape",
@@ -47,6 +48,16 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
                 if a.name == "value":
                     values[n.output[0]] = onnx.numpy_helper.to_array(a.t)
     return values
+
+
+def _pads_with_zeros(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> bool:
+    """A Pad in constant mode whose fill is absent or a known zero (explicit `axes` allowed)."""
+    if node.op_type != "Pad" or node.domain:
+        return False
+    if next((a.s for a in node.attribute if a.name == "mode"), b"constant") != b"constant":
+        return False
+    fill = node.input[2] if len(node.input) > 2 else ""
+    return not fill or (fill in consts and not consts[fill].any())
 
 
 def _has_subgraph(node: onnx.NodeProto) -> bool:
@@ -100,7 +111,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     module_outputs = set(nodes[y].input)
     stash = {x for n in nodes[y + 1:] for x in n.input if x in made and x not in maker}
     consts = _constants(g)
-    opset = next((o.version for o in training.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(training)
     depth: dict[str, int] = {}
 
     def recomputable(name: str, level: int) -> bool:
@@ -189,13 +200,13 @@ def _masked(x: str, mask: str, scale: float, out: str, g: onnx.GraphProto, taken
     """Nodes computing Dropout's output `x * mask * scale` from its input and its boolean mask (bit for bit what
     onnxruntime's Dropout returns: x * scale where the mask holds, 0 elsewhere, for finite x). `elem`: x's
     element type when known (then plain Casts and a typed scale), else CastLike to x."""
-    s = _fresh(f"{out}/scale", taken)
     m, kept, sx = (_fresh(f"{out}/{k}", taken) for k in ("mask", "kept", "scale_like"))
     if elem is not None:
         g.initializer.append(helper.make_tensor(sx, elem, [], [float(np.float32(scale))]))  # as CastLike of float
         return [helper.make_node("Cast", [mask], [m], name=_fresh(f"{m}_node", taken), to=elem),
                 helper.make_node("Mul", [x, m], [kept], name=_fresh(f"{kept}_node", taken)),
                 helper.make_node("Mul", [kept, sx], [out], name=_fresh(f"{out}_node", taken))]
+    s = _fresh(f"{out}/scale", taken)
     g.initializer.append(helper.make_tensor(s, TensorProto.FLOAT, [], [scale]))
     return [helper.make_node("CastLike", [mask, x], [m], name=_fresh(f"{m}_node", taken)),
             helper.make_node("Mul", [x, m], [kept], name=_fresh(f"{kept}_node", taken)),
@@ -288,18 +299,6 @@ def _rewrite(model: onnx.ModelProto, plan: list[tuple], build: Callable[..., lis
     return out
 
 
-def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
-    """Every name a node's subgraphs (nested ones included) read."""
-    reads: set[str] = set()
-    for a in node.attribute:
-        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                    list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []):
-            for n in sub.node:
-                reads.update(n.input)
-                reads |= _subgraph_reads(n)
-    return reads
-
-
 def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
     """`MaxPool(Relu(x))` becomes `Relu(MaxPool(x))` when the Relu output is read by that MaxPool only (no other
     node, no subgraph, not a graph output) and the MaxPool has no Indices output. Both give the same values
@@ -312,7 +311,7 @@ def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
     g = model.graph
     reads: dict[str, int] = {}
     for n in g.node:
-        for x in [*n.input, *_subgraph_reads(n)]:
+        for x in [*n.input, *subgraph_free_names(n)]:
             reads[x] = reads.get(x, 0) + 1
     producer = {o: k for k, n in enumerate(g.node) for o in n.output if o}
     outputs = {o.name for o in g.output}
@@ -359,7 +358,6 @@ def layer_norm_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
         for k, what in ((1, "mean"), (2, "inv_std_dev")):
             if not outs[k]:
                 outs[k] = _fresh(f"{outs[0]}/{what}", taken)
-                taken.add(outs[k])
         del n.output[:]
         n.output.extend(outs)
         return [n]
@@ -446,9 +444,7 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
             elif n.op_type in REARRANGE:
                 ok = maskable(n.input[0])
             elif n.op_type == "Pad":  # with zeros (MaxPool's gradient onto the rows past its last tile)
-                fill = n.input[2] if len(n.input) > 2 else ""
-                mode = next((a.s for a in n.attribute if a.name == "mode"), b"constant")
-                ok = mode == b"constant" and (not fill or zero(fill) is not None) and maskable(n.input[0])
+                ok = _pads_with_zeros(n, consts) and maskable(n.input[0])
             elif n.op_type == "Mul" and len(n.input) == 2:  # by a constant or a 0/1 mask
                 a, b = n.input
                 ok = (maskable(a) and (b in consts or is_mask(b))) or (maskable(b) and (a in consts or is_mask(a)))

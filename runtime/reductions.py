@@ -23,7 +23,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .passes import _constants, _drop_dead, _fresh, _rewrite
+from gradbuilder.graph import default_opset
+
+from .passes import _constants, _drop_dead, _fresh, _pads_with_zeros, _rewrite
 
 Dims = list[int | str | None]
 
@@ -69,7 +71,7 @@ def leading_sums_as_products(model: onnx.ModelProto, shapes: dict[str, Dims] | N
     """A copy of `model` whose float32 ReduceSums over leading axes are MatMuls with ones (the model itself
     when there are none). The ones are a constant when the summed dims are static, else built from x's
     shape (three small nodes). `shapes`: `_shapes(model)`, when the caller has it."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(model)
     graph = model.graph
     if opset < 13 or not any(n.op_type == "ReduceSum" and not n.domain for n in graph.node):
         return model
@@ -259,11 +261,7 @@ def _placement(pad: onnx.NodeProto, producer: dict[str, onnx.NodeProto], consts:
     """How `pad` places a slice when it zero-pads `Unsqueeze(slice, [axis])` along that axis alone, with the
     pads the Gather rule writes (`gradbuilder.rules.indexing.placement_pads`): a constant, or
     `Concat(begins, length - (position + 1), zeros)`."""
-    if pad.op_type != "Pad" or pad.domain or len(pad.input) < 2:
-        return None
-    if next((a.s for a in pad.attribute if a.name == "mode"), b"constant") != b"constant":
-        return None
-    if len(pad.input) > 2 and pad.input[2] and (pad.input[2] not in consts or consts[pad.input[2]].any()):
+    if not _pads_with_zeros(pad, consts) or len(pad.input) < 2:
         return None
     if len(pad.input) > 3 and pad.input[3]:  # explicit axes (opset 18)
         return None
