@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import onnx
 import torch
@@ -26,11 +26,11 @@ from torch import nn
 import gradbuilder
 from gradbuilder.errors import RuleError
 
-from . import exchange, function, workload
+from . import exchange, function, lowering, workload
 from .batchnorm import update_running_stats
 from .export import Exported, ExportError, ExportOptions, export, pin_dims
 from .ort_session import Runner, SessionConfig, SessionLoadError
-from .session import TrainingSession, runnable_forward
+from .session import TrainingSession
 from .structure import flatten, unflatten
 
 SAVE_ENV = "GRADBUILDER_SAVE_ONNX"
@@ -51,6 +51,16 @@ class Options:
     specialise: bool
     fallback: bool
     save_dir: Path | None
+
+
+class _Small(NamedTuple):
+    """Where a schema whose first call was small reads its batch size, and its forward work a sample."""
+
+    input: str
+    """The batch-bearing graph input."""
+    leaf: int
+    """Its position among the call's tensors."""
+    work_per_sample: float
 
 
 class Schema:
@@ -82,9 +92,8 @@ class Schema:
         float_types = gradbuilder.graph.FLOAT_TYPES
         self.float_outputs = [n for n in exported.outputs if types.get(n, 0) in float_types or not types.get(n)]
         self._threads_settled = False
-        self._small: tuple[str, int, float] | None = None
-        """While a small first call keeps the sessions on one thread: the batch-bearing graph input, its leaf,
-        and the forward's work a sample, to see a bigger batch coming (`_fit_threads`)."""
+        self._small: _Small | None = None
+        """Set while a small first call keeps the sessions on one thread (`_fit_threads` watches the batch)."""
         self._batch = -1
         if save_dir is not None:
             gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")
@@ -102,14 +111,14 @@ class Schema:
         if work is not None and work < workload.SMALL and batched:
             name, k, batch = batched[0]
             self.config = SessionConfig(threads=1)
-            self._small, self._batch = (name, k, work / max(batch, 1)), batch
+            self._small, self._batch = _Small(name, k, work / max(batch, 1)), batch
 
     def _fit_threads(self, batch: int) -> None:
         """Back to `options.threads`, for good, once a batch makes the forward's work reach `workload.SMALL`."""
         if batch == self._batch or self._small is None:
             return
         self._batch = batch
-        if batch * self._small[2] >= workload.SMALL:
+        if batch * self._small.work_per_sample >= workload.SMALL:
             self._small = None
             self.config = SessionConfig(threads=self.options.threads)
             for s in self.sessions.values():
@@ -121,7 +130,7 @@ class Schema:
         w = frozenset(wrt)
         inputs = self.exported.inputs
         if self._small is not None:
-            self._fit_threads(leaves[self._small[1]].shape[0])
+            self._fit_threads(leaves[self._small.leaf].shape[0])
         sizes = tuple([tuple(leaves[k].shape[1:]) for _, k in inputs])
         s = self.sessions.get((w, sizes))
         if s is None and w not in self.pinned:
@@ -153,10 +162,10 @@ class Schema:
 
     def infer(self, feeds: dict[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._small is not None:
-            self._fit_threads(feeds[self._small[0]].shape()[0])
+            self._fit_threads(feeds[self._small.input].shape()[0])
         if self._infer is None:
             self._settle_threads({name: tuple(feeds[name].shape()) for name, _ in self.exported.inputs})
-            self._infer = Runner(runnable_forward(self.exported.model, self.config), self.config, "forward (inference)")
+            self._infer = Runner(lowering.forward(self.exported.model, self.config), self.config, "forward (inference)")
         return self._infer.run(feeds)
 
 

@@ -27,7 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
 
-from . import crossentropy, exchange, passes, reductions
+from . import exchange, lowering, passes
 from .exchange import Tensor
 from .ort_session import Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
@@ -76,12 +76,6 @@ class _Backward:
                            if e.role != "output_grad" and e.name not in self.fixed]
 
 
-def runnable_forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
-    """A forward (or inference) graph as its session runs it: with `config.lower`, the classification losses
-    written out in standard ops (`crossentropy`) instead of the ONNX function bodies onnxruntime inlines."""
-    return crossentropy.lower_losses(model) if config.lower else model
-
-
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -115,8 +109,7 @@ class TrainingSession:
         """Build the training graph of a forward model and run it."""
         source = gradbuilder.load_model(model)
         config = config or SessionConfig(threads=threads)
-        if config.lower:  # Relu at the pooled size (`passes.relu_after_pool`), LayerNorm statistics for backward
-            source = passes.layer_norm_statistics(passes.relu_after_pool(source))
+        source = lowering.source(source, config)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
         if config.shrink:
             passes.shrink_stash(training)
@@ -158,7 +151,7 @@ class TrainingSession:
         """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
         self.read_inputs: tuple[str, ...] = tuple(e.name for e in man.backward_inputs if e.role == "input")
         """Graph inputs backward reads (the same hazard, for the caller's input tensors)."""
-        self._fwd = Runner(runnable_forward(full.forward, config), config, "forward")
+        self._fwd = self._forward_runner()
         self._fwd_names = full.forward_outputs
         self._infer: Runner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
@@ -171,9 +164,12 @@ class TrainingSession:
         batch grows): new onnxruntime sessions, the backward ones rebuilt when first needed. Forward states
         already made stay valid (they hold OrtValues, not sessions)."""
         self.config = config
-        self._fwd = Runner(runnable_forward(self.full.forward, config), config, "forward")
+        self._fwd = self._forward_runner()
         self._infer = None
         self._backwards.clear()
+
+    def _forward_runner(self) -> Runner:
+        return Runner(lowering.forward(self.full.forward, self.config), self.config, "forward")
 
     # --- public API ------------------------------------------------------------------------------
     @property
@@ -252,7 +248,7 @@ class TrainingSession:
 
     def run_ortvalues(self, feeds: Mapping[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._infer is None:
-            self._infer = Runner(runnable_forward(self.source, self.config), self.config, "inference")
+            self._infer = Runner(lowering.forward(self.source, self.config), self.config, "inference")
         return self._infer.run(feeds, self.output_names)
 
     # --- internals ----------------------------------------------------------------------------------
@@ -301,11 +297,7 @@ class TrainingSession:
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner = None
         if grads and program.manifest.backward_outputs:
-            model = program.backward
-            if self.config.lower:
-                model = passes.lower(model, arrays)
-                model = reductions.lower_sums(model)
-            runner = Runner(model, self.config, "backward")
+            runner = Runner(lowering.backward(program.backward, arrays, self.config), self.config, "backward")
         return _Backward(program, runner, grads, consts, specialised)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]

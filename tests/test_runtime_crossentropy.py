@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 from runtime.crossentropy import lower_losses
+from runtime.lowering import forward as runnable_forward
 from runtime.ort_session import SessionConfig
-from runtime.session import runnable_forward
 
 N, C = 7, 5
 

@@ -1,0 +1,33 @@
+"""Which rewrites the runtime applies for onnxruntime, at which stage, under `SessionConfig.lower`.
+
+One place for the three stages, so a session and ORTModule's inference path rewrite alike:
+- the forward source, before the gradient is built (the rule then sees the rewritten nodes);
+- a forward or inference graph, just before its session is created;
+- a backward graph, just before its session is created.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from . import crossentropy, passes, reductions
+from .ort_session import SessionConfig
+
+
+def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
+    """Relu at the pooled size (`passes.relu_after_pool`) and LayerNorm statistics kept for backward
+    (`passes.layer_norm_statistics`)."""
+    return passes.layer_norm_statistics(passes.relu_after_pool(model)) if config.lower else model
+
+
+def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
+    """The classification losses written out in standard ops (`crossentropy`) instead of the ONNX function
+    bodies onnxruntime inlines."""
+    return crossentropy.lower_losses(model) if config.lower else model
+
+
+def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:
+    """Slow onnxruntime patterns (`passes.lower`), then sums (`reductions.lower_sums`); `known`: values of the
+    initializers backward reads from the forward part."""
+    return reductions.lower_sums(passes.lower(model, known)) if config.lower else model
