@@ -908,18 +908,27 @@ def test_batch_norm_running_statistics_stay_buffers():
         assert "non-differentiable" in meta["no_gradient"]["m"]
 
 
-@pytest.mark.parametrize(("kernel", "pads", "strides", "by_offsets"), [
-    (3, 1, 1, True),    # small kernel, stride 1: one GEMM over shifted slices
-    (1, 0, 1, True),
-    (5, 2, 1, False),   # larger kernels: the Conv with batch and channels swapped
-    (3, 1, 2, False),   # strided
+@pytest.mark.parametrize(("kernel", "outputs", "size", "group", "expected"), [
+    (3, 4, 8, 1, "per sample"),   # 3x3: the input unfolded, against dY sample by sample
+    (3, 4, None, 1, "one GEMM"),  # positions unknown when building: one GEMM over batch and positions
+    (3, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
+    (5, 32, 8, 1, "per sample"),  # 5x5 to 32 channels
+    (5, 4, 8, 1, "swapped"),      # 5x5 to few channels: the Conv with batch and channels swapped
+    (3, 6, 8, 3, "swapped"),      # grouped
 ])
-def test_conv_weight_gradient_formulation(kernel: int, pads: int, strides: int, by_offsets: bool) -> None:
-    """Which weight-gradient formulation a Conv gets (both are checked against torch by the Conv tests)."""
+def test_conv_weight_gradient_formulation(kernel: int, outputs: int, size: int | None, group: int,
+                                          expected: str) -> None:
+    """Which weight-gradient formulation a Conv gets (every one is checked against torch by the Conv tests)."""
     rng = np.random.default_rng(0)
     model = single_op_model("Conv", [("x", rng.standard_normal((2, 3, 8, 8)).astype(np.float32)),
-                                     ("w", rng.standard_normal((4, 3, kernel, kernel)).astype(np.float32))],
-                            pads=[pads] * 4, strides=[strides] * 2, symbolic={"x": [0, 2, 3]})
+                                     ("w", rng.standard_normal((outputs, 3 // group, kernel, kernel)).astype(
+                                         np.float32))],
+                            pads=[kernel // 2] * 4, group=group, symbolic={"x": [0] if size else [0, 2, 3]})
     training = gradbuilder.build_gradient_graph(model, wrt=["w"])
     ops = [n.op_type for n in training.graph.node]
-    assert ("Gemm" in ops) == by_offsets and (ops.count("Conv") == 1) == by_offsets
+    formulation = ("one GEMM" if "Gemm" in ops else "per sample" if "MatMul" in ops
+                   else "swapped" if ops.count("Conv") == 2 else "?")
+    assert formulation == expected
+    if expected != "swapped":  # the one-hot unfolding Conv has a group per input channel
+        assert [a.i for n in training.graph.node if n.op_type == "Conv" for a in n.attribute
+                if a.name == "group"][-1] == 3
