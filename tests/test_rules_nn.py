@@ -908,20 +908,21 @@ def test_batch_norm_running_statistics_stay_buffers():
         assert "non-differentiable" in meta["no_gradient"]["m"]
 
 
-@pytest.mark.parametrize(("kernel", "outputs", "size", "group", "expected"), [
-    (3, 4, 8, 1, "per sample"),   # 3x3: the input unfolded, against dY sample by sample
-    (3, 4, None, 1, "one GEMM"),  # positions unknown when building: one GEMM over batch and positions
-    (3, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
-    (5, 32, 8, 1, "per sample"),  # 5x5 to 32 channels
-    (5, 4, 8, 1, "swapped"),      # 5x5 to few channels: the Conv with batch and channels swapped
-    (3, 6, 8, 3, "swapped"),      # grouped
+@pytest.mark.parametrize(("kernel", "inputs", "outputs", "size", "group", "expected"), [
+    (3, 4, 4, 8, 1, "per sample"),   # 3x3: the input unfolded, against dY sample by sample
+    (3, 4, 4, None, 1, "one GEMM"),  # positions unknown when building: one GEMM over batch and positions
+    (3, 4, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
+    (5, 4, 32, 8, 1, "per sample"),  # 5x5 to 32 channels
+    (5, 3, 4, 8, 1, "per sample"),   # 5x5 from 3 channels
+    (5, 4, 4, 8, 1, "swapped"),      # 5x5 from 4 to 4 channels: the Conv with batch and channels swapped
+    (3, 4, 6, 8, 2, "swapped"),      # grouped
 ])
-def test_conv_weight_gradient_formulation(kernel: int, outputs: int, size: int | None, group: int,
+def test_conv_weight_gradient_formulation(kernel: int, inputs: int, outputs: int, size: int | None, group: int,
                                           expected: str) -> None:
     """Which weight-gradient formulation a Conv gets (every one is checked against torch by the Conv tests)."""
     rng = np.random.default_rng(0)
-    model = single_op_model("Conv", [("x", rng.standard_normal((2, 3, 8, 8)).astype(np.float32)),
-                                     ("w", rng.standard_normal((outputs, 3 // group, kernel, kernel)).astype(
+    model = single_op_model("Conv", [("x", rng.standard_normal((2, inputs, 8, 8)).astype(np.float32)),
+                                     ("w", rng.standard_normal((outputs, inputs // group, kernel, kernel)).astype(
                                          np.float32))],
                             pads=[kernel // 2] * 4, group=group, symbolic={"x": [0] if size else [0, 2, 3]})
     training = gradbuilder.build_gradient_graph(model, wrt=["w"])
@@ -931,4 +932,4 @@ def test_conv_weight_gradient_formulation(kernel: int, outputs: int, size: int |
     assert formulation == expected
     if expected != "swapped":  # the one-hot unfolding Conv has a group per input channel
         assert [a.i for n in training.graph.node if n.op_type == "Conv" for a in n.attribute
-                if a.name == "group"][-1] == 3
+                if a.name == "group"][-1] == inputs

@@ -223,7 +223,7 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails:
     number of spatial positions, where static.
     """
     nd = len(win.kernel)
-    if _unfolding(g, inp, win, group, outputs):
+    if _unfolding(g, inp, win, group, per_group, outputs):
         return _weight_grad_by_unfolding(g, inp, dout, win, tails, per_group, outputs, positions)
     spatial = list(range(2, 2 + nd))
     swap = [1, 0, *spatial]
@@ -245,16 +245,19 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails:
 SMALL_KERNEL = 9
 """Kernels of at most this many taps (3x3) always unfold."""
 UNFOLD_MIN_OUTPUTS = 32
-"""Larger kernels unfold only for at least this many output channels: below, the Conv with batch and
-channels swapped was faster in onnxruntime (LeNet's 5x5 layers to 6 and 16 channels: 1.3-1.9 against
-1.9-2.4 ms; to 32 channels: 1.7 against 2.9 ms)."""
+UNFOLD_MAX_INPUTS = 3
+"""Larger kernels unfold for at least `UNFOLD_MIN_OUTPUTS` output channels or at most `UNFOLD_MAX_INPUTS` input
+channels (an image's colours); between, the Conv with batch and channels swapped was faster in onnxruntime
+(LeNet's 5x5 layer from 6 to 16 channels: 1.3-1.9 against 1.9-2.4 ms; from 1 to 32 channels: 1.7 against
+2.9 ms; LeNet steps with its 1- or 3-channel first layer unfolded: 0.93-1.02 of the swapped Conv's)."""
 
 
-def _unfolding(g: Grad, inp: str, win: Window, group: int, outputs: int | None) -> bool:
+def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, outputs: int | None) -> bool:
     """Whether the weight gradient unfolds the input: ungrouped, a type onnxruntime convolves, and a small
-    kernel or enough output channels."""
+    kernel, enough output channels or few input channels."""
     return (group == 1 and g.dtype(inp) in (TensorProto.FLOAT, TensorProto.FLOAT16)
-            and (int(np.prod(win.kernel)) <= SMALL_KERNEL or (outputs or 0) >= UNFOLD_MIN_OUTPUTS))
+            and (int(np.prod(win.kernel)) <= SMALL_KERNEL or (outputs or 0) >= UNFOLD_MIN_OUTPUTS
+                 or channels <= UNFOLD_MAX_INPUTS))
 
 
 def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: Sizes, channels: int,
