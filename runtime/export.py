@@ -37,6 +37,7 @@ from torch import nn
 from . import exchange
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .ort_session import Runner, SessionConfig
+from .passes import rename_tensors
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -419,7 +420,7 @@ def _name_outputs(model: onnx.ModelProto, out_spec: Spec) -> list[str]:
             rename[old] = want
         seen.add(old)
         vi.name = want
-    _rename(g, rename)
+    rename_tensors(g, rename)
     return [o.name for o in g.output]
 
 
@@ -498,20 +499,3 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
 def _constant(g: onnx.GraphProto, name: str, values: list[int]) -> str:
     g.initializer.append(onnx.numpy_helper.from_array(np.array(values, np.int64), name))
     return name
-
-
-def _rename(g: onnx.GraphProto, mapping: dict[str, str]) -> None:
-    """Rename tensors produced by nodes (and their uses, including inside subgraphs)."""
-    if not mapping:
-        return
-    for n in g.node:
-        for seq in (n.input, n.output):
-            for i, x in enumerate(seq):
-                if x in mapping:
-                    seq[i] = mapping[x]
-        for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                _rename(sub, mapping)
-    for vi in g.value_info:
-        if vi.name in mapping:
-            vi.name = mapping[vi.name]

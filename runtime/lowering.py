@@ -16,15 +16,18 @@ from .ort_session import SessionConfig
 
 
 def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
-    """Relu at the pooled size (`passes.relu_after_pool`) and LayerNorm statistics kept for backward
-    (`passes.layer_norm_statistics`)."""
-    return passes.layer_norm_statistics(passes.relu_after_pool(model)) if config.lower else model
+    """Dropouts that drop nothing removed (`passes.inactive_dropouts`), Relu at the pooled size
+    (`passes.relu_after_pool`) and LayerNorm statistics kept for backward (`passes.layer_norm_statistics`)."""
+    if not config.lower:
+        return model
+    return passes.layer_norm_statistics(passes.relu_after_pool(passes.inactive_dropouts(model)))
 
 
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     """The classification losses written out in standard ops (`crossentropy`) instead of the ONNX function
-    bodies onnxruntime inlines."""
-    return crossentropy.lower_losses(model) if config.lower else model
+    bodies onnxruntime inlines; Dropouts that drop nothing removed (an inference graph's, not yet removed by
+    `source`)."""
+    return crossentropy.lower_losses(passes.inactive_dropouts(model)) if config.lower else model
 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:

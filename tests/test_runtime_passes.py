@@ -1,5 +1,5 @@
 """runtime/passes.py: the stash shrinks (rematerialized inputs, boolean masks) and the Where lowering keep the
-gradients, and keep a Where that guards a singular expression."""
+gradients, and keep a Where that guards a singular expression; Dropouts that drop nothing go."""
 
 import copy
 
@@ -12,7 +12,8 @@ from torch import nn
 
 import gradbuilder
 from runtime import ORTModule, passes
-from runtime.ort_session import SessionConfig
+from runtime.exchange import to_ortvalue
+from runtime.ort_session import Runner, SessionConfig
 from runtime.session import TrainingSession
 
 
@@ -244,3 +245,78 @@ def test_layer_norm_statistics_read_by_backward(dtype):
     tol = 1e-4 if dtype == np.float32 else 1e-10
     for name, t in (("x", tx), ("w", tw), ("b", tb)):
         np.testing.assert_allclose(grads[name], t.grad.numpy(), rtol=tol, atol=tol)
+
+
+def test_inactive_dropouts_become_identities():
+    """Dropouts at a constant ratio of 0 (the mask read) and in inference mode go (the mask all true; an Identity
+    for a graph output); a training Dropout at 0.3 stays. onnxruntime gives the same values before and after."""
+    f, b = TensorProto.FLOAT, TensorProto.BOOL
+    consts = [helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("third", f, [], [0.3]),
+              helper.make_tensor("on", b, [], [True]), helper.make_tensor("off", b, [], [False])]
+    nodes = [helper.make_node("Dropout", ["x", "zero", "on"], ["a", "mask"]),
+             helper.make_node("Dropout", ["a", "third", "off"], ["c"]),
+             helper.make_node("Dropout", ["c"], ["d"]),
+             helper.make_node("Dropout", ["d", "third", "on"], ["e"])]
+    graph = helper.make_graph(nodes, "drop", [helper.make_tensor_value_info("x", f, ["n", 4])],
+                              [helper.make_tensor_value_info(n, t, None) for n, t in (("d", f), ("mask", b), ("e", f))],
+                              consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rewritten = passes.inactive_dropouts(model)
+    assert [(n.op_type, list(n.input)) for n in rewritten.graph.node] == [
+        ("Shape", ["x"]), ("ConstantOfShape", ["mask/shape"]), ("Identity", ["x"]), ("Dropout", ["d", "third", "on"])]
+    assert passes.inactive_dropouts(rewritten) is rewritten
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    config = SessionConfig(threads=1)  # onnxruntime's EliminateDropout off, as for every session of ours
+    before, after = ([v.numpy() for v in Runner(m, config, "dropouts").run({"x": to_ortvalue(torch.from_numpy(x))})]
+                     for m in (model, rewritten))
+    np.testing.assert_array_equal(after[0], x)
+    np.testing.assert_array_equal(before[0], after[0])
+    np.testing.assert_array_equal(after[1], np.ones((3, 4), bool))
+    np.testing.assert_array_equal(before[1], after[1])
+
+
+def test_zero_dropout_in_ortmodule():
+    """`nn.Dropout(0.0)` in a training module leaves no Dropout in the graph ORTModule builds from, and the
+    gradients are torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.0), nn.ReLU(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, threads=1)
+    x = torch.randn(5, 6)
+    ort(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert "Dropout" not in [n.op_type for n in ort.training_sessions()[0].source.graph.node]
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("form", ["gemm", "matmul"])
+def test_transposed_products(form):
+    """`Transpose(Gemm(x, b, transA=1))` (the MatMul rule's weight gradient) and `Transpose(MatMul(Transpose(x),
+    b))` of 2-D operands become one `Gemm(b, x, transA=1)` with the same values; a Gemm that scales is left
+    alone."""
+    f = TensorProto.FLOAT
+    if form == "gemm":
+        product = [helper.make_node("Gemm", ["x", "b"], ["p"], transA=1)]
+    else:
+        product = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+                   helper.make_node("MatMul", ["xt", "b"], ["p"])]
+    nodes = [helper.make_node("Flatten", ["b0"], ["b"]), *product,
+             helper.make_node("Transpose", ["p"], ["y"], perm=[1, 0]),
+             helper.make_node("Gemm", ["x", "b"], ["q"], transA=1, alpha=2.0),
+             helper.make_node("Transpose", ["q"], ["z"], perm=[1, 0])]
+    graph = helper.make_graph(nodes, "tp", [helper.make_tensor_value_info("x", f, ["n", 3]),
+                                            helper.make_tensor_value_info("b0", f, ["n", 4])],
+                              [helper.make_tensor_value_info(n, f, None) for n in ("y", "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rewritten = passes.transposed_products(model)
+    made = {n.output[0]: n for n in rewritten.graph.node}
+    assert made["y"].op_type == "Gemm" and list(made["y"].input) == ["b", "x"]
+    assert made["z"].op_type == "Transpose"
+    rng = np.random.default_rng(0)
+    feeds = {k: to_ortvalue(torch.from_numpy(rng.standard_normal((5, n)).astype(np.float32)))
+             for k, n in (("x", 3), ("b0", 4))}
+    config = SessionConfig(threads=1)
+    before, after = ([v.numpy() for v in Runner(m, config, "products").run(feeds)] for m in (model, rewritten))
+    for want, got in zip(before, after):
+        np.testing.assert_allclose(got, want, rtol=1e-6)

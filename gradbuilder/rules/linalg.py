@@ -56,10 +56,11 @@ def matmul(g: Grad):
         b_t = g.unsqueeze(b, [0]) if rb == 1 else _swap_last(g, b, rb)  # (..., N, K)
         da = _sum_to(g, g.MatMul(dy2, b_t), a, _batch(g.info(a).shape, ra, ra > 1), y_batch)
     if g.needs(1):
-        if rb == 2 and ra > 2:
-            # a 2-D weight shared across the batch: one matmul over the flattened batch, no reduction
-            a_flat, dy_flat = g.Flatten(a, axis=ra - 1), g.Flatten(dy2, axis=ry - 1)
-            db = g.MatMul(g.Transpose(a_flat, perm=[1, 0]), dy_flat)
+        if rb == 2 and ra >= 2:
+            # a 2-D weight (shared across the batch: one product over the flattened batch, no reduction); Gemm
+            # reads A transposed itself (onnxruntime's MatMul of a Transpose was 1.3-1.9x slower)
+            a_flat, dy_flat = (g.Flatten(a, axis=ra - 1), g.Flatten(dy2, axis=ry - 1)) if ra > 2 else (a, dy2)
+            db = g.Gemm(a_flat, dy_flat, transA=1)
         else:
             a_t = g.unsqueeze(a, [-1]) if ra == 1 else _swap_last(g, a, ra)  # (..., K, M)
             db = _sum_to(g, g.MatMul(a_t, dy2), b, _batch(g.info(b).shape, rb, rb > 1), y_batch)
