@@ -181,6 +181,20 @@ def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0
                   torch_saved_bytes(reference, args), ratio)
 
 
+def step_ratio(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0) -> dict[str, float]:
+    """Step times alone (interleaved, medians) and their paired ratio: for the `shapes` part."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    reference = case.make()
+    ort_model = ORTModule(copy.deepcopy(reference), threads=threads)
+    args = case.batch(torch.Generator().manual_seed(seed))
+    steps = [stepper(ort_model, args), stepper(reference, args)]
+    interleave(steps, WARMUP)
+    ort, eager = interleave(steps, reps or case.steps)
+    return {"ort_step": statistics.median(ort), "torch_step": statistics.median(eager),
+            "ratio": statistics.median(a / b for a, b in zip(ort, eager))}
+
+
 class _Replay(torch.autograd.Function):
     """A custom Function handing back precomputed gradients: what torch itself costs per step for one such
     Function (the floor under ORTModule's overhead)."""

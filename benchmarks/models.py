@@ -36,12 +36,27 @@ def mlp(sizes: tuple[int, ...] = (784, 512, 512, 10)) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def lenet() -> nn.Module:
-    """LeNet-5 on 1x28x28: conv-relu-pool twice, then three fully connected layers."""
+def lenet(channels: tuple[int, int, int] = (1, 6, 16), size: int = 28, kernel: int = 5,
+          hidden: tuple[int, ...] = (120, 84)) -> nn.Module:
+    """LeNet-5 (on 1x28x28 by default): conv-relu-pool twice, then fully connected layers. The first conv keeps
+    the size (same padding) on 28x28 images, as LeNet on MNIST does."""
+    c0, c1, c2 = channels
+    pad = kernel // 2 if size == 28 else 0
+    side = ((size + 2 * pad - kernel + 1) // 2 - kernel + 1) // 2
+    sizes = (c2 * side * side, *hidden, 10)
+    dense: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        dense += [nn.Linear(a, b), nn.ReLU()] if i < len(sizes) - 2 else [nn.Linear(a, b)]
     return nn.Sequential(
-        nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
+        nn.Conv2d(c0, c1, kernel, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, kernel), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), *dense)
+
+
+def small_vgg() -> nn.Module:
+    """Three 3x3 conv-relu layers with two 2x2 pools on 3x32x32 (CIFAR-sized)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
 
 
 class Encoder(nn.Module):
@@ -101,3 +116,34 @@ CASES: dict[str, Case] = {c.name: c for c in [
          _tokens(1, 128, GPT_VOCAB), 6),
 ]}
 """Models of the benchmark table, in table order."""
+
+SHAPES: dict[str, Case] = {c.name: c for c in [
+    Case("mlp-wide", "MLP 784-1024-1024-10, batch 128", lambda: WithLoss(mlp((784, 1024, 1024, 10))),
+         _images(128, (784,), 10), 40),
+    Case("mlp-deep", "MLP 784-256-256-256-256-10, batch 32", lambda: WithLoss(mlp((784, 256, 256, 256, 256, 10))),
+         _images(32, (784,), 10), 100),
+    Case("mlp-b256", "MLP 784-512-256-10, batch 256", lambda: WithLoss(mlp((784, 512, 256, 10))),
+         _images(256, (784,), 10), 60),
+    Case("cnn-b128", "LeNet-5, batch 128", lambda: WithLoss(lenet()), _images(128, (1, 28, 28), 10), 30),
+    Case("cnn-wide", "LeNet-5 with 32 and 64 channels, dense 128, batch 32",
+         lambda: WithLoss(lenet((1, 32, 64), hidden=(128,))), _images(32, (1, 28, 28), 10), 30),
+    Case("cnn-rgb", "LeNet-5 on 3x32x32 (no padding), batch 64", lambda: WithLoss(lenet((3, 6, 16), size=32)),
+         _images(64, (3, 32, 32), 10), 30),
+    Case("cnn-caffe", "Caffe's LeNet: 20 and 50 channels, dense 500, batch 64",
+         lambda: WithLoss(lenet((1, 20, 50), hidden=(500,))), _images(64, (1, 28, 28), 10), 30),
+    Case("cnn-3x3", "three 3x3 convs 16-32-64 on 3x32x32, batch 64", lambda: WithLoss(small_vgg()),
+         _images(64, (3, 32, 32), 10), 20),
+    Case("transformer-d256", "pre-LN encoder, 2 layers, d=256, 8 heads, ff 1024, seq 128, batch 8, vocab 2000",
+         lambda: WithLoss(Encoder(2000, 256, 8, 2, 128, 1024, 0.1, causal=False)), _tokens(8, 128, 2000), 10),
+    Case("transformer-causal", "pre-LN causal encoder, 4 layers, d=128, 4 heads, ff 512, seq 64, batch 16, vocab 1000",
+         lambda: WithLoss(Encoder(1000, 128, 4, 4, 64, 512, 0.1, causal=True)), _tokens(16, 64, 1000), 10),
+    Case("transformer-small", "pre-LN encoder, 2 layers, d=64, 2 heads, ff 256, seq 32, batch 16, vocab 500",
+         lambda: WithLoss(Encoder(500, 64, 2, 2, 32, 256, 0.1, causal=False)), _tokens(16, 32, 500), 30),
+    Case("transformer-nodrop", "the reference encoder without dropout (p=0)",
+         lambda: WithLoss(Encoder(1000, 128, 4, 2, 64, 512, 0.0, causal=False)), _tokens(8, 64, 1000), 20),
+    Case("gpt2-4l", "GPT-2 width, 4 layers: d=768, 12 heads, ff 3072, GELU, causal, seq 64, batch 2, "
+         f"vocab {GPT_VOCAB}",
+         lambda: WithLoss(Encoder(GPT_VOCAB, 768, 12, 4, 64, 3072, 0.1, causal=True, activation="gelu")),
+         _tokens(2, 64, GPT_VOCAB), 4),
+]}
+"""Other shapes of the reference models' families (the `shapes` part): step-time ratios only."""

@@ -85,6 +85,17 @@ def passive_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def shapes_table(results: dict[str, Any]) -> str:
+    shapes = results.get("shapes")
+    if not shapes:
+        return ""
+    lines = ["| model | shape | ORTModule step (ms) | torch step (ms) | ratio | load |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {t['description']} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** "
+              f"| {t['load']:.1f} |" for name, t in shapes.items()]
+    return "\n".join(lines)
+
+
 def memory_table(results: dict[str, Any]) -> str:
     lines = ["| model | ORT stash (MB) | torch saved (MB) | torch.compile saved (MB) | step peak-RSS growth over "
              "forward (MB): ORTModule / torch |", "|---|---:|---:|---:|---:|"]
@@ -133,6 +144,8 @@ def text(results: dict[str, Any]) -> str:
     parts = [("Step time (forward + backward, no optimizer)", step_table(results)),
              ("Step time with torch's OpenMP threads passive (OMP_WAIT_POLICY=PASSIVE, fresh process)",
               passive_table(results)),
+             ("Step time on other shapes of the same families (interleaved with torch eager, as above)",
+              shapes_table(results)),
              ("Memory saved for backward", memory_table(results)),
              ("Time to first step", startup_table(results)),
              ("Per-step overhead", overhead_table(results)),
