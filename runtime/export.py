@@ -245,6 +245,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "object with the export's tensors. Leave it out of the result (Hugging Face models: "
                       "use_cache=False).", ExportWarning, stacklevel=4)
     _constants_for(model, temporary)
+    _attention_dropouts_train(model)
     _state_as_inputs(model, state, type(module).__name__)
     _split_sequences_to_slices(model.graph)
     _dynamic_inputs(model, set(names))
@@ -338,6 +339,24 @@ def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> N
     for name, v in zip(unknown, values):
         if v.is_tensor():
             g.value_info.append(helper.make_tensor_value_info(name, v.element_type(), [None] * len(v.shape())))
+
+
+def _attention_dropouts_train(model: onnx.ModelProto) -> None:
+    """Both exporters translate `scaled_dot_product_attention(dropout_p=p)` (and so nn.MultiheadAttention's
+    attention dropout in training) as `Dropout(x, p)` without `training_mode`, which in ONNX is inference: an
+    identity. torch drops whenever p > 0, and neither exporter emits any other Dropout without a mode (an
+    nn.Dropout in training mode gets `training_mode=True`, in eval mode no node), so each such Dropout of the
+    main graph gets a constant true `training_mode`, in place."""
+    g = model.graph
+    targets = [n for n in g.node if n.op_type == "Dropout" and n.domain in ("", "ai.onnx") and len(n.input) == 2
+               and n.input[1]]
+    if not targets:
+        return
+    taken = {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    name = _unique(["attention_dropout_training"], taken)[0]
+    g.initializer.append(onnx.numpy_helper.from_array(np.array(True), name))
+    for n in targets:
+        n.input.append(name)
 
 
 def _constants_for(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> None:

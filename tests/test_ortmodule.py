@@ -687,3 +687,26 @@ def test_dynamo_exporter() -> None:
     torch.testing.assert_close(om[1].running_var, ref[1].running_var)
     om(torch.randn(9, 4))  # dynamic batch
     assert om.stats["exports"] == 1
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_attention_dropout_drops_with_one_mask(exporter) -> None:
+    """scaled_dot_product_attention's dropout (nn.MultiheadAttention's in training) drops on onnxruntime as in
+    torch, with the forward's mask in backward. Both exporters emit it without a training mode (an identity in
+    ONNX). With q = k = 0 the attention is uniform (1/S) and v = I makes the output the dropped attention:
+    0 or 2/S at p = 0.5, and dV = out^T c for the loss sum(out * c)."""
+
+    class Attend(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+    s = 64
+    q = k = torch.zeros(2, 3, s, 8)
+    v = torch.eye(s).expand(2, 3, s, s).clone().requires_grad_()
+    out = ORTModule(Attend(), threads=1, exporter=exporter)(q, k, v)
+    kept = out.detach() != 0
+    assert 0.45 < float(kept.float().mean()) < 0.55
+    torch.testing.assert_close(out.detach()[kept], torch.full((int(kept.sum()),), 2 / s))
+    c = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    (out * c).sum().backward()
+    torch.testing.assert_close(v.grad, out.detach().transpose(-1, -2) @ c)

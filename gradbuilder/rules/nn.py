@@ -4,9 +4,9 @@
 included) the way onnxruntime does. The input gradient of a strided window op is a ConvTranspose whose
 end pads and output_padding follow from each dim's tail (how far the last window reaches past the input);
 a weight gradient is the input unfolded (im2col, a Conv with a one-hot kernel) against the output gradient
-in a MatMul, or where that is slower a Conv with batch and channels swapped. Symbolic spatial dims make tails (and SAME
-pads) run-time int64 vectors: ConvTranspose then runs without them and a Pad with run-time pads (negative
-ones crop) lays its output onto the input, so one gradient graph serves every input size.
+in a MatMul, or where that is slower a Conv with batch and channels swapped. Symbolic spatial dims make
+tails (and SAME pads) run-time int64 vectors: ConvTranspose then runs without them and a Pad with run-time
+pads (negative ones crop) lays its output onto the input, so one gradient graph serves every input size.
 """
 
 from __future__ import annotations
