@@ -5,7 +5,8 @@ Training graphs need things inference sessions do not: Dropout must survive opti
 constants must stay apart (`ConstantSharing` merges them, but training-mode BatchNormalization writes
 its batch statistics in place into its running-stat inputs, constants here (see `batchnorm`), so two
 BatchNorms of equal width would report one's statistics for both); and a step runs thousands of
-times, so the Python wrappers' per-call conversions are skipped.
+times, so the Python wrappers' per-call conversions are skipped. Backward sessions also go without
+onnxruntime's NCHWc layout (`BACKWARD_DISABLED_OPTIMIZERS`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
 DISABLED_OPTIMIZERS = ("EliminateDropout", "ConstantSharing")
+BACKWARD_DISABLED_OPTIMIZERS = (*DISABLED_OPTIMIZERS, "NchwcTransformer")
+"""A backward's only Convs with a constant weight are the one-hot unfolds of weight gradients; over a single
+input channel NCHWc takes them, and reordering their many-channel output back to NCHW cost more than the
+blocked kernel saved (LeNet's first layer in onnxruntime's profile: 0.94 ms of Conv + 0.91 ms of ReorderOutput,
+against 1.1 ms for the plain Conv; LeNet steps 0.95-1.04 of before, median 0.96, paired). The forward keeps NCHWc (its
+pools use it; without, 1-channel to 3-channel LeNets were 1.00-1.04 of before)."""
 
 
 class SessionLoadError(RuntimeError):
@@ -59,12 +66,12 @@ class SessionConfig:
 class Runner:
     """A created-once onnxruntime session plus its input and output names."""
 
-    def __init__(self, model: onnx.ModelProto, config: SessionConfig, what: str):
+    def __init__(self, model: onnx.ModelProto, config: SessionConfig, what: str,
+                 disabled: Sequence[str] = DISABLED_OPTIMIZERS):
         self.what = what
         try:
             self.session = ort.InferenceSession(model.SerializeToString(), config.options(),
-                                                providers=list(config.providers),
-                                                disabled_optimizers=list(DISABLED_OPTIMIZERS))
+                                                providers=list(config.providers), disabled_optimizers=list(disabled))
         except Exception as e:  # onnxruntime raises its own zoo of types
             raise SessionLoadError(f"onnxruntime cannot load the {what} model: {e}") from e
         self._c = self.session._sess

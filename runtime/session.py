@@ -29,7 +29,7 @@ import gradbuilder
 
 from . import exchange, lowering, passes
 from .exchange import Tensor
-from .ort_session import Runner, SessionConfig
+from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
 
 ModelLike = onnx.ModelProto | str | os.PathLike | bytes
@@ -297,7 +297,8 @@ class TrainingSession:
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner = None
         if grads and program.manifest.backward_outputs:
-            runner = Runner(lowering.backward(program.backward, arrays, self.config), self.config, "backward")
+            runner = Runner(lowering.backward(program.backward, arrays, self.config), self.config, "backward",
+                            BACKWARD_DISABLED_OPTIMIZERS)
         return _Backward(program, runner, grads, consts, specialised)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]

@@ -292,3 +292,36 @@ def test_input_errors(session: TrainingSession) -> None:
     _, state = session.forward({"x": np.ones((1, 4), np.float32)})
     with pytest.raises(ValueError, match="expected 3 output gradients"):
         session.backward(state, [None])
+
+
+def test_backward_sessions_keep_nchw(tmp_path, monkeypatch) -> None:
+    """onnxruntime's NCHWc layout takes a Conv with a constant weight and one input channel: the one-hot unfold
+    of a 1-channel Conv's weight gradient in backward, whose output it would reorder back at a cost. The
+    backward session goes without it (its optimized graph has no NCHWc node); the forward keeps its own."""
+    saved = []
+    options = SessionConfig.options
+
+    def saving(self):
+        so = options(self)
+        so.optimized_model_filepath = str(tmp_path / f"{len(saved)}.onnx")
+        saved.append(so.optimized_model_filepath)
+        return so
+
+    monkeypatch.setattr(SessionConfig, "options", saving)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[2] * 4),
+             helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1, 28, 28]),
+                                              helper.make_tensor_value_info("w", TensorProto.FLOAT, [8, 1, 5, 5])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = TrainingSession.from_forward(model, wrt=["w"], loss="loss", config=SessionConfig(threads=1))
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((4, 1, 28, 28)).astype(np.float32), rng.standard_normal((8, 1, 5, 5)).astype(np.float32)
+    _, state = session.forward({"x": x, "w": w})
+    grads = session.backward(state, [None])
+    tx, tw = torch.from_numpy(x), torch.from_numpy(w).requires_grad_()
+    torch.nn.functional.conv2d(tx, tw, padding=2).square().sum().backward()
+    np.testing.assert_allclose(grads["w"], tw.grad.numpy(), rtol=1e-3, atol=1e-3)
+    optimized = [onnx.load(p) for p in saved]
+    backward = [m for m in optimized if any(o.name.startswith("w") or "grad" in o.name for o in m.graph.output)]
+    assert backward and all(n.domain != "com.microsoft.nchwc" for m in backward for n in m.graph.node)
