@@ -37,7 +37,7 @@ from torch import nn
 from . import exchange
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .ort_session import Runner, SessionConfig
-from .passes import rename_tensors
+from .passes import names_in_use, rename_tensors
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -245,7 +245,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "object with the export's tensors. Leave it out of the result (Hugging Face models: "
                       "use_cache=False).", ExportWarning, stacklevel=4)
     _constants_for(model, temporary)
-    _attention_dropouts_train(model)
+    _sdpa_dropouts_in_training(model)
     _state_as_inputs(model, state, type(module).__name__)
     _split_sequences_to_slices(model.graph)
     _dynamic_inputs(model, set(names))
@@ -277,7 +277,7 @@ def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[st
     if not weights:
         return []
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
-    taken = {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    taken = names_in_use(g)
     added: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []
     for node in g.node:
@@ -341,7 +341,7 @@ def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> N
             g.value_info.append(helper.make_tensor_value_info(name, v.element_type(), [None] * len(v.shape())))
 
 
-def _attention_dropouts_train(model: onnx.ModelProto) -> None:
+def _sdpa_dropouts_in_training(model: onnx.ModelProto) -> None:
     """Both exporters translate `scaled_dot_product_attention(dropout_p=p)` (and so nn.MultiheadAttention's
     attention dropout in training) as `Dropout(x, p)` without `training_mode`, which in ONNX is inference: an
     identity. torch drops whenever p > 0, and neither exporter emits any other Dropout without a mode (an
@@ -352,7 +352,7 @@ def _attention_dropouts_train(model: onnx.ModelProto) -> None:
                and n.input[1]]
     if not targets:
         return
-    taken = {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    taken = names_in_use(g)
     name = _unique(["attention_dropout_training"], taken)[0]
     g.initializer.append(onnx.numpy_helper.from_array(np.array(True), name))
     for n in targets:
@@ -427,7 +427,7 @@ def _name_outputs(model: onnx.ModelProto, out_spec: Spec) -> list[str]:
     g = model.graph
     paths = tensor_paths(out_spec)
     wanted = ["output" + (f".{p}" if p else "") for p in paths]
-    taken = {i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    taken = names_in_use(g)
     inputs = {i.name for i in g.input} | {t.name for t in g.initializer}
     seen: set[str] = set()
     rename: dict[str, str] = {}

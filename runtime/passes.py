@@ -90,7 +90,8 @@ def _fresh(base: str, taken: set[str]) -> str:
     return name
 
 
-def _names(graph: onnx.GraphProto) -> set[str]:
+def names_in_use(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name a graph defines: node outputs, inputs, initializers (for picking fresh ones)."""
     return ({o for n in graph.node for o in n.output} | {i.name for i in graph.input} |
             {t.name for t in graph.initializer})
 
@@ -169,7 +170,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     wanted = [x for n in nodes[y + 1:] for x in n.input if x in maker and x not in module_reads]
     if not wanted:
         return []
-    taken = _names(g)
+    taken = names_in_use(g)
     rename: dict[str, str] = {}
     copies: list[onnx.NodeProto] = []
     # the float type backward already casts each Dropout mask to (the Dropout rule's Cast): a recomputed output
@@ -308,7 +309,7 @@ def _rewrite(model: onnx.ModelProto, plan: list[tuple], build: Callable[..., lis
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes = list(out.graph.node)
-    taken = _names(out.graph)
+    taken = names_in_use(out.graph)
     for k, *details in reversed(plan):  # from the back: a splice leaves the indices before it valid
         nodes[k:k + 1] = build(nodes[k], *details, taken)
     del out.graph.node[:]
@@ -364,12 +365,12 @@ def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
     """Dropouts of the main graph that drop nothing go (their readers read the input; an Identity where the
-    output is a graph output): in inference mode (`training_mode`
-    absent or a constant false) or at a constant ratio of 0 (`nn.Dropout(0.0)`, exported in training mode).
-    onnxruntime would otherwise run them, draw a mask at a ratio of 0 (1.7 ms a step on a 3-layer encoder of
-    width 192) and backward multiply by it: its `EliminateDropout` is off for the sessions (it removes training
-    Dropouts too). A mask that is read becomes all true. Opset 12 and later (ratio and training_mode as inputs);
-    returns a rewritten copy, or `model` itself when nothing matches."""
+    output is a graph output): in inference mode (`training_mode` absent or a constant false) or at a constant
+    ratio of 0 (`nn.Dropout(0.0)`, exported in training mode). onnxruntime would otherwise run them, draw a
+    mask at a ratio of 0 (1.7 ms a step on a 3-layer encoder of width 192) and backward multiply by it: its
+    `EliminateDropout` is off for the sessions (it removes training Dropouts too). A mask that is read becomes
+    all true. Opset 12 and later (ratio and training_mode as inputs); returns a rewritten copy, or `model`
+    itself when nothing matches."""
     if default_opset(model) < 12:
         return model
     consts = _constants(model.graph)
