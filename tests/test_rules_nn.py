@@ -910,7 +910,8 @@ def test_batch_norm_running_statistics_stay_buffers():
 
 @pytest.mark.parametrize(("kernel", "inputs", "outputs", "size", "group", "expected"), [
     (3, 4, 4, 8, 1, "per sample"),   # 3x3: the input unfolded, against dY sample by sample
-    (3, 4, 4, None, 1, "one GEMM"),  # positions unknown when building: one GEMM over batch and positions
+    (3, 4, 4, None, 1, "swapped"),   # positions unknown when building: the unfolded size is unbounded
+    (3, 8, 4, 128, 1, "swapped"),    # 8 x 9 x 128 x 128 unfolded elements a sample: above the bound
     (3, 4, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
     (5, 4, 32, 8, 1, "per sample"),  # 5x5 to 32 channels
     (5, 3, 4, 8, 1, "per sample"),   # 5x5 from 3 channels
@@ -921,7 +922,8 @@ def test_conv_weight_gradient_formulation(kernel: int, inputs: int, outputs: int
                                           expected: str) -> None:
     """Which weight-gradient formulation a Conv gets (every one is checked against torch by the Conv tests)."""
     rng = np.random.default_rng(0)
-    model = single_op_model("Conv", [("x", rng.standard_normal((2, inputs, 8, 8)).astype(np.float32)),
+    side = size or 8
+    model = single_op_model("Conv", [("x", rng.standard_normal((2, inputs, side, side)).astype(np.float32)),
                                      ("w", rng.standard_normal((outputs, inputs // group, kernel, kernel)).astype(
                                          np.float32))],
                             pads=[kernel // 2] * 4, group=group, symbolic={"x": [0] if size else [0, 2, 3]})

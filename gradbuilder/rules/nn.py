@@ -217,13 +217,14 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails:
                  per_group: int, outputs: int | None, positions: int | None) -> str:
     """dW[m, c, t] = sum over n, o of dout[n, m, o] * inp_padded[n, group(m) * per_group + c, o*s + t*d].
 
-    `_weight_grad_by_unfolding` where it pays; otherwise a Conv over `inp` (spatial `sizes`) with batch and
-    channels swapped (the group's channels stacked on the batch), `dout` (batch and channels swapped too) as
-    the kernel, strides and dilations exchanged. `outputs` is dout's channel count and `positions` its
-    number of spatial positions, where static.
+    `_weight_grad_by_unfolding` where it pays and the positions are known when building (the unfolded input's
+    size is then bounded); otherwise a Conv over `inp` (spatial `sizes`) with batch and channels swapped (the
+    group's channels stacked on the batch), `dout` (batch and channels swapped too) as the kernel, strides and
+    dilations exchanged. `outputs` is dout's channel count and `positions` its number of spatial positions,
+    where static.
     """
     nd = len(win.kernel)
-    if _unfolding(g, inp, win, group, per_group, outputs):
+    if positions is not None and _unfolding(g, inp, win, group, per_group, outputs, positions):
         return _weight_grad_by_unfolding(g, inp, dout, win, tails, per_group, outputs, positions)
     spatial = list(range(2, 2 + nd))
     swap = [1, 0, *spatial]
@@ -252,16 +253,26 @@ channels (an image's colours); between, the Conv with batch and channels swapped
 2.9 ms; LeNet steps with its 1- or 3-channel first layer unfolded: 0.93-1.02 of the swapped Conv's)."""
 
 
-def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, outputs: int | None) -> bool:
-    """Whether the weight gradient unfolds the input: ungrouped, a type onnxruntime convolves, and a small
-    kernel, enough output channels or few input channels."""
+UNFOLD_MAX_ELEMENTS = 1 << 20
+"""The most elements the unfolded input may have a sample (channels x taps x positions, 4 MB of float): it
+is the input times the taps, alive while the weight gradient is computed, where the swapped Conv's im2col
+holds one input channel at a time. MNIST- and CIFAR-sized layers need at most ~40k; a 3x3 layer of 64
+channels on 56x56 (ResNet's first stage) would need 1.8M."""
+
+
+def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, outputs: int | None,
+               positions: int) -> bool:
+    """Whether the weight gradient unfolds the input: ungrouped, a type onnxruntime convolves, an unfolded
+    sample of at most `UNFOLD_MAX_ELEMENTS`, and a small kernel, enough output channels or few input
+    channels."""
+    taps = int(np.prod(win.kernel))
     return (group == 1 and g.dtype(inp) in (TensorProto.FLOAT, TensorProto.FLOAT16)
-            and (int(np.prod(win.kernel)) <= SMALL_KERNEL or (outputs or 0) >= UNFOLD_MIN_OUTPUTS
-                 or channels <= UNFOLD_MAX_INPUTS))
+            and channels * taps * positions <= UNFOLD_MAX_ELEMENTS
+            and (taps <= SMALL_KERNEL or (outputs or 0) >= UNFOLD_MIN_OUTPUTS or channels <= UNFOLD_MAX_INPUTS))
 
 
 def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: Sizes, channels: int,
-                              outputs: int | None, positions: int | None) -> str:
+                              outputs: int | None, positions: int) -> str:
     """dW[m, c, t] = sum over n, p of dout[n, m, p] * cols[n, c*T + t, p]. cols, the input unfolded (im2col),
     is a Conv of inp with a one-hot kernel per channel and tap (group = channels) over the window op's own
     windows, so strides, dilations and pads need nothing more. Per sample, cols [C*T, P] meets dout [M, P] in
@@ -276,7 +287,7 @@ def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: 
     cols = g.Conv(framed, g.const(onehot, like=inp), kernel_shape=list(win.kernel), strides=list(win.strides),
                   dilations=list(win.dilations), pads=pads, group=channels)
     cols = g.Reshape(cols, g.ints([0, channels * taps, -1]))  # (N, C*T, P)
-    if positions is not None and outputs is not None and 2 * positions >= outputs:
+    if outputs is not None and 2 * positions >= outputs:
         per_sample = g.MatMul(g.Reshape(dout, g.ints([0, 0, -1])), g.Transpose(cols, perm=[0, 2, 1]))
         dw = g.reduce_sum(per_sample, [0], keepdims=False)  # (M, C*T)
     else:
