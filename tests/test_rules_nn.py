@@ -611,9 +611,10 @@ def type_untyped_outputs(monkeypatch, elem_type, shape):
     monkeypatch.setattr(harness, "single_op_model", patched)
 
 
+@pytest.mark.parametrize("momentum", [0.9, 0.0])  # 0: the running outputs are the batch statistics, read back
 @pytest.mark.parametrize("xs", [(4, 3), (4, 3, 5), (3, 2, 4, 5), (2, 3, 2, 3, 2)])
 @pytest.mark.parametrize("opset", [13, 15, 17])
-def test_batch_norm_training(monkeypatch, xs, opset):
+def test_batch_norm_training(monkeypatch, xs, opset, momentum):
     inputs = bn_inputs(xs)
     mean, var = (torch.from_numpy(v) for _, v in inputs[3:])
 
@@ -624,7 +625,21 @@ def test_batch_norm_training(monkeypatch, xs, opset):
     n_out = 3 if opset >= 14 else 5  # opset 13: the statistics outputs are what make it training mode
     type_untyped_outputs(monkeypatch, onnx.TensorProto.DOUBLE, [xs[1]])
     check_op("BatchNormalization", inputs, ref, n_out=n_out, diff_outputs=[0], consts=["mean", "var"],
-             opset=opset, epsilon=1e-3, momentum=0.9, **attrs)
+             opset=opset, epsilon=1e-3, momentum=momentum, **attrs)
+
+
+@pytest.mark.parametrize(("momentum", "running", "reductions"), [
+    (0.0, 1.0, 2),          # batch statistics read from the node: only dX's two means reduce over x
+    (0.9, 1.0, 4),          # running outputs mix in the running inputs: recomputed from x
+    (0.0, np.inf, 4),       # 0 * inf is nan: recomputed
+])
+def test_batch_norm_training_reads_its_statistics(momentum, running, reductions):
+    inputs = bn_inputs((4, 3, 5))
+    inputs[4] = ("var", np.full(3, running))
+    model = single_op_model("BatchNormalization", inputs, 3, opset=15, consts=["mean", "var"], training_mode=1,
+                            momentum=momentum)
+    training = gradbuilder.build_gradient_graph(model, wrt=["x", "scale", "bias"], outputs=["y0"])
+    assert [n.op_type for n in training.graph.node].count("ReduceMean") == reductions
 
 
 @pytest.mark.parametrize("xs", [(4, 3), (3, 2, 4, 5), (2, 3, 2, 3, 2)])

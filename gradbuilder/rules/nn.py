@@ -628,17 +628,42 @@ def _bn_stats_stop(node: onnx.NodeProto, opset: int, is_computed: Callable[[str]
     return [i for i in (3, 4) if i < len(node.input) and not is_computed(node.input[i])]
 
 
+def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str] | None:
+    """(mean, invstd) per channel, shaped to broadcast over x, from a training BatchNormalization's running
+    outputs when they are the batch statistics exactly: momentum 0 (running = batch * 1 + input * 0) with
+    finite constant running inputs. The runtime exports torch's BatchNorm that way; backward then reads two
+    values a channel instead of reducing over x twice again."""
+    outs = g.node.output
+    if g.opset < 14 or len(outs) < 3 or not outs[1] or not outs[2] or float(g.attr("momentum", 0.9)) != 0.0:
+        return None
+    for k in (3, 4):
+        value = g.const_input(k)
+        if value is None or not np.all(np.isfinite(value)):
+            return None
+    mean, var = outs[1], outs[2]
+    if g.dtype(mean) != g.dtype(x):
+        mean, var = g.cast_like(mean, x), g.cast_like(var, x)
+    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=x))))
+    return _per_channel(g, mean, rank), _per_channel(g, invstd, rank)
+
+
 @rule("BatchNormalization", since=13, nondiff=(3, 4), nondiff_if=_bn_stats_stop, nondiff_outputs=(1, 2, 3, 4))
 def batch_norm(g: Grad):
-    """Training mode normalizes with the batch statistics (recomputed from X in backward), inference mode
-    with the given mean/var: running statistics get no gradient (buffers in PyTorch), computed ones do."""
+    """Training mode normalizes with the batch statistics (read from the node when `_batch_statistics` can,
+    else recomputed from X in backward), inference mode with the given mean/var: running statistics get no
+    gradient (buffers in PyTorch), computed ones do."""
     x, scale, dy = g.I(0), g.I(1), g.GO(0)
     rank = g.require_rank(x)
     axes = [0, *range(2, rank)]
     eps = float(g.attr("epsilon", 1e-5))
     dmean = dvar = None
     if _is_training_bn(g.node, g.opset):
-        xhat, invstd = _standardize(g, x, axes, eps)
+        stats = _batch_statistics(g, x, rank, eps)
+        if stats is not None:
+            invstd = stats[1]
+            xhat = g.Mul(g.Sub(x, stats[0]), invstd)
+        else:
+            xhat, invstd = _standardize(g, x, axes, eps)
         dxhat = g.Mul(dy, _per_channel(g, scale, rank))
         dx = _standardize_grad(g, dxhat, xhat, invstd, axes) if g.needs(0) else None
     else:
