@@ -126,6 +126,11 @@ Models (`benchmarks/models.py`):
 
 {models}
 
+The `shapes` part times other shapes of the same families (`SHAPES` in `benchmarks/models.py`: wider, deeper and
+larger-batch MLPs, LeNets with other channels, inputs and batch, a 3x3 net, transformers of other widths,
+causal or without dropout, a 4-layer GPT-2-width model) the same way, step times only, fewer repetitions: a
+check that the reference models' ratios are not particular to their shapes.
+
 ![step time and saved memory](performance.png)
 
 ## Goals
