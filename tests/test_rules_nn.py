@@ -926,7 +926,7 @@ def test_batch_norm_running_statistics_stay_buffers():
 @pytest.mark.parametrize(("kernel", "inputs", "outputs", "size", "group", "expected"), [
     (3, 4, 4, 8, 1, "per sample"),   # 3x3: the input unfolded, against dY sample by sample
     (3, 4, 4, None, 1, "swapped"),   # positions unknown when building: the unfolded size is unbounded
-    (3, 8, 4, 128, 1, "swapped"),    # 8 x 9 x 128 x 128 unfolded elements a sample: above the bound
+    (3, 4, 4, 128, 1, "swapped"),    # 4 x 9 x 128 x 128 unfolded elements a sample: above the bound
     (3, 4, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
     (5, 4, 32, 8, 1, "per sample"),  # 5x5 to 32 channels
     (5, 3, 4, 8, 1, "per sample"),   # 5x5 from 3 channels

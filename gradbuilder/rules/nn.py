@@ -253,11 +253,12 @@ channels (an image's colours); between, the Conv with batch and channels swapped
 2.9 ms; LeNet steps with its 1- or 3-channel first layer unfolded: 0.93-1.02 of the swapped Conv's)."""
 
 
-UNFOLD_MAX_ELEMENTS = 1 << 20
-"""The most elements the unfolded input may have a sample (channels x taps x positions, 4 MB of float): it
-is the input times the taps, alive while the weight gradient is computed, where the swapped Conv's im2col
-holds one input channel at a time. MNIST- and CIFAR-sized layers need at most ~40k; a 3x3 layer of 64
-channels on 56x56 (ResNet's first stage) would need 1.8M."""
+UNFOLD_MAX_ELEMENTS = 1 << 19
+"""The most elements the unfolded input may have a sample (channels x taps x positions, 2 MB of float, 128 MB
+for a batch of 64): it is the input times the taps, alive while the weight gradient is computed, where the
+swapped Conv's im2col holds one input channel at a time. The benchmark's MNIST- and CIFAR-sized layers need
+27k-166k, a 3x3 layer of 32 channels on 32x32 295k; one of 64 channels on 56x56 (ResNet's first stage) would
+need 1.8M and takes the swapped Conv."""
 
 
 def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, outputs: int | None,
