@@ -160,14 +160,19 @@ def ort_stash_bytes(model: ORTModule, args: tuple[torch.Tensor, ...]) -> int:
     return sum(seen.values())
 
 
-def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0) -> Result:
-    """Step and forward times of ORTModule and torch eager on the same weights and batch, and their
-    saved bytes."""
+def _pair(case: Case, threads: int, seed: int) -> tuple[ORTModule, nn.Module, tuple[torch.Tensor, ...]]:
+    """The model on ORTModule and in torch eager with the same weights, and one batch, at `threads`."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     reference = case.make()
-    ort_model = ORTModule(copy.deepcopy(reference), threads=threads)
     args = case.batch(torch.Generator().manual_seed(seed))
+    return ORTModule(copy.deepcopy(reference), threads=threads), reference, args
+
+
+def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0) -> Result:
+    """Step and forward times of ORTModule and torch eager on the same weights and batch, and their
+    saved bytes."""
+    ort_model, reference, args = _pair(case, threads, seed)
     reps = reps or case.steps
     steps = [stepper(ort_model, args), stepper(reference, args)]
     forwards = [forwarder(ort_model, args), forwarder(reference, args)]
@@ -183,11 +188,7 @@ def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0
 
 def step_ratio(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0) -> dict[str, float]:
     """Step times alone (interleaved, medians) and their paired ratio: for the `shapes` part."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    reference = case.make()
-    ort_model = ORTModule(copy.deepcopy(reference), threads=threads)
-    args = case.batch(torch.Generator().manual_seed(seed))
+    ort_model, reference, args = _pair(case, threads, seed)
     steps = [stepper(ort_model, args), stepper(reference, args)]
     interleave(steps, WARMUP)
     ort, eager = interleave(steps, reps or case.steps)

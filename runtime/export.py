@@ -407,17 +407,17 @@ def _dynamic_inputs(model: onnx.ModelProto, names: set[str]) -> None:
                     dim.dim_param = f"{vi.name}_dim{d}"
 
 
-def pin_dims(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+def pin_dims(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], batch: bool = False) -> onnx.ModelProto:
     """A copy of `model` whose inputs in `shapes` get those sizes, except dim 0 (the batch) which stays
-    dynamic: for gradient rules that need static spatial or feature sizes."""
+    dynamic unless `batch`: for gradient rules that need static spatial or feature sizes."""
     pinned = onnx.ModelProto()
     pinned.CopyFrom(model)
     for vi in pinned.graph.input:
         if vi.name in shapes:
             for d, (dim, size) in enumerate(zip(vi.type.tensor_type.shape.dim, shapes[vi.name])):
-                if d > 0:
+                if d > 0 or batch:
                     dim.Clear()
-                    dim.dim_value = size
+                    dim.dim_value = int(size)
     return pinned
 
 

@@ -77,6 +77,14 @@ def rename_tensors(g: onnx.GraphProto, mapping: dict[str, str]) -> None:
             vi.name = mapping[vi.name]
 
 
+def _forget(graph: onnx.GraphProto, names: Iterable[str]) -> None:
+    """Drop the value_info of tensors a rewrite removed (their types would outlive them)."""
+    gone = set(names)
+    kept = [v for v in graph.value_info if v.name not in gone]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+
+
 def _has_subgraph(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
@@ -357,9 +365,7 @@ def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
         return [n, relu]
 
     out = _rewrite(model, sorted([*pairs.items(), *((r, None) for r in pairs.values())]), build)
-    kept = [v for v in out.graph.value_info if v.name not in gone]
-    del out.graph.value_info[:]
-    out.graph.value_info.extend(kept)
+    _forget(out.graph, gone)
     return out
 
 
@@ -404,9 +410,7 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
         while source in bypass:
             source = bypass[source]
         bypass[name] = source
-    kept = [v for v in out.graph.value_info if v.name not in bypass]
-    del out.graph.value_info[:]
-    out.graph.value_info.extend(kept)
+    _forget(out.graph, bypass)
     rename_tensors(out.graph, bypass)
     return out
 
@@ -463,6 +467,7 @@ def transposed_products(model: onnx.ModelProto) -> onnx.ModelProto:
         mm = producer.get(n.input[0]) if swap(n.output[0]) is n else None
         if mm is not None and plain_gemm(mm):
             plan.append((k, *mm.input))
+            continue
         if mm is None or mm.op_type != "MatMul" or mm.domain:
             continue
         a, b = mm.input

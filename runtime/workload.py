@@ -14,6 +14,8 @@ import math
 
 import onnx
 
+from .export import pin_dims
+
 SMALL = 12_000_000
 """Forward work (multiply-adds of products and convolutions, plus elements every other node writes) under
 which one intra-op thread beats two."""
@@ -33,15 +35,8 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
     """Forward work for inputs of these shapes (every graph input named in `shapes` gets all its dims):
     multiply-adds of MatMul/Gemm/Conv/ConvTranspose (output elements times the reduced length) and the
     element count of every other node's outputs. None when shape inference cannot size a node."""
-    sized = onnx.ModelProto()
-    sized.CopyFrom(model)
-    g = sized.graph
-    del g.value_info[:]  # the exporter's own, with symbolic dims inference would keep
-    for vi in g.input:
-        if vi.name in shapes:
-            for dim, size in zip(vi.type.tensor_type.shape.dim, shapes[vi.name]):
-                dim.Clear()
-                dim.dim_value = int(size)
+    sized = pin_dims(model, shapes, batch=True)
+    del sized.graph.value_info[:]  # the exporter's own, with symbolic dims inference would keep
     try:
         inferred = onnx.shape_inference.infer_shapes(sized, strict_mode=False, data_prop=True).graph
     except Exception:  # onnx raises several types; an unsized model keeps the configured threads

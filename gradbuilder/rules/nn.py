@@ -202,11 +202,12 @@ def _onto_input(g: Grad, t: str, w: str, win: Window, tails: Sizes, **attrs: Any
     return g.Pad(full, _pads(g, [0] * nd, g.Neg(tails)))
 
 
-def _framed(g: Grad, t: str, win: Window, tails: Sizes, nd: int) -> tuple[str, list[int] | None]:
+def _framed(g: Grad, t: str, win: Window, tails: Sizes) -> tuple[str, list[int] | None]:
     """t (spatial dims last) and the pads under which a Conv's windows over it are the window op's: static
     tails become end pads (negative ones crop by a Slice: no window reaches there), run-time ones a Pad."""
     if isinstance(tails, str):
         return g.Pad(t, _pads(g, win.begin, tails)), None
+    nd = len(win.kernel)
     ends, crop = _ends_deficit(tails)
     if any(crop):
         t = g.Slice(t, g.ints([0] * nd), g.ints([-c if c else INT64_MAX for c in crop]), g.ints(range(2, 2 + nd)))
@@ -237,7 +238,7 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails:
         else:
             target = g.ints([per_group, -1, *sizes])
         inp_t = g.Reshape(g.Transpose(inp_t, perm=[2, 1, 0, 3]), target)
-    inp_t, pads = _framed(g, inp_t, win, tails, nd)
+    inp_t, pads = _framed(g, inp_t, win, tails)
     dw_t = g.Conv(inp_t, g.Transpose(dout, perm=swap), strides=list(win.dilations), dilations=list(win.strides),
                   pads=pads, group=group)
     return g.Transpose(dw_t, perm=swap)
@@ -283,7 +284,7 @@ def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: 
     over the kernel's shifted slices, 1.7-3x faster than the Conv with batch and channels swapped."""
     nd = len(win.kernel)
     taps = int(np.prod(win.kernel))
-    framed, pads = _framed(g, inp, win, tails, nd)
+    framed, pads = _framed(g, inp, win, tails)
     onehot = np.tile(np.eye(taps).reshape(taps, 1, *win.kernel), (channels, 1, *[1] * nd))
     cols = g.Conv(framed, g.const(onehot, like=inp), kernel_shape=list(win.kernel), strides=list(win.strides),
                   dilations=list(win.dilations), pads=pads, group=channels)
@@ -629,23 +630,34 @@ def _bn_stats_stop(node: onnx.NodeProto, opset: int, is_computed: Callable[[str]
     return [i for i in (3, 4) if i < len(node.input) and not is_computed(node.input[i])]
 
 
+def _readable(g: Grad, stat: str, x: str) -> bool:
+    """Whether statistics a node outputs can stand for x's: of x's type, or float ones for a half x (cast
+    down); float ones for a double x are less precise than recomputing."""
+    return g.dtype(stat) == g.dtype(x) or g.dtype(x) in HALF_TYPES
+
+
+def _from_statistics(g: Grad, x: str, mean: str, invstd: str) -> tuple[str, str]:
+    """(xhat, invstd) at x's type from a mean and invstd the forward node output (broadcastable to x)."""
+    if g.dtype(mean) != g.dtype(x):
+        mean, invstd = g.cast_like(mean, x), g.cast_like(invstd, x)
+    return g.Mul(g.Sub(x, mean), invstd), invstd
+
+
 def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str] | None:
-    """(mean, invstd) per channel, shaped to broadcast over x, from a training BatchNormalization's running
-    outputs when they are the batch statistics exactly: momentum 0 (running = batch * 1 + input * 0) with
-    finite constant running inputs. The runtime exports torch's BatchNorm that way; backward then reads two
-    values a channel instead of reducing over x twice again."""
+    """(xhat, invstd) from a training BatchNormalization's running outputs when they are the batch statistics
+    exactly: momentum 0 (running = batch * 1 + input * 0) with finite constant running inputs. The runtime
+    exports torch's BatchNorm that way; backward then reads two values a channel instead of reducing over x
+    twice again."""
     outs = g.node.output
-    if g.opset < 14 or len(outs) < 3 or not outs[1] or not outs[2] or float(g.attr("momentum", 0.9)) != 0.0:
+    if g.opset < 14 or len(outs) < 3 or not outs[1] or not outs[2] or float(g.attr("momentum", 0.9)) != 0.0 \
+            or not _readable(g, outs[2], x):
         return None
     for k in (3, 4):
         value = g.const_input(k)
         if value is None or not np.all(np.isfinite(value)):
             return None
-    mean, var = outs[1], outs[2]
-    if g.dtype(mean) != g.dtype(x):
-        mean, var = g.cast_like(mean, x), g.cast_like(var, x)
-    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=x))))
-    return _per_channel(g, mean, rank), _per_channel(g, invstd, rank)
+    invstd = g.Reciprocal(g.Sqrt(g.Add(outs[2], g.const(eps, like=outs[2]))))
+    return _from_statistics(g, x, _per_channel(g, outs[1], rank), _per_channel(g, invstd, rank))
 
 
 @rule("BatchNormalization", since=13, nondiff=(3, 4), nondiff_if=_bn_stats_stop, nondiff_outputs=(1, 2, 3, 4))
@@ -659,12 +671,7 @@ def batch_norm(g: Grad):
     eps = float(g.attr("epsilon", 1e-5))
     dmean = dvar = None
     if _is_training_bn(g.node, g.opset):
-        stats = _batch_statistics(g, x, rank, eps)
-        if stats is not None:
-            invstd = stats[1]
-            xhat = g.Mul(g.Sub(x, stats[0]), invstd)
-        else:
-            xhat, invstd = _standardize(g, x, axes, eps)
+        xhat, invstd = _batch_statistics(g, x, rank, eps) or _standardize(g, x, axes, eps)
         dxhat = g.Mul(dy, _per_channel(g, scale, rank))
         dx = _standardize_grad(g, dxhat, xhat, invstd, axes) if g.needs(0) else None
     else:
@@ -689,12 +696,9 @@ def layer_norm(g: Grad):
     rank = g.require_rank(x)
     axis = int(g.attr("axis", -1)) % rank
     axes = list(range(axis, rank))
-    outs, dtype = g.node.output, g.dtype(x)
-    if len(outs) > 2 and outs[1] and outs[2] and (g.dtype(outs[1]) == dtype or dtype in HALF_TYPES):
-        mean, invstd = outs[1], outs[2]
-        if g.dtype(mean) != dtype:  # stash_type: statistics in float for half inputs
-            mean, invstd = g.cast_like(mean, x), g.cast_like(invstd, x)
-        xhat = g.Mul(g.Sub(x, mean), invstd)
+    outs = g.node.output
+    if len(outs) > 2 and outs[1] and outs[2] and _readable(g, outs[1], x):  # stash_type: float for half inputs
+        xhat, invstd = _from_statistics(g, x, outs[1], outs[2])
     else:  # no statistics outputs, or float ones for a double input: recompute at full precision
         xhat, invstd = _standardize(g, x, axes, float(g.attr("epsilon", 1e-5)))
     dx = _standardize_grad(g, g.Mul(dy, scale), xhat, invstd, axes) if g.needs(0) else None
