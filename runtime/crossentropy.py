@@ -15,36 +15,18 @@ from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset
 
-from .passes import _fresh, _rewrite
+from .passes import Nodes, _rewrite
 
 LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 MIN_OPSET = 15
 """CastLike (opset 15) casts the ignore mask to the scores' type without a shape-inference pass."""
 
 
-class _Nodes:
-    """Emits nodes named after the loss they replace (fresh names from `taken`, which `_fresh` extends)."""
-
-    def __init__(self, base: str, taken: set[str]):
-        self.base, self.taken, self.nodes = base, taken, []
-
-    def __call__(self, op: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
-        name = out or _fresh(f"{self.base}/{op}", self.taken)  # `out`: the replaced node's own output name
-        self.nodes.append(helper.make_node(op, list(inputs), [name], name=_fresh(f"{name}_node", self.taken), **attrs))
-        return name
-
-    def const(self, value: int) -> str:
-        return self("Constant", value=helper.make_tensor("v", TensorProto.INT64, [], [value]))
-
-    def axes(self, values: list[int]) -> str:
-        return self("Constant", value=helper.make_tensor("v", TensorProto.INT64, [len(values)], values))
-
-
 def _attrs(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _negative_log_likelihood(e: _Nodes, logp: str, labels: str, weights: str | None, node: onnx.NodeProto,
+def _negative_log_likelihood(e: Nodes, logp: str, labels: str, weights: str | None, node: onnx.NodeProto,
                              out: str) -> None:
     """`out` = the loss of log-probabilities `logp` (N, C, d1, ...) at `labels` (N, d1, ...), as the ONNX
     operator defines it: -logp[label] * weights[label], 0 for `ignore_index`, reduced by none/sum/mean (mean
@@ -77,7 +59,7 @@ def _negative_log_likelihood(e: _Nodes, logp: str, labels: str, weights: str | N
 
 
 def _build(node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
-    e = _Nodes(node.name or node.output[0], taken)
+    e = Nodes(node.name or node.output[0], taken)
     inputs = [*node.input, "", ""]
     weights = inputs[2] or None
     if node.op_type == "SoftmaxCrossEntropyLoss":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from . import crossentropy, passes, reductions
+from . import crossentropy, nchwc, passes, reductions
 from .ort_session import SessionConfig
 
 
@@ -26,11 +26,15 @@ def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     """The classification losses written out in standard ops (`crossentropy`) instead of the ONNX function
     bodies onnxruntime inlines; Dropouts that drop nothing removed (an inference graph's, not yet removed by
-    `source`)."""
-    return crossentropy.lower_losses(passes.inactive_dropouts(model)) if config.lower else model
+    `source`); Convs with weight inputs blocked (`nchwc`)."""
+    if not config.lower:
+        return model
+    return nchwc.blocked_convs(crossentropy.lower_losses(passes.inactive_dropouts(model)))
 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:
-    """Slow onnxruntime patterns (`passes.lower`), then sums (`reductions.lower_sums`); `known`: values of the
-    initializers backward reads from the forward part."""
-    return reductions.lower_sums(passes.lower(model, known)) if config.lower else model
+    """Slow onnxruntime patterns (`passes.lower`), then sums (`reductions.lower_sums`), then blocked Convs and
+    stride-1 ConvTransposes (`nchwc`); `known`: values of the initializers backward reads from the forward part."""
+    if not config.lower:
+        return model
+    return nchwc.blocked_convs(reductions.lower_sums(passes.lower(model, known)))

@@ -98,6 +98,25 @@ def _fresh(base: str, taken: set[str]) -> str:
     return name
 
 
+class Nodes:
+    """Emits the nodes of one rewrite, named after `base` (fresh names from `taken`, which `_fresh` extends);
+    `domain` and the attributes go to `helper.make_node`."""
+
+    def __init__(self, base: str, taken: set[str]):
+        self.base, self.taken, self.nodes = base, taken, []
+
+    def __call__(self, op: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
+        name = out or _fresh(f"{self.base}/{op}", self.taken)  # `out`: the replaced node's own output name
+        self.nodes.append(helper.make_node(op, list(inputs), [name], name=_fresh(f"{name}_node", self.taken), **attrs))
+        return name
+
+    def const(self, value: int) -> str:
+        return self("Constant", value=helper.make_tensor("v", TensorProto.INT64, [], [value]))
+
+    def axes(self, values: list[int]) -> str:
+        return self("Constant", value=helper.make_tensor("v", TensorProto.INT64, [len(values)], values))
+
+
 def names_in_use(graph: onnx.GraphProto) -> set[str]:
     """Every tensor name a graph defines: node outputs, inputs, initializers (for picking fresh ones)."""
     return ({o for n in graph.node for o in n.output} | {i.name for i in graph.input} |

@@ -1,0 +1,177 @@
+"""Convolutions in onnxruntime's blocked NCHWc layout, their filters reordered in the graph at run time.
+
+onnxruntime's CPU provider has direct convolution kernels over blocks of 8 or 16 channels (MLAS NCHWc, the
+`com.microsoft.nchwc` ops), 0.45-0.7x the time of its im2col + GEMM `Conv` on mid-network layers here. Its
+optimizer (`NchwcTransformer`) uses them only for constant weights, reordering each filter once when the session
+is made: never in training, where weights are inputs. Here the reorder is part of the graph (a Pad, Reshape,
+Transpose and Reshape of the weight, a few thousand elements), so a Conv with a weight input runs blocked too,
+and so does the input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the flipped kernel.
+
+Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at
+most a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block
+of input channels, kernels of at least 25 taps over at least 2 channels (the plain NCHW input is read directly).
+3x3 kernels over 1-3 channels, heavily padded channel counts and 1-3 output positions stay as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .passes import Nodes, _rewrite
+
+DOMAIN = "com.microsoft.nchwc"
+MAX_CHANNEL_PADDING = 1.25
+"""Blocked input channels at most this many times the layer's: 40 of 48 ran at 0.59x, 36 of 48 at 0.90x,
+20 of 32 at 0.96-1.19x."""
+MIN_TAPS_UNBLOCKED = 25
+"""Below one block of input channels, kernels of at least this many taps (5x5: 0.55-0.81x; 3x3: 0.83-1.26x)."""
+MIN_POSITIONS = 4
+"""Output positions a sample at least, when known (a 5x5 input to 1x1 output ran at 1.22x)."""
+MAX_WASTE = 3.0
+"""Multiply-adds of the blocked Conv at most this many times the layer's own: output channels padded to the block
+(6 of 16: 0.69x), and for an input gradient the flipped Conv's positions over dY's (LeNet's second layer, 10x10
+to 14x14 from 6 of 16 channels, 5.2 times: 1.0-1.17x; 64 to 32 channels, 10x10 to 14x14, 1.96 times: 0.81x)."""
+ASSUMED_SIZE = 8
+"""dY's rows and columns when a backward graph does not say (its value_info is empty): the smallest map a 3x3 or
+5x5 layer usually sees, so the spread is overestimated, never under."""
+INT64_MIN = np.iinfo(np.int64).min
+
+
+@functools.cache
+def block_size() -> int:
+    """MLAS's channel block on this machine (16 with AVX-512, 8 with AVX2), read from the shape
+    `ReorderInput` gives 4 channels; 0 where onnxruntime has no NCHWc kernels."""
+    import onnxruntime as ort  # noqa: PLC0415 - only when a graph is lowered
+
+    graph = helper.make_graph([helper.make_node("ReorderInput", ["x"], ["y"], domain=DOMAIN)], "block",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 1, 1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    try:
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        block = int(session.run(None, {"x": np.zeros((1, 4, 1, 1), np.float32)})[0].shape[1])
+    except Exception:  # noqa: BLE001 - any failure means: no NCHWc here
+        return 0
+    return block if block in (8, 16) else 0
+
+
+def _up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _layout(c_in: int, c_out: int, taps: int, positions: int | None, spread: float, block: int) -> str | None:
+    """'blocked' (input reordered, OIHWBiBo filter), 'nchw' (NCHW input read directly, OIHWBo filter), or None
+    where the im2col Conv (or ConvTranspose) is as fast (module docstring); `spread`: output positions per
+    input position of a ConvTranspose written as a Conv (1 for a Conv)."""
+    if positions is not None and positions < MIN_POSITIONS or _up(c_out, block) / c_out * spread > MAX_WASTE:
+        return None
+    if c_in >= block:
+        return "blocked" if c_in % 4 == 0 and _up(c_in, block) <= MAX_CHANNEL_PADDING * c_in else None
+    return "nchw" if taps >= MIN_TAPS_UNBLOCKED and c_in >= 2 else None
+
+
+def _shapes(graph: onnx.GraphProto) -> dict[str, tuple[int | None, tuple[int | None, ...] | None]]:
+    """(element type, shape with None for unknown dims) of every typed graph input, output and value_info."""
+    out: dict[str, tuple[int | None, tuple[int | None, ...] | None]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        tt = vi.type.tensor_type
+        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim) \
+            if tt.HasField("shape") else None
+        out[vi.name] = (tt.elem_type or None, shape)
+    for t in graph.initializer:
+        out[t.name] = (t.data_type, tuple(t.dims))
+    return out
+
+
+def _positions(shapes: dict[str, tuple[int | None, tuple[int | None, ...] | None]], name: str) -> int | None:
+    """Positions of a sample of a 4-D tensor, when its spatial dims are known."""
+    shape = shapes.get(name, (None, None))[1]
+    return shape[2] * shape[3] if shape and len(shape) == 4 and None not in shape[2:] else None
+
+
+def _ints(node: onnx.NodeProto, name: str) -> list[int] | None:
+    return next((list(a.ints) for a in node.attribute if a.name == name), None)
+
+
+def _int(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.ModelProto:
+    """Every 2-D float Conv with a weight input (and ConvTranspose of stride 1, the input gradient of a Conv)
+    that pays (`_layout`) rewritten as ReorderInput -> nchwc Conv -> ReorderOutput; returns a rewritten copy,
+    or `model` itself when none pays or onnxruntime has no NCHWc kernels (`block` overrides `block_size()`)."""
+    block = block_size() if block is None else block
+    if not block:
+        return model
+    graph = model.graph
+    shapes = _shapes(graph)
+    constant = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    plan = []
+    for k, n in enumerate(graph.node):
+        if n.domain not in ("", "ai.onnx") or n.op_type not in ("Conv", "ConvTranspose") or len(n.input) < 2:
+            continue
+        elem, wshape = shapes.get(n.input[1], (None, None))
+        if elem != TensorProto.FLOAT or n.input[1] in constant or wshape is None or len(wshape) != 4 \
+                or None in wshape or _int(n, "group", 1) != 1 or \
+                next((a.s for a in n.attribute if a.name == "auto_pad"), b"NOTSET") != b"NOTSET":
+            continue
+        m, c, kh, kw = wshape  # Conv: [outputs, inputs, kh, kw]; ConvTranspose: [inputs, outputs, kh, kw]
+        pads = _ints(n, "pads") or [0, 0, 0, 0]
+        if n.op_type == "ConvTranspose":
+            if any(v != 1 for v in (_ints(n, "strides") or []) + (_ints(n, "dilations") or [])) or \
+                    any(_ints(n, "output_padding") or []) or _ints(n, "output_shape") is not None or \
+                    any(p > size - 1 for p, size in zip(pads, (kh, kw, kh, kw))):
+                continue
+            m, c = c, m
+        positions, spread = _positions(shapes, n.output[0]), 1.0
+        if n.op_type == "ConvTranspose":  # dX has `grow` more rows and columns than dY (more positions to compute)
+            grow = [size - 1 - b - e for size, b, e in zip((kh, kw), pads[:2], pads[2:])]
+            given = _positions(shapes, n.input[0])
+            spread = positions / given if positions and given else \
+                (1 + max(grow[0], 0) / ASSUMED_SIZE) * (1 + max(grow[1], 0) / ASSUMED_SIZE)
+        layout = _layout(c, m, kh * kw, positions, spread, block)
+        if layout is not None:
+            plan.append((k, layout, m, c, kh, kw))
+    if not plan:
+        return model
+    out = _rewrite(model, plan, functools.partial(_build, block=block))
+    if not any(o.domain == DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return out
+
+
+def _build(n: onnx.NodeProto, layout: str, m: int, c: int, kh: int, kw: int, taken: set[str], *, block: int
+           ) -> list[onnx.NodeProto]:
+    """The blocked Conv replacing `n` (m outputs, c inputs, as a Conv)."""
+    e = Nodes(n.name or n.output[0], taken)
+    w = n.input[1]
+    attrs = {"pads": _ints(n, "pads"), "kernel_shape": _ints(n, "kernel_shape")}
+    if n.op_type == "ConvTranspose":  # the same map as a Conv over dY: kernel flipped, channels swapped
+        w = e("Slice", e("Transpose", w, perm=[1, 0, 2, 3]), e.axes([-1, -1]), e.axes([INT64_MIN, INT64_MIN]),
+              e.axes([2, 3]), e.axes([-1, -1]))
+        attrs["pads"] = [size - 1 - p for p, size in zip(attrs["pads"] or [0, 0, 0, 0], (kh, kw, kh, kw))]
+    else:
+        attrs.update(strides=_ints(n, "strides"), dilations=_ints(n, "dilations"))
+    mp = _up(m, block)
+    cp = _up(c, block) if layout == "blocked" else c
+    if (mp, cp) != (m, c):
+        w = e("Pad", w, e.axes([0, 0, 0, 0, mp - m, cp - c, 0, 0]))
+    if layout == "blocked":  # OIHWBiBo: [O/B, I/B, kh, kw, Bi, Bo]
+        w = e("Transpose", e("Reshape", w, e.axes([mp // block, block, cp // block, block, kh, kw])),
+              perm=[0, 2, 4, 5, 3, 1])
+    else:  # OIHWBo: [O/B, I, kh, kw, Bo]
+        w = e("Transpose", e("Reshape", w, e.axes([mp // block, block, c, kh, kw])), perm=[0, 2, 3, 4, 1])
+    inputs = [e("ReorderInput", n.input[0], domain=DOMAIN, channels_last=0) if layout == "blocked" else n.input[0],
+              e("Reshape", w, e.axes([mp, cp, kh, kw]))]
+    if len(n.input) > 2 and n.input[2]:
+        inputs.append(e("Pad", n.input[2], e.axes([0, mp - m])) if mp != m else n.input[2])
+    y = e("Conv", *inputs, domain=DOMAIN, group=1, **{k: v for k, v in attrs.items() if v is not None})
+    e("ReorderOutput", y, domain=DOMAIN, channels=m, channels_last=0, out=n.output[0])
+    return e.nodes
