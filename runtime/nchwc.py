@@ -19,6 +19,7 @@ import functools
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from .passes import Nodes, _rewrite
@@ -45,8 +46,6 @@ INT64_MIN = np.iinfo(np.int64).min
 def block_size() -> int:
     """MLAS's channel block on this machine (16 with AVX-512, 8 with AVX2), read from the shape
     `ReorderInput` gives 4 channels; 0 where onnxruntime has no NCHWc kernels."""
-    import onnxruntime as ort  # noqa: PLC0415 - only when a graph is lowered
-
     graph = helper.make_graph([helper.make_node("ReorderInput", ["x"], ["y"], domain=DOMAIN)], "block",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 1, 1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
@@ -56,7 +55,7 @@ def block_size() -> int:
         so.log_severity_level = 4
         session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         block = int(session.run(None, {"x": np.zeros((1, 4, 1, 1), np.float32)})[0].shape[1])
-    except Exception:  # noqa: BLE001 - any failure means: no NCHWc here
+    except Exception:  # any failure means: no NCHWc here
         return 0
     return block if block in (8, 16) else 0
 
@@ -69,7 +68,7 @@ def _layout(c_in: int, c_out: int, taps: int, positions: int | None, spread: flo
     """'blocked' (input reordered, OIHWBiBo filter), 'nchw' (NCHW input read directly, OIHWBo filter), or None
     where the im2col Conv (or ConvTranspose) is as fast (module docstring); `spread`: output positions per
     input position of a ConvTranspose written as a Conv (1 for a Conv)."""
-    if positions is not None and positions < MIN_POSITIONS or _up(c_out, block) / c_out * spread > MAX_WASTE:
+    if (positions is not None and positions < MIN_POSITIONS) or _up(c_out, block) / c_out * spread > MAX_WASTE:
         return None
     if c_in >= block:
         return "blocked" if c_in % 4 == 0 and _up(c_in, block) <= MAX_CHANNEL_PADDING * c_in else None
@@ -112,7 +111,8 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
         return model
     graph = model.graph
     shapes = _shapes(graph)
-    constant = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    constant = {t.name for t in graph.initializer}
+    constant.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
     plan = []
     for k, n in enumerate(graph.node):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("Conv", "ConvTranspose") or len(n.input) < 2:

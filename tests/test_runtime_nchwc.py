@@ -1,0 +1,185 @@
+"""runtime/nchwc.py: Convs with weight inputs and stride-1 ConvTransposes rewritten into onnxruntime's blocked
+NCHWc kernels compute what they replace, on the layers the rule picks and no others; through ORTModule the
+gradients still match torch's."""
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+
+from runtime import ORTModule, lowering, nchwc
+from runtime.ort_session import SessionConfig
+
+BLOCK = nchwc.block_size()
+needs_nchwc = pytest.mark.skipif(not BLOCK, reason="this onnxruntime build has no NCHWc kernels")
+
+
+def _model(op: str, x_shape: list[int], w_shape: list[int], bias: int | None, elem=TensorProto.FLOAT,
+           constant_weight: bool = False, **attrs) -> onnx.ModelProto:
+    inputs = [helper.make_tensor_value_info("x", elem, x_shape)]
+    inits = []
+    if constant_weight:
+        inits.append(onnx.numpy_helper.from_array(np.ones(w_shape, np.float32), "w"))
+    else:
+        inputs.append(helper.make_tensor_value_info("w", elem, w_shape))
+    names = ["x", "w"]
+    if bias is not None:
+        inputs.append(helper.make_tensor_value_info("b", elem, [bias]))
+        names.append("b")
+    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], "g", inputs,
+                              [helper.make_tensor_value_info("y", elem, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), SessionConfig(threads=1).options(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def _blocked(model: onnx.ModelProto) -> int:
+    return sum(n.op_type == "Conv" and n.domain == nchwc.DOMAIN for n in model.graph.node)
+
+
+def _feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+            for i in model.graph.input}
+
+
+def test_block_size_is_one_mlas_knows():
+    assert BLOCK in (0, 8, 16)
+
+
+# (N, C, M, H, K, P, stride, dilation, bias): input channels from 2 (read as NCHW) to two blocks (reordered),
+# output channels padded to the block or not, strides, dilations, pads, with and without bias
+CONVS = [
+    (2, 16, 32, 9, 3, 1, 1, 1, True),
+    (3, 32, 24, 8, 3, 0, 2, 1, False),
+    (2, 16, 6, 10, 5, 2, 1, 1, True),
+    (2, 32, 16, 11, 3, 2, 1, 2, True),
+    (2, 6, 16, 12, 5, 0, 1, 1, True),
+    (1, 3, 6, 13, 5, 1, 2, 1, False),
+    (2, 2, 8, 9, 5, 2, 1, 1, True),
+]
+
+
+@needs_nchwc
+@pytest.mark.parametrize("n,c,m,h,k,p,s,d,bias", CONVS)
+def test_blocked_conv_matches_conv(n, c, m, h, k, p, s, d, bias):
+    c, m = c * BLOCK // 16 if c >= 16 else c, m * BLOCK // 16 if m >= 16 else m  # the same layouts on AVX2
+    model = _model("Conv", [n, c, h, h], [m, c, k, k], m if bias else None, pads=[p] * 4, strides=[s, s],
+                   dilations=[d, d])
+    blocked = nchwc.blocked_convs(model)
+    assert _blocked(blocked) == 1
+    assert any(o.domain == nchwc.DOMAIN for o in blocked.opset_import)
+    assert sum(n.op_type == "ReorderInput" for n in blocked.graph.node) == (c >= BLOCK)
+    feeds = _feeds(model)
+    want, got = _run(model, feeds), _run(blocked, feeds)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# (N, M, C, Ho, K, P, bias): dY channels M, dX channels C; 'same' pads, none (dX larger than dY), uneven pads
+TRANSPOSED = [
+    (2, 32, 16, 8, 3, 1, False),
+    (2, 16, 32, 7, 3, 0, True),
+    (3, 64, 32, 10, 5, 0, False),
+    (2, 16, 16, 9, 5, 2, True),
+]
+
+
+@needs_nchwc
+@pytest.mark.parametrize("n,m,c,ho,k,p,bias", TRANSPOSED)
+def test_stride_one_conv_transpose_becomes_a_flipped_blocked_conv(n, m, c, ho, k, p, bias):
+    m, c = m * BLOCK // 16, c * BLOCK // 16
+    model = _model("ConvTranspose", [n, m, ho, ho], [m, c, k, k], c if bias else None, pads=[p, p + 1 if k > 3 else p,
+                                                                                              p, p])
+    blocked = nchwc.blocked_convs(model)
+    assert _blocked(blocked) == 1
+    assert not any(n.op_type == "ConvTranspose" for n in blocked.graph.node)
+    feeds = _feeds(model, seed=1)
+    want, got = _run(model, feeds), _run(blocked, feeds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_nchwc
+@pytest.mark.parametrize("case", [
+    "constant weight", "grouped", "double", "3x3 over 3 channels", "1 channel", "input channels not a multiple of 4",
+    "input channels padded by 60%", "1x1 output", "strided transpose", "dilated transpose",
+    "LeNet's input gradient (dX 14x14 from 10x10, 6 of 16 channels)", "auto_pad", "3-D",
+])
+def test_layers_that_do_not_pay_or_cannot_stay(case):
+    b = BLOCK
+    model = {
+        "constant weight": lambda: _model("Conv", [2, b, 8, 8], [b, b, 3, 3], None, constant_weight=True),
+        "grouped": lambda: _model("Conv", [2, 2 * b, 8, 8], [2 * b, b, 3, 3], None, group=2),
+        "double": lambda: _model("Conv", [2, b, 8, 8], [b, b, 3, 3], None, elem=TensorProto.DOUBLE),
+        "3x3 over 3 channels": lambda: _model("Conv", [2, 3, 8, 8], [b, 3, 3, 3], None),
+        "1 channel": lambda: _model("Conv", [2, 1, 8, 8], [b, 1, 5, 5], None),
+        "input channels not a multiple of 4": lambda: _model("Conv", [2, b + 2, 8, 8], [b, b + 2, 3, 3], None),
+        "input channels padded by 60%": lambda: _model("Conv", [2, b + 4, 8, 8], [b, b + 4, 3, 3], None),
+        "1x1 output": lambda: _model("Conv", [2, b, 5, 5], [b, b, 5, 5], None),
+        "strided transpose": lambda: _model("ConvTranspose", [2, b, 4, 4], [b, b, 3, 3], None, strides=[2, 2]),
+        "dilated transpose": lambda: _model("ConvTranspose", [2, b, 4, 4], [b, b, 3, 3], None,
+                                                        strides=[1, 1], output_padding=[0, 0], pads=[0, 0, 0, 0],
+                                                        dilations=[2, 2]),
+        "LeNet's input gradient (dX 14x14 from 10x10, 6 of 16 channels)":
+            lambda: _model("ConvTranspose", [2, b, 10, 10], [b, 6, 5, 5], None),
+        "auto_pad": lambda: _model("Conv", [2, b, 8, 8], [b, b, 3, 3], None, auto_pad="SAME_UPPER"),
+        "3-D": lambda: _model("Conv", [2, b, 4, 4, 4], [b, b, 3, 3, 3], None),
+    }[case]()
+    if case == "1x1 output":  # the output's size is only known from value_info
+        model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, b, 1, 1]))
+    assert nchwc.blocked_convs(model) is model
+
+
+def test_no_nchwc_kernels_leaves_the_graph():
+    model = _model("Conv", [2, 16, 8, 8], [16, 16, 3, 3], None)
+    assert nchwc.blocked_convs(model, block=0) is model
+
+
+class Cnn(nn.Module):
+    """3x3 layers of block-multiple widths (blocked forward and input gradients) and a 5x5 one from 3 channels."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, width, 5, padding=2), nn.ReLU(),
+                                 nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                 nn.Conv2d(2 * width, width, 3), nn.ReLU(), nn.Flatten(), nn.Linear(width * 4 * 4, 5))
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+@needs_nchwc
+def test_ortmodule_gradients_match_torch_through_blocked_convs():
+    torch.manual_seed(0)
+    model = Cnn(BLOCK)
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, threads=2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 12, 12, generator=g), torch.randint(0, 5, (4,), generator=g)
+    for _ in range(2):  # a second step: the reordered filters follow the updated weights
+        for m in (wrapped, reference):
+            m.zero_grad()
+        loss, want = wrapped(x, y), reference(x, y)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        for p, q in zip(wrapped.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            for p, q in zip(wrapped.parameters(), reference.parameters()):
+                p -= 0.1 * p.grad
+                q -= 0.1 * q.grad
+    session = wrapped.training_sessions()[0]
+    config = session.config
+    assert _blocked(lowering.forward(session.full.forward, config)) == 3
+    backward = next(iter(session._backwards.values())).program.backward
+    assert _blocked(lowering.backward(backward, {}, config)) == 2  # the input gradients of the 3x3 layers
