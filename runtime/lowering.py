@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from . import crossentropy, nchwc, passes, reductions
+from . import crossentropy, nchwc, passes, reductions, shape_folding
 from .ort_session import SessionConfig
 
 
@@ -26,10 +26,12 @@ def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     """The classification losses written out in standard ops (`crossentropy`) instead of the ONNX function
     bodies onnxruntime inlines; Dropouts that drop nothing removed (an inference graph's, not yet removed by
-    `source`); Convs with weight inputs blocked (`nchwc`)."""
+    `source`); shape arithmetic folded where only the batch is unknown (`shape_folding`); Convs with weight
+    inputs blocked (`nchwc`)."""
     if not config.lower:
         return model
-    return nchwc.blocked_convs(crossentropy.lower_losses(passes.inactive_dropouts(model)))
+    model = crossentropy.lower_losses(passes.inactive_dropouts(model))
+    return nchwc.blocked_convs(shape_folding.fold_shapes(model))
 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:

@@ -1,0 +1,171 @@
+"""Shape arithmetic folded to constants where only some dims (the batch) are unknown.
+
+Exported models compute reshape targets and scales from `Shape` at run time because the batch is a symbolic
+dimension: in a 2-layer encoder exported from torch, 140 of the 246 forward nodes onnxruntime runs are Shape,
+Gather, Unsqueeze, Concat and their arithmetic. onnxruntime folds a Shape only when every dim of its input is
+known. Here every small int64 tensor computed from shapes is evaluated with the dims ONNX shape inference
+knows: the entirely known ones become initializers (onnxruntime then folds the float arithmetic after them,
+such as attention's 1/sqrt(head size)), and a Reshape target unknown in one entry only gets -1 there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from .passes import _drop_dead, _fresh, names_in_use
+
+MAX_ELEMENTS = 16
+"""Longest int64 vector evaluated (shape vectors are as long as a tensor's rank)."""
+Value = tuple[bool, list[int | None]]
+"""(is a scalar, elements, None where unknown)."""
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """Dims of every tensor shape inference types, None for symbolic or unknown ones."""
+    try:
+        graph = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # a model inference cannot follow keeps its shape arithmetic
+        return {}
+    dims = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+    return dims
+
+
+def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
+    out: dict[str, Value] = {}
+    tensors = [(t.name, t) for t in graph.initializer]
+    tensors += [(n.output[0], a.t) for n in graph.node if n.op_type == "Constant" and not n.domain
+                for a in n.attribute if a.name == "value"]
+    for name, t in tensors:
+        if t.data_type == TensorProto.INT64 and len(t.dims) <= 1 and np.prod(t.dims) <= MAX_ELEMENTS:
+            a = onnx.numpy_helper.to_array(t)
+            out[name] = (a.ndim == 0, [int(v) for v in a.ravel()])
+    return out
+
+
+def _elementwise(op: str, a: Value, b: Value) -> Value | None:
+    (sa, xa), (sb, xb) = a, b
+    if len(xa) != len(xb) and 1 not in (len(xa), len(xb)):
+        return None
+    n = max(len(xa), len(xb))
+    xa, xb = xa * n if len(xa) == 1 else xa, xb * n if len(xb) == 1 else xb
+    out: list[int | None] = []
+    for u, v in zip(xa, xb):
+        if u is None or v is None or (op in ("Div", "Mod") and v == 0):
+            out.append(None)
+        elif op == "Div":  # integer Div truncates toward zero
+            out.append(abs(u) // abs(v) * (1 if (u < 0) == (v < 0) else -1))
+        else:
+            out.append(u + v if op == "Add" else u - v if op == "Sub" else u * v if op == "Mul" else u % v)
+    return sa and sb, out
+
+
+def _sliced(values: list[int | None], start: int, end: int) -> list[int | None]:
+    """values[start:end] with ONNX's clamping (Shape's start/end, Slice of step 1)."""
+    n = len(values)
+    return values[slice(*[max(0, min(n, v + n if v < 0 else v)) for v in (start, end)])]
+
+
+def _evaluate(node: onnx.NodeProto, values: dict[str, Value], dims: dict[str, list[int | None]]) -> Value | None:
+    """The node's output as a partially known int64 vector or scalar, or None when it is not one."""
+    op, ins = node.op_type, list(node.input)
+    args = [values.get(i) for i in ins]
+    if op == "Shape":
+        shape = dims.get(ins[0])
+        if shape is None:
+            return None
+        return False, _sliced(shape, _attr(node, "start", 0), _attr(node, "end", len(shape)))
+    if op == "Size":
+        shape = dims.get(ins[0])
+        return None if shape is None else (True, [None if None in shape else int(np.prod(shape))])
+    if any(a is None for a in args[:1]):
+        return None
+    if op == "Gather" and _attr(node, "axis", 0) == 0 and args[1] is not None and not args[0][0]:
+        data = args[0][1]
+        picked = [data[i] if -len(data) <= i < len(data) else None for i in args[1][1]]
+        return (args[1][0], picked) if None not in args[1][1] else None
+    if op == "Slice" and not args[0][0] and all(a is not None for a in args[1:]):
+        data, starts, ends = args[0][1], args[1][1], args[2][1]
+        steps = args[4][1] if len(args) > 4 else [1]
+        if len(starts) != 1 or steps != [1] or None in starts + ends or (len(args) > 3 and args[3][1] != [0]):
+            return None
+        return False, _sliced(data, starts[0], ends[0])
+    if op == "Unsqueeze" and args[0][0] and len(args) > 1 and args[1] is not None and args[1][1] == [0]:
+        return False, args[0][1]
+    if op == "Squeeze" and not args[0][0] and len(args[0][1]) == 1 and (len(args) < 2 or args[1] is not None):
+        return True, args[0][1]
+    if op == "Concat" and _attr(node, "axis", 0) in (0, -1) and all(a is not None and not a[0] for a in args):
+        return False, [v for a in args for v in a[1]]
+    if op in ("Add", "Sub", "Mul", "Div", "Mod") and len(args) == 2 and args[1] is not None and \
+            not (op == "Mod" and _attr(node, "fmod", 0)):
+        return _elementwise(op, args[0], args[1])
+    if op in ("Identity", "Cast") and (op == "Identity" or _attr(node, "to", 0) == TensorProto.INT64):
+        return args[0]
+    return None
+
+
+ROUNDS = 4
+"""Rounds of inference and folding: a Reshape whose target was computed at run time hides the shape of
+everything after it from inference until its target is folded."""
+
+
+def fold_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with its known shape arithmetic as initializers and its one-unknown Reshape targets as constants
+    holding -1 (module docstring); returns a rewritten copy, or `model` itself when nothing folds."""
+    for _ in range(ROUNDS):
+        folded = _fold_once(model)
+        if folded is model:
+            break
+        model = folded
+    return model
+
+
+def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
+    graph = model.graph
+    if not any(n.op_type in ("Shape", "Size") for n in graph.node):
+        return model
+    dims = _known_dims(model)
+    values = _constant_values(graph)
+    constant = set(values)
+    for n in graph.node:
+        if len(n.output) == 1 and n.output[0] not in constant and n.domain in ("", "ai.onnx"):
+            v = _evaluate(n, values, dims)
+            if v is not None and len(v[1]) <= MAX_ELEMENTS:
+                values[n.output[0]] = v
+    outputs = {o.name for o in graph.output}
+    folded = {name: v for name, v in values.items()
+              if name not in constant and name not in outputs and None not in v[1]}
+    targets = {}
+    for n in graph.node:
+        if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] not in folded and not _attr(n, "allowzero", 0):
+            v = values.get(n.input[1])
+            if v is not None and not v[0] and v[1].count(None) == 1 and -1 not in v[1]:
+                targets[n.input[1]] = [-1 if d is None else d for d in v[1]]
+    if not folded and not targets:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    taken = names_in_use(out.graph)
+    renamed = {name: _fresh(f"{name}/batch_as_-1", taken) for name in targets}
+    for name, v in folded.items():
+        out.graph.initializer.append(onnx.numpy_helper.from_array(
+            np.array(v[1][0] if v[0] else v[1], dtype=np.int64), name))
+    for name, new in renamed.items():
+        out.graph.initializer.append(onnx.numpy_helper.from_array(np.array(targets[name], dtype=np.int64), new))
+    nodes = [n for n in out.graph.node if not (len(n.output) == 1 and n.output[0] in folded)]
+    for n in nodes:
+        if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] in renamed:
+            n.input[1] = renamed[n.input[1]]
+    nodes = _drop_dead(nodes, [], outputs)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out

@@ -1,0 +1,93 @@
+"""runtime/shape_folding.py: shape arithmetic over a symbolic batch folds to constants (a Reshape target to -1
+in the batch's place) and the folded model computes what the original does, at every batch size; integer
+arithmetic folds exactly as onnxruntime computes it."""
+
+import itertools
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from runtime import shape_folding
+
+
+def _ints(name: str, values) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(np.array(values, dtype=np.int64), name)
+
+
+def _attention_like() -> onnx.ModelProto:
+    """x [batch, 8, 4] reshaped to [batch, 32] through Shape/Gather/Unsqueeze/Concat, scaled by 1/sqrt(last dim)
+    computed from Shape, as torch's exporters write multi-head attention."""
+    n = helper.make_node
+    nodes = [
+        n("Shape", ["x"], ["shape"]),
+        n("Gather", ["shape", "zero"], ["batch"], axis=0),
+        n("Unsqueeze", ["batch", "axes0"], ["batch1"]),
+        n("Gather", ["shape", "one"], ["rows"], axis=0),
+        n("Gather", ["shape", "two"], ["cols"], axis=0),
+        n("Mul", ["rows", "cols"], ["width"]),
+        n("Unsqueeze", ["width", "axes0"], ["width1"]),
+        n("Concat", ["batch1", "width1"], ["target"], axis=0),
+        n("Reshape", ["x", "target"], ["flat"]),
+        n("Shape", ["x"], ["last"], start=-1),
+        n("Cast", ["last"], ["lastf"], to=TensorProto.FLOAT),
+        n("Sqrt", ["lastf"], ["root"]),
+        n("Div", ["flat", "root"], ["y"]),
+        n("Size", ["x"], ["count"]),  # depends on the batch: stays
+        n("Cast", ["count"], ["countf"], to=TensorProto.FLOAT),
+        n("Mul", ["y", "countf"], ["z"]),
+    ]
+    inits = [_ints("zero", 0), _ints("one", 1), _ints("two", 2), _ints("axes0", [0])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, 4])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 32])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_batch_only_shape_arithmetic_folds_and_computes_the_same_at_every_batch():
+    model = _attention_like()
+    folded = shape_folding.fold_shapes(model)
+    ops = [n.op_type for n in folded.graph.node]
+    assert ops.count("Shape") == 0 and "Gather" not in ops and "Concat" not in ops
+    assert "Size" in ops  # the element count depends on the batch
+    reshape = next(n for n in folded.graph.node if n.op_type == "Reshape")
+    target = next(t for t in folded.graph.initializer if t.name == reshape.input[1])
+    assert onnx.numpy_helper.to_array(target).tolist() == [-1, 32]
+    onnx.checker.check_model(folded)
+    for batch in (1, 3, 5):
+        x = np.random.default_rng(batch).standard_normal((batch, 8, 4)).astype(np.float32)
+        np.testing.assert_array_equal(_run(folded, {"x": x})[0], _run(model, {"x": x})[0])
+
+
+def test_graph_outputs_and_models_without_shapes_stay():
+    model = _attention_like()
+    model.graph.output.append(helper.make_tensor_value_info("width1", TensorProto.INT64, [1]))
+    folded = shape_folding.fold_shapes(model)
+    assert any(n.output[0] == "width1" for n in folded.graph.node)  # a graph output keeps its node
+    plain = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]), opset_imports=[helper.make_opsetid("", 17)])
+    assert shape_folding.fold_shapes(plain) is plain
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Mod"])
+def test_integer_arithmetic_folds_as_onnxruntime_computes_it(op):
+    values = [-7, -3, -1, 0, 1, 2, 5, 9]
+    pairs = list(itertools.product(values, values))
+    a = np.array([p[0] for p in pairs], dtype=np.int64)
+    b = np.array([p[1] for p in pairs], dtype=np.int64)
+    keep = b != 0 if op in ("Div", "Mod") else np.ones_like(b, dtype=bool)
+    graph = helper.make_graph([helper.make_node(op, ["a", "b"], ["c"])], "g",
+                              [helper.make_tensor_value_info(k, TensorProto.INT64, [len(a)]) for k in "ab"],
+                              [helper.make_tensor_value_info("c", TensorProto.INT64, [len(a)])])
+    session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+                                   .SerializeToString(), providers=["CPUExecutionProvider"])
+    want = session.run(None, {"a": a, "b": np.where(keep, b, 1)})[0]
+    _, got = shape_folding._elementwise(op, (False, a.tolist()), (False, b.tolist()))
+    for w, g, k in zip(want.tolist(), got, keep):
+        assert g == (w if k else None)
