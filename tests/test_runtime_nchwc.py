@@ -178,6 +178,10 @@ def test_ortmodule_gradients_match_torch_through_blocked_convs():
             for p, q in zip(wrapped.parameters(), reference.parameters()):
                 p -= 0.1 * p.grad
                 q -= 0.1 * q.grad
+    wrapped.eval()
+    reference.eval()
+    with torch.no_grad():  # inference runs the blocked forward too
+        torch.testing.assert_close(wrapped(x, y), reference(x, y), rtol=1e-5, atol=1e-6)
     session = wrapped.training_sessions()[0]
     config = session.config
     assert _blocked(lowering.forward(session.full.forward, config)) == 3
