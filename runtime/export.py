@@ -37,7 +37,7 @@ from torch import nn
 from . import exchange
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .ort_session import Runner, SessionConfig
-from .passes import names_in_use, rename_tensors
+from .passes import int_attr, names_in_use, rename_tensors
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -281,7 +281,7 @@ def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[st
     added: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []
     for node in g.node:
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        axis = int_attr(node, "axis", 0)
         if node.op_type != "Gather" or node.input[0] not in weights or axis != 0:
             nodes.append(node)
             continue
@@ -490,7 +490,7 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
             nodes.append(n)
             continue
         x, sizes = split.input
-        axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+        axis = int_attr(split, "axis", 0)
         i = int(index)
         starts, ends, axes = _unique([f"{n.output[0]}#{k}" for k in ("starts", "ends", "axes")], taken)
         const = consts.get(sizes)

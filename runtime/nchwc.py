@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .passes import Nodes, _rewrite
+from .passes import Nodes, _rewrite, int_attr, ints_attr
 
 DOMAIN = "com.microsoft.nchwc"
 MAX_CHANNEL_PADDING = 1.25
@@ -94,14 +94,6 @@ def _positions(shapes: dict[str, tuple[int | None, tuple[int | None, ...] | None
     return shape[2] * shape[3] if shape and len(shape) == 4 and None not in shape[2:] else None
 
 
-def _ints(node: onnx.NodeProto, name: str) -> list[int] | None:
-    return next((list(a.ints) for a in node.attribute if a.name == name), None)
-
-
-def _int(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((a.i for a in node.attribute if a.name == name), default)
-
-
 def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.ModelProto:
     """Every 2-D float Conv with a weight input (and ConvTranspose of stride 1, the input gradient of a Conv)
     that pays (`_layout`) rewritten as ReorderInput -> nchwc Conv -> ReorderOutput; returns a rewritten copy,
@@ -119,14 +111,14 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
             continue
         elem, wshape = shapes.get(n.input[1], (None, None))
         if elem != TensorProto.FLOAT or n.input[1] in constant or wshape is None or len(wshape) != 4 \
-                or None in wshape or _int(n, "group", 1) != 1 or \
+                or None in wshape or int_attr(n, "group", 1) != 1 or \
                 next((a.s for a in n.attribute if a.name == "auto_pad"), b"NOTSET") != b"NOTSET":
             continue
         m, c, kh, kw = wshape  # Conv: [outputs, inputs, kh, kw]; ConvTranspose: [inputs, outputs, kh, kw]
-        pads = _ints(n, "pads") or [0, 0, 0, 0]
+        pads = ints_attr(n, "pads") or [0, 0, 0, 0]
         if n.op_type == "ConvTranspose":
-            if any(v != 1 for v in (_ints(n, "strides") or []) + (_ints(n, "dilations") or [])) or \
-                    any(_ints(n, "output_padding") or []) or _ints(n, "output_shape") is not None or \
+            if any(v != 1 for v in (ints_attr(n, "strides") or []) + (ints_attr(n, "dilations") or [])) or \
+                    any(ints_attr(n, "output_padding") or []) or ints_attr(n, "output_shape") is not None or \
                     any(p > size - 1 for p, size in zip(pads, (kh, kw, kh, kw))):
                 continue
             m, c = c, m
@@ -152,13 +144,13 @@ def _build(n: onnx.NodeProto, layout: str, m: int, c: int, kh: int, kw: int, tak
     """The blocked Conv replacing `n` (m outputs, c inputs, as a Conv)."""
     e = Nodes(n.name or n.output[0], taken)
     w = n.input[1]
-    attrs = {"pads": _ints(n, "pads"), "kernel_shape": _ints(n, "kernel_shape")}
+    attrs = {"pads": ints_attr(n, "pads"), "kernel_shape": ints_attr(n, "kernel_shape")}
     if n.op_type == "ConvTranspose":  # the same map as a Conv over dY: kernel flipped, channels swapped
         w = e("Slice", e("Transpose", w, perm=[1, 0, 2, 3]), e.axes([-1, -1]), e.axes([INT64_MIN, INT64_MIN]),
               e.axes([2, 3]), e.axes([-1, -1]))
         attrs["pads"] = [size - 1 - p for p, size in zip(attrs["pads"] or [0, 0, 0, 0], (kh, kw, kh, kw))]
     else:
-        attrs.update(strides=_ints(n, "strides"), dilations=_ints(n, "dilations"))
+        attrs.update(strides=ints_attr(n, "strides"), dilations=ints_attr(n, "dilations"))
     mp = _up(m, block)
     cp = _up(c, block) if layout == "blocked" else c
     if (mp, cp) != (m, c):

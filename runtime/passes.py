@@ -454,8 +454,16 @@ def layer_norm_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
     return _rewrite(model, plan, build)
 
 
+def int_attr(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def ints_attr(node: onnx.NodeProto, name: str) -> list[int] | None:
+    return next((list(a.ints) for a in node.attribute if a.name == name), None)
+
+
 def _perm(node: onnx.NodeProto) -> list[int] | None:
-    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    return ints_attr(node, "perm")
 
 
 def transposed_products(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -14,16 +14,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .passes import _drop_dead, _fresh, names_in_use
+from .passes import _drop_dead, _fresh, int_attr, names_in_use
 
 MAX_ELEMENTS = 16
 """Longest int64 vector evaluated (shape vectors are as long as a tensor's rank)."""
 Value = tuple[bool, list[int | None]]
 """(is a scalar, elements, None where unknown)."""
-
-
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((a.i for a in node.attribute if a.name == name), default)
 
 
 def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
@@ -83,13 +79,13 @@ def _evaluate(node: onnx.NodeProto, values: dict[str, Value], dims: dict[str, li
         shape = dims.get(ins[0])
         if shape is None:
             return None
-        return False, _sliced(shape, _attr(node, "start", 0), _attr(node, "end", len(shape)))
+        return False, _sliced(shape, int_attr(node, "start", 0), int_attr(node, "end", len(shape)))
     if op == "Size":
         shape = dims.get(ins[0])
         return None if shape is None else (True, [None if None in shape else int(np.prod(shape))])
     if any(a is None for a in args[:1]):
         return None
-    if op == "Gather" and _attr(node, "axis", 0) == 0 and args[1] is not None and not args[0][0]:
+    if op == "Gather" and int_attr(node, "axis", 0) == 0 and args[1] is not None and not args[0][0]:
         data = args[0][1]
         picked = [data[i] if -len(data) <= i < len(data) else None for i in args[1][1]]
         return (args[1][0], picked) if None not in args[1][1] else None
@@ -103,12 +99,12 @@ def _evaluate(node: onnx.NodeProto, values: dict[str, Value], dims: dict[str, li
         return False, args[0][1]
     if op == "Squeeze" and not args[0][0] and len(args[0][1]) == 1 and (len(args) < 2 or args[1] is not None):
         return True, args[0][1]
-    if op == "Concat" and _attr(node, "axis", 0) in (0, -1) and all(a is not None and not a[0] for a in args):
+    if op == "Concat" and int_attr(node, "axis", 0) in (0, -1) and all(a is not None and not a[0] for a in args):
         return False, [v for a in args for v in a[1]]
     if op in ("Add", "Sub", "Mul", "Div", "Mod") and len(args) == 2 and args[1] is not None and \
-            not (op == "Mod" and _attr(node, "fmod", 0)):
+            not (op == "Mod" and int_attr(node, "fmod", 0)):
         return _elementwise(op, args[0], args[1])
-    if op in ("Identity", "Cast") and (op == "Identity" or _attr(node, "to", 0) == TensorProto.INT64):
+    if op in ("Identity", "Cast") and (op == "Identity" or int_attr(node, "to", 0) == TensorProto.INT64):
         return args[0]
     return None
 
@@ -146,7 +142,7 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
               if name not in constant and name not in outputs and None not in v[1]}
     targets = {}
     for n in graph.node:
-        if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] not in folded and not _attr(n, "allowzero", 0):
+        if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] not in folded and not int_attr(n, "allowzero", 0):
             v = values.get(n.input[1])
             if v is not None and not v[0] and v[1].count(None) == 1 and -1 not in v[1]:
                 targets[n.input[1]] = [-1 if d is None else d for d in v[1]]
