@@ -139,27 +139,40 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
     return out
 
 
+def _filter(e: Nodes, w: str, transposed: bool, m: int, c: int, mp: int, cp: int, taps: int, block: int,
+            blocked: bool) -> str:
+    """The weight in MLAS's filter layout for m outputs over c inputs, padded to mp and cp: OIHWBiBo
+    ([mp/B, cp/B, taps, Bi, Bo]) when the inputs are blocked (cp a multiple of B), else OIHWBo ([mp/B, c, taps,
+    Bo]); from a ConvTranspose's weight (c, m, taps) with the taps reversed (the flipped kernel). Each Transpose
+    moves one axis past contiguous blocks, which onnxruntime copies 2x faster than one 6-D permutation."""
+    b = block
+    if transposed:  # (c, m, taps) -> (mp/B, cp, taps, Bo), taps reversed
+        if (cp, mp) != (c, m):
+            w = e("Pad", w, e.axes([0, 0, 0, 0, cp - c, mp - m, 0, 0]))
+        w = e("Transpose", e("Reshape", w, e.axes([cp, mp // b, b * taps])), perm=[1, 0, 2])  # (mp/B, cp, Bo, taps)
+        w = e("Transpose", e("Reshape", w, e.axes([mp // b * cp, b, taps])), perm=[0, 2, 1])  # (mp/B, cp, taps, Bo)
+        w = e("Slice", w, e.axes([-1]), e.axes([INT64_MIN]), e.axes([1]), e.axes([-1]))
+    else:  # (m, c, taps) -> (mp/B, cp, taps, Bo)
+        if (mp, cp) != (m, c):
+            w = e("Pad", w, e.axes([0, 0, 0, 0, mp - m, cp - c, 0, 0]))
+        w = e("Transpose", e("Reshape", w, e.axes([mp // b, b, cp * taps])), perm=[0, 2, 1])
+    if blocked:  # (mp/B, cp/B, Bi, taps, Bo) -> (mp/B, cp/B, taps, Bi, Bo)
+        w = e("Transpose", e("Reshape", w, e.axes([mp // b * cp // b, b, taps, b])), perm=[0, 2, 1, 3])
+    return w
+
+
 def _build(n: onnx.NodeProto, layout: str, m: int, c: int, kh: int, kw: int, taken: set[str], *, block: int
            ) -> list[onnx.NodeProto]:
     """The blocked Conv replacing `n` (m outputs, c inputs, as a Conv)."""
     e = Nodes(n.name or n.output[0], taken)
-    w = n.input[1]
     attrs = {"pads": ints_attr(n, "pads"), "kernel_shape": ints_attr(n, "kernel_shape")}
     if n.op_type == "ConvTranspose":  # the same map as a Conv over dY: kernel flipped, channels swapped
-        w = e("Slice", e("Transpose", w, perm=[1, 0, 2, 3]), e.axes([-1, -1]), e.axes([INT64_MIN, INT64_MIN]),
-              e.axes([2, 3]), e.axes([-1, -1]))
         attrs["pads"] = [size - 1 - p for p, size in zip(attrs["pads"] or [0, 0, 0, 0], (kh, kw, kh, kw))]
     else:
         attrs.update(strides=ints_attr(n, "strides"), dilations=ints_attr(n, "dilations"))
     mp = _up(m, block)
     cp = _up(c, block) if layout == "blocked" else c
-    if (mp, cp) != (m, c):
-        w = e("Pad", w, e.axes([0, 0, 0, 0, mp - m, cp - c, 0, 0]))
-    if layout == "blocked":  # OIHWBiBo: [O/B, I/B, kh, kw, Bi, Bo]
-        w = e("Transpose", e("Reshape", w, e.axes([mp // block, block, cp // block, block, kh, kw])),
-              perm=[0, 2, 4, 5, 3, 1])
-    else:  # OIHWBo: [O/B, I, kh, kw, Bo]
-        w = e("Transpose", e("Reshape", w, e.axes([mp // block, block, c, kh, kw])), perm=[0, 2, 3, 4, 1])
+    w = _filter(e, n.input[1], n.op_type == "ConvTranspose", m, c, mp, cp, kh * kw, block, layout == "blocked")
     inputs = [e("ReorderInput", n.input[0], domain=DOMAIN, channels_last=0) if layout == "blocked" else n.input[0],
               e("Reshape", w, e.axes([mp, cp, kh, kw]))]
     if len(n.input) > 2 and n.input[2]:
