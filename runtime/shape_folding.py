@@ -92,7 +92,8 @@ def _evaluate(node: onnx.NodeProto, values: dict[str, Value], dims: dict[str, li
     if op == "Slice" and not args[0][0] and all(a is not None for a in args[1:]):
         data, starts, ends = args[0][1], args[1][1], args[2][1]
         steps = args[4][1] if len(args) > 4 else [1]
-        if len(starts) != 1 or steps != [1] or None in starts + ends or (len(args) > 3 and args[3][1] != [0]):
+        if args[1][0] or args[2][0] or len(starts) != 1 or steps != [1] or None in starts + ends or \
+                (len(args) > 3 and args[3][1] != [0]):
             return None
         return False, _sliced(data, starts[0], ends[0])
     if op == "Unsqueeze" and args[0][0] and len(args) > 1 and args[1] is not None and args[1][1] == [0]:
