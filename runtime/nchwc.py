@@ -3,14 +3,17 @@
 onnxruntime's CPU provider has direct convolution kernels over blocks of 8 or 16 channels (MLAS NCHWc, the
 `com.microsoft.nchwc` ops), 0.45-0.7x the time of its im2col + GEMM `Conv` on mid-network layers here. Its
 optimizer (`NchwcTransformer`) uses them only for constant weights, reordering each filter once when the session
-is made: never in training, where weights are inputs. Here the reorder is part of the graph (a Pad, Reshape,
-Transpose and Reshape of the weight, a few thousand elements), so a Conv with a weight input runs blocked too,
-and so does the input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the flipped kernel.
+is made: never in training, where weights are inputs. Here the reorder is part of the graph (a Pad, Reshapes and
+one to three single-axis Transposes of the weight, a few thousand elements: `_filter`), so a Conv with a weight
+input runs blocked too, and so does the input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the
+flipped kernel.
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at
 most a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block
-of input channels, kernels of at least 25 taps over at least 2 channels (the plain NCHW input is read directly).
-3x3 kernels over 1-3 channels, heavily padded channel counts and 1-3 output positions stay as they are.
+of input channels, kernels of at least 25 taps over at least 2 channels (the plain NCHW input is read directly);
+and at most 3x the layer's multiply-adds once channels are padded to the block. 3x3 kernels over 1-3 channels,
+heavily padded channel counts, 1-3 output positions and LeNet's input gradient (6 channels, 10x10 to 14x14) stay
+as they are.
 """
 
 from __future__ import annotations
