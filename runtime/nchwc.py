@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .passes import Nodes, _rewrite, int_attr, ints_attr
+from .passes import Dims, Nodes, _rewrite, int_attr, ints_attr, tensor_types
 
 DOMAIN = "com.microsoft.nchwc"
 MAX_CHANNEL_PADDING = 1.25
@@ -78,23 +78,15 @@ def _layout(c_in: int, c_out: int, taps: int, positions: int | None, spread: flo
     return "nchw" if taps >= MIN_TAPS_UNBLOCKED and c_in >= 2 else None
 
 
-def _shapes(graph: onnx.GraphProto) -> dict[str, tuple[int | None, tuple[int | None, ...] | None]]:
-    """(element type, shape with None for unknown dims) of every typed graph input, output and value_info."""
-    out: dict[str, tuple[int | None, tuple[int | None, ...] | None]] = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        tt = vi.type.tensor_type
-        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim) \
-            if tt.HasField("shape") else None
-        out[vi.name] = (tt.elem_type or None, shape)
-    for t in graph.initializer:
-        out[t.name] = (t.data_type, tuple(t.dims))
-    return out
+def _static(dims: Dims | None) -> list[int] | None:
+    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None  # type: ignore[return-value]
 
 
-def _positions(shapes: dict[str, tuple[int | None, tuple[int | None, ...] | None]], name: str) -> int | None:
+def _positions(shapes: dict[str, tuple[int, Dims | None]], name: str) -> int | None:
     """Positions of a sample of a 4-D tensor, when its spatial dims are known."""
-    shape = shapes.get(name, (None, None))[1]
-    return shape[2] * shape[3] if shape and len(shape) == 4 and None not in shape[2:] else None
+    dims = shapes.get(name, (0, None))[1]
+    spatial = _static(dims[2:]) if dims is not None and len(dims) == 4 else None
+    return spatial[0] * spatial[1] if spatial else None
 
 
 def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.ModelProto:
@@ -105,16 +97,17 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
     if not block:
         return model
     graph = model.graph
-    shapes = _shapes(graph)
+    shapes = tensor_types(graph)
     constant = {t.name for t in graph.initializer}
     constant.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
     plan = []
     for k, n in enumerate(graph.node):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("Conv", "ConvTranspose") or len(n.input) < 2:
             continue
-        elem, wshape = shapes.get(n.input[1], (None, None))
+        elem, dims = shapes.get(n.input[1], (0, None))
+        wshape = _static(dims)
         if elem != TensorProto.FLOAT or n.input[1] in constant or wshape is None or len(wshape) != 4 \
-                or None in wshape or int_attr(n, "group", 1) != 1 or \
+                or int_attr(n, "group", 1) != 1 or \
                 next((a.s for a in n.attribute if a.name == "auto_pad"), b"NOTSET") != b"NOTSET":
             continue
         m, c, kh, kw = wshape  # Conv: [outputs, inputs, kh, kw]; ConvTranspose: [inputs, outputs, kh, kw]

@@ -39,15 +39,28 @@ REARRANGE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"
 FLOATS = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE})
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Values of the initializers and Constant nodes (tensor-valued) of a graph."""
-    values = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
-    for n in graph.node:
-        if n.op_type == "Constant" and not n.domain:
-            for a in n.attribute:
-                if a.name == "value":
-                    values[n.output[0]] = onnx.numpy_helper.to_array(a.t)
-    return values
+def _constants(graph: onnx.GraphProto, wanted: Callable[[TensorProto], bool] | None = None
+               ) -> dict[str, np.ndarray]:
+    """Values of the initializers and Constant nodes (tensor-valued) of a graph; only those `wanted` accepts,
+    when given (tested before converting)."""
+    tensors = [(t.name, t) for t in graph.initializer]
+    tensors += [(n.output[0], a.t) for n in graph.node if n.op_type == "Constant" and not n.domain
+                for a in n.attribute if a.name == "value"]
+    return {name: onnx.numpy_helper.to_array(t) for name, t in tensors if wanted is None or wanted(t)}
+
+
+Dims = list[int | str | None]
+"""A tensor's dims as declared or inferred: a size, a symbol, or None when unknown."""
+
+
+def tensor_types(graph: onnx.GraphProto) -> dict[str, tuple[int, Dims | None]]:
+    """(element type, dims or None without a shape) of every graph input, value_info and output."""
+    out: dict[str, tuple[int, Dims | None]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        t = vi.type.tensor_type
+        out[vi.name] = (t.elem_type, [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                                      for d in t.shape.dim] if t.HasField("shape") else None)
+    return out
 
 
 def _pads_with_zeros(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> bool:

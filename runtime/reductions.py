@@ -25,21 +25,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder.graph import default_opset
 
-from .passes import _constants, _drop_dead, _fresh, _pads_with_zeros, _rewrite
-
-Dims = list[int | str | None]
+from .passes import Dims, _constants, _drop_dead, _fresh, _pads_with_zeros, _rewrite, int_attr, tensor_types
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, Dims]:
     """Every tensor's dims as shape inference sees them (int, symbol or None), for float32 tensors only."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    g = inferred.graph
-    out: dict[str, Dims] = {}
-    for vi in [*g.input, *g.value_info, *g.output]:
-        t = vi.type.tensor_type
-        if t.elem_type == TensorProto.FLOAT and t.HasField("shape"):
-            out[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
-    return out
+    types = tensor_types(onnx.shape_inference.infer_shapes(model).graph)
+    return {name: dims for name, (elem, dims) in types.items() if elem == TensorProto.FLOAT and dims is not None}
 
 
 def _axes(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[int] | None:
@@ -47,10 +39,6 @@ def _axes(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[int] | No
     if len(node.input) < 2 or not node.input[1] or node.input[1] not in consts:
         return None
     return [int(v) for v in consts[node.input[1]].reshape(-1)]
-
-
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((int(a.i) for a in node.attribute if a.name == name), default)
 
 
 def _leading(node: onnx.NodeProto, dims: Dims | None, axes: list[int] | None) -> int:
@@ -98,7 +86,7 @@ def _as_product(node: onnx.NodeProto, dims: Dims, k: int, opset: int, taken: set
     x, y = node.input[0], node.output[0]
     rest = [int(d) for d in dims[k:]]
     width = int(np.prod(rest))
-    keep = _attr(node, "keepdims", 1)
+    keep = int_attr(node, "keepdims", 1)
     base = node.name or y
 
     def name(what: str) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .passes import _drop_dead, _fresh, int_attr, names_in_use
+from .passes import _constants, _drop_dead, _fresh, int_attr, names_in_use, tensor_types
 
 MAX_ELEMENTS = 16
 """Longest int64 vector evaluated (shape vectors are as long as a tensor's rank)."""
@@ -28,24 +28,16 @@ def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         graph = onnx.shape_inference.infer_shapes(model).graph
     except Exception:  # a model inference cannot follow keeps its shape arithmetic
         return {}
-    dims = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        tt = vi.type.tensor_type
-        if tt.HasField("shape"):
-            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-    return dims
+    return {name: [d if isinstance(d, int) else None for d in dims]
+            for name, (_, dims) in tensor_types(graph).items() if dims is not None}
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
-    out: dict[str, Value] = {}
-    tensors = [(t.name, t) for t in graph.initializer]
-    tensors += [(n.output[0], a.t) for n in graph.node if n.op_type == "Constant" and not n.domain
-                for a in n.attribute if a.name == "value"]
-    for name, t in tensors:
-        if t.data_type == TensorProto.INT64 and len(t.dims) <= 1 and np.prod(t.dims) <= MAX_ELEMENTS:
-            a = onnx.numpy_helper.to_array(t)
-            out[name] = (a.ndim == 0, [int(v) for v in a.ravel()])
-    return out
+    """The graph's constant int64 scalars and short vectors."""
+    def small_ints(t: onnx.TensorProto) -> bool:
+        return t.data_type == TensorProto.INT64 and len(t.dims) <= 1 and np.prod(t.dims) <= MAX_ELEMENTS
+
+    return {name: (a.ndim == 0, [int(v) for v in a.ravel()]) for name, a in _constants(graph, small_ints).items()}
 
 
 def _elementwise(op: str, a: Value, b: Value) -> Value | None:

@@ -605,8 +605,13 @@ def _standardize(g: Grad, x: str, axes: Sequence[int], eps: float) -> tuple[str,
     mean = g.reduce("ReduceMean", x, axes)
     centered = g.Sub(x, mean)
     var = g.reduce("ReduceMean", g.Mul(centered, centered), axes)
-    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=x))))
+    invstd = _inv_std(g, var, eps, like=x)
     return g.Mul(centered, invstd), invstd
+
+
+def _inv_std(g: Grad, var: str, eps: float, like: str) -> str:
+    """1 / sqrt(var + eps), eps of like's type (a tensor whose type the builder knows)."""
+    return g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=like))))
 
 
 def _standardize_grad(g: Grad, dxhat: str, xhat: str, invstd: str, axes: Sequence[int]) -> str:
@@ -656,7 +661,7 @@ def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str]
         value = g.const_input(k)
         if value is None or not np.all(np.isfinite(value)):
             return None
-    invstd = g.Reciprocal(g.Sqrt(g.Add(outs[2], g.const(eps, like=outs[2]))))
+    invstd = _inv_std(g, outs[2], eps, like=outs[2])
     return _from_statistics(g, x, _per_channel(g, outs[1], rank), _per_channel(g, invstd, rank))
 
 
