@@ -8,3 +8,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 
 torch.set_num_threads(1)
+
+import zlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _inputs_per_test(request):
+    """A test module's shared `rng` restarts for each test from a seed of the test's id: the inputs then no
+    longer depend on which tests ran before it on the same xdist worker, which made a float32 finite-difference
+    check fail now and then (MeanVarianceNormalization, one run in seven)."""
+    module = request.module
+    if isinstance(getattr(module, "rng", None), np.random.Generator):
+        module.rng = np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
