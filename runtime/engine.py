@@ -29,6 +29,7 @@ from gradbuilder.errors import RuleError
 from . import exchange, function, lowering, workload
 from .batchnorm import update_running_stats
 from .export import Exported, ExportError, ExportOptions, export, pin_dims
+from .host_dropout import MaskedRunner, forward_runner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
 from .structure import flatten, unflatten
@@ -82,7 +83,7 @@ class Schema:
         self.options = options
         self.save_dir = save_dir
         self.config = SessionConfig(threads=options.threads)
-        self._infer: Runner | None = None
+        self._infer: Runner | MaskedRunner | None = None
         self.sessions: dict[tuple[frozenset[str], Hashable], TrainingSession] = {}
         self.pinned: set[frozenset[str]] = set()
         """Sets of tensors whose all-dynamic build a rule refused: a pinned build per size."""
@@ -165,7 +166,8 @@ class Schema:
             self._fit_threads(feeds[self._small.input].shape()[0])
         if self._infer is None:
             self._settle_threads({name: tuple(feeds[name].shape()) for name, _ in self.exported.inputs})
-            self._infer = Runner(lowering.forward(self.exported.model, self.config), self.config, "forward (inference)")
+            self._infer = forward_runner(lowering.forward(self.exported.model, self.config), self.config,
+                                         "forward (inference)")
         return self._infer.run(feeds)
 
 

@@ -8,7 +8,7 @@ graph computes, except `lower`'s masked multiply (see there). Measured effects a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -181,7 +181,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
             return False
         if n.op_type == "Dropout":  # its output again from its input and the mask backward keeps anyway
             inputs = [n.input[0]] if name == n.output[0] and len(n.output) > 1 and n.output[1] in stash \
-                and dropout_scale(n) is not None else None
+                and dropout_ratio(n) is not None else None
         else:
             inputs = list(n.input) if n.op_type in POINTWISE and len(n.output) == 1 else None
         if inputs is None:
@@ -193,12 +193,9 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
             return True
         return False
 
-    def dropout_scale(n: onnx.NodeProto) -> float | None:
-        """1 / (1 - ratio) of a Dropout known to be in training mode with a known ratio, else None."""
-        if opset < 15 or len(n.input) < 3 or n.input[2] not in consts or not bool(consts[n.input[2]]):
-            return None
-        ratio = 0.5 if len(n.input) < 2 or not n.input[1] else consts.get(n.input[1])
-        return None if ratio is None or float(ratio) >= 1.0 else 1.0 / (1.0 - float(ratio))
+    def dropout_ratio(n: onnx.NodeProto) -> float | None:
+        ratio = training_ratio(n, consts) if opset >= 15 else None
+        return ratio if ratio is not None and ratio < 1.0 else None
 
     for t in sorted(stash):
         if recomputable(t, 0):
@@ -224,7 +221,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
         src = maker[name]
         if src.op_type == "Dropout":
             rename[name] = _fresh(f"{name}__remat", taken)
-            copies.extend(_masked(copy(src.input[0]), src.output[1], dropout_scale(src) or 1.0, rename[name], g,
+            copies.extend(dropout_output(copy(src.input[0]), src.output[1], dropout_ratio(src) or 0.0, rename[name], g,
                                   taken, mask_types.get(src.output[1])))
             return rename[name]
         for x in src.input:
@@ -253,23 +250,47 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     return [x for x in dict.fromkeys(wanted)]
 
 
-def _masked(x: str, mask: str, scale: float, out: str, g: onnx.GraphProto, taken: set[str],
-            elem: int | None = None) -> list[onnx.NodeProto]:
+def training_ratio(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> float | None:
+    """The ratio of a Dropout known to be in training mode (a constant true `training_mode`) with a known
+    ratio (a constant, or the default 0.5), else None."""
+    mode = node.input[2] if len(node.input) > 2 else ""
+    if not mode or mode not in consts or not bool(consts[mode]):
+        return None
+    ratio = node.input[1] if len(node.input) > 1 else ""
+    if not ratio:
+        return 0.5
+    return float(consts[ratio]) if ratio in consts else None
+
+
+def dropout_scale(ratio: float, elem: int | None) -> float:
+    """Dropout's 1 / (1 - ratio) as onnxruntime computes it: from the ratio as a float32, in the arithmetic of
+    the data's type (float32 unless double)."""
+    r = np.float32(ratio)
+    if elem == TensorProto.DOUBLE:
+        return 1.0 / (1.0 - float(r))
+    return float(np.float32(1) / (np.float32(1) - r))
+
+
+def dropout_output(x: str, mask: str, ratio: float, out: str, g: onnx.GraphProto, taken: set[str],
+                   elem: int | None = None) -> list[onnx.NodeProto]:
     """Nodes computing Dropout's output `x * mask * scale` from its input and its boolean mask (bit for bit what
     onnxruntime's Dropout returns: x * scale where the mask holds, 0 elsewhere, for finite x). `elem`: x's
-    element type when known (then plain Casts and a typed scale), else CastLike to x."""
-    m, kept, sx = (_fresh(f"{out}/{k}", taken) for k in ("mask", "kept", "scale_like"))
+    element type when known (then plain Casts and a typed scale), else CastLikes to x, and the scale computed
+    in x's type from the float32 ratio as onnxruntime does (three scalar nodes)."""
+    nodes = Nodes(out, taken)
     if elem is not None:
-        g.initializer.append(helper.make_tensor(sx, elem, [], [float(np.float32(scale))]))  # as CastLike of float
-        return [helper.make_node("Cast", [mask], [m], name=_fresh(f"{m}_node", taken), to=elem),
-                helper.make_node("Mul", [x, m], [kept], name=_fresh(f"{kept}_node", taken)),
-                helper.make_node("Mul", [kept, sx], [out], name=_fresh(f"{out}_node", taken))]
-    s = _fresh(f"{out}/scale", taken)
-    g.initializer.append(helper.make_tensor(s, TensorProto.FLOAT, [], [scale]))
-    return [helper.make_node("CastLike", [mask, x], [m], name=_fresh(f"{m}_node", taken)),
-            helper.make_node("Mul", [x, m], [kept], name=_fresh(f"{kept}_node", taken)),
-            helper.make_node("CastLike", [s, x], [sx], name=_fresh(f"{sx}_node", taken)),
-            helper.make_node("Mul", [kept, sx], [out], name=_fresh(f"{out}_node", taken))]
+        sx = _fresh(f"{out}/scale", taken)
+        g.initializer.append(helper.make_tensor(sx, elem, [], [dropout_scale(ratio, elem)]))
+        kept = nodes("Mul", x, nodes("Cast", mask, to=elem))
+    else:
+        r, one = _fresh(f"{out}/ratio", taken), _fresh(f"{out}/one", taken)
+        g.initializer.extend([helper.make_tensor(r, TensorProto.FLOAT, [], [float(np.float32(ratio))]),
+                              helper.make_tensor(one, TensorProto.FLOAT, [], [1.0])])
+        kept = nodes("Mul", x, nodes("CastLike", mask, x))
+        one_x = nodes("CastLike", one, x)
+        sx = nodes("Div", one_x, nodes("Sub", one_x, nodes("CastLike", r, x)))
+    nodes("Mul", kept, sx, out=out)
+    return nodes.nodes
 
 
 def _drop_dead(forward: list[onnx.NodeProto], later: Iterable[onnx.NodeProto], outputs: set[str]

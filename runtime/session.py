@@ -29,6 +29,7 @@ import gradbuilder
 
 from . import exchange, lowering, passes
 from .exchange import Tensor
+from .host_dropout import MaskedRunner, forward_runner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
 
@@ -153,7 +154,7 @@ class TrainingSession:
         """Graph inputs backward reads (the same hazard, for the caller's input tensors)."""
         self._fwd = self._forward_runner()
         self._fwd_names = full.forward_outputs
-        self._infer: Runner | None = None
+        self._infer: Runner | MaskedRunner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
         self.stats = {"backward_builds": 0, "fallbacks": 0}
         if self.save_dir is not None:
@@ -168,8 +169,8 @@ class TrainingSession:
         self._infer = None
         self._backwards.clear()
 
-    def _forward_runner(self) -> Runner:
-        return Runner(lowering.forward(self.full.forward, self.config), self.config, "forward")
+    def _forward_runner(self) -> Runner | MaskedRunner:
+        return forward_runner(lowering.forward(self.full.forward, self.config), self.config, "forward")
 
     # --- public API ------------------------------------------------------------------------------
     @property
@@ -248,7 +249,7 @@ class TrainingSession:
 
     def run_ortvalues(self, feeds: Mapping[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._infer is None:
-            self._infer = Runner(lowering.forward(self.source, self.config), self.config, "inference")
+            self._infer = forward_runner(lowering.forward(self.source, self.config), self.config, "inference")
         return self._infer.run(feeds, self.output_names)
 
     # --- internals ----------------------------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""Training Dropouts whose masks are drawn on the host, fed to onnxruntime as boolean inputs.
+
+onnxruntime's CPU Dropout draws its mask one element at a time on one thread (a linear congruential
+generator behind `std::uniform_real_distribution`): ~7 ns an element here, 7.5 ms of a 2-layer encoder's
+21 ms forward, while the other core waits. numpy's SFC64 fills the same mask at ~2.3 ns an element, and the
+rewritten node, `x * mask * scale` (`passes.dropout_output`, the formula backward already recomputes Dropout outputs
+with), runs on every intra-op thread.
+
+A mask has its Dropout input's shape, which the host only knows once onnxruntime has run the graph at those
+input sizes. So `MaskedRunner` keeps two sessions: the forward as it is, plus a `Shape` output for each
+rewritten Dropout's input, runs the first call at each new set of input sizes (its masks drawn by onnxruntime);
+the rewritten forward runs every later call at sizes already seen.
+
+Each call takes its seed from torch's default generator, as torch's own dropout does: `torch.manual_seed`
+makes ORTModule's masks reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+from onnxruntime.capi import _pybind_state as C
+
+from . import exchange
+from .ort_session import Runner, SessionConfig
+from .passes import (
+    FLOATS,
+    _constants,
+    _fresh,
+    _has_subgraph,
+    default_opset,
+    dropout_output,
+    names_in_use,
+    tensor_types,
+    training_ratio,
+)
+
+MAX_SIZES = 64
+"""Sets of input sizes whose mask shapes a runner remembers; calls at further new sizes keep onnxruntime's
+Dropout (sequences of ever new lengths would otherwise grow the table without end)."""
+
+
+@dataclass(frozen=True)
+class Mask:
+    """One rewritten Dropout: the graph input its mask is fed to, the tensor whose shape it has, and the
+    smallest 32-bit draw that keeps an element (round(ratio * 2^32): drop probability exact to 2^-33)."""
+
+    input: str
+    source: str
+    threshold: int
+
+
+def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
+    """A copy of `model` whose training Dropouts (main graph, opset 12+, constant ratio strictly between 0 and
+    1, no `seed` attribute) take their mask as a new boolean graph input (named as the Dropout's mask output,
+    which leaves the graph outputs); returns `model` itself and no masks when none qualifies."""
+    if default_opset(model) < 12 or any(_has_subgraph(n) for n in model.graph.node):
+        return model, []
+    consts = _constants(model.graph, lambda t: not t.dims)
+    chosen: list[tuple[int, float, int]] = []
+    for k, n in enumerate(model.graph.node):
+        if n.op_type != "Dropout" or n.domain not in ("", "ai.onnx") or any(a.name == "seed" for a in n.attribute):
+            continue
+        ratio = training_ratio(n, consts)
+        threshold = round(ratio * 2.0 ** 32) if ratio is not None else 0
+        if ratio is not None and 0 < threshold < 2 ** 32:
+            chosen.append((k, ratio, threshold))
+    if not chosen:
+        return model, []
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    taken = names_in_use(g)
+    types = tensor_types(g)
+    nodes = list(g.node)
+    masks: list[Mask] = []
+    for k, ratio, threshold in reversed(chosen):
+        n = nodes[k]
+        x, y = n.input[0], n.output[0]
+        mask = n.output[1] if len(n.output) > 1 and n.output[1] else _fresh(f"{y}/host_mask", taken)
+        elem = types.get(x, (0, None))[0]
+        nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None)
+        g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, types.get(x, (0, None))[1]))
+        masks.append(Mask(mask, x, threshold))
+    del g.node[:]
+    g.node.extend(nodes)
+    fed = {m.input for m in masks}
+    kept = [o for o in g.output if o.name not in fed]
+    del g.output[:]
+    g.output.extend(kept)
+    return out, masks[::-1]
+
+
+class MaskedRunner:
+    """A forward's Runner whose training Dropouts take host-drawn masks at input sizes seen before (see the
+    module docstring); the same `run` as `Runner`, the masks among the outputs where the graph returned them."""
+
+    def __init__(self, model: onnx.ModelProto, masked: onnx.ModelProto, masks: list[Mask], config: SessionConfig,
+                 what: str):
+        self.masks = masks
+        self.output_names = [o.name for o in model.graph.output]
+        self._sources = list(dict.fromkeys(m.source for m in masks))
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
+        taken = names_in_use(probe.graph)
+        self._shape_names = []
+        for x in self._sources:
+            name = _fresh(f"{x}/host_mask_shape", taken)
+            probe.graph.node.append(helper.make_node("Shape", [x], [name], name=f"{name}_node"))
+            probe.graph.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, [None]))
+            self._shape_names.append(name)
+        self.plain = Runner(probe, config, what)
+        self.session = self.plain.session
+        self.input_names = self.plain.input_names
+        self._masked_model: onnx.ModelProto | None = masked
+        self._masked: Runner | None = None
+        self._config, self._what = config, what
+        self._sized = [i.name for i in model.graph.input if not _static(i)]
+        """Graph inputs whose sizes may change between calls: the key of `shapes`."""
+        self.shapes: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
+        """Per set of input sizes, each masked Dropout input's shape (from the forward as it is)."""
+        self._fed = {m.input for m in masks}
+
+    def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
+        names = list(self.output_names if outputs is None else outputs)
+        key = tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds])
+        shapes = self.shapes.get(key)
+        if shapes is None:
+            values = self.plain.run(feeds, [*names, *self._shape_names])
+            if len(self.shapes) < MAX_SIZES:
+                found = [tuple(exchange.to_numpy(v).tolist()) for v in values[len(names):]]
+                self.shapes[key] = dict(zip(self._sources, found))
+            return values[:len(names)]
+        drawn = self.draw(shapes)
+        if self._masked is None:
+            assert self._masked_model is not None
+            self._masked = Runner(self._masked_model, self._config, self._what)
+            self._masked_model = None
+        computed = [n for n in names if n not in self._fed]
+        try:
+            values = dict(zip(computed, self._masked.run({**feeds, **drawn}, computed)))
+        except RuntimeError:  # sizes recorded for these inputs no longer hold (a parameter of another shape)
+            del self.shapes[key]
+            return self.run(feeds, outputs)
+        values.update(drawn)
+        return [values[n] for n in names]
+
+    def draw(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, C.OrtValue]:
+        """Every mask of one call, from one buffer of 32-bit draws seeded by torch's default generator."""
+        sizes = [int(np.prod(shapes[m.source])) for m in self.masks]
+        total = sum(sizes)
+        seed = int(torch.empty((), dtype=torch.int64).random_())
+        bits = np.random.SFC64(seed).random_raw((total + 1) // 2).view(np.uint32)
+        kept = np.empty(total, dtype=bool)
+        drawn: dict[str, C.OrtValue] = {}
+        start = 0
+        for m, size in zip(self.masks, sizes):
+            part = kept[start:start + size]
+            np.greater_equal(bits[start:start + size], np.uint32(m.threshold), out=part)
+            drawn[m.input] = exchange.to_ortvalue(part.reshape(shapes[m.source]))
+            start += size
+        return drawn
+
+
+def _static(value: onnx.ValueInfoProto) -> bool:
+    t = value.type.tensor_type
+    return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+
+
+def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> Runner | MaskedRunner:
+    """The Runner for a forward or inference graph: a `MaskedRunner` where it has training Dropouts to mask
+    (and `config.lower` is on), else a plain one."""
+    masked, masks = mask_dropouts(model) if config.lower else (model, [])
+    if not masks:
+        return Runner(model, config, what)
+    return MaskedRunner(model, masked, masks, config, what)

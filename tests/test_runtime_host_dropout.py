@@ -1,0 +1,233 @@
+"""runtime/host_dropout.py: training Dropouts fed masks drawn on the host keep torch's semantics (gradients of
+their masks, drop rates, fresh masks, torch's seed), run onnxruntime's Dropout at new input sizes, and leave
+alone the Dropouts they cannot mask."""
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+
+from runtime import ORTModule, host_dropout
+from runtime.exchange import to_numpy, to_ortvalue
+from runtime.host_dropout import MaskedRunner, mask_dropouts
+from runtime.ort_session import Runner, SessionConfig
+from runtime.session import TrainingSession
+
+
+class TwoDrops(nn.Module):
+    def __init__(self, p1: float = 0.3, p2: float = 0.6):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 5)
+        self.drop1, self.drop2 = nn.Dropout(p1), nn.Dropout(p2)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (self.drop2(self.fc2(self.drop1(torch.relu(self.fc1(x))))) * c).sum()
+
+
+def _scale(ratio: float, dtype: torch.dtype = torch.float32) -> float:
+    """1 / (1 - ratio) as onnxruntime's Dropout computes it: from the ratio as a float32, in the tensor's type."""
+    one, r = torch.tensor(1.0, dtype=dtype), torch.tensor(ratio, dtype=torch.float32).to(dtype)
+    return float(one / (one - r))
+
+
+def _runner(om: ORTModule) -> MaskedRunner:
+    (session,) = om.training_sessions()
+    runner = session._fwd
+    assert isinstance(runner, MaskedRunner)
+    return runner
+
+
+def test_masked_steps_have_the_gradients_of_their_masks() -> None:
+    """From the second call at the same sizes the masks come from the host; each step's outputs and gradients
+    are torch's for the masks backward kept (float64, so the comparison is tight), as onnxruntime's own Dropout
+    gives them in the first step."""
+    torch.manual_seed(0)
+    model = TwoDrops().double()
+    ref = copy.deepcopy(model)
+    om = ORTModule(model, threads=1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 6, generator=g, dtype=torch.float64)
+    c = torch.randn(32, 5, generator=g, dtype=torch.float64)
+    for step in range(3):
+        om.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss = om(x, c)
+        runner = _runner(om)
+        assert (runner._masked is not None) == (step > 0)
+        state = loss.grad_fn.state.values
+        m1, m2 = (torch.from_dlpack(state[m.input]).clone() for m in runner.masks)
+        assert m1.shape == (32, 16) and m2.shape == (32, 5) and m1.dtype == torch.bool
+        loss.backward()
+        h = torch.relu(ref.fc1(x)) * m1 * _scale(0.3, torch.float64)
+        expected = (ref.fc2(h) * m2 * _scale(0.6, torch.float64) * c).sum()
+        expected.backward()
+        torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-12, atol=1e-12)
+        for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.9])
+def test_drop_rates_and_fresh_masks(ratio: float) -> None:
+    """Drop rates within 5 standard deviations of the ratio, kept values exactly x / (1 - ratio) in float32, a
+    new mask each call, and two Dropouts of one call masked independently."""
+    class Drops(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dropout(ratio), nn.Dropout(ratio)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.a(x), self.b(x)
+
+    n = 100_000
+    x = torch.ones(4, n // 4, requires_grad=True)
+    om = ORTModule(Drops(), threads=1)
+    outs = [om(x) for _ in range(3)]
+    assert len(_runner(om).shapes) == 1 and _runner(om)._masked is not None
+    bound = 5 * (ratio * (1 - ratio) / n) ** 0.5
+    masks = []
+    for a, b in outs[1:]:
+        for y in (a, b):
+            kept = y.detach() != 0
+            assert abs(1 - float(kept.float().mean()) - ratio) < bound
+            torch.testing.assert_close(y.detach()[kept], torch.full((int(kept.sum()),), _scale(ratio)), rtol=0, atol=0)
+            masks.append(kept)
+    agree = [float((u == v).float().mean()) for u, v in ((masks[0], masks[1]), (masks[0], masks[2]))]
+    expected = ratio ** 2 + (1 - ratio) ** 2  # two independent masks agree this often
+    assert all(abs(a - expected) < 5 * (expected * (1 - expected) / n) ** 0.5 for a in agree)
+
+
+def test_torch_seed_reproduces_the_masks() -> None:
+    torch.manual_seed(0)
+    om = ORTModule(TwoDrops(), threads=1)
+    g = torch.Generator().manual_seed(2)
+    x, c = torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)
+
+    def losses(seed: int) -> list[float]:
+        torch.manual_seed(seed)
+        return [float(om(x, c)) for _ in range(4)]
+
+    first = losses(5)  # its first call is onnxruntime's own Dropout (new sizes), which leaves torch's generator be
+    again = losses(5)
+    assert again[:3] == first[1:] and losses(5) == again and losses(6) != again
+    assert len(set(again)) == 4
+
+
+def test_new_sizes_run_onnxruntime_dropout_first(monkeypatch) -> None:
+    """Each new batch size runs the forward as it is once (its Shape outputs give the masks' shapes); at most
+    MAX_SIZES sizes are remembered, further ones keep onnxruntime's Dropout, with the same semantics."""
+    torch.manual_seed(0)
+    om = ORTModule(TwoDrops(p1=0.5, p2=0.5), threads=1)
+    for batch in (4, 4, 7, 7, 7):
+        x, c = torch.randn(batch, 6), torch.ones(batch, 5)
+        om(x, c).backward()
+    runners = [s._fwd for s in om.training_sessions()]
+    shapes = [dict(r.shapes) for r in runners]
+    assert sum(len(s) for s in shapes) == 2
+    assert {v for s in shapes for sizes in s.values() for v in sizes.values()} >= {(4, 16), (7, 5)}
+    monkeypatch.setattr(host_dropout, "MAX_SIZES", 0)
+    dynamic = next(r for r in runners if any(key[0][0] == 7 for key in r.shapes))
+    known = len(dynamic.shapes)
+    for batch in (9, 9, 11):
+        y = om(torch.randn(batch, 6), torch.ones(batch, 5))
+        assert torch.isfinite(y)
+    assert len(dynamic.shapes) == known
+
+
+def test_stale_sizes_fall_back_to_onnxruntime_dropout() -> None:
+    """Recorded shapes that no longer fit (as after a parameter of another shape) make the call run the forward
+    as it is and record them anew, instead of failing."""
+    torch.manual_seed(0)
+    om = ORTModule(TwoDrops(), threads=1)
+    x, c = torch.randn(8, 6), torch.randn(8, 5)
+    om(x, c)
+    runner = _runner(om)
+    (key,) = runner.shapes
+    runner.shapes[key] = {s: (3, 3) for s in runner.shapes[key]}
+    om(x, c).backward()
+    assert runner.shapes[key] == {m.source: s for m, s in zip(runner.masks, [(8, 16), (8, 5)])}
+
+
+def test_no_grad_in_training_mode_masks_too() -> None:
+    torch.manual_seed(0)
+    om = ORTModule(nn.Sequential(nn.Linear(6, 4000), nn.Dropout(0.5)), threads=1)
+    x = torch.randn(16, 6)
+    with torch.no_grad():
+        ys = [om(x) for _ in range(3)]
+    infer = next(iter(om._engine.schemas.values()))._infer
+    assert isinstance(infer, MaskedRunner) and infer._masked is not None
+    fractions = [float((y == 0).float().mean()) for y in ys]
+    assert all(0.47 < f < 0.53 for f in fractions) and not torch.equal(ys[1], ys[2])
+
+
+def _dropout_graph(invalid: bool = True) -> onnx.ModelProto:
+    """Dropouts of every kind on x; `invalid` adds one of ratio 1, which onnxruntime refuses to run."""
+    f, b = TensorProto.FLOAT, TensorProto.BOOL
+    nodes = [helper.make_node("Dropout", ["x", "r3", "on"], ["y1", "m1"], name="const"),
+             helper.make_node("Dropout", ["x", "", "on"], ["y2"], name="default_ratio"),
+             helper.make_node("Dropout", ["x", "r_in", "on"], ["y3", "m3"], name="ratio_input"),
+             helper.make_node("Dropout", ["x", "r3", "mode_in"], ["y4"], name="mode_input"),
+             helper.make_node("Dropout", ["x", "r3", "on"], ["y5"], name="seeded", seed=7),
+             helper.make_node("Dropout", ["x", "r3", "off"], ["y7"], name="inference")]
+    nodes += [helper.make_node("Dropout", ["x", "r1", "on"], ["y6"], name="all")] if invalid else []
+    inputs = [helper.make_tensor_value_info("x", f, ["n", 4]), helper.make_tensor_value_info("r_in", f, []),
+              helper.make_tensor_value_info("mode_in", b, [])]
+    outputs = [helper.make_tensor_value_info(n, f, ["n", 4]) for n in ("y1", "y2", "y3", "y4", "y5", "y7")]
+    outputs += [helper.make_tensor_value_info("y6", f, ["n", 4])] if invalid else []
+    outputs += [helper.make_tensor_value_info(n, b, ["n", 4]) for n in ("m1", "m3")]
+    inits = [helper.make_tensor("r3", f, [], [0.3]), helper.make_tensor("r1", f, [], [1.0]),
+             helper.make_tensor("on", b, [], [True]), helper.make_tensor("off", b, [], [False])]
+    return helper.make_model(helper.make_graph(nodes, "drops", inputs, outputs, inits),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_mask_dropouts_takes_only_training_dropouts_of_known_ratio() -> None:
+    model = _dropout_graph()
+    masked, masks = mask_dropouts(model)
+    assert [(m.input, m.source, m.threshold) for m in masks] == [
+        ("m1", "x", round(float(np.float32(0.3)) * 2 ** 32)), ("y2/host_mask", "x", 2 ** 31)]
+    left = {n.name for n in masked.graph.node if n.op_type == "Dropout"}
+    assert left == {"ratio_input", "mode_input", "seeded", "all", "inference"}
+    assert {i.name for i in masked.graph.input} >= {"m1", "y2/host_mask"}
+    assert "m1" not in {o.name for o in masked.graph.output} and "m3" in {o.name for o in masked.graph.output}
+    onnx.checker.check_model(masked, full_check=True)
+    assert mask_dropouts(masked)[1] == [] and len(model.graph.node) == 7  # the input is left as it was
+
+
+def test_runner_returns_fed_masks_among_outputs() -> None:
+    """The plain Runner where nothing is masked or `lower` is off; otherwise the masks the caller asked for come
+    back among the outputs, in order, with the outputs they gate."""
+    model = _dropout_graph(invalid=False)
+    assert isinstance(host_dropout.forward_runner(model, SessionConfig(threads=1, lower=False), "f"), Runner)
+    runner = host_dropout.forward_runner(model, SessionConfig(threads=1), "f")
+    assert isinstance(runner, MaskedRunner)
+    feeds = {"x": to_ortvalue(np.ones((50, 4), np.float32)), "r_in": to_ortvalue(np.array(0.5, np.float32)),
+             "mode_in": to_ortvalue(np.array(True))}
+    for _ in range(2):
+        y1, m1, y2 = (to_numpy(v) for v in runner.run(feeds, ["y1", "m1", "y2"]))
+        np.testing.assert_array_equal(y1 != 0, m1)
+        assert y2.shape == (50, 4) and 0 < (y2 == 0).mean() < 1
+    assert runner._masked is not None
+
+
+def test_training_session_masks_from_its_second_step() -> None:
+    """TrainingSession users (no ORTModule) get the masks too, with gradients of the kept mask."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Dropout", ["h", "r", "on"], ["d", "m"]),
+             helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0)]
+    inputs = [helper.make_tensor_value_info("x", f, ["n", 3]), helper.make_tensor_value_info("w", f, [3, 5])]
+    consts = [helper.make_tensor("r", f, [], [0.25]), helper.make_tensor("on", TensorProto.BOOL, [], [True])]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", f, [])], consts)
+    session = TrainingSession.from_forward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                           wrt=["w"], loss="loss", config=SessionConfig(threads=1))
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((40, 3)).astype(np.float32), rng.standard_normal((3, 5)).astype(np.float32)
+    for _ in range(2):
+        _, state = session.forward({"x": x, "w": w})
+        mask = np.from_dlpack(state.values["m"]).copy()
+        grads = session.backward(state, [None])
+        np.testing.assert_allclose(grads["w"], x.T @ (mask / np.float32(0.75)), rtol=1e-5, atol=1e-6)
+    assert session._fwd._masked is not None
