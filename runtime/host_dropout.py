@@ -8,8 +8,9 @@ with), runs on every intra-op thread.
 
 A mask has its Dropout input's shape, which the host only knows once onnxruntime has run the graph at those
 input sizes. So `MaskedRunner` keeps two sessions: the forward as it is, plus a `Shape` output for each
-rewritten Dropout's input, runs the first call at each new set of input sizes (its masks drawn by onnxruntime);
-the rewritten forward runs every later call at sizes already seen.
+rewritten Dropout's input, runs the first call at each new set of input sizes (its masks drawn by onnxruntime),
+without onnxruntime's memory arena (which would hold on to that call's memory); the rewritten forward runs every
+later call at sizes already seen.
 
 Each call takes its seed from torch's default generator, as torch's own dropout does: `torch.manual_seed`
 makes ORTModule's masks reproducible.
@@ -17,6 +18,7 @@ makes ORTModule's masks reproducible.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -114,7 +116,7 @@ class MaskedRunner:
             probe.graph.node.append(helper.make_node("Shape", [x], [name], name=f"{name}_node"))
             probe.graph.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, [None]))
             self._shape_names.append(name)
-        self.plain = Runner(probe, config, what)
+        self.plain = Runner(probe, dataclasses.replace(config, arena=False), what)
         self.session = self.plain.session
         self.input_names = self.plain.input_names
         self._masked_model: onnx.ModelProto | None = masked
