@@ -12,8 +12,9 @@ rewritten Dropout's input, runs the first call at each new set of input sizes (i
 without onnxruntime's memory arena (which would hold on to that call's memory); the rewritten forward runs every
 later call at sizes already seen.
 
-Each call takes its seed from torch's default generator, as torch's own dropout does: `torch.manual_seed`
-makes ORTModule's masks reproducible.
+Each call takes its seed from torch's default generator, as torch's own dropout does, and so do the first
+forward's Dropouts (their `seed` attribute, drawn when the runner is made): after `torch.manual_seed`,
+ORTModule's masks are the same from run to run.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ Dropout (sequences of ever new lengths would otherwise grow the table without en
 
 @dataclass(frozen=True)
 class Mask:
-    """One rewritten Dropout: the graph input its mask is fed to, the tensor whose shape it has, and the
-    smallest 32-bit draw that keeps an element (round(ratio * 2^32): drop probability exact to 2^-33)."""
+    """One rewritten Dropout: the graph input its mask is fed to, the tensor whose shape it has (the Dropout's
+    input), the smallest 32-bit draw that keeps an element (round(ratio * 2^32): drop probability exact to
+    2^-33), and the Dropout's output."""
 
     input: str
     source: str
     threshold: int
+    output: str
 
 
 def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
@@ -88,7 +91,7 @@ def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
         elem = types.get(x, (0, None))[0]
         nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None)
         g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, types.get(x, (0, None))[1]))
-        masks.append(Mask(mask, x, threshold))
+        masks.append(Mask(mask, x, threshold, y))
     del g.node[:]
     g.node.extend(nodes)
     fed = {m.input for m in masks}
@@ -109,6 +112,10 @@ class MaskedRunner:
         self._sources = list(dict.fromkeys(m.source for m in masks))
         probe = onnx.ModelProto()
         probe.CopyFrom(model)
+        masked_outputs = {m.output for m in masks}
+        for n in probe.graph.node:
+            if n.op_type == "Dropout" and n.output[0] in masked_outputs:
+                n.attribute.append(helper.make_attribute("seed", _seed()))
         taken = names_in_use(probe.graph)
         self._shape_names = []
         for x in self._sources:
@@ -156,8 +163,7 @@ class MaskedRunner:
         """Every mask of one call, from one buffer of 32-bit draws seeded by torch's default generator."""
         sizes = [int(np.prod(shapes[m.source])) for m in self.masks]
         total = sum(sizes)
-        seed = int(torch.empty((), dtype=torch.int64).random_())
-        bits = np.random.SFC64(seed).random_raw((total + 1) // 2).view(np.uint32)
+        bits = np.random.SFC64(_seed()).random_raw((total + 1) // 2).view(np.uint32)
         kept = np.empty(total, dtype=bool)
         drawn: dict[str, C.OrtValue] = {}
         start = 0
@@ -167,6 +173,11 @@ class MaskedRunner:
             drawn[m.input] = exchange.to_ortvalue(part.reshape(shapes[m.source]))
             start += size
         return drawn
+
+
+def _seed() -> int:
+    """A seed from torch's default CPU generator (consuming it as torch's own random ops do)."""
+    return int(torch.empty((), dtype=torch.int64).random_())
 
 
 def _static(value: onnx.ValueInfoProto) -> bool:
