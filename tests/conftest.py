@@ -17,9 +17,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _inputs_per_test(request):
-    """A test module's shared `rng` restarts for each test from a seed of the test's id: the inputs then no
-    longer depend on which tests ran before it on the same xdist worker, which made a float32 finite-difference
-    check fail now and then (MeanVarianceNormalization, one run in seven)."""
+    """A test module's shared `rng`, and torch's default generator, restart for each test from a seed of the
+    test's id: the inputs then no longer depend on which tests ran before it on the same xdist worker, which
+    made float32 comparisons fail now and then (a finite-difference check of MeanVarianceNormalization, one run
+    in seven; a BatchNorm gradient at 3e-6 of its 9.7 once Dropout masks started drawing from torch's
+    generator)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
     module = request.module
     if isinstance(getattr(module, "rng", None), np.random.Generator):
-        module.rng = np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+        module.rng = np.random.default_rng(seed)
