@@ -137,9 +137,77 @@ def names_in_use(graph: onnx.GraphProto) -> set[str]:
 
 
 def shrink_stash(training: onnx.ModelProto) -> None:
-    """Make backward keep fewer bytes from forward, in place: `rematerialize`, then `hoist_masks`."""
+    """Make backward keep fewer bytes from forward, in place: `relu_dropout_masks`, `rematerialize`, then
+    `hoist_masks`."""
+    relu_dropout_masks(training)
     rematerialize(training)
     hoist_masks(training)
+
+
+def relu_dropout_masks(training: onnx.ModelProto) -> list[str]:
+    """Relu followed by a training Dropout (a feed-forward block's `dropout(relu(h))`): backward masks with
+    `d > 0` on the Dropout's output d, which holds exactly where both the Relu and the Dropout let the gradient
+    through (the scale is positive), so the Dropout's gradient drops its own mask product: Where(y > 0,
+    dd * mask * scale, 0) becomes Where(d > 0, dd * scale, 0). Backward then keeps d, which the next layer's
+    weight gradient reads anyway, instead of the Relu's output and the mask (a byte an element less) and runs
+    three elementwise nodes fewer (the mask's Cast and product, and recomputing d). Only where the Relu's
+    output feeds nothing else, and the mask and Greater nothing but these gradients; an inf or nan gradient
+    arriving at a dropped element gives 0 there instead of nan until `lower` makes the Where a product again.
+    In place; returns the Relu outputs backward no longer reads."""
+    g = training.graph
+    nodes = list(g.node)
+    y = find_yield(nodes)
+    consts = _constants(g, lambda t: not t.dims)
+    forward = nodes[:y]
+    in_forward = {id(n) for n in forward}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for x in set(n.input):
+            readers.setdefault(x, []).append(n)
+    made = {o: n for n in nodes for o in n.output if o}
+    outputs = {o.name for o in g.output} | set(nodes[y].input)
+
+    def only(name: str, op: str) -> onnx.NodeProto | None:
+        users = readers.get(name, [])
+        return users[0] if len(users) == 1 and users[0].op_type == op and not users[0].domain \
+            and name not in outputs else None
+
+    dead: set[int] = set()
+    freed = []
+    for drop in forward:
+        if drop.op_type != "Dropout" or drop.domain or len(drop.output) < 2 or not drop.output[1]:
+            continue
+        ratio = training_ratio(drop, consts)
+        relu = made.get(drop.input[0])
+        if ratio is None or not 0.0 <= ratio < 1.0 or relu is None or relu.op_type != "Relu" or relu.domain:
+            continue
+        h_out, (d, mask) = relu.output[0], drop.output[:2]
+        forward_users = [n for n in readers.get(h_out, []) if id(n) in in_forward]
+        greater = [n for n in readers.get(h_out, []) if id(n) not in in_forward]
+        if len(forward_users) != 1 or forward_users[0] is not drop or h_out in outputs or len(greater) != 1 \
+                or greater[0].op_type != "Greater" or greater[0].input[0] != h_out \
+                or not _is_zero(consts.get(greater[0].input[1])):
+            continue
+        where = only(greater[0].output[0], "Where")
+        cast = only(mask, "Cast") or only(mask, "CastLike")
+        kept = only(cast.output[0], "Mul") if cast is not None else None
+        scaled = only(kept.output[0], "Mul") if kept is not None else None
+        if where is None or scaled is None or where.input[0] != greater[0].output[0] \
+                or where.input[1] != scaled.output[0] or only(scaled.output[0], "Where") is not where:
+            continue
+        incoming = kept.input[1] if kept.input[0] == cast.output[0] else kept.input[0]
+        greater[0].input[0] = d
+        scaled.input[list(scaled.input).index(kept.output[0])] = incoming
+        dead.update((id(cast), id(kept)))
+        freed.append(h_out)
+    if dead:
+        del g.node[:]
+        g.node.extend(n for n in nodes if id(n) not in dead)
+    return freed
+
+
+def _is_zero(value: np.ndarray | None) -> bool:
+    return value is not None and value.size == 1 and not value.any()
 
 
 def rematerialize(training: onnx.ModelProto) -> list[str]:
@@ -262,34 +330,22 @@ def training_ratio(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> fl
     return float(consts[ratio]) if ratio in consts else None
 
 
-def dropout_scale(ratio: float, elem: int | None) -> float:
-    """Dropout's 1 / (1 - ratio) as onnxruntime computes it: from the ratio as a float32, in the arithmetic of
-    the data's type (float32 unless double)."""
-    r = np.float32(ratio)
-    if elem == TensorProto.DOUBLE:
-        return 1.0 / (1.0 - float(r))
-    return float(np.float32(1) / (np.float32(1) - r))
-
-
 def dropout_output(x: str, mask: str, ratio: float, out: str, g: onnx.GraphProto, taken: set[str],
                    elem: int | None = None) -> list[onnx.NodeProto]:
-    """Nodes computing Dropout's output `x * mask * scale` from its input and its boolean mask (bit for bit what
-    onnxruntime's Dropout returns: x * scale where the mask holds, 0 elsewhere, for finite x). `elem`: x's
-    element type when known (then plain Casts and a typed scale), else CastLikes to x, and the scale computed
-    in x's type from the float32 ratio as onnxruntime does (three scalar nodes)."""
+    """Nodes computing Dropout's output from its input and its boolean mask, bit for bit what onnxruntime's
+    Dropout returns: `mask * x / (1 - ratio)`, the divisor taken in float32 (then in x's type). `elem`: x's
+    element type when known (plain Casts, a typed divisor), else CastLikes to x."""
     nodes = Nodes(out, taken)
+    keep = _fresh(f"{out}/keep", taken)
+    value = float(np.float32(1) - np.float32(ratio))
     if elem is not None:
-        sx = _fresh(f"{out}/scale", taken)
-        g.initializer.append(helper.make_tensor(sx, elem, [], [dropout_scale(ratio, elem)]))
+        g.initializer.append(helper.make_tensor(keep, elem, [], [value]))
         kept = nodes("Mul", x, nodes("Cast", mask, to=elem))
     else:
-        r, one = _fresh(f"{out}/ratio", taken), _fresh(f"{out}/one", taken)
-        g.initializer.extend([helper.make_tensor(r, TensorProto.FLOAT, [], [float(np.float32(ratio))]),
-                              helper.make_tensor(one, TensorProto.FLOAT, [], [1.0])])
+        g.initializer.append(helper.make_tensor(keep, TensorProto.FLOAT, [], [value]))
         kept = nodes("Mul", x, nodes("CastLike", mask, x))
-        one_x = nodes("CastLike", one, x)
-        sx = nodes("Div", one_x, nodes("Sub", one_x, nodes("CastLike", r, x)))
-    nodes("Mul", kept, sx, out=out)
+        keep = nodes("CastLike", keep, x)
+    nodes("Div", kept, keep, out=out)
     return nodes.nodes
 
 

@@ -28,10 +28,9 @@ class TwoDrops(nn.Module):
         return (self.drop2(self.fc2(self.drop1(torch.relu(self.fc1(x))))) * c).sum()
 
 
-def _scale(ratio: float, dtype: torch.dtype = torch.float32) -> float:
-    """1 / (1 - ratio) as onnxruntime's Dropout computes it: from the ratio as a float32, in the tensor's type."""
-    one, r = torch.tensor(1.0, dtype=dtype), torch.tensor(ratio, dtype=torch.float32).to(dtype)
-    return float(one / (one - r))
+def _keep(ratio: float) -> float:
+    """1 - ratio as onnxruntime's Dropout divides by it: in float32."""
+    return float(torch.tensor(1.0) - torch.tensor(ratio))
 
 
 def _runner(om: ORTModule) -> MaskedRunner:
@@ -43,8 +42,8 @@ def _runner(om: ORTModule) -> MaskedRunner:
 
 def test_masked_steps_have_the_gradients_of_their_masks() -> None:
     """From the second call at the same sizes the masks come from the host; each step's outputs and gradients
-    are torch's for the masks backward kept (float64, so the comparison is tight), as onnxruntime's own Dropout
-    gives them in the first step."""
+    are torch's for the masks backward kept (float64, so the comparison is tight; the divisor 1 - ratio in
+    float32, as onnxruntime's own Dropout has it in the first step)."""
     torch.manual_seed(0)
     model = TwoDrops().double()
     ref = copy.deepcopy(model)
@@ -59,11 +58,12 @@ def test_masked_steps_have_the_gradients_of_their_masks() -> None:
         runner = _runner(om)
         assert (runner._masked is not None) == (step > 0)
         state = loss.grad_fn.state.values
-        m1, m2 = (torch.from_dlpack(state[m.input]).clone() for m in runner.masks)
+        m1, m2 = (torch.from_dlpack(state[m.input]).clone() if m.input in state else
+                  torch.from_dlpack(state[m.output]) != 0 for m in runner.masks)  # see `relu_dropout_masks`
         assert m1.shape == (32, 16) and m2.shape == (32, 5) and m1.dtype == torch.bool
         loss.backward()
-        h = torch.relu(ref.fc1(x)) * m1 * _scale(0.3, torch.float64)
-        expected = (ref.fc2(h) * m2 * _scale(0.6, torch.float64) * c).sum()
+        h = torch.relu(ref.fc1(x)) * m1 / _keep(0.3)
+        expected = (ref.fc2(h) * m2 / _keep(0.6) * c).sum()
         expected.backward()
         torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-12, atol=1e-12)
         for (name, p), q in zip(om.named_parameters(), ref.parameters()):
@@ -72,7 +72,7 @@ def test_masked_steps_have_the_gradients_of_their_masks() -> None:
 
 @pytest.mark.parametrize("ratio", [0.1, 0.5, 0.9])
 def test_drop_rates_and_fresh_masks(ratio: float) -> None:
-    """Drop rates within 5 standard deviations of the ratio, kept values exactly x / (1 - ratio) in float32, a
+    """Drop rates within 5 standard deviations of the ratio, kept values exactly 1 / (1 - ratio) in float32, a
     new mask each call, and two Dropouts of one call masked independently."""
     class Drops(nn.Module):
         def __init__(self):
@@ -93,7 +93,8 @@ def test_drop_rates_and_fresh_masks(ratio: float) -> None:
         for y in (a, b):
             kept = y.detach() != 0
             assert abs(1 - float(kept.float().mean()) - ratio) < bound
-            torch.testing.assert_close(y.detach()[kept], torch.full((int(kept.sum()),), _scale(ratio)), rtol=0, atol=0)
+            value = 1 / torch.tensor(_keep(ratio))
+            torch.testing.assert_close(y.detach()[kept], value.expand(int(kept.sum())), rtol=0, atol=0)
             masks.append(kept)
     agree = [float((u == v).float().mean()) for u, v in ((masks[0], masks[1]), (masks[0], masks[2]))]
     expected = ratio ** 2 + (1 - ratio) ** 2  # two independent masks agree this often

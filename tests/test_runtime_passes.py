@@ -12,7 +12,7 @@ from torch import nn
 
 import gradbuilder
 from runtime import ORTModule, passes
-from runtime.exchange import to_ortvalue
+from runtime.exchange import to_numpy, to_ortvalue
 from runtime.ort_session import Runner, SessionConfig
 from runtime.session import TrainingSession
 
@@ -320,3 +320,97 @@ def test_transposed_products(form):
     before, after = ([v.numpy() for v in Runner(m, config, "products").run(feeds)] for m in (model, rewritten))
     for want, got in zip(before, after):
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, residual: bool = False):
+        super().__init__()
+        self.fc1, self.fc2, self.drop, self.residual = nn.Linear(6, 16), nn.Linear(16, 6), nn.Dropout(0.4), residual
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        out = self.fc2(self.drop(h))
+        return ((out + h[:, :6] if self.residual else out) * c).sum()
+
+
+def _record_masks(runner, drawn: dict) -> None:
+    """Make a MaskedRunner keep in `drawn` the masks it draws (backward does not read them: the stash lacks them)."""
+    draw = runner.draw
+
+    def recorded(shapes):
+        out = draw(shapes)
+        drawn.update(out)
+        return out
+
+    runner.draw = recorded
+
+
+def test_relu_dropout_masks_from_the_dropout_output():
+    """dropout(relu(h)): backward keeps the Dropout's output d, not the Relu's output and the mask; d > 0 is where
+    both passed, and the gradients are torch's with the masks drawn (float64, three steps, the first one with
+    onnxruntime's own Dropout)."""
+    torch.manual_seed(0)
+    model = FeedForward().double()
+    ref = copy.deepcopy(model)
+    om = ORTModule(model, threads=1)
+    g = torch.Generator().manual_seed(3)
+    x, c = torch.randn(40, 6, generator=g, dtype=torch.float64), torch.randn(40, 6, generator=g, dtype=torch.float64)
+    keep = float(torch.tensor(1.0) - torch.tensor(0.4))  # in float32, as onnxruntime's Dropout divides
+    drawn: dict = {}
+    for step in range(3):
+        om.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        if step == 1:
+            _record_masks(om.training_sessions()[0]._fwd, drawn)
+        loss = om(x, c)
+        (session,) = om.training_sessions()
+        stash = {e.name for e in session.full.manifest.backward_inputs if e.role == "stash"}
+        drop = next(n for n in session.full.forward.graph.node if n.op_type == "Dropout")
+        relu = next(n for n in session.full.forward.graph.node if n.op_type == "Relu")
+        assert drop.output[0] in stash and drop.output[1] not in stash and relu.output[0] not in stash
+        d = torch.from_dlpack(loss.grad_fn.state.values[drop.output[0]]).clone()
+        h = torch.relu(ref.fc1(x))
+        if step > 0:  # the host-drawn mask is among the feeds: d > 0 exactly where it and the Relu pass
+            mask = torch.from_dlpack(to_numpy(drawn[session._fwd.masks[0].input]).copy())
+            assert torch.equal(d > 0, mask & (h > 0))
+        loss.backward()
+        expected = (ref.fc2(h * (d != 0) / keep) * c).sum()  # where h = 0 the mask does not matter
+        expected.backward()
+        torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-12, atol=1e-12)
+        for (name, p), q in zip(om.named_parameters(), ref.parameters()):  # the Dropout rule scales by
+            # 1 / (1 - ratio) exactly, the forward divides by 1 - ratio rounded to float32: 4e-8 apart at 0.4
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-12, msg=name)
+
+
+def _relu_dropout_training(extra_reader: bool = False, mask_output: bool = False) -> onnx.ModelProto:
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Dropout", ["r", "ratio", "train"], ["d", "mask"]),
+             helper.make_node("MatMul", ["d", "w2"], ["o"])]
+    nodes += [helper.make_node("Add", ["o", "r"], ["s"])] if extra_reader else []
+    nodes += [helper.make_node("ReduceSum", ["s" if extra_reader else "o"], ["loss"], keepdims=0)]
+    outputs = [helper.make_tensor_value_info("loss", f, [])]
+    outputs += [helper.make_tensor_value_info("mask", TensorProto.BOOL, [4, 4])] if mask_output else []
+    graph = helper.make_graph(nodes, "ff", [helper.make_tensor_value_info("x", f, [4, 4]),
+                                            helper.make_tensor_value_info("w1", f, [4, 4]),
+                                            helper.make_tensor_value_info("w2", f, [4, 4])], outputs,
+                              [helper.make_tensor("ratio", f, [], [0.3]),
+                               helper.make_tensor("train", TensorProto.BOOL, [], [True])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return gradbuilder.build_gradient_graph(model, wrt=["w1", "w2"], loss="loss")
+
+
+@pytest.mark.parametrize("case", [{}, {"extra_reader": True}, {"mask_output": True}])
+def test_relu_dropout_masks_only_where_nothing_else_reads(case):
+    training = _relu_dropout_training(**case)
+    before = copy.deepcopy(training)
+    freed = passes.relu_dropout_masks(training)
+    if not case:
+        assert freed == ["r"]
+        ops = [n.op_type for n in training.graph.node]
+        assert len(ops) == len(before.graph.node) - 2
+        assert ops.count("Cast") == [n.op_type for n in before.graph.node].count("Cast") - 1
+        greater = next(n for n in training.graph.node if n.op_type == "Greater")
+        assert greater.input[0] == "d"
+    else:
+        assert freed == [] and training == before
