@@ -88,9 +88,9 @@ def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
         n = nodes[k]
         x, y = n.input[0], n.output[0]
         mask = n.output[1] if len(n.output) > 1 and n.output[1] else _fresh(f"{y}/host_mask", taken)
-        elem = types.get(x, (0, None))[0]
+        elem, dims = types.get(x, (0, None))
         nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None)
-        g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, types.get(x, (0, None))[1]))
+        g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, dims))
         masks.append(Mask(mask, x, threshold, y))
     del g.node[:]
     g.node.extend(nodes)
