@@ -36,10 +36,6 @@ only when that gradient or a weight already does."""
 
 REARRANGE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity"})
 
-VIEWS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
-"""Rearrangements onnxruntime runs without a copy, except into a graph output: a stashed view copies its
-whole tensor (the logits' Reshape for the loss, 0.5 ms of an encoder's forward), its source would not."""
-
 FLOATS = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE})
 
 
@@ -220,9 +216,8 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     and onnxruntime can fuse the forward's Transpose into its MatMul once the transposed weight is no longer
     a graph output; (2) elementwise results (`POINTWISE`) of tensors the stash keeps anyway, such as GELU's
     x / sqrt(2) and 1 + erf(...) from x, and Dropout outputs from their input and the mask backward keeps,
-    at most `REMAT_DEPTH` ops deep; (3) views (`VIEWS`) of forward tensors, whose source backward keeps
-    instead: as many bytes, but onnxruntime copies a view into a graph output and not its source. Nothing
-    is added to the stash but those sources. Returns the tensors no longer stashed."""
+    at most `REMAT_DEPTH` ops deep. Nothing is added to the stash.
+    Returns the tensors no longer stashed."""
     g = training.graph
     nodes = list(g.node)
     y = find_yield(nodes)
@@ -255,11 +250,6 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
         if n.op_type == "Dropout":  # its output again from its input and the mask backward keeps anyway
             inputs = [n.input[0]] if name == n.output[0] and len(n.output) > 1 and n.output[1] in stash \
                 and dropout_ratio(n) is not None else None
-        elif level == 0 and n.op_type in VIEWS and len(n.output) == 1 and n.input[0] in made \
-                and n.input[0] not in maker:  # stash the view's source instead (as many bytes, written in place)
-            stash.update(x for x in n.input if x and not recomputable(x, 1))  # a shape or axes: a few ints
-            depth[name] = level
-            return True
         else:
             inputs = list(n.input) if n.op_type in POINTWISE and len(n.output) == 1 else None
         if inputs is None:
