@@ -29,7 +29,7 @@ from gradbuilder.errors import RuleError
 from . import exchange, function, lowering, workload
 from .batchnorm import update_running_stats
 from .export import Exported, ExportError, ExportOptions, export, pin_dims
-from .host_dropout import MaskedRunner, forward_runner
+from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
 from .structure import flatten, unflatten
@@ -166,8 +166,7 @@ class Schema:
             self._fit_threads(feeds[self._small.input].shape()[0])
         if self._infer is None:
             self._settle_threads({name: tuple(feeds[name].shape()) for name, _ in self.exported.inputs})
-            self._infer = forward_runner(lowering.forward(self.exported.model, self.config), self.config,
-                                         "forward (inference)")
+            self._infer = lowering.forward_runner(self.exported.model, self.config, "forward (inference)")
         return self._infer.run(feeds)
 
 

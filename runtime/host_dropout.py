@@ -3,8 +3,8 @@
 onnxruntime's CPU Dropout draws its mask one element at a time on one thread (a linear congruential
 generator behind `std::uniform_real_distribution`): ~7 ns an element here, 7.5 ms of a 2-layer encoder's
 21 ms forward, while the other core waits. numpy's SFC64 fills the same mask at ~2.3 ns an element, and the
-rewritten node, `x * mask * scale` (`passes.dropout_output`, the formula backward already recomputes Dropout outputs
-with), runs on every intra-op thread.
+rewritten node, `mask * x / (1 - ratio)` (`passes.dropout_output`: bit for bit onnxruntime's Dropout, and the
+formula backward already recomputes Dropout outputs with), runs on every intra-op thread.
 
 A mask has its Dropout input's shape, which the host only knows once onnxruntime has run the graph at those
 input sizes. So `MaskedRunner` keeps two sessions: the forward as it is, plus a `Shape` output for each

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from . import crossentropy, nchwc, passes, reductions, shape_folding
-from .ort_session import SessionConfig
+from . import crossentropy, host_dropout, nchwc, passes, reductions, shape_folding
+from .ort_session import Runner, SessionConfig
 
 
 def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
@@ -32,6 +32,12 @@ def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
         return model
     model = crossentropy.lower_losses(passes.inactive_dropouts(model))
     return nchwc.blocked_convs(shape_folding.fold_shapes(model))
+
+
+def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> Runner | host_dropout.MaskedRunner:
+    """The session for a forward or inference graph: `forward`'s rewrites, then training Dropouts fed masks drawn
+    on the host (`host_dropout`), which needs a runner of its own."""
+    return host_dropout.forward_runner(forward(model, config), config, what)
 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:

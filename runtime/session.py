@@ -29,7 +29,7 @@ import gradbuilder
 
 from . import exchange, lowering, passes
 from .exchange import Tensor
-from .host_dropout import MaskedRunner, forward_runner
+from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
 
@@ -170,7 +170,7 @@ class TrainingSession:
         self._backwards.clear()
 
     def _forward_runner(self) -> Runner | MaskedRunner:
-        return forward_runner(lowering.forward(self.full.forward, self.config), self.config, "forward")
+        return lowering.forward_runner(self.full.forward, self.config, "forward")
 
     # --- public API ------------------------------------------------------------------------------
     @property
@@ -249,7 +249,7 @@ class TrainingSession:
 
     def run_ortvalues(self, feeds: Mapping[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._infer is None:
-            self._infer = forward_runner(lowering.forward(self.source, self.config), self.config, "inference")
+            self._infer = lowering.forward_runner(self.source, self.config, "inference")
         return self._infer.run(feeds, self.output_names)
 
     # --- internals ----------------------------------------------------------------------------------
