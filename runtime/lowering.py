@@ -16,11 +16,11 @@ from .ort_session import Runner, SessionConfig
 
 
 def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
-    """Dropouts that drop nothing removed (`passes.inactive_dropouts`), Relu at the pooled size
-    (`passes.relu_after_pool`) and LayerNorm statistics kept for backward (`passes.layer_norm_statistics`)."""
+    """Dropouts that drop nothing removed (`passes.inactive_dropouts`) and Relu at the pooled size
+    (`passes.relu_after_pool`)."""
     if not config.lower:
         return model
-    return passes.layer_norm_statistics(passes.relu_after_pool(passes.inactive_dropouts(model)))
+    return passes.relu_after_pool(passes.inactive_dropouts(model))
 
 
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:

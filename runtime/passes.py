@@ -1,6 +1,6 @@
 """Rewrites of a training graph for onnxruntime's CPU provider: stash less, run faster.
 
-`relu_after_pool` and `layer_norm_statistics` rewrite the forward source before the gradient is built;
+`relu_after_pool` rewrites the forward source before the gradient is built;
 `shrink_stash` runs between the gradient build and the split (it decides what crosses the Yield); `lower` runs
 on each half before its session is created (`lowering` says which runs when). Each rewrite keeps what the
 graph computes, except `lower`'s masked multiply (see there). Measured effects are in docs/performance.md.
@@ -522,26 +522,6 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
     _forget(out.graph, bypass)
     rename_tensors(out.graph, bypass)
     return out
-
-
-def layer_norm_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every LayerNormalization of the main graph outputs its Mean and InvStdDev, which onnxruntime's kernel
-    computes anyway: the gradient rule then reads them (two values a row, as torch saves) instead of recomputing
-    both over x in backward (eight nodes over the whole input). For the runtime's forward source, before the
-    gradient is built; returns a rewritten copy, or `model` itself when every LayerNormalization has them."""
-    plan = [(k,) for k, n in enumerate(model.graph.node) if n.op_type == "LayerNormalization"
-            and n.domain in ("", "ai.onnx") and not (len(n.output) > 2 and n.output[1] and n.output[2])]
-
-    def build(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
-        outs = [*n.output, "", ""][:3]
-        for k, what in ((1, "mean"), (2, "inv_std_dev")):
-            if not outs[k]:
-                outs[k] = _fresh(f"{outs[0]}/{what}", taken)
-        del n.output[:]
-        n.output.extend(outs)
-        return [n]
-
-    return _rewrite(model, plan, build)
 
 
 def int_attr(node: onnx.NodeProto, name: str, default: int) -> int:

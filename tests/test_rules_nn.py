@@ -691,12 +691,21 @@ def test_layer_norm(xs, axis, n_out, bias):
              n_out=n_out, diff_outputs=[0], axis=axis, epsilon=1e-4)
 
 
-def test_layer_norm_stashes_statistics_not_recomputed():
-    """With the Mean/InvStdDev outputs present, backward reads them and recomputes no statistics."""
-    model = single_op_model("LayerNormalization", [("x", f32(2, 3, 4)), ("s", f32(4)), ("b", f32(4))], n_out=3)
+@pytest.mark.parametrize("n_out", [1, 3])
+@pytest.mark.parametrize("dtype,reads", [(np.float32, True), (np.float64, False)])
+def test_layer_norm_reads_statistics_not_recomputed(n_out, dtype, reads):
+    """Backward reads the node's Mean/InvStdDev (added when the model left them out) and recomputes no
+    statistics, unless they are float ones (the only stash_type onnx allows) for a double input: less precise
+    than recomputing."""
+    attrs = {"stash_type": onnx.TensorProto.FLOAT}
+    inputs = [("x", r(2, 3, 4).astype(dtype)), ("s", r(4).astype(dtype)), ("b", r(4).astype(dtype))]
+    model = single_op_model("LayerNormalization", inputs, n_out=n_out, **attrs)
     training = gradbuilder.build_gradient_graph(model, wrt=["x", "s", "b"], outputs=["y0"])
     ops = [n.op_type for n in training.graph.node]
-    assert "ReduceMean" in ops and "Sqrt" not in ops
+    assert ("Sqrt" not in ops) == reads
+    assert len([o for o in training.graph.node[0].output if o]) == (3 if reads else n_out)
+    check_op("LayerNormalization", inputs, lambda x, s, b: F.layer_norm(x, (4,), s, b), n_out=n_out,
+             diff_outputs=[0], rtol=1e-4 if dtype == np.float32 else 1e-7, fd=dtype == np.float64, **attrs)
 
 
 def test_layer_norm_broadcast_scale_float32_symbolic():

@@ -635,15 +635,15 @@ def _bn_stats_stop(node: onnx.NodeProto, opset: int, is_computed: Callable[[str]
     return [i for i in (3, 4) if i < len(node.input) and not is_computed(node.input[i])]
 
 
-def _readable(g: Grad, stat: str, x: str) -> bool:
-    """Whether statistics a node outputs can stand for x's: of x's type, or float ones for a half x (cast
-    down); float ones for a double x are less precise than recomputing."""
-    return g.dtype(stat) == g.dtype(x) or g.dtype(x) in HALF_TYPES
+def _readable(g: Grad, stat_type: int, x: str) -> bool:
+    """Whether statistics of `stat_type` a node outputs can stand for x's: of x's type, or float ones for a half
+    x (cast down); float ones for a double x are less precise than recomputing."""
+    return stat_type == g.dtype(x) or g.dtype(x) in HALF_TYPES
 
 
-def _from_statistics(g: Grad, x: str, mean: str, invstd: str) -> tuple[str, str]:
+def _from_statistics(g: Grad, x: str, mean: str, invstd: str, stat_type: int) -> tuple[str, str]:
     """(xhat, invstd) at x's type from a mean and invstd the forward node output (broadcastable to x)."""
-    if g.dtype(mean) != g.dtype(x):
+    if stat_type != g.dtype(x):
         mean, invstd = g.cast_like(mean, x), g.cast_like(invstd, x)
     return g.Mul(g.Sub(x, mean), invstd), invstd
 
@@ -655,14 +655,14 @@ def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str]
     twice again."""
     outs = g.node.output
     if g.opset < 14 or len(outs) < 3 or not outs[1] or not outs[2] or float(g.attr("momentum", 0.9)) != 0.0 \
-            or not _readable(g, outs[2], x):
+            or not _readable(g, g.dtype(outs[2]), x):
         return None
     for k in (3, 4):
         value = g.const_input(k)
         if value is None or not np.all(np.isfinite(value)):
             return None
     invstd = _inv_std(g, outs[2], eps, like=outs[2])
-    return _from_statistics(g, x, _per_channel(g, outs[1], rank), _per_channel(g, invstd, rank))
+    return _from_statistics(g, x, _per_channel(g, outs[1], rank), _per_channel(g, invstd, rank), g.dtype(outs[2]))
 
 
 @rule("BatchNormalization", since=13, nondiff=(3, 4), nondiff_if=_bn_stats_stop, nondiff_outputs=(1, 2, 3, 4))
@@ -696,15 +696,17 @@ def batch_norm(g: Grad):
 
 @rule("LayerNormalization", since=17, nondiff_outputs=(1, 2))
 def layer_norm(g: Grad):
-    """Normalized over axes [axis, rank); reads the Mean/InvStdDev outputs when the node has them."""
+    """Normalized over axes [axis, rank). Backward reads the node's Mean/InvStdDev outputs (two values a row,
+    as torch saves; added to the node when absent), which the kernel computes anyway, instead of reducing
+    over x twice again: eight nodes over the whole input less."""
     x, scale, bias, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
     rank = g.require_rank(x)
     axis = int(g.attr("axis", -1)) % rank
     axes = list(range(axis, rank))
-    outs = g.node.output
-    if len(outs) > 2 and outs[1] and outs[2] and _readable(g, outs[1], x):  # stash_type: float for half inputs
-        xhat, invstd = _from_statistics(g, x, outs[1], outs[2])
-    else:  # no statistics outputs, or float ones for a double input: recompute at full precision
+    stat_type = int(g.attr("stash_type", TensorProto.FLOAT))  # the outputs' type, by the operator's definition
+    if _readable(g, stat_type, x):  # float statistics for a float or half x
+        xhat, invstd = _from_statistics(g, x, g.output(1, "mean"), g.output(2, "inv_std_dev"), stat_type)
+    else:  # float statistics for a double input: recompute at full precision
         xhat, invstd = _standardize(g, x, axes, float(g.attr("epsilon", 1e-5)))
     dx = _standardize_grad(g, g.Mul(dy, scale), xhat, invstd, axes) if g.needs(0) else None
     dscale = g.unbroadcast(g.Mul(dy, xhat), like=scale) if g.needs(1) else None
