@@ -41,8 +41,9 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> 
 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:
-    """Slow onnxruntime patterns (`passes.lower`), then sums (`reductions.lower_sums`), then blocked Convs and
-    stride-1 ConvTransposes (`nchwc`); `known`: values of the initializers backward reads from the forward part."""
+    """Slow onnxruntime patterns (`passes.lower`), then sums and contractions over rows (`reductions.lower_sums`),
+    then blocked Convs and stride-1 ConvTransposes (`nchwc`); `known`: values of the initializers backward reads
+    from the forward part."""
     if not config.lower:
         return model
     return nchwc.blocked_convs(reductions.lower_sums(passes.lower(model, known)))

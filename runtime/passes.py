@@ -536,6 +536,15 @@ def _perm(node: onnx.NodeProto) -> list[int] | None:
     return ints_attr(node, "perm")
 
 
+def rows_product(node: onnx.NodeProto) -> bool:
+    """`Gemm(x, b, transA=1)`: x^T b, a contraction over the rows of both (a weight gradient), nothing added,
+    scaled or transposed besides."""
+    if node.op_type != "Gemm" or node.domain or len(node.input) != 2:
+        return False
+    attrs = {a.name: (a.i if a.type == onnx.AttributeProto.INT else a.f) for a in node.attribute}
+    return attrs.get("transA") == 1 and not attrs.get("transB") and attrs.get("alpha", 1.0) == 1.0
+
+
 def transposed_products(model: onnx.ModelProto) -> onnx.ModelProto:
     """`Transpose(Gemm(x, b, transA=1))` and `Transpose(MatMul(Transpose(x), b))` of 2-D operands become
     `Gemm(b, x, transA=1)`: (x^T b)^T = b^T x. The MatMul rule's weight gradient through a transposed weight
@@ -554,15 +563,10 @@ def transposed_products(model: onnx.ModelProto) -> onnx.ModelProto:
         n = producer.get(name)
         return n is not None and not n.domain and (n.op_type == "Flatten" or swap(name) is not None)
 
-    def plain_gemm(n: onnx.NodeProto) -> bool:  # Gemm(x, b, transA=1): x^T b, nothing added or scaled
-        attrs = {a.name: (a.i if a.type == onnx.AttributeProto.INT else a.f) for a in n.attribute}
-        return n.op_type == "Gemm" and not n.domain and len(n.input) == 2 and attrs.get("transA") == 1 \
-            and not attrs.get("transB") and attrs.get("alpha", 1.0) == 1.0
-
     plan = []
     for k, n in enumerate(g.node):
         mm = producer.get(n.input[0]) if swap(n.output[0]) is n else None
-        if mm is not None and plain_gemm(mm):
+        if mm is not None and rows_product(mm):
             plan.append((k, *mm.input))
             continue
         if mm is None or mm.op_type != "MatMul" or mm.domain:

@@ -1,5 +1,5 @@
 """runtime.reductions: sums rewritten into MatMuls with ones, scatters into other terms, placements into Concats,
-with the same values."""
+contractions over rows with their transpose made first, with the same values."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from runtime import lowering
 from runtime.ort_session import SessionConfig
-from runtime.reductions import leading_sums_as_products, placements_into_concats, scatters_into_sums
+from runtime.reductions import leading_sums_as_products, placements_into_concats, rows_untransposed, scatters_into_sums
 from runtime.session import TrainingSession
 
 
@@ -148,3 +149,63 @@ def test_placements_into_concat(n: int | str, rows: list[int], joined: bool) -> 
         for k, row in enumerate(rows):
             want[row] += np.arange(4) + 10 * k + 1
         np.testing.assert_array_equal(got, want)
+
+
+def _rows_product_model(a_dims: list[int | str], b_dims: list[int | str], **attrs: int | float) -> onnx.ModelProto:
+    """Gemm(a, b, transA=1) as the weight-gradient rules emit it (a: dY [K, M], b: the layer input [K, N])."""
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in (("a", a_dims), ("b", b_dims))]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", "n_out"])
+    graph = helper.make_graph([helper.make_node("Gemm", ["a", "b"], ["y"], transA=1, **attrs)], "g", ins, [out])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("rows", "columns", "attrs", "applies"), [
+    ("n", 800, {}, True),              # the runtime's backward: the batch symbolic
+    (128, 768, {}, True),
+    (32, 800, {}, False),              # too few rows: the transpose costs more than it saves
+    ("n", 512, {}, False),             # too few columns
+    ("n", 800, {"transB": 1}, False),
+    ("n", 800, {"alpha": 2.0}, False),
+])
+def test_rows_untransposed(rows: int | str, columns: int, attrs: dict, applies: bool, tmp_path) -> None:
+    """a^T b with a transposed first, by a 3-D Transpose that onnxruntime keeps (it would fold a 2-D one back into
+    the product, which is what is slow): same values, and the optimized session runs the Transpose and a plain
+    MatMul."""
+    b_dims = [rows, columns] if not attrs.get("transB") else [columns, rows]
+    model = _rows_product_model([rows, 6], b_dims, **attrs)
+    out = rows_untransposed(model)
+    assert (out is not model) == applies
+    if not applies:
+        return
+    assert _ops(out) == ["Reshape", "Transpose", "Reshape", "MatMul"] and out.graph.output[0].name == "y"
+    onnx.checker.check_model(out, full_check=True)
+    k = 128 if rows == "n" else rows
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((k, 6)).astype(np.float32),
+             "b": rng.standard_normal((k, columns)).astype(np.float32)}
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    got = ort.InferenceSession(out.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, feeds["a"].T.astype(np.float64) @ feeds["b"], rtol=1e-4, atol=1e-4)
+    assert "Transpose" in _ops(onnx.load(options.optimized_model_filepath))
+
+
+def test_rows_untransposed_in_a_training_session() -> None:
+    """A Linear of 800 inputs as torch exports it (Gemm with transB): its weight gradient dY^T x is lowered with
+    the transpose made first, and the gradients are the same as numpy's in float64."""
+    f = TensorProto.FLOAT
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((6, 800)).astype(np.float32), "w")
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], transB=1), helper.make_node("Mul", ["h", "h"], ["sq"]),
+             helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", f, ["n", 800])],
+                              [helper.make_tensor_value_info("loss", f, [])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    config = SessionConfig(threads=1)
+    session = TrainingSession.from_forward(model, wrt=["w"], loss="loss", config=config)
+    lowered = lowering.backward(session.full.backward, {}, config)
+    assert [list(n.attribute[0].ints) for n in lowered.graph.node if n.op_type == "Transpose"] == [[1, 0, 2]]
+    x = np.random.default_rng(0).standard_normal((128, 800)).astype(np.float32)
+    _, state = session.forward({"x": x})
+    got = session.backward(state, [None])["w"]
+    x64, w64 = x.astype(np.float64), numpy_helper.to_array(w).astype(np.float64)
+    np.testing.assert_allclose(got, 2 * (x64 @ w64.T).T @ x64, rtol=1e-4, atol=1e-3)
