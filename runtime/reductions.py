@@ -144,19 +144,18 @@ ROWS_UNTRANSPOSED_MIN_ROWS = 96
 """`Gemm(a, b, transA=1)` with b at least this many columns wide and this many rows (or a run-time number: the
 batch, which the runtime's backward graphs leave symbolic) transposes a first. MLAS transposes a's blocks as
 it multiplies, and a's transpose on its own (a 3-D one, which onnxruntime does not fold back into the product)
-then a plain product took 0.66-0.92 of the Gemm's time for the weight
-gradients of 96-256 rows against 768-3072 inputs (GPT-2's LM head, 128 x 50257 against 768: 82 -> 70 ms;
-2 threads, this machine). It was on par at 64 rows and 1024, slower at 32 rows (1.07-1.14x) and for 128 or 512
-columns at 512 rows (a transformer's d=128 layers: 1.1-1.3x), where the transpose weighs more against the
-product. A batch of 32 loses ~0.03 ms a layer that way, one of 128 gains 0.1-0.3 ms."""
+then a plain product took 0.66-0.92 of the Gemm's time for the weight gradients of 96-256 rows against
+768-3072 inputs (GPT-2's LM head, 128 x 50257 against 768: 82 -> 70 ms; 2 threads, this machine). It was on
+par at 64 rows and 1024, slower at 32 rows (1.07-1.14x) and for 128 or 512 columns at 512 rows (a
+transformer's d=128 layers: 1.1-1.3x), where the transpose weighs more against the product. A batch of 32
+loses ~0.03 ms a layer that way, one of 128 gains 0.1-0.3 ms."""
 
 
 def rows_untransposed(model: onnx.ModelProto, shapes: dict[str, Dims] | None = None) -> onnx.ModelProto:
     """A copy of `model` whose float32 `Gemm(a, b, transA=1)` (no bias, no scale, b not transposed) with b of at
     least `ROWS_UNTRANSPOSED_MIN_ROWS` (or run-time) rows and `ROWS_UNTRANSPOSED_MIN_COLUMNS` static columns is
-    `MatMul(a^T, b)`, a^T
-    made by a Transpose of a viewed as [K, M, 1]: the 2-D Transpose onnxruntime would fuse back into the Gemm.
-    The model itself when none applies. `shapes`: `_shapes(model)`, when the caller has it."""
+    `MatMul(a^T, b)`, a^T made by a Transpose of a viewed as [K, M, 1] (a 2-D one onnxruntime would fuse back
+    into the product). The model itself when none applies. `shapes`: `_shapes(model)`, when the caller has it."""
     graph = model.graph
     candidates = [k for k, n in enumerate(graph.node) if rows_product(n)]
     if not candidates:

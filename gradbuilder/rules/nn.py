@@ -698,7 +698,7 @@ def batch_norm(g: Grad):
 def layer_norm(g: Grad):
     """Normalized over axes [axis, rank). Backward reads the node's Mean/InvStdDev outputs (two values a row,
     as torch saves; added to the node when absent), which the kernel computes anyway, instead of reducing
-    over x twice again: eight nodes over the whole input less."""
+    over x twice again: eight nodes fewer over the whole input."""
     x, scale, bias, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
     rank = g.require_rank(x)
     axis = int(g.attr("axis", -1)) % rank
