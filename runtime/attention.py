@@ -1,0 +1,77 @@
+"""nn.MultiheadAttention exported with its activations copied 4 times a layer instead of 14.
+
+torch's `nn.MultiheadAttention.forward` (batch first) transposes its input to [T, B, d], projects q, k and v in
+one product, then `F.multi_head_attention_forward` unflattens, unsqueezes, transposes (5-D) and squeezes the
+packed result, gathers q, k and v from it, transposes each to [B*H, T, dh], and after attention transposes the
+result twice more on its way back to [B, T, d]. Eager torch makes most of those views; an ONNX export makes
+each a copy (of a [B, T, d] tensor, or three of them), in the forward and again in the backward.
+
+While the runtime exports, `lean_attention` has the self-attention that `nn.TransformerEncoderLayer` and
+decoder-style models run (batch first, packed projection weights, no key padding mask, no attention weights
+returned) computed the way it is defined instead: q, k and v projected by the three thirds of the packed weight
+straight into [B, T, H, dh], each transposed once to [B, H, T, dh] for `scaled_dot_product_attention`, and the
+result transposed once back. Same values (up to float rounding: the three projections add the same products as
+the packed one), same masks, dropout and causal flag; every other call runs torch's own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@contextlib.contextmanager
+def lean_attention() -> Iterator[None]:
+    """`nn.MultiheadAttention.forward` replaced by `_forward` for the duration (the export, under its lock)."""
+    original = nn.MultiheadAttention.forward
+
+    def forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
+                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if _lean(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
+            return _forward(self, query, attn_mask, is_causal), None
+        return original(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                        is_causal)
+
+    nn.MultiheadAttention.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.MultiheadAttention.forward = original  # type: ignore[method-assign]
+
+
+def _lean(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          key_padding_mask: torch.Tensor | None, need_weights: bool, attn_mask: torch.Tensor | None,
+          is_causal: bool) -> bool:
+    """Whether `_forward` computes this call: batched self-attention, batch first, packed projections without
+    extra key/value biases, no key padding mask, no weights returned, a mask torch accepts without reshaping
+    beyond [T, T]: one for every sample and head (and one given with the causal flag, as torch requires)."""
+    if not (m.batch_first and m._qkv_same_embed_dim and m.in_proj_weight is not None and m.bias_k is None
+            and m.bias_v is None and not m.add_zero_attn and key_padding_mask is None and not need_weights
+            and query.dim() == 3 and query is key and key is value):
+        return False
+    if attn_mask is None:
+        return not is_causal
+    return attn_mask.dim() == 2  # [T, T] (dims are traced values here: comparing them would bake them in)
+
+
+def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None,
+             is_causal: bool) -> torch.Tensor:
+    """Self-attention of x [B, T, d] as `F.multi_head_attention_forward` computes it for these calls, with one
+    transpose per projection and one for the result."""
+    heads, width = m.num_heads, m.head_dim
+    batch, length, _ = x.shape
+    packed = F.linear(x, m.in_proj_weight, m.in_proj_bias)  # [B, T, 3d]: one product
+    q, k, v = (t.view(batch, length, heads, width).transpose(1, 2) for t in packed.split(m.embed_dim, dim=-1))
+    if is_causal:  # torch's rule without a key padding mask or weights: the causal flag stands for the mask
+        mask = None
+    else:
+        mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                                 target_type=x.dtype, check_other=False)
+    out = F.scaled_dot_product_attention(q, k, v, mask, m.dropout if m.training else 0.0, is_causal)
+    return F.linear(out.transpose(1, 2).reshape(batch, length, m.embed_dim), m.out_proj.weight, m.out_proj.bias)

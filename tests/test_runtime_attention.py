@@ -1,0 +1,116 @@
+"""runtime.attention: nn.MultiheadAttention exported with its activations copied once per projection and once for
+the result, computing what torch computes; every other call left to torch's own forward."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from runtime import ORTModule, attention
+
+B, T, D, H = 3, 5, 12, 3
+
+
+def _mask(kind: str) -> dict:
+    causal = nn.Transformer.generate_square_subsequent_mask(T, dtype=torch.float64)
+    return {"none": {}, "float": {"attn_mask": causal}, "causal": {"attn_mask": causal, "is_causal": True},
+            "bool": {"attn_mask": torch.rand(T, T, generator=torch.Generator().manual_seed(1)) > 0.6},
+            "per-head": {"attn_mask": torch.randn(B * H, T, T, dtype=torch.float64)}}[kind]
+
+
+def _run(m: nn.MultiheadAttention, x: torch.Tensor, lean: bool, **kw) -> tuple[torch.Tensor, ...]:
+    """Output, attention weights (or None) and the gradients of x and every parameter for sum(out^2)."""
+    x = x.detach().clone().requires_grad_()
+    m.zero_grad()
+    if lean:
+        with attention.lean_attention():
+            out, weights = m(x, x, x, **kw)
+    else:
+        out, weights = m(x, x, x, **kw)
+    out.square().sum().backward()
+    return out.detach(), weights, x.grad, *[p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("mask", ["none", "float", "causal", "bool"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("training", [True, False])
+def test_lean_forward_computes_torchs(mask: str, bias: bool, training: bool, monkeypatch) -> None:
+    """In float64 the lean forward gives torch's output and gradients (dropout 0), and it is what ran."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(D, H, bias=bias, batch_first=True).double().train(training)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    calls = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *a: calls.append(1) or forward(*a))
+    want = _run(m, x, False, need_weights=False, **_mask(mask))
+    got = _run(m, x, True, need_weights=False, **_mask(mask))
+    assert calls == [1] and got[1] is None
+    for a, b in zip(got, want):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["weights", "padding", "per-head", "sequence-first", "cross", "bias_kv"])
+def test_other_calls_run_torchs_forward(case: str, monkeypatch) -> None:
+    """Attention weights asked for, a key padding mask, a mask per sample and head, sequence-first inputs,
+    cross-attention and extra key/value biases: torch's own forward runs, with its results."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(D, H, batch_first=case != "sequence-first", add_bias_kv=case == "bias_kv").double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    monkeypatch.setattr(attention, "_forward", lambda *a: pytest.fail("the lean forward ran"))
+    kw = {"need_weights": case == "weights"}
+    if case == "padding":
+        kw["key_padding_mask"] = torch.zeros(B, T, dtype=torch.bool)
+    if case == "per-head":
+        kw["attn_mask"] = _mask("per-head")["attn_mask"]
+    if case == "cross":
+        y = torch.randn(B, T, D, dtype=torch.float64)
+        with attention.lean_attention():
+            out = m(x, y, y, **kw)[0]
+        torch.testing.assert_close(out, m(x, y, y, **kw)[0])
+        return
+    got, want = _run(m, x, True, **kw), _run(m, x, False, **kw)
+    for a, b in zip(got, want):
+        if a is not None:
+            torch.testing.assert_close(a, b)
+
+
+def test_encoder_exports_five_activation_transposes_a_layer(tmp_path) -> None:
+    """A pre-LN encoder layer on ORTModule, without warnings: the exported self-attention transposes q, k (twice:
+    onnxruntime merges the two), v and the result, where torch's own forward exports 8 Transposes of activations a
+    layer; torch's class is restored after the export, and two steps of gradients (causal mask) match torch's."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True, norm_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    mask = nn.Transformer.generate_square_subsequent_mask(7)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = copy.deepcopy(encoder)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.encoder(x, mask=mask, is_causal=True).square().mean()
+
+    reference = Model()
+    ours = ORTModule(copy.deepcopy(reference), threads=1, save_onnx=tmp_path)
+    original = nn.MultiheadAttention.forward
+    for step in range(2):
+        x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(step))
+        for m in (reference, ours):
+            m.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                m(x).backward()
+        for (name, p), q in zip(ours.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert nn.MultiheadAttention.forward is original
+    exported = onnx.load(next(tmp_path.rglob("exported.onnx")))
+    params = {i.name for i in exported.graph.input if "." in i.name}
+    activations = [n for n in exported.graph.node if n.op_type == "Transpose" and n.input[0] not in params]
+    assert len(activations) == 5 * 2, [n.name for n in activations]
