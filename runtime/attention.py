@@ -17,6 +17,7 @@ the packed one), same masks, dropout and causal flag; every other call runs torc
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -49,15 +50,13 @@ def _lean(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, valu
           key_padding_mask: torch.Tensor | None, need_weights: bool, attn_mask: torch.Tensor | None,
           is_causal: bool) -> bool:
     """Whether `_forward` computes this call: batched self-attention, batch first, packed projections without
-    extra key/value biases, no key padding mask, no weights returned, a mask torch accepts without reshaping
-    beyond [T, T]: one for every sample and head (and one given with the causal flag, as torch requires)."""
+    extra key/value biases, no key padding mask, no weights returned, a mask of [T, T] or [B*H, T, T] (its sizes
+    are checked in `_forward`, as torch checks them) and one given with the causal flag, as torch requires."""
     if not (m.batch_first and m._qkv_same_embed_dim and m.in_proj_weight is not None and m.bias_k is None
             and m.bias_v is None and not m.add_zero_attn and key_padding_mask is None and not need_weights
             and query.dim() == 3 and query is key and key is value):
         return False
-    if attn_mask is None:
-        return not is_causal
-    return attn_mask.dim() == 2  # [T, T] (dims are traced values here: comparing them would bake them in)
+    return attn_mask is not None if is_causal else attn_mask is None or attn_mask.dim() in (2, 3)
 
 
 def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -73,5 +72,19 @@ def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor 
     else:
         mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
                                  target_type=x.dtype, check_other=False)
+        if mask is not None:
+            _check_mask(mask, (length, length) if mask.dim() == 2 else (batch * heads, length, length))
+            if mask.dim() == 3:  # one for every sample and head
+                mask = mask.view(batch, heads, length, length)
     out = F.scaled_dot_product_attention(q, k, v, mask, m.dropout if m.training else 0.0, is_causal)
     return F.linear(out.transpose(1, 2).reshape(batch, length, m.embed_dim), m.out_proj.weight, m.out_proj.bias)
+
+
+def _check_mask(mask: torch.Tensor, want: tuple) -> None:
+    """torch's own error (`F.multi_head_attention_forward`'s) for a mask of other sizes. While tracing, sizes
+    compare as traced values and the result is baked into the export, as it is for torch's own checks; the
+    tracer's warning about it is for the caller's code, so it is silenced here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        if mask.shape != want:
+            raise RuntimeError(f"The shape of the {mask.dim()}D attn_mask is {mask.shape}, but should be {want}.")

@@ -20,7 +20,8 @@ def _mask(kind: str) -> dict:
     causal = nn.Transformer.generate_square_subsequent_mask(T, dtype=torch.float64)
     return {"none": {}, "float": {"attn_mask": causal}, "causal": {"attn_mask": causal, "is_causal": True},
             "bool": {"attn_mask": torch.rand(T, T, generator=torch.Generator().manual_seed(1)) > 0.6},
-            "per-head": {"attn_mask": torch.randn(B * H, T, T, dtype=torch.float64)}}[kind]
+            "per-head": {"attn_mask": torch.randn(B * H, T, T, dtype=torch.float64,
+                                                  generator=torch.Generator().manual_seed(2))}}[kind]
 
 
 def _run(m: nn.MultiheadAttention, x: torch.Tensor, lean: bool, **kw) -> tuple[torch.Tensor, ...]:
@@ -36,7 +37,7 @@ def _run(m: nn.MultiheadAttention, x: torch.Tensor, lean: bool, **kw) -> tuple[t
     return out.detach(), weights, x.grad, *[p.grad for p in m.parameters()]
 
 
-@pytest.mark.parametrize("mask", ["none", "float", "causal", "bool"])
+@pytest.mark.parametrize("mask", ["none", "float", "causal", "bool", "per-head"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("training", [True, False])
 def test_lean_forward_computes_torchs(mask: str, bias: bool, training: bool, monkeypatch) -> None:
@@ -55,10 +56,10 @@ def test_lean_forward_computes_torchs(mask: str, bias: bool, training: bool, mon
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["weights", "padding", "per-head", "sequence-first", "cross", "bias_kv"])
+@pytest.mark.parametrize("case", ["weights", "padding", "sequence-first", "cross", "bias_kv"])
 def test_other_calls_run_torchs_forward(case: str, monkeypatch) -> None:
-    """Attention weights asked for, a key padding mask, a mask per sample and head, sequence-first inputs,
-    cross-attention and extra key/value biases: torch's own forward runs, with its results."""
+    """Attention weights asked for, a key padding mask, sequence-first inputs, cross-attention and extra key/value
+    biases: torch's own forward runs, with its results."""
     torch.manual_seed(0)
     m = nn.MultiheadAttention(D, H, batch_first=case != "sequence-first", add_bias_kv=case == "bias_kv").double()
     x = torch.randn(B, T, D, dtype=torch.float64)
@@ -66,8 +67,6 @@ def test_other_calls_run_torchs_forward(case: str, monkeypatch) -> None:
     kw = {"need_weights": case == "weights"}
     if case == "padding":
         kw["key_padding_mask"] = torch.zeros(B, T, dtype=torch.bool)
-    if case == "per-head":
-        kw["attn_mask"] = _mask("per-head")["attn_mask"]
     if case == "cross":
         y = torch.randn(B, T, D, dtype=torch.float64)
         with attention.lean_attention():
@@ -78,6 +77,18 @@ def test_other_calls_run_torchs_forward(case: str, monkeypatch) -> None:
     for a, b in zip(got, want):
         if a is not None:
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("shape", [(T, T + 1), (B, T, T), (1, T, T)])
+def test_masks_of_other_sizes_refused_as_torch_does(shape: tuple[int, ...]) -> None:
+    """A mask of sizes torch refuses is refused with torch's error."""
+    m = nn.MultiheadAttention(D, H, batch_first=True)
+    x = torch.randn(B, T, D)
+    with pytest.raises(RuntimeError) as want:
+        m(x, x, x, need_weights=False, attn_mask=torch.zeros(shape))
+    with attention.lean_attention(), pytest.raises(RuntimeError) as got:
+        m(x, x, x, need_weights=False, attn_mask=torch.zeros(shape))
+    assert str(got.value) == str(want.value)
 
 
 def test_encoder_exports_five_activation_transposes_a_layer(tmp_path) -> None:
