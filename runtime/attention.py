@@ -1,4 +1,4 @@
-"""nn.MultiheadAttention exported with its activations copied 4 times a layer instead of 14.
+"""nn.MultiheadAttention exported with 5 Transposes of activations a layer instead of 8.
 
 torch's `nn.MultiheadAttention.forward` (batch first) transposes its input to [T, B, d], projects q, k and v in
 one product, then `F.multi_head_attention_forward` unflattens, unsqueezes, transposes (5-D) and squeezes the
@@ -8,10 +8,11 @@ each a copy (of a [B, T, d] tensor, or three of them), in the forward and again 
 
 While the runtime exports, `lean_attention` has the self-attention that `nn.TransformerEncoderLayer` and
 decoder-style models run (batch first, packed projection weights, no key padding mask, no attention weights
-returned) computed the way it is defined instead: q, k and v projected by the three thirds of the packed weight
-straight into [B, T, H, dh], each transposed once to [B, H, T, dh] for `scaled_dot_product_attention`, and the
-result transposed once back. Same values (up to float rounding: the three projections add the same products as
-the packed one), same masks, dropout and causal flag; every other call runs torch's own forward.
+returned) computed the way it is defined instead: one product by the packed weight, split into q, k and v, each
+viewed as [B, T, H, dh] and transposed once to [B, H, T, dh] for `scaled_dot_product_attention` (whose export
+transposes k once more; onnxruntime merges the two), and the result transposed once back. The views take their
+sizes from the input, so the export's shape arithmetic folds. Same values, masks, dropout and causal flag as
+torch's forward; every other call runs torch's own forward.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _lean(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, valu
 def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None,
              is_causal: bool) -> torch.Tensor:
     """Self-attention of x [B, T, d] as `F.multi_head_attention_forward` computes it for these calls, with one
-    transpose per projection and one for the result."""
+    transpose each for q, k, v and the result."""
     heads, width = m.num_heads, m.head_dim
     batch, length, _ = x.shape
     packed = F.linear(x, m.in_proj_weight, m.in_proj_bias)  # [B, T, 3d]: one product

@@ -36,6 +36,7 @@ from .passes import (
     _pads_with_zeros,
     _rewrite,
     int_attr,
+    names_in_use,
     rows_product,
     tensor_types,
 )
@@ -170,17 +171,20 @@ def rows_untransposed(model: onnx.ModelProto, shapes: dict[str, Dims] | None = N
                 and (not isinstance(dims[0], int) or dims[0] >= ROWS_UNTRANSPOSED_MIN_ROWS) \
                 and isinstance(dims[1], int) and dims[1] >= ROWS_UNTRANSPOSED_MIN_COLUMNS:
             plan.append((k,))
-    inits: list[onnx.TensorProto] = []
+    if not plan:
+        return model
+    taken = names_in_use(graph)
+    shapes_used = (("column_shape", [0, 0, 1]), ("matrix_shape", [0, -1]))  # one pair for every rewrite
+    inits = [numpy_helper.from_array(np.array(v, np.int64), _fresh(f"rows_untransposed/{name}", taken))
+             for name, v in shapes_used]
 
     def build(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
         a, b = n.input
         base = n.name or n.output[0]
         column, swapped, at = (_fresh(f"{base}/{what}", taken) for what in ("column", "swapped", "a_t"))
-        inits.extend([numpy_helper.from_array(np.array([0, 0, 1], np.int64), _fresh(f"{base}/column_shape", taken)),
-                      numpy_helper.from_array(np.array([0, -1], np.int64), _fresh(f"{base}/matrix_shape", taken))])
-        return [helper.make_node("Reshape", [a, inits[-2].name], [column], name=column),
+        return [helper.make_node("Reshape", [a, inits[0].name], [column], name=column),
                 helper.make_node("Transpose", [column], [swapped], name=swapped, perm=[1, 0, 2]),
-                helper.make_node("Reshape", [swapped, inits[-1].name], [at], name=at),
+                helper.make_node("Reshape", [swapped, inits[1].name], [at], name=at),
                 helper.make_node("MatMul", [at, b], list(n.output), name=_fresh(f"{base}/product", taken))]
 
     out = _rewrite(model, plan, build)
