@@ -11,16 +11,16 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from . import crossentropy, host_dropout, nchwc, passes, reductions, shape_folding
+from . import crossentropy, feature_major, host_dropout, nchwc, passes, reductions, shape_folding
 from .ort_session import Runner, SessionConfig
 
 
 def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
-    """Dropouts that drop nothing removed (`passes.inactive_dropouts`) and Relu at the pooled size
-    (`passes.relu_after_pool`)."""
+    """Dropouts that drop nothing removed (`passes.inactive_dropouts`), Relu at the pooled size
+    (`passes.relu_after_pool`) and chains of Linear layers computed feature-major (`feature_major`)."""
     if not config.lower:
         return model
-    return passes.relu_after_pool(passes.inactive_dropouts(model))
+    return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)))
 
 
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
