@@ -153,9 +153,12 @@ class MaskedRunner:
         computed = [n for n in names if n not in self._fed]
         try:
             values = dict(zip(computed, self._masked.run({**feeds, **drawn}, computed)))
-        except RuntimeError:  # sizes recorded for these inputs no longer hold (a parameter of another shape)
+        except RuntimeError:  # sizes recorded for these inputs may no longer hold (sizes read from values)
             del self.shapes[key]
-            return self.run(feeds, outputs)
+            plain = self.run(feeds, outputs)  # records them anew
+            if self.shapes.get(key) == shapes:  # they did hold: the masked session itself failed
+                raise
+            return plain
         values.update(drawn)
         return [values[n] for n in names]
 

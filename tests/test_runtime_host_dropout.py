@@ -154,6 +154,26 @@ def test_stale_sizes_fall_back_to_onnxruntime_dropout() -> None:
     assert runner.shapes[key] == {m.source: s for m, s in zip(runner.masks, [(8, 16), (8, 5)])}
 
 
+def test_a_failing_masked_session_is_not_hidden(monkeypatch) -> None:
+    """When the sizes recorded still hold and the masked session fails anyway, its error reaches the caller
+    instead of every call quietly running the forward twice."""
+    torch.manual_seed(0)
+    om = ORTModule(TwoDrops(), threads=1)
+    x, c = torch.randn(8, 6), torch.randn(8, 5)
+    om(x, c)
+    runner = _runner(om)
+    om(x, c)  # the masked session exists now
+    (key,) = runner.shapes
+
+    def broken(feeds, outputs=None):
+        raise RuntimeError("masked session broken")
+
+    monkeypatch.setattr(runner._masked, "run", broken)
+    with pytest.raises(RuntimeError, match="masked session broken"):
+        om(x, c)
+    assert key in runner.shapes  # recorded anew by the forward as it is, which ran fine
+
+
 def test_no_grad_in_training_mode_masks_too() -> None:
     torch.manual_seed(0)
     om = ORTModule(nn.Sequential(nn.Linear(6, 4000), nn.Dropout(0.5)), threads=1)
