@@ -23,9 +23,11 @@ from .passes import Nodes, _constants, _forget, _fresh, names_in_use, tensor_typ
 ELEMENTWISE = frozenset({
     "Relu", "LeakyRelu", "Tanh", "Sigmoid", "Elu", "Selu", "Celu", "Softplus", "Softsign", "HardSigmoid",
     "HardSwish", "Erf", "Gelu", "Mish", "Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Sin", "Cos", "Identity",
-    "ThresholdedRelu", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Clip", "PRelu"})
+    "ThresholdedRelu", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Clip", "PRelu", "Dropout"})
 """Ops computing each output element from the same element of their inputs: any layout, as long as every
-input is in it (the chain's tensors) or is a single value that broadcasts the same either way."""
+input is in it (the chain's tensors) or is a single value that broadcasts the same either way. A Dropout
+draws its mask element by element too (its mask output, in the chain's layout, may only be unread: the
+Dropout rule reads it later)."""
 
 MIN_LINEARS = 2
 
@@ -62,9 +64,12 @@ def feature_major_chains(model: onnx.ModelProto) -> onnx.ModelProto:
         c = n.input[2] if len(n.input) > 2 else ""
         return not c or single(c) or (dims.get(c) is not None and len(dims[c]) == 1)
 
+    def unread(x: str) -> bool:
+        return not x or (x not in readers and x not in outputs)
+
     linear = {k for k, n in enumerate(g.node) if _is_linear(n) and bias_ok(n) and len(n.output) == 1}
     elementwise = {k for k, n in enumerate(g.node) if n.op_type in ELEMENTWISE and n.domain in ("", "ai.onnx")
-                   and len(n.output) == 1}
+                   and all(unread(x) for x in n.output[1:])}
     member = linear | elementwise
 
     def layout_free_read(k: int, pos: int) -> bool:
@@ -133,7 +138,7 @@ def _rewrite(model: onnx.ModelProto, chosen: set[int], linear: set[int], inner: 
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute
                      if a.name in ("alpha", "beta")}
             n = onnx.helper.make_node("Gemm", inputs, [y], name=n.name, transA=1 - trans_b, **attrs)
-        relaid.add(y)
+        relaid.update(n.output)
         nodes.extend(emit.nodes)
         if y not in inner:  # leaves the chain: transposed back under its own name
             n.output[0] = _fresh(f"{y}/feature_major", taken)

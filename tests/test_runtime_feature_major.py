@@ -31,12 +31,13 @@ def _quick_gelu(node, x: str, y: str) -> list[onnx.NodeProto]:
             node("Div", [f"{y}/m", f"{y}/one"], [y])]
 
 
-def _chain(*, middle_output=False, per_feature=False, trans_a=False, single=False) -> onnx.ModelProto:
+def _chain(*, middle_output=False, per_feature=False, trans_a=False, single=False, dropout=False
+           ) -> onnx.ModelProto:
     """x [n, 6] -> Linear(W1, b1) -> quick GELU -> x W2 + b2 -> Tanh -> Linear(W3, no bias) -> y [n, 3], in float64.
 
     middle_output: the Tanh output is a graph output too; per_feature: the Tanh input is scaled by a vector of
     4 (not a single value); trans_a: the last product reads its activations transposed; single: only the first
-    Linear (its output is y)."""
+    Linear (its output is y); dropout: a training Dropout (its mask an unread second output) after the Tanh."""
     node = helper.make_node
     nodes = [node("Gemm", ["x", "w1", "b1"], ["z1"], transB=1), *_quick_gelu(node, "z1", "h1")]
     if single:
@@ -46,7 +47,10 @@ def _chain(*, middle_output=False, per_feature=False, trans_a=False, single=Fals
         if per_feature:
             nodes.append(node("Mul", ["z2", "scale"], ["z2s"]))
         nodes.append(node("Tanh", ["z2s" if per_feature else "z2"], ["h2"]))
-        if trans_a:
+        if dropout:
+            nodes.append(node("Dropout", ["h2", "ratio", "training"], ["h2d", "dmask"], seed=5))
+            nodes.append(node("Gemm", ["h2d", "w3"], ["y"], transB=1))
+        elif trans_a:
             nodes += [node("Transpose", ["h2"], ["h2t"], perm=[1, 0]),
                       node("Gemm", ["h2t", "w3"], ["y"], transA=1, transB=1)]
         else:
@@ -54,7 +58,8 @@ def _chain(*, middle_output=False, per_feature=False, trans_a=False, single=Fals
     f64 = TensorProto.DOUBLE
     consts = [numpy_helper.from_array(np.array(v), n) for n, v in (("k", 1.702), ("one", 1.0),
                                                                     ("zero", 0.0))]
-    consts.append(numpy_helper.from_array(SCALE, "scale"))
+    consts += [numpy_helper.from_array(SCALE, "scale"), numpy_helper.from_array(np.array(0.5), "ratio"),
+               numpy_helper.from_array(np.array(True), "training")]
     inputs = [helper.make_tensor_value_info("x", f64, ["n", 6])]
     inputs += [helper.make_tensor_value_info(n, f64, list(v.shape)) for n, v in PARAMS.items()]
     outputs = [helper.make_tensor_value_info("y", f64, None)]
@@ -64,14 +69,15 @@ def _chain(*, middle_output=False, per_feature=False, trans_a=False, single=Fals
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _torch_chain(x, p, *, per_feature=False, single=False):
+def _torch_chain(x, p, *, per_feature=False, single=False, mask=None):
     z1 = x @ p["w1"].T + p["b1"]
     h1 = z1 * torch.sigmoid(1.702 * z1)
     if single:
         return [h1]
     z2 = h1 @ p["w2"] + p["b2"]
     h2 = torch.tanh(z2 * torch.tensor(SCALE) if per_feature else z2)
-    return [h2 @ p["w3"].T, h2]
+    h2d = h2 if mask is None else h2 * torch.tensor(mask) / 0.5
+    return [h2d @ p["w3"].T, h2]
 
 
 def _check_against_torch(model: onnx.ModelProto, **kind):
@@ -81,9 +87,13 @@ def _check_against_torch(model: onnx.ModelProto, **kind):
     x = RNG.standard_normal((7, 6))
     feeds = {"x": x, **PARAMS}
     tp = {n: torch.tensor(v, requires_grad=True) for n, v in feeds.items()}
+    outs, env = trainer.run_forward(feeds)
+    if "dmask" in env:  # the Dropout's mask, from the forward (transposed there when feature-major)
+        kind["mask"] = env["dmask"] if env["dmask"].shape == (7, 4) else env["dmask"].T
+        assert 0 < kind["mask"].sum() < kind["mask"].size
     want = _torch_chain(tp["x"], tp, **kind)[:len(names)]
     dys = [RNG.standard_normal(tuple(w.shape)) for w in want]
-    outs, grads = trainer.step(feeds, dys)
+    grads = trainer.run_backward(feeds, env, dys)
     torch.autograd.backward(want, [torch.tensor(d) for d in dys])
     for got, w in zip(outs, want):
         np.testing.assert_allclose(got, w.detach().numpy(), rtol=1e-12, atol=1e-12)
@@ -113,6 +123,17 @@ def test_a_chain_runs_feature_major_with_torchs_values_and_gradients():
     assert gemms[0].input[2] == "b1/column" and gemms[1].input[2] == "b2"  # the scalar broadcasts either way
     producer = {o: n for n in rewritten.graph.node for o in n.output}
     assert producer["y"].op_type == "Transpose"
+    _check_against_torch(model)
+    _check_against_torch(rewritten)
+
+
+def test_a_training_dropout_joins_the_chain():
+    """A Dropout between two Linears draws its mask feature-major (the mask output keeps the chain's layout,
+    stashed that way for its gradient): torch's values and gradients with that same mask."""
+    model = _chain(dropout=True)
+    rewritten = feature_major_chains(model)
+    assert [n.input[:2] for n in rewritten.graph.node if n.op_type == "Gemm"] == \
+        [["w1", "x/feature_major"], ["w2", "h1"], ["w3", "h2d"]]
     _check_against_torch(model)
     _check_against_torch(rewritten)
 
@@ -174,3 +195,30 @@ def test_ortmodule_trains_an_mlp_feature_major():
     trans_a = [a.i for n in source.graph.node if n.op_type == "Gemm" for a in n.attribute if a.name == "transA"]
     assert trans_a == [0, 0, 0] and [n.input[0] for n in source.graph.node if n.op_type == "Gemm"] == \
         ["net.1.weight", "net.3.weight", "net.5.weight"]
+
+
+def test_ortmodule_keeps_host_drawn_dropout_masks_in_a_feature_major_chain():
+    """An MLP with a training Dropout between its Linears (float64): the chain spans it and the runtime feeds
+    it masks drawn on the host at the transposed shape it records. The second Linear is square, so the
+    dropped activations can be recovered from the output; the gradients are those of that mask."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 8)).double()
+    ort = ORTModule(net, threads=1)
+    x = torch.randn(16, 6, dtype=torch.float64)
+    for _ in range(3):  # the second call records the sizes, the third draws on the host
+        ort.zero_grad()
+        z = ort(x)
+        z.square().sum().backward()
+    source = ort.training_sessions()[0].source
+    assert [n.input[0] for n in source.graph.node if n.op_type == "Gemm"] == ["0.weight", "3.weight"]
+    runner = ort.training_sessions()[0]._fwd
+    assert runner.shapes and all(s == (8, 16) for sizes in runner.shapes.values() for s in sizes.values())
+    w2, b2 = net[3].weight.detach(), net[3].bias.detach()
+    h = torch.linalg.solve(w2, (z.detach() - b2).T).T  # z = h W2^T + b2
+    kept = h.abs() > 1e-9
+    assert 0.2 < kept.double().mean() < 0.8
+    dz = 2 * z.detach()
+    dz1 = (dz @ w2) * kept * 2.0  # 1 / (1 - p)
+    torch.testing.assert_close(net[3].weight.grad, dz.T @ h, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(net[0].weight.grad, dz1.T @ x, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(net[0].bias.grad, dz1.sum(0), rtol=1e-9, atol=1e-9)
