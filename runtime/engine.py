@@ -166,7 +166,8 @@ class Schema:
             self._fit_threads(feeds[self._small.input].shape()[0])
         if self._infer is None:
             self._settle_threads({name: tuple(feeds[name].shape()) for name, _ in self.exported.inputs})
-            self._infer = lowering.forward_runner(self.exported.model, self.config, "forward (inference)")
+            source = lowering.source(self.exported.model, self.config)  # as a training forward is rewritten
+            self._infer = lowering.forward_runner(source, self.config, "forward (inference)")
         return self._infer.run(feeds)
 
 

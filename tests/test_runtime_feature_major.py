@@ -222,3 +222,25 @@ def test_ortmodule_keeps_host_drawn_dropout_masks_in_a_feature_major_chain():
     torch.testing.assert_close(net[3].weight.grad, dz.T @ h, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(net[0].weight.grad, dz1.T @ x, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(net[0].bias.grad, dz1.sum(0), rtol=1e-9, atol=1e-9)
+
+
+def test_ortmodule_inference_runs_feature_major_too(monkeypatch):
+    """Eval mode without grad runs the export through the same source rewrites: torch's outputs (float64),
+    from a forward whose products are feature-major."""
+    from runtime import feature_major
+
+    seen = []
+
+    def spy(model):
+        out = feature_major_chains(model)
+        seen.append([n.input[0] for n in out.graph.node if n.op_type == "Gemm"])
+        return out
+
+    monkeypatch.setattr(feature_major, "feature_major_chains", spy)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double().eval()
+    ort = ORTModule(copy.deepcopy(net), threads=1).eval()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ort(x), net(x), rtol=1e-12, atol=1e-12)
+    assert seen == [["0.weight", "2.weight"]]
