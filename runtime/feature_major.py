@@ -6,9 +6,9 @@ batch 32-256 and widths 256-1024; an MLP's whole step 0.89-0.97 (paired against 
 chain pays one Transpose of what enters it (the flattened input) and one of what leaves (the logits), so it
 needs two layers at least.
 
-The rewrite is on the forward source, before the gradient is built: the rules then differentiate the
-feature-major products, whose gradients are again products in that orientation (dW = dZᵀ' hᵀ'ᵀ,
-dhᵀ = Wᵀ dZᵀ), and the elementwise activations between them do not care about the layout.
+The rewrite is on the forward source, before the gradient is built: the Gemm rule then differentiates the
+feature-major products into products in the same orientation (dW = Gemm(dZᵀ, hᵀ, transB=1),
+dhᵀ = Gemm(W, dZᵀ, transA=1)), and the elementwise activations between them do not care about the layout.
 """
 
 from __future__ import annotations
