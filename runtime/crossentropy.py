@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset
 
-from .passes import Nodes, _rewrite
+from .passes import Nodes, rewrite_nodes
 
 LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 MIN_OPSET = 15
@@ -78,4 +78,4 @@ def lower_losses(model: onnx.ModelProto) -> onnx.ModelProto:
     if default_opset(model) < MIN_OPSET:
         return model
     plan = [(k,) for k, n in enumerate(model.graph.node) if n.op_type in LOSSES and n.domain in ("", "ai.onnx")]
-    return _rewrite(model, plan, _build)
+    return rewrite_nodes(model, plan, _build)

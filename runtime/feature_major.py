@@ -18,7 +18,7 @@ import onnx
 
 from gradbuilder.graph import subgraph_free_names
 
-from .passes import Nodes, _constants, _forget, _fresh, names_in_use, tensor_types
+from .passes import Nodes, constant_values, forget_types, fresh_name, names_in_use, tensor_types
 
 ELEMENTWISE = frozenset({
     "Relu", "LeakyRelu", "Tanh", "Sigmoid", "Elu", "Selu", "Celu", "Softplus", "Softsign", "HardSigmoid",
@@ -47,7 +47,7 @@ def feature_major_chains(model: onnx.ModelProto) -> onnx.ModelProto:
     g = model.graph
     types = tensor_types(g)
     dims = {**{k: v[1] for k, v in types.items()}, **{t.name: list(t.dims) for t in g.initializer}}
-    consts = _constants(g, lambda t: int(np.prod(t.dims)) <= 1)
+    consts = constant_values(g, lambda t: int(np.prod(t.dims)) <= 1)
     readers: dict[str, list[tuple[int, int]]] = {}  # tensor -> (node index, input position); -1 for a subgraph
     for k, n in enumerate(g.node):
         for pos, x in enumerate(n.input):
@@ -105,10 +105,10 @@ def feature_major_chains(model: onnx.ModelProto) -> onnx.ModelProto:
     if not chosen:
         return model
     columns = {c for k in chosen & linear for c in g.node[k].input[2:3] if c and not single(c)}  # rank-1 biases
-    return _rewrite(model, chosen, linear, inner, columns)
+    return _transpose_chains(model, chosen, linear, inner, columns)
 
 
-def _rewrite(model: onnx.ModelProto, chosen: set[int], linear: set[int], inner: set[str], columns: set[str]
+def _transpose_chains(model: onnx.ModelProto, chosen: set[int], linear: set[int], inner: set[str], columns: set[str]
              ) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -127,13 +127,13 @@ def _rewrite(model: onnx.ModelProto, chosen: set[int], linear: set[int], inner: 
             h = n.input[0]
             if h not in inner:
                 if h not in entered:
-                    entered[h] = emit("Transpose", h, out=_fresh(f"{h}/feature_major", taken), perm=[1, 0])
+                    entered[h] = emit("Transpose", h, out=fresh_name(f"{h}/feature_major", taken), perm=[1, 0])
                 h = entered[h]
             trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
             inputs = [n.input[1], h]
             c = n.input[2] if len(n.input) > 2 else ""
             if c:
-                inputs.append(emit("Unsqueeze", c, emit.axes([1]), out=_fresh(f"{c}/column", taken))
+                inputs.append(emit("Unsqueeze", c, emit.axes([1]), out=fresh_name(f"{c}/column", taken))
                               if c in columns else c)
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute
                      if a.name in ("alpha", "beta")}
@@ -141,15 +141,15 @@ def _rewrite(model: onnx.ModelProto, chosen: set[int], linear: set[int], inner: 
         relaid.update(n.output)
         nodes.extend(emit.nodes)
         if y not in inner:  # leaves the chain: transposed back under its own name
-            n.output[0] = _fresh(f"{y}/feature_major", taken)
+            n.output[0] = fresh_name(f"{y}/feature_major", taken)
             nodes.append(n)
-            nodes.append(onnx.helper.make_node("Transpose", [n.output[0]], [y], name=_fresh(f"{y}/back", taken),
+            nodes.append(onnx.helper.make_node("Transpose", [n.output[0]], [y], name=fresh_name(f"{y}/back", taken),
                                                perm=[1, 0]))
             relaid.discard(y)
         else:
             nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
-    _forget(g, relaid)  # same names, transposed shapes
+    forget_types(g, relaid)  # same names, transposed shapes
     return out
 

@@ -33,11 +33,11 @@ from . import exchange
 from .ort_session import Runner, SessionConfig
 from .passes import (
     FLOATS,
-    _constants,
-    _fresh,
-    _has_subgraph,
+    constant_values,
     default_opset,
     dropout_output,
+    fresh_name,
+    has_subgraph,
     names_in_use,
     tensor_types,
     training_ratio,
@@ -64,9 +64,9 @@ def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
     """A copy of `model` whose training Dropouts (main graph, opset 12+, constant ratio strictly between 0 and
     1, no `seed` attribute) take their mask as a new boolean graph input (named as the Dropout's mask output,
     which leaves the graph outputs); returns `model` itself and no masks when none qualifies."""
-    if default_opset(model) < 12 or any(_has_subgraph(n) for n in model.graph.node):
+    if default_opset(model) < 12 or any(has_subgraph(n) for n in model.graph.node):
         return model, []
-    consts = _constants(model.graph, lambda t: not t.dims)
+    consts = constant_values(model.graph, lambda t: not t.dims)
     chosen: list[tuple[int, float, int]] = []
     for k, n in enumerate(model.graph.node):
         if n.op_type != "Dropout" or n.domain not in ("", "ai.onnx") or any(a.name == "seed" for a in n.attribute):
@@ -87,7 +87,7 @@ def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
     for k, ratio, threshold in reversed(chosen):
         n = nodes[k]
         x, y = n.input[0], n.output[0]
-        mask = n.output[1] if len(n.output) > 1 and n.output[1] else _fresh(f"{y}/host_mask", taken)
+        mask = n.output[1] if len(n.output) > 1 and n.output[1] else fresh_name(f"{y}/host_mask", taken)
         elem, dims = types.get(x, (0, None))
         nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None)
         g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, dims))
@@ -119,7 +119,7 @@ class MaskedRunner:
         taken = names_in_use(probe.graph)
         self._shape_names = []
         for x in self._sources:
-            name = _fresh(f"{x}/host_mask_shape", taken)
+            name = fresh_name(f"{x}/host_mask_shape", taken)
             probe.graph.node.append(helper.make_node("Shape", [x], [name], name=f"{name}_node"))
             probe.graph.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, [None]))
             self._shape_names.append(name)

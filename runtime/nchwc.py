@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .passes import Dims, Nodes, _rewrite, int_attr, ints_attr, tensor_types
+from .passes import Dims, Nodes, int_attr, ints_attr, rewrite_nodes, tensor_types
 
 DOMAIN = "com.microsoft.nchwc"
 MAX_CHANNEL_PADDING = 1.25
@@ -129,7 +129,7 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
             plan.append((k, layout, m, c, kh, kw))
     if not plan:
         return model
-    out = _rewrite(model, plan, functools.partial(_build, block=block))
+    out = rewrite_nodes(model, plan, functools.partial(_build, block=block))
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return out

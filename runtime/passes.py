@@ -39,7 +39,7 @@ REARRANGE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"
 FLOATS = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE})
 
 
-def _constants(graph: onnx.GraphProto, wanted: Callable[[TensorProto], bool] | None = None
+def constant_values(graph: onnx.GraphProto, wanted: Callable[[TensorProto], bool] | None = None
                ) -> dict[str, np.ndarray]:
     """Values of the initializers and Constant nodes (tensor-valued) of a graph; only those `wanted` accepts,
     when given (tested before converting)."""
@@ -63,7 +63,7 @@ def tensor_types(graph: onnx.GraphProto) -> dict[str, tuple[int, Dims | None]]:
     return out
 
 
-def _pads_with_zeros(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> bool:
+def pads_with_zeros(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> bool:
     """A Pad in constant mode whose fill is absent or a known zero (explicit `axes` allowed)."""
     if node.op_type != "Pad" or node.domain:
         return False
@@ -90,7 +90,7 @@ def rename_tensors(g: onnx.GraphProto, mapping: dict[str, str]) -> None:
             vi.name = mapping[vi.name]
 
 
-def _forget(graph: onnx.GraphProto, names: Iterable[str]) -> None:
+def forget_types(graph: onnx.GraphProto, names: Iterable[str]) -> None:
     """Drop the value_info of tensors a rewrite removed (their types would outlive them)."""
     gone = set(names)
     kept = [v for v in graph.value_info if v.name not in gone]
@@ -98,11 +98,11 @@ def _forget(graph: onnx.GraphProto, names: Iterable[str]) -> None:
     graph.value_info.extend(kept)
 
 
-def _has_subgraph(node: onnx.NodeProto) -> bool:
+def has_subgraph(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
-def _fresh(base: str, taken: set[str]) -> str:
+def fresh_name(base: str, taken: set[str]) -> str:
     name, k = base, 0
     while name in taken:
         k += 1
@@ -112,15 +112,16 @@ def _fresh(base: str, taken: set[str]) -> str:
 
 
 class Nodes:
-    """Emits the nodes of one rewrite, named after `base` (fresh names from `taken`, which `_fresh` extends);
+    """Emits the nodes of one rewrite, named after `base` (fresh names from `taken`, which `fresh_name` extends);
     `domain` and the attributes go to `helper.make_node`."""
 
     def __init__(self, base: str, taken: set[str]):
         self.base, self.taken, self.nodes = base, taken, []
 
     def __call__(self, op: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
-        name = out or _fresh(f"{self.base}/{op}", self.taken)  # `out`: the replaced node's own output name
-        self.nodes.append(helper.make_node(op, list(inputs), [name], name=_fresh(f"{name}_node", self.taken), **attrs))
+        name = out or fresh_name(f"{self.base}/{op}", self.taken)  # `out`: the replaced node's own output name
+        node_name = fresh_name(f"{name}_node", self.taken)
+        self.nodes.append(helper.make_node(op, list(inputs), [name], name=node_name, **attrs))
         return name
 
     def const(self, value: int) -> str:
@@ -157,7 +158,7 @@ def relu_dropout_masks(training: onnx.ModelProto) -> list[str]:
     g = training.graph
     nodes = list(g.node)
     y = find_yield(nodes)
-    consts = _constants(g, lambda t: not t.dims)
+    consts = constant_values(g, lambda t: not t.dims)
     forward = nodes[:y]
     in_forward = {id(n) for n in forward}
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -225,7 +226,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     maker: dict[str, onnx.NodeProto] = {}
     made: dict[str, onnx.NodeProto] = {}
     for n in nodes[:y]:
-        cheap = n.op_type in CHEAP and not n.domain and not _has_subgraph(n)
+        cheap = n.op_type in CHEAP and not n.domain and not has_subgraph(n)
         for o in n.output:
             if o:
                 made[o] = n
@@ -236,7 +237,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
                     maker[o] = n
     module_outputs = set(nodes[y].input)
     stash = {x for n in nodes[y + 1:] for x in n.input if x in made and x not in maker}
-    consts = _constants(g)
+    consts = constant_values(g)
     opset = default_opset(training)
     depth: dict[str, int] = {}
 
@@ -288,7 +289,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
             return rename.get(name, name)
         src = maker[name]
         if src.op_type == "Dropout":
-            rename[name] = _fresh(f"{name}__remat", taken)
+            rename[name] = fresh_name(f"{name}__remat", taken)
             copies.extend(dropout_output(copy(src.input[0]), src.output[1], dropout_ratio(src) or 0.0, rename[name], g,
                                   taken, mask_types.get(src.output[1])))
             return rename[name]
@@ -296,12 +297,12 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
             copy(x)
         clone = onnx.NodeProto()
         clone.CopyFrom(src)
-        clone.name = _fresh(f"{src.name or src.op_type}__remat", taken)
+        clone.name = fresh_name(f"{src.name or src.op_type}__remat", taken)
         for i, x in enumerate(clone.input):
             clone.input[i] = rename.get(x, x)
         for i, o in enumerate(clone.output):
             if o:
-                rename[o] = clone.output[i] = _fresh(f"{o}__remat", taken)
+                rename[o] = clone.output[i] = fresh_name(f"{o}__remat", taken)
         copies.append(clone)
         return rename[name]
 
@@ -312,7 +313,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
         for i, x in enumerate(n.input):
             if x in rename:
                 n.input[i] = rename[x]
-    forward = _drop_dead(nodes[:y], [nodes[y], *copies, *backward], {o.name for o in g.output})
+    forward = drop_dead(nodes[:y], [nodes[y], *copies, *backward], {o.name for o in g.output})
     del g.node[:]
     g.node.extend([*forward, nodes[y], *copies, *backward])
     return [x for x in dict.fromkeys(wanted)]
@@ -336,7 +337,7 @@ def dropout_output(x: str, mask: str, ratio: float, out: str, g: onnx.GraphProto
     Dropout returns: `mask * x / (1 - ratio)`, the divisor taken in float32 (then in x's type). `elem`: x's
     element type when known (plain Casts, a typed divisor), else CastLikes to x."""
     nodes = Nodes(out, taken)
-    keep = _fresh(f"{out}/keep", taken)
+    keep = fresh_name(f"{out}/keep", taken)
     value = float(np.float32(1) - np.float32(ratio))
     if elem is not None:
         g.initializer.append(helper.make_tensor(keep, elem, [], [value]))
@@ -349,16 +350,16 @@ def dropout_output(x: str, mask: str, ratio: float, out: str, g: onnx.GraphProto
     return nodes.nodes
 
 
-def _drop_dead(forward: list[onnx.NodeProto], later: Iterable[onnx.NodeProto], outputs: set[str]
+def drop_dead(forward: list[onnx.NodeProto], later: Iterable[onnx.NodeProto], outputs: set[str]
                ) -> list[onnx.NodeProto]:
     """Forward nodes whose outputs something still reads (rematerializing can leave helpers unread)."""
     read = set(outputs) | {x for n in later for x in n.input}
     for n in later:  # subgraphs read outer names implicitly
-        if _has_subgraph(n):
+        if has_subgraph(n):
             return forward
     keep = []
     for n in reversed(forward):
-        if _has_subgraph(n) or any(o in read for o in n.output if o) or n.op_type.startswith("Random") \
+        if has_subgraph(n) or any(o in read for o in n.output if o) or n.op_type.startswith("Random") \
                 or n.op_type in ("Dropout", "Multinomial"):
             keep.append(n)
             read.update(n.input)
@@ -373,7 +374,7 @@ def hoist_masks(training: onnx.ModelProto) -> list[str]:
     g = training.graph
     nodes = list(g.node)
     y = find_yield(nodes)
-    consts = _constants(g)
+    consts = constant_values(g)
     forward_made = {o for n in nodes[:y] for o in n.output if o}
     module_outputs = set(nodes[y].input)
     initializers = {t.name for t in g.initializer}
@@ -410,17 +411,17 @@ def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) ->
     rewritten copy, or `model` itself when nothing changes."""
     out = transposed_products(masked_products(model, known))
     if out is not model:  # onnxruntime runs nodes nothing reads: drop the products the rewrites replaced
-        nodes = _drop_dead(list(out.graph.node), [], {o.name for o in out.graph.output})
+        nodes = drop_dead(list(out.graph.node), [], {o.name for o in out.graph.output})
         del out.graph.node[:]
         out.graph.node.extend(nodes)
     return out
 
 
-def _rewrite(model: onnx.ModelProto, plan: list[tuple], build: Callable[..., list[onnx.NodeProto]]
+def rewrite_nodes(model: onnx.ModelProto, plan: list[tuple], build: Callable[..., list[onnx.NodeProto]]
              ) -> onnx.ModelProto:
     """The skeleton of `lower`'s rewrites: `plan` rows are `(index of a node, *details)` in graph order; a copy
     of `model` gets each planned node replaced by `build(node, *details, taken)` (`taken`: the names in use, for
-    `_fresh`). Returns `model` itself when the plan is empty."""
+    `fresh_name`). Returns `model` itself when the plan is empty."""
     if not plan:
         return model
     out = onnx.ModelProto()
@@ -468,13 +469,13 @@ def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
         relu = onnx.NodeProto()
         relu.CopyFrom(g.node[relu_at])
         y = n.output[0]
-        pooled = _fresh(f"{y}/before_relu", taken)
+        pooled = fresh_name(f"{y}/before_relu", taken)
         n.input[0], n.output[0] = relu.input[0], pooled
         relu.input[0], relu.output[0] = pooled, y
         return [n, relu]
 
-    out = _rewrite(model, sorted([*pairs.items(), *((r, None) for r in pairs.values())]), build)
-    _forget(out.graph, gone)
+    out = rewrite_nodes(model, sorted([*pairs.items(), *((r, None) for r in pairs.values())]), build)
+    forget_types(out.graph, gone)
     return out
 
 
@@ -488,7 +489,7 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
     itself when nothing matches."""
     if default_opset(model) < 12:
         return model
-    consts = _constants(model.graph)
+    consts = constant_values(model.graph)
 
     def inactive(n: onnx.NodeProto) -> bool:
         training = n.input[2] if len(n.input) > 2 else ""
@@ -505,13 +506,13 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes = [helper.make_node("Identity", [n.input[0]], [n.output[0]], name=n.name)] \
             if n.output[0] in outputs else []
         if len(n.output) > 1 and n.output[1]:
-            shape = _fresh(f"{n.output[1]}/shape", taken)
+            shape = fresh_name(f"{n.output[1]}/shape", taken)
             nodes += [helper.make_node("Shape", [n.input[0]], [shape]),
                       helper.make_node("ConstantOfShape", [shape], [n.output[1]],
                                        value=helper.make_tensor("value", TensorProto.BOOL, [1], [True]))]
         return nodes
 
-    out = _rewrite(model, plan, build)
+    out = rewrite_nodes(model, plan, build)
     # readers of a removed Dropout read its input (through chains of them): an Identity would copy when its
     # output crosses to backward
     bypass = {n.output[0]: n.input[0] for n in (model.graph.node[k] for k, in plan) if n.output[0] not in outputs}
@@ -519,7 +520,7 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
         while source in bypass:
             source = bypass[source]
         bypass[name] = source
-    _forget(out.graph, bypass)
+    forget_types(out.graph, bypass)
     rename_tensors(out.graph, bypass)
     return out
 
@@ -578,9 +579,9 @@ def transposed_products(model: onnx.ModelProto) -> onnx.ModelProto:
 
     def build(outer: onnx.NodeProto, x: str, b: str, taken: set[str]) -> list[onnx.NodeProto]:
         target = outer.output[0]
-        return [helper.make_node("Gemm", [b, x], [target], transA=1, name=_fresh(f"{target}/mm_node", taken))]
+        return [helper.make_node("Gemm", [b, x], [target], transA=1, name=fresh_name(f"{target}/mm_node", taken))]
 
-    return _rewrite(model, plan, build)
+    return rewrite_nodes(model, plan, build)
 
 
 def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
@@ -590,7 +591,7 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
     holds inf or nan at a masked position, which for these producers means the incoming gradient or a
     weight is non-finite already; Where guarding a singular expression (a division, a log) is kept."""
     g = model.graph
-    consts = {**(known or {}), **_constants(g)}
+    consts = {**(known or {}), **constant_values(g)}
     producer = {o: n for n in g.node for o in n.output if o}
 
     def zero(name: str) -> int | None:
@@ -623,7 +624,7 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
             elif n.op_type in REARRANGE:
                 ok = maskable(n.input[0])
             elif n.op_type == "Pad":  # with zeros (MaxPool's gradient onto the rows past its last tile)
-                ok = _pads_with_zeros(n, consts) and maskable(n.input[0])
+                ok = pads_with_zeros(n, consts) and maskable(n.input[0])
             elif n.op_type == "Mul" and len(n.input) == 2:  # by a constant or a 0/1 mask
                 a, b = n.input
                 ok = (maskable(a) and (b in consts or is_mask(b))) or (maskable(b) and (a in consts or is_mask(a)))
@@ -655,11 +656,11 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
         base = where.output[0]
         new = []
         if negate:
-            cond = _fresh(f"{base}/not", taken)
-            new.append(helper.make_node("Not", [where.input[0]], [cond], name=_fresh(f"{base}/not_node", taken)))
-        mask = _fresh(f"{base}/mask", taken)
-        new.append(helper.make_node("Cast", [cond], [mask], to=elem, name=_fresh(f"{base}/cast_node", taken)))
-        new.append(helper.make_node("Mul", [kept, mask], [base], name=_fresh(f"{base}/mul_node", taken)))
+            cond = fresh_name(f"{base}/not", taken)
+            new.append(helper.make_node("Not", [where.input[0]], [cond], name=fresh_name(f"{base}/not_node", taken)))
+        mask = fresh_name(f"{base}/mask", taken)
+        new.append(helper.make_node("Cast", [cond], [mask], to=elem, name=fresh_name(f"{base}/cast_node", taken)))
+        new.append(helper.make_node("Mul", [kept, mask], [base], name=fresh_name(f"{base}/mul_node", taken)))
         return new
 
-    return _rewrite(model, plan, build)
+    return rewrite_nodes(model, plan, build)

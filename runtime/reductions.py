@@ -30,13 +30,13 @@ from gradbuilder.graph import default_opset
 
 from .passes import (
     Dims,
-    _constants,
-    _drop_dead,
-    _fresh,
-    _pads_with_zeros,
-    _rewrite,
+    constant_values,
+    drop_dead,
+    fresh_name,
     int_attr,
     names_in_use,
+    pads_with_zeros,
+    rewrite_nodes,
     rows_product,
     tensor_types,
 )
@@ -79,7 +79,7 @@ def leading_sums_as_products(model: onnx.ModelProto, shapes: dict[str, Dims] | N
         return model
     if shapes is None:
         shapes = _shapes(model)
-    consts = _constants(graph)
+    consts = constant_values(graph)
     positions = {}
     for i, n in enumerate(graph.node):
         if n.op_type == "ReduceSum" and not n.domain:
@@ -89,7 +89,7 @@ def leading_sums_as_products(model: onnx.ModelProto, shapes: dict[str, Dims] | N
     if not positions:
         return model
     inits: list[onnx.TensorProto] = []
-    out = _rewrite(model, sorted(positions.items()),
+    out = rewrite_nodes(model, sorted(positions.items()),
                    lambda n, k, taken: _as_product(n, shapes[n.input[0]], k, opset, taken, inits))
     out.graph.initializer.extend(inits)
     return out
@@ -104,7 +104,7 @@ def _as_product(node: onnx.NodeProto, dims: Dims, k: int, opset: int, taken: set
     base = node.name or y
 
     def name(what: str) -> str:
-        return _fresh(f"{base}/{what}", taken)
+        return fresh_name(f"{base}/{what}", taken)
 
     def const(what: str, value: np.ndarray) -> str:
         t = numpy_helper.from_array(value, name(what))
@@ -175,19 +175,19 @@ def rows_untransposed(model: onnx.ModelProto, shapes: dict[str, Dims] | None = N
         return model
     taken = names_in_use(graph)
     shapes_used = (("column_shape", [0, 0, 1]), ("matrix_shape", [0, -1]))  # one pair for every rewrite
-    inits = [numpy_helper.from_array(np.array(v, np.int64), _fresh(f"rows_untransposed/{name}", taken))
+    inits = [numpy_helper.from_array(np.array(v, np.int64), fresh_name(f"rows_untransposed/{name}", taken))
              for name, v in shapes_used]
 
     def build(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
         a, b = n.input
         base = n.name or n.output[0]
-        column, swapped, at = (_fresh(f"{base}/{what}", taken) for what in ("column", "swapped", "a_t"))
+        column, swapped, at = (fresh_name(f"{base}/{what}", taken) for what in ("column", "swapped", "a_t"))
         return [helper.make_node("Reshape", [a, inits[0].name], [column], name=column),
                 helper.make_node("Transpose", [column], [swapped], name=swapped, perm=[1, 0, 2]),
                 helper.make_node("Reshape", [swapped, inits[1].name], [at], name=at),
-                helper.make_node("MatMul", [at, b], list(n.output), name=_fresh(f"{base}/product", taken))]
+                helper.make_node("MatMul", [at, b], list(n.output), name=fresh_name(f"{base}/product", taken))]
 
-    out = _rewrite(model, plan, build)
+    out = rewrite_nodes(model, plan, build)
     out.graph.initializer.extend(inits)
     return out
 
@@ -240,9 +240,9 @@ def _rewrite_sums(model: onnx.ModelProto, match: Callable[[onnx.NodeProto, _Term
     plan = [(k, *details) for k, n in sums if (details := match(n, terms)) is not None]
     if not plan:
         return model
-    out = _rewrite(model, plan, build)
+    out = rewrite_nodes(model, plan, build)
     out.graph.initializer.extend(inits or [])
-    nodes = _drop_dead(list(out.graph.node), [], terms.outputs)
+    nodes = drop_dead(list(out.graph.node), [], terms.outputs)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
@@ -275,10 +275,10 @@ def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = 
         rest = [t for i, t in enumerate(n.input) if i != j]
         nodes, base = [], rest[0]
         if len(rest) > 1:
-            base = _fresh(f"{n.name or n.output[0]}/others", taken)
+            base = fresh_name(f"{n.name or n.output[0]}/others", taken)
             nodes.append(helper.make_node("Sum", rest, [base], name=base))
         nodes.append(helper.make_node("ScatterND", [base, scatter.input[1], scatter.input[2]], [n.output[0]],
-                                      name=_fresh(f"{n.name or n.output[0]}/scatter", taken), reduction="add"))
+                                      name=fresh_name(f"{n.name or n.output[0]}/scatter", taken), reduction="add"))
         return nodes
 
     return _rewrite_sums(model, match, build)
@@ -315,7 +315,7 @@ def _placement(pad: onnx.NodeProto, producer: dict[str, onnx.NodeProto], consts:
     """How `pad` places a slice when it zero-pads `Unsqueeze(slice, [axis])` along that axis alone, with the
     pads the Gather rule writes (`gradbuilder.rules.indexing.placement_pads`): a constant, or
     `Concat(begins, length - (position + 1), zeros)`."""
-    if not _pads_with_zeros(pad, consts) or len(pad.input) < 2:
+    if not pads_with_zeros(pad, consts) or len(pad.input) < 2:
         return None
     if len(pad.input) > 3 and pad.input[3]:  # explicit axes (opset 18)
         return None
@@ -357,7 +357,7 @@ def placements_into_concats(model: onnx.ModelProto) -> onnx.ModelProto:
     zeros up to the axis length when that is only known at run time (the model itself when nothing matches):
     no zero fill and full-size buffer per slice, no Sum pass over them. Only pads read by that Sum alone;
     other terms of the Sum are added to the result."""
-    consts = _constants(model.graph)
+    consts = constant_values(model.graph)
     inits: list[onnx.TensorProto] = []
 
     def match(n: onnx.NodeProto, terms: _Terms) -> tuple[list[_Placed], list[str]] | None:
@@ -379,7 +379,7 @@ def placements_into_concats(model: onnx.ModelProto) -> onnx.ModelProto:
         base = n.name or n.output[0]
 
         def name(what: str) -> str:
-            return _fresh(f"{base}/{what}", taken)
+            return fresh_name(f"{base}/{what}", taken)
 
         def ints(what: str, values: list[int]) -> str:
             inits.append(numpy_helper.from_array(np.array(values, np.int64), name(what)))

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .passes import _constants, _drop_dead, _fresh, int_attr, names_in_use, tensor_types
+from .passes import constant_values, drop_dead, fresh_name, int_attr, names_in_use, tensor_types
 
 MAX_ELEMENTS = 16
 """Longest int64 vector evaluated (shape vectors are as long as a tensor's rank)."""
@@ -37,7 +37,7 @@ def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
     def small_ints(t: onnx.TensorProto) -> bool:
         return t.data_type == TensorProto.INT64 and len(t.dims) <= 1 and np.prod(t.dims) <= MAX_ELEMENTS
 
-    return {name: (a.ndim == 0, [int(v) for v in a.ravel()]) for name, a in _constants(graph, small_ints).items()}
+    return {name: (a.ndim == 0, [int(v) for v in a.ravel()]) for name, a in constant_values(graph, small_ints).items()}
 
 
 def _elementwise(op: str, a: Value, b: Value) -> Value | None:
@@ -144,7 +144,7 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     taken = names_in_use(out.graph)
-    renamed = {name: _fresh(f"{name}/batch_as_-1", taken) for name in targets}
+    renamed = {name: fresh_name(f"{name}/batch_as_-1", taken) for name in targets}
     for name, v in folded.items():
         out.graph.initializer.append(onnx.numpy_helper.from_array(
             np.array(v[1][0] if v[0] else v[1], dtype=np.int64), name))
@@ -154,7 +154,7 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     for n in nodes:
         if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] in renamed:
             n.input[1] = renamed[n.input[1]]
-    nodes = _drop_dead(nodes, [], outputs)
+    nodes = drop_dead(nodes, [], outputs)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
