@@ -140,35 +140,43 @@ class Schema:
             return s, False
         self._settle_threads({name: tuple(leaves[k].shape) for name, k in inputs})
         key: Hashable = sizes
+        rows = _rows({name: tuple(leaves[k].shape) for name, k in inputs})
         if w in self.first_sizes and w not in self.pinned:  # a second size: the all-dynamic build
             try:
-                s, key = self._build(self.exported.model, wrt), None
+                s, key = self._build(self.exported.model, wrt, rows), None
             except RuleError:
                 self.pinned.add(w)
         if s is None:
             try:
-                s = self._build(pin_dims(self.exported.model, {n: tuple(leaves[k].shape) for n, k in inputs}), wrt)
+                pinned = pin_dims(self.exported.model, {n: tuple(leaves[k].shape) for n, k in inputs})
+                s = self._build(pinned, wrt, rows)
             except RuleError:
                 if w in self.first_sizes:  # the dynamic build failed too
                     raise
-                s, key = self._build(self.exported.model, wrt), None  # a rule refusing static sizes: dynamic
+                s, key = self._build(self.exported.model, wrt, rows), None  # a rule refusing static sizes: dynamic
             self.first_sizes.setdefault(w, sizes)
         self.sessions[(w, key)] = s
         return s, True
 
-    def _build(self, model: onnx.ModelProto, wrt: Sequence[str]) -> TrainingSession:
+    def _build(self, model: onnx.ModelProto, wrt: Sequence[str], rows: int | None) -> TrainingSession:
         save = self.save_dir / f"grad{len(self.sessions)}" if self.save_dir is not None else None
         return TrainingSession.from_forward(model, wrt=list(wrt), outputs=self.float_outputs, config=self.config,
-                                            specialise=self.options.specialise, save_dir=save)
+                                            specialise=self.options.specialise, save_dir=save, rows=rows)
 
     def infer(self, feeds: dict[str, C.OrtValue]) -> list[C.OrtValue]:
         if self._small is not None:
             self._fit_threads(feeds[self._small.input].shape()[0])
         if self._infer is None:
-            self._settle_threads({name: tuple(feeds[name].shape()) for name, _ in self.exported.inputs})
-            source = lowering.source(self.exported.model, self.config)  # as a training forward is rewritten
+            shapes = {name: tuple(feeds[name].shape()) for name, _ in self.exported.inputs}
+            self._settle_threads(shapes)
+            source = lowering.source(self.exported.model, self.config, _rows(shapes))  # as training forwards are
             self._infer = lowering.forward_runner(source, self.config, "forward (inference)")
         return self._infer.run(feeds)
+
+
+def _rows(shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The batch of a call: the first dim of its first input with one (what the export leaves symbolic)."""
+    return next((shape[0] for shape in shapes.values() if shape), None)
 
 
 _FALLBACK = object()

@@ -15,12 +15,13 @@ from . import crossentropy, feature_major, host_dropout, nchwc, passes, reductio
 from .ort_session import Runner, SessionConfig
 
 
-def source(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
+def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = None) -> onnx.ModelProto:
     """Dropouts that drop nothing removed (`passes.inactive_dropouts`), Relu at the pooled size
-    (`passes.relu_after_pool`) and chains of Linear layers computed feature-major (`feature_major`)."""
+    (`passes.relu_after_pool`) and chains of Linear layers computed feature-major (`feature_major`; `rows`: the
+    batch expected where the model leaves it symbolic)."""
     if not config.lower:
         return model
-    return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)))
+    return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)), rows)
 
 
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:

@@ -106,11 +106,12 @@ class TrainingSession:
     def from_forward(cls, model: ModelLike, *, wrt: Sequence[str] | None = None,
                      outputs: Sequence[str] | None = None, loss: str | None = None, freeze: Sequence[str] = (),
                      threads: int | None = None, specialise: bool = True, config: SessionConfig | None = None,
-                     save_dir: str | os.PathLike | None = None) -> TrainingSession:
-        """Build the training graph of a forward model and run it."""
+                     save_dir: str | os.PathLike | None = None, rows: int | None = None) -> TrainingSession:
+        """Build the training graph of a forward model and run it. `rows`: the batch it will mostly run at, where
+        the model leaves the batch symbolic (the runtime's rewrites choose layouts by it)."""
         source = gradbuilder.load_model(model)
         config = config or SessionConfig(threads=threads)
-        source = lowering.source(source, config)
+        source = lowering.source(source, config, rows)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
         if config.shrink:
             passes.shrink_stash(training)

@@ -95,10 +95,10 @@ def test_a_rule_refusing_the_pinned_build_gets_the_dynamic_one(monkeypatch) -> N
     """Should the pinned first build fail in a rule, the all-dynamic build serves from the first call on."""
     original = engine.Schema._build
 
-    def build(self, model, wrt):
+    def build(self, model, wrt, rows):
         if model is not self.exported.model:
             raise RuleError("refusing static sizes (test)")
-        return original(self, model, wrt)
+        return original(self, model, wrt, rows)
 
     monkeypatch.setattr(engine.Schema, "_build", build)
     model = TextCNN()

@@ -231,8 +231,8 @@ def test_ortmodule_inference_runs_feature_major_too(monkeypatch):
 
     seen = []
 
-    def spy(model):
-        out = feature_major_chains(model)
+    def spy(model, rows):
+        out = feature_major_chains(model, rows)
         seen.append([n.input[0] for n in out.graph.node if n.op_type == "Gemm"])
         return out
 
@@ -240,7 +240,31 @@ def test_ortmodule_inference_runs_feature_major_too(monkeypatch):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double().eval()
     ort = ORTModule(copy.deepcopy(net), threads=1).eval()
-    x = torch.randn(5, 6, dtype=torch.float64)
+    x = torch.randn(16, 6, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(ort(x), net(x), rtol=1e-12, atol=1e-12)
     assert seen == [["0.weight", "2.weight"]]
+
+
+def test_small_batches_stay_batch_major():
+    """Below MIN_ROWS rows a chain stays as it is: rows the graph fixes, else the batch the caller expects. An
+    ORTModule whose first call has 2 samples keeps its Linears batch-major, and its gradients are torch's."""
+    from runtime.feature_major import MIN_ROWS
+
+    model = _chain()
+    assert feature_major_chains(model, rows=MIN_ROWS - 1) is model
+    assert feature_major_chains(model, rows=MIN_ROWS) is not model
+    fixed = _chain()
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = MIN_ROWS - 1  # x [7, 6]: fixed rows win
+    assert feature_major_chains(fixed, rows=64) is fixed
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(net)
+    ort = ORTModule(net, threads=1)
+    x = torch.randn(2, 6, dtype=torch.float64)
+    ort(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    source = ort.training_sessions()[0].source
+    assert [n.input[1] for n in source.graph.node if n.op_type == "Gemm"] == ["0.weight", "2.weight"]
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
