@@ -14,12 +14,14 @@ dhᵀ = Gemm(W, dZᵀ, transA=1)), and the elementwise activations between them 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx
 
 from gradbuilder.graph import subgraph_free_names
 
-from .passes import Nodes, constant_values, forget_types, fresh_name, names_in_use, tensor_types
+from .passes import Dims, Nodes, constant_values, forget_types, fresh_name, names_in_use, tensor_types
 
 ELEMENTWISE = frozenset({
     "Relu", "LeakyRelu", "Tanh", "Sigmoid", "Elu", "Selu", "Celu", "Softplus", "Softsign", "HardSigmoid",
@@ -34,10 +36,50 @@ MIN_LINEARS = 2
 MIN_ROWS = 8
 
 
-def _is_linear(n: onnx.NodeProto) -> bool:
-    """A Gemm whose A is the activations row by row (transA 0): z = h op(B) + C."""
-    return n.op_type == "Gemm" and n.domain in ("", "ai.onnx") and \
-        next((a.i for a in n.attribute if a.name == "transA"), 0) == 0
+class _Linear(NamedTuple):
+    """z = h op(B) (+ C): the weight B, whether op transposes it, and the Transpose node folded into op."""
+
+    weight: str
+    trans_b: int
+    folded: int | None = None
+
+
+def _ranks(g: onnx.GraphProto, dims: dict[str, Dims | None]) -> dict[str, int]:
+    """Ranks of the tensors whose rank follows from declared shapes through the ops a chain holds (torch's
+    export annotates few intermediate tensors)."""
+    ranks = {k: len(v) for k, v in dims.items() if v is not None}
+    for n in g.node:
+        ins = [ranks.get(x) for x in n.input if x]
+        rank: int | None = None
+        if n.op_type in ("Flatten", "Gemm") or (n.op_type == "MatMul" and ins == [2, 2]):
+            rank = 2
+        elif n.op_type == "Constant":
+            rank = next((len(a.t.dims) for a in n.attribute if a.name == "value"), None)
+        elif (n.op_type in ELEMENTWISE or n.op_type == "Transpose") and ins and None not in ins:
+            rank = max(r for r in ins if r is not None)
+        if rank is not None and n.output and n.output[0]:
+            ranks[n.output[0]] = rank
+    return ranks
+
+
+def _linear(k: int, n: onnx.NodeProto, g: onnx.GraphProto, ranks: dict[str, int],
+            readers: dict[str, list[tuple[int, int]]], producer: dict[str, int]) -> _Linear | None:
+    """A Gemm with transA 0, or a MatMul of 2-D activations and a 2-D weight (torch's bias-free Linear: the
+    weight through a Transpose nothing else reads, which then folds into the product)."""
+    if n.domain not in ("", "ai.onnx") or len(n.output) != 1:
+        return None
+    if n.op_type == "Gemm":
+        if next((a.i for a in n.attribute if a.name == "transA"), 0):
+            return None
+        return _Linear(n.input[1], next((a.i for a in n.attribute if a.name == "transB"), 0))
+    if n.op_type != "MatMul" or ranks.get(n.input[0]) != 2 or ranks.get(n.input[1]) != 2:
+        return None
+    b = n.input[1]
+    t = producer.get(b)
+    if t is not None and g.node[t].op_type == "Transpose" and readers.get(b) == [(k, 1)] and \
+            [a.ints for a in g.node[t].attribute if a.name == "perm"] in ([], [[1, 0]]):
+        return _Linear(g.node[t].input[0], 1, t)
+    return _Linear(b, 0)
 
 
 def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onnx.ModelProto:
@@ -71,10 +113,13 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onn
     def unread(x: str) -> bool:
         return not x or (x not in readers and x not in outputs)
 
-    linear = {k for k, n in enumerate(g.node) if _is_linear(n) and bias_ok(n) and len(n.output) == 1}
+    ranks = _ranks(g, dims)
+    producer = {o: k for k, n in enumerate(g.node) for o in n.output if o}
+    found = {k: _linear(k, n, g, ranks, readers, producer) for k, n in enumerate(g.node)}
+    linear = {k: lin for k, lin in found.items() if lin is not None and bias_ok(g.node[k])}
     elementwise = {k for k, n in enumerate(g.node) if n.op_type in ELEMENTWISE and n.domain in ("", "ai.onnx")
                    and all(unread(x) for x in n.output[1:])}
-    member = linear | elementwise
+    member = set(linear) | elementwise
 
     def layout_free_read(k: int, pos: int) -> bool:
         return (k in elementwise and pos >= 0) or (k in linear and pos == 0)
@@ -113,12 +158,12 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onn
             chosen.update(ks)
     if not chosen:
         return model
-    columns = {c for k in chosen & linear for c in g.node[k].input[2:3] if c and not single(c)}  # rank-1 biases
-    return _transpose_chains(model, chosen, linear, inner, columns)
+    columns = {c for k in chosen & linear.keys() for c in g.node[k].input[2:3] if c and not single(c)}  # rank 1
+    return _transpose_chains(model, chosen, {k: v for k, v in linear.items() if k in chosen}, inner, columns)
 
 
-def _transpose_chains(model: onnx.ModelProto, chosen: set[int], linear: set[int], inner: set[str], columns: set[str]
-             ) -> onnx.ModelProto:
+def _transpose_chains(model: onnx.ModelProto, chosen: set[int], linear: dict[int, _Linear], inner: set[str],
+                      columns: set[str]) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -126,7 +171,11 @@ def _transpose_chains(model: onnx.ModelProto, chosen: set[int], linear: set[int]
     entered: dict[str, str] = {}  # activations entering a chain -> their transpose
     nodes: list[onnx.NodeProto] = []
     relaid: set[str] = set()
+    folded = {lin.folded for lin in linear.values() if lin.folded is not None}
     for k, n in enumerate(g.node):
+        if k in folded:  # the weight's Transpose, now op's transB
+            relaid.update(n.output)
+            continue
         if k not in chosen:
             nodes.append(n)
             continue
@@ -138,15 +187,14 @@ def _transpose_chains(model: onnx.ModelProto, chosen: set[int], linear: set[int]
                 if h not in entered:
                     entered[h] = emit("Transpose", h, out=fresh_name(f"{h}/feature_major", taken), perm=[1, 0])
                 h = entered[h]
-            trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
-            inputs = [n.input[1], h]
-            c = n.input[2] if len(n.input) > 2 else ""
+            inputs = [linear[k].weight, h]
+            c = n.input[2] if n.op_type == "Gemm" and len(n.input) > 2 else ""
             if c:
                 inputs.append(emit("Unsqueeze", c, emit.axes([1]), out=fresh_name(f"{c}/column", taken))
                               if c in columns else c)
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute
                      if a.name in ("alpha", "beta")}
-            n = onnx.helper.make_node("Gemm", inputs, [y], name=n.name, transA=1 - trans_b, **attrs)
+            n = onnx.helper.make_node("Gemm", inputs, [y], name=n.name, transA=1 - linear[k].trans_b, **attrs)
         relaid.update(n.output)
         nodes.extend(emit.nodes)
         if y not in inner:  # leaves the chain: transposed back under its own name

@@ -268,3 +268,30 @@ def test_small_batches_stay_batch_major():
     assert [n.input[1] for n in source.graph.node if n.op_type == "Gemm"] == ["0.weight", "2.weight"]
     for p, q in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_bias_free_linears_join_too():
+    """torch exports a bias-free Linear as a MatMul of its weight's Transpose, with no rank on the activations:
+    ranks follow from the input through Flatten and the chain's ops, the Transpose folds into the product, and
+    a weight used by two layers gets each its own. Gradients are torch's (float64)."""
+    torch.manual_seed(0)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c = nn.Linear(12, 12, bias=False), nn.Linear(12, 3, bias=False)
+
+        def forward(self, x):
+            return self.c(torch.sigmoid(self.a(torch.tanh(self.a(x.flatten(1))))))
+
+    net = Tied().double()
+    reference = copy.deepcopy(net)
+    ort = ORTModule(net, threads=1)
+    x = torch.randn(16, 3, 4, dtype=torch.float64)
+    ort(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    source = ort.training_sessions()[0].source
+    assert "MatMul" not in _ops(source) and _ops(source).count("Transpose") == 2  # in and out, no weight's
+    assert [n.input[0] for n in source.graph.node if n.op_type == "Gemm"] == ["a.weight", "a.weight", "c.weight"]
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
