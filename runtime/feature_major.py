@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import onnx
 
-from gradbuilder.graph import subgraph_free_names
+from gradbuilder.graph import infer_shapes_safely, subgraph_free_names
 
 from .passes import Dims, Nodes, constant_values, forget_types, fresh_name, names_in_use, tensor_types
 
@@ -44,25 +44,7 @@ class _Linear(NamedTuple):
     folded: int | None = None
 
 
-def _ranks(g: onnx.GraphProto, dims: dict[str, Dims | None]) -> dict[str, int]:
-    """Ranks of the tensors whose rank follows from declared shapes through the ops a chain holds (torch's
-    export annotates few intermediate tensors)."""
-    ranks = {k: len(v) for k, v in dims.items() if v is not None}
-    for n in g.node:
-        ins = [ranks.get(x) for x in n.input if x]
-        rank: int | None = None
-        if n.op_type in ("Flatten", "Gemm") or (n.op_type == "MatMul" and ins == [2, 2]):
-            rank = 2
-        elif n.op_type == "Constant":
-            rank = next((len(a.t.dims) for a in n.attribute if a.name == "value"), None)
-        elif (n.op_type in ELEMENTWISE or n.op_type == "Transpose") and ins and None not in ins:
-            rank = max(r for r in ins if r is not None)
-        if rank is not None and n.output and n.output[0]:
-            ranks[n.output[0]] = rank
-    return ranks
-
-
-def _linear(k: int, n: onnx.NodeProto, g: onnx.GraphProto, ranks: dict[str, int],
+def _linear(k: int, n: onnx.NodeProto, g: onnx.GraphProto, dims: dict[str, Dims | None],
             readers: dict[str, list[tuple[int, int]]], producer: dict[str, int]) -> _Linear | None:
     """A Gemm with transA 0, or a MatMul of 2-D activations and a 2-D weight (torch's bias-free Linear: the
     weight through a Transpose nothing else reads, which then folds into the product)."""
@@ -72,7 +54,7 @@ def _linear(k: int, n: onnx.NodeProto, g: onnx.GraphProto, ranks: dict[str, int]
         if next((a.i for a in n.attribute if a.name == "transA"), 0):
             return None
         return _Linear(n.input[1], next((a.i for a in n.attribute if a.name == "transB"), 0))
-    if n.op_type != "MatMul" or ranks.get(n.input[0]) != 2 or ranks.get(n.input[1]) != 2:
+    if n.op_type != "MatMul" or any(len(dims.get(x) or ()) != 2 for x in n.input):
         return None
     b = n.input[1]
     t = producer.get(b)
@@ -91,7 +73,8 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onn
     else `rows` (the batch the caller expects) when given. Returns a rewritten copy, or `model` itself when
     nothing matches."""
     g = model.graph
-    types = tensor_types(g)
+    # torch's export declares few intermediate shapes; inference gives the ranks bias-free Linears need
+    types = tensor_types(infer_shapes_safely(model) or g)
     dims = {**{k: v[1] for k, v in types.items()}, **{t.name: list(t.dims) for t in g.initializer}}
     consts = constant_values(g, lambda t: int(np.prod(t.dims)) <= 1)
     readers: dict[str, list[tuple[int, int]]] = {}  # tensor -> (node index, input position); -1 for a subgraph
@@ -113,9 +96,8 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onn
     def unread(x: str) -> bool:
         return not x or (x not in readers and x not in outputs)
 
-    ranks = _ranks(g, dims)
     producer = {o: k for k, n in enumerate(g.node) for o in n.output if o}
-    found = {k: _linear(k, n, g, ranks, readers, producer) for k, n in enumerate(g.node)}
+    found = {k: _linear(k, n, g, dims, readers, producer) for k, n in enumerate(g.node)}
     linear = {k: lin for k, lin in found.items() if lin is not None and bias_ok(g.node[k])}
     elementwise = {k for k, n in enumerate(g.node) if n.op_type in ELEMENTWISE and n.domain in ("", "ai.onnx")
                    and all(unread(x) for x in n.output[1:])}
@@ -127,7 +109,6 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onn
     # a member's output stays inside the chain when every reader is a member reading it where layout is free
     inner = {n.output[0] for k, n in enumerate(g.node) if k in member and n.output[0] not in outputs
              and readers.get(n.output[0]) and all(layout_free_read(k2, p) for k2, p in readers[n.output[0]])}
-    produced_by = {n.output[0]: k for k, n in enumerate(g.node) if k in member}
 
     # components: members joined by inner tensors (union-find)
     parent = {k: k for k in member}
@@ -140,7 +121,7 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onn
 
     for x in inner:
         for k2, _ in readers[x]:
-            parent[find(k2)] = find(produced_by[x])
+            parent[find(k2)] = find(producer[x])
     groups: dict[int, list[int]] = {}
     for k in sorted(member):
         groups.setdefault(find(k), []).append(k)
