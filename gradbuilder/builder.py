@@ -325,6 +325,11 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
     graph.initializer.extend(inits)
     for w, g in grads.items():
         add_value_info(graph.output, g, fg.tensor_info(w))
+    if em.declared:
+        live = {o for n in backward for o in n.output}
+        for name, info in em.declared.items():
+            if renames.get(name, name) in live:
+                add_value_info(graph.value_info, renames.get(name, name), info)
     full = set(sig.full_shape)
     for i, g in sig.grad_of().items():
         info = fg.tensor_info(fg.outputs[i])

@@ -148,7 +148,8 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
         opset_imports=opsets, ir_version=tm.ir_version, producer_name="gradbuilder.split")
     backward = helper.make_model(
         helper.make_graph(bwd_nodes, f"{g.name}_backward", [vi(e.name) for e in bwd_inputs],
-                          [vi(e.name) for e in bwd_outputs]),
+                          [vi(e.name) for e in bwd_outputs],
+                          value_info=[v for v in g.value_info if v.name in bwd_produced]),
         opset_imports=opsets, ir_version=tm.ir_version, producer_name="gradbuilder.split")
     for model, tensors in ((forward, fwd_init), (backward, bwd_inits)):
         _add_tensors(model.graph.initializer, tensors)

@@ -25,6 +25,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from gradbuilder.graph import infer_shapes_safely
+
 from .passes import Dims, Nodes, int_attr, ints_attr, rewrite_nodes, tensor_types
 
 DOMAIN = "com.microsoft.nchwc"
@@ -42,6 +44,11 @@ to 14x14 from 6 of 16 channels, 5.2 times: 1.0-1.17x; 64 to 32 channels, 10x10 t
 ASSUMED_SIZE = 8
 """dY's rows and columns when a backward graph does not say (its value_info is empty): the smallest map a 3x3 or
 5x5 layer usually sees, so the spread is overestimated, never under."""
+MIN_IMAGES_PADDED = 2
+"""A Conv whose input channels are known only at run time (a weight gradient with batch and channels swapped:
+the batch is the channel axis, the layer's input channels are the images) is blocked for at least this many
+images: MLAS splits a blocked Conv by image and output block, and one image (the gradient of a one-channel
+layer) ran at 1.2-1.6x the im2col Conv, three at 0.65-0.78x, six to thirty-two at 0.4-0.6x."""
 INT64_MIN = np.iinfo(np.int64).min
 
 
@@ -67,12 +74,16 @@ def _up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _layout(c_in: int, c_out: int, taps: int, positions: int | None, spread: float, block: int) -> str | None:
-    """'blocked' (input reordered, OIHWBiBo filter), 'nchw' (NCHW input read directly, OIHWBo filter), or None
-    where the im2col Conv (or ConvTranspose) is as fast (module docstring); `spread`: output positions per
-    input position of a ConvTranspose written as a Conv (1 for a Conv)."""
+def _layout(c_in: int | None, c_out: int, taps: int, positions: int | None, spread: float, block: int,
+            images: int | None = None) -> str | None:
+    """'blocked' (input reordered, OIHWBiBo filter), 'nchw' (NCHW input read directly, OIHWBo filter), 'padded'
+    (input channels known only at run time, padded there to the block, then blocked), or None where the im2col
+    Conv (or ConvTranspose) is as fast (module docstring); `spread`: output positions per input position of a
+    ConvTranspose written as a Conv (1 for a Conv); `images`: the input's batch, where static."""
     if (positions is not None and positions < MIN_POSITIONS) or _up(c_out, block) / c_out * spread > MAX_WASTE:
         return None
+    if c_in is None:
+        return "padded" if images is not None and images >= MIN_IMAGES_PADDED else None
     if c_in >= block:
         return "blocked" if c_in % 4 == 0 and _up(c_in, block) <= MAX_CHANNEL_PADDING * c_in else None
     return "nchw" if taps >= MIN_TAPS_UNBLOCKED and c_in >= 2 else None
@@ -80,6 +91,15 @@ def _layout(c_in: int, c_out: int, taps: int, positions: int | None, spread: flo
 
 def _static(dims: Dims | None) -> list[int] | None:
     return dims if dims is not None and all(isinstance(d, int) for d in dims) else None  # type: ignore[return-value]
+
+
+def _weight_dims(dims: Dims | None, conv: bool) -> list[int | None] | None:
+    """A 2-D layer's weight dims, static but for a Conv's input channels (None: known at run time)."""
+    if dims is None or len(dims) != 4 or not all(isinstance(d, int) for d in (dims[0], *dims[2:])):
+        return None
+    if isinstance(dims[1], int):
+        return list(dims)  # type: ignore[arg-type]
+    return [dims[0], None, *dims[2:]] if conv else None  # type: ignore[list-item]
 
 
 def _positions(shapes: dict[str, tuple[int, Dims | None]], name: str) -> int | None:
@@ -97,17 +117,23 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
     if not block:
         return model
     graph = model.graph
-    shapes = tensor_types(graph)
+    given = tensor_types(graph)
+    inferred: dict[str, tuple[int, Dims | None]] | None = None
     constant = {t.name for t in graph.initializer}
     constant.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
     plan = []
     for k, n in enumerate(graph.node):
-        if n.domain not in ("", "ai.onnx") or n.op_type not in ("Conv", "ConvTranspose") or len(n.input) < 2:
+        if n.domain not in ("", "ai.onnx") or n.op_type not in ("Conv", "ConvTranspose") or len(n.input) < 2 \
+                or n.input[1] in constant:
             continue
+        shapes = given
+        if n.op_type == "Conv" and _static(given.get(n.input[1], (0, None))[1]) is None:
+            if inferred is None:  # a weight computed in the graph (a weight gradient's Conv): no value_info
+                inferred = tensor_types(infer_shapes_safely(model) or graph)
+            shapes = inferred
         elem, dims = shapes.get(n.input[1], (0, None))
-        wshape = _static(dims)
-        if elem != TensorProto.FLOAT or n.input[1] in constant or wshape is None or len(wshape) != 4 \
-                or int_attr(n, "group", 1) != 1 or \
+        wshape = _weight_dims(dims, n.op_type == "Conv")
+        if elem != TensorProto.FLOAT or wshape is None or int_attr(n, "group", 1) != 1 or \
                 next((a.s for a in n.attribute if a.name == "auto_pad"), b"NOTSET") != b"NOTSET":
             continue
         m, c, kh, kw = wshape  # Conv: [outputs, inputs, kh, kw]; ConvTranspose: [inputs, outputs, kh, kw]
@@ -121,10 +147,11 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
         positions, spread = _positions(shapes, n.output[0]), 1.0
         if n.op_type == "ConvTranspose":  # dX has `grow` more rows and columns than dY (more positions to compute)
             grow = [size - 1 - b - e for size, b, e in zip((kh, kw), pads[:2], pads[2:])]
-            given = _positions(shapes, n.input[0])
-            spread = positions / given if positions and given else \
+            given_positions = _positions(shapes, n.input[0])
+            spread = positions / given_positions if positions and given_positions else \
                 (1 + max(grow[0], 0) / ASSUMED_SIZE) * (1 + max(grow[1], 0) / ASSUMED_SIZE)
-        layout = _layout(c, m, kh * kw, positions, spread, block)
+        images = (shapes.get(n.input[0], (0, None))[1] or [None])[0]
+        layout = _layout(c, m, kh * kw, positions, spread, block, images if isinstance(images, int) else None)
         if layout is not None:
             plan.append((k, layout, m, c, kh, kw))
     if not plan:
@@ -135,42 +162,51 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
     return out
 
 
-def _filter(e: Nodes, w: str, transposed: bool, m: int, c: int, mp: int, cp: int, taps: int, block: int,
+def _filter(e: Nodes, w: str, transposed: bool, pads: str | None, mp: int, taps: int, block: int,
             blocked: bool) -> str:
-    """The weight in MLAS's filter layout for m outputs over c inputs, padded to mp and cp: OIHWBiBo
-    ([mp/B, cp/B, taps, Bi, Bo]) when the inputs are blocked (cp a multiple of B), else OIHWBo ([mp/B, c, taps,
-    Bo]); from a ConvTranspose's weight (c, m, taps) with the taps reversed (the flipped kernel). Each Transpose
-    moves one axis past contiguous blocks, which onnxruntime copies 2x faster than one 6-D permutation."""
+    """The weight in MLAS's filter layout for mp outputs over cp inputs: OIHWBiBo ([mp/B, cp/B, taps, Bi, Bo])
+    when the inputs are blocked (cp a multiple of B), else OIHWBo ([mp/B, cp, taps, Bo]); from a ConvTranspose's
+    weight (cp, mp, taps) with the taps reversed (the flipped kernel). `pads`: the Pad that brings w to those
+    sizes (None: it has them); cp is left to the Reshapes (-1), so it may be known only at run time. Each
+    Transpose moves one axis past contiguous blocks, which onnxruntime copies 2x faster than one 6-D
+    permutation."""
     b = block
-    if transposed:  # (c, m, taps) -> (mp/B, cp, taps, Bo), taps reversed
-        if (cp, mp) != (c, m):
-            w = e("Pad", w, e.axes([0, 0, 0, 0, cp - c, mp - m, 0, 0]))
-        w = e("Transpose", e("Reshape", w, e.axes([cp, mp // b, b * taps])), perm=[1, 0, 2])  # (mp/B, cp, Bo, taps)
-        w = e("Transpose", e("Reshape", w, e.axes([mp // b * cp, b, taps])), perm=[0, 2, 1])  # (mp/B, cp, taps, Bo)
+    if pads is not None:
+        w = e("Pad", w, pads)
+    if transposed:  # (cp, mp, taps) -> (mp/B, cp, taps, Bo), taps reversed
+        w = e("Transpose", e("Reshape", w, e.axes([-1, mp // b, b * taps])), perm=[1, 0, 2])  # (mp/B, cp, Bo, taps)
+        w = e("Transpose", e("Reshape", w, e.axes([-1, b, taps])), perm=[0, 2, 1])  # (mp/B * cp, taps, Bo)
         w = e("Slice", w, e.axes([-1]), e.axes([INT64_MIN]), e.axes([1]), e.axes([-1]))
-    else:  # (m, c, taps) -> (mp/B, cp, taps, Bo)
-        if (mp, cp) != (m, c):
-            w = e("Pad", w, e.axes([0, 0, 0, 0, mp - m, cp - c, 0, 0]))
-        w = e("Transpose", e("Reshape", w, e.axes([mp // b, b, cp * taps])), perm=[0, 2, 1])
+    else:  # (mp, cp, taps) -> (mp/B, cp, taps, Bo)
+        w = e("Transpose", e("Reshape", w, e.axes([mp // b, b, -1])), perm=[0, 2, 1])
     if blocked:  # (mp/B, cp/B, Bi, taps, Bo) -> (mp/B, cp/B, taps, Bi, Bo)
-        w = e("Transpose", e("Reshape", w, e.axes([mp // b * cp // b, b, taps, b])), perm=[0, 2, 1, 3])
+        w = e("Transpose", e("Reshape", w, e.axes([-1, b, taps, b])), perm=[0, 2, 1, 3])
     return w
 
 
-def _build(n: onnx.NodeProto, layout: str, m: int, c: int, kh: int, kw: int, taken: set[str], *, block: int
-           ) -> list[onnx.NodeProto]:
-    """The blocked Conv replacing `n` (m outputs, c inputs, as a Conv)."""
+def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: int, taken: set[str], *,
+           block: int) -> list[onnx.NodeProto]:
+    """The blocked Conv replacing `n` (m outputs, c inputs, as a Conv; c None: known at run time)."""
     e = Nodes(n.name or n.output[0], taken)
     attrs = {"pads": ints_attr(n, "pads"), "kernel_shape": ints_attr(n, "kernel_shape")}
-    if n.op_type == "ConvTranspose":  # the same map as a Conv over dY: kernel flipped, channels swapped
+    transposed = n.op_type == "ConvTranspose"
+    if transposed:  # the same map as a Conv over dY: kernel flipped, channels swapped
         attrs["pads"] = [size - 1 - p for p, size in zip(attrs["pads"] or [0, 0, 0, 0], (kh, kw, kh, kw))]
     else:
         attrs.update(strides=ints_attr(n, "strides"), dilations=ints_attr(n, "dilations"))
     mp = _up(m, block)
-    cp = _up(c, block) if layout == "blocked" else c
-    w = _filter(e, n.input[1], n.op_type == "ConvTranspose", m, c, mp, cp, kh * kw, block, layout == "blocked")
-    inputs = [e("ReorderInput", n.input[0], domain=DOMAIN, channels_last=0) if layout == "blocked" else n.input[0],
-              e("Reshape", w, e.axes([mp, cp, kh, kw]))]
+    x = n.input[0]
+    if c is None:  # input channels padded to the block at run time: (-c) mod B zero channels
+        extra = e("Mod", e("Neg", e("Slice", e("Shape", x), e.axes([1]), e.axes([2]))), e.axes([block]))
+        x = e("Pad", x, e("Concat", e.axes([0] * 5), extra, e.axes([0, 0]), axis=0))
+        pads: str | None = e("Concat", e.axes([0, 0, 0, 0, mp - m]), extra, e.axes([0, 0]), axis=0)
+    else:
+        cp = _up(c, block) if layout == "blocked" else c
+        grow = [cp - c, mp - m] if transposed else [mp - m, cp - c]
+        pads = e.axes([0, 0, 0, 0, *grow, 0, 0]) if any(grow) else None
+    w = _filter(e, n.input[1], transposed, pads, mp, kh * kw, block, layout != "nchw")
+    inputs = [e("ReorderInput", x, domain=DOMAIN, channels_last=0) if layout != "nchw" else x,
+              e("Reshape", w, e.axes([mp, -1, kh, kw]))]
     if len(n.input) > 2 and n.input[2]:
         inputs.append(e("Pad", n.input[2], e.axes([0, mp - m])) if mp != m else n.input[2])
     y = e("Conv", *inputs, domain=DOMAIN, group=1, **{k: v for k, v in attrs.items() if v is not None})

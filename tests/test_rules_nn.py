@@ -937,7 +937,7 @@ def test_batch_norm_running_statistics_stay_buffers():
     (3, 4, 4, None, 1, "swapped"),   # positions unknown when building: the unfolded size is unbounded
     (3, 4, 4, 128, 1, "swapped"),    # 4 x 9 x 128 x 128 unfolded elements a sample: above the bound
     (3, 4, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
-    (5, 4, 32, 8, 1, "per sample"),  # 5x5 to 32 channels
+    (5, 4, 32, 8, 1, "swapped"),     # 5x5 from 4 channels, to however many
     (5, 3, 4, 8, 1, "per sample"),   # 5x5 from 3 channels
     (5, 4, 4, 8, 1, "swapped"),      # 5x5 from 4 to 4 channels: the Conv with batch and channels swapped
     (3, 4, 6, 8, 2, "swapped"),      # grouped
@@ -959,3 +959,11 @@ def test_conv_weight_gradient_formulation(kernel: int, inputs: int, outputs: int
     if expected != "swapped":  # the one-hot unfolding Conv has a group per input channel
         assert [a.i for n in training.graph.node if n.op_type == "Conv" for a in n.attribute
                 if a.name == "group"][-1] == inputs
+    else:  # dY as the kernel, its type declared (dims of the forward output, batch and channels swapped)
+        kernel_of = next(n for n in training.graph.node if n.op_type == "Conv" and n.input[0] != "x").input[1]
+        declared = {v.name: v.type.tensor_type for v in training.graph.value_info}[kernel_of]
+        dims = [d.dim_value or d.dim_param for d in declared.shape.dim]
+        assert declared.elem_type == onnx.TensorProto.FLOAT and len(dims) == 4
+        assert dims[0] == outputs and isinstance(dims[1], str)
+        if size:
+            assert dims[2:] == [side, side]

@@ -139,6 +139,48 @@ def test_layers_that_do_not_pay_or_cannot_stay(case):
     assert nchwc.blocked_convs(model) is model
 
 
+def _swapped_weight_gradient(c: int, m: int, size: int, k: int, pad: int) -> onnx.ModelProto:
+    """A Conv layer's weight gradient as the Conv rule writes it from 4 input channels on: x and dY with batch
+    and channels swapped, so the batch is the channel axis (symbolic), dY's transpose typed by value_info."""
+    out = size + 2 * pad - k + 1
+    swap = [1, 0, 2, 3]
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=swap),
+             helper.make_node("Transpose", ["dy"], ["dyt"], perm=swap),
+             helper.make_node("Conv", ["xt", "dyt"], ["dwt"], pads=[pad] * 4),
+             helper.make_node("Transpose", ["dwt"], ["dw"], perm=swap)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c, size, size]),
+                                           helper.make_tensor_value_info("dy", TensorProto.FLOAT, ["N", m, out, out])],
+                              [helper.make_tensor_value_info("dw", TensorProto.FLOAT, None)],
+                              value_info=[helper.make_tensor_value_info("dyt", TensorProto.FLOAT, [m, "N", out, out])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_nchwc
+@pytest.mark.parametrize("c,m,size,k,pad", [(6, 16, 14, 5, 0), (4, 6, 9, 3, 1), (20, 50, 12, 5, 0)])
+def test_a_batch_of_channels_is_padded_to_the_block_at_run_time(c, m, size, k, pad):
+    model = _swapped_weight_gradient(c, m, size, k, pad)
+    blocked = nchwc.blocked_convs(model)
+    assert _blocked(blocked) == 1
+    rng = np.random.default_rng(0)
+    out = size + 2 * pad - k + 1
+    for batch in (1, BLOCK, 2 * BLOCK + 3):  # padded by BLOCK - 1, not at all, by BLOCK - 3
+        feeds = {"x": rng.standard_normal((batch, c, size, size)).astype(np.float32),
+                 "dy": rng.standard_normal((batch, m, out, out)).astype(np.float32)}
+        want, got = _run(model, feeds), _run(blocked, feeds)
+        assert got.shape == want.shape == (m, c, k, k)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_nchwc
+def test_run_time_channels_need_two_images_and_a_typed_weight():
+    one_image = _swapped_weight_gradient(1, 16, 14, 5, 0)
+    assert nchwc.blocked_convs(one_image) is one_image
+    untyped = _swapped_weight_gradient(6, 16, 14, 5, 0)
+    del untyped.graph.value_info[:]  # dY's transpose is then of unknown size (its producer's here is known)
+    untyped.graph.input[1].type.tensor_type.ClearField("shape")
+    assert nchwc.blocked_convs(untyped) is untyped
+
+
 def test_no_nchwc_kernels_leaves_the_graph():
     model = _model("Conv", [2, 16, 8, 8], [16, 16, 3, 3], None)
     assert nchwc.blocked_convs(model, block=0) is model
@@ -187,3 +229,28 @@ def test_ortmodule_gradients_match_torch_through_blocked_convs():
     assert _blocked(lowering.forward(session.full.forward, config)) == 3
     backward = next(iter(session._backwards.values())).program.backward
     assert _blocked(lowering.backward(backward, {}, config)) == 2  # the input gradients of the 3x3 layers
+
+
+@needs_nchwc
+def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
+    """LeNet's second layer (6 -> 16, 5x5): its weight gradient runs as a blocked Conv over the batch, padded to
+    the block at run time: the batch stays symbolic, so one session takes a multiple of the block and another
+    batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(16 * 10 * 10, 3))
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, threads=2)
+    g = torch.Generator().manual_seed(0)
+    for batch in (BLOCK, BLOCK + 5):
+        x = torch.randn(batch, 1, 28, 28, generator=g)
+        for m in (wrapped, reference):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        for p, q in zip(wrapped.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
+    [session] = wrapped.training_sessions()
+    backward = next(iter(session._backwards.values())).program.backward
+    lowered = lowering.backward(backward, {}, session.config)
+    padded = [n for n in lowered.graph.node if n.op_type == "Mod"]  # (-batch) mod BLOCK zero channels
+    assert _blocked(lowered) == 1 and len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)

@@ -60,6 +60,7 @@ class Emitter:
         self._attrs: dict[tuple, tuple[onnx.AttributeProto, ...]] = {}
         self._ints: dict[Any, str] = {}
         self.produced: set[str] = set()
+        self.declared: dict[str, TensorInfo] = {}  # backward tensors whose type a rule states (Grad.declare)
         self._taken = names._taken  # the allocator's set, for emit's inline fast path
 
     def node(self, op_type: str, inputs: Sequence[str | None], n_out: int, hint: str, *, domain: str = "",
@@ -234,6 +235,13 @@ class Grad:
 
     def GO(self, j: int) -> str | None:
         return self._go[j] if j < len(self._go) else None
+
+    def declare(self, name: str, info: TensorInfo) -> str:
+        """State the type of an emitted tensor that onnx's shape inference cannot follow (a weight computed from
+        a gradient whose producers reshape to sizes read at run time), so passes over the backward graph see
+        it as the rule does; returns `name`."""
+        self.em.declared[name] = info
+        return name
 
     def GO_or_zeros(self, j: int) -> str:
         go = self.GO(j)

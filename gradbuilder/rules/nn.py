@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ..graph import TensorInfo
 from .context import Grad
 from .registry import rule
 
@@ -214,18 +215,20 @@ def _framed(g: Grad, t: str, win: Window, tails: Sizes) -> tuple[str, list[int] 
     return t, [*win.begin, *ends]  # type: ignore[misc]
 
 
-def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails: Sizes, group: int,
+def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, like: str, win: Window, tails: Sizes, group: int,
                  per_group: int, outputs: int | None, positions: int | None) -> str:
     """dW[m, c, t] = sum over n, o of dout[n, m, o] * inp_padded[n, group(m) * per_group + c, o*s + t*d].
 
     `_weight_grad_by_unfolding` where it pays and the positions are known when building (the unfolded input's
     size is then bounded); otherwise a Conv over `inp` (spatial `sizes`) with batch and channels swapped (the
     group's channels stacked on the batch), `dout` (batch and channels swapped too) as the kernel, strides and
-    dilations exchanged. `outputs` is dout's channel count and `positions` its number of spatial positions,
-    where static.
+    dilations exchanged. `like` is the forward tensor dout has the type of; `outputs` is dout's channel count
+    and `positions` its number of spatial positions, where static. That kernel's type is declared: shape
+    inference loses it behind the reshapes of a pooling gradient, and onnxruntime's blocked Conv
+    (runtime/nchwc.py) needs its sizes.
     """
     nd = len(win.kernel)
-    if positions is not None and _unfolding(g, inp, win, group, per_group, outputs, positions):
+    if positions is not None and _unfolding(g, inp, win, group, per_group, positions):
         return _weight_grad_by_unfolding(g, inp, dout, win, tails, per_group, outputs, positions)
     spatial = list(range(2, 2 + nd))
     swap = [1, 0, *spatial]
@@ -239,19 +242,22 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, win: Window, tails:
             target = g.ints([per_group, -1, *sizes])
         inp_t = g.Reshape(g.Transpose(inp_t, perm=[2, 1, 0, 3]), target)
     inp_t, pads = _framed(g, inp_t, win, tails)
-    dw_t = g.Conv(inp_t, g.Transpose(dout, perm=swap), strides=list(win.dilations), dilations=list(win.strides),
-                  pads=pads, group=group)
+    kernel = g.Transpose(dout, perm=swap)
+    info = g.info(like)
+    if info.shape is not None and len(info.shape) == len(swap):
+        g.declare(kernel, TensorInfo(info.elem_type, tuple(info.shape[a] for a in swap)))
+    dw_t = g.Conv(inp_t, kernel, strides=list(win.dilations), dilations=list(win.strides), pads=pads, group=group)
     return g.Transpose(dw_t, perm=swap)
 
 
 SMALL_KERNEL = 9
 """Kernels of at most this many taps (3x3) always unfold."""
-UNFOLD_MIN_OUTPUTS = 32
 UNFOLD_MAX_INPUTS = 3
-"""Larger kernels unfold for at least `UNFOLD_MIN_OUTPUTS` output channels or at most `UNFOLD_MAX_INPUTS` input
-channels (an image's colours); between, the Conv with batch and channels swapped was faster in onnxruntime
-(LeNet's 5x5 layer from 6 to 16 channels: 1.3-1.9 against 1.9-2.4 ms; from 1 to 32 channels: 1.7 against
-2.9 ms; LeNet steps with its 1- or 3-channel first layer unfolded: 0.93-1.02 of the swapped Conv's)."""
+"""Larger kernels unfold for at most this many input channels (an image's colours); from more, the Conv with
+batch and channels swapped was faster in onnxruntime, whatever the outputs (LeNet's 5x5 layer from 6 to 16
+channels: 1.3-1.9 against 1.9-2.5 ms; Caffe's from 20 to 50: 5.1-5.2 against 5.6-8.2 ms; 32 to 64 over 14x14,
+batch 32: 6.1-7.5 against 7.2-7.3 ms), the more where its batch runs as blocked channels (runtime/nchwc.py:
+0.55, 2.8-3.1 and 2.9-3.8 ms); from 1 to 32 channels the unfold took 1.3-1.7 against 2.3-2.9 ms."""
 
 
 UNFOLD_MAX_ELEMENTS = 1 << 19
@@ -262,15 +268,13 @@ swapped Conv's im2col holds one input channel at a time. The benchmark's MNIST- 
 need 1.8M and takes the swapped Conv."""
 
 
-def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, outputs: int | None,
-               positions: int) -> bool:
+def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, positions: int) -> bool:
     """Whether the weight gradient unfolds the input: ungrouped, a type onnxruntime convolves, an unfolded
-    sample of at most `UNFOLD_MAX_ELEMENTS`, and a small kernel, enough output channels or few input
-    channels."""
+    sample of at most `UNFOLD_MAX_ELEMENTS`, and a small kernel or few input channels."""
     taps = int(np.prod(win.kernel))
     return (group == 1 and g.dtype(inp) in (TensorProto.FLOAT, TensorProto.FLOAT16)
             and channels * taps * positions <= UNFOLD_MAX_ELEMENTS
-            and (taps <= SMALL_KERNEL or (outputs or 0) >= UNFOLD_MIN_OUTPUTS or channels <= UNFOLD_MAX_INPUTS))
+            and (taps <= SMALL_KERNEL or channels <= UNFOLD_MAX_INPUTS))
 
 
 def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: Sizes, channels: int,
@@ -328,8 +332,8 @@ def conv(g: Grad):
         dx = _onto_input(g, dy, w, win, tails, kernel_shape=kernel, group=group)
     if g.needs(1):
         nd = len(kernel)
-        dw = _weight_grad(g, x, _sizes(g, x, nd), dy, win, tails, group, _static_dim(g, w, 1), _count(g, w, [0]),
-                          _count(g, g.O(0), range(2, 2 + nd)))
+        dw = _weight_grad(g, x, _sizes(g, x, nd), dy, g.O(0), win, tails, group, _static_dim(g, w, 1),
+                          _count(g, w, [0]), _count(g, g.O(0), range(2, 2 + nd)))
     if g.I(2) is not None and g.needs(2):
         db = _channel_sum(g, dy, len(kernel) + 2)
     return (dx, dw, db)
@@ -389,7 +393,7 @@ def conv_transpose(g: Grad):
     if g.needs(1):
         outs = _sizes(g, g.O(0), nd)
         reached = g.Sub(outs, g.ints(short)) if isinstance(outs, str) else [o - c for o, c in zip(outs, short)]
-        dw = _weight_grad(g, dy_used, reached, x, win, tails, group, _static_dim(g, w, 1), _count(g, w, [0]),
+        dw = _weight_grad(g, dy_used, reached, x, x, win, tails, group, _static_dim(g, w, 1), _count(g, w, [0]),
                           _count(g, x, range(2, 2 + nd)))
     if g.I(2) is not None and g.needs(2):
         db = _channel_sum(g, dy, nd + 2)
