@@ -131,7 +131,8 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
             continue
         shapes = given
         if n.op_type == "Conv" and _static(given.get(n.input[1], (0, None))[1]) is None:
-            if inferred is None:  # a weight computed in the graph (a weight gradient's Conv): no value_info
+            if inferred is None:  # a weight computed in the graph (a weight gradient's Conv): its batch, or
+                # more, unknown to value_info; the images (its input's batch) are known only to inference
                 inferred = tensor_types(infer_shapes_safely(model) or graph)
             shapes = inferred
         elem, dims = shapes.get(n.input[1], (0, None))
