@@ -254,3 +254,25 @@ def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
     lowered = lowering.backward(backward, {}, session.config)
     padded = [n for n in lowered.graph.node if n.op_type == "Mod"]  # (-batch) mod BLOCK zero channels
     assert _blocked(lowered) == 1 and len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)
+
+
+@needs_nchwc
+@pytest.mark.parametrize("layer", ["strided", "dilated", "transposed"])
+def test_ortmodule_blocked_weight_gradients_of_other_windows(layer):
+    """The batch-as-channels weight gradient of a strided or dilated 5x5 Conv (the swapped Conv's dilations and
+    strides exchanged) and of a 5x5 ConvTranspose (its input as the kernel) matches torch at a batch the block
+    does not divide."""
+    torch.manual_seed(0)
+    second = {"strided": nn.Conv2d(8, 8, 5, stride=2), "dilated": nn.Conv2d(8, 8, 5, dilation=2),
+              "transposed": nn.ConvTranspose2d(8, 8, 5)}[layer]
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.Tanh(), second, nn.Flatten())
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, threads=2)
+    x = torch.randn(BLOCK + 3, 1, 15, 15, generator=torch.Generator().manual_seed(1))
+    wrapped(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for p, q in zip(wrapped.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
+    [session] = wrapped.training_sessions()
+    lowered = lowering.backward(next(iter(session._backwards.values())).program.backward, {}, session.config)
+    assert any(n.op_type == "Mod" for n in lowered.graph.node)  # a blocked Conv over the padded batch
