@@ -235,10 +235,11 @@ def test_ortmodule_gradients_match_torch_through_blocked_convs():
 def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
     """LeNet's second layer (6 -> 16, 5x5): its weight gradient runs as a blocked Conv over the batch, padded to
     the block at run time: the batch stays symbolic, so one session takes a multiple of the block and another
-    batch."""
+    batch. The pool after that layer hides dY's sizes from shape inference: the rule's declared type (carried
+    by split into the backward graph) is what lets the pass block it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
-                          nn.Flatten(), nn.Linear(16 * 10 * 10, 3))
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 5 * 5, 3))  # dY's sizes behind a pool
     reference = copy.deepcopy(model)
     wrapped = ORTModule(model, threads=2)
     g = torch.Generator().manual_seed(0)

@@ -236,13 +236,6 @@ class Grad:
     def GO(self, j: int) -> str | None:
         return self._go[j] if j < len(self._go) else None
 
-    def declare(self, name: str, info: TensorInfo) -> str:
-        """State the type of an emitted tensor that onnx's shape inference cannot follow (a weight computed from
-        a gradient whose producers reshape to sizes read at run time), so passes over the backward graph see
-        it as the rule does; returns `name`."""
-        self.em.declared[name] = info
-        return name
-
     def GO_or_zeros(self, j: int) -> str:
         go = self.GO(j)
         return go if go is not None else self.zeros_like(self.O(j))
@@ -327,6 +320,13 @@ class Grad:
             return self.const(np.zeros(static), elem_type=elem_type)
         value = helper.make_tensor("value", elem_type, [1], [0])
         return self.ConstantOfShape(self.shape_of(tensor), value=value)
+
+    def declare(self, name: str, info: TensorInfo) -> str:
+        """State the type of an emitted tensor that onnx's shape inference cannot follow (a weight computed from
+        a gradient whose producers reshape to sizes read at run time), so passes over the backward graph see
+        it as the rule does; returns `name`."""
+        self.em.declared[name] = info
+        return name
 
     # --- named helpers for repeated patterns ---------------------------------------------------
     def cast_like(self, x: str, like: str, x_like: str | None = None) -> str:
