@@ -8,7 +8,9 @@ one to three single-axis Transposes of the weight, a few thousand elements: `_fi
 input runs blocked too, and so does the input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the
 flipped kernel. So does the Conv rule's weight gradient with batch and channels swapped (x^T convolved by dY^T),
 whose channel axis is the batch, known only at run time: it is padded there to a multiple of the block (zero
-channels add nothing), and the filter's reorder leaves that axis to the Reshapes.
+channels add nothing), and the filter's reorder leaves that axis to the Reshapes. The same Pad frames that input
+with the Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer
+from 8 channels: 0.6x the time).
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at
 most a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block
@@ -202,7 +204,8 @@ def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: i
     x = n.input[0]
     if c is None:  # input channels padded to the block at run time: (-c) mod B zero channels
         extra = e("Mod", e("Neg", e("Slice", e("Shape", x), e.axes([1]), e.axes([2]))), e.axes([block]))
-        x = e("Pad", x, e("Concat", e.axes([0] * 5), extra, e.axes([0, 0]), axis=0))
+        top, left, bottom, right = attrs.pop("pads") or [0, 0, 0, 0]  # the same Pad frames x: no padded borders
+        x = e("Pad", x, e("Concat", e.axes([0, 0, top, left, 0]), extra, e.axes([bottom, right]), axis=0))
         pads: str | None = e("Concat", e.axes([0, 0, 0, 0, mp - m]), extra, e.axes([0, 0]), axis=0)
     else:
         cp = _up(c, block) if layout == "blocked" else c

@@ -156,11 +156,13 @@ def _swapped_weight_gradient(c: int, m: int, size: int, k: int, pad: int) -> onn
 
 
 @needs_nchwc
-@pytest.mark.parametrize("c,m,size,k,pad", [(6, 16, 14, 5, 0), (4, 6, 9, 3, 1), (20, 50, 12, 5, 0)])
+@pytest.mark.parametrize("c,m,size,k,pad", [(6, 16, 14, 5, 0), (4, 6, 9, 3, 1), (20, 50, 12, 5, 0), (8, 16, 12, 5, 2)])
 def test_a_batch_of_channels_is_padded_to_the_block_at_run_time(c, m, size, k, pad):
     model = _swapped_weight_gradient(c, m, size, k, pad)
     blocked = nchwc.blocked_convs(model)
     assert _blocked(blocked) == 1
+    conv = next(n for n in blocked.graph.node if n.domain == nchwc.DOMAIN and n.op_type == "Conv")
+    assert not any(a.name == "pads" for a in conv.attribute)  # the channels' Pad frames x too: no padded borders
     rng = np.random.default_rng(0)
     out = size + 2 * pad - k + 1
     for batch in (1, BLOCK, 2 * BLOCK + 3):  # padded by BLOCK - 1, not at all, by BLOCK - 3
