@@ -43,8 +43,8 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:
     """Slow onnxruntime patterns (`passes.lower`), then sums and contractions over rows (`reductions.lower_sums`),
-    then blocked Convs and stride-1 ConvTransposes (`nchwc`); `known`: values of the initializers backward reads
-    from the forward part."""
+    then the unfolded weight gradients of 5x5 and larger kernels and the Convs and stride-1 ConvTransposes
+    blocked (`nchwc`); `known`: values of the initializers backward reads from the forward part."""
     if not config.lower:
         return model
-    return nchwc.blocked_convs(reductions.lower_sums(passes.lower(model, known)))
+    return nchwc.blocked_convs(nchwc.blocked_unfolds(reductions.lower_sums(passes.lower(model, known)), known))

@@ -10,7 +10,8 @@ flipped kernel. So does the Conv rule's weight gradient with batch and channels 
 whose channel axis is the batch, known only at run time: it is padded there to a multiple of the block (zero
 channels add nothing), and the filter's reorder leaves that axis to the Reshapes. The same Pad frames that input
 with the Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer
-from 8 channels: 0.6x the time).
+from 8 channels: 0.6x the time). And so does the one-hot Conv that unfolds x for the weight gradient of a 5x5
+layer from 1-3 channels (`blocked_unfolds`), whose blocked output the per-sample products read as it is.
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at
 most a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block
@@ -28,11 +29,21 @@ import functools
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
-from gradbuilder.graph import infer_shapes_safely
+from gradbuilder.graph import default_opset, infer_shapes_safely
 
-from .passes import Dims, Nodes, int_attr, ints_attr, rewrite_nodes, tensor_types
+from .passes import (
+    Dims,
+    Nodes,
+    Readers,
+    constant_values,
+    drop_dead,
+    int_attr,
+    ints_attr,
+    rewrite_nodes,
+    tensor_types,
+)
 
 DOMAIN = "com.microsoft.nchwc"
 MAX_CHANNEL_PADDING = 1.25
@@ -218,4 +229,90 @@ def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: i
         inputs.append(e("Pad", n.input[2], e.axes([0, mp - m])) if mp != m else n.input[2])
     y = e("Conv", *inputs, domain=DOMAIN, group=1, **{k: v for k, v in attrs.items() if v is not None})
     e("ReorderOutput", y, domain=DOMAIN, channels=m, channels_last=0, out=n.output[0])
+    return e.nodes
+
+
+def blocked_unfolds(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None, block: int | None = None
+                    ) -> onnx.ModelProto:
+    """The Conv rule's unfolded weight gradient (`_weight_grad_by_unfolding`: x convolved with a one-hot kernel per
+    channel and tap, then per-sample products with dY summed over the batch) with that one-hot Conv blocked, for
+    kernels of at least `MIN_TAPS_UNBLOCKED` taps: x's batch and channels fold into one axis (a one-channel Conv,
+    whose NCHW input the blocked kernels read directly), the taps are padded to the block, and the products read
+    the blocked output as it is, [N, C * T/B, P, B]: nothing is reordered back. onnxruntime itself blocks a
+    one-channel one-hot Conv (its weight is a constant) but reorders its output, and not a grouped one. Returns a
+    rewritten copy, or `model` itself when nothing matches or onnxruntime has no NCHWc kernels; `known`: values
+    of graph inputs that are constants (a backward half's initializers shared with the forward)."""
+    block = block_size() if block is None else block
+    if not block or default_opset(model) < 13:
+        return model
+    readers = Readers.of(model.graph)
+    consts = {**(known or {}),
+              **constant_values(model.graph, lambda t: t.data_type == TensorProto.INT64 or len(t.dims) == 4)}
+    plan = [(k, *found) for k, n in enumerate(model.graph.node)
+            if (found := _unfolded_weight_grad(n, readers, consts)) is not None]
+    if not plan:
+        return model
+    out = rewrite_nodes(model, plan, functools.partial(_build_unfold, block=block))
+    nodes = drop_dead(list(out.graph.node), [], readers.outputs)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    if not any(o.domain == DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return out
+
+
+def _unfolded_weight_grad(n: onnx.NodeProto, readers: Readers, consts: dict[str, np.ndarray]
+                          ) -> tuple[onnx.NodeProto, str, int, list[int]] | None:
+    """(the one-hot Conv, dY as [N, M, P], channels, kernel) when `n` ends the rule's per-sample unfolded weight
+    gradient: ReduceSum over axis 0 of MatMul(dY, Transpose(Reshape(Conv(x, one-hot), [0, C*T, -1]))), each
+    read by the next alone."""
+    def const(name: str) -> list[int] | None:
+        v = consts.get(name)
+        return [int(i) for i in v.reshape(-1)] if v is not None and v.dtype == np.int64 else None
+
+    if n.op_type != "ReduceSum" or n.domain or int_attr(n, "keepdims", 1) != 0 or len(n.input) < 2 \
+            or const(n.input[1]) != [0]:
+        return None
+    product = readers.sole(n.input[0])
+    if product is None or product.op_type != "MatMul" or product.domain:
+        return None
+    moved = readers.sole(product.input[1])
+    if moved is None or moved.op_type != "Transpose" or ints_attr(moved, "perm") != [0, 2, 1]:
+        return None
+    flat = readers.sole(moved.input[0])
+    conv = readers.sole(flat.input[0]) if flat is not None and flat.op_type == "Reshape" else None
+    if conv is None or conv.op_type != "Conv" or conv.domain or len(conv.input) != 2 or \
+            next((a.s for a in conv.attribute if a.name == "auto_pad"), b"NOTSET") != b"NOTSET":
+        return None
+    w = consts.get(conv.input[1])
+    channels = int_attr(conv, "group", 1)
+    if w is None or w.dtype != np.float32 or w.ndim != 4 or w.shape[1] != 1:
+        return None
+    kernel = [int(d) for d in w.shape[2:]]
+    taps = kernel[0] * kernel[1]
+    onehot = np.tile(np.eye(taps, dtype=np.float32).reshape(taps, 1, *kernel), (channels, 1, 1, 1))
+    if taps < MIN_TAPS_UNBLOCKED or w.shape != onehot.shape or not np.array_equal(w, onehot) or \
+            const(flat.input[1]) != [0, channels * taps, -1]:
+        return None
+    return conv, product.input[0], channels, kernel
+
+
+def _build_unfold(n: onnx.NodeProto, conv: onnx.NodeProto, dy: str, c: int, kernel: list[int], taken: set[str], *,
+                  block: int) -> list[onnx.NodeProto]:
+    """`n`'s output, [M, C*T], from x's one-hot Conv blocked (`blocked_unfolds`)."""
+    e = Nodes(n.name or n.output[0], taken)
+    taps = kernel[0] * kernel[1]
+    tp = _up(taps, block)
+    onehot = np.zeros((tp, taps), np.float32)
+    onehot[:taps] = np.eye(taps, dtype=np.float32)  # (tp, taps) -> OIHWBo: (tp/B, 1, taps, B)
+    onehot = onehot.reshape(tp // block, block, taps).transpose(0, 2, 1).reshape(tp, 1, *kernel)
+    attrs = {a: ints_attr(conv, a) for a in ("pads", "strides", "dilations")}
+    cols = e("Conv", e("Reshape", conv.input[0], e.axes([-1, 1, 0, 0])),  # (N*C, 1, H, W)
+             e("Constant", value=numpy_helper.from_array(np.ascontiguousarray(onehot), "v")),
+             domain=DOMAIN, group=1, kernel_shape=kernel, **{k: v for k, v in attrs.items() if v is not None})
+    cols = e("Reshape", e("Reshape", cols, e.axes([-1, c * tp // block, 0, 0, block])), e.axes([0, 0, -1, block]))
+    per_sample = e("MatMul", e("Unsqueeze", dy, e.axes([1])), cols)  # (N, C * tp/B, M, B)
+    dw = e("Transpose", e("ReduceSum", per_sample, e.axes([0]), keepdims=0), perm=[1, 0, 2])  # (M, C * tp/B, B)
+    dw = e("Slice", e("Reshape", dw, e.axes([0, c, tp])), e.axes([0]), e.axes([taps]), e.axes([2]))
+    e("Reshape", dw, e.axes([0, c * taps]), out=n.output[0])
     return e.nodes

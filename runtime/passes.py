@@ -8,7 +8,9 @@ graph computes, except `lower`'s masked multiply (see there). Measured effects a
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -129,6 +131,23 @@ class Nodes:
 
     def axes(self, values: list[int]) -> str:
         return self("Constant", value=helper.make_tensor("v", TensorProto.INT64, [len(values)], values))
+
+
+class Readers(NamedTuple):
+    """Who makes and who reads each tensor of a graph: what a rewrite checks the nodes it replaces against."""
+
+    producer: dict[str, onnx.NodeProto]
+    reads: Counter[str]
+    outputs: set[str]
+
+    @classmethod
+    def of(cls, graph: onnx.GraphProto) -> Readers:
+        return cls({o: n for n in graph.node for o in n.output}, Counter(i for n in graph.node for i in n.input),
+                   {o.name for o in graph.output})
+
+    def sole(self, name: str) -> onnx.NodeProto | None:
+        """The producer of `name` when one node alone reads it and it is no graph output."""
+        return self.producer.get(name) if self.reads[name] == 1 and name not in self.outputs else None
 
 
 def names_in_use(graph: onnx.GraphProto) -> set[str]:

@@ -18,7 +18,6 @@ contributions instead: no table-sized zero fill, no table-sized buffer of its ow
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,6 +29,7 @@ from gradbuilder.graph import default_opset
 
 from .passes import (
     Dims,
+    Readers,
     constant_values,
     drop_dead,
     fresh_name,
@@ -213,19 +213,7 @@ def _same_shapes(shapes: list[Dims | None]) -> bool:
     return True
 
 
-class _Terms(NamedTuple):
-    """Who makes and who reads each tensor of a graph: what the Sum rewrites check a term against."""
-
-    producer: dict[str, onnx.NodeProto]
-    reads: Counter[str]
-    outputs: set[str]
-
-    def sole(self, name: str) -> onnx.NodeProto | None:
-        """The producer of `name` when one node alone reads it and it is no graph output."""
-        return self.producer.get(name) if self.reads[name] == 1 and name not in self.outputs else None
-
-
-def _rewrite_sums(model: onnx.ModelProto, match: Callable[[onnx.NodeProto, _Terms], tuple | None],
+def _rewrite_sums(model: onnx.ModelProto, match: Callable[[onnx.NodeProto, Readers], tuple | None],
                   build: Callable[..., list[onnx.NodeProto]], inits: list[onnx.TensorProto] | None = None
                   ) -> onnx.ModelProto:
     """The skeleton of the Sum rewrites: each Sum (of two terms or more) for which `match(sum, terms)` gives
@@ -235,8 +223,7 @@ def _rewrite_sums(model: onnx.ModelProto, match: Callable[[onnx.NodeProto, _Term
     sums = [(k, n) for k, n in enumerate(graph.node) if n.op_type == "Sum" and not n.domain and len(n.input) > 1]
     if not sums:
         return model
-    terms = _Terms({o: n for n in graph.node for o in n.output}, Counter(i for n in graph.node for i in n.input),
-                   {o.name for o in graph.output})
+    terms = Readers.of(graph)
     plan = [(k, *details) for k, n in sums if (details := match(n, terms)) is not None]
     if not plan:
         return model
@@ -255,7 +242,7 @@ def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = 
     `shapes`: `_shapes(model)`, when the caller has it."""
     known = shapes
 
-    def match(n: onnx.NodeProto, terms: _Terms) -> tuple[onnx.NodeProto, int] | None:
+    def match(n: onnx.NodeProto, terms: Readers) -> tuple[onnx.NodeProto, int] | None:
         nonlocal known
         for j, name in enumerate(n.input):
             s = terms.sole(name)
@@ -360,7 +347,7 @@ def placements_into_concats(model: onnx.ModelProto) -> onnx.ModelProto:
     consts = constant_values(model.graph)
     inits: list[onnx.TensorProto] = []
 
-    def match(n: onnx.NodeProto, terms: _Terms) -> tuple[list[_Placed], list[str]] | None:
+    def match(n: onnx.NodeProto, terms: Readers) -> tuple[list[_Placed], list[str]] | None:
         groups: dict[tuple[int, int, object], dict[int, tuple[str, _Placed]]] = {}
         for t in n.input:
             p = terms.sole(t)

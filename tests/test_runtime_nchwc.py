@@ -12,8 +12,10 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
+import gradbuilder
 from runtime import ORTModule, lowering, nchwc
 from runtime.ort_session import SessionConfig
+from tests.harness import single_op_model
 
 BLOCK = nchwc.block_size()
 needs_nchwc = pytest.mark.skipif(not BLOCK, reason="this onnxruntime build has no NCHWc kernels")
@@ -183,6 +185,78 @@ def test_run_time_channels_need_two_images_and_a_typed_weight():
     assert nchwc.blocked_convs(untyped) is untyped
 
 
+def _unfolded_weight_gradient(c: int, m: int, size: int, k: int, pad: int, stride: int, dilation: int
+                              ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """One Conv layer's backward graph, its batch symbolic, with the weight gradient the Conv rule writes for 1-3
+    input channels (x unfolded by a one-hot Conv, then per-sample products), and the values of the forward's
+    initializers it reads."""
+    zeros = np.zeros
+    model = single_op_model("Conv", [("x", zeros((2, c, size, size), np.float32)),
+                                     ("w", zeros((m, c, k, k), np.float32))],
+                            pads=[pad] * 4, strides=[stride] * 2, dilations=[dilation] * 2, symbolic={"x": [0]})
+    forward, backward, manifest = gradbuilder.split(gradbuilder.build_gradient_graph(model, wrt=["w"]))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in forward.graph.initializer}
+    return backward, {e.name: inits[e.name] for e in manifest.backward_inputs if e.name in inits}
+
+
+@needs_nchwc
+@pytest.mark.parametrize("c,m,size,k,pad,stride,dilation", [
+    (1, 6, 12, 5, 2, 1, 1),   # LeNet's first layer, 'same'
+    (3, 6, 13, 5, 0, 2, 1),   # three channels, strided
+    (2, 4, 14, 5, 1, 1, 2),   # dilated
+    (1, 3, 16, 7, 3, 1, 1),   # 49 taps: 64 channels of blocked output, 15 of them padding
+])
+def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilation):
+    backward, known = _unfolded_weight_gradient(c, m, size, k, pad, stride, dilation)
+    [conv] = [n for n in backward.graph.node if n.op_type == "Conv"]
+    assert next(a.i for a in conv.attribute if a.name == "group") == c  # the rule's unfold, a group per channel
+    blocked = nchwc.blocked_unfolds(backward, known)
+    assert _blocked(blocked) == 1 and not any(n.op_type in ("Conv", "ReorderOutput") and not n.domain
+                                              for n in blocked.graph.node)
+    out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+    rng = np.random.default_rng(0)
+    reference, session = ort.InferenceSession(backward.SerializeToString()), _session(blocked)
+    names = [i.name for i in backward.graph.input]
+    for batch in (1, 5, BLOCK + 1):  # one session, any batch
+        x = rng.standard_normal((batch, c, size, size))
+        dy = rng.standard_normal((batch, m, out, out))
+        feeds = {**{n: v for n, v in known.items() if n in names}, "x": x.astype(np.float32),
+                 next(n for n in names if n not in known and n != "x"): dy.astype(np.float32)}
+        got = session.run(None, feeds)[0]
+        want = torch.ops.aten.convolution_backward(
+            torch.from_numpy(dy), torch.from_numpy(x), torch.zeros(m, c, k, k, dtype=torch.float64), None,
+            [stride] * 2, [pad] * 2, [dilation] * 2, False, [0, 0], 1, [False, True, False])[1].numpy()
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
+        np.testing.assert_allclose(got, reference.run(None, feeds)[0], rtol=0, atol=2e-6 * scale)
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), SessionConfig(threads=2).options(),
+                                providers=["CPUExecutionProvider"])
+
+
+@needs_nchwc
+def test_unfolds_of_small_kernels_and_other_constants_stay():
+    small, known = _unfolded_weight_gradient(1, 6, 12, 3, 1, 1, 1)  # 9 taps: the im2col Conv is as fast
+    assert nchwc.blocked_unfolds(small, known) is small
+    lenet, _ = _unfolded_weight_gradient(1, 6, 12, 5, 2, 1, 1)
+    assert nchwc.blocked_unfolds(lenet, {}, block=0) is lenet
+    shared = onnx.ModelProto()  # the batch sum's axes a constant of the forward (an input of backward)
+    shared.CopyFrom(lenet)
+    axes = next(n for n in shared.graph.node if n.op_type == "ReduceSum" and n.input[0].endswith("MatMul")).input[1]
+    [init] = [t for t in shared.graph.initializer if t.name == axes]
+    shared.graph.initializer.remove(init)
+    shared.graph.input.append(helper.make_tensor_value_info(axes, TensorProto.INT64, [1]))
+    assert nchwc.blocked_unfolds(shared, {}) is shared
+    assert _blocked(nchwc.blocked_unfolds(shared, {axes: onnx.numpy_helper.to_array(init)})) == 1
+    conv = next(n for n in lenet.graph.node if n.op_type == "Conv")
+    onehot = next(t for t in lenet.graph.initializer if t.name == conv.input[1])
+    shifted = onnx.numpy_helper.to_array(onehot)[::-1].copy()  # one-hot, but not the unfold's order
+    onehot.CopyFrom(onnx.numpy_helper.from_array(shifted, onehot.name))
+    assert nchwc.blocked_unfolds(lenet) is lenet
+
+
 def test_no_nchwc_kernels_leaves_the_graph():
     model = _model("Conv", [2, 16, 8, 8], [16, 16, 3, 3], None)
     assert nchwc.blocked_convs(model, block=0) is model
@@ -253,10 +327,11 @@ def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
         for p, q in zip(wrapped.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
     [session] = wrapped.training_sessions()
-    backward = next(iter(session._backwards.values())).program.backward
-    lowered = lowering.backward(backward, {}, session.config)
+    [bw] = session._backwards.values()
+    lowered = lowering.backward(bw.program.backward, {k: v.numpy() for k, v in bw.consts.items()}, session.config)
     padded = [n for n in lowered.graph.node if n.op_type == "Mod"]  # (-batch) mod BLOCK zero channels
-    assert _blocked(lowered) == 1 and len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)
+    assert len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)
+    assert _blocked(lowered) == 2  # and the first layer's unfold (`blocked_unfolds`)
 
 
 @needs_nchwc
