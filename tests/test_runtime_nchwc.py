@@ -262,6 +262,13 @@ def test_no_nchwc_kernels_leaves_the_graph():
     assert nchwc.blocked_convs(model, block=0) is model
 
 
+def _lowered_backward(session) -> onnx.ModelProto:
+    """A training session's one backward graph as `lowering.backward` rewrites it, with the forward's constants
+    the session feeds it."""
+    [bw] = session._backwards.values()
+    return lowering.backward(bw.program.backward, {k: v.numpy() for k, v in bw.consts.items()}, session.config)
+
+
 class Cnn(nn.Module):
     """3x3 layers of block-multiple widths (blocked forward and input gradients) and a 5x5 one from 3 channels."""
 
@@ -303,8 +310,8 @@ def test_ortmodule_gradients_match_torch_through_blocked_convs():
     session = wrapped.training_sessions()[0]
     config = session.config
     assert _blocked(lowering.forward(session.full.forward, config)) == 3
-    backward = next(iter(session._backwards.values())).program.backward
-    assert _blocked(lowering.backward(backward, {}, config)) == 2  # the input gradients of the 3x3 layers
+    # the input gradients of the 3x3 layers, and the first layer's unfold (5x5 from 3 channels)
+    assert _blocked(_lowered_backward(session)) == 3
 
 
 @needs_nchwc
@@ -327,8 +334,7 @@ def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
         for p, q in zip(wrapped.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
     [session] = wrapped.training_sessions()
-    [bw] = session._backwards.values()
-    lowered = lowering.backward(bw.program.backward, {k: v.numpy() for k, v in bw.consts.items()}, session.config)
+    lowered = _lowered_backward(session)
     padded = [n for n in lowered.graph.node if n.op_type == "Mod"]  # (-batch) mod BLOCK zero channels
     assert len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)
     assert _blocked(lowered) == 2  # and the first layer's unfold (`blocked_unfolds`)
@@ -352,5 +358,5 @@ def test_ortmodule_blocked_weight_gradients_of_other_windows(layer):
     for p, q in zip(wrapped.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
     [session] = wrapped.training_sessions()
-    lowered = lowering.backward(next(iter(session._backwards.values())).program.backward, {}, session.config)
+    lowered = _lowered_backward(session)
     assert any(n.op_type == "Mod" for n in lowered.graph.node)  # a blocked Conv over the padded batch
