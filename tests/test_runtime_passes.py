@@ -52,25 +52,87 @@ def test_gradients_match_torch_with_every_pass():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_stash_keeps_masks_and_no_input_copies():
+class PooledNet(nn.Module):
+    """A Relu read only by a global average pool, whose gradient does not read its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.fc(torch.relu(self.conv(x)).mean((2, 3))), y)
+
+
+def _stash(model: nn.Module) -> tuple[onnx.ModelProto, list[str]]:
+    """The forward graph of `model`'s training session after one step on `_batch()`, and what it stashes."""
     torch.manual_seed(0)
-    ort = ORTModule(ConvNet(), threads=1)
+    ort = ORTModule(model, threads=1)
     x, y = _batch()
     ort(x, y).backward()
     session = ort.training_sessions()[0]
-    forward = session.full.forward
+    return session.full.forward, [e.name for e in session.full.manifest.backward_inputs if e.role == "stash"]
+
+
+def test_stash_keeps_masks():
+    forward, stash = _stash(PooledNet())
     types = {o.name: o.type.tensor_type.elem_type for o in forward.graph.output}
-    stash = [e.name for e in session.full.manifest.backward_inputs if e.role == "stash"]
     made_by = {o: n.op_type for n in forward.graph.node for o in n.output}
-    # the pre-pool Relu output is read only by its mask: a bool is stashed instead
+    # the Relu output is read in backward only by its mask: a bool is stashed instead
     assert any(types[n] == TensorProto.BOOL for n in stash)
-    assert not any(made_by.get(n) == "Relu" and types[n] == TensorProto.FLOAT and "conv" in n for n in stash)
+    assert not any(made_by.get(n) == "Relu" and types[n] == TensorProto.FLOAT for n in stash)
+
+
+def test_stash_keeps_no_views_and_no_input_copies():
+    forward, stash = _stash(ConvNet())
+    made_by = {o: n for n in forward.graph.node for o in n.output}
+    # fc1 reads the pooled Relu output through a Flatten: backward keeps the Relu output and flattens it itself,
+    # so the forward's Flatten is no graph output (onnxruntime would copy it), and the Relu's mask comes from it
+    views = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+    assert not any(made_by[n].op_type in views for n in stash if n in made_by)
+    assert any(made_by[n].op_type == "Relu" for n in stash if n in made_by)
     # nothing stashed is a cheap function of the feeds alone (the reshaped labels): backward recomputes it
     free = {i.name for i in forward.graph.input} | {t.name for t in forward.graph.initializer}
     for n in forward.graph.node:
         if n.op_type in passes.CHEAP and all(not i or i in free for i in n.input):
             free.update(n.output)
     assert not free & set(stash)
+
+
+class SeqNet(nn.Module):
+    """Logits reshaped for the loss to a target the export computes from their shape at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, tokens, y):
+        logits = self.head(torch.tanh(self.emb(tokens)))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def test_a_view_with_a_run_time_target_is_redone_in_backward():
+    torch.manual_seed(0)
+    model = SeqNet()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, threads=1)
+    g = torch.Generator().manual_seed(0)
+    for batch in (3, 4):  # one session, a symbolic batch
+        tokens, y = torch.randint(0, 20, (batch, 6), generator=g), torch.randint(0, 5, (batch, 6), generator=g)
+        for m in (ort, reference):
+            m.zero_grad()
+            m(tokens, y).backward()
+        for p, q in zip(ort.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    session = ort.training_sessions()[0]
+    forward = session.full.forward
+    made_by = {o: n.op_type for n in forward.graph.node for o in n.output}
+    types = {o.name: o.type.tensor_type.elem_type for o in forward.graph.output}
+    stash = [e.name for e in session.full.manifest.backward_inputs if e.role == "stash"]
+    # the logits are kept as the Linear made them; neither their reshaped view nor its int64 target is kept
+    assert not any(made_by.get(n) == "Reshape" or types[n] == TensorProto.INT64 for n in stash)
+    assert any(n.endswith("head/Add_output_0") or made_by.get(n) in ("Add", "Gemm", "MatMul") for n in stash)
 
 
 def _where_model() -> onnx.ModelProto:
