@@ -87,10 +87,13 @@ def test_stash_keeps_no_views_and_no_input_copies():
     forward, stash = _stash(ConvNet())
     made_by = {o: n for n in forward.graph.node for o in n.output}
     # fc1 reads the pooled Relu output through a Flatten: backward keeps the Relu output and flattens it itself,
-    # so the forward's Flatten is no graph output (onnxruntime would copy it), and the Relu's mask comes from it
+    # so the forward's Flatten is no graph output (onnxruntime would copy it); the Relu's mask comes from it too
+    # (4 bytes an element kept instead of a float view and a bool mask)
     views = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
     assert not any(made_by[n].op_type in views for n in stash if n in made_by)
-    assert any(made_by[n].op_type == "Relu" for n in stash if n in made_by)
+    [flatten] = [n for n in forward.graph.node if n.op_type == "Flatten"]
+    assert flatten.input[0] in stash and made_by[flatten.input[0]].op_type == "Relu"
+    assert not any(o.type.tensor_type.elem_type == TensorProto.BOOL for o in forward.graph.output if o.name in stash)
     # nothing stashed is a cheap function of the feeds alone (the reshaped labels): backward recomputes it
     free = {i.name for i in forward.graph.input} | {t.name for t in forward.graph.initializer}
     for n in forward.graph.node:
