@@ -32,6 +32,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely
+from gradbuilder.rules.nn import unfold_kernel
 
 from .passes import (
     Dims,
@@ -290,7 +291,7 @@ def _unfolded_weight_grad(n: onnx.NodeProto, readers: Readers, consts: dict[str,
         return None
     kernel = [int(d) for d in w.shape[2:]]
     taps = kernel[0] * kernel[1]
-    onehot = np.tile(np.eye(taps, dtype=np.float32).reshape(taps, 1, *kernel), (channels, 1, 1, 1))
+    onehot = unfold_kernel(channels, kernel)
     if taps < MIN_TAPS_UNBLOCKED or w.shape != onehot.shape or not np.array_equal(w, onehot) or \
             const(flat.input[1]) != [0, channels * taps, -1]:
         return None

@@ -38,10 +38,13 @@ def _model(op: str, x_shape: list[int], w_shape: list[int], bias: int | None, el
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _session(model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), SessionConfig(threads=threads).options(),
+                                providers=["CPUExecutionProvider"])
+
+
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    session = ort.InferenceSession(model.SerializeToString(), SessionConfig(threads=1).options(),
-                                   providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return _session(model).run(None, feeds)[0]
 
 
 def _blocked(model: onnx.ModelProto) -> int:
@@ -215,7 +218,7 @@ def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilat
                                               for n in blocked.graph.node)
     out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
     rng = np.random.default_rng(0)
-    reference, session = ort.InferenceSession(backward.SerializeToString()), _session(blocked)
+    reference, session = _session(backward), _session(blocked, threads=2)
     names = [i.name for i in backward.graph.input]
     for batch in (1, 5, BLOCK + 1):  # one session, any batch
         x = rng.standard_normal((batch, c, size, size))
@@ -229,11 +232,6 @@ def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilat
         scale = np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
         np.testing.assert_allclose(got, reference.run(None, feeds)[0], rtol=0, atol=2e-6 * scale)
-
-
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    return ort.InferenceSession(model.SerializeToString(), SessionConfig(threads=2).options(),
-                                providers=["CPUExecutionProvider"])
 
 
 @needs_nchwc

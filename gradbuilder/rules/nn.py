@@ -277,6 +277,13 @@ def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, positi
             and (taps <= SMALL_KERNEL or channels <= UNFOLD_MAX_INPUTS))
 
 
+def unfold_kernel(channels: int, kernel: Sequence[int]) -> np.ndarray:
+    """The weight of the Conv (group = channels) that unfolds an input: output channel c*T + t holds tap t of
+    input channel c, for the T taps of `kernel` in raster order. runtime/nchwc.py recognises it by this value."""
+    taps = int(np.prod(kernel))
+    return np.tile(np.eye(taps).reshape(taps, 1, *kernel), (channels, 1, *[1] * len(kernel)))
+
+
 def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: Sizes, channels: int,
                               outputs: int | None, positions: int) -> str:
     """dW[m, c, t] = sum over n, p of dout[n, m, p] * cols[n, c*T + t, p]. cols, the input unfolded (im2col),
@@ -289,9 +296,8 @@ def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: 
     nd = len(win.kernel)
     taps = int(np.prod(win.kernel))
     framed, pads = _framed(g, inp, win, tails)
-    onehot = np.tile(np.eye(taps).reshape(taps, 1, *win.kernel), (channels, 1, *[1] * nd))
-    cols = g.Conv(framed, g.const(onehot, like=inp), kernel_shape=list(win.kernel), strides=list(win.strides),
-                  dilations=list(win.dilations), pads=pads, group=channels)
+    cols = g.Conv(framed, g.const(unfold_kernel(channels, win.kernel), like=inp), kernel_shape=list(win.kernel),
+                  strides=list(win.strides), dilations=list(win.dilations), pads=pads, group=channels)
     cols = g.Reshape(cols, g.ints([0, channels * taps, -1]))  # (N, C*T, P)
     if outputs is not None and 2 * positions >= outputs:
         per_sample = g.MatMul(g.Reshape(dout, g.ints([0, 0, -1])), g.Transpose(cols, perm=[0, 2, 1]))
