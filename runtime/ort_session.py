@@ -11,12 +11,15 @@ onnxruntime's NCHWc layout (`BACKWARD_DISABLED_OPTIMIZERS`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
+
+from . import openmp
 
 DISABLED_OPTIMIZERS = ("EliminateDropout", "ConstantSharing")
 BACKWARD_DISABLED_OPTIMIZERS = (*DISABLED_OPTIMIZERS, "NchwcTransformer")
@@ -51,6 +54,14 @@ class SessionConfig:
     arena: bool = True
     """onnxruntime's CPU memory arena: kept on (0-5% faster steps); off for sessions run only now and then, whose
     arena would hold on to their largest run's memory."""
+    park_openmp: bool = True
+    """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.parked`), so
+    that they do not share cores with onnxruntime's threads."""
+
+    @property
+    def parallel(self) -> bool:
+        """Whether runs may use more than one intra-op thread."""
+        return (self.threads if self.threads is not None else os.cpu_count() or 1) > 1
 
     def options(self) -> ort.SessionOptions:
         so = ort.SessionOptions()
@@ -74,14 +85,17 @@ class Runner:
                  disabled: Sequence[str] = DISABLED_OPTIMIZERS):
         self.what = what
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), config.options(),
-                                                providers=list(config.providers), disabled_optimizers=list(disabled))
+            with openmp.onnxruntime_threads():
+                self.session = ort.InferenceSession(model.SerializeToString(), config.options(),
+                                                    providers=list(config.providers),
+                                                    disabled_optimizers=list(disabled))
         except Exception as e:  # onnxruntime raises its own zoo of types
             raise SessionLoadError(f"onnxruntime cannot load the {what} model: {e}") from e
         self._c = self.session._sess
         self._run_options = C.RunOptions()
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self._park = config.park_openmp and config.parallel
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
         """Run on C-level OrtValues; returns OrtValues in `outputs` order (default: all outputs)."""
@@ -92,9 +106,12 @@ class Runner:
     def run_vector(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> C.OrtValueVector:
         """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
         names = self.output_names if outputs is None else outputs
+        feeds = feeds if isinstance(feeds, dict) else dict(feeds)
         try:
-            return self._c.run_with_ort_values(feeds if isinstance(feeds, dict) else dict(feeds), names,
-                                               self._run_options)
+            if self._park and openmp.contended():
+                with openmp.parked():
+                    return self._c.run_with_ort_values(feeds, names, self._run_options)
+            return self._c.run_with_ort_values(feeds, names, self._run_options)
         except Exception as e:
             missing = [n for n in self.input_names if n not in feeds]
             hint = f" (missing inputs: {missing})" if missing else ""

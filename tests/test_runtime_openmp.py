@@ -1,0 +1,144 @@
+"""runtime.openmp: torch's spinning OpenMP workers are seen, parked while onnxruntime runs, and let go after."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from runtime import openmp
+from runtime.ort_session import Runner, SessionConfig
+
+pytestmark = pytest.mark.skipif(os.cpu_count() is None or os.cpu_count() < 2 or not openmp._runtimes()
+                                or openmp._libc() is None, reason="needs 2 cores and an OpenMP runtime in torch")
+
+BIG = torch.randn(384, 384)
+
+
+def _spin() -> None:
+    """A parallel torch op: its workers spin for a while after it (unless OMP_WAIT_POLICY is passive)."""
+    BIG @ BIG
+
+
+def _running_others() -> set[int]:
+    me = str(threading.get_native_id())
+    running = set()
+    for tid in os.listdir("/proc/self/task"):
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/wchan", "rb") as f:
+                if f.read() == b"0":
+                    running.add(int(tid))
+        except OSError:
+            pass
+    return running
+
+
+def _wait_until(condition, seconds: float = 2.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.001)
+    return condition()
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _spinners() -> set[int]:
+    """torch's workers: the threads running right after a parallel op, once nothing else runs (an onnxruntime
+    session of another test may still spin for a while)."""
+    _wait_until(lambda: not _running_others())
+    _spin()
+    spinning = _running_others()
+    if not spinning:
+        pytest.skip("torch's OpenMP workers do not spin here (OMP_WAIT_POLICY passive?)")
+    return spinning
+
+
+def test_spinning_workers_are_seen_and_then_not(two_threads) -> None:
+    _spinners()
+    assert openmp.contended()
+    # libgomp's workers sleep once their spin count is used up (~10 ms here)
+    assert _wait_until(lambda: not openmp.contended())
+
+
+def _cpu_ns(tids: set[int]) -> int:
+    total = 0
+    for tid in tids:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total
+
+
+def test_parked_workers_sleep_and_come_back(two_threads) -> None:
+    spinning = _spinners()
+    before = _cpu_ns(spinning)
+    time.sleep(0.05)
+    spun = _cpu_ns(spinning) - before  # what the workers burn after an op when left alone
+    if spun < 2_000_000:
+        pytest.skip("torch's workers spin for less than 2 ms here")
+    _spin()
+    with openmp.parked():
+        before = _cpu_ns(spinning)
+        time.sleep(0.05)
+        parked = _cpu_ns(spinning) - before
+        assert not openmp.contended()
+    assert parked < spun / 4, (parked, spun)
+    # let go: torch's next op runs on its full pool and gives the right result
+    x = torch.randn(300, 300, dtype=torch.float64)
+    np.testing.assert_allclose((x @ x).numpy(), x.numpy() @ x.numpy(), rtol=1e-10)
+
+
+def test_parked_lets_go_when_the_body_raises(two_threads) -> None:
+    _spinners()
+    with pytest.raises(ValueError), openmp.parked():
+        raise ValueError("in the body")
+    _spin()  # would hang if a worker were left on the semaphore
+
+
+def _runner(config: SessionConfig) -> Runner:
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "x"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 256])])
+    return Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), config, "test")
+
+
+def test_runs_are_parked_only_when_torch_spins(two_threads, monkeypatch) -> None:
+    from onnxruntime.capi import _pybind_state as C
+
+    runner = _runner(SessionConfig(threads=2))
+    single = _runner(SessionConfig(threads=1))
+    entries = []
+    parked = openmp.parked
+
+    def counting():
+        entries.append(1)
+        return parked()
+
+    monkeypatch.setattr(openmp, "parked", counting)
+    x = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+    for _ in range(3):  # onnxruntime's own workers never count as spinning
+        _spinners()
+        y = runner.run(feeds)[0].numpy()
+        np.testing.assert_allclose(y, x @ x, rtol=1e-4, atol=1e-3)
+    assert len(entries) == 3
+    _spinners()
+    single.run(feeds)  # one thread: nothing to make room for
+    assert len(entries) == 3
+    assert _wait_until(lambda: not openmp.contended())
+    runner.run(feeds)
+    assert len(entries) == 3
