@@ -99,6 +99,8 @@ class _Threads:
         """onnxruntime's pool threads (`onnxruntime_threads`), idle between runs (`session.force_spinning_stop`)."""
         self.kept: dict[int, int] = {}
         self.count = -1
+        self.hot = -1
+        """The thread found running last."""
         self.lock = threading.Lock()
 
     def relist(self) -> None:
@@ -116,23 +118,32 @@ class _Threads:
         self.count = len(present)
 
     def running(self, me: int) -> bool:
-        """Whether a thread other than `me` and onnxruntime's is running or runnable."""
-        try:
-            count = os.stat(_TASKS).st_nlink - 2  # a task directory links its threads, itself and its parent
-        except OSError:
-            return False
+        """Whether a thread other than `me` and onnxruntime's is running or runnable. The one found last is
+        read first: a contended check is then one read."""
         with self.lock:
+            if self.hot != me and self._on_core(self.hot):
+                return True
+            try:
+                count = os.stat(_TASKS).st_nlink - 2  # a task directory links its threads, itself and its parent
+            except OSError:
+                return False
             if count != self.count:
                 self.relist()
-            for tid, fd in self.kept.items():
-                if tid == me:
-                    continue
-                try:
-                    if os.pread(fd, 8, 0) == b"0":
-                        return True
-                except OSError:  # gone: the next check lists again
-                    self.count = -1
+            for tid in self.kept:
+                if tid != me and tid != self.hot and self._on_core(tid):
+                    self.hot = tid
+                    return True
         return False
+
+    def _on_core(self, tid: int) -> bool:
+        fd = self.kept.get(tid)
+        if fd is None:
+            return False
+        try:
+            return os.pread(fd, 8, 0) == b"0"
+        except OSError:  # gone: the next check lists again
+            self.count = -1
+            return False
 
 
 _threads = _Threads()
