@@ -99,11 +99,21 @@ class _Threads:
         """onnxruntime's pool threads (`onnxruntime_threads`), idle between runs (`session.force_spinning_stop`)."""
         self.kept: dict[int, int] = {}
         self.count = -1
+        self.pid = os.getpid()
+        """The process the descriptors were opened in (`/proc/self` of a forked child is another process)."""
         self.hot = -1
         """The thread found running last."""
         self.lock = threading.Lock()
 
     def relist(self) -> None:
+        if self.pid != os.getpid():  # forked: the parent's threads are not ours
+            self.pid = os.getpid()
+            self.ours.clear()
+            for fd in self.kept.values():  # inherited copies, on the parent's threads
+                with suppress(OSError):
+                    os.close(fd)
+            self.kept.clear()
+            self.hot = -1
         try:
             present = {int(t) for t in os.listdir(_TASKS)}
         except OSError:
@@ -121,6 +131,8 @@ class _Threads:
         """Whether a thread other than `me` and onnxruntime's is running or runnable. The one found last is
         read first: a contended check is then one read."""
         with self.lock:
+            if self.pid != os.getpid():
+                self.relist()
             if self.hot != me and self._on_core(self.hot):
                 return True
             try:

@@ -142,3 +142,18 @@ def test_runs_are_parked_only_when_torch_spins(two_threads, monkeypatch) -> None
     assert _wait_until(lambda: not openmp.contended())
     runner.run(feeds)
     assert len(entries) == 3
+
+
+def test_a_forked_child_sees_its_own_threads(two_threads) -> None:
+    _spinners()
+    assert openmp.contended()  # the spinning worker is the one read first now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one thread, so nothing else can be running
+        try:
+            os.write(write, b"1" if not openmp.contended() and os.getpid() == openmp._threads.pid
+                     and set(openmp._threads.kept) <= {threading.get_native_id()} else b"0")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
