@@ -7,7 +7,7 @@ or a convolution into one part per thread, so each op waits for the part on the 
 784-512-256-10 at batch 256 stepped in 4.5 ms alone and 6.2 ms right after a torch step. That window is where a
 training loop calls ORTModule (after the optimizer's parallel ops) and where an interleaved benchmark does.
 
-So when another thread of the process is running (`_Threads`), the run happens inside a parallel region of the
+So when one of those workers is running (`_Workers`), the run happens inside a parallel region of the
 calling thread's own pool whose workers wait on a semaphore (asleep, in the kernel) until the run is over
 (`GOMP_parallel_start` with `sem_wait` as the body, the run, one `sem_post` a worker, `GOMP_parallel_end`): ~25
 µs, and the pool stays as it is. Ending the pool instead (`omp_pause_resource_all`, 60-110 µs) was as fast in
@@ -35,8 +35,13 @@ SEM_T_BYTES = 64
 """Room for a `sem_t` (32 bytes on 64-bit glibc)."""
 
 
+_BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+"""A parallel region's body: `void fn(void *data)`."""
+
+
 @dataclass(frozen=True)
 class _Runtime:
+    parallel: ctypes._CFuncPtr  # type: ignore[name-defined]
     start: ctypes._CFuncPtr  # type: ignore[name-defined]
     end: ctypes._CFuncPtr  # type: ignore[name-defined]
     threads: ctypes._CFuncPtr  # type: ignore[name-defined]
@@ -66,13 +71,15 @@ def _runtimes() -> tuple[_Runtime, ...]:
     for path in paths:
         try:
             lib = ctypes.CDLL(path)
-            start, end, threads = lib.GOMP_parallel_start, lib.GOMP_parallel_end, lib.omp_get_max_threads
+            parallel, start, end = lib.GOMP_parallel, lib.GOMP_parallel_start, lib.GOMP_parallel_end
+            threads = lib.omp_get_max_threads
         except (OSError, AttributeError):
             continue
+        parallel.argtypes, parallel.restype = [_BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint], None
         start.argtypes, start.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint], None
         end.argtypes, end.restype = [], None
         threads.argtypes, threads.restype = [], ctypes.c_int
-        found.append(_Runtime(start, end, threads))
+        found.append(_Runtime(parallel, start, end, threads))
     return tuple(found)
 
 
@@ -89,101 +96,74 @@ def _libc() -> _Libc | None:
     return _Libc(address, init, post) if address else None
 
 
-class _Threads:
-    """The process's threads other than onnxruntime's, with a descriptor on each one's `wchan` ("0" while it is
-    on a core or waiting for one: ~2 µs a read, `stat` takes 3); listed again when the process's thread count
-    changes (a pool made or grown)."""
+class _Workers:
+    """The workers of the calling thread's OpenMP pools, each with a descriptor on its `wchan` ("0" while it is on
+    a core or waiting for one: ~2 µs a read). They are learnt by one parallel region whose every member records its
+    thread id (`_probe`), again when the pools' sizes change, a worker is gone (a pool ended and made anew) or
+    another thread calls."""
 
     def __init__(self) -> None:
-        self.ours: set[int] = set()
-        """onnxruntime's pool threads (`onnxruntime_threads`), idle between runs (`session.force_spinning_stop`)."""
         self.kept: dict[int, int] = {}
-        self.count = -1
-        self.pid = os.getpid()
-        """The process the descriptors were opened in (`/proc/self` of a forked child is another process)."""
-        self.hot = -1
-        """The thread found running last."""
+        self.caller = -1
+        self.sizes: tuple[int, ...] = ()
         self.lock = threading.Lock()
 
-    def relist(self) -> None:
-        if self.pid != os.getpid():  # forked: the parent's threads are not ours
-            self.pid = os.getpid()
-            self.ours.clear()
-            for fd in self.kept.values():  # inherited copies, on the parent's threads
-                with suppress(OSError):
-                    os.close(fd)
-            self.kept.clear()
-            self.hot = -1
-        try:
-            present = {int(t) for t in os.listdir(_TASKS)}
-        except OSError:
-            present = set()
-        self.ours &= present  # a dead thread's id may be given to a new one
-        tids = present - self.ours
-        for tid in set(self.kept) - tids:
-            os.close(self.kept.pop(tid))
-        for tid in tids - set(self.kept):
+    def _learn(self, me: int, sizes: tuple[int, ...]) -> None:
+        for fd in self.kept.values():
+            with suppress(OSError):
+                os.close(fd)
+        self.kept = {}
+        for tid in _probe() - {me}:
             with suppress(OSError):
                 self.kept[tid] = os.open(f"{_TASKS}/{tid}/wchan", os.O_RDONLY)
-        self.count = len(present)
+        self.caller, self.sizes = me, sizes
 
-    def running(self, me: int) -> bool:
-        """Whether a thread other than `me` and onnxruntime's is running or runnable. The one found last is
-        read first: a contended check is then one read."""
+    def spinning(self, me: int, sizes: tuple[int, ...]) -> bool:
+        """Whether one of the calling thread's OpenMP workers (`sizes`: each runtime's team size) is running or
+        runnable: spinning, since the caller is not in a parallel region."""
         with self.lock:
-            if self.pid != os.getpid():
-                self.relist()
-            if self.hot != me and self._on_core(self.hot):
-                return True
-            try:
-                count = os.stat(_TASKS).st_nlink - 2  # a task directory links its threads, itself and its parent
-            except OSError:
-                return False
-            if count != self.count:
-                self.relist()
-            for tid in self.kept:
-                if tid != me and tid != self.hot and self._on_core(tid):
-                    self.hot = tid
-                    return True
+            if me != self.caller or sizes != self.sizes:
+                self._learn(me, sizes)
+            for fd in self.kept.values():
+                try:
+                    if os.pread(fd, 8, 0) == b"0":
+                        return True
+                except OSError:  # gone: learnt again at the next check
+                    self.caller = -1
         return False
 
-    def _on_core(self, tid: int) -> bool:
-        fd = self.kept.get(tid)
-        if fd is None:
-            return False
-        try:
-            return os.pread(fd, 8, 0) == b"0"
-        except OSError:  # gone: the next check lists again
-            self.count = -1
-            return False
+
+def _probe() -> set[int]:
+    """The thread ids of one parallel region's team on each runtime (the caller's pool, made if it was not)."""
+    seen: set[int] = set()
+
+    def body(_: int | None) -> None:
+        seen.add(threading.get_native_id())  # set.add holds the GIL: no lock needed
+
+    callback = _BODY(body)
+    for r in _runtimes():
+        if r.threads() > 1:
+            r.parallel(callback, None, 0, 0)
+    return seen
 
 
-_threads = _Threads()
-
-
-@contextmanager
-def onnxruntime_threads() -> Iterator[None]:
-    """Record the threads made inside (an onnxruntime session's pool) as onnxruntime's."""
-    try:
-        before = set(os.listdir(_TASKS))
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        with _threads.lock:
-            _threads.ours.update(int(t) for t in set(os.listdir(_TASKS)) - before)
-            _threads.relist()
+_workers = _Workers()
+_PID = os.getpid()
+"""The process this module was imported in. A forked child has the parent's OpenMP pools without their threads
+(a parallel region there can hang, which is why torch's DataLoader workers run on one thread): nothing is
+parked in one."""
 
 
 def contended() -> bool:
-    """Whether this thread's OpenMP pool has workers and another thread of the process runs now (a spinning
-    worker, most of the time)."""
+    """Whether a worker of this thread's OpenMP pool is spinning now (a torch op ran in parallel within the last
+    ~10 ms)."""
     runtimes = _runtimes()
-    if not runtimes or all(r.threads() <= 1 for r in runtimes):
+    if not runtimes or os.getpid() != _PID:
         return False
-    return _threads.running(threading.get_native_id())
+    sizes = tuple([r.threads() for r in runtimes])
+    if max(sizes) <= 1:
+        return False
+    return _workers.spinning(threading.get_native_id(), sizes)
 
 
 @contextmanager

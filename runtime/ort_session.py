@@ -85,10 +85,8 @@ class Runner:
                  disabled: Sequence[str] = DISABLED_OPTIMIZERS):
         self.what = what
         try:
-            with openmp.onnxruntime_threads():
-                self.session = ort.InferenceSession(model.SerializeToString(), config.options(),
-                                                    providers=list(config.providers),
-                                                    disabled_optimizers=list(disabled))
+            self.session = ort.InferenceSession(model.SerializeToString(), config.options(),
+                                                providers=list(config.providers), disabled_optimizers=list(disabled))
         except Exception as e:  # onnxruntime raises its own zoo of types
             raise SessionLoadError(f"onnxruntime cannot load the {what} model: {e}") from e
         self._c = self.session._sess
@@ -107,8 +105,9 @@ class Runner:
         """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
         names = self.output_names if outputs is None else outputs
         feeds = feeds if isinstance(feeds, dict) else dict(feeds)
+        park = self._park and openmp.contended()
         try:
-            if self._park and openmp.contended():
+            if park:
                 with openmp.parked():
                     return self._c.run_with_ort_values(feeds, names, self._run_options)
             return self._c.run_with_ort_values(feeds, names, self._run_options)
