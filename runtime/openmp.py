@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
+import torch
+
 _RUNTIME = re.compile(r"/lib(g|i|)omp[^/]*\.so[^/]*$")
 """libgomp (GNU, torch's Linux wheels; vendored copies carry a hash, `libgomp-a34b3233.so.1`), libiomp5
 (Intel) and libomp (LLVM), which both implement libgomp's entry points too."""
@@ -57,7 +59,9 @@ class _Libc:
 
 @functools.cache
 def _runtimes() -> tuple[_Runtime, ...]:
-    """Every OpenMP runtime loaded in this process (torch's among them) with libgomp's entry points."""
+    """torch's OpenMP runtime with libgomp's entry points: the one loaded from torch's own directories (its wheels
+    ship one, and other packages may ship copies of their own, whose pools are none of our business), else every
+    one loaded (a conda torch uses the environment's)."""
     paths: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
@@ -67,6 +71,9 @@ def _runtimes() -> tuple[_Runtime, ...]:
                     paths.append(path)
     except OSError:
         return ()
+    home = os.path.dirname(os.path.realpath(torch.__file__))  # torch/lib/ or, in manylinux wheels, torch.libs/
+    own = [p for p in paths if os.path.realpath(p).startswith((home + os.sep, home + ".libs" + os.sep))]
+    paths = own or paths
     found = []
     for path in paths:
         try:
@@ -97,39 +104,41 @@ def _libc() -> _Libc | None:
 
 
 class _Workers:
-    """The workers of the calling thread's OpenMP pools, each with a descriptor on its `wchan` ("0" while it is on
-    a core or waiting for one: ~2 µs a read). They are learnt by one parallel region whose every member records its
-    thread id (`_probe`), again when the pools' sizes change, a worker is gone (a pool ended and made anew) or
-    another thread calls."""
+    """The workers of one thread's OpenMP pools (libgomp keeps a pool per calling thread), each with a descriptor on
+    its `wchan` ("0" while it is on a core or waiting for one: ~2 µs a read). They are learnt by one parallel region
+    whose every member records its thread id (`_probe`), again when the pools' sizes change or a worker is gone (a
+    pool ended and made anew)."""
 
     def __init__(self) -> None:
         self.kept: dict[int, int] = {}
-        self.caller = -1
         self.sizes: tuple[int, ...] = ()
-        self.lock = threading.Lock()
 
-    def _learn(self, me: int, sizes: tuple[int, ...]) -> None:
+    def _learn(self, sizes: tuple[int, ...]) -> None:
+        self._close()
+        for tid in _probe() - {threading.get_native_id()}:
+            with suppress(OSError):
+                self.kept[tid] = os.open(f"{_TASKS}/{tid}/wchan", os.O_RDONLY)
+        self.sizes = sizes
+
+    def _close(self) -> None:
         for fd in self.kept.values():
             with suppress(OSError):
                 os.close(fd)
         self.kept = {}
-        for tid in _probe() - {me}:
-            with suppress(OSError):
-                self.kept[tid] = os.open(f"{_TASKS}/{tid}/wchan", os.O_RDONLY)
-        self.caller, self.sizes = me, sizes
 
-    def spinning(self, me: int, sizes: tuple[int, ...]) -> bool:
-        """Whether one of the calling thread's OpenMP workers (`sizes`: each runtime's team size) is running or
-        runnable: spinning, since the caller is not in a parallel region."""
-        with self.lock:
-            if me != self.caller or sizes != self.sizes:
-                self._learn(me, sizes)
-            for fd in self.kept.values():
-                try:
-                    if os.pread(fd, 8, 0) == b"0":
-                        return True
-                except OSError:  # gone: learnt again at the next check
-                    self.caller = -1
+    __del__ = _close
+
+    def spinning(self, sizes: tuple[int, ...]) -> bool:
+        """Whether one of the workers (`sizes`: each runtime's team size now) is running or runnable: spinning,
+        since their thread is not in a parallel region."""
+        if sizes != self.sizes:
+            self._learn(sizes)
+        for fd in self.kept.values():
+            try:
+                if os.pread(fd, 8, 0) == b"0":
+                    return True
+            except OSError:  # gone: learnt again at the next check
+                self.sizes = ()
         return False
 
 
@@ -147,7 +156,8 @@ def _probe() -> set[int]:
     return seen
 
 
-_workers = _Workers()
+_local = threading.local()
+"""Per thread: `workers`, the `_Workers` of its pools."""
 _PID = os.getpid()
 """The process this module was imported in. A forked child has the parent's OpenMP pools without their threads
 (a parallel region there can hang, which is why torch's DataLoader workers run on one thread): nothing is
@@ -163,7 +173,10 @@ def contended() -> bool:
     sizes = tuple([r.threads() for r in runtimes])
     if max(sizes) <= 1:
         return False
-    return _workers.spinning(threading.get_native_id(), sizes)
+    workers = getattr(_local, "workers", None)
+    if workers is None:
+        workers = _local.workers = _Workers()
+    return workers.spinning(sizes)
 
 
 @contextmanager

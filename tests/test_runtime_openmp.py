@@ -163,3 +163,23 @@ def test_a_forked_child_parks_nothing(two_threads) -> None:
         time.sleep(0.01)
     os.kill(pid, 9)
     pytest.fail("the forked child hung")
+
+
+def test_each_thread_watches_its_own_pool(two_threads) -> None:
+    """libgomp keeps one pool per calling thread: a thread's check reads its own pool's workers (whether they spin
+    now depends on libgomp's throttling, with more of its threads than cores)."""
+    _spinners()
+    assert openmp.contended()
+    main_workers = set(openmp._local.workers.kept)
+    seen: dict[str, set[int]] = {}
+
+    def other() -> None:
+        torch.set_num_threads(2)
+        _spin()
+        openmp.contended()
+        seen["workers"] = set(openmp._local.workers.kept)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert seen["workers"] and not seen["workers"] & main_workers
