@@ -105,10 +105,11 @@ page from saved results). `make bench` prints the tables without writing.
 - {results['threads']} intra-op threads for both (`torch.set_num_threads`, `ORTModule(threads=...)`), each
   engine with its defaults, as a user runs them: torch's OpenMP pool
   (`OMP_WAIT_POLICY={results.get('omp_wait_policy') or 'unset'}`) keeps its idle threads spinning for a while
-  after each parallel region, which makes torch faster and slows whatever runs next on the same cores (here
-  ORTModule's step, right after torch's); onnxruntime's threads spin while a run lasts and stop at its end
-  (`session.force_spinning_stop`). The second table repeats the step times with torch's threads passive, to
-  show how much of the ratio is that competition. `threads` is the most ORTModule uses: a model whose
+  after each parallel region (~10 ms of a core here), which makes torch faster and would slow whatever runs next
+  on the same cores (here ORTModule's step, right after torch's): ORTModule parks those workers while its runs
+  last (`runtime/openmp.py`); onnxruntime's threads spin while a run lasts and stop at its end
+  (`session.force_spinning_stop`). The second table repeats the step times with torch's threads passive (torch
+  then pays a wake-up per parallel op), for comparison. `threads` is the most ORTModule uses: a model whose
   forward work is small for its batch (below `runtime.workload.SMALL`, the tiny MLP) runs on one, as torch
   runs ops below its grain size on one.
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
