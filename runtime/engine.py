@@ -52,6 +52,11 @@ class Options:
     specialise: bool
     fallback: bool
     save_dir: Path | None
+    park_torch_threads: bool = True
+    """`SessionConfig.park_openmp` of every session."""
+
+    def config(self, threads: int | None) -> SessionConfig:
+        return SessionConfig(threads=threads, park_openmp=self.park_torch_threads)
 
 
 class _Small(NamedTuple):
@@ -82,7 +87,7 @@ class Schema:
         self.exported = exported
         self.options = options
         self.save_dir = save_dir
-        self.config = SessionConfig(threads=options.threads)
+        self.config = options.config(options.threads)
         self._infer: Runner | MaskedRunner | None = None
         self.sessions: dict[tuple[frozenset[str], Hashable], TrainingSession] = {}
         self.pinned: set[frozenset[str]] = set()
@@ -111,7 +116,7 @@ class Schema:
         batched = [(name, k, shapes[name][0]) for name, k in self.exported.inputs if shapes.get(name)]
         if work is not None and work < workload.SMALL and batched:
             name, k, batch = batched[0]
-            self.config = SessionConfig(threads=1)
+            self.config = self.options.config(1)
             self._small, self._batch = _Small(name, k, work / max(batch, 1)), batch
 
     def _fit_threads(self, batch: int) -> None:
@@ -121,7 +126,7 @@ class Schema:
         self._batch = batch
         if batch * self._small.work_per_sample >= workload.SMALL:
             self._small = None
-            self.config = SessionConfig(threads=self.options.threads)
+            self.config = self.options.config(self.options.threads)
             for s in self.sessions.values():
                 s.reconfigure(self.config)
             self._infer = None

@@ -49,18 +49,20 @@ class ORTModule(nn.Module):
     specialise: build backwards specialised to the outputs that receive gradients.
     save_onnx: directory receiving the exported, training, forward and backward ONNX files of every
         schema (default: the GRADBUILDER_SAVE_ONNX environment variable).
+    park_torch_threads: while an onnxruntime run on 2+ threads lasts, torch's OpenMP workers that are spinning
+        after its last parallel op sleep instead of sharing the cores (`runtime.openmp`); False leaves them be.
     """
 
     def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,
                  fallback: bool = False, threads: int | None = None, specialise: bool = True,
-                 save_onnx: str | os.PathLike | None = None):
+                 save_onnx: str | os.PathLike | None = None, park_torch_threads: bool = True):
         if isinstance(module, ORTModule):
             raise TypeError("the module is already an ORTModule")
         super().__init__()
         import torch
 
         options = Options(ExportOptions(exporter, opset), threads if threads is not None else torch.get_num_threads(),
-                          specialise, fallback, default_save_dir(save_onnx))
+                          specialise, fallback, default_save_dir(save_onnx), park_torch_threads)
         object.__setattr__(self, "_options", options)
         self._share(module)
         _bind_forward(self, module)

@@ -183,3 +183,28 @@ def test_each_thread_watches_its_own_pool(two_threads) -> None:
     t.start()
     t.join(30)
     assert seen["workers"] and not seen["workers"] & main_workers
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_ortmodule_parks_unless_told_not_to(two_threads, monkeypatch, park: bool) -> None:
+    from runtime import ORTModule
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    model = ORTModule(net, threads=2, park_torch_threads=park)
+    x = torch.randn(512, 256)
+    model(x).sum().backward()  # built on two threads (its forward work is above `workload.SMALL`)
+    entries = []
+    parked = openmp.parked
+
+    def counting():
+        entries.append(1)
+        return parked()
+
+    monkeypatch.setattr(openmp, "parked", counting)
+    _spinners()
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    assert bool(entries) == park
+    expected = torch.autograd.grad(net(x).sum(), net[0].weight)[0]
+    torch.testing.assert_close(net[0].weight.grad, expected, rtol=1e-4, atol=1e-4)
