@@ -6,7 +6,8 @@ constants must stay apart (`ConstantSharing` merges them, but training-mode Batc
 its batch statistics in place into its running-stat inputs, constants here (see `batchnorm`), so two
 BatchNorms of equal width would report one's statistics for both); and a step runs thousands of
 times, so the Python wrappers' per-call conversions are skipped. Backward sessions also go without
-onnxruntime's NCHWc layout (`BACKWARD_DISABLED_OPTIMIZERS`).
+onnxruntime's NCHWc layout (`BACKWARD_DISABLED_OPTIMIZERS`). A run on more than one thread parks torch's
+OpenMP workers if they are spinning (`openmp`), so that onnxruntime's threads have the cores.
 """
 
 from __future__ import annotations
