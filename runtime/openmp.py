@@ -105,7 +105,8 @@ def _libc() -> _Libc | None:
 
 class _Workers:
     """The workers of one thread's OpenMP pools (libgomp keeps a pool per calling thread), each with a descriptor on
-    its `wchan` ("0" while it is on a core or waiting for one: ~2 µs a read). They are learnt by one parallel region
+    its `stat`, whose state is R while it is on a core or waiting for one (~3 µs a read; `wchan` reads in 2 but
+    says "0" for every thread where the kernel hides its symbols). They are learnt by one parallel region
     whose every member records its thread id (`_probe`), again when the pools' sizes change or a worker is gone (a
     pool ended and made anew)."""
 
@@ -117,7 +118,7 @@ class _Workers:
         self._close()
         for tid in _probe() - {threading.get_native_id()}:
             with suppress(OSError):
-                self.kept[tid] = os.open(f"{_TASKS}/{tid}/wchan", os.O_RDONLY)
+                self.kept[tid] = os.open(f"{_TASKS}/{tid}/stat", os.O_RDONLY)
         self.sizes = sizes
 
     def _close(self) -> None:
@@ -135,10 +136,12 @@ class _Workers:
             self._learn(sizes)
         for fd in self.kept.values():
             try:
-                if os.pread(fd, 8, 0) == b"0":
-                    return True
+                stat = os.pread(fd, 64, 0)  # "tid (comm) S ...": comm is at most 15 bytes
             except OSError:  # gone: learnt again at the next check
                 self.sizes = ()
+                continue
+            if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
+                return True
         return False
 
 

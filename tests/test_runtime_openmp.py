@@ -32,9 +32,10 @@ def _running_others() -> set[int]:
         if tid == me:
             continue
         try:
-            with open(f"/proc/self/task/{tid}/wchan", "rb") as f:
-                if f.read() == b"0":
-                    running.add(int(tid))
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
+                running.add(int(tid))
         except OSError:
             pass
     return running
