@@ -14,6 +14,10 @@ calling thread's own pool whose workers wait on a semaphore (asleep, in the kern
 an interleaved benchmark but not in training loops: torch's next parallel op makes a new worker, which, when
 the process slept in between, queued behind its spinning parent for up to 16 ms (Adam loops with 2-3 ms pauses
 ran 1.4-3x slower). Nothing runs inside the region but onnxruntime, which does not use OpenMP.
+
+Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
+in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
+`ORTModule(..., park_torch_threads=False)`, leaves the workers alone.
 """
 
 from __future__ import annotations
