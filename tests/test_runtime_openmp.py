@@ -117,19 +117,25 @@ def _runner(config: SessionConfig) -> Runner:
     return Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), config, "test")
 
 
-def test_runs_are_parked_only_when_torch_spins(two_threads, monkeypatch) -> None:
+@pytest.fixture
+def entries(monkeypatch) -> list[int]:
+    """One entry per `openmp.parked` region entered while the test runs."""
+    entered: list[int] = []
+    parked = openmp.parked
+
+    def counting():
+        entered.append(1)
+        return parked()
+
+    monkeypatch.setattr(openmp, "parked", counting)
+    return entered
+
+
+def test_runs_are_parked_only_when_torch_spins(two_threads, entries) -> None:
     from onnxruntime.capi import _pybind_state as C
 
     runner = _runner(SessionConfig(threads=2))
     single = _runner(SessionConfig(threads=1))
-    entries = []
-    parked = openmp.parked
-
-    def counting():
-        entries.append(1)
-        return parked()
-
-    monkeypatch.setattr(openmp, "parked", counting)
     x = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
     feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
     for _ in range(3):  # onnxruntime's own workers never count as spinning
@@ -187,7 +193,7 @@ def test_each_thread_watches_its_own_pool(two_threads) -> None:
 
 
 @pytest.mark.parametrize("park", [True, False])
-def test_ortmodule_parks_unless_told_not_to(two_threads, monkeypatch, park: bool) -> None:
+def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool) -> None:
     from runtime import ORTModule
 
     torch.manual_seed(0)
@@ -195,14 +201,7 @@ def test_ortmodule_parks_unless_told_not_to(two_threads, monkeypatch, park: bool
     model = ORTModule(net, threads=2, park_torch_threads=park)
     x = torch.randn(512, 256)
     model(x).sum().backward()  # built on two threads (its forward work is above `workload.SMALL`)
-    entries = []
-    parked = openmp.parked
-
-    def counting():
-        entries.append(1)
-        return parked()
-
-    monkeypatch.setattr(openmp, "parked", counting)
+    entries.clear()
     _spinners()
     model.zero_grad(set_to_none=True)
     model(x).sum().backward()
