@@ -144,9 +144,15 @@ class _Workers:
             except OSError:  # gone: learnt again at the next check
                 self.sizes = ()
                 continue
-            if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
+            if on_core(stat):
                 return True
         return False
+
+
+def on_core(stat: bytes) -> bool:
+    """Whether a `/proc/.../stat` line ("tid (comm) S ...") says its thread is running or runnable."""
+    end = stat.rfind(b")")
+    return stat[end + 2:end + 3] == b"R"
 
 
 def _probe() -> set[int]:

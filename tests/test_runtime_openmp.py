@@ -34,7 +34,7 @@ def _running_others() -> set[int]:
         try:
             with open(f"/proc/self/task/{tid}/stat", "rb") as f:
                 stat = f.read()
-            if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
+            if openmp.on_core(stat):
                 running.add(int(tid))
         except OSError:
             pass
