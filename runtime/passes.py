@@ -31,7 +31,7 @@ REMAT_DEPTH = 6
 
 COMPARE = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
 
-MASKABLE = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "ScatterElements", "ScatterND"})
+MASKABLE = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "ScatterElements", "ScatterND", "MaxUnpool"})
 """Producers of a Where's kept operand for which `lower` multiplies by the mask (also through rearrangements,
 multiplications by a constant and sums of such): linear maps of the incoming gradient, which hold inf/nan
 only when that gradient or a weight already does."""

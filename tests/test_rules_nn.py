@@ -306,21 +306,42 @@ TILES = [((2, 3, 8, 8), [2, 2]), ((2, 3, 7, 9), [2, 2]), ((2, 2, 9), [3]), ((1, 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_max_pool_tiles(xs, kernel, symbolic, dtype):
     """Tiling windows (stride = kernel): a uint8 tile offset is stashed instead of int64 indices, the rows past
-    the last tile get no gradient. float spreads dY by a ConvTranspose, double by a Transpose."""
+    the last tile get no gradient. float of static sizes puts dY back by MaxUnpool at indices made from the
+    offsets, float of symbolic sizes spreads it by a ConvTranspose, double by a Transpose."""
     x = r(*xs, dtype=dtype)
     check_op("MaxPool", [("x", x)], pool_ref("max", kernel, kernel, [1] * len(kernel), [0] * len(kernel),
                                              [0] * len(kernel), 0),
              kernel_shape=kernel, strides=kernel, fd=False, symbolic={"x": list(range(len(xs)))} if symbolic else None)
-    model = single_op_model("MaxPool", [("x", x)], kernel_shape=kernel, strides=kernel)
+    model = single_op_model("MaxPool", [("x", x)], kernel_shape=kernel, strides=kernel,
+                            symbolic={"x": list(range(len(xs)))} if symbolic else None)
     training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
     ops = {n.op_type for n in training.graph.node}
-    assert "ScatterElements" not in ops and ("ConvTranspose" in ops) == (dtype == np.float32)
+    float32 = dtype == np.float32
+    assert "ScatterElements" not in ops
+    assert ("MaxUnpool" in ops) == (float32 and not symbolic) and ("ConvTranspose" in ops) == (float32 and symbolic)
     manifest = gradbuilder.split(training)[2]
     stash = [e.name for e in manifest.backward_inputs if e.role == "stash"]
     types = {v.name: v.type.tensor_type.elem_type for v in gradbuilder.split(training)[0].graph.output}
     assert "x" not in backward_reads(model, ["x"])
     kinds = [types[n] for n in stash]  # the offsets, and x's shape when it is symbolic
     assert onnx.TensorProto.UINT8 in kinds and set(kinds) <= {onnx.TensorProto.UINT8, onnx.TensorProto.INT64}
+
+
+@pytest.mark.parametrize("xs,kernel", [((2, 3, 7, 9), [2, 2]), ((2, 2, 9), [3]), ((1, 2, 4, 6, 5), [2, 3, 2])])
+def test_max_pool_tiles_nonfinite(xs, kernel):
+    """MaxUnpool's gradient is torch's bit for bit, an inf or nan in dY included: each reaches the element
+    its window picked and nothing else (a one-hot spread would make the window's others nan)."""
+    x = r(*xs, dtype=np.float32)
+    model = single_op_model("MaxPool", [("x", x)], kernel_shape=kernel, strides=kernel)
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
+    assert "MaxUnpool" in {n.op_type for n in training.graph.node}
+    xt = torch.from_numpy(x).requires_grad_()
+    y = _torch_max_pool(kernel, kernel)(xt)
+    dy = torch.from_numpy(r(*y.shape, dtype=np.float32))
+    dy.view(-1)[0], dy.view(-1)[-1] = float("inf"), float("nan")
+    (expected,) = torch.autograd.grad(y, xt, dy)
+    _, grads = Trainer(training).step({"x": x}, [dy.numpy()])
+    np.testing.assert_array_equal(grads["x"], expected.numpy())
 
 
 def _torch_max_pool(kernel, strides):

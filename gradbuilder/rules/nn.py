@@ -26,6 +26,8 @@ from .registry import rule
 
 HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 INT64_MAX = int(np.iinfo(np.int64).max)
+FLOAT_EXACT = 2 ** 24
+"""float32 holds every integer up to this one exactly."""
 
 Sizes = Sequence[int] | str
 """Per spatial dim: ints known when building, or (str) a 1-D int64 tensor computed at run time."""
@@ -460,8 +462,9 @@ def _tile_offsets(g: Grad, x: str, kernel: Sequence[int]) -> str:
 
 
 def _tile_spread(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int]) -> str:
-    """dY put on the elements `_tile_offsets` names, zeros elsewhere: a one-hot of each offset along a new axis
-    (Equal against 0..K-1), times dY, then laid out as x. float: one ConvTranspose with stride = kernel and a
+    """dY put on the elements `_tile_offsets` names, zeros elsewhere. float of static sizes: `_tile_unpool`.
+    Otherwise a one-hot of each offset along a new axis (Equal against 0..K-1), times dY, then laid out as x.
+    float: one ConvTranspose with stride = kernel and a
     one-hot weight writes every tile, its input a single image of K channels whose first spatial axis runs
     over batch, channels and the first output axis (one GEMM; with N*C images instead, LeNet's second pool
     took 2.3x longer); other types interleave by a Transpose. Rows and columns past the last tile get zeros
@@ -471,6 +474,9 @@ def _tile_spread(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int]) 
     total = int(np.prod(kernel))
     dtype = g.dtype(x)
     static = g.info(x).shape
+    if dtype == TensorProto.FLOAT and static is not None and all(isinstance(n, int) for n in static[1:]) \
+            and int(np.prod(static[1:])) <= FLOAT_EXACT:
+        return _tile_unpool(g, x, offsets, dy, kernel, static[1], static[2:])
     if static is not None and all(isinstance(n, int) for n in static[2:]):
         outs = g.ints([n // k for n, k in zip(static[2:], kernel)])
     else:
@@ -498,6 +504,35 @@ def _tile_spread(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int]) 
         tail = g.Mod(sizes, g.ints(kernel)) if isinstance(sizes, str) else [n % k for n, k in zip(sizes, kernel)]
         out = g.Pad(out, _pads(g, [0] * nd, tail))
     return out
+
+
+def _tile_unpool(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int], channels: int,
+                 sizes: Sequence[int]) -> str:
+    """dY put back by MaxUnpool at the flat index in x of the element each window picked: the stashed offset
+    f as a displacement in x, `f + sum_i r_i (stride_i - K_i)` (`r_i` its digit along axis i, `K_i` the
+    tile's own stride), plus the tile's first element within a sample (a constant), in float32, exact while a
+    sample has at most 2^24 elements (onnxruntime's int64 Div and Cast from bytes are slower); the sample's
+    start added in int64. Bit for bit torch's backward, non-finite dY included; zeros where no window reaches
+    (the rows and columns past the last tile)."""
+    nd = len(kernel)
+    strides = [int(np.prod(sizes[i + 1:])) for i in range(nd)]
+    plane = int(np.prod(sizes))
+    start = np.arange(channels).reshape(-1, *[1] * nd) * plane
+    for i, (n, k) in enumerate(zip(sizes, kernel)):
+        start = start + (np.arange(n // k) * k * strides[i]).reshape(-1, *[1] * (nd - 1 - i))
+    f = g.Cast(offsets, to=TensorProto.FLOAT)
+    index = f
+    for i in range(nd - 1):
+        inner = int(np.prod(kernel[i + 1:]))
+        digit = g.Floor(g.Div(f, g.const(np.float32(inner))))
+        if i:
+            digit = g.Mod(digit, g.const(np.float32(kernel[i])), fmod=1)
+        index = g.Add(index, g.Mul(digit, g.const(np.float32(strides[i] - inner))))
+    index = g.Cast(g.Add(index, g.const(start.astype(np.float32))), to=TensorProto.INT64)
+    shape = g.shape_of(x)
+    batch = g.Range(g.ints(0), g.Gather(shape, g.ints(0)), g.ints(1))
+    first = g.Reshape(g.Mul(batch, g.ints(channels * plane)), g.ints([-1] + [1] * (nd + 1)))
+    return g.MaxUnpool(dy, g.Add(index, first), shape, kernel_shape=list(kernel), strides=list(kernel))
 
 
 @rule("MaxPool", since=13, nondiff_outputs=(1,))
