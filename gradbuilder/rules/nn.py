@@ -270,13 +270,23 @@ swapped Conv's im2col holds one input channel at a time. The benchmark's MNIST- 
 need 1.8M and takes the swapped Conv."""
 
 
+SMALL_MAP = 16
+"""Small kernels over at most this many output positions a sample (4x4) take the swapped Conv from more than
+`UNFOLD_MAX_INPUTS` channels: the unfold's grouped Conv then makes N*C tiny im2col + GEMM calls. Weight
+gradients alone, 2 threads, batch 64 (unfold / swapped; torch): 16 -> 32 on 4x4 0.40 / 0.23 ms (0.23),
+32 -> 32 on 4x4 0.51 / 0.26 (0.28), 64 -> 64 on 4x4 2.10 / 0.93 (0.92), 128 -> 128 on 2x2 3.06 / 0.72 (0.89);
+over 8x8 and more the two are level or the unfold wins (16 -> 16 on 8x8 0.50 / 0.44, 32 -> 64 on 8x8
+1.89 / 1.86, 8 -> 16 on 16x16 0.99 / 1.29, 16 -> 16 on 32x32 6.6 / 7.8)."""
+
+
 def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, positions: int) -> bool:
     """Whether the weight gradient unfolds the input: ungrouped, a type onnxruntime convolves, an unfolded
-    sample of at most `UNFOLD_MAX_ELEMENTS`, and a small kernel or few input channels."""
+    sample of at most `UNFOLD_MAX_ELEMENTS`, and few input channels, or a small kernel over more than
+    `SMALL_MAP` positions."""
     taps = int(np.prod(win.kernel))
     return (group == 1 and g.dtype(inp) in (TensorProto.FLOAT, TensorProto.FLOAT16)
             and channels * taps * positions <= UNFOLD_MAX_ELEMENTS
-            and (taps <= SMALL_KERNEL or channels <= UNFOLD_MAX_INPUTS))
+            and (channels <= UNFOLD_MAX_INPUTS or (taps <= SMALL_KERNEL and positions > SMALL_MAP)))
 
 
 def unfold_kernel(channels: int, kernel: Sequence[int]) -> np.ndarray:
