@@ -704,10 +704,10 @@ def _from_statistics(g: Grad, x: str, mean: str, invstd: str, stat_type: int) ->
 
 
 def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str] | None:
-    """(xhat, invstd) from a training BatchNormalization's running outputs when they are the batch statistics
-    exactly: momentum 0 (running = batch * 1 + input * 0) with finite constant running inputs. The runtime
-    exports torch's BatchNorm that way; backward then reads two values a channel instead of reducing over x
-    twice again."""
+    """(mean, invstd), per channel at x's type, from a training BatchNormalization's running outputs when they
+    are the batch statistics exactly: momentum 0 (running = batch * 1 + input * 0) with finite constant running
+    inputs. The runtime exports torch's BatchNorm that way; backward then reads two values a channel instead of
+    reducing over x twice again."""
     outs = g.node.output
     if g.opset < 14 or len(outs) < 3 or not outs[1] or not outs[2] or float(g.attr("momentum", 0.9)) != 0.0 \
             or not _readable(g, g.dtype(outs[2]), x):
@@ -716,8 +716,38 @@ def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str]
         value = g.const_input(k)
         if value is None or not np.all(np.isfinite(value)):
             return None
-    invstd = _inv_std(g, outs[2], eps, like=outs[2])
-    return _from_statistics(g, x, _per_channel(g, outs[1], rank), _per_channel(g, invstd, rank), g.dtype(outs[2]))
+    mean, invstd = _per_channel(g, outs[1], rank), _per_channel(g, _inv_std(g, outs[2], eps, like=outs[2]), rank)
+    if g.dtype(outs[2]) != g.dtype(x):
+        mean, invstd = g.cast_like(mean, x), g.cast_like(invstd, x)
+    return mean, invstd
+
+
+def _batch_norm_training(g: Grad, x: str, scale: str, dy: str, rank: int, eps: float
+                         ) -> tuple[str | None, str | None, str | None]:
+    """(dX, dscale, dbias) of a training BatchNormalization, from the two sums over batch and positions that
+    dscale and dbias are anyway, `S1 = sum dY` and `S2 = sum dY (x - mean)`: with a = scale * invstd and M
+    values a channel, dX = a dY - a S1 / M - (x - mean) a invstd^2 S2 / M (the textbook form's reductions of
+    dxhat are these sums times the scale). Eight passes over the input's size instead of thirteen."""
+    axes = [0, *range(2, rank)]
+    stats = _batch_statistics(g, x, rank, eps)
+    if stats is None:  # recomputed from x
+        centered = g.Sub(x, g.reduce("ReduceMean", x, axes))
+        invstd = _inv_std(g, g.reduce("ReduceMean", g.Mul(centered, centered), axes), eps, like=x)
+    else:
+        centered = g.Sub(x, stats[0])
+        invstd = stats[1]
+    sum_dy = g.reduce_sum(dy, axes)
+    sum_dyc = g.reduce_sum(g.Mul(dy, centered), axes)
+    dscale = g.squeeze(g.Mul(sum_dyc, invstd), axes) if g.needs(1) else None
+    dbias = g.squeeze(sum_dy, axes) if g.needs(2) else None
+    dx = None
+    if g.needs(0):
+        a = g.Mul(_per_channel(g, scale, rank), invstd)
+        inv_count = g.Div(g.Cast(g.Size(scale), to=g.dtype(x)), g.Cast(g.Size(x), to=g.dtype(x)))
+        b = g.Mul(a, g.Mul(sum_dy, inv_count))
+        k = g.Mul(g.Mul(a, g.Mul(invstd, invstd)), g.Mul(sum_dyc, inv_count))
+        dx = g.Sub(g.Sub(g.Mul(dy, a), b), g.Mul(centered, k))
+    return dx, dscale, dbias
 
 
 @rule("BatchNormalization", since=13, nondiff=(3, 4), nondiff_if=_bn_stats_stop, nondiff_outputs=(1, 2, 3, 4))
@@ -729,21 +759,18 @@ def batch_norm(g: Grad):
     rank = g.require_rank(x)
     axes = [0, *range(2, rank)]
     eps = float(g.attr("epsilon", 1e-5))
-    dmean = dvar = None
     if _is_training_bn(g.node, g.opset):
-        xhat, invstd = _batch_statistics(g, x, rank, eps) or _standardize(g, x, axes, eps)
-        dxhat = g.Mul(dy, _per_channel(g, scale, rank))
-        dx = _standardize_grad(g, dxhat, xhat, invstd, axes) if g.needs(0) else None
-    else:
-        invstd = _per_channel(g, g.Reciprocal(g.Sqrt(g.Add(g.I(4), g.const(eps, like=x)))), rank)
-        xhat = g.Mul(g.Sub(x, _per_channel(g, g.I(3), rank)), invstd) if g.needs(1) or g.needs(4) else None
-        dxhat = g.Mul(dy, _per_channel(g, scale, rank)) if g.needs(0) or g.needs(3) or g.needs(4) else None
-        dx = g.Mul(dxhat, invstd) if g.needs(0) else None
-        # y = scale * (x - mean) * (var + eps)^-1/2 + bias
-        dmean = g.Neg(g.reduce_sum(g.Mul(dxhat, invstd), axes, keepdims=False)) if g.needs(3) else None
-        if g.needs(4):
-            half_inv_var = g.Mul(g.const(-0.5, like=x), g.Mul(invstd, invstd))
-            dvar = g.reduce_sum(g.Mul(g.Mul(dxhat, xhat), half_inv_var), axes, keepdims=False)
+        return (*_batch_norm_training(g, x, scale, dy, rank, eps), None, None)
+    # y = scale * (x - mean) * (var + eps)^-1/2 + bias
+    invstd = _per_channel(g, g.Reciprocal(g.Sqrt(g.Add(g.I(4), g.const(eps, like=x)))), rank)
+    xhat = g.Mul(g.Sub(x, _per_channel(g, g.I(3), rank)), invstd) if g.needs(1) or g.needs(4) else None
+    dxhat = g.Mul(dy, _per_channel(g, scale, rank)) if g.needs(0) or g.needs(3) or g.needs(4) else None
+    dx = g.Mul(dxhat, invstd) if g.needs(0) else None
+    dmean = g.Neg(g.reduce_sum(g.Mul(dxhat, invstd), axes, keepdims=False)) if g.needs(3) else None
+    dvar = None
+    if g.needs(4):
+        half_inv_var = g.Mul(g.const(-0.5, like=x), g.Mul(invstd, invstd))
+        dvar = g.reduce_sum(g.Mul(g.Mul(dxhat, xhat), half_inv_var), axes, keepdims=False)
     dscale = g.reduce_sum(g.Mul(dy, xhat), axes, keepdims=False) if g.needs(1) else None
     dbias = g.reduce_sum(dy, axes, keepdims=False) if g.needs(2) else None
     return (dx, dscale, dbias, dmean, dvar)
