@@ -474,12 +474,11 @@ def _tile_offsets(g: Grad, x: str, kernel: Sequence[int]) -> str:
 def _tile_spread(g: Grad, x: str, offsets: str, dy: str, kernel: Sequence[int]) -> str:
     """dY put on the elements `_tile_offsets` names, zeros elsewhere. float of static sizes: `_tile_unpool`.
     Otherwise a one-hot of each offset along a new axis (Equal against 0..K-1), times dY, then laid out as x.
-    float: one ConvTranspose with stride = kernel and a
-    one-hot weight writes every tile, its input a single image of K channels whose first spatial axis runs
-    over batch, channels and the first output axis (one GEMM; with N*C images instead, LeNet's second pool
-    took 2.3x longer); other types interleave by a Transpose. Rows and columns past the last tile get zeros
-    (Pad). No scatter, no zero-filled plane, no index arithmetic. A non-finite dY makes its window's other
-    elements nan (0 * inf) where torch leaves zeros."""
+    float: one ConvTranspose with stride = kernel and a one-hot weight writes every tile, its input a single
+    image of K channels whose first spatial axis runs over batch, channels and the first output axis (one
+    GEMM; with N*C images instead, LeNet's second pool took 2.3x longer); other types interleave by a
+    Transpose. Rows and columns past the last tile get zeros (Pad). No scatter, no zero-filled plane, no index
+    arithmetic. A non-finite dY makes its window's other elements nan (0 * inf) where torch leaves zeros."""
     nd = len(kernel)
     total = int(np.prod(kernel))
     dtype = g.dtype(x)
