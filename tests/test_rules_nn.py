@@ -956,8 +956,19 @@ def test_batch_norm_running_statistics_stay_buffers():
         assert "non-differentiable" in meta["no_gradient"]["m"]
 
 
+def test_conv1d_weight_gradient_unfolds_over_few_positions():
+    """The small-map swap is 2-D only (onnxruntime's blocked kernels, which make it pay, are 2-D)."""
+    rng = np.random.default_rng(0)
+    model = single_op_model("Conv", [("x", rng.standard_normal((2, 8, 4)).astype(np.float32)),
+                                     ("w", rng.standard_normal((8, 8, 3)).astype(np.float32))], pads=[1, 1])
+    ops = [n.op_type for n in gradbuilder.build_gradient_graph(model, wrt=["w"]).graph.node]
+    assert "MatMul" in ops and ops.count("Conv") == 2  # the forward and the one-hot unfold
+
+
 @pytest.mark.parametrize(("kernel", "inputs", "outputs", "size", "group", "expected"), [
     (3, 4, 4, 8, 1, "per sample"),   # 3x3: the input unfolded, against dY sample by sample
+    (3, 4, 4, 4, 1, "swapped"),      # 3x3 over 4x4 positions: the unfold's grouped Conv would make N*C tiny calls
+    (3, 3, 4, 4, 1, "per sample"),   # ... but from at most 3 channels it unfolds
     (3, 4, 4, None, 1, "swapped"),   # positions unknown when building: the unfolded size is unbounded
     (3, 4, 4, 128, 1, "swapped"),    # 4 x 9 x 128 x 128 unfolded elements a sample: above the bound
     (3, 4, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions

@@ -276,17 +276,20 @@ SMALL_MAP = 16
 gradients alone, 2 threads, batch 64 (unfold / swapped; torch): 16 -> 32 on 4x4 0.40 / 0.23 ms (0.23),
 32 -> 32 on 4x4 0.51 / 0.26 (0.28), 64 -> 64 on 4x4 2.10 / 0.93 (0.92), 128 -> 128 on 2x2 3.06 / 0.72 (0.89);
 over 8x8 and more the two are level or the unfold wins (16 -> 16 on 8x8 0.50 / 0.44, 32 -> 64 on 8x8
-1.89 / 1.86, 8 -> 16 on 16x16 0.99 / 1.29, 16 -> 16 on 32x32 6.6 / 7.8)."""
+1.89 / 1.86, 8 -> 16 on 16x16 0.99 / 1.29, 16 -> 16 on 32x32 6.6 / 7.8). 2-D layers only: the swapped Conv's
+speed there is onnxruntime's blocked kernels' (runtime/nchwc.py), which 1-D layers lack (64 -> 64 over 16
+positions: 0.76 / 1.62 ms)."""
 
 
 def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, positions: int) -> bool:
     """Whether the weight gradient unfolds the input: ungrouped, a type onnxruntime convolves, an unfolded
-    sample of at most `UNFOLD_MAX_ELEMENTS`, and few input channels, or a small kernel over more than
-    `SMALL_MAP` positions."""
+    sample of at most `UNFOLD_MAX_ELEMENTS`, and few input channels, or a small kernel (over more than
+    `SMALL_MAP` positions in 2-D)."""
     taps = int(np.prod(win.kernel))
+    small_map = len(win.kernel) == 2 and positions <= SMALL_MAP
     return (group == 1 and g.dtype(inp) in (TensorProto.FLOAT, TensorProto.FLOAT16)
             and channels * taps * positions <= UNFOLD_MAX_ELEMENTS
-            and (channels <= UNFOLD_MAX_INPUTS or (taps <= SMALL_KERNEL and positions > SMALL_MAP)))
+            and (channels <= UNFOLD_MAX_INPUTS or (taps <= SMALL_KERNEL and not small_map)))
 
 
 def unfold_kernel(channels: int, kernel: Sequence[int]) -> np.ndarray:
