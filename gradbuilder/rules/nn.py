@@ -657,12 +657,16 @@ def global_max_pool(g: Grad):
 
 
 # --- normalization -------------------------------------------------------------------------------
-def _standardize(g: Grad, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
-    """(xhat, invstd) of x over `axes` (biased variance, keepdims), recomputed in backward."""
-    mean = g.reduce("ReduceMean", x, axes)
-    centered = g.Sub(x, mean)
+def _centered(g: Grad, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
+    """(x - mean, invstd) of x over `axes` (biased variance, keepdims), recomputed in backward."""
+    centered = g.Sub(x, g.reduce("ReduceMean", x, axes))
     var = g.reduce("ReduceMean", g.Mul(centered, centered), axes)
-    invstd = _inv_std(g, var, eps, like=x)
+    return centered, _inv_std(g, var, eps, like=x)
+
+
+def _standardize(g: Grad, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
+    """(xhat, invstd) of x over `axes`, recomputed in backward."""
+    centered, invstd = _centered(g, x, axes, eps)
     return g.Mul(centered, invstd), invstd
 
 
@@ -698,10 +702,16 @@ def _readable(g: Grad, stat_type: int, x: str) -> bool:
     return stat_type == g.dtype(x) or g.dtype(x) in HALF_TYPES
 
 
-def _from_statistics(g: Grad, x: str, mean: str, invstd: str, stat_type: int) -> tuple[str, str]:
-    """(xhat, invstd) at x's type from a mean and invstd the forward node output (broadcastable to x)."""
+def _at_type_of(g: Grad, x: str, mean: str, invstd: str, stat_type: int) -> tuple[str, str]:
+    """A forward node's mean and invstd (of `stat_type`) at x's type."""
     if stat_type != g.dtype(x):
         mean, invstd = g.cast_like(mean, x), g.cast_like(invstd, x)
+    return mean, invstd
+
+
+def _from_statistics(g: Grad, x: str, mean: str, invstd: str, stat_type: int) -> tuple[str, str]:
+    """(xhat, invstd) at x's type from a mean and invstd the forward node output (broadcastable to x)."""
+    mean, invstd = _at_type_of(g, x, mean, invstd, stat_type)
     return g.Mul(g.Sub(x, mean), invstd), invstd
 
 
@@ -718,10 +728,8 @@ def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str]
         value = g.const_input(k)
         if value is None or not np.all(np.isfinite(value)):
             return None
-    mean, invstd = _per_channel(g, outs[1], rank), _per_channel(g, _inv_std(g, outs[2], eps, like=outs[2]), rank)
-    if g.dtype(outs[2]) != g.dtype(x):
-        mean, invstd = g.cast_like(mean, x), g.cast_like(invstd, x)
-    return mean, invstd
+    invstd = _per_channel(g, _inv_std(g, outs[2], eps, like=outs[2]), rank)
+    return _at_type_of(g, x, _per_channel(g, outs[1], rank), invstd, g.dtype(outs[2]))
 
 
 def _batch_norm_training(g: Grad, x: str, scale: str, dy: str, rank: int, eps: float
@@ -733,11 +741,9 @@ def _batch_norm_training(g: Grad, x: str, scale: str, dy: str, rank: int, eps: f
     axes = [0, *range(2, rank)]
     stats = _batch_statistics(g, x, rank, eps)
     if stats is None:  # recomputed from x
-        centered = g.Sub(x, g.reduce("ReduceMean", x, axes))
-        invstd = _inv_std(g, g.reduce("ReduceMean", g.Mul(centered, centered), axes), eps, like=x)
+        centered, invstd = _centered(g, x, axes, eps)
     else:
-        centered = g.Sub(x, stats[0])
-        invstd = stats[1]
+        centered, invstd = g.Sub(x, stats[0]), stats[1]
     sum_dy = g.reduce_sum(dy, axes)
     sum_dyc = g.reduce_sum(g.Mul(dy, centered), axes)
     dscale = g.squeeze(g.Mul(sum_dyc, invstd), axes) if g.needs(1) else None
