@@ -21,7 +21,7 @@ from typing import Any
 from . import builder_scaling, report
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "gpt2")
-PARTS = ("timing", "memory", "first", "overhead", "builder", "passive", "shapes")
+PARTS = ("timing", "memory", "first", "overhead", "builder", "passive", "shapes", "grid")
 PASSIVE_MODELS = ("mlp", "cnn", "transformer")
 
 
@@ -31,7 +31,7 @@ def _log(msg: str) -> None:
 
 def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> dict[str, Any]:
     from . import measure, probe
-    from .models import CASES, SHAPES
+    from .models import CASES, GRID, SHAPES
 
     results: dict[str, Any] = {"machine": report.machine(), "threads": threads, "models": {},
                                "started": time.strftime("%Y-%m-%d %H:%M"), "load_start": report.load()}
@@ -64,19 +64,27 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> d
     if "passive" in parts:
         _log("torch with passive OpenMP threads (OMP_WAIT_POLICY=PASSIVE): step times in a fresh process")
         results["passive"] = passive([m for m in models if m in PASSIVE_MODELS], threads, reps)
-    if "shapes" in parts:
-        results["shapes"] = {}
-        for name, case in SHAPES.items():
-            _log(f"{name}: interleaved steps")
-            load0 = report.load()
-            results["shapes"][name] = {"description": case.description,
-                                       **measure.step_ratio(case, threads=threads, reps=reps),
-                                       "load": (load0 + report.load()) / 2}
+    for part, cases in (("shapes", SHAPES), ("grid", GRID)):
+        if part in parts:
+            results[part] = ratios(cases, threads, reps)
     if "builder" in parts:
         _log("builder scaling")
         results["builder"] = builder_scaling.measure()
     results["load_end"] = report.load()
     return results
+
+
+def ratios(cases: dict[str, Any], threads: int, reps: int | None) -> dict[str, Any]:
+    """Step times and paired ratio of each case against torch eager, with the load while it ran."""
+    from . import measure
+
+    out = {}
+    for name, case in cases.items():
+        _log(f"{name}: interleaved steps")
+        load0 = report.load()
+        out[name] = {"description": case.description, **measure.step_ratio(case, threads=threads, reps=reps),
+                     "load": (load0 + report.load()) / 2}
+    return out
 
 
 def passive(models: list[str], threads: int, reps: int | None) -> dict[str, Any]:
@@ -97,7 +105,8 @@ def passive(models: list[str], threads: int, reps: int | None) -> dict[str, Any]
 
 # where each part lands in the results: per model (keys of a model's entry) or for the whole run
 _MODEL_KEYS = {"timing": ("timing",), "memory": ("rss",), "first": ("first", "compile_saved")}
-_RUN_KEYS = {"overhead": "overhead", "builder": "builder", "passive": "passive", "shapes": "shapes"}
+_RUN_KEYS = {"overhead": "overhead", "builder": "builder", "passive": "passive", "shapes": "shapes",
+             "grid": "grid"}
 
 
 def keep_unmeasured(results: dict[str, Any], earlier: dict[str, Any], parts: set[str]) -> None:

@@ -151,3 +151,52 @@ SHAPES: dict[str, Case] = {c.name: c for c in [
          _tokens(2, 64, GPT_VOCAB), 4),
 ]}
 """Other shapes of the reference models' families (the `shapes` part): step-time ratios only."""
+
+
+def _mlp_case(sizes: tuple[int, ...], batch: int) -> Case:
+    return Case(f"mlp-{'-'.join(map(str, sizes))}-b{batch}", f"MLP {'-'.join(map(str, sizes))}, batch {batch}",
+                lambda: WithLoss(mlp(sizes)), _images(batch, (sizes[0],), 10), 60)
+
+
+def _lenet_case(channels: tuple[int, int, int], size: int, kernel: int, hidden: tuple[int, ...], batch: int) -> Case:
+    c0, c1, c2 = channels
+    return Case(f"lenet-{c0}-{c1}-{c2}-s{size}-k{kernel}-b{batch}",
+                f"LeNet {c0}x{size}x{size} -> {c1} -> {c2} channels, {kernel}x{kernel}, dense "
+                f"{'-'.join(map(str, hidden))}, batch {batch}",
+                lambda: WithLoss(lenet(channels, size, kernel, hidden)), _images(batch, (c0, size, size), 10), 30)
+
+
+def _encoder_case(vocab: int, d: int, heads: int, layers: int, seq: int, ff: int, dropout: float, causal: bool,
+                  batch: int, activation: str = "relu") -> Case:
+    kind = "causal " if causal else ""
+    return Case(f"enc-d{d}-h{heads}-l{layers}-s{seq}-b{batch}{'-causal' if causal else ''}-v{vocab}",
+                f"pre-LN {kind}encoder, {layers} layers, d={d}, {heads} heads, ff {ff} ({activation}), dropout "
+                f"{dropout}, seq {seq}, batch {batch}, vocab {vocab}",
+                lambda: WithLoss(Encoder(vocab, d, heads, layers, seq, ff, dropout, causal=causal,
+                                         activation=activation)), _tokens(batch, seq, vocab), 12)
+
+
+GRID: dict[str, Case] = {c.name: c for c in [
+    *(_mlp_case(sizes, batch) for sizes, batch in [
+        ((784, 300, 100, 10), 64), ((784, 512, 512, 10), 32), ((784, 512, 512, 10), 100), ((784, 1024, 10), 64),
+        ((784, 256, 10), 128), ((3072, 512, 256, 10), 64), ((784, 2048, 2048, 10), 64), ((784, 512, 512, 10), 512),
+        ((100, 200, 200, 10), 64), ((784, 800, 800, 10), 50)]),
+    *(_lenet_case(*params) for params in [
+        ((1, 6, 16), 28, 5, (120, 84), 32), ((1, 6, 16), 28, 5, (120, 84), 256), ((1, 16, 32), 28, 5, (120, 84), 64),
+        ((1, 6, 16), 28, 3, (120, 84), 64), ((3, 6, 16), 32, 5, (120, 84), 32), ((3, 16, 32), 32, 5, (256,), 64),
+        ((1, 8, 16), 28, 5, (64,), 64), ((3, 32, 64), 32, 5, (128,), 32), ((1, 6, 16), 32, 5, (120, 84), 64),
+        ((3, 6, 16), 32, 3, (120, 84), 64)]),
+    *(_encoder_case(*params) for params in [
+        (1000, 128, 4, 2, 128, 512, 0.1, False, 8), (1000, 128, 4, 2, 32, 512, 0.1, False, 8),
+        (1000, 128, 8, 2, 64, 512, 0.1, False, 8), (1000, 192, 6, 3, 64, 768, 0.1, False, 8, "gelu"),
+        (5000, 128, 4, 2, 64, 512, 0.1, True, 8), (1000, 128, 4, 2, 64, 512, 0.1, False, 32),
+        (1000, 128, 4, 2, 64, 512, 0.1, False, 1), (1000, 512, 8, 2, 64, 2048, 0.1, True, 4, "gelu"),
+        (1000, 64, 4, 4, 128, 256, 0.0, True, 8), (1000, 128, 4, 1, 64, 512, 0.2, False, 8)]),
+]}
+"""A grid over the three reference families' parameters (the `grid` part): ten shapes each of the MLP (widths,
+depths, inputs, batch 32-512), LeNet (1 or 3 input channels, 6-32 and 16-64 channels, 3x3 or 5x5 kernels,
+28x28 or 32x32 inputs, batch 32-256) and the pre-LN encoder (width, heads, depth, sequence, batch 1-32, vocab,
+causal, GELU, dropout), none of them a reference model: where the reference ratios hold and where not."""
+
+FAMILIES = {"mlp": "MLP", "lenet": "LeNet", "enc": "encoder"}
+"""The grid's name prefixes and the families they stand for."""

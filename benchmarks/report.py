@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +86,37 @@ def passive_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def shapes_table(results: dict[str, Any]) -> str:
-    shapes = results.get("shapes")
-    if not shapes:
+def ratio_table(entries: dict[str, Any] | None) -> str:
+    """One row a shape (the `shapes` and `grid` parts)."""
+    if not entries:
         return ""
     lines = ["| model | shape | ORTModule step (ms) | torch step (ms) | ratio | load |",
              "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {name} | {t['description']} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** "
-              f"| {t['load']:.1f} |" for name, t in shapes.items()]
+              f"| {t['load']:.1f} |" for name, t in entries.items()]
+    return "\n".join(lines)
+
+
+def family_ratios(results: dict[str, Any]) -> dict[str, list[float]]:
+    """The grid's ratios by family (`models.FAMILIES`, from the names' prefixes)."""
+    from .models import FAMILIES
+
+    out: dict[str, list[float]] = {family: [] for family in FAMILIES.values()}
+    for name, t in (results.get("grid") or {}).items():
+        family = FAMILIES.get(name.split("-", 1)[0])
+        if family is not None:
+            out[family].append(t["ratio"])
+    return {family: ratios for family, ratios in out.items() if ratios}
+
+
+def grid_summary(results: dict[str, Any]) -> str:
+    families = family_ratios(results)
+    if not families:
+        return ""
+    lines = ["| family | shapes | ratio: lowest / median / highest | at most 1.0 | at most 0.8 |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {family} | {len(r)} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
+              f"{sum(v <= 1.0 for v in r)} | {sum(v <= 0.8 for v in r)} |" for family, r in families.items()]
     return "\n".join(lines)
 
 
@@ -145,7 +169,9 @@ def text(results: dict[str, Any]) -> str:
              ("Step time with torch's OpenMP threads passive (OMP_WAIT_POLICY=PASSIVE, fresh process)",
               passive_table(results)),
              ("Step time on other shapes of the same families (interleaved with torch eager, as above)",
-              shapes_table(results)),
+              ratio_table(results.get("shapes"))),
+             ("A grid of other shapes of the three reference families, by family", grid_summary(results)),
+             ("The grid, shape by shape", ratio_table(results.get("grid"))),
              ("Memory saved for backward", memory_table(results)),
              ("Time to first step", startup_table(results)),
              ("Per-step overhead", overhead_table(results)),
