@@ -139,25 +139,41 @@ def test_a_view_with_a_run_time_target_is_redone_in_backward():
 
 
 def _where_model() -> onnx.ModelProto:
+    """Wheres over a product, a mean's gradient (a product's column sums over a count, spread back), the same
+    over a count that may be zero, and a division."""
     f = TensorProto.FLOAT
     zero = helper.make_tensor("zero", f, [], [0.0])
+    count = helper.make_tensor("count", f, [], [2.0])
+    maybe = helper.make_tensor("maybe", f, [2], [2.0, 0.0])
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [2, 2])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [0])
     nodes = [helper.make_node("MatMul", ["a", "b"], ["m"]),
              helper.make_node("Where", ["c", "m", "zero"], ["masked"]),
+             helper.make_node("ReduceSum", ["m", "axes"], ["s"]),
+             helper.make_node("MatMul", ["s", "b"], ["sb"]),
+             helper.make_node("Div", ["sb", "count"], ["mean"]),
+             helper.make_node("Expand", ["mean", "shape"], ["spread"]),
+             helper.make_node("Where", ["c", "spread", "zero"], ["spread_masked"]),
+             helper.make_node("Div", ["sb", "maybe"], ["unsafe_mean"]),
+             helper.make_node("Expand", ["unsafe_mean", "shape"], ["unsafe_spread"]),
+             helper.make_node("Where", ["c", "unsafe_spread", "zero"], ["spread_guarded"]),
              helper.make_node("Div", ["a", "b2"], ["d"]),
              helper.make_node("Where", ["c", "d", "zero"], ["guarded"])]
+    outputs = ["masked", "spread_masked", "spread_guarded", "guarded"]
     graph = helper.make_graph(nodes, "w", [helper.make_tensor_value_info("a", f, [2, 2]),
                                            helper.make_tensor_value_info("b", f, [2, 2]),
                                            helper.make_tensor_value_info("b2", f, [2, 2]),
                                            helper.make_tensor_value_info("c", TensorProto.BOOL, [2, 2])],
-                              [helper.make_tensor_value_info("masked", f, [2, 2]),
-                               helper.make_tensor_value_info("guarded", f, [2, 2])], [zero])
+                              [helper.make_tensor_value_info(o, f, [2, 2]) for o in outputs],
+                              [zero, count, maybe, shape, axes])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def test_lower_multiplies_linear_maps_and_keeps_guards():
     lowered = passes.lower(_where_model())
     ops = {n.output[0]: n.op_type for n in lowered.graph.node}
-    assert ops["masked"] == "Mul" and ops["guarded"] == "Where"
+    assert ops["masked"] == "Mul" and ops["spread_masked"] == "Mul"
+    assert ops["spread_guarded"] == "Where" and ops["guarded"] == "Where"
     import onnxruntime as ort
 
     feeds = {"a": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), "b": np.eye(2, dtype=np.float32),
