@@ -480,13 +480,15 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
 
     - `Where(c, a, a * s)` with a constant s in [0, 1] (LeakyReLU's gradient) -> `a * Max(Cast(c), s)`: the
       factor is 1 or s exactly, and a * s is the product the Where picks.
-    - `Where(c, a, 0)` (or `Where(c, 0, a)`) -> `t = a * Cast(c)` when t has no nan, else the Where, as an If on
-      `IsNaN(ReduceSum(t))`: t differs from the Where's result only where a masked element of `a` is inf or nan
-      (its product with 0 is nan, which the sum keeps), and then the Where itself runs. A masked negative
-      element gives -0.0 instead of 0.0 (as in `masked_products`).
+    - any other `Where(c, a, b)` -> `t = a * Cast(c) + b * Cast(Not(c))` (a term less for a zero operand: a
+      ReLU's) when t has no nan, else the Where, as an If on `IsNaN(ReduceSum(t))`: with a and b finite, t is
+      the picked operand plus a zero, and an inf or nan in the operand not picked makes t nan there (its product
+      with 0), which the sum keeps; then the Where itself runs. A zero may change sign (-0.0 for 0.0, as in
+      `masked_products`).
 
-    onnxruntime's CPU Where costs ~3.7 ns an element (a ReLU before a BatchNorm on [64, 16, 28, 28]: 3 ms), a
-    Cast and a Mul ~0.3 together. Wheres under `GUARD_MIN_ELEMENTS` a sample stay."""
+    onnxruntime's CPU Where costs ~3.7 ns an element with a scalar operand, ~7 with two tensors (a ReLU
+    before a BatchNorm on [64, 16, 28, 28]: 3 ms; ELU's gradient there: 5.7 ms), the guarded product ~0.5-0.7.
+    Wheres under `GUARD_MIN_ELEMENTS` elements stay."""
     g = model.graph
     consts = {**(known or {}), **constant_values(g)}
     producer = {o: n for n in g.node for o in n.output if o}
@@ -520,12 +522,11 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
             if s is not None and 0.0 <= s <= 1.0:
                 plan.append((k, "slope", a, slope.input[1] if slope.input[0] == a else slope.input[0], elem))
                 continue
-        for kept, other, negate in ((a, b, False), (b, a, True)):
-            if scalar(other) == 0.0:
-                plan.append((k, "guard", kept, negate, elem))
-                break
+        picked = [t if scalar(t) != 0.0 else None for t in (a, b)]
+        if any(picked):
+            plan.append((k, "select", *picked, elem))
 
-    def build(where: onnx.NodeProto, how: str, kept: str, detail: Any, elem: int, taken: set[str]
+    def build(where: onnx.NodeProto, how: str, a: str | None, b: str | None, elem: int, taken: set[str]
               ) -> list[onnx.NodeProto]:
         base = where.output[0]
         nodes = []
@@ -537,13 +538,13 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
             return out
 
         cond = where.input[0]
-        if how == "slope":
-            factor = node("Max", [node("Cast", [cond], to=elem), detail])
-            nodes.append(helper.make_node("Mul", [kept, factor], [base], name=fresh_name(f"{base}/mul_node", taken)))
+        if how == "slope":  # a is the kept tensor, b the slope
+            factor = node("Max", [node("Cast", [cond], to=elem), b])
+            nodes.append(helper.make_node("Mul", [a, factor], [base], name=fresh_name(f"{base}/mul_node", taken)))
             return nodes
-        if detail:  # the zero is picked where the condition holds
-            cond = node("Not", [cond])
-        product = node("Mul", [kept, node("Cast", [cond], to=elem)])
+        terms = [node("Mul", [t, node("Cast", [c], to=elem)])
+                 for t, c in ((a, cond), (b, node("Not", [cond]) if b is not None else None)) if t is not None]
+        product = terms[0] if len(terms) == 1 else node("Add", terms)
         broken = node("IsNaN", [node("ReduceSum", [product], keepdims=0)])
         exact = helper.make_graph([helper.make_node("Where", list(where.input), ["exact"])], f"{base}/exact", [],
                                   [helper.make_tensor_value_info("exact", elem, None)])

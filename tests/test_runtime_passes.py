@@ -186,7 +186,7 @@ def test_lower_multiplies_linear_maps_and_keeps_guards():
 
 def _select_model(rows: int) -> onnx.ModelProto:
     """A ReLU's Where over a non-linear gradient (a - b: no linear map of the incoming gradient), a LeakyReLU's
-    Where(c, a, a * 0.1), and the same ReLU Where on a tensor too small to rewrite."""
+    Where(c, a, a * 0.1), an ELU's Where(c, a, a * b), and the same ReLU Where on a tensor too small to rewrite."""
     f = TensorProto.FLOAT
     consts = [helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("slope", f, [], [0.1])]
     nodes = [helper.make_node("Sub", ["a", "b"], ["d"]),
@@ -194,6 +194,8 @@ def _select_model(rows: int) -> onnx.ModelProto:
              helper.make_node("Where", ["c", "zero", "d"], ["relu_not"]),
              helper.make_node("Mul", ["a", "slope"], ["as"]),
              helper.make_node("Where", ["c", "a", "as"], ["leaky"]),
+             helper.make_node("Mul", ["a", "b"], ["ab"]),
+             helper.make_node("Where", ["c", "a", "ab"], ["elu"]),
              helper.make_node("Sub", ["a_small", "a_small"], ["ds"]),
              helper.make_node("Where", ["c_small", "ds", "zero"], ["small"])]
     shape, small = [rows, 1024], [2, 3]
@@ -201,7 +203,7 @@ def _select_model(rows: int) -> onnx.ModelProto:
     inputs += [helper.make_tensor_value_info("c", TensorProto.BOOL, shape),
                helper.make_tensor_value_info("a_small", f, small),
                helper.make_tensor_value_info("c_small", TensorProto.BOOL, small)]
-    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("relu", "relu_not", "leaky", "small")]
+    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("relu", "relu_not", "leaky", "elu", "small")]
     graph = helper.make_graph(nodes, "s", inputs, outputs, consts)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -214,20 +216,22 @@ def test_guarded_selects_keep_every_value():
     model = _select_model(8)
     lowered = passes.guarded_selects(model)
     ops = {o: n.op_type for n in lowered.graph.node for o in n.output}
-    assert (ops["relu"], ops["relu_not"], ops["leaky"], ops["small"]) == ("If", "If", "Mul", "Where")
+    assert (ops["relu"], ops["relu_not"], ops["leaky"], ops["elu"], ops["small"]) == ("If", "If", "Mul", "If", "Where")
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((2, 8, 1024), dtype=np.float32)
     c = rng.random((8, 1024)) > 0.5
     small = {"a_small": np.ones((2, 3), np.float32), "c_small": np.ones((2, 3), bool)}
     want_session = ort.InferenceSession(model.SerializeToString())
     got_session = ort.InferenceSession(lowered.SerializeToString())
-    for case in ("finite", "inf masked", "nan kept"):
-        a_case = a.copy()
+    for case in ("finite", "inf masked", "nan kept", "inf in the operand not picked"):
+        a_case, b_case = a.copy(), b.copy()
         if case == "inf masked":
             a_case[~c] = np.inf  # relu: inf * 0 would be nan; the If runs the Where instead
         elif case == "nan kept":
             a_case[c] = np.nan
-        feeds = {"a": a_case, "b": b, "c": c, **small}
+        elif case == "inf in the operand not picked":
+            b_case[c] = -np.inf  # elu: a * b is -inf where a is picked
+        feeds = {"a": a_case, "b": b_case, "c": c, **small}
         for w, g in zip(want_session.run(None, feeds), got_session.run(None, feeds)):
             np.testing.assert_array_equal(w, g)
 
