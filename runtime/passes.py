@@ -486,9 +486,10 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
       with 0), which the sum keeps; then the Where itself runs. A zero may change sign (-0.0 for 0.0, as in
       `masked_products`).
 
-    onnxruntime's CPU Where costs ~3.7 ns an element with a scalar operand, ~7 with two tensors (a ReLU
-    before a BatchNorm on [64, 16, 28, 28]: 3 ms; ELU's gradient there: 5.7 ms), the guarded product ~0.5-0.7.
-    Wheres under `GUARD_MIN_ELEMENTS` elements stay."""
+    onnxruntime's CPU Where costs ~3.7 ns an element with a scalar operand, ~7 with two tensors, on conditions
+    that split the elements unpredictably (a ReLU before a BatchNorm on [64, 16, 28, 28]: 3 ms; ELU's gradient
+    there: 5.7 ms), the guarded product ~1 with its If's copy: only Wheres on such conditions (`sign_mask`) of
+    `GUARD_MIN_ELEMENTS` elements or more are rewritten."""
     g = model.graph
     consts = {**(known or {}), **constant_values(g)}
     producer = {o: n for n in g.node for o in n.output if o}
@@ -509,12 +510,26 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
                  for _, dims in (types.get(t, (0, None)) for t in (*n.input, n.output[0])) if dims]
         return elem if elem in FLOATS and max(sizes, default=0) >= GUARD_MIN_ELEMENTS else None
 
+    booleans = {i.name for i in g.input if i.type.tensor_type.elem_type == TensorProto.BOOL}
+
+    def sign_mask(name: str) -> bool:
+        """A condition that splits its elements unpredictably: a comparison with zero (a ReLU's, an ELU's, a
+        PReLU's mask) or one made in the forward part (a stashed boolean: the masks `hoist_masks` moves there).
+        onnxruntime's Where branches on every element, which costs ~0.6 ns an element for conditions that
+        mostly hold the same way (HardSwish's -3 < x < 3) and 3.7-7 ns for these."""
+        n = producer.get(name)
+        if n is None:
+            return name in booleans
+        if n.op_type == "Not" and not n.domain:
+            return sign_mask(n.input[0])
+        return n.op_type in COMPARE and not n.domain and any(scalar(t) == 0.0 for t in n.input)
+
     plan = []
     for k in candidates:
         n = g.node[k]
-        _, a, b = n.input
+        cond, a, b = n.input
         elem = large_float(n)
-        if elem is None:
+        if elem is None or not sign_mask(cond):
             continue
         slope = producer.get(b)
         if slope is not None and slope.op_type == "Mul" and not slope.domain and a in slope.input:

@@ -186,9 +186,12 @@ def test_lower_multiplies_linear_maps_and_keeps_guards():
 
 def _select_model(rows: int) -> onnx.ModelProto:
     """A ReLU's Where over a non-linear gradient (a - b: no linear map of the incoming gradient), a LeakyReLU's
-    Where(c, a, a * 0.1), an ELU's Where(c, a, a * b), and the same ReLU Where on a tensor too small to rewrite."""
+    Where(c, a, a * 0.1), an ELU's Where(c, a, a * b), a HardSwish-like Where on a < 3 (a condition that mostly
+    holds, which onnxruntime's Where branches on cheaply), and the same ReLU Where on a tensor too small to
+    rewrite."""
     f = TensorProto.FLOAT
-    consts = [helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("slope", f, [], [0.1])]
+    consts = [helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("slope", f, [], [0.1]),
+              helper.make_tensor("three", f, [], [3.0])]
     nodes = [helper.make_node("Sub", ["a", "b"], ["d"]),
              helper.make_node("Where", ["c", "d", "zero"], ["relu"]),
              helper.make_node("Where", ["c", "zero", "d"], ["relu_not"]),
@@ -196,6 +199,8 @@ def _select_model(rows: int) -> onnx.ModelProto:
              helper.make_node("Where", ["c", "a", "as"], ["leaky"]),
              helper.make_node("Mul", ["a", "b"], ["ab"]),
              helper.make_node("Where", ["c", "a", "ab"], ["elu"]),
+             helper.make_node("Less", ["a", "three"], ["below"]),
+             helper.make_node("Where", ["below", "a", "ab"], ["range"]),
              helper.make_node("Sub", ["a_small", "a_small"], ["ds"]),
              helper.make_node("Where", ["c_small", "ds", "zero"], ["small"])]
     shape, small = [rows, 1024], [2, 3]
@@ -203,7 +208,8 @@ def _select_model(rows: int) -> onnx.ModelProto:
     inputs += [helper.make_tensor_value_info("c", TensorProto.BOOL, shape),
                helper.make_tensor_value_info("a_small", f, small),
                helper.make_tensor_value_info("c_small", TensorProto.BOOL, small)]
-    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("relu", "relu_not", "leaky", "elu", "small")]
+    names = ("relu", "relu_not", "leaky", "elu", "range", "small")
+    outputs = [helper.make_tensor_value_info(n, f, None) for n in names]
     graph = helper.make_graph(nodes, "s", inputs, outputs, consts)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -216,7 +222,8 @@ def test_guarded_selects_keep_every_value():
     model = _select_model(8)
     lowered = passes.guarded_selects(model)
     ops = {o: n.op_type for n in lowered.graph.node for o in n.output}
-    assert (ops["relu"], ops["relu_not"], ops["leaky"], ops["elu"], ops["small"]) == ("If", "If", "Mul", "If", "Where")
+    assert [ops[n] for n in ("relu", "relu_not", "leaky", "elu", "range", "small")] == \
+        ["If", "If", "Mul", "If", "Where", "Where"]
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((2, 8, 1024), dtype=np.float32)
     c = rng.random((8, 1024)) > 0.5
