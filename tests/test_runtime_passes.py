@@ -243,6 +243,45 @@ def test_guarded_selects_keep_every_value():
             np.testing.assert_array_equal(w, g)
 
 
+class SignMaskNet(nn.Module):
+    """Activations whose gradient Wheres `guarded_selects` rewrites: a ReLU before a BatchNorm, an ELU, a
+    LeakyReLU and a PReLU, each over 8 x 10 x 10 elements a sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.prelu = nn.PReLU(8)
+        self.fc = nn.Linear(8 * 10 * 10, 3)
+
+    def forward(self, x, y):
+        h = nn.functional.elu(self.bn(torch.relu(self.conv(x))))
+        h = self.prelu(nn.functional.leaky_relu(self.conv2(h), 0.2))
+        return nn.functional.cross_entropy(self.fc(h.flatten(1)), y)
+
+
+def test_guarded_selects_match_torch_through_ortmodule():
+    torch.manual_seed(0)
+    model = SignMaskNet()
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, threads=2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 2, 10, 10, generator=g), torch.randint(0, 3, (6,), generator=g)
+    for _ in range(2):  # the second step runs the sessions the first built
+        for m in (ort, reference):
+            for p in m.parameters():
+                p.grad = None
+        ort(x, y).backward()
+        reference(x, y).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    runner = next(iter(ort.training_sessions()[0]._backwards.values())).runner
+    lowered = onnx.load_from_string(runner.session._model_bytes)  # what onnxruntime was given
+    guards = [n for n in lowered.graph.node if n.op_type == "If"]
+    assert len(guards) >= 3, "the ReLU's, the ELU's and the PReLU's Wheres run guarded"
+
+
 def test_passes_can_be_switched_off():
     torch.manual_seed(0)
     model = ConvNet()
