@@ -8,6 +8,7 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
+from parity import check_parity
 from torch import nn
 
 import gradbuilder
@@ -262,20 +263,9 @@ class SignMaskNet(nn.Module):
 
 
 def test_guarded_selects_match_torch_through_ortmodule():
-    torch.manual_seed(0)
-    model = SignMaskNet()
-    reference = copy.deepcopy(model)
-    ort = ORTModule(model, threads=2)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(6, 2, 10, 10, generator=g), torch.randint(0, 3, (6,), generator=g)
-    for _ in range(2):  # the second step runs the sessions the first built
-        for m in (ort, reference):
-            for p in m.parameters():
-                p.grad = None
-        ort(x, y).backward()
-        reference(x, y).backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    batches = [(torch.randn(6, 2, 10, 10, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+    ort, _, _ = check_parity(SignMaskNet, batches, lambda m, b: m(*b), threads=2)
     runner = next(iter(ort.training_sessions()[0]._backwards.values())).runner
     lowered = onnx.load_from_string(runner.session._model_bytes)  # what onnxruntime was given
     guards = [n for n in lowered.graph.node if n.op_type == "If"]
