@@ -31,7 +31,7 @@ def _log(msg: str) -> None:
 
 def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> dict[str, Any]:
     from . import measure, probe
-    from .models import CASES, GRID, SHAPES
+    from .models import CASES, GRID, SHAPES, VARIANTS
 
     results: dict[str, Any] = {"machine": report.machine(), "threads": threads, "models": {},
                                "started": time.strftime("%Y-%m-%d %H:%M"), "load_start": report.load()}
@@ -67,6 +67,8 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> d
     for part, cases in (("shapes", SHAPES), ("grid", GRID)):
         if part in parts:
             results[part] = ratios(cases, threads, reps)
+    if "grid" in parts:
+        results["variants"] = ratios(VARIANTS, threads, reps)
     if "builder" in parts:
         _log("builder scaling")
         results["builder"] = builder_scaling.measure()
@@ -105,8 +107,8 @@ def passive(models: list[str], threads: int, reps: int | None) -> dict[str, Any]
 
 # where each part lands in the results: per model (keys of a model's entry) or for the whole run
 _MODEL_KEYS = {"timing": ("timing",), "memory": ("rss",), "first": ("first", "compile_saved")}
-_RUN_KEYS = {"overhead": "overhead", "builder": "builder", "passive": "passive", "shapes": "shapes",
-             "grid": "grid"}
+_RUN_KEYS = {"overhead": ("overhead",), "builder": ("builder",), "passive": ("passive",), "shapes": ("shapes",),
+             "grid": ("grid", "variants")}
 
 
 def keep_unmeasured(results: dict[str, Any], earlier: dict[str, Any], parts: set[str]) -> None:
@@ -117,8 +119,9 @@ def keep_unmeasured(results: dict[str, Any], earlier: dict[str, Any], parts: set
         if part in parts:
             when[part] = results["started"]
             continue
-        if part in _RUN_KEYS and _RUN_KEYS[part] in earlier:
-            results[_RUN_KEYS[part]] = earlier[_RUN_KEYS[part]]
+        for key in _RUN_KEYS.get(part, ()):
+            if key in earlier:
+                results[key] = earlier[key]
         for name, entry in results["models"].items():
             old = earlier.get("models", {}).get(name, {})
             for key in _MODEL_KEYS.get(part, ()):

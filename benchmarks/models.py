@@ -200,3 +200,67 @@ causal, GELU, dropout), none of them a reference model: where the reference rati
 
 FAMILIES = {"mlp": "MLP", "lenet": "LeNet", "enc": "encoder"}
 """The grid's name prefixes and the families they stand for."""
+
+
+def _small_cnn(activation: Callable[[], nn.Module], norm: bool = False, size: int = 28, channels: int = 1,
+               pool: str = "max") -> nn.Module:
+    """Two 3x3 'same' convolutions (16 and 32 channels), each followed by the activation (then a BatchNorm when
+    `norm`, the Conv-ReLU-BN order) and a 2x2 pool, or global average pooling after the second (`pool='global'`),
+    then a Linear."""
+    layers: list[nn.Module] = []
+    for c_in, c_out in ((channels, 16), (16, 32)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), activation()]
+        if norm:
+            layers.append(nn.BatchNorm2d(c_out))
+        if pool == "max" or c_out == 16:
+            layers.append(nn.MaxPool2d(2))
+    side = size // 4 if pool == "max" else 1
+    if pool == "global":
+        layers.append(nn.AdaptiveAvgPool2d(1))
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(32 * side * side, 10))
+
+
+def _mlp_with(activation: Callable[[], nn.Module], norm: Callable[[int], nn.Module] | None = None) -> nn.Module:
+    layers: list[nn.Module] = [nn.Flatten()]
+    for a, b in ((784, 512), (512, 512)):
+        layers += [nn.Linear(a, b), activation()]
+        if norm is not None:
+            layers.append(norm(b))
+    return nn.Sequential(*layers, nn.Linear(512, 10))
+
+
+class PostLN(nn.Module):
+    """The reference encoder's shape with post-LN layers (torch's default `norm_first=False`)."""
+
+    def __init__(self, vocab: int = 1000, d: int = 128, seq: int = 64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.layers = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 512, 0.1, batch_first=True), 2,
+                                            enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.tok(tokens) + self.pos[:tokens.shape[1]]))
+
+
+VARIANTS: dict[str, Case] = {c.name: c for c in [
+    Case("cnn-relu-bn", "3x3 CNN 1 -> 16 -> 32, Conv-ReLU-BatchNorm, max pools, batch 64",
+         lambda: WithLoss(_small_cnn(nn.ReLU, norm=True)), _images(64, (1, 28, 28), 10), 30),
+    Case("cnn-leaky", "the same CNN with LeakyReLU, no BatchNorm", lambda: WithLoss(_small_cnn(nn.LeakyReLU)),
+         _images(64, (1, 28, 28), 10), 30),
+    Case("cnn-elu", "the same CNN with ELU", lambda: WithLoss(_small_cnn(nn.ELU)), _images(64, (1, 28, 28), 10), 30),
+    Case("cnn-gap", "3x3 CNN 3 -> 16 -> 32 on 3x32x32, ReLU, a max pool, then global average pooling, batch 64",
+         lambda: WithLoss(_small_cnn(nn.ReLU, size=32, channels=3, pool="global")), _images(64, (3, 32, 32), 10), 30),
+    Case("mlp-relu-ln", "MLP 784-512-512-10, ReLU then LayerNorm, batch 64",
+         lambda: WithLoss(_mlp_with(nn.ReLU, nn.LayerNorm)), _images(64, (784,), 10), 60),
+    Case("mlp-relu-bn", "MLP 784-512-512-10, ReLU then BatchNorm, batch 64",
+         lambda: WithLoss(_mlp_with(nn.ReLU, nn.BatchNorm1d)), _images(64, (784,), 10), 60),
+    Case("mlp-prelu", "MLP 784-512-512-10, PReLU, batch 64", lambda: WithLoss(_mlp_with(nn.PReLU)),
+         _images(64, (784,), 10), 60),
+    Case("enc-post-ln", "the reference encoder with post-LN layers", lambda: WithLoss(PostLN()),
+         _tokens(8, 64, 1000), 12),
+]}
+"""The reference families with other activations, normalizations and their order (the `grid` part, a table of its
+own): the Wheres of their gradients (ReLU before a BatchNorm, LeakyReLU, ELU, PReLU, global average pooling) ran
+at up to 1.9x torch's step before `runtime.passes.guarded_selects`."""
