@@ -732,29 +732,38 @@ def _batch_statistics(g: Grad, x: str, rank: int, eps: float) -> tuple[str, str]
     return _at_type_of(g, x, _per_channel(g, outs[1], rank), invstd, g.dtype(outs[2]))
 
 
+def _grad_from_sums(g: Grad, x: str, dy: str, centered: str, invstd: str, a: str | None, axes: Sequence[int]
+                    ) -> tuple[str | None, str, str]:
+    """(dX, S1, S2) of a normalization over `axes` followed by a per-channel affine (a = scale * invstd; None: no
+    dX wanted), from the two sums over those axes that its dscale and dbias are made of anyway, `S1 = sum dY` and
+    `S2 = sum dY (x - mean)`: with M values a statistic, dX = a dY - a S1 / M - (x - mean) a invstd^2 S2 / M (the
+    textbook form's means of dxhat are these sums times the scale, which is constant over `axes`)."""
+    sum_dy = g.reduce_sum(dy, axes)
+    sum_dyc = g.reduce_sum(g.Mul(dy, centered), axes)
+    dx = None
+    if a is not None:  # dX wanted
+        like = g.dtype(x)
+        inv_count = g.Div(g.Cast(g.Size(sum_dy), to=like), g.Cast(g.Size(x), to=like))
+        b = g.Mul(a, g.Mul(sum_dy, inv_count))
+        k = g.Mul(g.Mul(a, g.Mul(invstd, invstd)), g.Mul(sum_dyc, inv_count))
+        dx = g.Sub(g.Sub(g.Mul(dy, a), b), g.Mul(centered, k))
+    return dx, sum_dy, sum_dyc
+
+
 def _batch_norm_training(g: Grad, x: str, scale: str, dy: str, rank: int, eps: float
                          ) -> tuple[str | None, str | None, str | None]:
-    """(dX, dscale, dbias) of a training BatchNormalization, from the two sums over batch and positions that
-    dscale and dbias are anyway, `S1 = sum dY` and `S2 = sum dY (x - mean)`: with a = scale * invstd and M
-    values a channel, dX = a dY - a S1 / M - (x - mean) a invstd^2 S2 / M (the textbook form's reductions of
-    dxhat are these sums times the scale). Eight passes over the input's size instead of thirteen."""
+    """(dX, dscale, dbias) of a training BatchNormalization by `_grad_from_sums` over batch and positions: eight
+    passes over the input's size instead of thirteen."""
     axes = [0, *range(2, rank)]
     stats = _batch_statistics(g, x, rank, eps)
     if stats is None:  # recomputed from x
         centered, invstd = _centered(g, x, axes, eps)
     else:
         centered, invstd = g.Sub(x, stats[0]), stats[1]
-    sum_dy = g.reduce_sum(dy, axes)
-    sum_dyc = g.reduce_sum(g.Mul(dy, centered), axes)
+    a = g.Mul(_per_channel(g, scale, rank), invstd) if g.needs(0) else None
+    dx, sum_dy, sum_dyc = _grad_from_sums(g, x, dy, centered, invstd, a, axes)
     dscale = g.squeeze(g.Mul(sum_dyc, invstd), axes) if g.needs(1) else None
     dbias = g.squeeze(sum_dy, axes) if g.needs(2) else None
-    dx = None
-    if g.needs(0):
-        a = g.Mul(_per_channel(g, scale, rank), invstd)
-        inv_count = g.Div(g.Cast(g.Size(scale), to=g.dtype(x)), g.Cast(g.Size(x), to=g.dtype(x)))
-        b = g.Mul(a, g.Mul(sum_dy, inv_count))
-        k = g.Mul(g.Mul(a, g.Mul(invstd, invstd)), g.Mul(sum_dyc, inv_count))
-        dx = g.Sub(g.Sub(g.Mul(dy, a), b), g.Mul(centered, k))
     return dx, dscale, dbias
 
 
@@ -806,14 +815,17 @@ def layer_norm(g: Grad):
 
 @rule("InstanceNormalization", since=13)
 def instance_norm(g: Grad):
-    """Per sample and channel over the spatial axes, then a per-channel affine."""
+    """Per sample and channel over the spatial axes, then a per-channel affine: `_grad_from_sums` over the spatial
+    axes (the scale is constant over them), dscale and dbias those sums added over the batch."""
     x, scale, dy = g.I(0), g.I(1), g.GO(0)
     rank = g.require_rank(x)
     spatial = list(range(2, rank))
-    xhat, invstd = _standardize(g, x, spatial, float(g.attr("epsilon", 1e-5)))
-    dx = _standardize_grad(g, g.Mul(dy, _per_channel(g, scale, rank)), xhat, invstd, spatial) if g.needs(0) else None
-    dscale = g.reduce_sum(g.Mul(dy, xhat), [0, *spatial], keepdims=False) if g.needs(1) else None
-    dbias = _channel_sum(g, dy, rank) if g.needs(2) else None
+    centered, invstd = _centered(g, x, spatial, float(g.attr("epsilon", 1e-5)))
+    a = g.Mul(_per_channel(g, scale, rank), invstd) if g.needs(0) else None
+    dx, sum_dy, sum_dyc = _grad_from_sums(g, x, dy, centered, invstd, a, spatial)
+    batch = [0, *spatial]
+    dscale = g.reduce_sum(g.Mul(sum_dyc, invstd), batch, keepdims=False) if g.needs(1) else None
+    dbias = g.reduce_sum(sum_dy, batch, keepdims=False) if g.needs(2) else None
     return (dx, dscale, dbias)
 
 
