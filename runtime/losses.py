@@ -1,0 +1,116 @@
+"""Losses torch's legacy exporter cannot export, written in ops it exports, while the runtime exports.
+
+`l1_loss`, `smooth_l1_loss`, `huber_loss` and `binary_cross_entropy` have no ONNX symbolic ("Exporting the
+operator 'aten::l1_loss' ... is not supported"), `cross_entropy` refuses `label_smoothing` ("ONNX does not
+support label_smoothing") and exports probability targets as an invalid graph: a module returning such a loss
+could not train. While exporting, `exportable_losses`
+replaces the `torch._C._nn` functions `torch.nn.functional` calls (after its own argument checks and
+broadcasting) by torch's own formulas in exportable ops:
+
+- l1: |x - y|; smooth l1: 0.5 z^2 / beta where z = |x - y| < beta, else z - 0.5 beta (l1 for beta = 0); huber:
+  0.5 z^2 where z < delta, else delta (z - 0.5 delta);
+- binary cross-entropy: (y - 1) max(log(1 - p), -100) - y max(log(p), -100), times the weight (torch's log1p(-p)
+  as log(1 - p): equal but for p below ~1e-7);
+- cross-entropy with label smoothing e over C classes and class-index targets: (1 - e) nll + e / C times the
+  summed negative log-probabilities (weighted, ignored targets left out), normalised as torch does;
+- cross-entropy with probability targets (smoothed first, `target (1 - e) + e / C`), with or without label
+  smoothing: the exporter writes a SoftmaxCrossEntropyLoss with float labels, which ONNX refuses; written here
+  as torch computes it, -sum(target * log_softmax(x)) (weighted), the mean over the samples and positions.
+
+Each then reduces as asked (none, mean, sum). Gradients are the exported graph's, equal to torch's up to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_NONE, _MEAN, _SUM = 0, 1, 2
+"""torch's reduction enum (`torch.nn._reduction.get_enum`)."""
+
+
+def _reduce(loss: torch.Tensor, reduction: int) -> torch.Tensor:
+    return loss.mean() if reduction == _MEAN else loss.sum() if reduction == _SUM else loss
+
+
+def _l1(x: torch.Tensor, y: torch.Tensor, reduction: int) -> torch.Tensor:
+    return _reduce((x - y).abs(), reduction)
+
+
+def _smooth_l1(x: torch.Tensor, y: torch.Tensor, reduction: int, beta: float = 1.0) -> torch.Tensor:
+    if beta == 0:
+        return _l1(x, y, reduction)
+    z = (x - y).abs()
+    return _reduce(torch.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta), reduction)
+
+
+def _huber(x: torch.Tensor, y: torch.Tensor, reduction: int, delta: float = 1.0) -> torch.Tensor:
+    z = (x - y).abs()
+    return _reduce(torch.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta)), reduction)
+
+
+def _binary_cross_entropy(p: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None, reduction: int
+                          ) -> torch.Tensor:
+    loss = (y - 1) * torch.clamp(torch.log(1 - p), min=-100) - y * torch.clamp(torch.log(p), min=-100)
+    return _reduce(loss if weight is None else loss * weight, reduction)
+
+
+def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+                      ignore_index: int, label_smoothing: float) -> torch.Tensor:
+        dim = 1 if x.dim() >= 2 else 0
+        classes = x.shape[dim]
+        shape = [1] * x.dim()
+        shape[dim] = classes
+        if target.is_floating_point():  # probabilities
+            if label_smoothing > 0:
+                target = target * (1 - label_smoothing) + label_smoothing / classes
+            terms = torch.log_softmax(x, dim) * target
+            terms = terms if weight is None else terms * weight.reshape(shape)
+            if reduction == _NONE:
+                return -terms.sum(dim)
+            return -terms.sum() / (x.numel() / classes) if reduction == _MEAN else -terms.sum()
+        if label_smoothing <= 0:
+            return original(x, target, weight, reduction, ignore_index, label_smoothing)
+        logp = torch.log_softmax(x, dim)
+        nll = torch.nn.functional.nll_loss(logp, target, weight, ignore_index=ignore_index,
+                                           reduction=("none", "mean", "sum")[reduction])
+        ignored = target == ignore_index
+        smooth = -(logp if weight is None else logp * weight.reshape(shape)).sum(dim)
+        smooth = torch.where(ignored, torch.zeros((), dtype=smooth.dtype), smooth)
+        if reduction == _MEAN:
+            kept = (~ignored).to(smooth.dtype)
+            if weight is not None:
+                kept = kept * weight[torch.where(ignored, torch.zeros_like(target), target)]
+            smooth = smooth.sum() / kept.sum()
+        elif reduction == _SUM:
+            smooth = smooth.sum()
+        return (1 - label_smoothing) * nll + smooth * (label_smoothing / classes)
+
+    return cross_entropy
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def exportable_losses() -> Iterator[None]:
+    """The `torch._C._nn` losses above replaced for the duration (the export, under its lock)."""
+    nn_ops = torch._C._nn
+    replacements: dict[str, Any] = {"l1_loss": _l1, "smooth_l1_loss": _smooth_l1, "huber_loss": _huber,
+                                    "binary_cross_entropy": _binary_cross_entropy,
+                                    "cross_entropy_loss": _cross_entropy(nn_ops.cross_entropy_loss)}
+    saved = {name: getattr(nn_ops, name, _MISSING) for name in replacements}
+    for name, fn in replacements.items():
+        setattr(nn_ops, name, fn)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is _MISSING:
+                delattr(nn_ops, name)
+            else:
+                setattr(nn_ops, name, old)

@@ -1,0 +1,98 @@
+"""runtime/losses.py: losses the legacy exporter cannot export train through ORTModule with torch's values and
+gradients (three Adam steps against torch eager, `check_parity`), every reduction, weights and ignored targets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from parity import check_parity
+from torch import nn
+from torch.nn import functional as F
+
+from runtime import losses
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class WithLoss(nn.Module):
+    """A small MLP and a loss of its output against a target, both exported."""
+
+    def __init__(self, loss: Loss, outputs: int = 5):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, outputs))
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.net(x), y)
+
+
+def _batches(target: Callable[[torch.Generator], torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 6, generator=g), target(g)) for _ in range(3)]
+
+
+def _real(g: torch.Generator) -> torch.Tensor:
+    return torch.randn(8, 5, generator=g) * 2
+
+
+def _binary(g: torch.Generator) -> torch.Tensor:
+    return (torch.rand(8, 5, generator=g) > 0.5).float()
+
+
+def _classes(g: torch.Generator) -> torch.Tensor:
+    y = torch.randint(0, 5, (8,), generator=g)
+    y[::3] = -100  # ignored
+    return y
+
+
+def _probabilities(g: torch.Generator) -> torch.Tensor:
+    return torch.rand(8, 5, generator=g).softmax(-1)
+
+
+WEIGHT = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.25])
+
+CASES: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
+    "l1 mean": (F.l1_loss, _real),
+    "l1 sum": (lambda a, b: F.l1_loss(a, b, reduction="sum"), _real),
+    "smooth l1 beta 0.5": (lambda a, b: F.smooth_l1_loss(a, b, beta=0.5), _real),
+    "smooth l1 beta 0 (l1)": (lambda a, b: F.smooth_l1_loss(a, b, beta=0.0), _real),
+    "huber delta 2, none": (lambda a, b: F.huber_loss(a, b, delta=2.0, reduction="none").sum(), _real),
+    "binary cross-entropy of a sigmoid, weighted": (
+        lambda a, b: F.binary_cross_entropy(torch.sigmoid(a), b, weight=WEIGHT), _binary),
+    "cross-entropy, label smoothing": (lambda a, b: F.cross_entropy(a, b, label_smoothing=0.1), _classes),
+    "cross-entropy, label smoothing, weighted": (
+        lambda a, b: F.cross_entropy(a, b, weight=WEIGHT, label_smoothing=0.2), _classes),
+    "cross-entropy, label smoothing, sum": (
+        lambda a, b: F.cross_entropy(a, b, label_smoothing=0.1, reduction="sum"), _classes),
+    "cross-entropy, label smoothing, probability targets": (
+        lambda a, b: F.cross_entropy(a, b, label_smoothing=0.1), _probabilities),
+    "cross-entropy, probability targets, weighted, none": (
+        lambda a, b: F.cross_entropy(a, b, weight=WEIGHT, reduction="none").sum(), _probabilities),
+    "nn.L1Loss module": (nn.L1Loss(), _real),
+    "nn.CrossEntropyLoss module, label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.05), _classes),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_trains_like_torch(case: str) -> None:
+    loss, target = CASES[case]
+    check_parity(lambda: WithLoss(loss), _batches(target), lambda m, b: m(*b), threads=1)
+    assert torch._C._nn.l1_loss is not losses._l1  # torch's own again after the export
+
+
+def test_cross_entropy_with_label_smoothing_over_a_sequence() -> None:
+    """Class scores on dim 1 of [N, C, T] (torch's layout for sequences), some targets ignored."""
+
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Conv1d(3, 5, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.proj(x), y, label_smoothing=0.1, ignore_index=4)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 7, generator=g), torch.randint(0, 5, (4, 7), generator=g)) for _ in range(3)]
+    check_parity(Seq, batches, lambda m, b: m(*b), threads=1)
