@@ -1,16 +1,21 @@
 """Losses torch's legacy exporter cannot export, written in ops it exports, while the runtime exports.
 
-`l1_loss`, `smooth_l1_loss`, `huber_loss` and `binary_cross_entropy` have no ONNX symbolic ("Exporting the
+`l1_loss`, `smooth_l1_loss`, `huber_loss`, `binary_cross_entropy`, `soft_margin_loss`, `margin_ranking_loss`,
+`hinge_embedding_loss`, `poisson_nll_loss` and `cosine_embedding_loss` have no ONNX symbolic ("Exporting the
 operator 'aten::l1_loss' ... is not supported"), `cross_entropy` refuses `label_smoothing` ("ONNX does not
 support label_smoothing") and exports probability targets as an invalid graph: a module returning such a loss
-could not train. While exporting, `exportable_losses`
-replaces the `torch._C._nn` functions `torch.nn.functional` calls (after its own argument checks and
-broadcasting) by torch's own formulas in exportable ops:
+could not train. While exporting, `exportable_losses` replaces the `torch._C._nn` and `torch` functions
+`torch.nn.functional` calls (after its own argument checks and broadcasting) by torch's own formulas (aten's) in
+exportable ops:
 
 - l1: |x - y|; smooth l1: 0.5 z^2 / beta where z = |x - y| < beta, else z - 0.5 beta (l1 for beta = 0); huber:
   0.5 z^2 where z < delta, else delta (z - 0.5 delta);
 - binary cross-entropy: (y - 1) max(log(1 - p), -100) - y max(log(p), -100), times the weight (torch's log1p(-p)
   as log(1 - p): equal but for p below ~1e-7);
+- soft margin: log(1 + exp(-y x)); margin ranking: max(0, -y (x1 - x2) + margin); hinge embedding: x where
+  y != -1 plus max(0, margin - x) where y != 1; Poisson NLL: exp(x) - y x (or x - y log(x + eps)), with the
+  Stirling term where y > 1 when `full`; cosine embedding: 1 - cos where y = 1, max(0, cos - margin) where
+  y = -1, cos = x1.x2 / sqrt((|x1|^2 + 1e-12)(|x2|^2 + 1e-12));
 - cross-entropy with label smoothing e over C classes and class-index targets: (1 - e) nll + e / C times the
   summed negative log-probabilities (weighted, ignored targets left out), normalised as torch does;
 - cross-entropy with probability targets (smoothed first, `target (1 - e) + e / C`), with or without label
@@ -23,6 +28,7 @@ Each then reduces as asked (none, mean, sum). Gradients are the exported graph's
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,6 +62,40 @@ def _binary_cross_entropy(p: torch.Tensor, y: torch.Tensor, weight: torch.Tensor
                           ) -> torch.Tensor:
     loss = (y - 1) * torch.clamp(torch.log(1 - p), min=-100) - y * torch.clamp(torch.log(p), min=-100)
     return _reduce(loss if weight is None else loss * weight, reduction)
+
+
+def _soft_margin(x: torch.Tensor, y: torch.Tensor, reduction: int) -> torch.Tensor:
+    return _reduce(torch.log(1 + torch.exp(-y * x)), reduction)
+
+
+def _margin_ranking(x1: torch.Tensor, x2: torch.Tensor, y: torch.Tensor, margin: float, reduction: int
+                    ) -> torch.Tensor:
+    return _reduce(torch.clamp(-y * (x1 - x2) + margin, min=0), reduction)
+
+
+def _hinge_embedding(x: torch.Tensor, y: torch.Tensor, margin: float, reduction: int) -> torch.Tensor:
+    zeros = torch.zeros_like(x)
+    loss = torch.where(y != 1, torch.clamp(margin - x, min=0), zeros) + torch.where(y != -1, x, zeros)
+    return _reduce(loss, reduction)
+
+
+def _poisson_nll(x: torch.Tensor, y: torch.Tensor, log_input: bool, full: bool, eps: float, reduction: int
+                 ) -> torch.Tensor:
+    loss = torch.exp(x) - y * x if log_input else x - y * torch.log(x + eps)
+    if full:
+        stirling = y * torch.log(y) - y + 0.5 * torch.log(2 * math.pi * y)
+        loss = loss + torch.where(y <= 1, torch.zeros_like(stirling), stirling)
+    return _reduce(loss, reduction)
+
+
+def _cosine_embedding(x1: torch.Tensor, x2: torch.Tensor, y: torch.Tensor, margin: float, reduction: int
+                      ) -> torch.Tensor:
+    dim = 1 if x1.dim() == 2 else 0
+    eps = 1e-12
+    cos = (x1 * x2).sum(dim) / torch.sqrt(((x1 * x1).sum(dim) + eps) * ((x2 * x2).sum(dim) + eps))
+    zeros = torch.zeros_like(cos)
+    loss = torch.where(y == 1, 1 - cos, zeros) + torch.where(y == -1, torch.clamp(cos - margin, min=0), zeros)
+    return _reduce(loss, reduction)
 
 
 def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -98,19 +138,22 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def exportable_losses() -> Iterator[None]:
-    """The `torch._C._nn` losses above replaced for the duration (the export, under its lock)."""
+    """The `torch._C._nn` and `torch` losses above replaced for the duration (the export, under its lock)."""
     nn_ops = torch._C._nn
-    replacements: dict[str, Any] = {"l1_loss": _l1, "smooth_l1_loss": _smooth_l1, "huber_loss": _huber,
-                                    "binary_cross_entropy": _binary_cross_entropy,
-                                    "cross_entropy_loss": _cross_entropy(nn_ops.cross_entropy_loss)}
-    saved = {name: getattr(nn_ops, name, _MISSING) for name in replacements}
-    for name, fn in replacements.items():
-        setattr(nn_ops, name, fn)
+    replacements: list[tuple[Any, str, Any]] = [
+        (nn_ops, "l1_loss", _l1), (nn_ops, "smooth_l1_loss", _smooth_l1), (nn_ops, "huber_loss", _huber),
+        (nn_ops, "binary_cross_entropy", _binary_cross_entropy), (nn_ops, "soft_margin_loss", _soft_margin),
+        (nn_ops, "cross_entropy_loss", _cross_entropy(nn_ops.cross_entropy_loss)),
+        (torch, "margin_ranking_loss", _margin_ranking), (torch, "hinge_embedding_loss", _hinge_embedding),
+        (torch, "poisson_nll_loss", _poisson_nll), (torch, "cosine_embedding_loss", _cosine_embedding)]
+    saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in replacements]
+    for owner, name, fn in replacements:
+        setattr(owner, name, fn)
     try:
         yield
     finally:
-        for name, old in saved.items():
+        for owner, name, old in saved:
             if old is _MISSING:
-                delattr(nn_ops, name)
+                delattr(owner, name)
             else:
-                setattr(nn_ops, name, old)
+                setattr(owner, name, old)

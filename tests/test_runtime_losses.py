@@ -70,6 +70,17 @@ CASES: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
         lambda a, b: F.cross_entropy(a, b, label_smoothing=0.1), _probabilities),
     "cross-entropy, probability targets, weighted, none": (
         lambda a, b: F.cross_entropy(a, b, weight=WEIGHT, reduction="none").sum(), _probabilities),
+    "soft margin": (F.soft_margin_loss, lambda g: torch.randint(0, 2, (8, 5), generator=g).float() * 2 - 1),
+    "hinge embedding": (lambda a, b: F.hinge_embedding_loss(a, b, margin=0.5),
+                        lambda g: torch.randint(0, 2, (8, 5), generator=g).float() * 2 - 1),
+    "poisson nll, full": (lambda a, b: F.poisson_nll_loss(a, b, full=True),
+                          lambda g: torch.randint(0, 5, (8, 5), generator=g).float()),
+    "poisson nll of rates": (lambda a, b: F.poisson_nll_loss(a.exp(), b, log_input=False),
+                             lambda g: torch.randint(0, 5, (8, 5), generator=g).float()),
+    "margin ranking": (lambda a, b: F.margin_ranking_loss(a[:, 0], a[:, 1], b, margin=0.2),
+                       lambda g: torch.randint(0, 2, (8,), generator=g).float() * 2 - 1),
+    "cosine embedding": (lambda a, b: F.cosine_embedding_loss(a[:, :2], a[:, 2:4], b, margin=0.1),
+                         lambda g: torch.randint(0, 2, (8,), generator=g).float() * 2 - 1),
     "nn.L1Loss module": (nn.L1Loss(), _real),
     "nn.CrossEntropyLoss module, label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.05), _classes),
 }
