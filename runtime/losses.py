@@ -1,7 +1,8 @@
 """Losses torch's legacy exporter cannot export, written in ops it exports, while the runtime exports.
 
 `l1_loss`, `smooth_l1_loss`, `huber_loss`, `binary_cross_entropy`, `soft_margin_loss`, `margin_ranking_loss`,
-`hinge_embedding_loss`, `poisson_nll_loss` and `cosine_embedding_loss` have no ONNX symbolic ("Exporting the
+`hinge_embedding_loss`, `poisson_nll_loss`, `cosine_embedding_loss`, `triplet_margin_loss` and
+`multi_margin_loss` have no ONNX symbolic ("Exporting the
 operator 'aten::l1_loss' ... is not supported"), `cross_entropy` refuses `label_smoothing` ("ONNX does not
 support label_smoothing") and exports probability targets as an invalid graph: a module returning such a loss
 could not train. While exporting, `exportable_losses` replaces the `torch._C._nn` and `torch` functions
@@ -15,7 +16,9 @@ exportable ops:
 - soft margin: log(1 + exp(-y x)); margin ranking: max(0, -y (x1 - x2) + margin); hinge embedding: x where
   y != -1 plus max(0, margin - x) where y != 1; Poisson NLL: exp(x) - y x (or x - y log(x + eps)), with the
   Stirling term where y > 1 when `full`; cosine embedding: 1 - cos where y = 1, max(0, cos - margin) where
-  y = -1, cos = x1.x2 / sqrt((|x1|^2 + 1e-12)(|x2|^2 + 1e-12));
+  y = -1, cos = x1.x2 / sqrt((|x1|^2 + 1e-12)(|x2|^2 + 1e-12)); triplet margin: max(0, margin + d(a, p) - d(a, n))
+  with d the p-norm of the difference plus eps (d(a, n) the smaller of it and d(p, n) with `swap`); multi margin
+  (a batch of score rows): the mean over classes j != y of max(0, margin - x_y + x_j)^p, times the weight of y;
 - cross-entropy with label smoothing e over C classes and class-index targets: (1 - e) nll + e / C times the
   summed negative log-probabilities (weighted, ignored targets left out), normalised as torch does;
 - cross-entropy with probability targets (smoothed first, `target (1 - e) + e / C`), with or without label
@@ -98,6 +101,39 @@ def _cosine_embedding(x1: torch.Tensor, x2: torch.Tensor, y: torch.Tensor, margi
     return _reduce(loss, reduction)
 
 
+def _distance(a: torch.Tensor, b: torch.Tensor, p: float, eps: float) -> torch.Tensor:
+    """torch's `pairwise_distance`: the p-norm of a - b + eps over the last axis."""
+    d = a - b + eps
+    if p == 2:
+        return torch.sqrt((d * d).sum(-1))
+    if p == 1:
+        return d.abs().sum(-1)
+    return (d.abs() ** p).sum(-1) ** (1 / p)
+
+
+def _triplet_margin(anchor: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor, margin: float, p: float,
+                    eps: float, swap: bool, reduction: int) -> torch.Tensor:
+    d_pos, d_neg = _distance(anchor, positive, p, eps), _distance(anchor, negative, p, eps)
+    if swap:
+        d_neg = torch.minimum(d_neg, _distance(positive, negative, p, eps))
+    return _reduce(torch.clamp(margin + d_pos - d_neg, min=0), reduction)
+
+
+def _multi_margin(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def multi_margin(x: torch.Tensor, y: torch.Tensor, p: int, margin: float, weight: torch.Tensor | None,
+                     reduction: int) -> torch.Tensor:
+        if x.dim() != 2:
+            return original(x, y, p, margin, weight, reduction)
+        z = torch.clamp(margin - x.gather(1, y[:, None]) + x, min=0)
+        z = z * z if p == 2 else z
+        if weight is not None:
+            z = z * weight[y][:, None]
+        picked = torch.arange(x.shape[1])[None, :] == y[:, None]
+        return _reduce(torch.where(picked, torch.zeros_like(z), z).sum(1) / x.shape[1], reduction)
+
+    return multi_margin
+
+
 def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
                       ignore_index: int, label_smoothing: float) -> torch.Tensor:
@@ -145,7 +181,9 @@ def exportable_losses() -> Iterator[None]:
         (nn_ops, "binary_cross_entropy", _binary_cross_entropy), (nn_ops, "soft_margin_loss", _soft_margin),
         (nn_ops, "cross_entropy_loss", _cross_entropy(nn_ops.cross_entropy_loss)),
         (torch, "margin_ranking_loss", _margin_ranking), (torch, "hinge_embedding_loss", _hinge_embedding),
-        (torch, "poisson_nll_loss", _poisson_nll), (torch, "cosine_embedding_loss", _cosine_embedding)]
+        (torch, "poisson_nll_loss", _poisson_nll), (torch, "cosine_embedding_loss", _cosine_embedding),
+        (torch, "triplet_margin_loss", _triplet_margin),
+        (nn_ops, "multi_margin_loss", _multi_margin(nn_ops.multi_margin_loss))]
     saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in replacements]
     for owner, name, fn in replacements:
         setattr(owner, name, fn)

@@ -81,6 +81,12 @@ CASES: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
                        lambda g: torch.randint(0, 2, (8,), generator=g).float() * 2 - 1),
     "cosine embedding": (lambda a, b: F.cosine_embedding_loss(a[:, :2], a[:, 2:4], b, margin=0.1),
                          lambda g: torch.randint(0, 2, (8,), generator=g).float() * 2 - 1),
+    "triplet margin, swap": (lambda a, b: F.triplet_margin_loss(a[:, :2], a[:, 2:4], b, margin=0.5, swap=True),
+                             lambda g: torch.randn(8, 2, generator=g)),
+    "triplet margin, p = 1": (lambda a, b: F.triplet_margin_loss(a[:, :2], a[:, 2:4], b, p=1),
+                              lambda g: torch.randn(8, 2, generator=g)),
+    "multi margin, p = 2, weighted": (lambda a, b: F.multi_margin_loss(a, b, p=2, weight=WEIGHT),
+                                      lambda g: torch.randint(0, 5, (8,), generator=g)),
     "nn.L1Loss module": (nn.L1Loss(), _real),
     "nn.CrossEntropyLoss module, label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.05), _classes),
 }
