@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
+from .patching import replaced
+
 ALPHA = 1.7580993408473766
 """SELU's scale times its alpha: the value alpha dropout sets dropped elements to, before its affine correction."""
-
-_MISSING = object()
-
 
 def _noise_shape(x: torch.Tensor, feature: bool) -> tuple[int, ...]:
     """One draw an element, or one a channel (the first two dims, as torch's `make_feature_noise`)."""
@@ -58,21 +57,7 @@ _REPLACED = {name: _dropout(feature, alpha) for name, feature, alpha in (
     ("feature_dropout", True, False), ("alpha_dropout", False, True), ("feature_alpha_dropout", True, True))}
 
 
-@contextlib.contextmanager
-def exportable_dropouts() -> Iterator[None]:
+def exportable_dropouts() -> contextlib.AbstractContextManager[None]:
     """torch's `_VF` feature and alpha dropouts (and their in-place forms, traced out of place) replaced for the
     duration (the export, under its lock)."""
-    vf = torch._VF
-    saved = {}
-    for name, fn in _REPLACED.items():
-        for variant in (name, name + "_"):
-            saved[variant] = vf.__dict__.get(variant, _MISSING)
-            setattr(vf, variant, fn)
-    try:
-        yield
-    finally:
-        for variant, old in saved.items():
-            if old is _MISSING:
-                delattr(vf, variant)
-            else:
-                setattr(vf, variant, old)
+    return replaced((torch._VF, variant, fn) for name, fn in _REPLACED.items() for variant in (name, name + "_"))

@@ -38,6 +38,7 @@ from . import exchange
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
+from .functions import exportable_functions
 from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
 from .passes import int_attr, names_in_use, rename_tensors
@@ -228,7 +229,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), _preserved(module), \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
-                exportable_losses():
+                exportable_losses(), exportable_functions():
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .patching import replaced
 
 _NONE, _MEAN, _SUM = 0, 1, 2
 """torch's reduction enum (`torch.nn._reduction.get_enum`)."""
@@ -169,11 +171,7 @@ def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     return cross_entropy
 
 
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def exportable_losses() -> Iterator[None]:
+def exportable_losses() -> contextlib.AbstractContextManager[None]:
     """The `torch._C._nn` and `torch` losses above replaced for the duration (the export, under its lock)."""
     nn_ops = torch._C._nn
     replacements: list[tuple[Any, str, Any]] = [
@@ -184,14 +182,4 @@ def exportable_losses() -> Iterator[None]:
         (torch, "poisson_nll_loss", _poisson_nll), (torch, "cosine_embedding_loss", _cosine_embedding),
         (torch, "triplet_margin_loss", _triplet_margin),
         (nn_ops, "multi_margin_loss", _multi_margin(nn_ops.multi_margin_loss))]
-    saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in replacements]
-    for owner, name, fn in replacements:
-        setattr(owner, name, fn)
-    try:
-        yield
-    finally:
-        for owner, name, old in saved:
-            if old is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
+    return replaced(replacements)

@@ -1,0 +1,55 @@
+"""runtime/functions.py: adaptive average pooling to any size, a non-zero threshold and channel shuffle train
+through ORTModule like torch (`check_parity`), the pooling for every input size from one export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import check_parity
+from torch import nn
+
+from runtime import ORTModule
+
+
+class Net(nn.Module):
+    """A convolution, the layer under test, a Linear and a cross-entropy."""
+
+    def __init__(self, layer: nn.Module, features: int):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.layer = layer
+        self.head = nn.Linear(features, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.layer(self.conv(x)).flatten(1)), y)
+
+
+def _batches(height: int, width: int, n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(height * 100 + width)
+    return [(torch.randn(5, 2, height, width, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(n)]
+
+
+CASES = {
+    "adaptive average pool 8x7 -> 3x3": (lambda: nn.AdaptiveAvgPool2d(3), 4 * 9, (8, 7)),
+    "adaptive average pool 9x9 -> 2 x input width": (lambda: nn.AdaptiveAvgPool2d((2, None)), 4 * 2 * 9, (9, 9)),
+    "adaptive average pool 1-D": (lambda: nn.Sequential(nn.Flatten(2), nn.AdaptiveAvgPool1d(5)), 4 * 5, (4, 6)),
+    "threshold 0.1 -> 0.5": (lambda: nn.Threshold(0.1, 0.5), 4 * 36, (6, 6)),
+    "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_trains_like_torch(case: str) -> None:
+    layer, features, (height, width) = CASES[case]
+    check_parity(lambda: Net(layer(), features), _batches(height, width), lambda m, b: m(*b), threads=1)
+
+
+def test_adaptive_pooling_follows_the_input_size() -> None:
+    """One export serves other image sizes: each window is computed from the run-time size, as torch's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.AdaptiveAvgPool2d((3, 4)))
+    model = ORTModule(net, threads=1)
+    for height, width in ((9, 9), (12, 7), (5, 14)):
+        x = torch.randn(2, 2, height, width)
+        torch.testing.assert_close(model(x), net(x), rtol=1e-5, atol=1e-6)
+    assert model.stats["exports"] == 1
