@@ -58,7 +58,8 @@ class SessionConfig:
     mem_pattern: bool = False
     """onnxruntime's memory pattern (one block planned a run for all intermediates): off, since the plan holds more
     than the run needs at once (GPT-2-width, 4 layers: a backward's peak 614 MB above its start with it, 451
-    without, the gradients 403 of those) and the steps were no slower without it (0.95-1.005x, paired)."""
+    without, the gradients 403 of those), and steps measured the same without it (0.99-1.03x, two modules each way
+    created in both orders: the module created first ran up to 5% faster whichever it was)."""
     park_openmp: bool = True
     """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.parked`), so
     that they do not share cores with onnxruntime's threads."""
