@@ -2,14 +2,16 @@
 
 The runtime exports with every dimension dynamic (one export serves every batch and image size), and the
 exporter then stops at `adaptive_avg_pool2d` to any size but 1x1 ("input size not accessible": VGG's and
-AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle` (ShuffleNet).
+AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle` (ShuffleNet);
+`local_response_norm` exports with an If on the gradient path, which gradbuilder does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
   as torch's; written as a product with a [k, n] matrix of 1 / (window size) over each window, built from the
   run-time n (Range, comparisons), once per pooled axis;
 - threshold(x, t, v): x where x > t, else v;
-- channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g].
+- channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
+- local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta.
 """
 
 from __future__ import annotations
@@ -60,6 +62,21 @@ def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return threshold
 
 
+def _local_response_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def local_response_norm(x: torch.Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
+                            ) -> torch.Tensor:
+        if x.dim() < 3:
+            return original(x, size, alpha, beta, k)
+        squares = F.pad(x * x, [0, 0] * (x.dim() - 2) + [size // 2, (size - 1) // 2])  # zero channels around
+        channels = x.shape[1]
+        total = squares[:, :channels]
+        for j in range(1, size):
+            total = total + squares[:, j:j + channels]
+        return x / (total / size * alpha + k) ** beta
+
+    return local_response_norm
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -74,4 +91,5 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (nn_ops, "adaptive_avg_pool2d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool2d, 2)),
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
-        (F, "channel_shuffle", _channel_shuffle)])
+        (F, "channel_shuffle", _channel_shuffle),
+        (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

@@ -1,5 +1,6 @@
-"""runtime/functions.py: adaptive average pooling to any size, a non-zero threshold and channel shuffle train
-through ORTModule like torch (`check_parity`), the pooling for every input size from one export."""
+"""runtime/functions.py: adaptive average pooling to any size, a non-zero threshold, channel shuffle and local
+response norm train through ORTModule like torch (`check_parity`), the pooling for every input size from one
+export."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ CASES = {
     "adaptive average pool 1-D": (lambda: nn.Sequential(nn.Flatten(2), nn.AdaptiveAvgPool1d(5)), 4 * 5, (4, 6)),
     "threshold 0.1 -> 0.5": (lambda: nn.Threshold(0.1, 0.5), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
+    "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
 }
 
 
