@@ -331,9 +331,13 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
         ratio = training_ratio(n, consts) if opset >= 15 else None
         return ratio if ratio is not None and ratio < 1.0 else None
 
-    for t in sorted(stash):
-        if recomputable(t, 0):
-            stash.discard(t)
+    changed = True
+    while changed:  # a view kept for another can make a Shape its target reads available: try again
+        changed = False
+        for t in sorted(stash):
+            if t not in depth and recomputable(t, 0):
+                stash.discard(t)
+                changed = True
     for t, n in made.items():
         if t in depth:
             maker[t] = n

@@ -139,6 +139,25 @@ def test_a_view_with_a_run_time_target_is_redone_in_backward():
     assert any(n.endswith("head/Add_output_0") or made_by.get(n) in ("Add", "Gemm", "MatMul") for n in stash)
 
 
+def test_group_norm_keeps_no_view():
+    """torch exports GroupNorm as Reshape -> InstanceNormalization -> Reshape (to the input's Shape); backward
+    keeps the normalized tensor and views it itself: the second Reshape's target is the Shape of a tensor kept
+    only once the first Reshape's source is (a second round of the view search)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 36, 3))
+    reference = copy.deepcopy(model)
+    ort = ORTModule(model, threads=1)
+    x, y = torch.randn(5, 1, 8, 8), torch.randint(0, 3, (5,))
+    for m in (ort, reference):
+        nn.functional.cross_entropy(m(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    session = ort.training_sessions()[0]
+    made_by = {o: n.op_type for n in session.full.forward.graph.node for o in n.output}
+    stash = [e.name for e in session.full.manifest.backward_inputs if e.role == "stash"]
+    assert not any(made_by.get(n) == "Reshape" for n in stash), stash
+
+
 def _where_model() -> onnx.ModelProto:
     """Wheres over a product, a mean's gradient (a product's column sums over a count, spread back), the same
     over a count that may be zero, and a division."""
