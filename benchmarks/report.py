@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,25 +77,25 @@ def step_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _table(header: str, align: str, rows: Iterable[str]) -> str:
+    """A markdown table: its header, its alignment row and one line a row; "" without rows."""
+    lines = list(rows)
+    return "\n".join([header, align, *lines]) if lines else ""
+
+
 def passive_table(results: dict[str, Any]) -> str:
-    spun = results.get("passive")
-    if not spun:
-        return ""
-    lines = ["| model | ORTModule step (ms) | torch step (ms) | ratio | load |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {name} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** | {t['load']:.1f} |"
-              for name, t in spun.items()]
-    return "\n".join(lines)
+    spun = results.get("passive") or {}
+    return _table("| model | ORTModule step (ms) | torch step (ms) | ratio | load |", "|---|---:|---:|---:|---:|",
+                  (f"| {name} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** | "
+                   f"{t['load']:.1f} |" for name, t in spun.items()))
 
 
 def ratio_table(entries: dict[str, Any] | None) -> str:
     """One row a shape (the `shapes` and `grid` parts)."""
-    if not entries:
-        return ""
-    lines = ["| model | shape | ORTModule step (ms) | torch step (ms) | ratio | load |",
-             "|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {name} | {t['description']} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** "
-              f"| {t['load']:.1f} |" for name, t in entries.items()]
-    return "\n".join(lines)
+    return _table("| model | shape | ORTModule step (ms) | torch step (ms) | ratio | load |",
+                  "|---|---|---:|---:|---:|---:|",
+                  (f"| {name} | {t['description']} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | "
+                   f"**{t['ratio']:.2f}** | {t['load']:.1f} |" for name, t in (entries or {}).items()))
 
 
 def family_ratios(results: dict[str, Any]) -> dict[str, list[float]]:
@@ -111,13 +112,10 @@ def family_ratios(results: dict[str, Any]) -> dict[str, list[float]]:
 
 def grid_summary(results: dict[str, Any]) -> str:
     families = family_ratios(results)
-    if not families:
-        return ""
-    lines = ["| family | shapes | ratio: lowest / median / highest | at most 1.0 | at most 0.8 |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {family} | {len(r)} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
-              f"{sum(v <= 1.0 for v in r)} | {sum(v <= 0.8 for v in r)} |" for family, r in families.items()]
-    return "\n".join(lines)
+    return _table("| family | shapes | ratio: lowest / median / highest | at most 1.0 | at most 0.8 |",
+                  "|---|---:|---:|---:|---:|",
+                  (f"| {family} | {len(r)} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
+                   f"{sum(v <= 1.0 for v in r)} | {sum(v <= 0.8 for v in r)} |" for family, r in families.items()))
 
 
 def memory_table(results: dict[str, Any]) -> str:
