@@ -1,14 +1,18 @@
 """Layers torch's legacy exporter refuses, or refuses for inputs of run-time sizes, written in ops it exports.
 
 The runtime exports with every dimension dynamic (one export serves every batch and image size), and the
-exporter then stops at `adaptive_avg_pool2d` to any size but 1x1 ("input size not accessible": VGG's and
-AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle` (ShuffleNet);
-`local_response_norm` exports with an If on the gradient path, which gradbuilder does not differentiate.
+exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
+accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
+`channel_shuffle` (ShuffleNet); `local_response_norm` exports with an If on the gradient path, which gradbuilder
+does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
   as torch's; written as a product with a [k, n] matrix of 1 / (window size) over each window, built from the
   run-time n (Range, comparisons), once per pooled axis;
+- adaptive max pooling: the first maximum of each window in raster order (torch's, and its flat index), as the
+  first maximum of each window row (ArgMax over a masked copy, one a column window) then the first among the
+  window's rows;
 - threshold(x, t, v): x where x > t, else v;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta.
@@ -26,14 +30,19 @@ from torch.nn import functional as F
 from .patching import replaced
 
 
-def _pooling_matrix(n: Any, k: int, like: torch.Tensor) -> torch.Tensor:
-    """[k, n]: 1 / (window size) over window i of adaptive pooling from n to k, 0 elsewhere."""
+def _windows(n: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adaptive pooling from n to k cells: [k, n] whether position j is in window i, and the windows' sizes."""
     cells = torch.arange(k)
     start = cells * n // k
     end = ((cells + 1) * n + k - 1) // k
     positions = torch.arange(n)[None, :]
-    inside = (positions >= start[:, None]) & (positions < end[:, None])
-    return inside.to(like.dtype) / (end - start)[:, None].to(like.dtype)
+    return (positions >= start[:, None]) & (positions < end[:, None]), end - start
+
+
+def _pooling_matrix(n: Any, k: int, like: torch.Tensor) -> torch.Tensor:
+    """[k, n]: 1 / (window size) over window i of adaptive pooling from n to k, 0 elsewhere."""
+    inside, sizes = _windows(n, k)
+    return inside.to(like.dtype) / sizes[:, None].to(like.dtype)
 
 
 def _adaptive_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
@@ -49,6 +58,25 @@ def _adaptive_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Call
             moved = x.movedim(axis, rank - 2)  # the pooled axis second to last, for the product
             x = torch.matmul(_pooling_matrix(x.shape[axis], k, x), moved).movedim(rank - 2, axis)
         return x
+
+    return pool
+
+
+def _adaptive_max_pool2d(original: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                         ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    def pool(x: torch.Tensor, output_size: Sequence[int] | int) -> tuple[torch.Tensor, torch.Tensor]:
+        kh, kw = [output_size] * 2 if isinstance(output_size, int) else output_size
+        if kh == 1 and kw == 1:  # exported as GlobalMaxPool
+            return original(x, output_size)
+        height, width = x.shape[-2], x.shape[-1]
+        lowest = torch.full((), float("-inf"), dtype=x.dtype)
+        # the first maximum of each window in raster order, as torch's: per row of the window, then over its rows
+        cols = torch.where(_windows(width, kw)[0], x.unsqueeze(-2), lowest)  # [..., H, kw, W]
+        at_w = cols.argmax(-1)  # [..., H, kw]
+        row_max = cols.gather(-1, at_w.unsqueeze(-1)).squeeze(-1)
+        rows = torch.where(_windows(height, kh)[0].unsqueeze(-1), row_max.unsqueeze(-3), lowest)  # [..., kh, H, kw]
+        at_h = rows.argmax(-2)  # [..., kh, kw]
+        return rows.gather(-2, at_h.unsqueeze(-2)).squeeze(-2), at_h * width + at_w.gather(-2, at_h)
 
     return pool
 
@@ -89,6 +117,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
     nn_ops = torch._C._nn
     return replaced([
         (nn_ops, "adaptive_avg_pool2d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool2d, 2)),
+        (nn_ops, "adaptive_max_pool2d", _adaptive_max_pool2d(nn_ops.adaptive_max_pool2d)),
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (F, "channel_shuffle", _channel_shuffle),

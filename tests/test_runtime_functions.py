@@ -34,6 +34,8 @@ CASES = {
     "adaptive average pool 8x7 -> 3x3": (lambda: nn.AdaptiveAvgPool2d(3), 4 * 9, (8, 7)),
     "adaptive average pool 9x9 -> 2 x input width": (lambda: nn.AdaptiveAvgPool2d((2, None)), 4 * 2 * 9, (9, 9)),
     "adaptive average pool 1-D": (lambda: nn.Sequential(nn.Flatten(2), nn.AdaptiveAvgPool1d(5)), 4 * 5, (4, 6)),
+    "adaptive max pool 8x7 -> 3x2": (lambda: nn.AdaptiveMaxPool2d((3, 2)), 4 * 6, (8, 7)),
+    "adaptive max pool of a ReLU (ties)": (lambda: nn.Sequential(nn.ReLU(), nn.AdaptiveMaxPool2d(4)), 4 * 16, (9, 9)),
     "threshold 0.1 -> 0.5": (lambda: nn.Threshold(0.1, 0.5), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
@@ -49,9 +51,23 @@ def test_layer_trains_like_torch(case: str) -> None:
 def test_adaptive_pooling_follows_the_input_size() -> None:
     """One export serves other image sizes: each window is computed from the run-time size, as torch's."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.AdaptiveAvgPool2d((3, 4)))
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.AdaptiveAvgPool2d((3, 4)), nn.AdaptiveMaxPool2d(2))
     model = ORTModule(net, threads=1)
     for height, width in ((9, 9), (12, 7), (5, 14)):
         x = torch.randn(2, 2, height, width)
         torch.testing.assert_close(model(x), net(x), rtol=1e-5, atol=1e-6)
     assert model.stats["exports"] == 1
+
+
+def test_adaptive_max_pool_picks_torchs_element_among_ties() -> None:
+    """The first maximum of each window in raster order, as torch's indices say, on rounded values (many ties)."""
+    from runtime import functions
+
+    pool = functions._adaptive_max_pool2d(torch._C._nn.adaptive_max_pool2d)
+    g = torch.Generator().manual_seed(0)
+    for size, out in (((9, 9), (4, 4)), ((7, 10), (3, 4)), ((8, 8), 2)):
+        x = torch.randint(0, 3, (2, 3, *size), generator=g).float()
+        values, index = pool(x, out)
+        want_values, want_index = nn.functional.adaptive_max_pool2d(x, out, return_indices=True)
+        torch.testing.assert_close(values, want_values, rtol=0, atol=0)
+        assert torch.equal(index, want_index)
