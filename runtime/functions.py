@@ -3,8 +3,9 @@
 The runtime exports with every dimension dynamic (one export serves every batch and image size), and the
 exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
-`channel_shuffle` (ShuffleNet); `local_response_norm` exports with an If on the gradient path, which gradbuilder
-does not differentiate.
+`channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models) or
+`bilinear` (nn.Bilinear); `local_response_norm` exports with an If on the gradient path, which gradbuilder does
+not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -15,7 +16,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
   window's rows;
 - threshold(x, t, v): x where x > t, else v;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
-- local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta.
+- local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
+- RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
+- bilinear: the einsum of x1, the weight and x2 over their features, plus the bias.
 """
 
 from __future__ import annotations
@@ -105,6 +108,20 @@ def _local_response_norm(original: Callable[..., torch.Tensor]) -> Callable[...,
     return local_response_norm
 
 
+def _rms_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None = None,
+              eps: float | None = None) -> torch.Tensor:
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    y = x * torch.rsqrt((x * x).mean(dims, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    y = torch.einsum("...i,kij,...j->...k", x1, weight, x2)
+    return y if bias is None else y + bias
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -120,5 +137,5 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (nn_ops, "adaptive_max_pool2d", _adaptive_max_pool2d(nn_ops.adaptive_max_pool2d)),
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
-        (F, "channel_shuffle", _channel_shuffle),
+        (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

@@ -48,6 +48,29 @@ def test_layer_trains_like_torch(case: str) -> None:
     check_parity(lambda: Net(layer(), features), _batches(height, width), lambda m, b: m(*b), threads=1)
 
 
+class Pair(nn.Module):
+    """Token features, a layer under test over them, a head and a cross-entropy over every token."""
+
+    def __init__(self, layer: str):
+        super().__init__()
+        self.proj = nn.Linear(6, 8)
+        self.norm = nn.RMSNorm(8) if layer == "rms" else nn.RMSNorm([4, 8], eps=1e-3) if layer == "rms2" else None
+        self.bilinear = nn.Bilinear(8, 8, 8) if layer == "bilinear" else None
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))
+        h = self.norm(h) if self.norm is not None else self.bilinear(h, h.flip(1))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("layer", ["rms", "rms2", "bilinear"])
+def test_token_layer_trains_like_torch(layer: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 4, 6, generator=g), torch.randint(0, 3, (5, 4), generator=g)) for _ in range(3)]
+    check_parity(lambda: Pair(layer), batches, lambda m, b: m(*b), threads=1)
+
+
 def test_adaptive_pooling_follows_the_input_size() -> None:
     """One export serves other image sizes: each window is computed from the run-time size, as torch's."""
     torch.manual_seed(0)
