@@ -4,8 +4,8 @@ The runtime exports with every dimension dynamic (one export serves every batch 
 exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models) or
-`bilinear` (nn.Bilinear); `local_response_norm` exports with an If on the gradient path, which gradbuilder does
-not differentiate.
+`bilinear` (nn.Bilinear); `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient
+path, which gradbuilder does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -18,7 +18,10 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
-- bilinear: the einsum of x1, the weight and x2 over their features, plus the bias.
+- bilinear: the einsum of x1, the weight and x2 over their features, plus the bias;
+- embedding bags of a 2-D input (fixed-size bags, no offsets, no max_norm): the rows' embeddings (times their
+  per-sample weights) summed, averaged or maxed over each bag, entries at `padding_idx` left out (an empty bag
+  is zeros); other calls keep torch's function.
 """
 
 from __future__ import annotations
@@ -122,6 +125,34 @@ def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: to
     return y if bias is None else y + bias
 
 
+def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None,
+                      max_norm: float | None = None, norm_type: float = 2, scale_grad_by_freq: bool = False,
+                      mode: str = "mean", sparse: bool = False, per_sample_weights: torch.Tensor | None = None,
+                      include_last_offset: bool = False, padding_idx: int | None = None) -> torch.Tensor:
+        if input.dim() != 2 or offsets is not None or max_norm is not None or mode not in ("sum", "mean", "max") \
+                or (per_sample_weights is not None and mode != "sum"):  # torch's function checks and raises
+            return original(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                            per_sample_weights, include_last_offset, padding_idx)
+        rows = F.embedding(input, weight)  # [bags, bag size, dim]: fixed-size bags, one a row of input
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights[..., None]
+        kept = None if padding_idx is None else (input != padding_idx)[..., None]
+        if mode == "max":
+            lowest = torch.full((), float("-inf"), dtype=rows.dtype)
+            picked = rows.max(1).values if kept is None else torch.where(kept, rows, lowest).max(1).values
+            return picked if kept is None else torch.where(kept.any(1), picked, torch.zeros_like(picked))
+        if kept is not None:
+            rows = torch.where(kept, rows, torch.zeros_like(rows))
+        total = rows.sum(1)
+        if mode == "sum":
+            return total
+        count = rows.shape[1] if kept is None else kept.sum(1).to(rows.dtype)
+        return total / count if kept is None else torch.where(count > 0, total / count.clamp(min=1), total)
+
+    return embedding_bag
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -138,4 +169,5 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
+        (F, "embedding_bag", _embedding_bag(F.embedding_bag)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

@@ -71,6 +71,32 @@ def test_token_layer_trains_like_torch(layer: str) -> None:
     check_parity(lambda: Pair(layer), batches, lambda m, b: m(*b), threads=1)
 
 
+class Bags(nn.Module):
+    """Fixed-size bags of token ids, an EmbeddingBag, a head and a cross-entropy."""
+
+    def __init__(self, mode: str, padding_idx: int | None, weighted: bool):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(12, 6, mode=mode, padding_idx=padding_idx)
+        self.head = nn.Linear(6, 3)
+        self.weighted = weighted
+
+    def forward(self, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        weights = torch.linspace(0.5, 1.5, tokens.shape[1]).expand(tokens.shape) if self.weighted else None
+        return nn.functional.cross_entropy(self.head(self.bag(tokens, per_sample_weights=weights)), y)
+
+
+@pytest.mark.parametrize("mode, padding_idx, weighted", [("mean", None, False), ("sum", None, True),
+                                                         ("max", None, False), ("mean", 0, False), ("max", 0, False)])
+def test_embedding_bag_trains_like_torch(mode: str, padding_idx: int | None, weighted: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        tokens = torch.randint(0, 12, (6, 5), generator=g)
+        tokens[0] = 0  # a bag of padding only, where padding_idx is 0
+        batches.append((tokens, torch.randint(0, 3, (6,), generator=g)))
+    check_parity(lambda: Bags(mode, padding_idx, weighted), batches, lambda m, b: m(*b), threads=1)
+
+
 def test_adaptive_pooling_follows_the_input_size() -> None:
     """One export serves other image sizes: each window is computed from the run-time size, as torch's."""
     torch.manual_seed(0)
