@@ -3,9 +3,9 @@
 The runtime exports with every dimension dynamic (one export serves every batch and image size), and the
 exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
-`channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models) or
-`bilinear` (nn.Bilinear); `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient
-path, which gradbuilder does not differentiate.
+`channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
+`bilinear` (nn.Bilinear) or `hypot`; `local_response_norm` and `embedding_bag` export with an If or a Loop on
+the gradient path, which gradbuilder does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -18,7 +18,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
-- bilinear: the einsum of x1, the weight and x2 over their features, plus the bias;
+- bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
 - embedding bags of a 2-D input (fixed-size bags, no offsets, no max_norm): the rows' embeddings (times their
   per-sample weights) summed, averaged or maxed over each bag, entries at `padding_idx` left out (an empty bag
   is zeros); other calls keep torch's function.
@@ -153,6 +153,12 @@ def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     return embedding_bag
 
 
+def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is not None:
+        raise TypeError("ORTModule exports torch.hypot without `out`")
+    return torch.sqrt(a * a + b * b)
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -169,5 +175,5 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
-        (F, "embedding_bag", _embedding_bag(F.embedding_bag)),
+        (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

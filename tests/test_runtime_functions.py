@@ -30,6 +30,11 @@ def _batches(height: int, width: int, n: int = 3) -> list[tuple[torch.Tensor, to
     return [(torch.randn(5, 2, height, width, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(n)]
 
 
+class Hypot(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.hypot(x, x.flip(1) + 0.5)
+
+
 CASES = {
     "adaptive average pool 8x7 -> 3x3": (lambda: nn.AdaptiveAvgPool2d(3), 4 * 9, (8, 7)),
     "adaptive average pool 9x9 -> 2 x input width": (lambda: nn.AdaptiveAvgPool2d((2, None)), 4 * 2 * 9, (9, 9)),
@@ -37,6 +42,7 @@ CASES = {
     "adaptive max pool 8x7 -> 3x2": (lambda: nn.AdaptiveMaxPool2d((3, 2)), 4 * 6, (8, 7)),
     "adaptive max pool of a ReLU (ties)": (lambda: nn.Sequential(nn.ReLU(), nn.AdaptiveMaxPool2d(4)), 4 * 16, (9, 9)),
     "threshold 0.1 -> 0.5": (lambda: nn.Threshold(0.1, 0.5), 4 * 36, (6, 6)),
+    "hypot": (lambda: Hypot(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
 }
