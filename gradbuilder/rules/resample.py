@@ -271,3 +271,91 @@ def col2im(g: Grad):
     cols = g.Conv(per_channel, kernel, kernel_shape=block, strides=list(g.attr("strides", [1] * nd)),
                   dilations=list(g.attr("dilations", [1] * nd)), pads=list(g.attr("pads", [0] * 2 * nd)))
     return (g.reshape_like(cols, x), None, None)
+
+
+# --- GridSample ------------------------------------------------------------------------------------------
+def _grid_axis(g: Grad, coord: str, size: str, align: bool, border: bool, like: str) -> tuple[str, str]:
+    """(the input position a normalised grid coordinate reads, d position / d coordinate; `like`: a forward tensor
+    of the grid's type), as torch's
+    grid_sampler: align_corners maps -1 and 1 to the first and last positions' centres, else to the outer edges;
+    border padding clips the position into the input (and the derivative to 0 where it clips)."""
+    one, half = g.const(1.0, like=like), g.const(0.5, like=like)
+    if align:
+        scale = g.Mul(g.Sub(size, one), half)
+        pos = g.Mul(g.Add(coord, one), scale)
+    else:
+        scale = g.Mul(size, half)
+        pos = g.Mul(g.Sub(g.Mul(g.Add(coord, one), size), one), half)
+    if border:
+        last = g.Sub(size, one)
+        zero = g.const(0.0, like=like)
+        inside = g.And(g.GreaterOrEqual(pos, zero), g.LessOrEqual(pos, last))
+        pos = g.Min(g.Max(pos, zero), last)
+        scale = g.Mul(scale, g.Cast(inside, to=g.dtype(like)))
+    return pos, scale
+
+
+@rule("GridSample", since=16, until=19)
+def grid_sample(g: Grad):
+    """Bilinear sampling of X [N, C, H, W] at grid [N, Ho, Wo, 2] (x then y, in [-1, 1]), zeros or border padding.
+    Each output mixes the four input elements around its position with weights (1 - fx, fx) x (1 - fy, fy):
+    dX scatter-adds dY times those weights to them (the corners outside the input read nothing); dgrid is the
+    weights' derivative, (right - left) and (bottom - top) differences of the corners weighted by the other
+    axis, summed over the channels, times d position / d coordinate."""
+    x, grid, dy = g.I(0), g.I(1), g.GO(0)
+    mode, padding = g.attr("mode", "bilinear"), g.attr("padding_mode", "zeros")
+    if mode != "bilinear" or padding not in ("zeros", "border"):
+        g.fail(f"mode='{mode}', padding_mode='{padding}' has no gradient rule (bilinear with zeros or border padding)")
+    if g.require_rank(x) != 4:
+        g.fail("only 4-D inputs ([N, C, H, W]) have a gradient rule")
+    align = bool(g.attr("align_corners", 0))
+    like = g.dtype(x)
+    shape = g.shape_of(x)
+    height, width = (g.Cast(g.Gather(shape, g.ints([axis])), to=like) for axis in (2, 3))
+    coords = [g.Squeeze(g.Slice(grid, g.ints([k]), g.ints([k + 1]), g.ints([3])), g.ints([3])) for k in (0, 1)]
+    border = padding == "border"
+    (px, sx), (py, sy) = (_grid_axis(g, c, n, align, border, grid) for c, n in zip(coords, (width, height)))
+    x0, y0 = g.Floor(px), g.Floor(py)
+    fx, fy = g.Sub(px, x0), g.Sub(py, y0)
+    one = g.const(1.0, like=x)
+    corners = []  # (flat index [N, 1, P], in-bounds mask as float [N, 1, P], wx, wy, sign x, sign y)
+    zero = g.const(0.0, like=x)
+    for cy, wy, sgn_y in ((y0, g.Sub(one, fy), -1.0), (g.Add(y0, one), fy, 1.0)):
+        for cx, wx, sgn_x in ((x0, g.Sub(one, fx), -1.0), (g.Add(x0, one), fx, 1.0)):
+            inside = g.And(g.And(g.GreaterOrEqual(cx, zero), g.LessOrEqual(cx, g.Sub(width, one))),
+                           g.And(g.GreaterOrEqual(cy, zero), g.LessOrEqual(cy, g.Sub(height, one))))
+            cxc = g.Min(g.Max(cx, zero), g.Sub(width, one))
+            cyc = g.Min(g.Max(cy, zero), g.Sub(height, one))
+            flat = g.Cast(g.Add(g.Mul(cyc, width), cxc), to=TensorProto.INT64)
+            flat = g.Reshape(flat, g.ints([0, 1, -1]))  # [N, 1, P]
+            valid = g.Reshape(g.Cast(inside, to=like), g.ints([0, 1, -1]))
+            corners.append((flat, valid, wx, wy, sgn_x, sgn_y))
+    dy_flat = g.Reshape(dy, g.ints([0, 0, -1]))  # [N, C, P]
+    expand_to = g.Shape(dy_flat)
+    dx = dgrid = None
+    if g.needs(0):
+        indices, values = [], []
+        for flat, valid, wx, wy, _, _ in corners:
+            weight = g.Mul(g.Reshape(g.Mul(wx, wy), g.ints([0, 1, -1])), valid)
+            indices.append(g.Expand(flat, expand_to))
+            values.append(g.Mul(dy_flat, weight))
+        planes = g.Concat(g.Slice(shape, g.ints([0]), g.ints([2])),
+                          g.Mul(g.Gather(shape, g.ints([2])), g.Gather(shape, g.ints([3]))), axis=0)  # [N, C, H*W]
+        start = g.ConstantOfShape(planes, value=helper.make_tensor("value", like, [1], [0]))
+        summed = g.ScatterElements(start, g.Concat(*indices, axis=2), g.Concat(*values, axis=2), axis=2,
+                                   reduction="add")
+        dx = g.Reshape(summed, shape)
+    if g.needs(1):
+        x_flat = g.Reshape(x, g.ints([0, 0, -1]))  # [N, C, H*W]
+        grad_x = grad_y = None
+        for flat, valid, wx, wy, sgn_x, sgn_y in corners:
+            v = g.ReduceSum(g.Mul(g.Mul(g.GatherElements(x_flat, g.Expand(flat, expand_to), axis=2), valid),
+                                  dy_flat), g.ints([1]), keepdims=0)  # [N, P]: sum over C of dY * corner value
+            v = g.Reshape(v, g.Shape(wx))  # [N, Ho, Wo]
+            term_x = g.Mul(v, g.Mul(wy, g.const(sgn_x, like=x)))
+            term_y = g.Mul(v, g.Mul(wx, g.const(sgn_y, like=x)))
+            grad_x = term_x if grad_x is None else g.Add(grad_x, term_x)
+            grad_y = term_y if grad_y is None else g.Add(grad_y, term_y)
+        dgrid = g.Concat(g.Unsqueeze(g.Mul(grad_x, sx), g.ints([3])), g.Unsqueeze(g.Mul(grad_y, sy), g.ints([3])),
+                         axis=3)
+    return (dx, dgrid)
