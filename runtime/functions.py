@@ -4,8 +4,9 @@ The runtime exports with every dimension dynamic (one export serves every batch 
 exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
-`bilinear` (nn.Bilinear) or `hypot`; `local_response_norm` and `embedding_bag` export with an If or a Loop on
-the gradient path, which gradbuilder does not differentiate.
+`bilinear` (nn.Bilinear), `hypot` or, before opset 20, `affine_grid` (spatial transformers);
+`local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder
+does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -19,6 +20,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
 - bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
+- affine grid (2-D): each output position's (x, y, 1), x and y evenly spaced over [-1, 1] (pixel centres without
+  align_corners), times theta transposed;
 - embedding bags of a 2-D input (fixed-size bags, no offsets, no max_norm): the rows' embeddings (times their
   per-sample weights) summed, averaged or maxed over each bag, entries at `padding_idx` left out (an empty bag
   is zeros); other calls keep torch's function.
@@ -159,6 +162,22 @@ def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None)
     return torch.sqrt(a * a + b * b)
 
 
+def _affine_grid(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def affine_grid(theta: torch.Tensor, size: Sequence[Any], align_corners: bool) -> torch.Tensor:
+        if len(size) != 4:
+            return original(theta, size, align_corners)
+        axes = []
+        for n in (size[3], size[2]):  # x along the width, y along the height, each in [-1, 1] as torch's linspace
+            steps = torch.arange(n, dtype=theta.dtype)
+            axes.append((steps * 2 - (n - 1)) / ((n - 1) if align_corners else n))
+        xs = axes[0][None, :].expand(size[2], size[3])
+        ys = axes[1][:, None].expand(size[2], size[3])
+        base = torch.stack([xs, ys, torch.ones_like(xs)], -1).reshape(1, -1, 3)  # [1, H*W, 3]
+        return torch.matmul(base, theta.transpose(1, 2)).reshape(theta.shape[0], size[2], size[3], 2)
+
+    return affine_grid
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -176,4 +195,5 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
+        (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

@@ -126,3 +126,28 @@ def test_adaptive_max_pool_picks_torchs_element_among_ties() -> None:
         want_values, want_index = nn.functional.adaptive_max_pool2d(x, out, return_indices=True)
         torch.testing.assert_close(values, want_values, rtol=0, atol=0)
         assert torch.equal(index, want_index)
+
+
+class SpatialTransformer(nn.Module):
+    """An affine grid from a localisation layer, bilinear grid sampling (the GridSample rule), a head."""
+
+    def __init__(self, align_corners: bool):
+        super().__init__()
+        self.loc = nn.Linear(64, 6)
+        nn.init.normal_(self.loc.weight, std=0.05)
+        self.loc.bias.data = torch.tensor([1.0, 0.1, 0.0, -0.1, 0.9, 0.05])
+        self.head = nn.Linear(64, 3)
+        self.align_corners = align_corners
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        theta = self.loc(x.flatten(1)).view(-1, 2, 3)
+        grid = nn.functional.affine_grid(theta, list(x.shape), align_corners=self.align_corners)
+        sampled = nn.functional.grid_sample(x, grid, align_corners=self.align_corners)
+        return nn.functional.cross_entropy(self.head(sampled.flatten(1)), y)
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_spatial_transformer_trains_like_torch(align_corners: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    check_parity(lambda: SpatialTransformer(align_corners), batches, lambda m, b: m(*b), threads=1)

@@ -1,4 +1,4 @@
-"""Resampling and rearranging: Resize, DepthToSpace, SpaceToDepth, Col2Im.
+"""Resampling and rearranging: Resize, DepthToSpace, SpaceToDepth, Col2Im, GridSample.
 
 Resize is linear in X and separable: along each resized axis, output position o is a weighted sum of input
 positions, with weights that depend only on that axis' sizes, scale and roi and on the node's attributes. The
