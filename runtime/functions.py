@@ -22,9 +22,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
 - affine grid (2-D): each output position's (x, y, 1), x and y evenly spaced over [-1, 1] (pixel centres without
   align_corners), times theta transposed;
-- embedding bags of a 2-D input (fixed-size bags, no offsets, no max_norm): the rows' embeddings (times their
-  per-sample weights) summed, averaged or maxed over each bag, entries at `padding_idx` left out (an empty bag
-  is zeros); other calls keep torch's function.
+- embedding bags (no max_norm): of a 2-D input (fixed-size bags), the rows' embeddings (times their per-sample
+  weights) summed, averaged or maxed over each bag; of a 1-D input cut by offsets, summed or averaged
+  (`_variable_bags`); entries at `padding_idx` left out, an empty bag zeros; other calls keep torch's function.
 """
 
 from __future__ import annotations
@@ -128,15 +128,43 @@ def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: to
     return y if bias is None else y + bias
 
 
+def _variable_bags(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, mode: str,
+                   per_sample_weights: torch.Tensor | None, include_last_offset: bool, padding_idx: int | None
+                   ) -> torch.Tensor:
+    """Sums or means of bags of a 1-D input that `offsets` cut: each position's bag is the number of bag starts at
+    or before it, less one (ones scatter-added at the starts, then cumsum: empty bags share their start, and the
+    elements go to the last of them, as in torch); the rows are scatter-added into their bags."""
+    length = input.shape[0]
+    starts = offsets[:-1] if include_last_offset else offsets
+    bags = starts.shape[0]
+    ones = torch.ones_like(starts, dtype=weight.dtype)  # scatter_add: the exporter's 1-D index_add is malformed
+    marks = torch.zeros(length + 1, dtype=weight.dtype).scatter_add(0, starts, ones)  # a trailing empty bag: at L
+    bag = (torch.cumsum(marks[:length], 0) - 1).to(torch.int64)
+    rows = F.embedding(input, weight)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    kept = torch.ones(length, dtype=weight.dtype) if padding_idx is None else (input != padding_idx).to(weight.dtype)
+    if padding_idx is not None:
+        rows = rows * kept[:, None]
+    total = torch.zeros(bags, weight.shape[1], dtype=weight.dtype).scatter_add(0, bag[:, None].expand_as(rows), rows)
+    if mode == "sum":
+        return total
+    count = torch.zeros(bags, dtype=weight.dtype).scatter_add(0, bag, kept)
+    return total / count.clamp(min=1)[:, None]
+
+
 def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None,
                       max_norm: float | None = None, norm_type: float = 2, scale_grad_by_freq: bool = False,
                       mode: str = "mean", sparse: bool = False, per_sample_weights: torch.Tensor | None = None,
                       include_last_offset: bool = False, padding_idx: int | None = None) -> torch.Tensor:
-        if input.dim() != 2 or offsets is not None or max_norm is not None or mode not in ("sum", "mean", "max") \
-                or (per_sample_weights is not None and mode != "sum"):  # torch's function checks and raises
+        variable = input.dim() == 1 and offsets is not None and mode in ("sum", "mean")
+        fixed = input.dim() == 2 and offsets is None and mode in ("sum", "mean", "max")
+        if not (variable or fixed) or max_norm is not None or (per_sample_weights is not None and mode != "sum"):
             return original(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-                            per_sample_weights, include_last_offset, padding_idx)
+                            per_sample_weights, include_last_offset, padding_idx)  # which checks and raises
+        if variable:
+            return _variable_bags(input, weight, offsets, mode, per_sample_weights, include_last_offset, padding_idx)
         rows = F.embedding(input, weight)  # [bags, bag size, dim]: fixed-size bags, one a row of input
         if per_sample_weights is not None:
             rows = rows * per_sample_weights[..., None]

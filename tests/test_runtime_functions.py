@@ -103,6 +103,33 @@ def test_embedding_bag_trains_like_torch(mode: str, padding_idx: int | None, wei
     check_parity(lambda: Bags(mode, padding_idx, weighted), batches, lambda m, b: m(*b), threads=1)
 
 
+class VariableBags(nn.Module):
+    """Bags of token ids cut by offsets (an empty bag among them, and a last one when include_last_offset)."""
+
+    def __init__(self, mode: str, padding_idx: int | None, weighted: bool, include_last: bool):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(12, 6, mode=mode, padding_idx=padding_idx, include_last_offset=include_last)
+        self.head = nn.Linear(6, 3)
+        self.weighted, self.include_last = weighted, include_last
+
+    def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        weights = torch.linspace(0.5, 1.5, tokens.shape[0]) if self.weighted else None
+        return nn.functional.cross_entropy(self.head(self.bag(tokens, offsets, per_sample_weights=weights)), y)
+
+
+@pytest.mark.parametrize("mode, padding_idx, weighted, include_last",
+                         [("mean", None, False, False), ("sum", None, True, True), ("mean", 0, False, True)])
+def test_embedding_bag_with_offsets_trains_like_torch(mode: str, padding_idx: int | None, weighted: bool,
+                                                      include_last: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for starts in ([0, 3, 3, 7, 9], [0, 1, 5, 5, 8], [0, 2, 4, 6, 12]):  # empty bags, the last one too
+        offsets = torch.tensor([*starts, 12] if include_last else starts)
+        batches.append((torch.randint(0, 12, (12,), generator=g), offsets, torch.randint(0, 3, (5,), generator=g)))
+    check_parity(lambda: VariableBags(mode, padding_idx, weighted, include_last), batches, lambda m, b: m(*b),
+                 threads=1)
+
+
 def test_adaptive_pooling_follows_the_input_size() -> None:
     """One export serves other image sizes: each window is computed from the run-time size, as torch's."""
     torch.manual_seed(0)
