@@ -297,15 +297,18 @@ def _grid_axis(g: Grad, coord: str, size: str, align: bool, border: bool, like: 
 
 @rule("GridSample", since=16, until=19)
 def grid_sample(g: Grad):
-    """Bilinear sampling of X [N, C, H, W] at grid [N, Ho, Wo, 2] (x then y, in [-1, 1]), zeros or border padding.
+    """Bilinear (or nearest) sampling of X [N, C, H, W] at grid [N, Ho, Wo, 2] (x then y, in [-1, 1]), zeros or
+    border padding; nearest reads one element, weight 1, and gives the grid no gradient, as torch's.
     Each output mixes the four input elements around its position with weights (1 - fx, fx) x (1 - fy, fy):
     dX scatter-adds dY times those weights to them (the corners outside the input read nothing); dgrid is the
     weights' derivative, (right - left) and (bottom - top) differences of the corners weighted by the other
     axis, summed over the channels, times d position / d coordinate."""
     x, grid, dy = g.I(0), g.I(1), g.GO(0)
     mode, padding = g.attr("mode", "bilinear"), g.attr("padding_mode", "zeros")
-    if mode != "bilinear" or padding not in ("zeros", "border"):
-        g.fail(f"mode='{mode}', padding_mode='{padding}' has no gradient rule (bilinear with zeros or border padding)")
+    if mode not in ("bilinear", "nearest") or padding not in ("zeros", "border"):
+        g.fail(f"mode='{mode}', padding_mode='{padding}' has no gradient rule (bilinear or nearest, with zeros or "
+               "border padding)")
+    nearest = mode == "nearest"
     if g.require_rank(x) != 4:
         g.fail("only 4-D inputs ([N, C, H, W]) have a gradient rule")
     align = bool(g.attr("align_corners", 0))
@@ -315,13 +318,18 @@ def grid_sample(g: Grad):
     coords = [g.Squeeze(g.Slice(grid, g.ints([k]), g.ints([k + 1]), g.ints([3])), g.ints([3])) for k in (0, 1)]
     border = padding == "border"
     (px, sx), (py, sy) = (_grid_axis(g, c, n, align, border, grid) for c, n in zip(coords, (width, height)))
-    x0, y0 = g.Floor(px), g.Floor(py)
-    fx, fy = g.Sub(px, x0), g.Sub(py, y0)
     one = g.const(1.0, like=x)
+    if nearest:  # the element at the rounded position (half to even, as torch's nearbyint), weight 1
+        rows, cols = [(g.Round(py), None, 0.0)], [(g.Round(px), None, 0.0)]
+    else:
+        x0, y0 = g.Floor(px), g.Floor(py)
+        fx, fy = g.Sub(px, x0), g.Sub(py, y0)
+        rows = [(y0, g.Sub(one, fy), -1.0), (g.Add(y0, one), fy, 1.0)]
+        cols = [(x0, g.Sub(one, fx), -1.0), (g.Add(x0, one), fx, 1.0)]
     corners = []  # (flat index [N, 1, P], in-bounds mask as float [N, 1, P], wx, wy, sign x, sign y)
     zero = g.const(0.0, like=x)
-    for cy, wy, sgn_y in ((y0, g.Sub(one, fy), -1.0), (g.Add(y0, one), fy, 1.0)):
-        for cx, wx, sgn_x in ((x0, g.Sub(one, fx), -1.0), (g.Add(x0, one), fx, 1.0)):
+    for cy, wy, sgn_y in rows:
+        for cx, wx, sgn_x in cols:
             inside = g.And(g.And(g.GreaterOrEqual(cx, zero), g.LessOrEqual(cx, g.Sub(width, one))),
                            g.And(g.GreaterOrEqual(cy, zero), g.LessOrEqual(cy, g.Sub(height, one))))
             cxc = g.Min(g.Max(cx, zero), g.Sub(width, one))
@@ -336,7 +344,7 @@ def grid_sample(g: Grad):
     if g.needs(0):
         indices, values = [], []
         for flat, valid, wx, wy, _, _ in corners:
-            weight = g.Mul(g.Reshape(g.Mul(wx, wy), g.ints([0, 1, -1])), valid)
+            weight = valid if nearest else g.Mul(g.Reshape(g.Mul(wx, wy), g.ints([0, 1, -1])), valid)
             indices.append(g.Expand(flat, expand_to))
             values.append(g.Mul(dy_flat, weight))
         planes = g.Concat(g.Slice(shape, g.ints([0]), g.ints([2])),
@@ -345,7 +353,9 @@ def grid_sample(g: Grad):
         summed = g.ScatterElements(start, g.Concat(*indices, axis=2), g.Concat(*values, axis=2), axis=2,
                                    reduction="add")
         dx = g.Reshape(summed, shape)
-    if g.needs(1):
+    if g.needs(1) and nearest:  # piecewise constant in the grid: torch's gradient is zeros
+        dgrid = g.ConstantOfShape(g.shape_of(grid), value=helper.make_tensor("value", g.dtype(grid), [1], [0]))
+    elif g.needs(1):
         x_flat = g.Reshape(x, g.ints([0, 0, -1]))  # [N, C, H*W]
         grad_x = grad_y = None
         for flat, valid, wx, wy, sgn_x, sgn_y in corners:
