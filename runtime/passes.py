@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -482,6 +482,25 @@ symbolic), where the product, its sum and the If's copy (~1 ns an element and a 
 than the Where (3.7-7 ns an element on a sign mask)."""
 
 
+class Selects(NamedTuple):
+    """What the Where rewrites (`masked_products`, `guarded_selects`) look up: constant values (with `known`),
+    producers, and the boolean graph inputs (stashed masks)."""
+
+    consts: dict[str, np.ndarray]
+    producer: dict[str, onnx.NodeProto]
+    booleans: set[str]
+
+    @classmethod
+    def of(cls, g: onnx.GraphProto, known: dict[str, np.ndarray] | None) -> Selects:
+        return cls({**(known or {}), **constant_values(g)}, {o: n for n in g.node for o in n.output if o},
+                   {i.name for i in g.input if i.type.tensor_type.elem_type == TensorProto.BOOL})
+
+    def scalar(self, name: str) -> float | None:
+        """The value of a one-element float constant, else None."""
+        v = self.consts.get(name)
+        return float(v.reshape(-1)[0]) if v is not None and v.size == 1 and v.dtype.kind == "f" else None
+
+
 def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """The large float Wheres `masked_products` keeps, on onnxruntime's fast kernels without changing a value:
 
@@ -499,16 +518,12 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
     there: 5.7 ms), the guarded product ~1 with its If's copy: only Wheres on such conditions (`sign_mask`) of
     `GUARD_MIN_ELEMENTS` elements or more are rewritten."""
     g = model.graph
-    consts = {**(known or {}), **constant_values(g)}
-    producer = {o: n for n in g.node for o in n.output if o}
     candidates = [k for k, n in enumerate(g.node) if n.op_type == "Where" and not n.domain and len(n.input) == 3]
     if not candidates:
         return model
+    ctx = Selects.of(g, known)
+    producer, scalar = ctx.producer, ctx.scalar
     types = tensor_types(infer_shapes_safely(model) or g)
-
-    def scalar(name: str) -> float | None:
-        v = consts.get(name)
-        return float(v.reshape(-1)[0]) if v is not None and v.size == 1 and v.dtype.kind == "f" else None
 
     def large_float(n: onnx.NodeProto) -> int | None:
         """The element type of a float Where with at least GUARD_MIN_ELEMENTS static elements in its output or
@@ -518,8 +533,6 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
                  for _, dims in (types.get(t, (0, None)) for t in (*n.input, n.output[0])) if dims]
         return elem if elem in FLOATS and max(sizes, default=0) >= GUARD_MIN_ELEMENTS else None
 
-    booleans = {i.name for i in g.input if i.type.tensor_type.elem_type == TensorProto.BOOL}
-
     def sign_mask(name: str) -> bool:
         """A condition that splits its elements unpredictably: a comparison with zero (a ReLU's, an ELU's, a
         PReLU's mask) or one made in the forward part (a stashed boolean: the masks `hoist_masks` moves there).
@@ -527,7 +540,7 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
         mostly hold the same way (HardSwish's -3 < x < 3) and 3.7-7 ns for these."""
         n = producer.get(name)
         if n is None:
-            return name in booleans
+            return name in ctx.booleans
         if n.op_type == "Not" and not n.domain:
             return sign_mask(n.input[0])
         return n.op_type in COMPARE and not n.domain and any(scalar(t) == 0.0 for t in n.input)
@@ -551,39 +564,26 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
 
     def build(where: onnx.NodeProto, how: str, a: str | None, b: str | None, elem: int, taken: set[str]
               ) -> list[onnx.NodeProto]:
-        base = where.output[0]
-        nodes = []
-
-        def node(op: str, inputs: list[str], **attrs: Any) -> str:
-            out = fresh_name(f"{base}/{op.lower()}", taken)
-            taken.add(out)
-            nodes.append(helper.make_node(op, inputs, [out], name=fresh_name(f"{out}_node", taken), **attrs))
-            return out
-
-        cond = where.input[0]
+        base, cond = where.output[0], where.input[0]
+        outer = Nodes(base, taken)
         if how == "slope":  # a is the kept tensor, b the slope
-            factor = node("Max", [node("Cast", [cond], to=elem), b])
-            nodes.append(helper.make_node("Mul", [a, factor], [base], name=fresh_name(f"{base}/mul_node", taken)))
-            return nodes
-        outer = nodes  # the branches' nodes go into their own lists, named fresh across scopes
-        nodes = []
-        terms = [node("Mul", [t, node("Cast", [c], to=elem)])
-                 for t, c in ((a, cond), (b, node("Not", [cond]) if b is not None else None)) if t is not None]
+            outer("Mul", a, outer("Max", outer("Cast", cond, to=elem), b), out=base)
+            return outer.nodes
+        fast = Nodes(base, taken)  # the branch's nodes, named fresh across scopes
+        terms = [fast("Mul", t, fast("Cast", c, to=elem))
+                 for t, c in ((a, cond), (b, fast("Not", cond) if b is not None else None)) if t is not None]
         if len(terms) > 1:
-            node("Add", terms)
-        fast, nodes = nodes, outer
-        sums = [node("ReduceSum", [t], keepdims=0) for t in (a, b) if t is not None]
-        total = sums[0] if len(sums) == 1 else node("Add", sums)
-        broken = node("IsNaN", [node("Sub", [total, total])])  # inf - inf and nan - nan are nan
+            fast("Add", *terms)
+        sums = [outer("ReduceSum", t, keepdims=0) for t in (a, b) if t is not None]
+        total = sums[0] if len(sums) == 1 else outer("Add", *sums)
+        broken = outer("IsNaN", outer("Sub", total, total))  # inf - inf and nan - nan are nan
         exact = fresh_name(f"{base}/exact", taken)
-        taken.add(exact)
         branches = [helper.make_graph([helper.make_node("Where", list(where.input), [exact])], exact, [],
                                       [helper.make_tensor_value_info(exact, elem, None)]),
-                    helper.make_graph(fast, f"{base}/fast", [],
-                                      [helper.make_tensor_value_info(fast[-1].output[0], elem, None)])]
-        nodes.append(helper.make_node("If", [broken], [base], name=fresh_name(f"{base}/guard_node", taken),
-                                      then_branch=branches[0], else_branch=branches[1]))
-        return nodes
+                    helper.make_graph(fast.nodes, f"{base}/fast", [],
+                                      [helper.make_tensor_value_info(fast.nodes[-1].output[0], elem, None)])]
+        outer("If", broken, out=base, then_branch=branches[0], else_branch=branches[1])
+        return outer.nodes
 
     return rewrite_nodes(model, plan, build)
 
@@ -775,17 +775,13 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
     holds inf or nan at a masked position, which for these producers means the incoming gradient or a
     weight is non-finite already; Where guarding a singular expression (a division, a log) is kept."""
     g = model.graph
-    consts = {**(known or {}), **constant_values(g)}
-    producer = {o: n for n in g.node for o in n.output if o}
+    ctx = Selects.of(g, known)
+    consts, producer, booleans = ctx
 
     def zero(name: str) -> int | None:
-        """The element type of a scalar float zero constant, else None."""
+        """The element type of a rank-0 float zero constant, else None."""
         v = consts.get(name)
-        if v is None or v.size != 1 or v.ndim != 0 or float(v.reshape(-1)[0]) != 0.0:
-            return None
-        return helper.np_dtype_to_tensor_dtype(v.dtype)
-
-    booleans = {i.name for i in g.input if i.type.tensor_type.elem_type == TensorProto.BOOL}
+        return helper.np_dtype_to_tensor_dtype(v.dtype) if ctx.scalar(name) == 0.0 and v.ndim == 0 else None
 
     def is_mask(name: str) -> bool:
         """A 0/1 float: a Cast of a boolean."""
@@ -840,14 +836,8 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
 
     def build(where: onnx.NodeProto, cond: str, kept: str, negate: bool, elem: int, taken: set[str]
               ) -> list[onnx.NodeProto]:
-        base = where.output[0]
-        new = []
-        if negate:
-            cond = fresh_name(f"{base}/not", taken)
-            new.append(helper.make_node("Not", [where.input[0]], [cond], name=fresh_name(f"{base}/not_node", taken)))
-        mask = fresh_name(f"{base}/mask", taken)
-        new.append(helper.make_node("Cast", [cond], [mask], to=elem, name=fresh_name(f"{base}/cast_node", taken)))
-        new.append(helper.make_node("Mul", [kept, mask], [base], name=fresh_name(f"{base}/mul_node", taken)))
-        return new
+        e = Nodes(where.output[0], taken)
+        e("Mul", kept, e("Cast", e("Not", cond) if negate else cond, to=elem), out=where.output[0])
+        return e.nodes
 
     return rewrite_nodes(model, plan, build)
