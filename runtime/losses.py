@@ -148,9 +148,7 @@ def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch
                 target = target * (1 - label_smoothing) + label_smoothing / classes
             terms = torch.log_softmax(x, dim) * target
             terms = terms if weight is None else terms * weight.reshape(shape)
-            if reduction == _NONE:
-                return -terms.sum(dim)
-            return -terms.sum() / (x.numel() / classes) if reduction == _MEAN else -terms.sum()
+            return _reduce(-terms.sum(dim), reduction)  # a mean over the samples, as torch
         if label_smoothing <= 0:
             return original(x, target, weight, reduction, ignore_index, label_smoothing)
         logp = torch.log_softmax(x, dim)
