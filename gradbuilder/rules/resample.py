@@ -20,7 +20,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from .context import Grad
-from .indexing import as_tensor, axis_adjoint, size_along
+from .indexing import as_tensor, axis_adjoint, size_along, zeros
 from .registry import rule
 
 Entry = Any
@@ -349,12 +349,11 @@ def grid_sample(g: Grad):
             values.append(g.Mul(dy_flat, weight))
         planes = g.Concat(g.Slice(shape, g.ints([0]), g.ints([2])),
                           g.Mul(g.Gather(shape, g.ints([2])), g.Gather(shape, g.ints([3]))), axis=0)  # [N, C, H*W]
-        start = g.ConstantOfShape(planes, value=helper.make_tensor("value", like, [1], [0]))
-        summed = g.ScatterElements(start, g.Concat(*indices, axis=2), g.Concat(*values, axis=2), axis=2,
+        summed = g.ScatterElements(zeros(g, planes, x), g.Concat(*indices, axis=2), g.Concat(*values, axis=2), axis=2,
                                    reduction="add")
         dx = g.Reshape(summed, shape)
     if g.needs(1) and nearest:  # piecewise constant in the grid: torch's gradient is zeros
-        dgrid = g.ConstantOfShape(g.shape_of(grid), value=helper.make_tensor("value", g.dtype(grid), [1], [0]))
+        dgrid = g.zeros_like(grid)
     elif g.needs(1):
         x_flat = g.Reshape(x, g.ints([0, 0, -1]))  # [N, C, H*W]
         grad_x = grad_y = None
