@@ -178,8 +178,9 @@ def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch
         total = rows.sum(1)
         if mode == "sum":
             return total
-        count = rows.shape[1] if kept is None else kept.sum(1).to(rows.dtype)
-        return total / count if kept is None else torch.where(count > 0, total / count.clamp(min=1), total)
+        if kept is None:
+            return total / rows.shape[1]
+        return total / kept.sum(1).to(rows.dtype).clamp(min=1)  # an empty bag: its total, zeros
 
     return embedding_bag
 
