@@ -554,9 +554,10 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
             continue
         slope = producer.get(b)
         if slope is not None and slope.op_type == "Mul" and not slope.domain and a in slope.input:
-            s = scalar(slope.input[1] if slope.input[0] == a else slope.input[0])
+            factor = slope.input[1] if slope.input[0] == a else slope.input[0]
+            s = scalar(factor)
             if s is not None and 0.0 <= s <= 1.0:
-                plan.append((k, "slope", a, slope.input[1] if slope.input[0] == a else slope.input[0], elem))
+                plan.append((k, "slope", a, factor, elem))
                 continue
         picked = [t if scalar(t) != 0.0 else None for t in (a, b)]
         if any(picked):
