@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import builder_scaling, report
+from . import allocator, builder_scaling, report
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "gpt2")
 PARTS = ("timing", "memory", "first", "overhead", "builder", "passive", "shapes", "grid")
@@ -29,7 +29,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> dict[str, Any]:
+def run(models: list[str], parts: set[str], threads: int, reps: int | None, glibc: str = "default") -> dict[str, Any]:
     from . import measure, probe
     from .models import CASES, GRID, SHAPES, VARIANTS
 
@@ -63,7 +63,7 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None) -> d
                                **measure.bare_overhead(CASES["tiny-mlp"], threads=threads, reps=reps)}
     if "passive" in parts:
         _log("torch with passive OpenMP threads (OMP_WAIT_POLICY=PASSIVE): step times in a fresh process")
-        results["passive"] = passive([m for m in models if m in PASSIVE_MODELS], threads, reps)
+        results["passive"] = passive([m for m in models if m in PASSIVE_MODELS], threads, reps, glibc)
     for part, cases in (("shapes", SHAPES), ("grid", GRID)):
         if part in parts:
             results[part] = ratios(cases, threads, reps)
@@ -89,7 +89,7 @@ def ratios(cases: dict[str, Any], threads: int, reps: int | None) -> dict[str, A
     return out
 
 
-def passive(models: list[str], threads: int, reps: int | None) -> dict[str, Any]:
+def passive(models: list[str], threads: int, reps: int | None, glibc: str) -> dict[str, Any]:
     """Step times with torch's idle OpenMP threads sleeping at once instead of spinning (its default) for a
     while after each parallel region, measured in a fresh process: the wait policy is fixed when torch starts
     its pool. Shows how much of the main table's ratio is the two engines' threads competing for the cores."""
@@ -99,7 +99,8 @@ def passive(models: list[str], threads: int, reps: int | None) -> dict[str, Any]
         out = Path(tmp) / "passive.json"
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         cmd = [sys.executable, "-m", "benchmarks", "--models", ",".join(models), "--parts", "timing", "--threads",
-               str(threads), "--omp-wait", "PASSIVE", "--json", str(out)] + (["--reps", str(reps)] if reps else [])
+               str(threads), "--omp-wait", "PASSIVE", "--allocator", glibc, "--json", str(out)] + \
+            (["--reps", str(reps)] if reps else [])
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd=report.ROOT)
         spun = json.loads(out.read_text())
     return {name: r["timing"] for name, r in spun["models"].items() if r.get("timing")}
@@ -153,7 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--omp-wait", default="default",
                    help="OMP_WAIT_POLICY for torch's OpenMP threads ('default': leave torch's default, idle threads "
                         "spin for a while, as users run it; PASSIVE: idle threads sleep at once)")
+    p.add_argument("--allocator", choices=("steady", "default"), default="steady",
+                   help="steady: glibc's mmap and trim thresholds fixed high before measuring, so torch's tensors "
+                        "are not faulted in anew each step (benchmarks/allocator.py); default: leave glibc alone")
     args = p.parse_args(argv)
+    glibc = args.allocator if args.allocator == "default" or allocator.steady() else "default"
     if args.omp_wait != "default":
         os.environ.setdefault("OMP_WAIT_POLICY", args.omp_wait)  # read when torch starts its pool: before import
 
@@ -162,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
         parts = set(args.parts.split(","))
-        results = run(args.models.split(","), parts, args.threads, args.reps)
+        results = run(args.models.split(","), parts, args.threads, args.reps, glibc)
         results["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+        results["allocator"] = glibc
         keep_unmeasured(results, earlier, parts)
         if "before" in earlier:  # the measurement before the levers stays with the results
             results["before"] = earlier["before"]

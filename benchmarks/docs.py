@@ -19,6 +19,18 @@ def _measured(results: dict[str, Any]) -> str:
     return "Parts measured at different times: " + ", ".join(f"{p} {w}" for p, w in when.items()) + "."
 
 
+def _allocator(results: dict[str, Any]) -> str:
+    """How glibc's allocator was set for the in-process timings (`benchmarks/allocator.py`)."""
+    if results.get("allocator") == "steady":
+        return ("glibc's mmap and trim thresholds fixed high before anything ran (`benchmarks/allocator.py`): torch's "
+                "tensors come from malloc, and with glibc's defaults every step of a small CNN faulted its larger "
+                "tensors in anew until some earlier model's freed blocks had raised both thresholds, so torch's step "
+                "depended on what ran before it in the process (LeNet-5: 4.9-5.2 ms first, 3.3-3.5 ms later); fixed, "
+                "torch runs at its best throughout. onnxruntime's arena keeps its memory either way.")
+    return ("glibc's allocator left at its defaults (`--allocator default`): torch's larger tensors may be faulted "
+            "in anew each step, depending on what ran earlier in the process (`benchmarks/allocator.py`).")
+
+
 def _goal(ok: bool | None) -> str:
     return "-" if ok is None else "yes" if ok else "**no**"
 
@@ -117,6 +129,7 @@ page from saved results). `make bench` prints the tables without writing.
   then pays a wake-up per parallel op), for comparison. `threads` is the most ORTModule uses: a model whose
   forward work is small for its batch (below `runtime.workload.SMALL`, the tiny MLP) runs on one, as torch
   runs ops below its grain size on one.
+- {_allocator(results)}
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
   on onnxruntime too), gradients set to None before it, no optimizer. Forward = the training forward alone
   (grad enabled, stash made, then dropped).
