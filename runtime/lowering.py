@@ -41,10 +41,13 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> 
     return host_dropout.forward_runner(forward(model, config), config, what)
 
 
-def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig) -> onnx.ModelProto:
+def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig, rows: int | None = None
+             ) -> onnx.ModelProto:
     """Slow onnxruntime patterns (`passes.lower`), then sums and contractions over rows (`reductions.lower_sums`),
     then the unfolded weight gradients of 5x5 and larger kernels and the Convs and stride-1 ConvTransposes
-    blocked (`nchwc`); `known`: values of the initializers backward reads from the forward part."""
+    blocked (`nchwc`); `known`: values of the initializers backward reads from the forward part; `rows`: the
+    batch expected where the graph leaves it symbolic (large unfolds go in chunks of it)."""
     if not config.lower:
         return model
-    return nchwc.blocked_convs(nchwc.blocked_unfolds(reductions.lower_sums(passes.lower(model, known)), known))
+    lowered = reductions.lower_sums(passes.lower(model, known))
+    return nchwc.blocked_convs(nchwc.blocked_unfolds(lowered, known, rows=rows))

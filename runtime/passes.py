@@ -137,6 +137,13 @@ class Nodes:
         self.nodes.append(helper.make_node(op, list(inputs), [name], name=node_name, **attrs))
         return name
 
+    def many(self, op: str, *inputs: str, count: int, **attrs: object) -> list[str]:
+        """A node of `count` outputs (a Split); returns their names."""
+        names = [fresh_name(f"{self.base}/{op}_{i}", self.taken) for i in range(count)]
+        self.nodes.append(helper.make_node(op, list(inputs), names, name=fresh_name(f"{self.base}/{op}_node",
+                                                                                  self.taken), **attrs))
+        return names
+
     def const(self, value: int) -> str:
         return self("Constant", value=helper.make_tensor("v", TensorProto.INT64, [], [value]))
 

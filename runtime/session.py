@@ -116,7 +116,7 @@ class TrainingSession:
         if config.shrink:
             passes.shrink_stash(training)
         self = cls.__new__(cls)
-        self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir)
+        self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir, rows)
         return self
 
     @classmethod
@@ -136,7 +136,9 @@ class TrainingSession:
         return self
 
     def _setup(self, source: onnx.ModelProto, spec: BuildSpec, full: Program, config: SessionConfig,
-               specialise: bool, save_dir: str | os.PathLike | None) -> None:
+               specialise: bool, save_dir: str | os.PathLike | None, rows: int | None = None) -> None:
+        self.rows = rows
+        """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
         self.source = source
         self.spec = spec
         self.full = full
@@ -299,8 +301,8 @@ class TrainingSession:
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner = None
         if grads and program.manifest.backward_outputs:
-            runner = Runner(lowering.backward(program.backward, arrays, self.config), self.config, "backward",
-                            BACKWARD_DISABLED_OPTIMIZERS)
+            lowered = lowering.backward(program.backward, arrays, self.config, self.rows)
+            runner = Runner(lowered, self.config, "backward", BACKWARD_DISABLED_OPTIMIZERS)
         return _Backward(program, runner, grads, consts, specialised)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]

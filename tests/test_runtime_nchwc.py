@@ -209,13 +209,16 @@ def _unfolded_weight_gradient(c: int, m: int, size: int, k: int, pad: int, strid
     (2, 4, 14, 5, 1, 1, 2),   # dilated
     (1, 3, 16, 7, 3, 1, 1),   # 49 taps: 64 channels of blocked output, 15 of them padding
 ])
-def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilation):
+@pytest.mark.parametrize("rows", [None, 10**6])  # one unfold, or `MAX_CHUNKS` chunks of the batch (most empty)
+def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilation, rows):
     backward, known = _unfolded_weight_gradient(c, m, size, k, pad, stride, dilation)
     [conv] = [n for n in backward.graph.node if n.op_type == "Conv"]
     assert next(a.i for a in conv.attribute if a.name == "group") == c  # the rule's unfold, a group per channel
-    blocked = nchwc.blocked_unfolds(backward, known)
-    assert _blocked(blocked) == 1 and not any(n.op_type in ("Conv", "ReorderOutput") and not n.domain
-                                              for n in blocked.graph.node)
+    blocked = nchwc.blocked_unfolds(backward, known, rows=rows)
+    chunks = 1 if rows is None else nchwc.MAX_CHUNKS
+    assert _blocked(blocked) == chunks and not any(n.op_type in ("Conv", "ReorderOutput") and not n.domain
+                                                   for n in blocked.graph.node)
+    assert [len(n.output) for n in blocked.graph.node if n.op_type == "Split"] == ([chunks] * 2 if rows else [])
     out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
     rng = np.random.default_rng(0)
     reference, session = _session(backward), _session(blocked, threads=2)
@@ -232,6 +235,13 @@ def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilat
         scale = np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
         np.testing.assert_allclose(got, reference.run(None, feeds)[0], rtol=0, atol=2e-6 * scale)
+
+
+def test_unfold_chunks_follow_the_expected_batch():
+    lenet = (1, 32, 28 * 28)  # channels, 25 taps padded to the block, positions: 100 KB a sample
+    assert [nchwc._chunks(rows, *lenet) for rows in (None, 16, 64, 256, 10**6)] == [1, 1, 3, 12, nchwc.MAX_CHUNKS]
+    assert nchwc._chunks(256, 1, 32, None) == 1  # positions unknown: one unfold
+    assert nchwc._chunks(64, 3, 32, 28 * 28) == 9  # LeNet on 3x32x32: 19 MB at batch 64
 
 
 @needs_nchwc
