@@ -68,10 +68,12 @@ images: MLAS splits a blocked Conv by image and output block, and one image (the
 layer) ran at 1.2-1.6x the im2col Conv, three at 0.65-0.78x, six to thirty-two at 0.4-0.6x."""
 INT64_MIN = np.iinfo(np.int64).min
 CHUNK_BYTES = 2 * 1024 * 1024
-"""A blocked unfold bigger than this for the expected batch is made and multiplied chunk by chunk over the batch,
-each chunk about this size (one core's L2 here), so that the products read it from the cache rather than memory:
-steps 0.90-0.94 of before for LeNets on 3x32x32 (19 MB unfolded at batch 64, 4 to 16 chunks alike) and at batch
-256 (26 MB), 0.98-1.0 for LeNet-5 (6.4 MB); 1.6 MB unfolded (batch 16) ran no faster in chunks (1.0-1.05)."""
+"""A blocked unfold of at least `MIN_CHUNKS` times this at the expected batch is made and multiplied chunk by chunk
+over the batch, each chunk about this size (one core's L2 here), so that the products read it from the cache rather
+than from memory. Steps chunked / whole (paired, both orders): LeNets on 3x32x32, 19 MB unfolded at batch 64, 0.90-0.94
+(4 to 16 chunks alike); 9.6 MB at batch 32 0.96-0.99; LeNet-5 at batch 256 (26 MB) 0.93, at 128 (13 MB) 0.985-1.0;
+at 64 (6.4 MB) 1.02-1.04 in 3 chunks, hence the floor."""
+MIN_CHUNKS = 4
 MAX_CHUNKS = 16
 
 
@@ -312,9 +314,8 @@ def _unfolded_weight_grad(n: onnx.NodeProto, readers: Readers, consts: dict[str,
 
 def _chunks(rows: int | None, channels: int, taps: int, positions: int | None) -> int:
     """How many batch chunks the blocked unfold of `rows` samples is made in (`CHUNK_BYTES`): 1 when unknown."""
-    if not rows or not positions:
-        return 1
-    return max(1, min(MAX_CHUNKS, rows * channels * taps * positions * 4 // CHUNK_BYTES))
+    chunks = (rows or 0) * channels * taps * (positions or 0) * 4 // CHUNK_BYTES
+    return min(MAX_CHUNKS, chunks) if chunks >= MIN_CHUNKS else 1
 
 
 def _build_unfold(n: onnx.NodeProto, conv: onnx.NodeProto, dy: str, c: int, kernel: list[int], chunks: int,

@@ -239,7 +239,7 @@ def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilat
 
 def test_unfold_chunks_follow_the_expected_batch():
     lenet = (1, 32, 28 * 28)  # channels, 25 taps padded to the block, positions: 100 KB a sample
-    assert [nchwc._chunks(rows, *lenet) for rows in (None, 16, 64, 256, 10**6)] == [1, 1, 3, 12, nchwc.MAX_CHUNKS]
+    assert [nchwc._chunks(rows, *lenet) for rows in (None, 16, 64, 128, 256, 10**6)] == [1, 1, 1, 6, 12, 16]
     assert nchwc._chunks(256, 1, 32, None) == 1  # positions unknown: one unfold
     assert nchwc._chunks(64, 3, 32, 28 * 28) == 9  # LeNet on 3x32x32: 19 MB at batch 64
 
