@@ -351,10 +351,18 @@ def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
 
 
 @needs_nchwc
-def test_ortmodule_unfolds_a_large_batch_in_chunks():
+def test_ortmodule_unfolds_a_large_batch_in_chunks(monkeypatch):
     """A 5x5 layer from 3 channels over 32x32 at batch 64 unfolds 19 MB (AVX-512's block; 15 with AVX2's): the
     first call's batch reaches the backward's rewrite, which makes the unfold in chunks of the batch; a later
     smaller batch runs the same graph with some chunks empty."""
+    lowered_backwards = []
+    backward = lowering.backward
+
+    def spy(*args):
+        lowered_backwards.append(backward(*args))
+        return lowered_backwards[-1]
+
+    monkeypatch.setattr(lowering, "backward", spy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6 * 14 * 14, 3))
     reference = copy.deepcopy(model)
@@ -371,7 +379,7 @@ def test_ortmodule_unfolds_a_large_batch_in_chunks():
     assert session.rows == 64
     chunks = nchwc._chunks(64, 3, -(-25 // BLOCK) * BLOCK, 28 * 28)
     assert chunks > 1
-    lowered = _lowered_backward(session)
+    [lowered] = lowered_backwards  # the graph the session runs
     assert [len(n.output) for n in lowered.graph.node if n.op_type == "Split"] == [chunks, chunks]
     assert _blocked(lowered) == chunks
 
