@@ -50,4 +50,4 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
     if not config.lower:
         return model
     lowered = reductions.lower_sums(passes.lower(model, known))
-    return nchwc.blocked_convs(nchwc.blocked_unfolds(lowered, known, rows=rows))
+    return nchwc.blocked_convs(nchwc.unfolded_weight_grads(lowered, known, rows=rows))

@@ -11,7 +11,7 @@ whose channel axis is the batch, known only at run time: it is padded there to a
 channels add nothing), and the filter's reorder leaves that axis to the Reshapes. The same Pad frames that input
 with the Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer
 from 8 channels: 0.6x the time). And so does the one-hot Conv that unfolds x for the weight gradient of a 5x5
-layer from 1-3 channels (`blocked_unfolds`), whose blocked output the per-sample products read as it is.
+layer from 1-3 channels (`unfolded_weight_grads`), whose blocked output the per-sample products read as it is.
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at
 most a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block
@@ -241,20 +241,21 @@ def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: i
     return e.nodes
 
 
-def blocked_unfolds(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None, block: int | None = None,
-                    rows: int | None = None) -> onnx.ModelProto:
+def unfolded_weight_grads(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None,
+                          block: int | None = None, rows: int | None = None) -> onnx.ModelProto:
     """The Conv rule's unfolded weight gradient (`_weight_grad_by_unfolding`: x convolved with a one-hot kernel per
-    channel and tap, then per-sample products with dY summed over the batch) with that one-hot Conv blocked, for
-    kernels of at least `MIN_TAPS_UNBLOCKED` taps: x's batch and channels fold into one axis (a one-channel Conv,
-    whose NCHW input the blocked kernels read directly), the taps are padded to the block, and the products read
-    the blocked output as it is, [N, C * T/B, P, B]: nothing is reordered back. onnxruntime itself blocks a
-    one-channel one-hot Conv (its weight is a constant) but reorders its output, and not a grouped one. Where the
-    unfold of `rows` samples (the batch expected) would exceed `CHUNK_BYTES`, the batch is split into chunks (sizes
-    computed at run time, empty ones allowed) unfolded and multiplied one after the other. Returns a rewritten
-    copy, or `model` itself when nothing matches or onnxruntime has no NCHWc kernels; `known`: values of graph
-    inputs that are constants (a backward half's initializers shared with the forward)."""
+    channel and tap, then per-sample products with dY summed over the batch) rewritten for onnxruntime. For
+    kernels of at least `MIN_TAPS_UNBLOCKED` taps the one-hot Conv runs blocked: x's batch and channels fold into
+    one axis (a one-channel Conv, whose NCHW input the blocked kernels read directly), the taps are padded to the
+    block, and the products read the blocked output as it is, [N, C * T/B, P, B]: nothing is reordered back
+    (onnxruntime itself blocks a one-channel one-hot Conv, its weight being a constant, but reorders its output,
+    and not a grouped one). And where the unfold of `rows` samples (the batch expected) reaches `MIN_CHUNKS`
+    times `CHUNK_BYTES`, blocked or not, the batch is split into chunks (sizes computed at run time, empty ones
+    allowed) unfolded and multiplied one after the other. Returns a rewritten copy, or `model` itself when nothing
+    changes; `known`: values of graph inputs that are constants (a backward half's initializers shared with the
+    forward); `block` overrides `block_size()` (0: no blocked kernels)."""
     block = block_size() if block is None else block
-    if not block or default_opset(model) < 13:
+    if default_opset(model) < 13:
         return model
     readers = Readers.of(model.graph)
     consts = {**(known or {}),
@@ -265,13 +266,19 @@ def blocked_unfolds(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
     shapes = tensor_types(infer_shapes_safely(model) or model.graph) if rows else {}
     plan = []
     for k, conv, dy, c, kernel in found:
+        taps = kernel[0] * kernel[1]
+        blocked = bool(block) and taps >= MIN_TAPS_UNBLOCKED
         positions = _positions(shapes, conv.output[0])
-        plan.append((k, conv, dy, c, kernel, _chunks(rows, c, _up(kernel[0] * kernel[1], block), positions), positions))
+        chunks = _chunks(rows, c, _up(taps, block) if blocked else taps, positions)
+        if blocked or chunks > 1:
+            plan.append((k, conv, dy, c, kernel, chunks, positions, blocked))
+    if not plan:
+        return model
     out = rewrite_nodes(model, plan, functools.partial(_build_unfold, block=block))
     nodes = drop_dead(list(out.graph.node), [], readers.outputs)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
-    if not any(o.domain == DOMAIN for o in out.opset_import):
+    if any(n.domain == DOMAIN for n in nodes) and not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return out
 
@@ -304,10 +311,9 @@ def _unfolded_weight_grad(n: onnx.NodeProto, readers: Readers, consts: dict[str,
     if w is None or w.dtype != np.float32 or w.ndim != 4 or w.shape[1] != 1:
         return None
     kernel = [int(d) for d in w.shape[2:]]
-    taps = kernel[0] * kernel[1]
     onehot = unfold_kernel(channels, kernel)
-    if taps < MIN_TAPS_UNBLOCKED or w.shape != onehot.shape or not np.array_equal(w, onehot) or \
-            const(flat.input[1]) != [0, channels * taps, -1]:
+    if w.shape != onehot.shape or not np.array_equal(w, onehot) or \
+            const(flat.input[1]) != [0, channels * kernel[0] * kernel[1], -1]:
         return None
     return conv, product.input[0], channels, kernel
 
@@ -319,37 +325,52 @@ def _chunks(rows: int | None, channels: int, taps: int, positions: int | None) -
 
 
 def _build_unfold(n: onnx.NodeProto, conv: onnx.NodeProto, dy: str, c: int, kernel: list[int], chunks: int,
-                  positions: int | None, taken: set[str], *, block: int) -> list[onnx.NodeProto]:
-    """`n`'s output, [M, C*T], from x's one-hot Conv blocked (`blocked_unfolds`), in `chunks` parts of the batch."""
+                  positions: int | None, blocked: bool, taken: set[str], *, block: int) -> list[onnx.NodeProto]:
+    """`n`'s output, [M, C*T], from x's one-hot Conv, blocked or as it is, in `chunks` parts of the batch
+    (`unfolded_weight_grads`)."""
     e = Nodes(n.name or n.output[0], taken)
     taps = kernel[0] * kernel[1]
-    tp = _up(taps, block)
-    onehot = np.zeros((tp, taps), np.float32)
-    onehot[:taps] = np.eye(taps, dtype=np.float32)  # (tp, taps) -> OIHWBo: (tp/B, 1, taps, B)
-    onehot = onehot.reshape(tp // block, block, taps).transpose(0, 2, 1).reshape(tp, 1, *kernel)
-    attrs = {a: v for a in ("pads", "strides", "dilations") if (v := ints_attr(conv, a)) is not None}
-    weight = e("Constant", value=numpy_helper.from_array(np.ascontiguousarray(onehot), "v"))
-    flat = e("Reshape", conv.input[0], e.axes([-1, 1, 0, 0]))  # (N*C, 1, H, W)
+    tp = _up(taps, block) if blocked else taps
+    if blocked:
+        onehot = np.zeros((tp, taps), np.float32)
+        onehot[:taps] = np.eye(taps, dtype=np.float32)  # (tp, taps) -> OIHWBo: (tp/B, 1, taps, B)
+        onehot = onehot.reshape(tp // block, block, taps).transpose(0, 2, 1).reshape(tp, 1, *kernel)
+        attrs = {a: v for a in ("pads", "strides", "dilations") if (v := ints_attr(conv, a)) is not None}
+        weight = e("Constant", value=numpy_helper.from_array(np.ascontiguousarray(onehot), "v"))
+        x, per_sample_rows = e("Reshape", conv.input[0], e.axes([-1, 1, 0, 0])), c  # (N*C, 1, H, W)
+    else:
+        attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+        weight, x, per_sample_rows = conv.input[1], conv.input[0], 1
     if chunks == 1:
-        parts = [(flat, dy)]
+        parts = [(x, dy)]
     else:  # sample i goes to chunk i // ceil, the first N % chunks chunks one sample longer (some may be empty)
         batch = e("Gather", e("Shape", dy), e.const(0))
         longer = e("Cast", e("Less", e.axes(list(range(chunks))), e("Mod", batch, e.const(chunks))),
                    to=TensorProto.INT64)
         sizes = e("Add", e("Div", batch, e.const(chunks)), longer)
-        parts = list(zip(e.many("Split", flat, e("Mul", sizes, e.const(c)), count=chunks, axis=0),
+        rows_of_x = sizes if per_sample_rows == 1 else e("Mul", sizes, e.const(per_sample_rows))
+        parts = list(zip(e.many("Split", x, rows_of_x, count=chunks, axis=0),
                          e.many("Split", dy, sizes, count=chunks, axis=0)))
     sums = []
     for x, d in parts:
-        cols = e("Conv", x, weight, domain=DOMAIN, group=1, kernel_shape=kernel, **attrs)
+        cols = e("Conv", x, weight, domain=DOMAIN if blocked else "", **({"group": 1, "kernel_shape": kernel} if blocked
+                                                                         else {}), **attrs)
+        if not blocked:  # (N, P, C*T): an empty chunk cannot resolve a -1, so P is given (known when chunked)
+            cols = e("Transpose", e("Reshape", cols, e.axes([0, c * taps, positions if chunks > 1 else -1])),
+                     perm=[0, 2, 1])
+            sums.append(e("ReduceSum", e("MatMul", d, cols), e.axes([0]), keepdims=0))
+            continue
         if chunks == 1:  # (N, C * tp/B, P, B)
             cols = e("Reshape", e("Reshape", cols, e.axes([-1, c * tp // block, 0, 0, block])),
                      e.axes([0, 0, -1, block]))
-        else:  # the same, its sample count read off dY: an empty chunk cannot resolve a -1
+        else:  # the same, its sample count read off dY
             count = e("Slice", e("Shape", d), e.axes([0]), e.axes([1]))
             cols = e("Reshape", cols, e("Concat", count, e.axes([c * tp // block, positions, block]), axis=0))
         per_sample = e("MatMul", e("Unsqueeze", d, e.axes([1])), cols)  # (N, C * tp/B, M, B)
         sums.append(e("ReduceSum", per_sample, e.axes([0]), keepdims=0))
+    if not blocked:
+        e("Sum", *sums, out=n.output[0])
+        return e.nodes
     total = sums[0] if len(sums) == 1 else e("Sum", *sums)
     dw = e("Transpose", total, perm=[1, 0, 2])  # (M, C * tp/B, B)
     dw = e("Slice", e("Reshape", dw, e.axes([0, c, tp])), e.axes([0]), e.axes([taps]), e.axes([2]))

@@ -214,16 +214,37 @@ def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilat
     backward, known = _unfolded_weight_gradient(c, m, size, k, pad, stride, dilation)
     [conv] = [n for n in backward.graph.node if n.op_type == "Conv"]
     assert next(a.i for a in conv.attribute if a.name == "group") == c  # the rule's unfold, a group per channel
-    blocked = nchwc.blocked_unfolds(backward, known, rows=rows)
+    blocked = nchwc.unfolded_weight_grads(backward, known, rows=rows)
     chunks = 1 if rows is None else nchwc.MAX_CHUNKS
     assert _blocked(blocked) == chunks and not any(n.op_type in ("Conv", "ReorderOutput") and not n.domain
                                                    for n in blocked.graph.node)
     assert [len(n.output) for n in blocked.graph.node if n.op_type == "Split"] == ([chunks] * 2 if rows else [])
+    _check_weight_gradient(backward, blocked, known, c, m, size, k, pad, stride, dilation)
+
+
+@pytest.mark.parametrize("c,m,size,k,pad,stride,dilation,block", [
+    (16, 8, 10, 3, 1, 1, 1, None),  # a 3x3 layer: its unfold stays a grouped Conv, chunked
+    (3, 6, 13, 5, 0, 2, 1, 0),      # a 5x5 one where onnxruntime has no blocked kernels
+])
+def test_unfolded_weight_gradient_in_chunks_unblocked(c, m, size, k, pad, stride, dilation, block):
+    backward, known = _unfolded_weight_gradient(c, m, size, k, pad, stride, dilation)
+    assert nchwc.unfolded_weight_grads(backward, known, block=block) is backward  # no batch expected: as it is
+    chunked = nchwc.unfolded_weight_grads(backward, known, block=block, rows=10**6)
+    convs = [n for n in chunked.graph.node if n.op_type == "Conv"]
+    assert len(convs) == nchwc.MAX_CHUNKS and not any(n.domain for n in convs)
+    assert [len(n.output) for n in chunked.graph.node if n.op_type == "Split"] == [nchwc.MAX_CHUNKS] * 2
+    _check_weight_gradient(backward, chunked, known, c, m, size, k, pad, stride, dilation)
+
+
+def _check_weight_gradient(backward: onnx.ModelProto, rewritten: onnx.ModelProto, known: dict[str, np.ndarray],
+                           c: int, m: int, size: int, k: int, pad: int, stride: int, dilation: int) -> None:
+    """The rewritten backward's weight gradient against torch's (float64) and the rule's own graph, at batches of
+    one, five and one more than the block (one session)."""
     out = (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
     rng = np.random.default_rng(0)
-    reference, session = _session(backward), _session(blocked, threads=2)
+    reference, session = _session(backward), _session(rewritten, threads=2)
     names = [i.name for i in backward.graph.input]
-    for batch in (1, 5, BLOCK + 1):  # one session, any batch
+    for batch in (1, 5, max(BLOCK, 8) + 1):
         x = rng.standard_normal((batch, c, size, size))
         dy = rng.standard_normal((batch, m, out, out))
         feeds = {**{n: v for n, v in known.items() if n in names}, "x": x.astype(np.float32),
@@ -247,22 +268,22 @@ def test_unfold_chunks_follow_the_expected_batch():
 @needs_nchwc
 def test_unfolds_of_small_kernels_and_other_constants_stay():
     small, known = _unfolded_weight_gradient(1, 6, 12, 3, 1, 1, 1)  # 9 taps: the im2col Conv is as fast
-    assert nchwc.blocked_unfolds(small, known) is small
+    assert nchwc.unfolded_weight_grads(small, known) is small
     lenet, _ = _unfolded_weight_gradient(1, 6, 12, 5, 2, 1, 1)
-    assert nchwc.blocked_unfolds(lenet, {}, block=0) is lenet
+    assert nchwc.unfolded_weight_grads(lenet, {}, block=0) is lenet
     shared = onnx.ModelProto()  # the batch sum's axes a constant of the forward (an input of backward)
     shared.CopyFrom(lenet)
     axes = next(n for n in shared.graph.node if n.op_type == "ReduceSum" and n.input[0].endswith("MatMul")).input[1]
     [init] = [t for t in shared.graph.initializer if t.name == axes]
     shared.graph.initializer.remove(init)
     shared.graph.input.append(helper.make_tensor_value_info(axes, TensorProto.INT64, [1]))
-    assert nchwc.blocked_unfolds(shared, {}) is shared
-    assert _blocked(nchwc.blocked_unfolds(shared, {axes: onnx.numpy_helper.to_array(init)})) == 1
+    assert nchwc.unfolded_weight_grads(shared, {}) is shared
+    assert _blocked(nchwc.unfolded_weight_grads(shared, {axes: onnx.numpy_helper.to_array(init)})) == 1
     conv = next(n for n in lenet.graph.node if n.op_type == "Conv")
     onehot = next(t for t in lenet.graph.initializer if t.name == conv.input[1])
     shifted = onnx.numpy_helper.to_array(onehot)[::-1].copy()  # one-hot, but not the unfold's order
     onehot.CopyFrom(onnx.numpy_helper.from_array(shifted, onehot.name))
-    assert nchwc.blocked_unfolds(lenet) is lenet
+    assert nchwc.unfolded_weight_grads(lenet) is lenet
 
 
 def test_no_nchwc_kernels_leaves_the_graph():
@@ -347,7 +368,7 @@ def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
     lowered = _lowered_backward(session)
     padded = [n for n in lowered.graph.node if n.op_type == "Mod"]  # (-batch) mod BLOCK zero channels
     assert len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)
-    assert _blocked(lowered) == 2  # and the first layer's unfold (`blocked_unfolds`)
+    assert _blocked(lowered) == 2  # and the first layer's unfold (`unfolded_weight_grads`)
 
 
 @needs_nchwc
