@@ -12,6 +12,8 @@ channels add nothing), and the filter's reorder leaves that axis to the Reshapes
 with the Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer
 from 8 channels: 0.6x the time). And so does the one-hot Conv that unfolds x for the weight gradient of a 5x5
 layer from 1-3 channels (`unfolded_weight_grads`), whose blocked output the per-sample products read as it is.
+Large unfolds, blocked or not (3x3 layers over big maps), are made and multiplied in chunks of the batch, so that
+each chunk's products read it from the cache.
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at
 most a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block
