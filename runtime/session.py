@@ -137,8 +137,6 @@ class TrainingSession:
 
     def _setup(self, source: onnx.ModelProto, spec: BuildSpec, full: Program, config: SessionConfig,
                specialise: bool, save_dir: str | os.PathLike | None, rows: int | None = None) -> None:
-        self.rows = rows
-        """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
         self.source = source
         self.spec = spec
         self.full = full
@@ -160,6 +158,8 @@ class TrainingSession:
         self._infer: Runner | MaskedRunner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
         self.stats = {"backward_builds": 0, "fallbacks": 0}
+        self.rows = rows
+        """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
         if self.save_dir is not None:
             self._save(full, "")
 

@@ -345,6 +345,22 @@ def test_ortmodule_gradients_match_torch_through_blocked_convs():
     assert _blocked(_lowered_backward(session)) == 4
 
 
+def _train_like_torch(model: nn.Module, shapes: list[tuple[int, ...]]) -> list:
+    """The model's gradients on ORTModule against torch's for one random batch of each shape (sum of squares of
+    the output); returns ORTModule's training sessions."""
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, threads=2)
+    g = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        x = torch.randn(*shape, generator=g)
+        for m in (wrapped, reference):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        for p, q in zip(wrapped.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
+    return wrapped.training_sessions()
+
+
 @needs_nchwc
 def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
     """LeNet's second layer (6 -> 16, 5x5): its weight gradient runs as a blocked Conv over the batch, padded to
@@ -354,17 +370,7 @@ def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
                           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 5 * 5, 3))  # dY's sizes behind a pool
-    reference = copy.deepcopy(model)
-    wrapped = ORTModule(model, threads=2)
-    g = torch.Generator().manual_seed(0)
-    for batch in (BLOCK, BLOCK + 5):
-        x = torch.randn(batch, 1, 28, 28, generator=g)
-        for m in (wrapped, reference):
-            m.zero_grad()
-            m(x).square().sum().backward()
-        for p, q in zip(wrapped.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
-    [session] = wrapped.training_sessions()
+    [session] = _train_like_torch(model, [(batch, 1, 28, 28) for batch in (BLOCK, BLOCK + 5)])
     lowered = _lowered_backward(session)
     padded = [n for n in lowered.graph.node if n.op_type == "Mod"]  # (-batch) mod BLOCK zero channels
     assert len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)
@@ -386,17 +392,7 @@ def test_ortmodule_unfolds_a_large_batch_in_chunks(monkeypatch):
     monkeypatch.setattr(lowering, "backward", spy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6 * 14 * 14, 3))
-    reference = copy.deepcopy(model)
-    wrapped = ORTModule(model, threads=2)
-    g = torch.Generator().manual_seed(0)
-    for batch in (64, 5):
-        x = torch.randn(batch, 3, 32, 32, generator=g)
-        for m in (wrapped, reference):
-            m.zero_grad()
-            m(x).square().sum().backward()
-        for p, q in zip(wrapped.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
-    [session] = wrapped.training_sessions()
+    [session] = _train_like_torch(model, [(64, 3, 32, 32), (5, 3, 32, 32)])
     assert session.rows == 64
     chunks = nchwc._chunks(64, 3, -(-25 // BLOCK) * BLOCK, 28 * 28)
     assert chunks > 1
@@ -415,13 +411,6 @@ def test_ortmodule_blocked_weight_gradients_of_other_windows(layer):
     second = {"strided": nn.Conv2d(8, 8, 5, stride=2), "dilated": nn.Conv2d(8, 8, 5, dilation=2),
               "transposed": nn.ConvTranspose2d(8, 8, 5)}[layer]
     model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.Tanh(), second, nn.Flatten())
-    reference = copy.deepcopy(model)
-    wrapped = ORTModule(model, threads=2)
-    x = torch.randn(BLOCK + 3, 1, 15, 15, generator=torch.Generator().manual_seed(1))
-    wrapped(x).square().sum().backward()
-    reference(x).square().sum().backward()
-    for p, q in zip(wrapped.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
-    [session] = wrapped.training_sessions()
+    [session] = _train_like_torch(model, [(BLOCK + 3, 1, 15, 15)])
     lowered = _lowered_backward(session)
     assert any(n.op_type == "Mod" for n in lowered.graph.node)  # a blocked Conv over the padded batch
