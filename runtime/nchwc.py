@@ -70,7 +70,7 @@ images: MLAS splits a blocked Conv by image and output block, and one image (the
 layer) ran at 1.2-1.6x the im2col Conv, three at 0.65-0.78x, six to thirty-two at 0.4-0.6x."""
 INT64_MIN = np.iinfo(np.int64).min
 CHUNK_BYTES = 2 * 1024 * 1024
-"""A blocked unfold of at least `MIN_CHUNKS` times this at the expected batch is made and multiplied chunk by chunk
+"""An unfold of at least `MIN_CHUNKS` times this at the expected batch is made and multiplied chunk by chunk
 over the batch, each chunk about this size (one core's L2 here), so that the products read it from the cache rather
 than from memory. Steps chunked / whole (paired, both orders): LeNets on 3x32x32, 19 MB unfolded at batch 64, 0.90-0.94
 (4 to 16 chunks alike); LeNet-5 at batch 256 (26 MB) 0.93-1.0, at 128 (13 MB) 0.985-1.0; at 64 (6.4 MB) 1.02-1.04
@@ -320,8 +320,22 @@ def _unfolded_weight_grad(n: onnx.NodeProto, readers: Readers, consts: dict[str,
     return conv, product.input[0], channels, kernel
 
 
+def _batch_chunks(e: Nodes, x: str, dy: str, chunks: int, rows_per_sample: int) -> list[tuple[str, str]]:
+    """(x, dY) in `chunks` parts along the batch, read off dY's first dim at run time (x has `rows_per_sample` rows
+    a sample): sample i goes to chunk i // ceil(N / chunks), so the first N % chunks chunks are a sample longer and,
+    for fewer samples than chunks, the last ones empty."""
+    if chunks == 1:
+        return [(x, dy)]
+    batch = e("Gather", e("Shape", dy), e.const(0))
+    longer = e("Cast", e("Less", e.axes(list(range(chunks))), e("Mod", batch, e.const(chunks))), to=TensorProto.INT64)
+    sizes = e("Add", e("Div", batch, e.const(chunks)), longer)
+    x_rows = sizes if rows_per_sample == 1 else e("Mul", sizes, e.const(rows_per_sample))
+    return list(zip(e.many("Split", x, x_rows, count=chunks, axis=0), e.many("Split", dy, sizes, count=chunks, axis=0)))
+
+
 def _chunks(rows: int | None, channels: int, taps: int, positions: int | None) -> int:
-    """How many batch chunks the blocked unfold of `rows` samples is made in (`CHUNK_BYTES`): 1 when unknown."""
+    """How many batch chunks an unfold of `rows` samples (`channels` x `taps` x `positions` floats each) is made
+    in: about `CHUNK_BYTES` each, at most `MAX_CHUNKS`; 1 below `MIN_CHUNKS` of them or when a size is unknown."""
     chunks = (rows or 0) * channels * taps * (positions or 0) * 4 // CHUNK_BYTES
     return min(MAX_CHUNKS, chunks) if chunks >= MIN_CHUNKS else 1
 
@@ -332,47 +346,32 @@ def _build_unfold(n: onnx.NodeProto, conv: onnx.NodeProto, dy: str, c: int, kern
     (`unfolded_weight_grads`)."""
     e = Nodes(n.name or n.output[0], taken)
     taps = kernel[0] * kernel[1]
-    tp = _up(taps, block) if blocked else taps
-    if blocked:
-        onehot = np.zeros((tp, taps), np.float32)
-        onehot[:taps] = np.eye(taps, dtype=np.float32)  # (tp, taps) -> OIHWBo: (tp/B, 1, taps, B)
-        onehot = onehot.reshape(tp // block, block, taps).transpose(0, 2, 1).reshape(tp, 1, *kernel)
-        attrs = {a: v for a in ("pads", "strides", "dilations") if (v := ints_attr(conv, a)) is not None}
-        weight = e("Constant", value=numpy_helper.from_array(np.ascontiguousarray(onehot), "v"))
-        x, per_sample_rows = e("Reshape", conv.input[0], e.axes([-1, 1, 0, 0])), c  # (N*C, 1, H, W)
-    else:
+    if not blocked:  # chunked only: the rule's own nodes per chunk, P given (an empty chunk cannot resolve a -1)
         attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
-        weight, x, per_sample_rows = conv.input[1], conv.input[0], 1
-    if chunks == 1:
-        parts = [(x, dy)]
-    else:  # sample i goes to chunk i // ceil, the first N % chunks chunks one sample longer (some may be empty)
-        batch = e("Gather", e("Shape", dy), e.const(0))
-        longer = e("Cast", e("Less", e.axes(list(range(chunks))), e("Mod", batch, e.const(chunks))),
-                   to=TensorProto.INT64)
-        sizes = e("Add", e("Div", batch, e.const(chunks)), longer)
-        rows_of_x = sizes if per_sample_rows == 1 else e("Mul", sizes, e.const(per_sample_rows))
-        parts = list(zip(e.many("Split", x, rows_of_x, count=chunks, axis=0),
-                         e.many("Split", dy, sizes, count=chunks, axis=0)))
+        sums = []
+        for x, d in _batch_chunks(e, conv.input[0], dy, chunks, 1):
+            cols = e("Reshape", e("Conv", x, conv.input[1], **attrs), e.axes([0, c * taps, positions or -1]))
+            sums.append(e("ReduceSum", e("MatMul", d, e("Transpose", cols, perm=[0, 2, 1])), e.axes([0]), keepdims=0))
+        e("Sum", *sums, out=n.output[0])
+        return e.nodes
+    tp = _up(taps, block)
+    onehot = np.zeros((tp, taps), np.float32)
+    onehot[:taps] = np.eye(taps, dtype=np.float32)  # (tp, taps) -> OIHWBo: (tp/B, 1, taps, B)
+    onehot = onehot.reshape(tp // block, block, taps).transpose(0, 2, 1).reshape(tp, 1, *kernel)
+    attrs = {a: v for a in ("pads", "strides", "dilations") if (v := ints_attr(conv, a)) is not None}
+    weight = e("Constant", value=numpy_helper.from_array(np.ascontiguousarray(onehot), "v"))
+    flat = e("Reshape", conv.input[0], e.axes([-1, 1, 0, 0]))  # (N*C, 1, H, W)
     sums = []
-    for x, d in parts:
-        cols = e("Conv", x, weight, domain=DOMAIN if blocked else "", **({"group": 1, "kernel_shape": kernel} if blocked
-                                                                         else {}), **attrs)
-        if not blocked:  # (N, P, C*T): an empty chunk cannot resolve a -1, so P is given (known when chunked)
-            cols = e("Transpose", e("Reshape", cols, e.axes([0, c * taps, positions if chunks > 1 else -1])),
-                     perm=[0, 2, 1])
-            sums.append(e("ReduceSum", e("MatMul", d, cols), e.axes([0]), keepdims=0))
-            continue
+    for x, d in _batch_chunks(e, flat, dy, chunks, c):
+        cols = e("Conv", x, weight, domain=DOMAIN, group=1, kernel_shape=kernel, **attrs)
         if chunks == 1:  # (N, C * tp/B, P, B)
             cols = e("Reshape", e("Reshape", cols, e.axes([-1, c * tp // block, 0, 0, block])),
                      e.axes([0, 0, -1, block]))
         else:  # the same, its sample count read off dY
             count = e("Slice", e("Shape", d), e.axes([0]), e.axes([1]))
-            cols = e("Reshape", cols, e("Concat", count, e.axes([c * tp // block, positions, block]), axis=0))
+            cols = e("Reshape", cols, e("Concat", count, e.axes([c * tp // block, positions or -1, block]), axis=0))
         per_sample = e("MatMul", e("Unsqueeze", d, e.axes([1])), cols)  # (N, C * tp/B, M, B)
         sums.append(e("ReduceSum", per_sample, e.axes([0]), keepdims=0))
-    if not blocked:
-        e("Sum", *sums, out=n.output[0])
-        return e.nodes
     total = sums[0] if len(sums) == 1 else e("Sum", *sums)
     dw = e("Transpose", total, perm=[1, 0, 2])  # (M, C * tp/B, B)
     dw = e("Slice", e("Reshape", dw, e.axes([0, c, tp])), e.axes([0]), e.axes([taps]), e.axes([2]))
