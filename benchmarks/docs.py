@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,12 @@ def _measured(results: dict[str, Any]) -> str:
 
 
 def _allocator(results: dict[str, Any]) -> str:
-    """How glibc's allocator was set for the in-process timings (`benchmarks/allocator.py`)."""
+    """How glibc's allocator was set for the in-process timings (`benchmarks/allocator.py`), as a bullet's text
+    wrapped like the page's others."""
+    return textwrap.fill(_allocator_text(results), width=113, subsequent_indent="  ")
+
+
+def _allocator_text(results: dict[str, Any]) -> str:
     if results.get("allocator") == "steady":
         return ("glibc's mmap and trim thresholds fixed high before anything ran (`benchmarks/allocator.py`): torch's "
                 "tensors come from malloc, and with glibc's defaults every step of a small CNN faulted its larger "
