@@ -6,8 +6,9 @@ every step then faults its larger tensors in again, page by page. Both threshold
 large enough block has been freed, so torch's step time depended on what ran before it in the process: LeNets'
 steps took 4.9-5.2 ms alone in a fresh process and 3.2-3.5 ms once a batch-256 LeNet had run before them (or with
 both thresholds raised), and the reference CNN's paired ratio against ORTModule read 0.91 or 1.08 for the same code
-(onnxruntime's arena keeps its memory; its steps did not move). Fixing both thresholds high before anything is measured puts every model in the state a long
-training process reaches, the one where torch is fastest. The peak-RSS probes set their own (low) threshold.
+(onnxruntime's arena keeps its memory; its steps did not move). Fixing both thresholds high before anything is
+measured puts every model in the state a long training process reaches, the one where torch is fastest. The
+peak-RSS probes set their own (low) threshold.
 """
 
 from __future__ import annotations
