@@ -73,9 +73,9 @@ CHUNK_BYTES = 2 * 1024 * 1024
 """An unfold of at least `MIN_CHUNKS` times this at the expected batch is made and multiplied chunk by chunk
 over the batch, each chunk about this size (one core's L2 here), so that the products read it from the cache rather
 than from memory. Steps chunked / whole (paired, both orders): LeNets on 3x32x32, 19 MB unfolded at batch 64, 0.90-0.94
-(4 to 16 chunks alike); LeNet-5 at batch 256 (26 MB) 0.93-1.0, at 128 (13 MB) 0.985-1.0; a ResNet-style CNN's plain
-3x3 unfolds (38 MB, 16 channels over 32x32) 0.92; at 64 (6.4 MB) 1.02-1.04 in 3 chunks, and 9.6 MB (3x32x32 at batch
-32) 0.98-1.02 in 4, hence the floor."""
+(4 to 16 chunks alike); a ResNet-style CNN's plain 3x3 unfolds (38 MB, 16 channels over 32x32) 0.92; LeNet-5 at batch
+256 (26 MB) 0.93-1.0, at 128 (13 MB) 0.985-1.0, at 64 (6.4 MB) 1.02-1.04 in 3 chunks, and 9.6 MB (3x32x32 at batch 32)
+0.98-1.02 in 4, hence the floor."""
 MIN_CHUNKS = 6
 MAX_CHUNKS = 16
 
