@@ -1,0 +1,93 @@
+"""runtime/activations.py: Softplus, Elu, Selu, Celu and Mish written out in vectorized ops give onnxruntime's own
+kernels' values (float32 and double, nan and infinities included), and models using them train like torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+from parity import check_parity
+from torch import nn
+
+from runtime import activations, lowering
+from runtime.ort_session import SessionConfig
+
+EDGES = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 30.0, -30.0, 88.0, -88.0, 100.0, -100.0]
+
+
+def _model(op: str, elem: int, opset: int, **attrs: float) -> onnx.ModelProto:
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"], **attrs)], "g",
+                              [helper.make_tensor_value_info("x", elem, ["n"])],
+                              [helper.make_tensor_value_info("y", elem, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def _torch(op: str, attrs: dict[str, float], x: np.ndarray) -> np.ndarray:
+    """The activation in torch, double precision (onnxruntime has no double kernel for these)."""
+    t, f = torch.from_numpy(x), nn.functional
+    alpha = attrs.get("alpha")
+    if op == "Elu":
+        return f.elu(t, alpha or 1.0).numpy()
+    if op == "Selu":
+        return (attrs.get("gamma", activations.SELU_GAMMA) * f.elu(t, alpha or activations.SELU_ALPHA)).numpy()
+    if op == "Celu":
+        return f.celu(t, alpha or 1.0).numpy()
+    return (f.softplus(t, threshold=1e9) if op == "Softplus" else f.mish(t)).numpy()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op,attrs", [("Elu", {}), ("Elu", {"alpha": 0.5}), ("Selu", {}),
+                                      ("Selu", {"alpha": 1.5, "gamma": 2.0}), ("Celu", {"alpha": 2.0}),
+                                      ("Softplus", {}), ("Mish", {})])
+def test_written_out_like_onnxruntimes_kernels(op, attrs, dtype):
+    """float32 against onnxruntime's own kernel; double, which onnxruntime has no kernel for (the rewrite lets such
+    models run), against torch."""
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
+    model = _model(op, elem, 18 if op == "Mish" else 17, **attrs)
+    rewritten = activations.vectorized_activations(model)
+    assert op not in [n.op_type for n in rewritten.graph.node]
+    x = np.concatenate([np.array(EDGES), np.random.default_rng(0).standard_normal(4000) * 6]).astype(dtype)
+    got = _run(rewritten, x)
+    want = _run(model, x) if dtype == np.float32 else _torch(op, attrs, x)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[~finite], want[~finite])  # nan, inf and -inf where the kernel has them
+    # exp(x) - 1 near 0 and the kernels' own exp/log differ by a few units of x's precision, scaled by alpha
+    eps = np.finfo(dtype).eps * max(1.0, attrs.get("alpha", 1.0), attrs.get("gamma", 1.0))
+    np.testing.assert_allclose(got[finite], want[finite], rtol=64 * eps, atol=4 * eps)
+    tiny = x == -30.0  # softplus(-30) = 9.4e-14: log(1 + e) alone would give 0
+    if op == "Softplus":
+        np.testing.assert_allclose(got[tiny], np.log1p(np.exp(x[tiny].astype(np.float64))), rtol=1e-6)
+
+
+def test_other_graphs_stay():
+    relu = _model("Relu", TensorProto.FLOAT, 17)
+    assert activations.vectorized_activations(relu) is relu
+    old = _model("Elu", TensorProto.FLOAT, 13)  # no CastLike for the constants before opset 15
+    assert activations.vectorized_activations(old) is old
+
+
+class Net(nn.Module):
+    def __init__(self, activation: nn.Module):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 32), activation, nn.Linear(32, 32), activation, nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.parametrize("activation", [nn.ELU(), nn.ELU(0.3), nn.SELU(), nn.CELU(1.7), nn.Softplus(), nn.Mish()],
+                         ids=["elu", "elu-0.3", "selu", "celu", "softplus", "mish"])
+def test_models_train_like_torch(activation):
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 6, generator=g) * 3, torch.randint(0, 3, (16,), generator=g)) for _ in range(3)]
+    ort_model, _, _ = check_parity(lambda: Net(activation), batches, lambda m, b: m(*b), threads=1)
+    [session] = ort_model.training_sessions()
+    runs = lowering.forward(session.full.forward, SessionConfig())  # the forward graph onnxruntime runs
+    assert not activations.SLOW & {n.op_type for n in runs.graph.node}
