@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from . import activations, crossentropy, feature_major, host_dropout, nchwc, passes, reductions, shape_folding
+from . import crossentropy, feature_major, host_dropout, nchwc, passes, reductions, shape_folding, vectorized
 from .ort_session import Runner, SessionConfig
 
 
@@ -27,12 +27,12 @@ def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = Non
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     """The classification losses written out in standard ops (`crossentropy`) instead of the ONNX function
     bodies onnxruntime inlines; Dropouts that drop nothing removed (an inference graph's, not yet removed by
-    `source`); activations onnxruntime computes element by element vectorized (`activations`); shape
+    `source`); activations onnxruntime computes element by element vectorized (`vectorized`); shape
     arithmetic folded where only the batch is unknown (`shape_folding`); Convs with weight inputs blocked
     (`nchwc`)."""
     if not config.lower:
         return model
-    model = activations.vectorized_activations(crossentropy.lower_losses(passes.inactive_dropouts(model)))
+    model = vectorized.vectorized_ops(crossentropy.lower_losses(passes.inactive_dropouts(model)))
     return nchwc.blocked_convs(shape_folding.fold_shapes(model))
 
 
@@ -44,12 +44,12 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig, rows: int | None = None
              ) -> onnx.ModelProto:
-    """Slow onnxruntime patterns (`passes.lower`, `activations` recomputed in backward), then sums and
+    """Slow onnxruntime patterns (`passes.lower`, `vectorized` recomputed in backward), then sums and
     contractions over rows (`reductions.lower_sums`), then the unfolded weight gradients of 5x5 and larger kernels
     and the Convs and stride-1 ConvTransposes blocked (`nchwc`); `known`: values of the initializers backward
     reads from the forward part; `rows`: the batch expected where the graph leaves it symbolic (large unfolds go
     in chunks of it)."""
     if not config.lower:
         return model
-    lowered = reductions.lower_sums(activations.vectorized_activations(passes.lower(model, known)))
+    lowered = reductions.lower_sums(vectorized.vectorized_ops(passes.lower(model, known)))
     return nchwc.blocked_convs(nchwc.unfolded_weight_grads(lowered, known, rows=rows))

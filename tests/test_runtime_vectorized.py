@@ -1,4 +1,4 @@
-"""runtime/activations.py: Softplus, Elu, Selu, Celu and Mish written out in vectorized ops give onnxruntime's own
+"""runtime/vectorized.py: Softplus, Elu, Selu, Celu and Mish written out in vectorized ops give onnxruntime's own
 kernels' values (float32 and double, nan and infinities included), and models using them train like torch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from parity import check_parity
 from torch import nn
 
-from runtime import activations, lowering
+from runtime import lowering, vectorized
 from runtime.ort_session import SessionConfig
 
 EDGES = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 30.0, -30.0, 88.0, -88.0, 100.0, -100.0]
@@ -36,7 +36,7 @@ def _torch(op: str, attrs: dict[str, float], x: np.ndarray) -> np.ndarray:
     if op == "Elu":
         return f.elu(t, alpha or 1.0).numpy()
     if op == "Selu":
-        return (attrs.get("gamma", activations.SELU_GAMMA) * f.elu(t, alpha or activations.SELU_ALPHA)).numpy()
+        return (attrs.get("gamma", vectorized.SELU_GAMMA) * f.elu(t, alpha or vectorized.SELU_ALPHA)).numpy()
     if op == "Celu":
         return f.celu(t, alpha or 1.0).numpy()
     return (f.softplus(t, threshold=1e9) if op == "Softplus" else f.mish(t)).numpy()
@@ -51,7 +51,7 @@ def test_written_out_like_onnxruntimes_kernels(op, attrs, dtype):
     models run), against torch."""
     elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
     model = _model(op, elem, 18 if op == "Mish" else 17, **attrs)
-    rewritten = activations.vectorized_activations(model)
+    rewritten = vectorized.vectorized_ops(model)
     assert op not in [n.op_type for n in rewritten.graph.node]
     x = np.concatenate([np.array(EDGES), np.random.default_rng(0).standard_normal(4000) * 6]).astype(dtype)
     got = _run(rewritten, x)
@@ -66,11 +66,38 @@ def test_written_out_like_onnxruntimes_kernels(op, attrs, dtype):
         np.testing.assert_allclose(got[tiny], np.log1p(np.exp(x[tiny].astype(np.float64))), rtol=1e-6)
 
 
+@pytest.mark.parametrize("opset", [17, 18])  # ReduceMax's axes an attribute, then an input
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("axis", [1, -3, 2])
+def test_softmax_over_an_inner_axis_written_out(op, axis, opset):
+    model = _model(op, TensorProto.FLOAT, opset, axis=axis)
+    model.graph.input[0].type.tensor_type.shape.Clear()
+    for d in (4, 7, 5, 6):
+        model.graph.input[0].type.tensor_type.shape.dim.add().dim_value = d
+    rewritten = vectorized.vectorized_ops(model)
+    assert op not in [n.op_type for n in rewritten.graph.node]
+    x = np.random.default_rng(0).standard_normal((4, 7, 5, 6)).astype(np.float32) * 10
+    x[0, :, 0, 0] = -np.inf  # a row of -inf: nan, as the kernel gives
+    x[1, 3, 1, 1] = np.inf
+    x[2, 2, 2, 2] = np.nan
+    got, want = _run(rewritten, x), _run(model, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_softmax_over_the_last_axis_or_of_unknown_rank_stays():
+    last = _model("Softmax", TensorProto.FLOAT, 17, axis=-1)
+    last.graph.input[0].type.tensor_type.shape.dim.add().dim_value = 8
+    assert vectorized.vectorized_ops(last) is last
+    unknown = _model("LogSoftmax", TensorProto.FLOAT, 17, axis=0)
+    unknown.graph.input[0].type.tensor_type.ClearField("shape")
+    assert vectorized.vectorized_ops(unknown) is unknown
+
+
 def test_other_graphs_stay():
     relu = _model("Relu", TensorProto.FLOAT, 17)
-    assert activations.vectorized_activations(relu) is relu
+    assert vectorized.vectorized_ops(relu) is relu
     old = _model("Elu", TensorProto.FLOAT, 13)  # no CastLike for the constants before opset 15
-    assert activations.vectorized_activations(old) is old
+    assert vectorized.vectorized_ops(old) is old
 
 
 class Net(nn.Module):
@@ -82,6 +109,27 @@ class Net(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
+class Segmenter(nn.Module):
+    """Cross-entropy over the class axis of [N, C, H, W] scores: its LogSoftmax, and its gradient's Softmax, are
+    over axis 1 of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.conv(x), y)
+
+
+def test_segmentation_loss_trains_like_torch():
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4, 6, 6), generator=g)) for _ in range(3)]
+    ort_model, _, _ = check_parity(Segmenter, batches, lambda m, b: m(*b), threads=1)
+    [session] = ort_model.training_sessions()
+    runs = lowering.forward(session.full.forward, SessionConfig())
+    assert not vectorized.SOFTMAX & {n.op_type for n in runs.graph.node}
+
+
 @pytest.mark.parametrize("activation", [nn.ELU(), nn.ELU(0.3), nn.SELU(), nn.CELU(1.7), nn.Softplus(), nn.Mish()],
                          ids=["elu", "elu-0.3", "selu", "celu", "softplus", "mish"])
 def test_models_train_like_torch(activation):
@@ -90,4 +138,4 @@ def test_models_train_like_torch(activation):
     ort_model, _, _ = check_parity(lambda: Net(activation), batches, lambda m, b: m(*b), threads=1)
     [session] = ort_model.training_sessions()
     runs = lowering.forward(session.full.forward, SessionConfig())  # the forward graph onnxruntime runs
-    assert not activations.SLOW & {n.op_type for n in runs.graph.node}
+    assert not vectorized.SLOW & {n.op_type for n in runs.graph.node}

@@ -1,0 +1,122 @@
+"""Ops whose onnxruntime CPU kernels run element by element, or row by row over short rows, written out in
+vectorized ones (MLAS's Exp, Log, Tanh, Relu, reductions and arithmetic).
+
+Over [64, 16, 28, 28] at 2 threads, onnxruntime's Softplus took 4.8 ms and Mish 5.0, Elu 0.76, Selu 0.78, Celu
+0.97, against 0.09 for Exp and 0.11 for Relu; Softmax and LogSoftmax over the class axis of [N, C, H, W] (a
+segmentation loss) 6.5 ms, a row of 16 at a time, against 0.46 written out. So the graphs onnxruntime runs get
+
+- Elu(x) = Relu(x) + alpha (exp(min(x, 0)) - 1); Selu = gamma Elu_alpha; Celu(x) = Relu(x) + alpha (exp(min(x, 0)
+  / alpha) - 1);
+- Softplus(x) = Relu(x) + log1p(exp(-|x|)), stable for large |x|, with log1p(e) = log(u) + (e - (u - 1)) / u for
+  u = 1 + e (the rounding 1 + e loses, put back: softplus(-30) = 9.4e-14 as in torch, not 0);
+- Mish(x) = x tanh(softplus(x)) (an operator from opset 18; before, exporters write Softplus and Tanh);
+- Softmax and LogSoftmax over an axis other than the last, x's rank known: c = x - max(x), then exp(c) / sum(exp(c))
+  or c - log(sum(exp(c))), the kernels' own algorithm (over the last axis the kernels are faster and stay).
+
+The same values up to the last bits of exp and log (and the sign of a zero: Elu(-0) is +0 here), nan and
+infinities included. Only the forward and backward graphs onnxruntime runs change, never the source the
+gradient is built from: the rules' own gradients (Elu's from its output, Softplus' a sigmoid) stay.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import onnx
+from onnx import TensorProto, helper
+
+from gradbuilder.graph import default_opset, infer_shapes_safely
+
+from .passes import Nodes, rewrite_nodes, tensor_types
+
+SLOW = frozenset({"Elu", "Selu", "Celu", "Softplus", "Mish"})
+SOFTMAX = frozenset({"Softmax", "LogSoftmax"})
+MIN_OPSET = 15
+"""The constants take x's type through CastLike (opset 15), so the rewrite needs no shape inference."""
+SELU_ALPHA = 1.67326319217681884765625
+SELU_GAMMA = 1.05070102214813232421875
+
+
+def _float(node: onnx.NodeProto, name: str, default: float) -> float:
+    return next((a.f for a in node.attribute if a.name == name), default)
+
+
+class _Ops:
+    """Emits the formulas' nodes, constants in x's type."""
+
+    def __init__(self, e: Nodes, x: str):
+        self.e, self.x = e, x
+
+    def const(self, value: float) -> str:
+        return self.e("CastLike", self.e("Constant", value=helper.make_tensor("v", TensorProto.FLOAT, [], [value])),
+                      self.x)
+
+    def exp_minus_one(self, scale: float, divisor: float = 1.0, out: str | None = None) -> str:
+        """scale (exp(min(x, 0) / divisor) - 1) plus Relu(x): Elu, Selu's inside and Celu."""
+        e = self.e
+        negative = e("Min", self.x, self.const(0.0))
+        if divisor != 1.0:
+            negative = e("Div", negative, self.const(divisor))
+        tail = e("Sub", e("Exp", negative), self.const(1.0))
+        if scale != 1.0:
+            tail = e("Mul", tail, self.const(scale))
+        return e("Add", e("Relu", self.x), tail, out=out)
+
+    def softplus(self, out: str | None = None) -> str:
+        e = self.e
+        small = e("Exp", e("Neg", e("Abs", self.x)))  # (0, 1]
+        u = e("Add", small, self.const(1.0))
+        log1p = e("Add", e("Log", u), e("Div", e("Sub", small, e("Sub", u, self.const(1.0))), u))
+        return e("Add", e("Relu", self.x), log1p, out=out)
+
+
+def _build(node: onnx.NodeProto, axis: int | None, taken: set[str], *, opset: int) -> list[onnx.NodeProto]:
+    e = Nodes(node.name or node.output[0], taken)
+    ops, y = _Ops(e, node.input[0]), node.output[0]
+    if axis is not None:  # Softmax or LogSoftmax over `axis`
+        top = e("ReduceMax", node.input[0], e.axes([axis]), keepdims=1) if opset >= 18 else \
+            e("ReduceMax", node.input[0], axes=[axis], keepdims=1)  # axes an input from opset 18
+        centered = e("Sub", node.input[0], top)
+        exp = e("Exp", centered)
+        total = e("ReduceSum", exp, e.axes([axis]), keepdims=1)
+        if node.op_type == "Softmax":
+            e("Div", exp, total, out=y)
+        else:
+            e("Sub", centered, e("Log", total), out=y)
+    elif node.op_type == "Elu":
+        ops.exp_minus_one(_float(node, "alpha", 1.0), out=y)
+    elif node.op_type == "Celu":
+        alpha = _float(node, "alpha", 1.0)
+        ops.exp_minus_one(alpha, alpha, out=y)
+    elif node.op_type == "Selu":
+        gamma = _float(node, "gamma", SELU_GAMMA)
+        e("Mul", ops.exp_minus_one(_float(node, "alpha", SELU_ALPHA)), ops.const(gamma), out=y)
+    elif node.op_type == "Softplus":
+        ops.softplus(out=y)
+    else:  # Mish
+        e("Mul", node.input[0], e("Tanh", ops.softplus()), out=y)
+    return e.nodes
+
+
+def vectorized_ops(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every Softplus, Elu, Selu, Celu and Mish of the main graph, and every Softmax and LogSoftmax over an axis
+    other than the last, in the formulas above; `model` itself when it has none (or its opset is below
+    `MIN_OPSET`)."""
+    opset = default_opset(model)
+    if opset < MIN_OPSET:
+        return model
+    nodes = [(k, n) for k, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx")]
+    plan: list[tuple[int, int | None]] = [(k, None) for k, n in nodes if n.op_type in SLOW
+                                          and math.isfinite(_float(n, "alpha", 1.0)) and _float(n, "alpha", 1.0) != 0]
+    softmaxes = [(k, n) for k, n in nodes if n.op_type in SOFTMAX]
+    if softmaxes:
+        shapes = tensor_types(model.graph)
+        if any(shapes.get(n.input[0], (0, None))[1] is None for _, n in softmaxes):
+            shapes = tensor_types(infer_shapes_safely(model) or model.graph)
+        for k, n in softmaxes:
+            dims = shapes.get(n.input[0], (0, None))[1]
+            axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
+            if dims is not None and len(dims) > 1 and axis % len(dims) != len(dims) - 1:
+                plan.append((k, axis % len(dims)))
+    return rewrite_nodes(model, sorted(plan), functools.partial(_build, opset=opset))
