@@ -229,6 +229,22 @@ def _mlp_with(activation: Callable[[], nn.Module], norm: Callable[[int], nn.Modu
     return nn.Sequential(*layers, nn.Linear(512, 10))
 
 
+class PixelLoss(nn.Module):
+    """A per-pixel classifier and its mean cross-entropy over the class axis of its [N, C, H, W] scores."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y)
+
+
+def _pixels(n: int, side: int, classes: int) -> Callable[[torch.Generator], tuple[torch.Tensor, ...]]:
+    return lambda gen: (torch.randn(n, 3, side, side, generator=gen),
+                        torch.randint(0, classes, (n, side, side), generator=gen))
+
+
 class PostLN(nn.Module):
     """The reference encoder's shape with post-LN layers (torch's default `norm_first=False`)."""
 
@@ -258,9 +274,16 @@ VARIANTS: dict[str, Case] = {c.name: c for c in [
          lambda: WithLoss(_mlp_with(nn.ReLU, nn.BatchNorm1d)), _images(64, (784,), 10), 60),
     Case("mlp-prelu", "MLP 784-512-512-10, PReLU, batch 64", lambda: WithLoss(_mlp_with(nn.PReLU)),
          _images(64, (784,), 10), 60),
+    Case("mlp-softplus", "MLP 784-512-512-10, Softplus, batch 64", lambda: WithLoss(_mlp_with(nn.Softplus)),
+         _images(64, (784,), 10), 60),
+    Case("cnn-seg", "3x3 CNN 3 -> 16 channels and a 1x1 head to 21 classes on 3x64x64, per-pixel cross-entropy, "
+         "batch 8", lambda: PixelLoss(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 21, 1))),
+         _pixels(8, 64, 21), 30),
     Case("enc-post-ln", "the reference encoder with post-LN layers", lambda: WithLoss(PostLN()),
          _tokens(8, 64, 1000), 12),
 ]}
-"""The reference families with other activations, normalizations and their order (the `grid` part, a table of its
-own): the Wheres of their gradients (ReLU before a BatchNorm, LeakyReLU, ELU, PReLU, global average pooling) ran
-at up to 1.9x torch's step before `runtime.passes.guarded_selects`."""
+"""The reference families with other activations, normalizations and their order, and a per-pixel loss (the `grid`
+part, a table of its own): the Wheres of their gradients (ReLU before a BatchNorm, LeakyReLU, ELU, PReLU, global
+average pooling) ran at up to 1.9x torch's step before `runtime.passes.guarded_selects`; ELU, Softplus and the
+per-pixel loss's softmax over the class axis run element by element in onnxruntime's own kernels
+(`runtime.vectorized`: the per-pixel loss stepped at 3.6x torch's before)."""

@@ -170,7 +170,7 @@ def text(results: dict[str, Any]) -> str:
               ratio_table(results.get("shapes"))),
              ("A grid of other shapes of the three reference families, by family", grid_summary(results)),
              ("The grid, shape by shape", ratio_table(results.get("grid"))),
-             ("The families with other activations and normalizations (part of the grid)",
+             ("The families with other activations and normalizations, and a per-pixel loss (part of the grid)",
               ratio_table(results.get("variants"))),
              ("Memory saved for backward", memory_table(results)),
              ("Time to first step", startup_table(results)),
