@@ -229,12 +229,8 @@ def _mlp_with(activation: Callable[[], nn.Module], norm: Callable[[int], nn.Modu
     return nn.Sequential(*layers, nn.Linear(512, 10))
 
 
-class PixelLoss(nn.Module):
+class PixelLoss(WithLoss):
     """A per-pixel classifier and its mean cross-entropy over the class axis of its [N, C, H, W] scores."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.net(x), y)
