@@ -23,18 +23,16 @@ def _measured(results: dict[str, Any]) -> str:
 def _allocator(results: dict[str, Any]) -> str:
     """How glibc's allocator was set for the in-process timings (`benchmarks/allocator.py`), as a bullet's text
     wrapped like the page's others."""
-    return textwrap.fill(_allocator_text(results), width=113, subsequent_indent="  ")
-
-
-def _allocator_text(results: dict[str, Any]) -> str:
     if results.get("allocator") == "steady":
-        return ("glibc's mmap and trim thresholds fixed high before anything ran (`benchmarks/allocator.py`): torch's "
+        text = ("glibc's mmap and trim thresholds fixed high before anything ran (`benchmarks/allocator.py`): torch's "
                 "tensors come from malloc, and with glibc's defaults every step of a small CNN faulted its larger "
                 "tensors in anew until some earlier model's freed blocks had raised both thresholds, so torch's step "
                 "depended on what ran before it in the process (LeNets: 4.9-5.2 ms first, 3.2-3.5 ms later); fixed, "
                 "torch runs at its best throughout. onnxruntime's arena keeps its memory either way.")
-    return ("glibc's allocator left at its defaults (`--allocator default`): torch's larger tensors may be faulted "
-            "in anew each step, depending on what ran earlier in the process (`benchmarks/allocator.py`).")
+    else:
+        text = ("glibc's allocator left at its defaults (`--allocator default`): torch's larger tensors may be "
+                "faulted in anew each step, depending on what ran earlier in the process (`benchmarks/allocator.py`).")
+    return textwrap.fill(text, width=113, subsequent_indent="  ")
 
 
 def _goal(ok: bool | None) -> str:
