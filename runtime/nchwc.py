@@ -273,8 +273,8 @@ def unfolded_weight_grads(model: onnx.ModelProto, known: dict[str, np.ndarray] |
         blocked = bool(block) and taps >= MIN_TAPS_UNBLOCKED
         positions = _positions(shapes, conv.output[0])
         chunks = _chunks(rows, c, _up(taps, block) if blocked else taps, positions)
-        if blocked or chunks > 1:
-            plan.append((k, conv, dy, c, kernel, chunks, positions, blocked))
+        if blocked or chunks > 1:  # chunks > 1 only with the positions known
+            plan.append((k, conv, dy, c, kernel, chunks, positions or 0, blocked))
     if not plan:
         return model
     out = rewrite_nodes(model, plan, functools.partial(_build_unfold, block=block))
@@ -342,16 +342,16 @@ def _chunks(rows: int | None, channels: int, taps: int, positions: int | None) -
 
 
 def _build_unfold(n: onnx.NodeProto, conv: onnx.NodeProto, dy: str, c: int, kernel: list[int], chunks: int,
-                  positions: int | None, blocked: bool, taken: set[str], *, block: int) -> list[onnx.NodeProto]:
+                  positions: int, blocked: bool, taken: set[str], *, block: int) -> list[onnx.NodeProto]:
     """`n`'s output, [M, C*T], from x's one-hot Conv, blocked or as it is, in `chunks` parts of the batch
     (`unfolded_weight_grads`)."""
     e = Nodes(n.name or n.output[0], taken)
     taps = kernel[0] * kernel[1]
-    if not blocked:  # chunked only: the rule's own nodes per chunk, P given (an empty chunk cannot resolve a -1)
+    if not blocked:  # chunked (P known): the rule's own nodes per chunk, P given where an empty chunk cannot resolve -1
         attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
         sums = []
         for x, d in _batch_chunks(e, conv.input[0], dy, chunks, 1):
-            cols = e("Reshape", e("Conv", x, conv.input[1], **attrs), e.axes([0, c * taps, positions or -1]))
+            cols = e("Reshape", e("Conv", x, conv.input[1], **attrs), e.axes([0, c * taps, positions]))
             sums.append(e("ReduceSum", e("MatMul", d, e("Transpose", cols, perm=[0, 2, 1])), e.axes([0]), keepdims=0))
         e("Sum", *sums, out=n.output[0])
         return e.nodes
@@ -368,9 +368,9 @@ def _build_unfold(n: onnx.NodeProto, conv: onnx.NodeProto, dy: str, c: int, kern
         if chunks == 1:  # (N, C * tp/B, P, B)
             cols = e("Reshape", e("Reshape", cols, e.axes([-1, c * tp // block, 0, 0, block])),
                      e.axes([0, 0, -1, block]))
-        else:  # the same, its sample count read off dY
+        else:  # the same, its sample count read off dY, P known (chunked)
             count = e("Slice", e("Shape", d), e.axes([0]), e.axes([1]))
-            cols = e("Reshape", cols, e("Concat", count, e.axes([c * tp // block, positions or -1, block]), axis=0))
+            cols = e("Reshape", cols, e("Concat", count, e.axes([c * tp // block, positions, block]), axis=0))
         per_sample = e("MatMul", e("Unsqueeze", d, e.axes([1])), cols)  # (N, C * tp/B, M, B)
         sums.append(e("ReduceSum", per_sample, e.axes([0]), keepdims=0))
     total = sums[0] if len(sums) == 1 else e("Sum", *sums)
