@@ -388,6 +388,28 @@ def test_average_pool_dilations(include_pad):
              count_include_pad=include_pad)
 
 
+TILES = [
+    # x, kernel, the op that spreads dY over the tiles
+    (f32(2, 3, 9, 7), [2, 3], "MatMul"),  # a row and a column past the last tile
+    (f32(2, 3, 8, 8), [2, 2], "MatMul"),
+    (f32(2, 2, 11), [3], "MatMul"),
+    (f32(1, 2, 7, 41), [2, 2], "Resize"),  # 20 pooled columns
+    (f32(1, 2, 5, 6, 9), [2, 3, 2], "Resize"),
+]
+
+
+@pytest.mark.parametrize("x,kernel,spread", TILES)
+def test_average_pool_tiles(x, kernel, spread):
+    """Windows tiling the input (stride = kernel): dY copied over each tile by a MatMul of few pooled columns or a
+    Resize, rows and columns past the last tile zero."""
+    nd = len(kernel)
+    model = single_op_model("AveragePool", [("x", x)], 1, kernel_shape=kernel, strides=kernel)
+    ops = {n.op_type for n in gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"]).graph.node}
+    assert spread in ops and not ({"MatMul", "Resize", "ConvTranspose"} - {spread}) & ops
+    check_op("AveragePool", [("x", x)], pool_ref("avg", kernel, kernel, [1] * nd, [0] * nd, [0] * nd, 0),
+             kernel_shape=kernel, strides=kernel)
+
+
 @pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
 def test_average_pool_auto_pad(auto_pad):
     sizes, kernel, strides = (7, 8), [3, 2], [2, 3]
