@@ -158,9 +158,10 @@ causal or without dropout, a 4-layer GPT-2-width model) the same way, step times
 check that the reference models' ratios are not particular to their shapes. The `grid` part (`GRID`) does the
 same for thirty more: ten MLPs, ten LeNets and ten encoders, none a reference model, spread over widths, depths,
 channels, kernels, input sizes, sequence lengths and batches of 1 to 512, as a benchmark of other shapes of
-these families would pick them; it also times ten variants of the families (`VARIANTS`: other activations,
-normalizations and their order, and a per-pixel loss), whose gradients' Wheres once ran at up to 1.9x torch's
-step and whose activations and class-axis softmax onnxruntime's own kernels run element by element.
+these families would pick them; it also times variants of the families (`VARIANTS`: other activations,
+pools, normalizations and their order, and a per-pixel loss), whose gradients' Wheres once ran at up to 1.9x torch's
+step, whose activations and class-axis softmax onnxruntime's own kernels run element by element, and whose
+average pools' gradient a ConvTranspose spread.
 
 ![step time and saved memory](performance.png)
 

@@ -37,19 +37,20 @@ def mlp(sizes: tuple[int, ...] = (784, 512, 512, 10)) -> nn.Module:
 
 
 def lenet(channels: tuple[int, int, int] = (1, 6, 16), size: int = 28, kernel: int = 5,
-          hidden: tuple[int, ...] = (120, 84)) -> nn.Module:
-    """LeNet-5 (on 1x28x28 by default): conv-relu-pool twice, then fully connected layers. The first conv keeps
-    the size (same padding) on 28x28 images, as LeNet on MNIST does."""
+          hidden: tuple[int, ...] = (120, 84), activation: Callable[[], nn.Module] = nn.ReLU,
+          pool: Callable[[int], nn.Module] = nn.MaxPool2d) -> nn.Module:
+    """LeNet-5 (on 1x28x28 by default): conv-activation-pool twice, then fully connected layers. The first conv
+    keeps the size (same padding) on 28x28 images, as LeNet on MNIST does."""
     c0, c1, c2 = channels
     pad = kernel // 2 if size == 28 else 0
     side = ((size + 2 * pad - kernel + 1) // 2 - kernel + 1) // 2
     sizes = (c2 * side * side, *hidden, 10)
     dense: list[nn.Module] = []
     for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-        dense += [nn.Linear(a, b), nn.ReLU()] if i < len(sizes) - 2 else [nn.Linear(a, b)]
+        dense += [nn.Linear(a, b), activation()] if i < len(sizes) - 2 else [nn.Linear(a, b)]
     return nn.Sequential(
-        nn.Conv2d(c0, c1, kernel, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(c1, c2, kernel), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), *dense)
+        nn.Conv2d(c0, c1, kernel, padding=pad), activation(), pool(2),
+        nn.Conv2d(c1, c2, kernel), activation(), pool(2), nn.Flatten(), *dense)
 
 
 def small_vgg() -> nn.Module:
@@ -272,14 +273,17 @@ VARIANTS: dict[str, Case] = {c.name: c for c in [
          _images(64, (784,), 10), 60),
     Case("mlp-softplus", "MLP 784-512-512-10, Softplus, batch 64", lambda: WithLoss(_mlp_with(nn.Softplus)),
          _images(64, (784,), 10), 60),
+    Case("lenet-classic", "LeNet-5 as first drawn: tanh, 2x2 average pools, batch 64",
+         lambda: WithLoss(lenet(activation=nn.Tanh, pool=nn.AvgPool2d)), _images(64, (1, 28, 28), 10), 30),
     Case("cnn-seg", "3x3 CNN 3 -> 16 channels and a 1x1 head to 21 classes on 3x64x64, per-pixel cross-entropy, "
          "batch 8", lambda: PixelLoss(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 21, 1))),
          _pixels(8, 64, 21), 30),
     Case("enc-post-ln", "the reference encoder with post-LN layers", lambda: WithLoss(PostLN()),
          _tokens(8, 64, 1000), 12),
 ]}
-"""The reference families with other activations, normalizations and their order, and a per-pixel loss (the `grid`
-part, a table of its own): the Wheres of their gradients (ReLU before a BatchNorm, LeakyReLU, ELU, PReLU, global
-average pooling) ran at up to 1.9x torch's step before `runtime.passes.guarded_selects`; ELU, Softplus and the
-per-pixel loss's softmax over the class axis run element by element in onnxruntime's own kernels
-(`runtime.vectorized`: the per-pixel loss stepped at 3.6x torch's before)."""
+"""The reference families with other activations, pools, normalizations and their order, and a per-pixel loss (the
+`grid` part, a table of its own): the Wheres of their gradients (ReLU before a BatchNorm, LeakyReLU, ELU, PReLU,
+global average pooling) ran at up to 1.9x torch's step before `runtime.passes.guarded_selects`; ELU, Softplus and
+the per-pixel loss's softmax over the class axis run element by element in onnxruntime's own kernels
+(`runtime.vectorized`: the per-pixel loss stepped at 3.6x torch's before); the classic LeNet's average pools
+spread their gradient by a ConvTranspose of a GEMM per pooled element until session 15."""
