@@ -1,11 +1,15 @@
 """How much arithmetic one forward does: whether onnxruntime's intra-op threads pay for a model.
 
-onnxruntime splits every GEMM and convolution it can over its thread pool; for small kernels the hand-offs
-cost more than they save (torch, by contrast, runs an op below its grain size on one thread). Measured on
-the 2-core benchmark machine, ORTModule steps with 1 intra-op thread against 2, paired: a 64-128-64-10 MLP
-at batch 64 0.81x (alone) and 0.95-0.99 against 1.16-1.18 of torch's step (interleaved with torch); a
-3-layer 256-wide MLP (8.5M multiply-adds forward) 0.97x; a 384-wide one (19M) 1.2x; LeNet (26M) 1.3x.
-So below `SMALL` units of forward work a session gets one thread.
+onnxruntime splits every GEMM and convolution it can over its thread pool; for small kernels the hand-offs cost more
+than they save (torch, by contrast, runs an op below its grain size on one thread), and a run on two threads also
+pays fixed costs (waking onnxruntime's worker, parking torch's spinning ones: `openmp`). Measured on the 2-core
+benchmark machine, ORTModule steps with 1 intra-op thread against 2, paired, interleaved with torch: a 64-128-64-10
+MLP at batch 64 0.67-0.81x; LeNets at batch 4-8 (2-3M units) 0.88-0.98x, at batch 16 (7M) 0.94-1.06x, at batch 32
+(14M) 1.04x; MLPs of 13-22M multiply-adds 0.81-1.12x (median 0.95, one thread faster in 20 of 26 paired runs over
+six shapes), of 26M 0.99-1.03x, of 32-34M 1.08-1.13x, of 52-60M 1.10-1.29x. A product's multiply-adds gain less from
+a second thread than a convolution's (MLAS splits a GEMM of a batch's rows in two, where a convolution has images
+and channels to share), so they count at `GEMM_WEIGHT`: below `SMALL` units of forward work a session gets one
+thread.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ import onnx
 from .export import pin_dims
 
 SMALL = 12_000_000
-"""Forward work (multiply-adds of products and convolutions, plus elements every other node writes) under
-which one intra-op thread beats two."""
+"""Forward work (multiply-adds of convolutions, of products at `GEMM_WEIGHT`, plus elements every other node
+writes) under which one intra-op thread beats two."""
+
+GEMM_WEIGHT = 0.5
+"""What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at
+~25M multiply-adds, LeNets at ~10M units)."""
 
 PRODUCTS = frozenset({"MatMul", "Gemm", "FusedMatMul", "Conv", "ConvTranspose", "Einsum"})
 
@@ -31,10 +39,11 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:
     return None if any(d < 0 for d in dims) else dims
 
 
-def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> int | None:
+def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> float | None:
     """Forward work for inputs of these shapes (every graph input named in `shapes` gets all its dims):
-    multiply-adds of MatMul/Gemm/Conv/ConvTranspose (output elements times the reduced length) and the
-    element count of every other node's outputs. None when shape inference cannot size a node."""
+    multiply-adds of Conv/ConvTranspose, and of MatMul/Gemm at `GEMM_WEIGHT` (output elements times the reduced
+    length), and the element count of every other node's outputs. None when shape inference cannot size a
+    node."""
     sized = pin_dims(model, shapes, batch=True)
     del sized.graph.value_info[:]  # the exporter's own, with symbolic dims inference would keep
     try:
@@ -43,7 +52,7 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
         return None
     known = {vi.name: _dims(vi) for vi in [*inferred.input, *inferred.value_info, *inferred.output]}
     known.update({t.name: list(t.dims) for t in inferred.initializer})
-    total = 0
+    total = 0.0
     for n in inferred.node:
         outs = [known.get(o) for o in n.output if o]
         if any(d is None for d in outs):
@@ -63,7 +72,7 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
             total += math.prod(a) * math.prod(w[1:])
         elif n.op_type == "Gemm":
             trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
-            total += out_elems * (a[0] if trans_a else a[-1])
+            total += GEMM_WEIGHT * out_elems * (a[0] if trans_a else a[-1])
         else:  # MatMul, FusedMatMul, Einsum: the reduced length is A's last dim (an estimate for Einsum)
-            total += out_elems * (a[-1] if a else 1)
+            total += GEMM_WEIGHT * out_elems * (a[-1] if a else 1)
     return total

@@ -139,10 +139,11 @@ def test_small_forwards_run_on_one_thread_until_the_batch_grows() -> None:
     assert schema.config.threads == 1 and session.config.threads == 1
     ((name, _),) = schema.exported.inputs
     per_sample = workload.forward_work(schema.exported.model, {name: (1, 32)})
-    assert per_sample is not None and 32 * 42 <= per_sample < 32 * 42 + 200  # two products, a few elementwise
+    products = workload.GEMM_WEIGHT * 32 * 42
+    assert per_sample is not None and products <= per_sample < products + 200  # two products, a few elementwise
     step(8 * 64)  # still small
     assert session.config.threads == 1
-    step(workload.SMALL // per_sample + 1)
+    step(int(workload.SMALL // per_sample) + 1)
     assert schema.config.threads == 2 and session.config.threads == 2
     step(8)  # never back to one thread
     assert session.config.threads == 2
