@@ -63,12 +63,6 @@ class SessionConfig:
     park_openmp: bool = True
     """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.parked`), so
     that they do not share cores with onnxruntime's threads."""
-    pin: bool = True
-    """When the intra-op threads are as many as the CPUs the process may run on, each worker is pinned to one of
-    them (the calling thread stays free): a worker woken for a run otherwise lands on whichever CPU the scheduler
-    picks, sometimes the caller's. Steps pinned against not (paired, both creation orders, 2 threads on 2 CPUs):
-    0.96-0.99 on every model tried (MLPs, LeNets, the encoder), pinned to either CPU. With fewer threads than
-    CPUs nothing is pinned: the process may share the machine with others, which would all pin the same CPUs."""
 
     @property
     def parallel(self) -> bool:
@@ -88,17 +82,7 @@ class SessionConfig:
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         if self.spin:
             so.add_session_config_entry("session.force_spinning_stop", "1")
-        workers = self.worker_cpus()
-        if workers:  # onnxruntime numbers logical processors from 1
-            so.add_session_config_entry("session.intra_op_thread_affinities", ";".join(str(c + 1) for c in workers))
         return so
-
-    def worker_cpus(self) -> list[int]:
-        """The CPU each intra-op worker is pinned to (`pin`): all the process's CPUs but the first, or none."""
-        if not self.pin or not self.threads or self.threads < 2 or not hasattr(os, "sched_getaffinity"):
-            return []
-        cpus = sorted(os.sched_getaffinity(0))
-        return cpus[1:] if len(cpus) == self.threads else []
 
 
 class Runner:

@@ -3,8 +3,6 @@ gradients, backward specialisation, split files, Dropout kept active, errors."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 import pytest
@@ -12,8 +10,7 @@ import torch
 from onnx import TensorProto, helper
 
 import gradbuilder
-from runtime import SessionConfig, TrainingSession, exchange
-from runtime.ort_session import Runner
+from runtime import SessionConfig, TrainingSession
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((4, 3)).astype(np.float32)
@@ -328,52 +325,3 @@ def test_backward_sessions_keep_nchw(tmp_path, monkeypatch) -> None:
     optimized = [onnx.load(p) for p in saved]
     backward = [m for m in optimized if any(o.name.startswith("w") or "grad" in o.name for o in m.graph.output)]
     assert backward and all(n.domain != "com.microsoft.nchwc" for m in backward for n in m.graph.node)
-
-
-AFFINITY = "session.intra_op_thread_affinities"
-
-
-def _affinity(config: SessionConfig) -> str | None:
-    try:
-        return config.options().get_session_config_entry(AFFINITY)
-    except RuntimeError:  # onnxruntime's answer for an absent key
-        return None
-
-
-def test_workers_are_pinned_only_when_the_threads_use_every_cpu(monkeypatch) -> None:
-    """One CPU a worker (onnxruntime numbers them from 1), the first left to the calling thread; nothing pinned
-    with fewer threads than CPUs (other processes may share the machine), one thread, or `pin=False`."""
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1, 0}, raising=False)
-    assert _affinity(SessionConfig(threads=2)) == "2"
-    assert _affinity(SessionConfig(threads=2, pin=False)) is None
-    assert _affinity(SessionConfig(threads=1)) is None
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {6, 4, 5}, raising=False)
-    assert _affinity(SessionConfig(threads=3)) == "6;7"
-    assert _affinity(SessionConfig(threads=2)) is None
-    assert _affinity(SessionConfig(threads=None)) is None
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc/self/task"),
-                    reason="thread affinities are read from Linux's /proc")
-def test_a_pinned_worker_stays_on_its_cpu() -> None:
-    """The workers onnxruntime starts for a session using every CPU run on one CPU each, never the first."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("one CPU: no workers")
-
-    def allowed() -> dict[str, str]:
-        out = {}
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/status") as f:
-                out[tid] = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
-        return out
-
-    before = allowed()
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
-    runner = Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
-                    SessionConfig(threads=len(cpus)), "relu")
-    runner.run({"x": exchange.to_ortvalue(np.ones(4, np.float32))})
-    started = sorted(v for tid, v in allowed().items() if tid not in before)
-    assert started == sorted(str(c) for c in cpus[1:])
