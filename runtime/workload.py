@@ -5,10 +5,12 @@ than they save (torch, by contrast, runs an op below its grain size on one threa
 pays fixed costs (waking onnxruntime's worker, parking torch's spinning ones: `openmp`). Measured on the 2-core
 benchmark machine, ORTModule steps with 1 intra-op thread against 2, paired, interleaved with torch: a 64-128-64-10
 MLP at batch 64 0.67-0.81x; LeNets at batch 4-8 (2-3M units) 0.88-0.98x, at batch 16 (7M) 0.94-1.06x, at batch 32
-(14M) 1.04x; MLPs of 13-22M multiply-adds 0.81-1.12x (median 0.95, one thread faster in 20 of 26 paired runs over
-six shapes), of 26M 0.99-1.03x, of 32-34M 1.08-1.13x, of 52-60M 1.10-1.29x. So a product's multiply-adds gain less
-from a second thread than a convolution's (crossovers near 25M for MLPs, 10M units for LeNets), and count at
-`GEMM_WEIGHT`: below `SMALL` units of forward work a session gets one thread.
+(14M) 1.04x; MLPs of 13-22M multiply-adds 0.81-1.12x (median 0.95, one thread faster in 20 of 26 pairs over six
+shapes, the two modules in one process; one module a process, median ratios to torch 0.84 against 0.93 for
+784-256x4-10 at batch 32, 0.85 against 0.85 for 784-512-512-10), of 26M 0.99-1.03x, of 32-34M 1.08-1.13x, of 52-60M
+1.10-1.29x. So a product's multiply-adds gain less from a second thread than a convolution's (crossovers near 25M
+for MLPs, 10M units for LeNets), and count at `GEMM_WEIGHT`: below `SMALL` units of forward work a session gets one
+thread.
 """
 
 from __future__ import annotations
