@@ -43,8 +43,9 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:
 def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> float | None:
     """Forward work for inputs of these shapes (every graph input named in `shapes` gets all its dims):
     multiply-adds of Conv/ConvTranspose, and of MatMul/Gemm at `GEMM_WEIGHT` (output elements times the reduced
-    length), and the element count of every other node's outputs. None when shape inference cannot size a
-    node."""
+    length), and the element count of every other node's outputs. Other nodes shape inference cannot size count
+    nothing (a slice with computed bounds, as `pos[:tokens.shape[1]]`, left a whole encoder unsized); None when a
+    product cannot be sized."""
     sized = pin_dims(model, shapes, batch=True)
     del sized.graph.value_info[:]  # the exporter's own, with symbolic dims inference would keep
     try:
@@ -56,14 +57,13 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
     total = 0.0
     for n in inferred.node:
         outs = [known.get(o) for o in n.output if o]
-        if any(d is None for d in outs):
-            if n.op_type == "Constant":
-                continue
+        unsized = any(d is None for d in outs)
+        if n.op_type not in PRODUCTS:
+            total += 0 if unsized else sum(math.prod(d) for d in outs)  # type: ignore[arg-type]
+            continue
+        if unsized:
             return None
         out_elems = sum(math.prod(d) for d in outs)  # type: ignore[arg-type]
-        if n.op_type not in PRODUCTS:
-            total += out_elems
-            continue
         a, w = known.get(n.input[0]), known.get(n.input[1]) if len(n.input) > 1 else None
         if a is None or w is None:
             return None

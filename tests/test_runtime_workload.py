@@ -36,3 +36,12 @@ def test_convolutions() -> None:
 def test_unsized_is_unknown() -> None:
     m = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], {"x": ["n", 16], "w": [16, "k"]}, "y")
     assert forward_work(m, {"x": (5, 16)}) is None
+
+
+def test_unsized_elementwise_nodes_count_nothing() -> None:
+    """A node shape inference cannot size (a Reshape to a run-time shape here, a slice with computed bounds in an
+    encoder) adds nothing; the products are still counted."""
+    m = _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Reshape", ["y", "s"], ["z"])],
+               {"x": ["n", 16], "w": [16, 8]}, "z")
+    m.graph.input.append(helper.make_tensor_value_info("s", TensorProto.INT64, [2]))
+    assert forward_work(m, {"x": (5, 16)}) == GEMM_WEIGHT * 5 * 8 * 16
