@@ -286,4 +286,4 @@ VARIANTS: dict[str, Case] = {c.name: c for c in [
 global average pooling) ran at up to 1.9x torch's step before `runtime.passes.guarded_selects`; ELU, Softplus and
 the per-pixel loss's softmax over the class axis run element by element in onnxruntime's own kernels
 (`runtime.vectorized`: the per-pixel loss stepped at 3.6x torch's before); the classic LeNet's average pools
-spread their gradient by a ConvTranspose of a GEMM per pooled element until session 15."""
+spread their gradient by a ConvTranspose (a GEMM a pooled element) before `spread_windows` tiled them."""
