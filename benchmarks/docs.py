@@ -109,9 +109,11 @@ def render(results: dict[str, Any]) -> str:
                        f"script.\n\n{ba}\n")
     return f"""# Performance: ORTModule against torch eager and torch.compile
 
-Regenerate with `python -m benchmarks --write-docs` (measures; about 30 minutes with GPT-2 and three cold
+Regenerate with `python -m benchmarks --write-docs` (measures; 8-15 minutes here with GPT-2 and three cold
 torch.compile runs) or `python -m benchmarks --from-json benchmarks/results.json --write-docs` (rewrites this
-page from saved results). `make bench` prints the tables without writing.
+page from saved results). `make bench` prints the tables without writing. A lever is measured against the code as it
+is by `python -m benchmarks.ab CASE --set MODULE:ATTR=EXPR` (one ORTModule a process, the two settings' processes
+alternating: two modules in one process disturb each other's timings).
 
 ## Machine and method
 

@@ -287,3 +287,6 @@ global average pooling) ran at up to 1.9x torch's step before `runtime.passes.gu
 the per-pixel loss's softmax over the class axis run element by element in onnxruntime's own kernels
 (`runtime.vectorized`: the per-pixel loss stepped at 3.6x torch's before); the classic LeNet's average pools
 spread their gradient by a ConvTranspose (a GEMM a pooled element) before `spread_windows` tiled them."""
+
+ALL: dict[str, Case] = {**CASES, **SHAPES, **GRID, **VARIANTS}
+"""Every case by name (`benchmarks.ab` takes any of them)."""
