@@ -27,7 +27,6 @@ import functools
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -178,21 +177,11 @@ _PID = os.getpid()
 parked in one."""
 
 
-RESPIN = 0.002
-"""Seconds after `parked` lets the workers go in which they are taken to be spinning without looking: they come out
-of its region into libgomp's barrier, where they spin ~10 ms. A training step's backward starts this soon after its
-forward, so its run skips the look (~20-50 µs with cold caches)."""
-
-
 def contended() -> bool:
     """Whether a worker of this thread's OpenMP pool is spinning now (a torch op ran in parallel within the last
-    ~10 ms, or `parked` let them go within `RESPIN`)."""
-    if os.getpid() != _PID:
-        return False
-    if time.monotonic() < getattr(_local, "respin_until", 0.0):
-        return True
+    ~10 ms)."""
     runtimes = _runtimes()
-    if not runtimes:
+    if not runtimes or os.getpid() != _PID:
         return False
     sizes = tuple([r.threads() for r in runtimes])
     if max(sizes) <= 1:
@@ -226,5 +215,3 @@ def parked() -> Iterator[None]:
             for _ in range(workers):
                 libc.post(sem)
             r.end()
-        if entered:
-            _local.respin_until = time.monotonic() + RESPIN

@@ -208,25 +208,3 @@ def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool) ->
     assert bool(entries) == park
     expected = torch.autograd.grad(net(x).sum(), net[0].weight)[0]
     torch.testing.assert_close(net[0].weight.grad, expected, rtol=1e-4, atol=1e-4)
-
-
-def test_just_parked_workers_count_as_spinning_without_a_look(two_threads, monkeypatch) -> None:
-    """For `RESPIN` after `parked` lets the workers go (into libgomp's spinning barrier) they are taken to spin, so a
-    step's backward skips the look its forward took; then the look again; never in a forked child."""
-    looks: list[tuple[int, ...]] = []
-    monkeypatch.setattr(openmp._Workers, "spinning", lambda self, sizes: looks.append(sizes) or False)
-    monkeypatch.setattr(openmp, "RESPIN", 60.0)
-    with openmp.parked():
-        pass
-    assert openmp.contended() and not looks
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os._exit(0 if not openmp.contended() else 1)
-        finally:
-            os._exit(2)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    monkeypatch.setattr(openmp, "RESPIN", 0.0)
-    with openmp.parked():
-        pass
-    assert not openmp.contended() and looks
