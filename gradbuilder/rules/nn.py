@@ -613,10 +613,12 @@ def _tiling(win: Window, tails: Sizes) -> bool:
             and not any(win.begin) and not isinstance(tails, str) and all(t <= 0 for t in tails))
 
 
-def _tile_spread_by_product(g: Grad, t: str, x: str, kernel: Sequence[int], scale: float) -> str | None:
+def _tile_spread_by_product(g: Grad, t: str, x: str, kernel: Sequence[int], tails: Sequence[int], scale: float
+                            ) -> str | None:
     """t's element at (..., i, j) times `scale` over its tile of x, for 1-D and 2-D tilings of static sizes: the
     tiles of one pooled row are kernel[0] whole rows of x, contiguous, so one MatMul of t's rows (pooled
-    columns) by a constant [w, kernel[0] * W] spreading matrix writes them, zero columns past the last tile."""
+    columns) by a constant [w, kernel[0] * W] spreading matrix writes them, zero columns past the last tile
+    (and a Pad of zeros the rows past it)."""
     nd = len(kernel)
     static = g.info(x).shape
     if nd > 2 or static is None or not all(isinstance(n, int) for n in static[2:]) \
@@ -635,8 +637,8 @@ def _tile_spread_by_product(g: Grad, t: str, x: str, kernel: Sequence[int], scal
     if nd == 1:
         return g.Reshape(out, g.Concat(lead, g.ints([wide]), axis=0))
     out = g.Reshape(out, g.Concat(lead, g.ints([outs[0] * kernel[0], wide]), axis=0))
-    short = sizes[0] - outs[0] * kernel[0]
-    return g.Pad(out, g.ints([0, 0, 0, 0, 0, 0, short, 0])) if short else out
+    short = _ends_deficit(tails)[1][0]
+    return g.Pad(out, _pads(g, [0, 0], [short, 0])) if short else out
 
 
 def _tile_spread_by_resize(g: Grad, t: str, x: str, kernel: Sequence[int], tails: Sequence[int], scale: float
@@ -649,7 +651,8 @@ def _tile_spread_by_resize(g: Grad, t: str, x: str, kernel: Sequence[int], tails
         t = g.Mul(t, g.const(scale, like=x))
     out = g.Resize(t, "", g.const(np.array([1, 1, *kernel], np.float32)), mode="nearest",
                    coordinate_transformation_mode="asymmetric", nearest_mode="floor")
-    return g.Pad(out, g.ints([0] * (nd + 2) + [0, 0, *(-c for c in tails)])) if any(tails) else out
+    deficit = _ends_deficit(tails)[1]
+    return g.Pad(out, _pads(g, [0] * nd, deficit)) if any(deficit) else out
 
 
 def spread_windows(g: Grad, t: str, x: str, win: Window, tails: Sizes, scale: float = 1.0) -> str:
@@ -660,8 +663,9 @@ def spread_windows(g: Grad, t: str, x: str, win: Window, tails: Sizes, scale: fl
     shaped back like x."""
     nd = len(win.kernel)
     if _tiling(win, tails):
-        out = _tile_spread_by_product(g, t, x, win.kernel, scale) \
-            or _tile_spread_by_resize(g, t, x, win.kernel, tails, scale)  # type: ignore[arg-type]
+        ends = [int(e) for e in tails]  # static: `_tiling` checked
+        out = _tile_spread_by_product(g, t, x, win.kernel, ends, scale) \
+            or _tile_spread_by_resize(g, t, x, win.kernel, ends, scale)
         if out is not None:
             return out
     flat = g.Reshape(t, g.ints([-1, 1, *[0] * nd]))  # 0: the output's spatial sizes, whatever they are
