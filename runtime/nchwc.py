@@ -4,11 +4,11 @@ onnxruntime's CPU provider has direct convolution kernels over blocks of 8 or 16
 `com.microsoft.nchwc` ops), 0.45-0.7x the time of its im2col + GEMM `Conv` on mid-network layers here. Its
 optimizer (`NchwcTransformer`) uses them only for constant weights, reordering each filter once when the session
 is made: never in training, where weights are inputs. Here the reorder is part of the graph (a Pad, Reshapes and
-one to three single-axis Transposes of the weight, a few thousand elements: `_filter`), so a Conv with a weight
-input runs blocked too, and so does the input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the
-flipped kernel. So does the Conv rule's weight gradient with batch and channels swapped (x^T convolved by dY^T),
-whose channel axis is the batch, known only at run time: it is padded there to a multiple of the block (zero
-channels add nothing), and the filter's reorder leaves that axis to the Reshapes. The same Pad frames that input
+one or two single-axis Transposes of the weight: `_filter`), so a Conv with a weight input runs blocked too, and
+so does the input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the flipped kernel. So does the
+Conv rule's weight gradient with batch and channels swapped (x^T convolved by dY^T), whose channel axis is the
+batch, known only at run time: it is padded there to a multiple of the block (zero channels add nothing), the
+filter's reorder leaves that axis to the Reshapes and reads dY itself, not the rule's swap of it. The same Pad frames that input
 with the Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer
 from 8 channels: 0.6x the time). And so does the one-hot Conv that unfolds x for the weight gradient of a 5x5
 layer from 1-3 channels (`unfolded_weight_grads`), whose blocked output the per-sample products read as it is.
@@ -42,6 +42,7 @@ from .passes import (
     Readers,
     constant_values,
     drop_dead,
+    drop_unread,
     int_attr,
     ints_attr,
     rewrite_nodes,
@@ -149,6 +150,8 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
     inferred: dict[str, tuple[int, Dims | None]] | None = None
     constant = {t.name for t in graph.initializer}
     constant.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
+    swaps = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Transpose" and n.domain in ("", "ai.onnx")
+             and ints_attr(n, "perm") == [1, 0, 2, 3]}
     plan = []
     for k, n in enumerate(graph.node):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("Conv", "ConvTranspose") or len(n.input) < 2 \
@@ -182,40 +185,50 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
         images = (shapes.get(n.input[0], (0, None))[1] or [None])[0]
         layout = _layout(c, m, kh * kw, positions, spread, block, images if isinstance(images, int) else None)
         if layout is not None:
-            plan.append((k, layout, m, c, kh, kw))
+            plan.append((k, layout, m, c, kh, kw, swaps.get(n.input[1]) if n.op_type == "Conv" else None))
     if not plan:
         return model
     out = rewrite_nodes(model, plan, functools.partial(_build, block=block))
+    drop_unread(out)  # the swaps the filters read past
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return out
 
 
-def _filter(e: Nodes, w: str, transposed: bool, pads: str | None, mp: int, taps: int, block: int,
+def _filter(e: Nodes, w: str, cp_first: bool, flip: bool, pads: str | None, mp: int, taps: int, block: int,
             blocked: bool) -> str:
     """The weight in MLAS's filter layout for mp outputs over cp inputs: OIHWBiBo ([mp/B, cp/B, taps, Bi, Bo])
-    when the inputs are blocked (cp a multiple of B), else OIHWBo ([mp/B, cp, taps, Bo]); from a ConvTranspose's
-    weight (cp, mp, taps) with the taps reversed (the flipped kernel). `pads`: the Pad that brings w to those
-    sizes (None: it has them); cp is left to the Reshapes (-1), so it may be known only at run time. Each
-    Transpose moves one axis past contiguous blocks, which onnxruntime copies 2x faster than one 6-D
-    permutation."""
+    when the inputs are blocked (cp a multiple of B), else OIHWBo ([mp/B, cp, taps, Bo]); from w as (mp, cp,
+    taps), or as (cp, mp, taps) when `cp_first` (a ConvTranspose's weight; dY under a weight gradient's channel
+    swap, read before its Transpose); the taps reversed when `flip` (a ConvTranspose's flipped kernel). `pads`:
+    the Pad that brings w to those sizes (None: it has them); cp is left to the Reshapes (-1), so it may be known
+    only at run time. Each Transpose moves one axis (onnxruntime copies those 2x faster than one 6-D
+    permutation, and a (cp, mp, taps) weight of one output block needs one move: a 16-output weight gradient's
+    dY over 10x10 at batch 64 took 40 µs against 110-240 µs as the swap and two moves)."""
     b = block
     if pads is not None:
         w = e("Pad", w, pads)
-    if transposed:  # (cp, mp, taps) -> (mp/B, cp, taps, Bo), taps reversed
-        w = e("Transpose", e("Reshape", w, e.axes([-1, mp // b, b * taps])), perm=[1, 0, 2])  # (mp/B, cp, Bo, taps)
-        w = e("Transpose", e("Reshape", w, e.axes([-1, b, taps])), perm=[0, 2, 1])  # (mp/B * cp, taps, Bo)
-        w = e("Slice", w, e.axes([-1]), e.axes([INT64_MIN]), e.axes([1]), e.axes([-1]))
+    if cp_first and blocked:  # (cp/B, Bi, mp/B, Bo, taps) -> (mp/B * cp/B, taps, Bi, Bo)
+        if mp > b:
+            w = e("Transpose", e("Reshape", w, e.axes([-1, b, mp // b, b * taps])), perm=[2, 0, 1, 3])
+        w = e("Transpose", e("Reshape", w, e.axes([-1, b, b, taps])), perm=[0, 3, 1, 2])
+    elif cp_first:  # (cp, mp, taps) -> (mp/B, cp, taps, Bo)
+        if mp > b:
+            w = e("Transpose", e("Reshape", w, e.axes([-1, mp // b, b * taps])), perm=[1, 0, 2])
+        w = e("Transpose", e("Reshape", w, e.axes([-1, b, taps])), perm=[0, 2, 1])
     else:  # (mp, cp, taps) -> (mp/B, cp, taps, Bo)
         w = e("Transpose", e("Reshape", w, e.axes([mp // b, b, -1])), perm=[0, 2, 1])
-    if blocked:  # (mp/B, cp/B, Bi, taps, Bo) -> (mp/B, cp/B, taps, Bi, Bo)
-        w = e("Transpose", e("Reshape", w, e.axes([-1, b, taps, b])), perm=[0, 2, 1, 3])
+        if blocked:  # (mp/B, cp/B, Bi, taps, Bo) -> (mp/B, cp/B, taps, Bi, Bo)
+            w = e("Transpose", e("Reshape", w, e.axes([-1, b, taps, b])), perm=[0, 2, 1, 3])
+    if flip:
+        w = e("Slice", w, e.axes([-1]), e.axes([INT64_MIN]), e.axes([1]), e.axes([-1]))
     return w
 
 
-def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: int, taken: set[str], *,
-           block: int) -> list[onnx.NodeProto]:
-    """The blocked Conv replacing `n` (m outputs, c inputs, as a Conv; c None: known at run time)."""
+def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: int, unswapped: str | None,
+           taken: set[str], *, block: int) -> list[onnx.NodeProto]:
+    """The blocked Conv replacing `n` (m outputs, c inputs, as a Conv; c None: known at run time); `unswapped`:
+    the tensor whose channel swap (a Transpose) is `n`'s weight, which the filter then reads instead."""
     e = Nodes(n.name or n.output[0], taken)
     attrs = {"pads": ints_attr(n, "pads"), "kernel_shape": ints_attr(n, "kernel_shape")}
     transposed = n.op_type == "ConvTranspose"
@@ -225,16 +238,19 @@ def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: i
         attrs.update(strides=ints_attr(n, "strides"), dilations=ints_attr(n, "dilations"))
     mp = _up(m, block)
     x = n.input[0]
+    cp_first = transposed or unswapped is not None
     if c is None:  # input channels padded to the block at run time: (-c) mod B zero channels
         extra = e("Mod", e("Neg", e("Slice", e("Shape", x), e.axes([1]), e.axes([2]))), e.axes([block]))
         top, left, bottom, right = attrs.pop("pads") or [0, 0, 0, 0]  # the same Pad frames x: no padded borders
         x = e("Pad", x, e("Concat", e.axes([0, 0, top, left, 0]), extra, e.axes([bottom, right]), axis=0))
-        pads: str | None = e("Concat", e.axes([0, 0, 0, 0, mp - m]), extra, e.axes([0, 0]), axis=0)
+        grow: list[str | int] = [extra, mp - m] if cp_first else [mp - m, extra]
+        pads: str | None = e("Concat", e.axes([0, 0, 0, 0]), *(g if isinstance(g, str) else e.axes([g])
+                                                                for g in grow), e.axes([0, 0]), axis=0)
     else:
         cp = _up(c, block) if layout == "blocked" else c
-        grow = [cp - c, mp - m] if transposed else [mp - m, cp - c]
+        grow = [cp - c, mp - m] if cp_first else [mp - m, cp - c]
         pads = e.axes([0, 0, 0, 0, *grow, 0, 0]) if any(grow) else None
-    w = _filter(e, n.input[1], transposed, pads, mp, kh * kw, block, layout != "nchw")
+    w = _filter(e, unswapped or n.input[1], cp_first, transposed, pads, mp, kh * kw, block, layout != "nchw")
     inputs = [e("ReorderInput", x, domain=DOMAIN, channels_last=0) if layout != "nchw" else x,
               e("Reshape", w, e.axes([mp, -1, kh, kw]))]
     if len(n.input) > 2 and n.input[2]:

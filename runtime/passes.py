@@ -601,11 +601,16 @@ def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) ->
     `known`: values of graph inputs that are constants (a backward half's initializers shared with the
     forward). Returns a rewritten copy, or `model` itself when nothing changes."""
     out = transposed_products(guarded_selects(masked_products(model, known), known))
-    if out is not model:  # onnxruntime runs nodes nothing reads: drop the products the rewrites replaced
-        nodes = drop_dead(list(out.graph.node), [], {o.name for o in out.graph.output})
-        del out.graph.node[:]
-        out.graph.node.extend(nodes)
+    if out is not model:  # the products the rewrites replaced
+        drop_unread(out)
     return out
+
+
+def drop_unread(model: onnx.ModelProto) -> None:
+    """Removes, in place, the nodes whose outputs nothing reads: onnxruntime runs them anyway."""
+    nodes = drop_dead(list(model.graph.node), [], {o.name for o in model.graph.output})
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def rewrite_nodes(model: onnx.ModelProto, plan: list[tuple], build: Callable[..., list[onnx.NodeProto]]

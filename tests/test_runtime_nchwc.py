@@ -168,6 +168,10 @@ def test_a_batch_of_channels_is_padded_to_the_block_at_run_time(c, m, size, k, p
     assert _blocked(blocked) == 1
     conv = next(n for n in blocked.graph.node if n.domain == nchwc.DOMAIN and n.op_type == "Conv")
     assert not any(a.name == "pads" for a in conv.attribute)  # the channels' Pad frames x too: no padded borders
+    # the filter reads dY itself: the swap's Transpose is gone, one axis move per output block beyond the first
+    assert not any("dyt" in (*n.input, *n.output) for n in blocked.graph.node)
+    moves = sum(n.op_type == "Transpose" for n in blocked.graph.node) - 2  # x's swap and dW's
+    assert moves == (1 if m <= BLOCK else 2)
     rng = np.random.default_rng(0)
     out = size + 2 * pad - k + 1
     for batch in (1, BLOCK, 2 * BLOCK + 3):  # padded by BLOCK - 1, not at all, by BLOCK - 3
