@@ -1,27 +1,28 @@
 """Convolutions in onnxruntime's blocked NCHWc layout, their filters reordered in the graph at run time.
 
 onnxruntime's CPU provider has direct convolution kernels over blocks of 8 or 16 channels (MLAS NCHWc, the
-`com.microsoft.nchwc` ops), 0.45-0.7x the time of its im2col + GEMM `Conv` on mid-network layers here. Its
-optimizer (`NchwcTransformer`) uses them only for constant weights, reordering each filter once when the session
-is made: never in training, where weights are inputs. Here the reorder is part of the graph (a Pad, Reshapes and
-one or two single-axis Transposes of the weight: `_filter`), so a Conv with a weight input runs blocked too, and
-so does the input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the flipped kernel. So does the
-Conv rule's weight gradient with batch and channels swapped (x^T convolved by dY^T), whose channel axis is the
-batch, known only at run time: it is padded there to a multiple of the block (zero channels add nothing), the
-filter's reorder leaves that axis to the Reshapes and reads dY itself, not the rule's swap of it. The same Pad frames that input
-with the Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer
-from 8 channels: 0.6x the time). And so does the one-hot Conv that unfolds x for the weight gradient of a 5x5
-layer from 1-3 channels (`unfolded_weight_grads`), whose blocked output the per-sample products read as it is.
-Large unfolds, blocked or not (3x3 layers over big maps), are made and multiplied in chunks of the batch, so that
-each chunk's products read it from the cache.
+`com.microsoft.nchwc` ops), 0.45-0.7x the time of its im2col + GEMM `Conv` on mid-network layers here. Its optimizer
+(`NchwcTransformer`) uses them only for constant weights, reordering each filter once when the session is made:
+never in training, where weights are inputs. Here the reorder is part of the graph (a Pad, Reshapes and one or two
+single-axis Transposes of the weight: `_filter`), so a Conv with a weight input runs blocked too, and so does the
+input gradient of a stride-1 Conv (a ConvTranspose), as a Conv with the flipped kernel. So does the Conv rule's
+weight gradient with batch and channels swapped (x^T convolved by dY^T), whose channel axis is the batch, known only
+at run time: it is padded there to a multiple of the block (zero channels add nothing), the filter's reorder leaves
+that axis to the Reshapes and reads dY itself, not the rule's swap of it. The same Pad frames that input with the
+Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer from 8
+channels: 0.6x the time). And so does the one-hot Conv that unfolds x for the weight gradient of a 5x5 layer from
+1-3 channels (`unfolded_weight_grads`), whose blocked output the per-sample products read as it is. Large unfolds,
+blocked or not (3x3 layers over big maps), are made and multiplied in chunks of the batch, so that each chunk's
+products read it from the cache.
 
-Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at
-most a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block
-of input channels, kernels of at least 25 taps over at least 2 channels (the plain NCHW input is read directly);
-and at most 3x the layer's multiply-adds once channels are padded to the block. 3x3 kernels over 1-3 channels,
-heavily padded channel counts, 1-3 output positions and LeNet's input gradient (6 channels, 10x10 to 14x14) stay
-as they are. Channels known only at run time take the blocked layout for at least two images (`MIN_IMAGES_PADDED`):
-a weight gradient of 5x5 layers from 4+ channels ran at 0.4-0.6x the im2col Conv's time.
+Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at most
+a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block of input
+channels, kernels of at least 25 taps over at least 2 channels (the plain NCHW input is read directly); and at most
+3x the layer's multiply-adds once channels are padded to the block. 3x3 kernels over 1-3 channels, heavily padded
+channel counts, 1-3 output positions, LeNet's input gradient (6 channels, 10x10 to 14x14) and 5x5 input gradients
+onto more than twice dY's positions (`MAX_SPREAD`) stay as they are. Channels known only at run time take the
+blocked layout for at least two images (`MIN_IMAGES_PADDED`): a weight gradient of 5x5 layers from 4+ channels ran
+at 0.4-0.6x the im2col Conv's time.
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ MIN_IMAGES_PADDED = 2
 the batch is the channel axis, the layer's input channels are the images) is blocked for at least this many
 images: MLAS splits a blocked Conv by image and output block, and one image (the gradient of a one-channel
 layer) ran at 1.2-1.6x the im2col Conv, three at 0.65-0.78x, six to thirty-two at 0.4-0.6x."""
+MAX_SPREAD = 2.0
+"""A stride-1 ConvTranspose of at least `MIN_TAPS_UNBLOCKED` taps whose dX has more than this many times dY's
+positions (known) stays onnxruntime's own: as a blocked Conv over dY framed by K - 1 zeros, most of its positions
+sit in the frame. 5x5 'valid' input gradients, 2 threads (ConvTranspose / blocked): 16 of 32 channels, 12x12 from
+8x8, batch 64, 0.60-0.70 / 0.92-1.0 ms, from 64 channels 0.88-0.93 / 1.77-1.90, 32 of 64 at batch 32 0.84-0.89 /
+1.09-1.19 (spread 2.25); 14x14 from 10x10 (1.96) level, 0.96-1.03 / 1.00-1.08 (64 -> 32: 0.81x blocked, kept);
+3x3 ones at 2.25 (6x6 from 4x4) ran blocked as fast or faster (0.11-0.37 / 0.19-0.37), hence the taps."""
 INT64_MIN = np.iinfo(np.int64).min
 CHUNK_BYTES = 2 * 1024 * 1024
 """An unfold of at least `MIN_CHUNKS` times this at the expected batch is made and multiplied chunk by chunk
@@ -182,6 +190,8 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
             given_positions = _positions(shapes, n.input[0])
             spread = positions / given_positions if positions and given_positions else \
                 (1 + max(grow[0], 0) / ASSUMED_SIZE) * (1 + max(grow[1], 0) / ASSUMED_SIZE)
+            if positions and given_positions and spread > MAX_SPREAD and kh * kw >= MIN_TAPS_UNBLOCKED:
+                continue
         images = (shapes.get(n.input[0], (0, None))[1] or [None])[0]
         layout = _layout(c, m, kh * kw, positions, spread, block, images if isinstance(images, int) else None)
         if layout is not None:
