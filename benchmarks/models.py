@@ -38,11 +38,11 @@ def mlp(sizes: tuple[int, ...] = (784, 512, 512, 10)) -> nn.Module:
 
 def lenet(channels: tuple[int, int, int] = (1, 6, 16), size: int = 28, kernel: int = 5,
           hidden: tuple[int, ...] = (120, 84), activation: Callable[[], nn.Module] = nn.ReLU,
-          pool: Callable[[int], nn.Module] = nn.MaxPool2d) -> nn.Module:
+          pool: Callable[[int], nn.Module] = nn.MaxPool2d, pad: int | None = None) -> nn.Module:
     """LeNet-5 (on 1x28x28 by default): conv-activation-pool twice, then fully connected layers. The first conv
-    keeps the size (same padding) on 28x28 images, as LeNet on MNIST does."""
+    keeps the size (same padding) on 28x28 images, as LeNet on MNIST does, unless `pad` says otherwise."""
     c0, c1, c2 = channels
-    pad = kernel // 2 if size == 28 else 0
+    pad = (kernel // 2 if size == 28 else 0) if pad is None else pad
     side = ((size + 2 * pad - kernel + 1) // 2 - kernel + 1) // 2
     sizes = (c2 * side * side, *hidden, 10)
     dense: list[nn.Module] = []
@@ -275,6 +275,8 @@ VARIANTS: dict[str, Case] = {c.name: c for c in [
          _images(64, (784,), 10), 60),
     Case("lenet-classic", "LeNet-5 as first drawn: tanh, 2x2 average pools, batch 64",
          lambda: WithLoss(lenet(activation=nn.Tanh, pool=nn.AvgPool2d)), _images(64, (1, 28, 28), 10), 30),
+    Case("lenet-valid", "LeNet 1x28x28 -> 16 -> 32 channels, 5x5 without padding (12x12 to 8x8 maps), batch 64",
+         lambda: WithLoss(lenet((1, 16, 32), pad=0)), _images(64, (1, 28, 28), 10), 30),
     Case("cnn-seg", "3x3 CNN 3 -> 16 channels and a 1x1 head to 21 classes on 3x64x64, per-pixel cross-entropy, "
          "batch 8", lambda: PixelLoss(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 21, 1))),
          _pixels(8, 64, 21), 30),

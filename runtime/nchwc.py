@@ -188,6 +188,9 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
         if n.op_type == "ConvTranspose":  # dX has `grow` more rows and columns than dY (more positions to compute)
             grow = [size - 1 - b - e for size, b, e in zip((kh, kw), pads[:2], pads[2:])]
             given_positions = _positions(shapes, n.input[0])
+            dims = shapes.get(n.output[0], (0, None))[1]
+            if given_positions is None and positions and dims is not None:  # dY behind a pool's gradient: by dX's
+                given_positions = (dims[2] - grow[0]) * (dims[3] - grow[1])  # type: ignore[operator]
             spread = positions / given_positions if positions and given_positions else \
                 (1 + max(grow[0], 0) / ASSUMED_SIZE) * (1 + max(grow[1], 0) / ASSUMED_SIZE)
             if positions and given_positions and spread > MAX_SPREAD and kh * kw >= MIN_TAPS_UNBLOCKED:

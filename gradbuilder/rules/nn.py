@@ -349,8 +349,8 @@ def conv(g: Grad):
     dx = dw = db = None
     if g.needs(0) or g.needs(1):
         tails = window_tails(g, win, x)
-    if g.needs(0):
-        dx = _onto_input(g, dy, w, win, tails, kernel_shape=kernel, group=group)
+    if g.needs(0):  # typed: a pool's gradient before it hides its sizes from shape inference (runtime/nchwc.py)
+        dx = g.declare(_onto_input(g, dy, w, win, tails, kernel_shape=kernel, group=group), g.info(x))
     if g.needs(1):
         nd = len(kernel)
         dw = _weight_grad(g, x, _sizes(g, x, nd), dy, g.O(0), win, tails, group, _static_dim(g, w, 1),
