@@ -17,7 +17,7 @@ products read it from the cache.
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at most
 a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block of input
-channels, kernels of at least 25 taps over at least 2 channels (the plain NCHW input is read directly); and at most
+channels, kernels of at least 25 taps (the plain NCHW input is read directly, one channel too); and at most
 3x the layer's multiply-adds once channels are padded to the block. 3x3 kernels over 1-3 channels, heavily padded
 channel counts, 1-3 output positions, LeNet's input gradient (6 channels, 10x10 to 14x14) and 5x5 input gradients
 onto more than twice dY's positions (`MAX_SPREAD`) stay as they are. Channels known only at run time take the
@@ -55,7 +55,9 @@ MAX_CHANNEL_PADDING = 1.25
 """Blocked input channels at most this many times the layer's: 40 of 48 ran at 0.59x, 36 of 48 at 0.90x,
 20 of 32 at 0.96-1.19x."""
 MIN_TAPS_UNBLOCKED = 25
-"""Below one block of input channels, kernels of at least this many taps (5x5: 0.55-0.81x; 3x3: 0.83-1.26x)."""
+"""Below one block of input channels, kernels of at least this many taps (5x5: 0.55-0.81x; 3x3: 0.83-1.26x), from
+one channel too (a LeNet's first layer, batch 64: 1 -> 6 'same' 0.88-0.94x, 1 -> 16 0.66-0.73x, 1 -> 32 0.77x;
+batch 16 and 256 level)."""
 MIN_POSITIONS = 4
 """Output positions a sample at least, when known (a 5x5 input to 1x1 output ran at 1.22x)."""
 MAX_WASTE = 3.0
@@ -123,7 +125,7 @@ def _layout(c_in: int | None, c_out: int, taps: int, positions: int | None, spre
         return "padded" if images is not None and images >= MIN_IMAGES_PADDED else None
     if c_in >= block:
         return "blocked" if c_in % 4 == 0 and _up(c_in, block) <= MAX_CHANNEL_PADDING * c_in else None
-    return "nchw" if taps >= MIN_TAPS_UNBLOCKED and c_in >= 2 else None
+    return "nchw" if taps >= MIN_TAPS_UNBLOCKED else None
 
 
 def _static(dims: Dims | None) -> list[int] | None:

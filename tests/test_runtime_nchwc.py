@@ -71,6 +71,7 @@ CONVS = [
     (2, 6, 16, 12, 5, 0, 1, 1, True),
     (1, 3, 6, 13, 5, 1, 2, 1, False),
     (2, 2, 8, 9, 5, 2, 1, 1, True),
+    (2, 1, 6, 12, 5, 2, 1, 1, True),  # one channel (a LeNet's first layer)
 ]
 
 
@@ -115,7 +116,8 @@ def test_stride_one_conv_transpose_becomes_a_flipped_blocked_conv(n, m, c, ho, k
 
 @needs_nchwc
 @pytest.mark.parametrize("case", [
-    "constant weight", "grouped", "double", "3x3 over 3 channels", "1 channel", "input channels not a multiple of 4",
+    "constant weight", "grouped", "double", "3x3 over 3 channels", "3x3 over 1 channel",
+    "input channels not a multiple of 4",
     "input channels padded by 60%", "1x1 output", "strided transpose", "dilated transpose",
     "LeNet's input gradient (dX 14x14 from 10x10, 6 of 16 channels)", "auto_pad", "3-D",
     "5x5 input gradient onto 12x12 from 8x8",
@@ -127,7 +129,7 @@ def test_layers_that_do_not_pay_or_cannot_stay(case):
         "grouped": lambda: _model("Conv", [2, 2 * b, 8, 8], [2 * b, b, 3, 3], None, group=2),
         "double": lambda: _model("Conv", [2, b, 8, 8], [b, b, 3, 3], None, elem=TensorProto.DOUBLE),
         "3x3 over 3 channels": lambda: _model("Conv", [2, 3, 8, 8], [b, 3, 3, 3], None),
-        "1 channel": lambda: _model("Conv", [2, 1, 8, 8], [b, 1, 5, 5], None),
+        "3x3 over 1 channel": lambda: _model("Conv", [2, 1, 8, 8], [b, 1, 3, 3], None),
         "input channels not a multiple of 4": lambda: _model("Conv", [2, b + 2, 8, 8], [b, b + 2, 3, 3], None),
         "input channels padded by 60%": lambda: _model("Conv", [2, b + 4, 8, 8], [b, b + 4, 3, 3], None),
         "1x1 output": lambda: _model("Conv", [2, b, 5, 5], [b, b, 5, 5], None),
