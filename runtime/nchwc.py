@@ -42,7 +42,6 @@ from .passes import (
     Nodes,
     Readers,
     constant_values,
-    drop_dead,
     drop_unread,
     int_attr,
     ints_attr,
@@ -309,10 +308,8 @@ def unfolded_weight_grads(model: onnx.ModelProto, known: dict[str, np.ndarray] |
     if not plan:
         return model
     out = rewrite_nodes(model, plan, functools.partial(_build_unfold, block=block))
-    nodes = drop_dead(list(out.graph.node), [], readers.outputs)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    if any(n.domain == DOMAIN for n in nodes) and not any(o.domain == DOMAIN for o in out.opset_import):
+    drop_unread(out)
+    if any(n.domain == DOMAIN for n in out.graph.node) and not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return out
 
