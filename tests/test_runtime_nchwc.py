@@ -3,6 +3,7 @@ NCHWc kernels compute what they replace, on the layers the rule picks and no oth
 gradients still match torch's."""
 
 import copy
+import functools
 
 import numpy as np
 import onnx
@@ -150,19 +151,20 @@ def test_layers_that_do_not_pay_or_cannot_stay(case):
     assert nchwc.blocked_convs(model) is model
 
 
-def _swapped_weight_gradient(c: int, m: int, size: int, k: int, pad: int) -> onnx.ModelProto:
+def _swapped_weight_gradient(c: int, m: int, size: int, k: int, pad: int, batch: int | str = "N") -> onnx.ModelProto:
     """A Conv layer's weight gradient as the Conv rule writes it from 4 input channels on: x and dY with batch
-    and channels swapped, so the batch is the channel axis (symbolic), dY's transpose typed by value_info."""
+    and channels swapped, so the batch is the channel axis (symbolic unless given), dY's transpose typed by
+    value_info."""
     out = size + 2 * pad - k + 1
     swap = [1, 0, 2, 3]
     nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=swap),
              helper.make_node("Transpose", ["dy"], ["dyt"], perm=swap),
              helper.make_node("Conv", ["xt", "dyt"], ["dwt"], pads=[pad] * 4),
              helper.make_node("Transpose", ["dwt"], ["dw"], perm=swap)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c, size, size]),
-                                           helper.make_tensor_value_info("dy", TensorProto.FLOAT, ["N", m, out, out])],
-                              [helper.make_tensor_value_info("dw", TensorProto.FLOAT, None)],
-                              value_info=[helper.make_tensor_value_info("dyt", TensorProto.FLOAT, [m, "N", out, out])])
+    typed = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT)
+    graph = helper.make_graph(nodes, "g", [typed("x", shape=[batch, c, size, size]),
+                                           typed("dy", shape=[batch, m, out, out])],
+                              [typed("dw", shape=None)], value_info=[typed("dyt", shape=[m, batch, out, out])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -186,6 +188,19 @@ def test_a_batch_of_channels_is_padded_to_the_block_at_run_time(c, m, size, k, p
         want, got = _run(model, feeds), _run(blocked, feeds)
         assert got.shape == want.shape == (m, c, k, k)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_nchwc
+@pytest.mark.parametrize("batch", [6, 3 * BLOCK - 4])  # under one block (read as NCHW), blocked with padding
+def test_a_static_batch_of_channels_reads_dy_before_its_swap(batch):
+    model = _swapped_weight_gradient(6, 2 * BLOCK, 14, 5, 0, batch)
+    blocked = nchwc.blocked_convs(model)
+    assert _blocked(blocked) == 1 and not any("dyt" in (*n.input, *n.output) for n in blocked.graph.node)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((batch, 6, 14, 14)).astype(np.float32),
+             "dy": rng.standard_normal((batch, 2 * BLOCK, 10, 10)).astype(np.float32)}
+    want, got = _run(model, feeds), _run(blocked, feeds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @needs_nchwc
