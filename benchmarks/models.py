@@ -288,7 +288,8 @@ VARIANTS: dict[str, Case] = {c.name: c for c in [
 global average pooling) ran at up to 1.9x torch's step before `runtime.passes.guarded_selects`; ELU, Softplus and
 the per-pixel loss's softmax over the class axis run element by element in onnxruntime's own kernels
 (`runtime.vectorized`: the per-pixel loss stepped at 3.6x torch's before); the classic LeNet's average pools
-spread their gradient by a ConvTranspose (a GEMM a pooled element) before `spread_windows` tiled them."""
+spread their gradient by a ConvTranspose (a GEMM a pooled element) before `spread_windows` tiled them; the
+unpadded LeNet's second input gradient maps 12x12 from 8x8, which `runtime.nchwc.MAX_SPREAD` leaves unblocked."""
 
 ALL: dict[str, Case] = {**CASES, **SHAPES, **GRID, **VARIANTS}
 """Every case by name (`benchmarks.ab` takes any of them)."""

@@ -57,13 +57,14 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
     total = 0.0
     for n in inferred.node:
         outs = [known.get(o) for o in n.output if o]
-        unsized = any(d is None for d in outs)
-        if n.op_type not in PRODUCTS:
-            total += 0 if unsized else sum(math.prod(d) for d in outs)  # type: ignore[arg-type]
+        if any(d is None for d in outs):
+            if n.op_type in PRODUCTS:
+                return None
             continue
-        if unsized:
-            return None
         out_elems = sum(math.prod(d) for d in outs)  # type: ignore[arg-type]
+        if n.op_type not in PRODUCTS:
+            total += out_elems
+            continue
         a, w = known.get(n.input[0]), known.get(n.input[1]) if len(n.input) > 1 else None
         if a is None or w is None:
             return None

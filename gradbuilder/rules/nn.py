@@ -620,11 +620,10 @@ def _tile_spread_by_product(g: Grad, t: str, x: str, kernel: Sequence[int], tail
     columns) by a constant [w, kernel[0] * W] spreading matrix writes them, zero columns past the last tile
     (and a Pad of zeros the rows past it)."""
     nd = len(kernel)
-    static = g.info(x).shape
-    if nd > 2 or static is None or not all(isinstance(n, int) for n in static[2:]) \
-            or g.dtype(x) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+    dims = _dims(g, x, nd)
+    if nd > 2 or None in dims or g.dtype(x) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
         return None
-    sizes = [int(n) for n in static[2:]]
+    sizes: list[int] = dims  # type: ignore[assignment]
     outs = [n // k for n, k in zip(sizes, kernel)]
     w, wide, rows = outs[-1], sizes[-1], (kernel[0] if nd == 2 else 1)
     if w > TILE_PRODUCT_MAX:
