@@ -52,6 +52,7 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
     types = {vi.name: vi.type.tensor_type.elem_type for vi in g.input}
     stats: list[BatchStats] = []
     nodes: list[onnx.NodeProto] = []
+    calls: dict[str, int] = {}
     for node in g.node:
         nodes.append(node)
         if node.op_type != "BatchNormalization" or len(node.input) < 5:
@@ -61,6 +62,9 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
             continue
         p = f"batchnorm.{fqn}" if fqn else "batchnorm"
+        calls[p] = calls.get(p, 0) + 1
+        if calls[p] > 1:  # a module called again in the same forward (a Siamese encoder): its own names
+            p = f"{p}.call{calls[p]}"
         if not mod.track_running_stats:  # batch statistics in train and eval, nothing to update
             _attr(node, "training_mode", 1)
             for k, what in ((1, "unused_mean"), (2, "unused_var")):
@@ -128,7 +132,8 @@ def stand_in_statistics(module: nn.Module) -> Iterator[dict[str, str]]:
 @torch.no_grad()
 def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[BatchStats],
                          values: Sequence[torch.Tensor]) -> None:
-    """torch's update: num_batches_tracked += 1; running = (1-t)*running + t*batch."""
+    """torch's update: num_batches_tracked += 1; running = (1-t)*running + t*batch; a module called twice in a
+    forward is counted and updated once a call, in order, as torch does."""
     for s, mean, var in zip(stats, values[0::2], values[1::2]):
         mod = modules[s.module]
         if mod.num_batches_tracked is not None:

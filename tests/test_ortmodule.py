@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import types
 import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass, fields
@@ -485,6 +486,40 @@ def test_batchnorm_equal_widths_keep_their_statistics() -> None:
     for k in (1, 4):
         torch.testing.assert_close(om[k].running_mean, ref[k].running_mean)
         torch.testing.assert_close(om[k].running_var, ref[k].running_var)
+
+
+class SharedNorms(nn.Module):
+    """BatchNorms of three momenta (one cumulative), one of them called twice a forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.a, self.b = nn.BatchNorm1d(4, momentum=0.3), nn.BatchNorm1d(4, momentum=None)
+        self.c = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = self.c(self.a(self.fc1(x)).relu())
+        return self.c(self.b(self.fc2(h)))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_batchnorm_running_statistics_over_steps(shared) -> None:
+    """Every module's running statistics and count as torch's after each step, whatever its momentum, and a
+    module called twice a forward counted and updated once a call, in order."""
+    ref, om = pair(SharedNorms())
+    if not shared:
+        for m in (ref, om.module):
+            m.forward = types.MethodType(lambda self, x: self.b(self.fc2(self.c(self.a(self.fc1(x)).relu()))), m)
+    for _ in range(3):
+        x = torch.randn(6, 3) * 2 + 1
+        om(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for name in ("a", "b", "c"):
+            mine, theirs = getattr(om.module, name), getattr(ref, name)
+            assert int(mine.num_batches_tracked) == int(theirs.num_batches_tracked), name
+            torch.testing.assert_close(mine.running_mean, theirs.running_mean, rtol=1e-6, atol=1e-7, msg=name)
+            torch.testing.assert_close(mine.running_var, theirs.running_var, rtol=1e-6, atol=1e-7, msg=name)
+    assert int(om.module.c.num_batches_tracked) == (6 if shared else 3)
 
 
 class TiedPadded(nn.Module):
