@@ -53,11 +53,16 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
     stats: list[BatchStats] = []
     nodes: list[onnx.NodeProto] = []
     calls: dict[str, int] = {}
+    # the dynamo exporter feeds a module's second call the running mean through an Identity of the first's input
+    alias = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Identity" and n.input and n.output}
     for node in g.node:
         nodes.append(node)
         if node.op_type != "BatchNormalization" or len(node.input) < 5:
             continue
-        fqn = owner.get(node.input[3])
+        running = node.input[3]
+        while running in alias and running not in owner:
+            running = alias[running]
+        fqn = owner.get(running)
         mod = modules.get(fqn) if fqn is not None else None
         if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
             continue

@@ -286,6 +286,30 @@ class NormUNet(nn.Module):
 
 
 # --- LSTM sequence classifier --------------------------------------------------------------------------
+class Siamese(nn.Module):
+    """One encoder (Conv-BatchNorm-ReLU, a pool, a projection) applied to both images of a pair: its BatchNorm
+    runs twice a forward, its statistics updated once a call."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                                     nn.Flatten(), nn.Linear(8 * 8 * 8, 16))
+
+    def forward(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return F.pairwise_distance(self.encoder(left), self.encoder(right))
+
+
+def pairs_batch(g: torch.Generator) -> Batch:
+    return {"left": torch.randn(6, 3, 16, 16, generator=g), "right": torch.randn(6, 3, 16, 16, generator=g),
+            "same": torch.randint(0, 2, (6,), generator=g).float()}
+
+
+def contrastive_loss(m: nn.Module, b: Batch) -> torch.Tensor:
+    """Hadsell et al.'s: pull pairs of a class together, push others past a margin of 1."""
+    d = m(b["left"], b["right"])
+    return (b["same"] * d.square() + (1 - b["same"]) * F.relu(1 - d).square()).mean()
+
+
 class LSTMClassifier(nn.Module):
     """Embedding with a padding row, two-layer bidirectional LSTM over right-padded sequences (no packing: the
     padding steps reach the final states), linear head on both directions' last hidden states."""
@@ -439,6 +463,7 @@ CASES: dict[str, Case] = {
     "resnet": Case(TinyResNet, _images(16, 10), _classify("images")),
     "unet": Case(TinyUNet, _masks, _classify("images")),
     "unet-norms": Case(NormUNet, _masks, _classify("images")),
+    "siamese": Case(Siamese, pairs_batch, contrastive_loss),
     "lstm": Case(LSTMClassifier, lambda g: padded_tokens(g, 4, 9, 40, 4), _classify("tokens")),
     "lstm-packed": Case(PackedLSTM, packed_batch,
                         lambda m, b: F.cross_entropy(m(b["tokens"], b["lengths"]), b["labels"])),
