@@ -34,7 +34,7 @@ import torch
 from onnx import helper
 from torch import nn
 
-from . import exchange
+from . import exchange, stop_gradients
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -127,7 +127,8 @@ class _Flat(nn.Module):
     def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(self._in_spec, leaves)
         bound = inspect.BoundArguments(self._signature, arguments)
-        out = self._target(*bound.args, **bound.kwargs)
+        with stop_gradients.WithoutGrad() if self._result.get("without_grad") else contextlib.nullcontext():
+            out = self._target(*bound.args, **bound.kwargs)
         flat, self._result["spec"] = flatten(out)
         return tuple(flat)
 
@@ -182,7 +183,9 @@ def _shape_inference_without_weights() -> Iterator[None]:
 
 def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
     buf = io.BytesIO()
-    with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights():
+    flat._result["without_grad"] = True  # a forward's no_grad results detached: both kept as StopGradient
+    with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), \
+            stop_gradients.exported_detach() as custom_opsets:
         warnings.simplefilter("always")
         torch.onnx.export(
             flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
@@ -190,7 +193,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
             training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
             # parameters become graph inputs fed at run time: serialising their values would double the export
             # time of a large model (GPT-2 small: 14 -> 7.5 s)
-            export_params=False, keep_initializers_as_inputs=True,
+            export_params=False, keep_initializers_as_inputs=True, custom_opsets=custom_opsets,
         )
     seen = set()
     for w in caught:
@@ -204,6 +207,12 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
+    with stop_gradients.Finder() as finder:  # one forward in torch first (buffers and RNG put back after)
+        flat(*leaves)
+    if finder.found:
+        raise ExportError(f"the dynamo exporter loses torch's stop-gradients, and this forward has one "
+                          f"({finder.found}): its gradients would flow where torch's do not. Use "
+                          "exporter='torchscript' (the default), which keeps them.")
     dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in leaves)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")

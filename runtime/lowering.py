@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from gradbuilder import stop_gradient
+
 from . import crossentropy, feature_major, host_dropout, nchwc, passes, reductions, shape_folding, vectorized
 from .ort_session import Runner, SessionConfig
 
@@ -29,7 +31,9 @@ def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     bodies onnxruntime inlines; Dropouts that drop nothing removed (an inference graph's, not yet removed by
     `source`); activations onnxruntime computes element by element vectorized (`vectorized`); shape
     arithmetic folded where only the batch is unknown (`shape_folding`); Convs with weight inputs blocked
-    (`nchwc`)."""
+    (`nchwc`). Always: gradbuilder's StopGradient as the Identity it is (an inference graph is the exported one,
+    never split)."""
+    model = stop_gradient.as_identity(model)
     if not config.lower:
         return model
     model = vectorized.vectorized_ops(crossentropy.lower_losses(passes.inactive_dropouts(model)))

@@ -204,3 +204,30 @@ def test_build_is_deterministic():
     a = gradbuilder.build_gradient_graph(two_layer()).SerializeToString()
     b = gradbuilder.build_gradient_graph(two_layer()).SerializeToString()
     assert a == b
+
+
+def test_stop_gradient_cuts_the_edge_and_splits_to_identity() -> None:
+    """y = sum(x * sg(x) + w * sg(x * w)): dx = sg(x) only, dw = sg(x * w) only (not 2x and 2w^2 x...), the
+    checker and shape inference know the op, and both halves run as standard ONNX (Identity, no own domain)."""
+    from gradbuilder import stop_gradient
+
+    nodes = [stop_gradient.make_node("x", "xs"), helper.make_node("Mul", ["x", "xs"], ["a"]),
+             helper.make_node("Mul", ["x", "w"], ["xw"]), stop_gradient.make_node("xw", "xws"),
+             helper.make_node("Mul", ["w", "xws"], ["b"]), helper.make_node("Add", ["a", "b"], ["s"]),
+             helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, "n"])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [onnx.numpy_helper.from_array(np.full((3, 1), 0.5, np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(gradbuilder.YIELD_DOMAIN, 1)])
+    onnx.checker.check_model(model, full_check=True)
+    training = gradbuilder.build_gradient_graph(model, wrt=["x", "w"], loss="loss")
+    trainer = Trainer(training)
+    for half in (trainer.forward, trainer.backward):
+        assert all(n.domain in ("", "ai.onnx") for n in half.graph.node)
+        assert gradbuilder.YIELD_DOMAIN not in {op.domain for op in half.opset_import}
+    assert [n.op_type for n in trainer.forward.graph.node].count("Identity") == 2
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    _, grads = trainer.step({"x": x})
+    np.testing.assert_allclose(grads["x"], x, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], (x * 0.5).sum(axis=1, keepdims=True), rtol=1e-5)

@@ -522,6 +522,50 @@ def test_batchnorm_running_statistics_over_steps(shared) -> None:
     assert int(om.module.c.num_batches_tracked) == (6 if shared else 3)
 
 
+class StopGradients(nn.Module):
+    """torch's stop-gradients in a forward: a GAN-style detach, a teacher under no_grad, VQ's straight-through
+    estimator (z + (q - z).detach()) and a no_grad block that only reads a buffer (harmless either way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen, self.disc, self.teacher = nn.Linear(4, 6), nn.Linear(6, 1), nn.Linear(4, 6)
+        self.codes = nn.Parameter(torch.randn(5, 6))
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        fake = torch.tanh(self.gen(x))
+        with torch.no_grad():
+            target = self.teacher(x).softmax(-1)
+            s = self.scale * 1.5
+        q = self.codes[torch.cdist(fake, self.codes).argmin(-1)]
+        straight = fake + (q - fake).detach()
+        return (self.disc(fake.detach()).mean() + (straight - target).square().mean() * s
+                + (q - fake.detach()).square().mean())
+
+
+def test_stop_gradients_as_torch() -> None:
+    """No gradient flows back through a detach or what a no_grad block computed: the teacher gets none (None,
+    as in torch), the discriminator's loss term none to the generator, the codebook only its own term."""
+    ref, om = pair(StopGradients())
+    for _ in range(2):
+        om.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        x = torch.randn(8, 4)
+        om(x).backward()
+        ref(x).backward()
+        assert_grads_equal(om, ref)
+    assert om.teacher.weight.grad is None and ref.teacher.weight.grad is None
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), ref(x))
+
+
+def test_dynamo_refuses_stop_gradients() -> None:
+    """The dynamo exporter loses them: refused, naming the cause, before it exports."""
+    om = ORTModule(StopGradients(), exporter="dynamo")
+    with pytest.raises(ORTModuleError, match=r"stop-gradients.*no_grad"):
+        om(torch.randn(8, 4))
+
+
 class TiedPadded(nn.Module):
     """A language-model head tied to an embedding with a padding row (BertForMaskedLM's layout)."""
 

@@ -9,6 +9,8 @@ Mod is not here: fmod has a gradient (1 for the dividend, -trunc(a/b) for the di
 from __future__ import annotations
 
 from ..graph import MIN_OPSET
+from ..stop_gradient import OP_TYPE as STOP_GRADIENT
+from ..yield_op import DOMAIN
 from .registry import nondifferentiable
 
 _INTRODUCED = {"Bernoulli": 15, "BlackmanWindow": 17, "HammingWindow": 17, "HannWindow": 17,
@@ -31,3 +33,6 @@ NONDIFFERENTIABLE = (
 
 for _op in NONDIFFERENTIABLE:
     nondifferentiable(_op, since=max(MIN_OPSET, _INTRODUCED.get(_op, MIN_OPSET)))
+
+nondifferentiable(STOP_GRADIENT, domain=DOMAIN)
+"""gradbuilder's own identity without a gradient (stop_gradient.py): torch's `detach`."""

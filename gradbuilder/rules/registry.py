@@ -96,10 +96,11 @@ def rule(
     return deco
 
 
-def nondifferentiable(*op_types: str, since: int = 1, until: int = MAX_OPSET, family: str = "") -> None:
+def nondifferentiable(*op_types: str, since: int = 1, until: int = MAX_OPSET, family: str = "",
+                      domain: str = "") -> None:
     """Declare ops whose outputs never carry a gradient to their inputs (Shape, Equal, ...)."""
     for op in op_types:
-        _add(Rule(op, None, since, until, all_nondiff=True, family=family or "nondiff"))
+        _add(Rule(op, None, since, until, domain, all_nondiff=True, family=family or "nondiff"))
 
 
 @functools.lru_cache(maxsize=4096)

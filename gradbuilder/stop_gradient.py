@@ -1,0 +1,70 @@
+"""StopGradient: the identity whose output carries no gradient back (torch's `detach`, JAX's `stop_gradient`).
+
+ONNX has no such op, and torch's exporters drop `detach`, so a detached tensor would pass gradients on. In
+gradbuilder's own domain (Yield's), registered as non-differentiable (rules/nondiff.py): reachability cuts the
+edge in its one pass. `split` writes it as an Identity, so both halves run on stock onnxruntime; `as_identity`
+does the same for a forward model run without a split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import onnx
+from onnx import defs, helper
+
+from .yield_op import DOMAIN
+
+OP_TYPE = "StopGradient"
+
+
+def _register_schema() -> None:
+    """onnx's schema for the op, typed as Identity: so the checker accepts it and shape inference types (and
+    sizes) its output, which the rules after it read."""
+    try:
+        defs.get_schema(OP_TYPE, 1, DOMAIN)
+        return
+    except defs.SchemaError:
+        pass
+    identity = defs.get_schema("Identity", defs.onnx_opset_version())
+    types = sorted({t for c in identity.type_constraints for t in c.allowed_type_strs if t.startswith("tensor(")})
+    schema = defs.OpSchema(OP_TYPE, DOMAIN, 1, "The identity, with no gradient (torch's detach).",
+                           inputs=[defs.OpSchema.FormalParameter("input", "T")],
+                           outputs=[defs.OpSchema.FormalParameter("output", "T")],
+                           type_constraints=[("T", types, "any tensor type")])
+    schema.set_type_and_shape_inference_function(identity.get_type_and_shape_inference_function())
+    defs.register_schema(schema)
+
+
+_register_schema()
+
+
+def is_stop_gradient(node: onnx.NodeProto) -> bool:
+    return node.op_type == OP_TYPE and node.domain == DOMAIN
+
+
+def make_node(x: str, y: str, name: str = "") -> onnx.NodeProto:
+    return helper.make_node(OP_TYPE, [x], [y], name=name or None, domain=DOMAIN)
+
+
+def identities(nodes: Iterable[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` with every StopGradient replaced by an Identity of the same name (the others as they are)."""
+    return [helper.make_node("Identity", list(n.input), list(n.output), name=n.name or None) if is_stop_gradient(n)
+            else n for n in nodes]
+
+
+def as_identity(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` itself when it has no StopGradient, else a copy with Identities (and without gradbuilder's domain
+    import when nothing else of that domain is left)."""
+    if not any(is_stop_gradient(n) for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = identities(out.graph.node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    if not any(n.domain == DOMAIN for n in nodes):
+        kept = [op for op in out.opset_import if op.domain != DOMAIN]
+        del out.opset_import[:]
+        out.opset_import.extend(kept)
+    return out

@@ -1,0 +1,81 @@
+"""torch's stop-gradients kept through the legacy exporter, as gradbuilder's StopGradient op.
+
+The exporter erases `detach` (ONNX is inference-only to it) and records what runs under `torch.no_grad()` like
+any other op, so a detached tensor, or one computed without grad (a teacher's or a momentum encoder's output), would
+pass gradients on to what made it. While exporting, `detach` becomes a StopGradient (the identity without a
+gradient: gradbuilder/stop_gradient.py), and `WithoutGrad` detaches every float tensor a torch function returns
+while grad is disabled in the module's forward, so both reach the gradient builder as stop edges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from gradbuilder.stop_gradient import OP_TYPE
+from gradbuilder.yield_op import DOMAIN
+
+OPSET = 9
+"""The default-domain opset from which the symbolic applies (every opset the legacy exporter writes)."""
+
+
+def _stop_gradient(g: Any, x: Any) -> Any:
+    out = g.op(f"{DOMAIN}::{OP_TYPE}", x)
+    out.setType(x.type())
+    return out
+
+
+@contextlib.contextmanager
+def exported_detach() -> Iterator[dict[str, int]]:
+    """`aten::detach` exported as StopGradient while the block lasts; yields the `custom_opsets` to pass the
+    exporter. Holds under the export lock (the symbolic registry is process-wide)."""
+    torch.onnx.register_custom_op_symbolic("aten::detach", _stop_gradient, OPSET)
+    try:
+        yield {DOMAIN: 1}
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::detach", OPSET)
+
+
+class WithoutGrad(TorchFunctionMode):
+    """Float tensors returned by torch functions while grad is disabled come back detached (traced as `detach`);
+    what a function returns of its own arguments (in-place ops, views returned as is) is left alone."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            return out
+        given = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        return _detached(out, given)
+
+
+def _detached(out: Any, given: set[int]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach() if out.is_floating_point() and id(out) not in given else out
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_detached(o, given) for o in out)
+    if isinstance(out, list):
+        return [_detached(o, given) for o in out]
+    return out
+
+
+class Finder(TorchFunctionMode):
+    """Records the first stop-gradient that matters in a forward: a `detach` of a tensor that requires grad, or a
+    float result computed without grad from one (for an exporter that loses both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: str | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is None and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            name = getattr(func, "__name__", str(func))
+            if name == "detach":
+                self.found = "a detach() of a tensor that requires grad"
+            elif not torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.is_floating_point():
+                self.found = f"{name} computed under torch.no_grad() from a tensor that requires grad"
+        return out
