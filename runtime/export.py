@@ -24,7 +24,7 @@ import io
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,15 +134,26 @@ class _Flat(nn.Module):
 
 
 @contextlib.contextmanager
-def _preserved(module: nn.Module) -> Iterator[None]:
-    """Tracing runs the module: put back its buffers (BatchNorm statistics) and the RNG state after."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
+    """Tracing runs the module: put back its buffers (BatchNorm statistics) and the RNG state after. Yields a
+    function naming the buffers the forward changed in place so far (BatchNorm's statistics left out: the
+    runtime updates those)."""
+    saved = [(name, b, b.detach().clone()) for name, b in module.named_buffers()]
     rng = torch.random.get_rng_state()
+    statistics = {f"{m}.{b}" if m else b for m, mod in module.named_modules()
+                  if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+                  for b in ("running_mean", "running_var", "num_batches_tracked")}
+
+    def changed() -> list[str]:
+        return [name for name, b, v in saved if name not in statistics and not torch.equal(b, v)
+                and not (b.is_floating_point() and torch.equal(b.isnan(), v.isnan()) and torch.equal(b.nan_to_num(),
+                                                                                                    v.nan_to_num()))]
+
     try:
-        yield
+        yield changed
     finally:
         with torch.no_grad():
-            for b, v in saved:
+            for _, b, v in saved:
                 b.copy_(v)
         torch.random.set_rng_state(rng)
 
@@ -185,7 +196,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     buf = io.BytesIO()
     flat._result["without_grad"] = True  # a forward's no_grad results detached: both kept as StopGradient
     with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), \
-            stop_gradients.exported_detach() as custom_opsets:
+            stop_gradients.exported_detach():
         warnings.simplefilter("always")
         torch.onnx.export(
             flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
@@ -193,7 +204,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
             training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
             # parameters become graph inputs fed at run time: serialising their values would double the export
             # time of a large model (GPT-2 small: 14 -> 7.5 s)
-            export_params=False, keep_initializers_as_inputs=True, custom_opsets=custom_opsets,
+            export_params=False, keep_initializers_as_inputs=True,
         )
     seen = set()
     for w in caught:
@@ -236,17 +247,24 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     try:
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
-        with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), _preserved(module), \
+        with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), _preserved(module) as changed, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions():
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
+            mutated = changed()
             # tensors that exist only while exporting (stand-in statistics) are constants of the export
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{type(e).__name__}: {e}") from e
+    if mutated:
+        warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {', '.join(mutated[:4])}"
+                      f"{' and more' if len(mutated) > 4 else ''} in place (a buffer), which the exported graph does "
+                      "not carry back to the module (only BatchNorm's running statistics are updated): each step "
+                      "reads its value as it is, where torch's changes. Update it outside forward(), or run the "
+                      "module in torch.", ExportWarning, stacklevel=4)
     out_spec = flat.out_spec
     assert out_spec is not None
     if not model.graph.output:

@@ -4,7 +4,8 @@ The runtime exports with every dimension dynamic (one export serves every batch 
 exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
-`bilinear` (nn.Bilinear), `hypot` or, before opset 20, `affine_grid` (spatial transformers);
+`bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm) or, before opset 20, `affine_grid` (spatial
+transformers);
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder
 does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
@@ -20,6 +21,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
 - bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
+  vdot of real vectors: the sum of their product;
 - affine grid (2-D): each output position's (x, y, 1), x and y evenly spaced over [-1, 1] (pixel centres without
   align_corners), times theta transposed;
 - embedding bags (no max_norm): of a 2-D input (fixed-size bags), the rows' embeddings (times their per-sample
@@ -191,6 +193,15 @@ def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None)
     return torch.sqrt(a * a + b * b)
 
 
+def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def vdot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None or a.is_complex() or b.is_complex():
+            return original(a, b, out=out)
+        return (a * b).sum()
+
+    return vdot
+
+
 def _affine_grid(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def affine_grid(theta: torch.Tensor, size: Sequence[Any], align_corners: bool) -> torch.Tensor:
         if len(size) != 4:
@@ -224,5 +235,6 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
+        (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

@@ -10,6 +10,8 @@ while grad is disabled in the module's forward, so both reach the gradient build
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,12 +32,12 @@ def _stop_gradient(g: Any, x: Any) -> Any:
 
 
 @contextlib.contextmanager
-def exported_detach() -> Iterator[dict[str, int]]:
-    """`aten::detach` exported as StopGradient while the block lasts; yields the `custom_opsets` to pass the
-    exporter. Holds under the export lock (the symbolic registry is process-wide)."""
+def exported_detach() -> Iterator[None]:
+    """`aten::detach` exported as StopGradient while the block lasts (the exporter imports the domain at version
+    1 where one is written). Holds under the export lock (the symbolic registry is process-wide)."""
     torch.onnx.register_custom_op_symbolic("aten::detach", _stop_gradient, OPSET)
     try:
-        yield {DOMAIN: 1}
+        yield
     finally:
         torch.onnx.unregister_custom_op_symbolic("aten::detach", OPSET)
 
@@ -45,7 +47,13 @@ class WithoutGrad(TorchFunctionMode):
     what a function returns of its own arguments (in-place ops, views returned as is) is left alone."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = func(*args, **(kwargs or {}))
+        if caught:  # the tracer's warnings name the code that called the function, as without this mode
+            caller = sys._getframe(1)
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, caller.f_code.co_filename, caller.f_lineno)
         if torch.is_grad_enabled():
             return out
         given = {id(a) for a in args if isinstance(a, torch.Tensor)}

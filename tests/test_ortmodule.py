@@ -566,6 +566,47 @@ def test_dynamo_refuses_stop_gradients() -> None:
         om(torch.randn(8, 4))
 
 
+class Counting(nn.Module):
+    """A forward that changes buffers in place: a step count and an EMA of its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.full((4,), float("nan")))
+
+    def forward(self, x):
+        self.steps += 1
+        with torch.no_grad():
+            self.ema.copy_(x.mean(0))
+        return self.fc(x)
+
+
+def test_buffers_changed_in_forward_are_named() -> None:
+    """The export does not carry in-place buffer updates back: warned, naming them (a NaN buffer compared as
+    equal to itself); BatchNorm's statistics, which the runtime updates, and an untouched NaN buffer are not."""
+    with pytest.warns(ExportWarning, match=r"changes steps, ema in place"):
+        ORTModule(Counting())(torch.randn(3, 4))
+    quiet = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    quiet.register_buffer("unused", torch.full((2,), float("nan")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        ORTModule(quiet)(torch.randn(3, 4)).sum().backward()
+
+
+def test_spectral_norm_in_eval() -> None:
+    """spectral_norm's sigma is a vdot (no ONNX export in torch): exported as the sum of a product."""
+    module = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    torch.nn.utils.parametrizations.spectral_norm(module[0])
+    ref, om = pair(module)
+    om.eval()
+    ref.eval()
+    x = torch.randn(5, 6)
+    om(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert_grads_equal(om, ref)
+
+
 class TiedPadded(nn.Module):
     """A language-model head tied to an embedding with a padding row (BertForMaskedLM's layout)."""
 
