@@ -26,6 +26,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -158,6 +159,25 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
         torch.random.set_rng_state(rng)
 
 
+def _hooked(module: nn.Module) -> list[str]:
+    """The module hooks of `module` and its children, and the global ones, that are not torch's own (the weight
+    and spectral norms of `torch.nn.utils` compute a weight in a pre-hook, which the graph then holds)."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    found = []
+    for name, mod in module.named_modules():
+        for kind in kinds:
+            if any(not _torch_own(h) for h in getattr(mod, kind, {}).values()):
+                found.append(f"a {kind[1:-1].replace('_', ' ')} on {name or 'the module'}")
+    for kind in kinds:
+        if any(not _torch_own(h) for h in getattr(nn.modules.module, f"_global{kind}", {}).values()):
+            found.append(f"a global {kind[1:-1].replace('_', ' ')}")
+    return found
+
+
+def _torch_own(hook: Any) -> bool:
+    return (getattr(type(hook), "__module__", "") or "").startswith("torch.")
+
+
 def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
     out = []
     for n in names:
@@ -259,6 +279,13 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{type(e).__name__}: {e}") from e
+    hooked = _hooked(module)
+    if hooked:
+        more = " and more" if len(hooked) > 4 else ""
+        warnings.warn(f"ORTModule({type(module).__name__}): {', '.join(hooked[:4])}{more} will not run at each step: "
+                      "the module runs as one onnxruntime graph, in which what a forward hook returns is computed, "
+                      "but its side effects (activations it records, counters) happened once, while exporting, and "
+                      "backward hooks on modules never run (hooks on tensors do).", ExportWarning, stacklevel=4)
     if mutated:
         warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {', '.join(mutated[:4])}"
                       f"{' and more' if len(mutated) > 4 else ''} in place (a buffer), which the exported graph does "

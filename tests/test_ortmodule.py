@@ -594,6 +594,33 @@ def test_buffers_changed_in_forward_are_named() -> None:
         ORTModule(quiet)(torch.randn(3, 4)).sum().backward()
 
 
+def test_module_hooks_are_named() -> None:
+    """Module hooks run only while exporting: warned, naming each; torch's own weight-norm pre-hook (a weight
+    computed in the graph) is not."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    module[0].register_forward_hook(lambda mod, args, out: None)
+    module[2].register_full_backward_hook(lambda mod, grad_in, grad_out: None)
+    with pytest.warns(ExportWarning, match=r"a forward hook on 0, a backward hook on 2 will not run at each step"):
+        ORTModule(module)(torch.randn(3, 4))
+
+    def normed() -> nn.Module:  # weight_norm's modules refuse deepcopy: made twice from one seed
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            made = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.nn.utils.weight_norm(made[0])
+        return made
+
+    ref, om = normed(), ORTModule(normed())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        x = torch.randn(3, 4)
+        om(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(om, ref)
+
+
 def test_spectral_norm_in_eval() -> None:
     """spectral_norm's sigma is a vdot (no ONNX export in torch): exported as the sum of a product."""
     module = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
