@@ -204,6 +204,7 @@ class Engine:
         self._by_name: dict[str, nn.Module] | None = None
         self._module_list: list[nn.Module] | None = None
         self._positional: dict[int, Any] = {}
+        self._warned_autocast = False
 
     def sessions(self) -> list[TrainingSession]:
         return [s for schema in self.schemas.values() if isinstance(schema, Schema) for s in schema.sessions.values()]
@@ -218,6 +219,11 @@ class Engine:
 
     # --- the call ------------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if torch.is_autocast_enabled("cpu") and not self._warned_autocast:
+            self._warned_autocast = True
+            warnings.warn(f"ORTModule({self.name}) computes in float32 under torch.autocast: the module runs as "
+                          "exported without autocast (onnxruntime's CPU kernels have no bfloat16 matrix products), so "
+                          "its outputs are float32.", RuntimeWarning, stacklevel=3)
         leaves, in_spec = self._flatten(args, kwargs)
         kinds = []
         for t in leaves:

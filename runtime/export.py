@@ -267,7 +267,9 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     try:
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
-        with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), _preserved(module) as changed, \
+        # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
+        with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
+                _preserved(module) as changed, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions():
             leaves = [t.clone() if t.is_inference() else t for t in leaves]

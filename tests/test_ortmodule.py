@@ -621,6 +621,23 @@ def test_module_hooks_are_named() -> None:
     assert_grads_equal(om, ref)
 
 
+def test_autocast_runs_in_float32() -> None:
+    """Under CPU autocast the module runs as exported without it (float32; onnxruntime's CPU kernels have no
+    bfloat16 products): gradients as torch's in float32, a warning once."""
+    ref, om = pair(nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2)))
+    x = torch.randn(4, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(RuntimeWarning, match="float32 under torch.autocast"):
+            out = om(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            om(x)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(om, ref)
+
+
 def test_spectral_norm_in_eval() -> None:
     """spectral_norm's sigma is a vdot (no ONNX export in torch): exported as the sum of a product."""
     module = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
