@@ -97,6 +97,8 @@ class Schema:
         types = {o.name: o.type.tensor_type.elem_type for o in exported.model.graph.output}
         float_types = gradbuilder.graph.FLOAT_TYPES
         self.float_outputs = [n for n in exported.outputs if types.get(n, 0) in float_types or not types.get(n)]
+        self.sparse: frozenset[str] = frozenset()
+        """Graph names whose gradient torch makes sparse (`Engine._sparse_names`)."""
         self._threads_settled = False
         self._small: _Small | None = None
         """Set while a small first call keeps the sessions on one thread (`_fit_threads` watches the batch)."""
@@ -271,7 +273,8 @@ class Engine:
             if session is None:
                 return self.module(*args, **kwargs)
             read = tuple([named[name] for name in session.read_inputs if name in named])
-            call = function.Call(session, feeds, wrt, n, read)
+            sparse = tuple([i for i, w in enumerate(wrt) if w in schema.sparse]) if schema.sparse else ()
+            call = function.Call(session, feeds, wrt, n, read, sparse)
             user, stats = function.apply(call, [named[name] for name in wrt])
         else:
             try:
@@ -310,8 +313,19 @@ class Engine:
         else:
             save = self.options.save_dir
             schema = Schema(exported, self.options, save / f"{self.name}_{len(self.schemas)}" if save else None)
+            schema.sparse = self._sparse_names(exported)
         self.schemas[key] = schema
         return schema
+
+    def _sparse_names(self, exported: Exported) -> frozenset[str]:
+        """Graph names of the weights of embeddings with `sparse=True` that no other module shares: torch gives
+        those a sparse gradient (rows of the looked-up ids), which optimizers such as SparseAdam require."""
+        owners: dict[int, int] = {}
+        for _, p in self.module.named_parameters(remove_duplicate=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+        sparse = {f"{name}.weight" if name else "weight" for name, m in self.module.named_modules()
+                  if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and owners.get(id(m.weight)) == 1}
+        return frozenset(name for name, fqn in exported.state if fqn in sparse)
 
     def _session(self, key: Hashable, schema: Schema, wrt: list[str], leaves: list[torch.Tensor]
                  ) -> TrainingSession | None:

@@ -32,6 +32,8 @@ class Call:
     """The first n_user module outputs are the user's; the rest are BatchNorm statistics."""
     read: tuple[torch.Tensor, ...] = ()
     """The caller's tensors behind the graph inputs backward reads (saved to detect in-place changes)."""
+    sparse: tuple[int, ...] = ()
+    """Positions in `wrt` whose gradient is handed to torch sparse (embeddings with `sparse=True`)."""
 
 
 def _keep_graph() -> bool:
@@ -74,7 +76,11 @@ def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | Non
         if g is not None:
             ort_grads[i] = exchange.to_ortvalue(g)
     result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
-    return (None, *[result.get(w) for w in call.wrt])
+    out = [result.get(w) for w in call.wrt]
+    for i in call.sparse:  # as torch's sparse embedding gradient: the rows, COO over the first axis
+        if out[i] is not None:
+            out[i] = out[i].to_sparse(1)
+    return (None, *out)
 
 
 _backward_once = once_differentiable(_backward)

@@ -638,6 +638,44 @@ def test_autocast_runs_in_float32() -> None:
     assert_grads_equal(om, ref)
 
 
+def test_sparse_embedding_gradients_as_torch() -> None:
+    """nn.Embedding(sparse=True) and EmbeddingBag(sparse=True): sparse gradients, as torch's, so SparseAdam
+    steps them alike; an embedding tied to a head gets a dense one, as torch's sum of both does."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(12, 4, sparse=True)
+            self.bag = nn.EmbeddingBag(12, 4, mode="sum", sparse=True)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids).mean(1) + self.bag(ids))
+
+    ref, om = pair(Model())
+    mine = [torch.optim.SparseAdam([om.embed.weight, om.bag.weight]), torch.optim.Adam(om.head.parameters())]
+    theirs = [torch.optim.SparseAdam([ref.embed.weight, ref.bag.weight]), torch.optim.Adam(ref.head.parameters())]
+    for _ in range(2):
+        ids = torch.randint(0, 12, (5, 3))
+        for model, opts in ((om, mine), (ref, theirs)):
+            model.zero_grad(set_to_none=True)
+            model(ids).square().sum().backward()
+            for opt in opts:
+                opt.step()
+        assert om.embed.weight.grad.is_sparse and om.bag.weight.grad.is_sparse
+        torch.testing.assert_close(om.embed.weight.grad.to_dense(), ref.embed.weight.grad.to_dense())
+        torch.testing.assert_close(om.bag.weight.grad.to_dense(), ref.bag.weight.grad.to_dense())
+        for p, q in zip(om.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+    tied = nn.Sequential(nn.Embedding(12, 4, sparse=True), nn.Linear(4, 12, bias=False))
+    tied[1].weight = tied[0].weight
+    ref, om = pair(tied)
+    ids = torch.randint(0, 12, (2, 3))
+    om(ids).sum().backward()
+    ref(ids).sum().backward()
+    assert not om[0].weight.grad.is_sparse and not ref[0].weight.grad.is_sparse
+    torch.testing.assert_close(om[0].weight.grad, ref[0].weight.grad)
+
+
 def test_spectral_norm_in_eval() -> None:
     """spectral_norm's sigma is a vdot (no ONNX export in torch): exported as the sum of a product."""
     module = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
