@@ -146,9 +146,7 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
                   for b in ("running_mean", "running_var", "num_batches_tracked")}
 
     def changed() -> list[str]:
-        return [name for name, b, v in saved if name not in statistics and not torch.equal(b, v)
-                and not (b.is_floating_point() and torch.equal(b.isnan(), v.isnan()) and torch.equal(b.nan_to_num(),
-                                                                                                    v.nan_to_num()))]
+        return [name for name, b, v in saved if name not in statistics and not _same(b, v)]
 
     try:
         yield changed
@@ -157,6 +155,18 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
             for _, b, v in saved:
                 b.copy_(v)
         torch.random.set_rng_state(rng)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (a buffer holding NaN is unchanged when left alone)."""
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and \
+        torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _listed(items: Sequence[str], most: int = 4) -> str:
+    return ", ".join(items[:most]) + (" and more" if len(items) > most else "")
 
 
 def _hooked(module: nn.Module) -> list[str]:
@@ -283,14 +293,13 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                           f"{type(e).__name__}: {e}") from e
     hooked = _hooked(module)
     if hooked:
-        more = " and more" if len(hooked) > 4 else ""
-        warnings.warn(f"ORTModule({type(module).__name__}): {', '.join(hooked[:4])}{more} will not run at each step: "
+        warnings.warn(f"ORTModule({type(module).__name__}): {_listed(hooked)} will not run at each step: "
                       "the module runs as one onnxruntime graph, in which what a forward hook returns is computed, "
                       "but its side effects (activations it records, counters) happened once, while exporting, and "
                       "backward hooks on modules never run (hooks on tensors do).", ExportWarning, stacklevel=4)
     if mutated:
-        warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {', '.join(mutated[:4])}"
-                      f"{' and more' if len(mutated) > 4 else ''} in place (a buffer), which the exported graph does "
+        warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(mutated)} in place (a "
+                      "buffer), which the exported graph does "
                       "not carry back to the module (only BatchNorm's running statistics are updated): each step "
                       "reads its value as it is, where torch's changes. Update it outside forward(), or run the "
                       "module in torch.", ExportWarning, stacklevel=4)
