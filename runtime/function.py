@@ -8,6 +8,7 @@ backward specialised to the outputs that do get gradients.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,10 @@ class ORTFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: no double backward through onnxruntime
+            warnings.warn("backward(create_graph=True) through ORTModule: its gradients are computed by onnxruntime "
+                          "and have no grad_fn, so differentiating them again (a gradient penalty, double backward) "
+                          "fails with torch's 'does not require grad'. Compute such terms with the module in torch.",
+                          RuntimeWarning, stacklevel=2)  # shown once per process by Python's default filter
             return _backward_once(ctx, *grads)
         return _backward(ctx, *grads)
 
