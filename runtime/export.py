@@ -22,10 +22,12 @@ import functools
 import inspect
 import io
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -137,16 +139,18 @@ class _Flat(nn.Module):
 @contextlib.contextmanager
 def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     """Tracing runs the module: put back its buffers (BatchNorm statistics) and the RNG state after. Yields a
-    function naming the buffers the forward changed in place so far (BatchNorm's statistics left out: the
-    runtime updates those)."""
+    function naming the buffers and parameters the forward changed in place so far (BatchNorm's statistics left
+    out: the runtime updates those; a parameter by its version counter, so nothing is copied)."""
     saved = [(name, b, b.detach().clone()) for name, b in module.named_buffers()]
+    versions = [(name, p, p._version) for name, p in module.named_parameters()]
     rng = torch.random.get_rng_state()
     statistics = {f"{m}.{b}" if m else b for m, mod in module.named_modules()
                   if isinstance(mod, nn.modules.batchnorm._BatchNorm)
                   for b in ("running_mean", "running_var", "num_batches_tracked")}
 
     def changed() -> list[str]:
-        return [name for name, b, v in saved if name not in statistics and not _same(b, v)]
+        return [*(name for name, b, v in saved if name not in statistics and not _same(b, v)),
+                *(name for name, p, version in versions if p._version != version)]
 
     try:
         yield changed
@@ -170,22 +174,31 @@ def _listed(items: Sequence[str], most: int = 4) -> str:
 
 
 def _hooked(module: nn.Module) -> list[str]:
-    """The module hooks of `module` and its children, and the global ones, that are not torch's own (the weight
-    and spectral norms of `torch.nn.utils` compute a weight in a pre-hook, which the graph then holds)."""
+    """The module hooks of `module` and its children, and the global ones, that the user's own code defines:
+    libraries' hooks serve the forward itself (torch's weight and spectral norms compute a weight in a pre-hook,
+    Hugging Face's record the outputs it returns), which the graph then holds."""
     kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
     found = []
     for name, mod in module.named_modules():
         for kind in kinds:
-            if any(not _torch_own(h) for h in getattr(mod, kind, {}).values()):
+            if any(not _from_a_library(h) for h in getattr(mod, kind, {}).values()):
                 found.append(f"a {kind[1:-1].replace('_', ' ')} on {name or 'the module'}")
     for kind in kinds:
-        if any(not _torch_own(h) for h in getattr(nn.modules.module, f"_global{kind}", {}).values()):
+        if any(not _from_a_library(h) for h in getattr(nn.modules.module, f"_global{kind}", {}).values()):
             found.append(f"a global {kind[1:-1].replace('_', ' ')}")
     return found
 
 
-def _torch_own(hook: Any) -> bool:
-    return (getattr(type(hook), "__module__", "") or "").startswith("torch.")
+def _from_a_library(hook: Any) -> bool:
+    """Whether `hook` (a function, method, partial or callable object) is defined in an installed package."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    if code is not None:
+        path = code.co_filename
+    else:
+        path = getattr(sys.modules.get(type(hook).__module__), "__file__", None) or ""
+    return any(part in ("site-packages", "dist-packages") for part in Path(path).parts)
 
 
 def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
@@ -298,8 +311,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "but its side effects (activations it records, counters) happened once, while exporting, and "
                       "backward hooks on modules never run (hooks on tensors do).", ExportWarning, stacklevel=4)
     if mutated:
-        warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(mutated)} in place (a "
-                      "buffer), which the exported graph does "
+        warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(mutated)} in place, "
+                      "which the exported graph does "
                       "not carry back to the module (only BatchNorm's running statistics are updated): each step "
                       "reads its value as it is, where torch's changes. Update it outside forward(), or run the "
                       "module in torch.", ExportWarning, stacklevel=4)

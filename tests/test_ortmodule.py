@@ -584,10 +584,14 @@ class Counting(nn.Module):
 
 
 def test_buffers_changed_in_forward_are_named() -> None:
-    """The export does not carry in-place buffer updates back: warned, naming them (a NaN buffer compared as
-    equal to itself); BatchNorm's statistics, which the runtime updates, and an untouched NaN buffer are not."""
+    """The export does not carry in-place buffer or parameter updates back: warned, naming them (a NaN buffer
+    compared as equal to itself); BatchNorm's statistics, which the runtime updates, and an untouched NaN buffer
+    are not."""
     with pytest.warns(ExportWarning, match=r"changes steps, ema in place"):
         ORTModule(Counting())(torch.randn(3, 4))
+    renormed = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))  # rows renormed in place
+    with pytest.warns(ExportWarning, match=r"changes 0.weight in place"):
+        ORTModule(renormed)(torch.randint(0, 10, (2, 3)))
     quiet = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     quiet.register_buffer("unused", torch.full((2,), float("nan")))
     with warnings.catch_warnings():
