@@ -18,7 +18,7 @@ from onnx import helper
 from .builder import read_metadata
 from .errors import SplitError
 from .graph import TensorInfo, describe, infer_shapes_safely, info_from_type, load_model, value_info
-from .stop_gradient import identities
+from .stop_gradient import identities, reading_sources
 from .yield_op import DOMAIN, find_yield, read_yield
 
 ROLES = ("input", "initializer", "stash", "output_grad", "output", "grad")
@@ -87,7 +87,8 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
     nodes = list(g.node)
     y = find_yield(nodes)
     sig = read_yield(nodes[y])
-    fwd_nodes, bwd_nodes = identities(nodes[:y]), identities(nodes[y + 1:])  # StopGradient runs as Identity
+    # StopGradient runs as Identity; backward reads its input, so one tensor is stashed, not it and its copy
+    fwd_nodes, bwd_nodes = identities(nodes[:y]), identities(reading_sources(nodes[y + 1:], nodes[:y]))
     info = _infer(tm)
     inits = {t.name: t for t in g.initializer}
     graph_inputs = [i.name for i in g.input]

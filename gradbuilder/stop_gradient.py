@@ -53,6 +53,29 @@ def identities(nodes: Iterable[onnx.NodeProto]) -> list[onnx.NodeProto]:
             else n for n in nodes]
 
 
+def reading_sources(nodes: Iterable[onnx.NodeProto], stops: Iterable[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` reading, for every StopGradient output of `stops`, its input instead (the same values): backward
+    then stashes one tensor, not it and its copy. Nodes that read none are returned as they are."""
+    source = {n.output[0]: n.input[0] for n in stops if is_stop_gradient(n)}
+    if not source:
+        return list(nodes)
+
+    def root(name: str) -> str:
+        while name in source:
+            name = source[name]
+        return name
+
+    out = []
+    for n in nodes:
+        if any(x in source for x in n.input):
+            copy = onnx.NodeProto()
+            copy.CopyFrom(n)
+            copy.input[:] = [root(x) for x in n.input]
+            n = copy
+        out.append(n)
+    return out
+
+
 def as_identity(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` itself when it has no StopGradient, else a copy with Identities (and without gradbuilder's domain
     import when nothing else of that domain is left)."""

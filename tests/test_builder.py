@@ -208,7 +208,8 @@ def test_build_is_deterministic():
 
 def test_stop_gradient_cuts_the_edge_and_splits_to_identity() -> None:
     """y = sum(x * sg(x) + w * sg(x * w)): dx = sg(x) only, dw = sg(x * w) only (not 2x and 2w^2 x...), the
-    checker and shape inference know the op, and both halves run as standard ONNX (Identity, no own domain)."""
+    checker and shape inference know the op, both halves run as standard ONNX (Identity, no own domain), and
+    backward reads what a StopGradient copies rather than stashing the copy."""
     from gradbuilder import stop_gradient
 
     nodes = [stop_gradient.make_node("x", "xs"), helper.make_node("Mul", ["x", "xs"], ["a"]),
@@ -227,6 +228,8 @@ def test_stop_gradient_cuts_the_edge_and_splits_to_identity() -> None:
         assert all(n.domain in ("", "ai.onnx") for n in half.graph.node)
         assert gradbuilder.YIELD_DOMAIN not in {op.domain for op in half.opset_import}
     assert [n.op_type for n in trainer.forward.graph.node].count("Identity") == 2
+    read = {e.name for e in trainer.manifest.backward_inputs}
+    assert not read & {"xs", "xws"} and "xw" in trainer.manifest.stashed  # the sources, not their copies
     x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
     _, grads = trainer.step({"x": x})
     np.testing.assert_allclose(grads["x"], x, rtol=1e-6)
