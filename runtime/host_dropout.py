@@ -14,7 +14,8 @@ later call at sizes already seen.
 
 Each call takes its seed from torch's default generator, as torch's own dropout does, and so do the first
 forward's Dropouts (their `seed` attribute, drawn when the runner is made): after `torch.manual_seed`,
-ORTModule's masks are the same from run to run.
+ORTModule's masks are the same from run to run. The graph's other random ops (`seeded_random_ops`: randn_like,
+rand, bernoulli) get their `seed` the same way.
 """
 
 from __future__ import annotations
@@ -188,9 +189,30 @@ def _static(value: onnx.ValueInfoProto) -> bool:
     return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
 
 
+RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial")
+
+
+def seeded_random_ops(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`, or a copy whose random ops without a `seed` take one from torch's default generator (randn_like,
+    rand, bernoulli in a forward): onnxruntime seeds each op's generator once, when the session is made, and
+    advances it run by run, so after `torch.manual_seed` a run draws the same values as the last."""
+    def unseeded(n: onnx.NodeProto) -> bool:
+        return n.op_type in RANDOM_OPS and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
+
+    if not any(unseeded(n) for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for n in out.graph.node:
+        if unseeded(n):
+            n.attribute.append(helper.make_attribute("seed", float(_seed() % (1 << 24))))
+    return out
+
+
 def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> Runner | MaskedRunner:
-    """The Runner for a forward or inference graph: a `MaskedRunner` where it has training Dropouts to mask
-    (and `config.lower` is on), else a plain one."""
+    """The Runner for a forward or inference graph (its random ops seeded from torch's generator): a
+    `MaskedRunner` where it has training Dropouts to mask (and `config.lower` is on), else a plain one."""
+    model = seeded_random_ops(model)
     masked, masks = mask_dropouts(model) if config.lower else (model, [])
     if not masks:
         return Runner(model, config, what)

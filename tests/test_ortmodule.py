@@ -681,6 +681,29 @@ def test_sparse_embedding_gradients_as_torch() -> None:
     torch.testing.assert_close(om[0].weight.grad, ref[0].weight.grad)
 
 
+def test_random_ops_follow_torch_seed() -> None:
+    """randn_like, rand and bernoulli in a forward draw anew each step, and the same values after the same
+    torch.manual_seed (their onnxruntime seeds come from torch's generator)."""
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h + torch.randn_like(h) + torch.rand(h.shape[0], 1) + torch.bernoulli(torch.full_like(h, 0.5))
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        om = ORTModule(Noisy())
+        x = torch.ones(3, 4)
+        return [om(x).detach() for _ in range(3)]
+
+    first, again = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+
+
 def test_spectral_norm_in_eval() -> None:
     """spectral_norm's sigma is a vdot (no ONNX export in torch): exported as the sum of a product."""
     module = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
