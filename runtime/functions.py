@@ -4,8 +4,8 @@ The runtime exports with every dimension dynamic (one export serves every batch 
 exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
-`bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm) or, before opset 20, `affine_grid` (spatial
-transformers);
+`bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw) or,
+before opset 20, `affine_grid` (spatial transformers);
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder
 does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
@@ -21,7 +21,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
 - bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
-  vdot of real vectors: the sum of their product;
+  vdot of real vectors: the sum of their product; gumbel softmax: Gumbel noise as -log(-log(U)) for U uniform
+  (torch's -log of an exponential draw, in distribution), hard as torch's straight-through one-hot;
 - affine grid (2-D): each output position's (x, y, 1), x and y evenly spaced over [-1, 1] (pixel centres without
   align_corners), times theta transposed;
 - embedding bags (no max_norm): of a 2-D input (fixed-size bags), the rows' embeddings (times their per-sample
@@ -202,6 +203,16 @@ def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return vdot
 
 
+def _gumbel_softmax(logits: torch.Tensor, tau: float = 1.0, hard: bool = False, eps: float = 1e-10,
+                    dim: int = -1) -> torch.Tensor:
+    gumbels = -torch.log(-torch.log(torch.rand_like(logits)))  # torch's -log(Exp(1)), Exp(1) drawn as -log(U)
+    soft = ((logits + gumbels) / tau).softmax(dim)
+    if not hard:
+        return soft
+    index = soft.argmax(dim, keepdim=True)
+    return torch.zeros_like(logits).scatter(dim, index, 1.0) - soft.detach() + soft  # straight through
+
+
 def _affine_grid(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def affine_grid(theta: torch.Tensor, size: Sequence[Any], align_corners: bool) -> torch.Tensor:
         if len(size) != 4:
@@ -236,5 +247,6 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
+        (F, "gumbel_softmax", _gumbel_softmax),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

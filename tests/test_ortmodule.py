@@ -18,6 +18,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 from torch import nn
+from torch.nn import functional as F
 
 from runtime import ExportWarning, FallbackWarning, ORTModule, ORTModuleError
 from runtime.export import _split_sequences_to_slices
@@ -702,6 +703,37 @@ def test_random_ops_follow_torch_seed() -> None:
     first, again = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+
+
+class Gumbel(nn.Module):
+    def __init__(self, hard: bool):
+        super().__init__()
+        self.fc, self.hard = nn.Linear(6, 5), hard
+
+    def forward(self, x):
+        return F.gumbel_softmax(self.fc(x), tau=0.5, hard=self.hard)
+
+
+def test_gumbel_softmax_soft_and_straight_through() -> None:
+    """F.gumbel_softmax (its exponential draw has no export) as torch defines it: the soft sample's gradient is
+    torch's for the noise it drew (recovered from the sample), and the hard sample, drawn with the same noise after
+    the same seed, is the soft one's one-hot with the soft one's gradient."""
+    x, c = torch.randn(4, 6), torch.randn(4, 5)
+    runs = {}
+    for hard in (False, True):
+        torch.manual_seed(11)
+        ref, om = pair(Gumbel(hard))
+        y = om(x)
+        (y * c).sum().backward()
+        runs[hard] = (ref, om, y.detach())
+    ref, om, soft = runs[False]
+    logits = ref.fc(x)
+    noise = (0.5 * soft.log() - logits).detach()  # the Gumbel noise up to a constant a row, which softmax drops
+    ((logits + noise) / 0.5).softmax(-1).mul(c).sum().backward()
+    assert_grads_equal(om, ref, rtol=1e-4, atol=1e-5)
+    _, hard_om, hard = runs[True]
+    torch.testing.assert_close(hard, F.one_hot(soft.argmax(-1), 5).float())
+    assert_grads_equal(hard_om, om)
 
 
 def test_spectral_norm_in_eval() -> None:
