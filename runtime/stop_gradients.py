@@ -63,8 +63,11 @@ class WithoutGrad(TorchFunctionMode):
 def _detached(out: Any, given: set[int]) -> Any:
     if isinstance(out, torch.Tensor):
         return out.detach() if out.is_floating_point() and id(out) not in given else out
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_detached(o, given) for o in out)
+    if isinstance(out, tuple):  # plain, a namedtuple, or torch.return_types (max's values and indices)
+        items = [_detached(o, given) for o in out]
+        if type(out) is tuple:
+            return tuple(items)
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
     if isinstance(out, list):
         return [_detached(o, given) for o in out]
     return out

@@ -538,7 +538,7 @@ class StopGradients(nn.Module):
         fake = torch.tanh(self.gen(x))
         with torch.no_grad():
             target = self.teacher(x).softmax(-1)
-            s = self.scale * 1.5
+            s = self.scale * 1.5 + target.max(-1).values.mean() * 0  # results with fields keep them
         q = self.codes[torch.cdist(fake, self.codes).argmin(-1)]
         straight = fake + (q - fake).detach()
         return (self.disc(fake.detach()).mean() + (straight - target).square().mean() * s
