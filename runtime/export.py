@@ -130,8 +130,10 @@ class _Flat(nn.Module):
     def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(self._in_spec, leaves)
         bound = inspect.BoundArguments(self._signature, arguments)
-        with stop_gradients.WithoutGrad() if self._result.get("without_grad") else contextlib.nullcontext():
+        with stop_gradients.WithoutGrad() if self._result.get("without_grad") else contextlib.nullcontext() as mode:
             out = self._target(*bound.args, **bound.kwargs)
+        if mode is not None:
+            self._result["tensor_hooks"] = mode.tensor_hooks
         flat, self._result["spec"] = flatten(out)
         return tuple(flat)
 
@@ -305,11 +307,14 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{type(e).__name__}: {e}") from e
     hooked = _hooked(module)
+    if flat._result.get("tensor_hooks"):
+        hooked.append("a gradient hook on a tensor inside forward (register_hook)")
     if hooked:
-        warnings.warn(f"ORTModule({type(module).__name__}): {_listed(hooked)} will not run at each step: "
-                      "the module runs as one onnxruntime graph, in which what a forward hook returns is computed, "
-                      "but its side effects (activations it records, counters) happened once, while exporting, and "
-                      "backward hooks on modules never run (hooks on tensors do).", ExportWarning, stacklevel=4)
+        warnings.warn(f"ORTModule({type(module).__name__}): {_listed(hooked)} will not run at each step: the "
+                      "module runs as one onnxruntime graph; what a forward hook returns is part of it, but its side "
+                      "effects (activations it records, counters) happened once, while exporting, and backward hooks "
+                      "on its modules or tensors never run (hooks on its inputs and outputs do).", ExportWarning,
+                      stacklevel=4)
     if mutated:
         warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(mutated)} in place, "
                       "which the exported graph does "

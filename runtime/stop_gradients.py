@@ -44,9 +44,16 @@ def exported_detach() -> Iterator[None]:
 
 class WithoutGrad(TorchFunctionMode):
     """Float tensors returned by torch functions while grad is disabled come back detached (traced as `detach`);
-    what a function returns of its own arguments (in-place ops, views returned as is) is left alone."""
+    what a function returns of its own arguments (in-place ops, views returned as is) is left alone. Counts the
+    gradient hooks the forward puts on tensors (`tensor_hooks`), which a graph cannot hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensor_hooks = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.register_hook:
+            self.tensor_hooks += 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = func(*args, **(kwargs or {}))

@@ -609,6 +609,19 @@ def test_module_hooks_are_named() -> None:
     with pytest.warns(ExportWarning, match=r"a forward hook on 0, a backward hook on 2 will not run at each step"):
         ORTModule(module)(torch.randn(3, 4))
 
+    class Clipped(nn.Module):  # a gradient hook inside forward: not in onnxruntime's gradient
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            h.register_hook(lambda g: g.clamp(-0.01, 0.01))
+            return h
+
+    with pytest.warns(ExportWarning, match=r"a gradient hook on a tensor inside forward \(register_hook\) will not"):
+        ORTModule(Clipped())(torch.randn(3, 4))
+
     def normed() -> nn.Module:  # weight_norm's modules refuse deepcopy: made twice from one seed
         with torch.random.fork_rng():
             torch.manual_seed(3)
