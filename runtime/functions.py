@@ -4,8 +4,9 @@ The runtime exports with every dimension dynamic (one export serves every batch 
 exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
-`bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw) or,
-before opset 20, `affine_grid` (spatial transformers);
+`bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw),
+`Tensor.unfold` (sliding windows: "input size not accessible") or, before opset 20, `affine_grid` (spatial
+transformers);
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder
 does not differentiate.
 While exporting, `exportable_functions` computes them as torch defines them:
@@ -23,6 +24,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
   vdot of real vectors: the sum of their product; gumbel softmax: Gumbel noise as -log(-log(U)) for U uniform
   (torch's -log of an exponential draw, in distribution), hard as torch's straight-through one-hot;
+- Tensor.unfold(d, size, step): the windows' elements gathered along d by one index ([windows, size] from the
+  run-time length), the window axis moved last;
 - affine grid (2-D): each output position's (x, y, 1), x and y evenly spaced over [-1, 1] (pixel centres without
   align_corners), times theta transposed;
 - embedding bags (no max_norm): of a 2-D input (fixed-size bags), the rows' embeddings (times their per-sample
@@ -203,6 +206,19 @@ def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return vdot
 
 
+def _tensor_unfold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def unfold(x: torch.Tensor, dimension: int, size: int, step: int) -> torch.Tensor:
+        d = dimension % max(x.dim(), 1)
+        if x.dim() == 0:
+            return original(x, dimension, size, step)
+        windows = (x.shape[d] - size) // step + 1
+        index = (torch.arange(windows) * step)[:, None] + torch.arange(size)[None, :]  # [windows, size]
+        picked = x.index_select(d, index.reshape(-1))
+        return picked.reshape(*x.shape[:d], windows, size, *x.shape[d + 1:]).movedim(d + 1, -1)
+
+    return unfold
+
+
 def _gumbel_softmax(logits: torch.Tensor, tau: float = 1.0, hard: bool = False, eps: float = 1e-10,
                     dim: int = -1) -> torch.Tensor:
     gumbels = -torch.log(-torch.log(torch.rand_like(logits)))  # torch's -log(Exp(1)), Exp(1) drawn as -log(U)
@@ -247,6 +263,6 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
-        (F, "gumbel_softmax", _gumbel_softmax),
+        (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm))])

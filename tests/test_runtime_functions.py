@@ -1,6 +1,6 @@
-"""runtime/functions.py: adaptive average pooling to any size, a non-zero threshold, channel shuffle and local
-response norm train through ORTModule like torch (`check_parity`), the pooling for every input size from one
-export."""
+"""runtime/functions.py: adaptive average pooling to any size, a non-zero threshold, channel shuffle, local
+response norm and Tensor.unfold train through ORTModule like torch (`check_parity`), the pooling for every input
+size from one export."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ class Hypot(nn.Module):
         return torch.hypot(x, x.flip(1) + 0.5)
 
 
+class Windows(nn.Module):
+    """Tensor.unfold: 2x2 patches (two unfolds), or overlapping windows of 3 every 2 along the flattened map."""
+
+    def __init__(self, overlapping: bool):
+        super().__init__()
+        self.overlapping = overlapping
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(2).unfold(-1, 3, 2) if self.overlapping else x.unfold(2, 2, 2).unfold(3, 2, 2)
+
+
 CASES = {
     "adaptive average pool 8x7 -> 3x3": (lambda: nn.AdaptiveAvgPool2d(3), 4 * 9, (8, 7)),
     "adaptive average pool 9x9 -> 2 x input width": (lambda: nn.AdaptiveAvgPool2d((2, None)), 4 * 2 * 9, (9, 9)),
@@ -45,6 +56,8 @@ CASES = {
     "hypot": (lambda: Hypot(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
+    "Tensor.unfold patches": (lambda: Windows(False), 4 * 36, (6, 6)),
+    "Tensor.unfold overlapping windows": (lambda: Windows(True), 4 * 17 * 3, (6, 6)),
 }
 
 
