@@ -208,9 +208,9 @@ def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 def _tensor_unfold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def unfold(x: torch.Tensor, dimension: int, size: int, step: int) -> torch.Tensor:
-        d = dimension % max(x.dim(), 1)
         if x.dim() == 0:
             return original(x, dimension, size, step)
+        d = dimension % x.dim()
         windows = (x.shape[d] - size) // step + 1
         index = (torch.arange(windows) * step)[:, None] + torch.arange(size)[None, :]  # [windows, size]
         picked = x.index_select(d, index.reshape(-1))
