@@ -264,8 +264,9 @@ def test_guarded_selects_keep_every_value():
 
 
 class SignMaskNet(nn.Module):
-    """Activations whose gradient Wheres `guarded_selects` rewrites: a ReLU before a BatchNorm, an ELU, a
-    LeakyReLU and a PReLU, each over 8 x 10 x 10 elements a sample."""
+    """Activations whose gradient Wheres `guarded_selects` rewrites: a ReLU before a BatchNorm, an ELU with alpha
+    0.5, a LeakyReLU and a PReLU, each over 8 x 10 x 10 elements a sample; then an ELU with alpha 1, whose gradient
+    has no Where (dy * Min(y + 1, 1))."""
 
     def __init__(self):
         super().__init__()
@@ -276,8 +277,8 @@ class SignMaskNet(nn.Module):
         self.fc = nn.Linear(8 * 10 * 10, 3)
 
     def forward(self, x, y):
-        h = nn.functional.elu(self.bn(torch.relu(self.conv(x))))
-        h = self.prelu(nn.functional.leaky_relu(self.conv2(h), 0.2))
+        h = nn.functional.elu(self.bn(torch.relu(self.conv(x))), 0.5)
+        h = nn.functional.elu(self.prelu(nn.functional.leaky_relu(self.conv2(h), 0.2)))
         return nn.functional.cross_entropy(self.fc(h.flatten(1)), y)
 
 

@@ -109,7 +109,10 @@ def _elu_like(g: Grad, scale: float, neg_coef: float, input_scale: float) -> Gra
     """torch's elu_backward: y = scale*x for x > 0, neg_coef*(exp(input_scale*x) - 1) else.
 
     The negative-side slope is input_scale*(y + neg_coef), read from the output when y > 0 exactly
-    where x > 0 (scale > 0, neg_coef >= 0); otherwise from the input.
+    where x > 0 (scale > 0, neg_coef >= 0); otherwise from the input. Where the slope is continuous at 0
+    (input_scale*neg_coef == scale: ELU with alpha 1, CELU), it rises to `scale` at y = 0 and beyond on the
+    positive side, so it is `Min(slope, scale)` with no mask: a Where there costs 4-7 ns an element on
+    onnxruntime's CPU (ELU's gradient over [64, 16, 28, 28]: ~1 ms as a guarded select, 3 passes this way).
     """
     x, y, dy = g.I(0), g.O(0), g.GO(0)
 
@@ -118,6 +121,9 @@ def _elu_like(g: Grad, scale: float, neg_coef: float, input_scale: float) -> Gra
 
     if scale > 0 and neg_coef >= 0:
         neg = g.Add(y, c(neg_coef))
+        if math.isclose(input_scale * neg_coef, scale, rel_tol=1e-12):
+            slope = neg if input_scale == 1 else g.Mul(neg, c(input_scale))
+            return (g.Mul(dy, g.Min(slope, c(scale))),)
         mask = _positive(g, y)
     else:
         neg = g.Mul(c(neg_coef), g.Exp(g.Mul(x, c(input_scale))))
