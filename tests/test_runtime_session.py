@@ -325,3 +325,32 @@ def test_backward_sessions_keep_nchw(tmp_path, monkeypatch) -> None:
     optimized = [onnx.load(p) for p in saved]
     backward = [m for m in optimized if any(o.name.startswith("w") or "grad" in o.name for o in m.graph.output)]
     assert backward and all(n.domain != "com.microsoft.nchwc" for m in backward for n in m.graph.node)
+
+
+def _config_entry(options, key: str) -> str | None:
+    try:
+        return options.get_session_config_entry(key)
+    except RuntimeError:  # "does not have configuration with key"
+        return None
+
+
+def test_sessions_share_one_arena() -> None:
+    """Forward and backward allocate from onnxruntime's one process-wide arena by default (a backward writes
+    where the forward just did, still in the cache); a config opts out, with the same results."""
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    seen = []
+    for shared in (True, False):
+        s = TrainingSession.from_forward(three_output_model(), wrt=["w"], config=SessionConfig(shared_arena=shared))
+        outs, state = s.forward({"x": x})
+        grads = s.backward(state, [None, None, np.ones((2, 3), np.float32)])
+        runners = [s._fwd, *(b.runner for b in s._backwards.values())]
+        options = [r.session.get_session_options() for r in runners]
+        assert len(runners) == 2 and all(o.enable_cpu_mem_arena for o in options)
+        assert {_config_entry(o, "session.use_env_allocators") for o in options} == {"1" if shared else None}
+        seen.append((outs, grads))
+    (outs_a, grads_a), (outs_b, grads_b) = seen
+    for a, b in zip(outs_a, outs_b):
+        np.testing.assert_array_equal(a, b)
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        np.testing.assert_array_equal(grads_a[k], grads_b[k])
