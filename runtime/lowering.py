@@ -49,10 +49,9 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig, rows: int | None = None
              ) -> onnx.ModelProto:
     """Slow onnxruntime patterns (`passes.lower`, `vectorized` recomputed in backward), then sums and
-    contractions over rows (`reductions.lower_sums`), then the unfolded weight gradients of 5x5 and larger kernels
+    contractions over rows (`reductions.lower_sums`), then large unfolded weight gradients in chunks of the batch
     and the Convs and stride-1 ConvTransposes blocked (`nchwc`); `known`: values of the initializers backward
-    reads from the forward part; `rows`: the batch expected where the graph leaves it symbolic (large unfolds go
-    in chunks of it)."""
+    reads from the forward part; `rows`: the batch expected where the graph leaves it symbolic."""
     if not config.lower:
         return model
     lowered = reductions.lower_sums(vectorized.vectorized_ops(passes.lower(model, known)))

@@ -10,10 +10,11 @@ weight gradient with batch and channels swapped (x^T convolved by dY^T), whose c
 at run time: it is padded there to a multiple of the block (zero channels add nothing), the filter's reorder leaves
 that axis to the Reshapes and reads dY itself, not the rule's swap of it. The same Pad frames that input with the
 Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer from 8
-channels: 0.6x the time). And so does the one-hot Conv that unfolds x for the weight gradient of a 5x5 layer from
-1-3 channels (`unfolded_weight_grads`), whose blocked output the per-sample products read as it is. Large unfolds,
-blocked or not (3x3 layers over big maps), are made and multiplied in chunks of the batch, so that each chunk's
-products read it from the cache.
+channels: 0.6x the time). Large unfolds of the Conv rule's weight gradients (3x3 layers over big maps, their
+one-hot Conv left to onnxruntime's im2col kernel: 9 taps) are made and multiplied in chunks of the batch, so that
+each chunk's products read it from the cache (`unfolded_weight_grads`). Until session 18 the one-hot Conv of 5x5
+layers from 1-3 channels ran blocked here; the rule now gathers their windows instead (no multiplication by
+one-hot taps: 0.4-0.6x the time).
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at most
 a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block of input
@@ -32,7 +33,7 @@ import functools
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely
 from gradbuilder.rules.nn import unfold_kernel
@@ -275,20 +276,14 @@ def _build(n: onnx.NodeProto, layout: str, m: int, c: int | None, kh: int, kw: i
 
 
 def unfolded_weight_grads(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None,
-                          block: int | None = None, rows: int | None = None) -> onnx.ModelProto:
+                          rows: int | None = None) -> onnx.ModelProto:
     """The Conv rule's unfolded weight gradient (`_weight_grad_by_unfolding`: x convolved with a one-hot kernel per
-    channel and tap, then per-sample products with dY summed over the batch) rewritten for onnxruntime. For
-    kernels of at least `MIN_TAPS_UNBLOCKED` taps the one-hot Conv runs blocked: x's batch and channels fold into
-    one axis (a one-channel Conv, whose NCHW input the blocked kernels read directly), the taps are padded to the
-    block, and the products read the blocked output as it is, [N, C * T/B, P, B]: nothing is reordered back
-    (onnxruntime itself blocks a one-channel one-hot Conv, its weight being a constant, but reorders its output,
-    and not a grouped one). And where the unfold of `rows` samples (the batch expected) reaches `MIN_CHUNKS`
-    times `CHUNK_BYTES`, blocked or not, the batch is split into chunks (sizes computed at run time, empty ones
-    allowed) unfolded and multiplied one after the other. Returns a rewritten copy, or `model` itself when nothing
-    changes; `known`: values of graph inputs that are constants (a backward half's initializers shared with the
-    forward); `block` overrides `block_size()` (0: no blocked kernels)."""
-    block = block_size() if block is None else block
-    if default_opset(model) < 13:
+    channel and tap, then per-sample products with dY summed over the batch) made in chunks of the batch where the
+    unfold of `rows` samples (the batch expected) reaches `MIN_CHUNKS` times `CHUNK_BYTES`: sizes computed at run
+    time, empty chunks allowed, each unfolded and multiplied after the other. Returns a rewritten copy, or `model`
+    itself when nothing changes; `known`: values of graph inputs that are constants (a backward half's
+    initializers shared with the forward)."""
+    if not rows or default_opset(model) < 13:
         return model
     readers = Readers.of(model.graph)
     consts = {**(known or {}),
@@ -296,21 +291,17 @@ def unfolded_weight_grads(model: onnx.ModelProto, known: dict[str, np.ndarray] |
     found = [(k, *f) for k, n in enumerate(model.graph.node) if (f := _unfolded_weight_grad(n, readers, consts))]
     if not found:
         return model
-    shapes = tensor_types(infer_shapes_safely(model) or model.graph) if rows else {}
+    shapes = tensor_types(infer_shapes_safely(model) or model.graph)
     plan = []
     for k, conv, dy, c, kernel in found:
-        taps = kernel[0] * kernel[1]
-        blocked = bool(block) and taps >= MIN_TAPS_UNBLOCKED
         positions = _positions(shapes, conv.output[0])
-        chunks = _chunks(rows, c, _up(taps, block) if blocked else taps, positions)
-        if blocked or chunks > 1:  # chunks > 1 only with the positions known
-            plan.append((k, conv, dy, c, kernel, chunks, positions or 0, blocked))
+        chunks = _chunks(rows, c, int(np.prod(kernel)), positions)
+        if chunks > 1:  # only with the positions known
+            plan.append((k, conv, dy, c, kernel, chunks, positions or 0))
     if not plan:
         return model
-    out = rewrite_nodes(model, plan, functools.partial(_build_unfold, block=block))
+    out = rewrite_nodes(model, plan, _build_unfold)
     drop_unread(out)
-    if any(n.domain == DOMAIN for n in out.graph.node) and not any(o.domain == DOMAIN for o in out.opset_import):
-        out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return out
 
 
@@ -349,17 +340,14 @@ def _unfolded_weight_grad(n: onnx.NodeProto, readers: Readers, consts: dict[str,
     return conv, product.input[0], channels, kernel
 
 
-def _batch_chunks(e: Nodes, x: str, dy: str, chunks: int, rows_per_sample: int) -> list[tuple[str, str]]:
-    """(x, dY) in `chunks` parts along the batch, read off dY's first dim at run time (x has `rows_per_sample` rows
-    a sample): sample i goes to chunk i // ceil(N / chunks), so the first N % chunks chunks are a sample longer and,
-    for fewer samples than chunks, the last ones empty."""
-    if chunks == 1:
-        return [(x, dy)]
+def _batch_chunks(e: Nodes, x: str, dy: str, chunks: int) -> list[tuple[str, str]]:
+    """(x, dY) in `chunks` parts along the batch, read off dY's first dim at run time: sample i goes to chunk
+    i // ceil(N / chunks), so the first N % chunks chunks are a sample longer and, for fewer samples than chunks,
+    the last ones empty."""
     batch = e("Gather", e("Shape", dy), e.const(0))
     longer = e("Cast", e("Less", e.axes(list(range(chunks))), e("Mod", batch, e.const(chunks))), to=TensorProto.INT64)
     sizes = e("Add", e("Div", batch, e.const(chunks)), longer)
-    x_rows = sizes if rows_per_sample == 1 else e("Mul", sizes, e.const(rows_per_sample))
-    return list(zip(e.many("Split", x, x_rows, count=chunks, axis=0), e.many("Split", dy, sizes, count=chunks, axis=0)))
+    return list(zip(e.many("Split", x, sizes, count=chunks, axis=0), e.many("Split", dy, sizes, count=chunks, axis=0)))
 
 
 def _chunks(rows: int | None, channels: int, taps: int, positions: int | None) -> int:
@@ -370,39 +358,15 @@ def _chunks(rows: int | None, channels: int, taps: int, positions: int | None) -
 
 
 def _build_unfold(n: onnx.NodeProto, conv: onnx.NodeProto, dy: str, c: int, kernel: list[int], chunks: int,
-                  positions: int, blocked: bool, taken: set[str], *, block: int) -> list[onnx.NodeProto]:
-    """`n`'s output, [M, C*T], from x's one-hot Conv, blocked or as it is, in `chunks` parts of the batch
-    (`unfolded_weight_grads`)."""
+                  positions: int, taken: set[str]) -> list[onnx.NodeProto]:
+    """`n`'s output, [M, C*T], from x's one-hot Conv in `chunks` parts of the batch: the rule's own nodes per chunk,
+    P given where an empty chunk cannot resolve -1 (`unfolded_weight_grads`)."""
     e = Nodes(n.name or n.output[0], taken)
-    taps = kernel[0] * kernel[1]
-    if not blocked:  # chunked (P known): the rule's own nodes per chunk, P given where an empty chunk cannot resolve -1
-        attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
-        sums = []
-        for x, d in _batch_chunks(e, conv.input[0], dy, chunks, 1):
-            cols = e("Reshape", e("Conv", x, conv.input[1], **attrs), e.axes([0, c * taps, positions]))
-            sums.append(e("ReduceSum", e("MatMul", d, e("Transpose", cols, perm=[0, 2, 1])), e.axes([0]), keepdims=0))
-        e("Sum", *sums, out=n.output[0])
-        return e.nodes
-    tp = _up(taps, block)
-    onehot = np.zeros((tp, taps), np.float32)
-    onehot[:taps] = np.eye(taps, dtype=np.float32)  # (tp, taps) -> OIHWBo: (tp/B, 1, taps, B)
-    onehot = onehot.reshape(tp // block, block, taps).transpose(0, 2, 1).reshape(tp, 1, *kernel)
-    attrs = {a: v for a in ("pads", "strides", "dilations") if (v := ints_attr(conv, a)) is not None}
-    weight = e("Constant", value=numpy_helper.from_array(np.ascontiguousarray(onehot), "v"))
-    flat = e("Reshape", conv.input[0], e.axes([-1, 1, 0, 0]))  # (N*C, 1, H, W)
+    taps = int(np.prod(kernel))
+    attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
     sums = []
-    for x, d in _batch_chunks(e, flat, dy, chunks, c):
-        cols = e("Conv", x, weight, domain=DOMAIN, group=1, kernel_shape=kernel, **attrs)
-        if chunks == 1:  # (N, C * tp/B, P, B)
-            cols = e("Reshape", e("Reshape", cols, e.axes([-1, c * tp // block, 0, 0, block])),
-                     e.axes([0, 0, -1, block]))
-        else:  # the same, its sample count read off dY, P known (chunked)
-            count = e("Slice", e("Shape", d), e.axes([0]), e.axes([1]))
-            cols = e("Reshape", cols, e("Concat", count, e.axes([c * tp // block, positions, block]), axis=0))
-        per_sample = e("MatMul", e("Unsqueeze", d, e.axes([1])), cols)  # (N, C * tp/B, M, B)
-        sums.append(e("ReduceSum", per_sample, e.axes([0]), keepdims=0))
-    total = sums[0] if len(sums) == 1 else e("Sum", *sums)
-    dw = e("Transpose", total, perm=[1, 0, 2])  # (M, C * tp/B, B)
-    dw = e("Slice", e("Reshape", dw, e.axes([0, c, tp])), e.axes([0]), e.axes([taps]), e.axes([2]))
-    e("Reshape", dw, e.axes([0, c * taps]), out=n.output[0])
+    for x, d in _batch_chunks(e, conv.input[0], dy, chunks):
+        cols = e("Reshape", e("Conv", x, conv.input[1], **attrs), e.axes([0, c * taps, positions]))
+        sums.append(e("ReduceSum", e("MatMul", d, e("Transpose", cols, perm=[0, 2, 1])), e.axes([0]), keepdims=0))
+    e("Sum", *sums, out=n.output[0])
     return e.nodes

@@ -145,6 +145,9 @@ CONVT = [
     ((2, 4, 4, 5), (4, 3, 3, 3), [2, 1], [1, 2], [1, 2, 0, 1], [1, 0], 2),
     ((2, 4, 4, 4), (4, 1, 3, 3), [2, 2], [1, 1], [1, 1, 1, 1], [1, 1], 4),
     ((1, 2, 3, 4, 3), (2, 2, 2, 3, 2), [2, 1, 2], [1, 1, 1], [0, 1, 1, 0, 0, 1], [1, 0, 0], 2),
+    # onto 1-3 channels with a 5x5 kernel (a decoder's last layer): the weight gradient gathers dY's windows
+    ((2, 4, 5, 5), (4, 3, 5, 5), [2, 2], [1, 1], [2, 1, 2, 1], [1, 0], 1),
+    ((2, 5, 4, 6), (5, 1, 5, 5), [1, 2], [2, 1], [0, 0, 0, 0], [0, 1], 1),
 ]
 
 
@@ -1003,7 +1006,9 @@ def test_conv1d_weight_gradient_unfolds_over_few_positions():
     (3, 4, 4, 128, 1, "swapped"),    # 4 x 9 x 128 x 128 unfolded elements a sample: above the bound
     (3, 4, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
     (5, 4, 32, 8, 1, "swapped"),     # 5x5 from 4 channels, to however many
-    (5, 3, 4, 8, 1, "per sample"),   # 5x5 from 3 channels
+    (5, 3, 4, 8, 1, "gathered"),     # 5x5 from 3 channels: the windows gathered, one GEMM a chunk of positions
+    (5, 1, 6, 28, 1, "gathered"),    # LeNet's first layer: 3 chunks of positions (5 MB gathered at batch 64)
+    (5, 3, 4, None, 1, "swapped"),   # ... but only where the positions are known when building
     (5, 4, 4, 8, 1, "swapped"),      # 5x5 from 4 to 4 channels: the Conv with batch and channels swapped
     (3, 4, 6, 8, 2, "swapped"),      # grouped
 ])
@@ -1018,10 +1023,12 @@ def test_conv_weight_gradient_formulation(kernel: int, inputs: int, outputs: int
                             pads=[kernel // 2] * 4, group=group, symbolic={"x": [0] if size else [0, 2, 3]})
     training = gradbuilder.build_gradient_graph(model, wrt=["w"])
     ops = [n.op_type for n in training.graph.node]
-    formulation = ("one GEMM" if "Gemm" in ops else "per sample" if "MatMul" in ops
+    formulation = ("gathered" if "Gather" in ops else "one GEMM" if "Gemm" in ops else "per sample" if "MatMul" in ops
                    else "swapped" if ops.count("Conv") == 2 else "?")
     assert formulation == expected
-    if expected != "swapped":  # the one-hot unfolding Conv has a group per input channel
+    if expected == "gathered":
+        assert ops.count("Gemm") == ops.count("Gather") == (3 if size == 28 else 1)
+    elif expected != "swapped":  # the one-hot unfolding Conv has a group per input channel
         assert [a.i for n in training.graph.node if n.op_type == "Conv" for a in n.attribute
                 if a.name == "group"][-1] == inputs
     else:  # dY as the kernel, its type declared (dims of the forward output, batch and channels swapped)

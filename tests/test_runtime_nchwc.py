@@ -215,8 +215,8 @@ def test_run_time_channels_need_two_images_and_a_typed_weight():
 
 def _unfolded_weight_gradient(c: int, m: int, size: int, k: int, pad: int, stride: int, dilation: int
                               ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """One Conv layer's backward graph, its batch symbolic, with the weight gradient the Conv rule writes for 1-3
-    input channels (x unfolded by a one-hot Conv, then per-sample products), and the values of the forward's
+    """One Conv layer's backward graph, its batch symbolic, with the weight gradient the Conv rule writes for 3x3
+    kernels (x unfolded by a one-hot Conv, then per-sample products), and the values of the forward's
     initializers it reads."""
     zeros = np.zeros
     model = single_op_model("Conv", [("x", zeros((2, c, size, size), np.float32)),
@@ -227,34 +227,14 @@ def _unfolded_weight_gradient(c: int, m: int, size: int, k: int, pad: int, strid
     return backward, {e.name: inits[e.name] for e in manifest.backward_inputs if e.name in inits}
 
 
-@needs_nchwc
 @pytest.mark.parametrize("c,m,size,k,pad,stride,dilation", [
-    (1, 6, 12, 5, 2, 1, 1),   # LeNet's first layer, 'same'
-    (3, 6, 13, 5, 0, 2, 1),   # three channels, strided
-    (2, 4, 14, 5, 1, 1, 2),   # dilated
-    (1, 3, 16, 7, 3, 1, 1),   # 49 taps: 64 channels of blocked output, 15 of them padding
+    (16, 8, 10, 3, 1, 1, 1),  # a 3x3 layer: its unfold stays a grouped Conv, chunked
+    (3, 6, 13, 3, 0, 2, 2),   # strided and dilated, from 3 channels
 ])
-@pytest.mark.parametrize("rows", [None, 10**6])  # one unfold, or `MAX_CHUNKS` chunks of the batch (most empty)
-def test_unfolded_weight_gradient_runs_blocked(c, m, size, k, pad, stride, dilation, rows):
+def test_unfolded_weight_gradient_in_chunks(c, m, size, k, pad, stride, dilation):
     backward, known = _unfolded_weight_gradient(c, m, size, k, pad, stride, dilation)
-    [conv] = [n for n in backward.graph.node if n.op_type == "Conv"]
-    assert next(a.i for a in conv.attribute if a.name == "group") == c  # the rule's unfold, a group per channel
-    blocked = nchwc.unfolded_weight_grads(backward, known, rows=rows)
-    chunks = 1 if rows is None else nchwc.MAX_CHUNKS
-    assert _blocked(blocked) == chunks and not any(n.op_type in ("Conv", "ReorderOutput") and not n.domain
-                                                   for n in blocked.graph.node)
-    assert [len(n.output) for n in blocked.graph.node if n.op_type == "Split"] == ([chunks] * 2 if rows else [])
-    _check_weight_gradient(backward, blocked, known, c, m, size, k, pad, stride, dilation)
-
-
-@pytest.mark.parametrize("c,m,size,k,pad,stride,dilation,block", [
-    (16, 8, 10, 3, 1, 1, 1, None),  # a 3x3 layer: its unfold stays a grouped Conv, chunked
-    (3, 6, 13, 5, 0, 2, 1, 0),      # a 5x5 one where onnxruntime has no blocked kernels
-])
-def test_unfolded_weight_gradient_in_chunks_unblocked(c, m, size, k, pad, stride, dilation, block):
-    backward, known = _unfolded_weight_gradient(c, m, size, k, pad, stride, dilation)
-    assert nchwc.unfolded_weight_grads(backward, known, block=block) is backward  # no batch expected: as it is
-    chunked = nchwc.unfolded_weight_grads(backward, known, block=block, rows=10**6)
+    assert nchwc.unfolded_weight_grads(backward, known) is backward  # no batch expected: as it is
+    chunked = nchwc.unfolded_weight_grads(backward, known, rows=10**6)
     convs = [n for n in chunked.graph.node if n.op_type == "Conv"]
     assert len(convs) == nchwc.MAX_CHUNKS and not any(n.domain for n in convs)
     assert [len(n.output) for n in chunked.graph.node if n.op_type == "Split"] == [nchwc.MAX_CHUNKS] * 2
@@ -284,31 +264,30 @@ def _check_weight_gradient(backward: onnx.ModelProto, rewritten: onnx.ModelProto
 
 
 def test_unfold_chunks_follow_the_expected_batch():
-    lenet = (1, 32, 28 * 28)  # channels, 25 taps padded to the block, positions: 100 KB a sample
-    assert [nchwc._chunks(rows, *lenet) for rows in (None, 16, 64, 128, 256, 10**6)] == [1, 1, 1, 6, 12, 16]
-    assert nchwc._chunks(256, 1, 32, None) == 1  # positions unknown: one unfold
-    assert nchwc._chunks(64, 3, 32, 28 * 28) == 9  # LeNet on 3x32x32: 19 MB at batch 64
+    layer = (16, 9, 16 * 16)  # channels, 3x3 taps, positions: 147 KB a sample
+    assert [nchwc._chunks(rows, *layer) for rows in (None, 16, 64, 128, 256, 10**6)] == [1, 1, 1, 9, 16, 16]
+    assert nchwc._chunks(256, 16, 9, None) == 1  # positions unknown: one unfold
+    assert nchwc._chunks(64, 16, 9, 32 * 32) == 16  # over 32x32: 38 MB at batch 64
 
 
-@needs_nchwc
-def test_unfolds_of_small_kernels_and_other_constants_stay():
-    small, known = _unfolded_weight_gradient(1, 6, 12, 3, 1, 1, 1)  # 9 taps: the im2col Conv is as fast
-    assert nchwc.unfolded_weight_grads(small, known) is small
-    lenet, _ = _unfolded_weight_gradient(1, 6, 12, 5, 2, 1, 1)
-    assert nchwc.unfolded_weight_grads(lenet, {}, block=0) is lenet
-    shared = onnx.ModelProto()  # the batch sum's axes a constant of the forward (an input of backward)
-    shared.CopyFrom(lenet)
+def test_only_the_rules_unfold_is_chunked():
+    """The batch sum's axes may be a constant of the forward (an input of backward): known, the unfold is chunked,
+    unknown, it stays; a one-hot weight in another order than the unfold's is another Conv."""
+    layer, known = _unfolded_weight_gradient(16, 8, 10, 3, 1, 1, 1)
+    shared = onnx.ModelProto()
+    shared.CopyFrom(layer)
     axes = next(n for n in shared.graph.node if n.op_type == "ReduceSum" and n.input[0].endswith("MatMul")).input[1]
     [init] = [t for t in shared.graph.initializer if t.name == axes]
     shared.graph.initializer.remove(init)
     shared.graph.input.append(helper.make_tensor_value_info(axes, TensorProto.INT64, [1]))
-    assert nchwc.unfolded_weight_grads(shared, {}) is shared
-    assert _blocked(nchwc.unfolded_weight_grads(shared, {axes: onnx.numpy_helper.to_array(init)})) == 1
-    conv = next(n for n in lenet.graph.node if n.op_type == "Conv")
-    onehot = next(t for t in lenet.graph.initializer if t.name == conv.input[1])
+    assert nchwc.unfolded_weight_grads(shared, known, rows=10**6) is shared
+    chunked = nchwc.unfolded_weight_grads(shared, {**known, axes: onnx.numpy_helper.to_array(init)}, rows=10**6)
+    assert sum(n.op_type == "Conv" for n in chunked.graph.node) == nchwc.MAX_CHUNKS
+    conv = next(n for n in layer.graph.node if n.op_type == "Conv")
+    onehot = next(t for t in layer.graph.initializer if t.name == conv.input[1])
     shifted = onnx.numpy_helper.to_array(onehot)[::-1].copy()  # one-hot, but not the unfold's order
     onehot.CopyFrom(onnx.numpy_helper.from_array(shifted, onehot.name))
-    assert nchwc.unfolded_weight_grads(lenet) is lenet
+    assert nchwc.unfolded_weight_grads(layer, known, rows=10**6) is layer
 
 
 def test_no_nchwc_kernels_leaves_the_graph():
@@ -365,9 +344,11 @@ def test_ortmodule_gradients_match_torch_through_blocked_convs():
     session = wrapped.training_sessions()[0]
     config = session.config
     assert _blocked(lowering.forward(session.full.forward, config)) == 3
-    # the input gradients of the 3x3 layers, the first layer's unfold (5x5 from 3 channels) and the last layer's
-    # weight gradient (3x3 over 4x4 positions: the swapped Conv, the batch as its blocked channels)
-    assert _blocked(_lowered_backward(session)) == 4
+    # the input gradients of the 3x3 layers and the last layer's weight gradient (3x3 over 4x4 positions: the
+    # swapped Conv, the batch as its blocked channels); the first layer's (5x5 from 3 channels) gathers its windows
+    lowered = _lowered_backward(session)
+    windows = {t.name for t in lowered.graph.initializer if list(t.dims[:1]) == [25] and len(t.dims) == 2}
+    assert _blocked(lowered) == 3 and any(n.op_type == "Gather" and n.input[1] in windows for n in lowered.graph.node)
 
 
 def _train_like_torch(model: nn.Module, shapes: list[tuple[int, ...]]) -> list:
@@ -399,14 +380,13 @@ def test_ortmodule_weight_gradient_with_the_batch_as_blocked_channels():
     lowered = _lowered_backward(session)
     padded = [n for n in lowered.graph.node if n.op_type == "Mod"]  # (-batch) mod BLOCK zero channels
     assert len(padded) == 1  # (that layer's input gradient stays a ConvTranspose)
-    assert _blocked(lowered) == 2  # and the first layer's unfold (`unfolded_weight_grads`)
+    assert _blocked(lowered) == 1  # (the first layer's gathers its windows)
 
 
-@needs_nchwc
 def test_ortmodule_unfolds_a_large_batch_in_chunks(monkeypatch):
-    """A 5x5 layer from 3 channels over 32x32 at batch 64 unfolds 19 MB (AVX-512's block; 15 with AVX2's): the
-    first call's batch reaches the backward's rewrite, which makes the unfold in chunks of the batch; a later
-    smaller batch runs the same graph with some chunks empty."""
+    """A 3x3 layer from 16 channels over 32x32 at batch 64 unfolds 38 MB: the first call's batch reaches the
+    backward's rewrite, which makes the unfold in chunks of the batch; a later smaller batch runs the same graph
+    with some chunks empty."""
     lowered_backwards = []
     backward = lowering.backward
 
@@ -416,14 +396,14 @@ def test_ortmodule_unfolds_a_large_batch_in_chunks(monkeypatch):
 
     monkeypatch.setattr(lowering, "backward", spy)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6 * 14 * 14, 3))
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 4, 3, padding=1), nn.ReLU(),
+                          nn.MaxPool2d(4), nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
     [session] = _train_like_torch(model, [(64, 3, 32, 32), (5, 3, 32, 32)])
     assert session.rows == 64
-    chunks = nchwc._chunks(64, 3, -(-25 // BLOCK) * BLOCK, 28 * 28)
-    assert chunks > 1
+    chunks = nchwc._chunks(64, 16, 9, 32 * 32)
+    assert chunks > 1 and nchwc._chunks(64, 3, 9, 32 * 32) == 1  # the first layer's unfold stays whole
     [lowered] = lowered_backwards  # the graph the session runs
     assert [len(n.output) for n in lowered.graph.node if n.op_type == "Split"] == [chunks, chunks]
-    assert _blocked(lowered) == chunks
 
 
 @needs_nchwc
