@@ -297,17 +297,20 @@ def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, positi
 
 
 GATHER_MIN_TAPS = 25
-"""Kernels of at least this many taps (5x5) from at most `UNFOLD_MAX_INPUTS` channels gather their windows
+"""Kernels of at least this many taps (5x5) from at most `GATHER_MAX_INPUTS` channels gather their windows
 (`_weight_grad_by_gathering`) rather than unfold them by a one-hot Conv, which multiplies by every tap. Weight
 gradients alone, 2 threads, batch 64 (gathered / one-hot unfold with its bias gradient; torch): 1 -> 6 'same' over
 28x28 0.30 / 0.76 ms (0.20), 3 -> 6 over 32x32 0.79-0.88 / 1.4 (0.45-0.48), 3 -> 32 at batch 32 0.76 / 1.5 (0.37),
 1 -> 16 0.44-0.59 / 0.83 (0.19-0.23), LeNet's at batch 256 1.24 / 2.56 (0.78-0.93); 3x3 kernels unfold faster
 (3 -> 16 over 32x32 1.0 / 0.87, 16 -> 32 over 16x16 1.33 / 1.27)."""
 GATHER_MAX_INPUTS = UNFOLD_MAX_INPUTS
+"""From more channels 5x5 layers keep the Conv with batch and channels swapped: gathering them was level in steps
+(LeNet's second layer, Caffe's, a 16 -> 32 one: 0.99-1.03 of the swapped Conv's step)."""
 GATHER_CHUNK_BYTES = 2 * 1024 * 1024
-"""Each gather holds about this much at a batch of `GATHER_BATCH` (one core's L2 here), so that its product reads
-it from the cache: 3 -> 6 over 32x32 at batch 128, 1 / 2 / 4 / 8 gathers: 3.07 / 2.98 / 1.37 / 1.31 ms."""
 GATHER_BATCH = 64
+"""Each gather holds about `GATHER_CHUNK_BYTES` (one core's L2 here) at a batch of this many samples (the batch is
+symbolic when building), so that its product reads it from the cache: 3 -> 6 over 32x32 at batch 128, positions in
+1 / 2 / 4 / 8 gathers: 3.07 / 2.98 / 1.37 / 1.31 ms."""
 
 
 def _static_spatial(g: Grad, t: str, nd: int) -> list[int] | None:
@@ -326,10 +329,15 @@ def _gathering(g: Grad, win: Window, group: int, channels: int | None, tails: Si
             and not isinstance(win.begin, str) and g.dtype(g.I(0)) in (TensorProto.FLOAT, TensorProto.DOUBLE))
 
 
+def _framed_sizes(win: Window, out_sizes: Sequence[int]) -> list[int]:
+    """The input's sizes framed by the pads and tails: exactly what the windows of `out_sizes` outputs span."""
+    return [(o - 1) * s + win.extent(i) for i, (o, s) in enumerate(zip(out_sizes, win.strides))]
+
+
 def window_indices(win: Window, out_sizes: Sequence[int]) -> np.ndarray:
-    """[taps, positions]: the flat index, in the input framed by the pads and tails, of the element each tap of
-    each output position's window reads (taps and positions in raster order)."""
-    framed = [(o - 1) * s + win.extent(i) for i, (o, s) in enumerate(zip(out_sizes, win.strides))]
+    """[taps, positions]: the flat index, in the framed input (`_framed_sizes`), of the element each tap of each
+    output position's window reads (taps and positions in raster order)."""
+    framed = _framed_sizes(win, out_sizes)
     pitch = [int(np.prod(framed[i + 1:])) for i in range(len(framed))]
     taps = np.zeros(win.kernel, np.int64)
     starts = np.zeros(out_sizes, np.int64)
@@ -349,17 +357,15 @@ def _weight_grad_by_gathering(g: Grad, inp: str, dout: str, win: Window, tails: 
     of about `GATHER_CHUNK_BYTES` at a batch of `GATHER_BATCH`, their products summed. No multiplication by
     one-hot taps, as the unfolding Conv does; a batch-sized row per gathered index."""
     nd = len(win.kernel)
-    taps = int(np.prod(win.kernel))
     framed, pads = _framed(g, inp, win, tails)
     if pads is not None and any(pads):
         framed = g.Pad(framed, g.ints([0, 0, *win.begin, 0, 0, *pads[nd:]]))  # type: ignore[misc]
     index = window_indices(win, out_sizes)
-    taken, positions = index.shape
-    framed_size = int(np.prod([(o - 1) * s + win.extent(i) for i, (o, s) in enumerate(zip(out_sizes, win.strides))]))
+    taps, positions = index.shape
     rows = g.Transpose(g.Reshape(framed, g.ints([0, -1])), perm=[1, 0])  # (C*D, N)
-    rows = g.Reshape(rows, g.ints([channels, framed_size, -1]))
+    rows = g.Reshape(rows, g.ints([channels, int(np.prod(_framed_sizes(win, out_sizes))), -1]))
     dout_t = g.Reshape(g.Transpose(g.Reshape(dout, g.ints([0, -1])), perm=[1, 0]), g.ints([outputs, positions, -1]))
-    per_chunk = max(1, GATHER_CHUNK_BYTES // (channels * taken * GATHER_BATCH * 4))
+    per_chunk = max(1, GATHER_CHUNK_BYTES // (channels * taps * GATHER_BATCH * 4))
     chunks = -(-positions // per_chunk)
     bounds = np.linspace(0, positions, chunks + 1).astype(int)
     parts = []
