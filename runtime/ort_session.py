@@ -7,7 +7,8 @@ its batch statistics in place into its running-stat inputs, constants here (see 
 BatchNorms of equal width would report one's statistics for both); and a step runs thousands of
 times, so the Python wrappers' per-call conversions are skipped. Backward sessions also go without
 onnxruntime's NCHWc layout (`BACKWARD_DISABLED_OPTIMIZERS`). A run on more than one thread parks torch's
-OpenMP workers if they are spinning (`openmp`), so that onnxruntime's threads have the cores.
+OpenMP workers if they are spinning (`openmp`), so that onnxruntime's threads have the cores. Sessions allocate
+from one process-wide arena (`shared_arena`), so that a backward reuses the memory its forward just wrote.
 """
 
 from __future__ import annotations
