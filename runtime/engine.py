@@ -151,7 +151,7 @@ class Schema:
         if w in self.first_sizes and w not in self.pinned:  # a second size: the all-dynamic build
             try:
                 s, key = self._build(self.exported.model, wrt, rows), None
-            except RuleError:
+            except gradbuilder.GradBuilderError:  # a rule refusing run-time sizes, an If only they leave open
                 self.pinned.add(w)
         if s is None:
             try:

@@ -10,6 +10,8 @@ such as attention's 1/sqrt(head size)), and a Reshape target unknown in one entr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import onnx
 from onnx import TensorProto
@@ -23,7 +25,25 @@ Value = tuple[bool, list[int | None]]
 
 
 def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    """Dims of every tensor shape inference types, None for symbolic or unknown ones."""
+    """Dims of every tensor shape inference types, None for symbolic or unknown ones. Constant nodes are read as
+    initializers: inference then sizes what they parametrize (a Slice's starts and ends, as torch exports them)."""
+    constants = [n for n in model.graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                 and len(n.attribute) == 1 and n.attribute[0].name == "value"]
+    if constants:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        ids = {id(n) for n in constants}
+        kept = [n for n in copy.graph.node if not (n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                                                   and len(n.attribute) == 1 and n.attribute[0].name == "value")]
+        for n in constants:
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(n.attribute[0].t)
+            tensor.name = n.output[0]
+            copy.graph.initializer.append(tensor)
+        del copy.graph.node[:]
+        copy.graph.node.extend(kept)
+        model = copy
+        del ids
     try:
         graph = onnx.shape_inference.infer_shapes(model).graph
     except Exception:  # a model inference cannot follow keeps its shape arithmetic
@@ -158,3 +178,110 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
+
+
+COMPARISONS = {"Equal": lambda a, b: a == b, "Greater": lambda a, b: a > b, "Less": lambda a, b: a < b,
+               "GreaterOrEqual": lambda a, b: a >= b, "LessOrEqual": lambda a, b: a <= b}
+
+
+def _conditions(model: onnx.ModelProto) -> dict[str, bool]:
+    """The one-element boolean tensors the known dims decide: comparisons of shape arithmetic (`_evaluate`), and
+    their negations."""
+    graph = model.graph
+    dims = _known_dims(model)
+    values = _constant_values(graph)
+    truth: dict[str, bool] = {}
+    for n in graph.node:
+        if len(n.output) != 1 or n.domain not in ("", "ai.onnx"):
+            continue
+        if n.op_type in COMPARISONS and len(n.input) == 2:
+            a, b = values.get(n.input[0]), values.get(n.input[1])
+            if a is not None and b is not None and len(a[1]) == len(b[1]) == 1 and None not in a[1] + b[1]:
+                truth[n.output[0]] = bool(COMPARISONS[n.op_type](a[1][0], b[1][0]))
+        elif n.op_type == "Not" and n.input[0] in truth:
+            truth[n.output[0]] = not truth[n.input[0]]
+        elif n.op_type == "Slice" and None in dims.get(n.output[0], [None]):
+            sliced = _sliced_dims(dims.get(n.input[0]), [values.get(i) for i in n.input[1:]])
+            if sliced is not None:
+                dims[n.output[0]] = sliced
+        elif n.output[0] not in values:
+            v = _evaluate(n, values, dims)
+            if v is not None and len(v[1]) <= MAX_ELEMENTS:
+                values[n.output[0]] = v
+    return truth
+
+
+def _sliced_dims(shape: list[int | None] | None, args: list[Value | None]) -> list[int | None] | None:
+    """A Slice's output dims from its input's and its starts, ends, axes and steps where those are known (torch
+    exports them computed: inference alone does not size the output); positive steps only."""
+    if shape is None or len(args) < 2 or any(a is None or None in a[1] for a in args):
+        return None
+    starts, ends = args[0][1], args[1][1]
+    axes = args[2][1] if len(args) > 2 else list(range(len(starts)))
+    steps = args[3][1] if len(args) > 3 else [1] * len(starts)
+    out = list(shape)
+    for start, end, axis, step in zip(starts, ends, axes, steps):  # type: ignore[arg-type]
+        n = shape[axis]
+        if n is None or step <= 0:
+            return None
+        first, last = (max(0, min(n, v + n if v < 0 else v)) for v in (start, end))
+        out[axis] = max(0, -(-(last - first) // step))
+    return out
+
+
+def _inlined(branch: onnx.GraphProto, outputs: Sequence[str], taken: set[str]) -> list[onnx.NodeProto] | None:
+    """The branch's nodes for the outer graph: its own tensors renamed fresh, its results written to `outputs`
+    (by an Identity where a result is not made by one of its nodes); None when a node holds a subgraph (its
+    implicit reads would need renaming too)."""
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in branch.node
+           for a in n.attribute):
+        return None
+    results = [o.name for o in branch.output]
+    made = {o for n in branch.node for o in n.output if o}
+    own = made | {t.name for t in branch.initializer}
+    rename = {name: (outputs[results.index(name)] if name in results and name in made
+                     and results.count(name) == 1 else fresh_name(f"{name}/inlined", taken)) for name in own}
+    nodes = []
+    for t in branch.initializer:
+        nodes.append(onnx.helper.make_node("Constant", [], [rename[t.name]], value=t))
+    for n in branch.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(n)
+        copy.input[:] = [rename.get(i, i) for i in n.input]
+        copy.output[:] = [rename.get(o, o) for o in n.output]
+        nodes.append(copy)
+    for result, out in zip(results, outputs):
+        if rename.get(result) != out:
+            nodes.append(onnx.helper.make_node("Identity", [rename.get(result, result)], [out]))
+    return nodes
+
+
+def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every If whose condition the known dims decide replaced by the branch it takes: the legacy exporter writes
+    `squeeze(d)` of a dim it cannot size as If(shape[d] == 1, Squeeze, Identity) (torchaudio's M5 after its global
+    average pool), which the gradient builder cannot differentiate, while the pinned build knows that size. Returns
+    a rewritten copy, or `model` itself when no If is decided."""
+    for _ in range(ROUNDS):
+        graph = model.graph
+        ifs = [n for n in graph.node if n.op_type == "If" and n.domain in ("", "ai.onnx")]
+        if not ifs:
+            return model
+        truth = _conditions(model)
+        taken = names_in_use(graph)
+        replaced: dict[int, list[onnx.NodeProto]] = {}
+        for n in ifs:
+            if n.input[0] in truth:
+                taken_branch = "then_branch" if truth[n.input[0]] else "else_branch"
+                nodes = _inlined(next(a.g for a in n.attribute if a.name == taken_branch), list(n.output), taken)
+                if nodes is not None:
+                    replaced[id(n)] = nodes
+        if not replaced:
+            return model
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        kept = [m for n in graph.node for m in replaced.get(id(n), [n])]
+        outputs = {o.name for o in graph.output}
+        del out.graph.node[:]
+        out.graph.node.extend(drop_dead(kept, [], outputs))
+        model = out
+    return model

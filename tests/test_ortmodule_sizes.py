@@ -150,3 +150,50 @@ def test_small_forwards_run_on_one_thread_until_the_batch_grows() -> None:
     big = ORTModule(_mlp(2048), threads=2)
     big(torch.randn(64, 2048)).sum().backward()
     assert big.training_sessions()[0].config.threads == 2
+
+
+class GlobalPoolSqueeze(nn.Module):
+    """torchaudio's M5 ending: average pool over the whole remaining length, then squeeze(-1), which the legacy
+    exporter writes as If(length == 1, Squeeze, Identity) for a length it cannot size (the pool's kernel is the
+    traced length: one length a model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, 25, stride=4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        return self.head(nn.functional.avg_pool1d(h, h.shape[-1]).squeeze(-1))
+
+
+class FirstStep(nn.Module):
+    """The first step of a sequence, squeezed: the legacy exporter writes If(size == 1, Squeeze, Identity) for
+    the Slice it cannot size; any length runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, 5, stride=2)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x))[..., :1].squeeze(-1))
+
+
+@pytest.mark.parametrize("make,shapes,builds", [
+    (GlobalPoolSqueeze, [(2, 1, 101), (5, 1, 101)], 1),
+    (FirstStep, [(2, 1, 21), (3, 1, 17), (2, 1, 21), (2, 1, 31)], 3),
+], ids=["global-pool", "first-step"])
+def test_a_squeeze_the_known_sizes_decide_trains(make, shapes, builds) -> None:
+    """Pinned to the first call's sizes, the If takes its branch before the gradient build. The all-dynamic build
+    of another size cannot (the builder differentiates no control flow), so each size gets a pinned build."""
+    model = make()
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    for shape in shapes:
+        x = torch.randn(shape)
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {shape}")
+    assert om.stats == {"exports": 1, "builds": builds, "fallbacks": 0}

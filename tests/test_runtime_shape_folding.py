@@ -99,3 +99,39 @@ def test_integer_arithmetic_folds_as_onnxruntime_computes_it(op):
     _, got = shape_folding._elementwise(op, (False, a.tolist()), (False, b.tolist()))
     for w, g, k in zip(want.tolist(), got, keep):
         assert g == (w if k else None)
+
+
+def _squeeze_if(length) -> onnx.ModelProto:
+    """x [batch, 4, length] -> Relu -> squeeze(-1) as the legacy exporter writes it for a dim it cannot size:
+    If(shape[-1] == 1, Squeeze, Identity), each branch reading the outer Relu."""
+    n = helper.make_node
+    then = helper.make_graph([n("Squeeze", ["r", "axes"], ["s"])], "then", [],
+                             [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)], [_ints("axes", [-1])])
+    other = helper.make_graph([n("Identity", ["r"], ["i"])], "else", [],
+                              [helper.make_tensor_value_info("i", TensorProto.FLOAT, None)])
+    nodes = [n("Relu", ["x"], ["r"]), n("Shape", ["r"], ["shape"]), n("Gather", ["shape", "last"], ["size"], axis=0),
+             n("Equal", ["size", "one"], ["is_one"]),
+             n("If", ["is_one"], ["y"], then_branch=then, else_branch=other)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, length])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [_ints("last", -1), _ints("one", 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("length,kept", [(1, "Squeeze"), (5, "Identity")])
+def test_ifs_the_known_sizes_decide_are_replaced_by_their_branch(length, kept):
+    model = _squeeze_if(length)
+    inlined = shape_folding.inline_constant_ifs(model)
+    ops = [n.op_type for n in inlined.graph.node]
+    assert "If" not in ops and kept in ops and ops[-1] == kept and inlined.graph.node[-1].output[0] == "y"
+    x = np.random.default_rng(0).standard_normal((3, 4, length)).astype(np.float32)
+    sized_at_run_time = _squeeze_if("length")  # onnxruntime refuses the static one: a branch it cannot take
+    want = ort.InferenceSession(sized_at_run_time.SerializeToString()).run(None, {"x": x})[0]
+    got = ort.InferenceSession(inlined.SerializeToString()).run(None, {"x": x})[0]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_ifs_left_open_stay():
+    model = _squeeze_if("length")  # the size is only known at run time
+    assert shape_folding.inline_constant_ifs(model) is model
