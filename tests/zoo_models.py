@@ -285,6 +285,29 @@ class NormUNet(nn.Module):
         return self.out(y + F.interpolate(b, size=a.shape[2:], mode="nearest")[:, :8])
 
 
+class M5(nn.Module):
+    """torchaudio's speech-command tutorial net, smaller: an 80-tap strided first Conv1d over raw audio, Conv-BN-
+    ReLU-pool blocks, then an average pool over the whole remaining length squeezed away (the legacy exporter
+    writes that squeeze as an If on the length) and log-probabilities."""
+
+    def __init__(self, classes: int = 5, width: int = 8):
+        super().__init__()
+        blocks: list[nn.Module] = []
+        for cin, cout, k, stride in ((1, width, 80, 16), (width, width, 3, 1), (width, 2 * width, 3, 1)):
+            blocks += [nn.Conv1d(cin, cout, k, stride=stride), nn.BatchNorm1d(cout), nn.ReLU(), nn.MaxPool1d(4)]
+        self.features = nn.Sequential(*blocks)
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        x = self.features(audio)
+        x = F.avg_pool1d(x, x.shape[-1]).squeeze(-1)
+        return F.log_softmax(self.head(x), dim=-1)
+
+
+def audio_batch(g: torch.Generator) -> Batch:
+    return {"audio": torch.randn(4, 1, 2000, generator=g), "labels": torch.randint(0, 5, (4,), generator=g)}
+
+
 # --- LSTM sequence classifier --------------------------------------------------------------------------
 class Siamese(nn.Module):
     """One encoder (Conv-BatchNorm-ReLU, a pool, a projection) applied to both images of a pair: its BatchNorm
@@ -464,6 +487,7 @@ CASES: dict[str, Case] = {
     "unet": Case(TinyUNet, _masks, _classify("images")),
     "unet-norms": Case(NormUNet, _masks, _classify("images")),
     "siamese": Case(Siamese, pairs_batch, contrastive_loss),
+    "m5-audio": Case(M5, audio_batch, lambda m, b: F.nll_loss(m(b["audio"]), b["labels"])),
     "lstm": Case(LSTMClassifier, lambda g: padded_tokens(g, 4, 9, 40, 4), _classify("tokens")),
     "lstm-packed": Case(PackedLSTM, packed_batch,
                         lambda m, b: F.cross_entropy(m(b["tokens"], b["lengths"]), b["labels"])),
