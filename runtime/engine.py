@@ -80,7 +80,7 @@ class Schema:
     Fallback for the few rules that need a static size (Einsum broadcasting a symbolic dim of an ellipsis,
     GatherND's index depth, ConvTranspose's output_shape, Resize's keep_aspect_ratio_policy): when the
     dynamic build raises a RuleError, that set of tensors keeps a pinned build per size (a new size
-    rebuilds, it does not re-export).
+    rebuilds, it does not re-export). Each new size is first checked against the export (`Engine._new_sizes`).
     """
 
     def __init__(self, exported: Exported, options: Options, save_dir: Path | None):
@@ -94,6 +94,8 @@ class Schema:
         """Sets of tensors whose all-dynamic build a rule refused: a pinned build per size."""
         self.first_sizes: dict[frozenset[str], tuple[tuple[int, ...], ...]] = {}
         """The sizes each set's first (pinned) build was made for."""
+        self.sizes_seen: set[tuple[tuple[int, ...], ...]] = set()
+        """Every call's input sizes but the batch, once checked against this export (`Engine._new_sizes`)."""
         types = {o.name: o.type.tensor_type.elem_type for o in exported.model.graph.output}
         float_types = gradbuilder.graph.FLOAT_TYPES
         self.float_outputs = [n for n in exported.outputs if types.get(n, 0) in float_types or not types.get(n)]
@@ -189,6 +191,14 @@ def _rows(shapes: dict[str, tuple[int, ...]]) -> int | None:
 _FALLBACK = object()
 
 
+def _same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
+    """The same nodes (attributes and subgraphs included) and initializers, whatever the declared sizes."""
+    return (len(a.graph.node) == len(b.graph.node) and len(a.graph.initializer) == len(b.graph.initializer)
+            and all(x.SerializeToString() == y.SerializeToString() for x, y in zip(a.graph.node, b.graph.node))
+            and all(x.SerializeToString() == y.SerializeToString()
+                    for x, y in zip(a.graph.initializer, b.graph.initializer)))
+
+
 class Engine:
     """The state of one ORTModule: cached schemas, parameter OrtValues, counters."""
 
@@ -207,6 +217,8 @@ class Engine:
         self._module_list: list[nn.Module] | None = None
         self._positional: dict[int, Any] = {}
         self._warned_autocast = False
+        self.per_size = False
+        """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
 
     def sessions(self) -> list[TrainingSession]:
         return [s for schema in self.schemas.values() if isinstance(schema, Schema) for s in schema.sessions.values()]
@@ -235,10 +247,15 @@ class Engine:
             kinds.append((t.dtype, t.dim()))
         if self._module_list is None:
             self._module_list = list(self.module.modules())
-        key = (in_spec, tuple(kinds), tuple([m.training for m in self._module_list]), self.version)
+        key: Hashable = (in_spec, tuple(kinds), tuple([m.training for m in self._module_list]), self.version)
+        sizes = tuple([tuple(t.shape[1:]) for t in leaves])
+        if self.per_size:
+            key = (key, sizes)
         schema = self.schemas.get(key)
         if schema is None:
             schema = self._new_schema(key, in_spec, leaves)
+        if schema is not _FALLBACK and sizes not in schema.sizes_seen:
+            schema = self._new_sizes(key, schema, in_spec, leaves, sizes)
         if schema is _FALLBACK:
             return self.module(*args, **kwargs)
         ex: Exported = schema.exported
@@ -316,6 +333,40 @@ class Engine:
             schema.sparse = self._sparse_names(exported)
         self.schemas[key] = schema
         return schema
+
+    def _new_sizes(self, key: Hashable, schema: Schema, in_spec: Any, leaves: list[torch.Tensor],
+                   sizes: tuple[tuple[int, ...], ...]) -> Any:
+        """A call of input sizes (the batch aside) the schema's export has not seen: exported again at them, the
+        same graph serves them (its sizes are run-time ones, as exported). Another graph means the module's code
+        turned its input sizes into constants the trace kept (a pool's kernel from `x.shape[-1]`, a branch on a
+        size), which would silently compute something else at these sizes: from then on every size gets an export
+        of its own (warned once)."""
+        if not schema.sizes_seen:
+            schema.sizes_seen.add(sizes)
+            return schema
+        try:
+            exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
+        except ExportError as e:
+            return self._fail(e, f"export at new input sizes {list(sizes)}")
+        if _same_graph(exported.model, schema.exported.model):
+            schema.sizes_seen.add(sizes)
+            return schema
+        if not self.per_size:
+            warnings.warn(f"ORTModule({self.name}): exported at input sizes {list(sizes)}, the graph differs from "
+                          f"its export at {list(next(iter(schema.sizes_seen)))}: the module's code turns input sizes "
+                          "into constants (a pool's kernel from x.shape, a Python branch on a size), so each input "
+                          "size gets its own export and gradient build.", RuntimeWarning, stacklevel=4)
+            self.per_size = True
+            self.schemas = {(k, seen): old for k, old in self.schemas.items() if isinstance(old, Schema)
+                            for seen in old.sizes_seen}
+            key = (key, sizes)
+        self.stats["exports"] += 1
+        fresh = Schema(exported, self.options, None if self.options.save_dir is None else
+                       self.options.save_dir / f"{self.name}_{len(self.schemas)}")
+        fresh.sparse = self._sparse_names(exported)
+        fresh.sizes_seen.add(sizes)
+        self.schemas[key] = fresh
+        return fresh
 
     def _sparse_names(self, exported: Exported) -> frozenset[str]:
         """Graph names of the weights of embeddings with `sparse=True` that no other module shares: torch gives

@@ -197,3 +197,25 @@ def test_a_squeeze_the_known_sizes_decide_trains(make, shapes, builds) -> None:
         for (name, p), q in zip(om.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {shape}")
     assert om.stats == {"exports": 1, "builds": builds, "fallbacks": 0}
+
+
+def test_sizes_the_trace_turned_into_constants_get_an_export_each() -> None:
+    """GlobalPoolSqueeze's pool kernel is the traced length: at a length whose pooled length differs, the one export
+    would average the wrong span, silently. Each new size is exported again and compared: the same graph (103
+    samples pool to 20 as 101 do) serves it; another (81: 15) makes every size get its own export, warned once."""
+    model = GlobalPoolSqueeze()
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    expected = [(101, 1), (103, 1), (81, 2), (101, 2), (61, 3)]  # (length, exports so far)
+    with pytest.warns(RuntimeWarning, match="turns input sizes into constants") as caught:
+        for length, exports in expected:
+            x = torch.randn(2, 1, length)
+            for m in (om, ref):
+                m.zero_grad()
+                m(x).square().sum().backward()
+            for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {length}")
+            assert om.stats["exports"] == exports, length
+    assert sum("turns input sizes into constants" in str(w.message) for w in caught) == 1
+    with torch.no_grad():  # inference at a fourth length takes its own export too
+        torch.testing.assert_close(om(torch.ones(1, 1, 141)), ref(torch.ones(1, 1, 141)), rtol=1e-5, atol=1e-6)
+    assert om.stats["exports"] == 4
