@@ -219,3 +219,16 @@ def test_sizes_the_trace_turned_into_constants_get_an_export_each() -> None:
     with torch.no_grad():  # inference at a fourth length takes its own export too
         torch.testing.assert_close(om(torch.ones(1, 1, 141)), ref(torch.ones(1, 1, 141)), rtol=1e-5, atol=1e-6)
     assert om.stats["exports"] == 4
+
+
+def test_an_export_the_same_at_enough_sizes_serves_every_size(monkeypatch) -> None:
+    """Sizes are checked until `SIZE_CHECKS` new ones were all the same graph; then the export serves the rest
+    without exporting again (a model padding each batch to its longest sequence meets many lengths)."""
+    monkeypatch.setattr(engine, "SIZE_CHECKS", 2)
+    exports = []
+    real = engine.export
+    monkeypatch.setattr(engine, "export", lambda *a, **k: exports.append(1) or real(*a, **k))
+    om = ORTModule(TextCNN())
+    for length in (7, 8, 9, 10, 11, 12):
+        om(torch.randn(2, 4, length)).sum().backward()
+    assert len(exports) == 3 and om.stats["exports"] == 1  # the first, then lengths 8 and 9 compared
