@@ -347,8 +347,8 @@ class Engine:
         turned its input sizes into constants the trace kept (a pool's kernel from `x.shape[-1]`, a branch on a
         size), which would silently compute something else at these sizes: from then on every size gets an export
         of its own (warned once). After `SIZE_CHECKS` sizes all the same graph, the export serves every size."""
-        if not schema.sizes_seen or len(schema.sizes_seen) > SIZE_CHECKS:
-            schema.sizes_seen.add(sizes)
+        if not schema.sizes_seen or len(schema.sizes_seen) > SIZE_CHECKS or self.options.export.exporter == "dynamo":
+            schema.sizes_seen.add(sizes)  # (dynamo fixes any size its graph depends on in the input types: loud)
             return schema
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
