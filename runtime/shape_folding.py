@@ -24,17 +24,20 @@ Value = tuple[bool, list[int | None]]
 """(is a scalar, elements, None where unknown)."""
 
 
+def _is_constant(n: onnx.NodeProto) -> bool:
+    """A Constant node holding a tensor (`value`)."""
+    return n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1 \
+        and n.attribute[0].name == "value"
+
+
 def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """Dims of every tensor shape inference types, None for symbolic or unknown ones. Constant nodes are read as
     initializers: inference then sizes what they parametrize (a Slice's starts and ends, as torch exports them)."""
-    constants = [n for n in model.graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
-                 and len(n.attribute) == 1 and n.attribute[0].name == "value"]
+    constants = [n for n in model.graph.node if _is_constant(n)]
     if constants:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        ids = {id(n) for n in constants}
-        kept = [n for n in copy.graph.node if not (n.op_type == "Constant" and n.domain in ("", "ai.onnx")
-                                                   and len(n.attribute) == 1 and n.attribute[0].name == "value")]
+        kept = [n for n in copy.graph.node if not _is_constant(n)]
         for n in constants:
             tensor = onnx.TensorProto()
             tensor.CopyFrom(n.attribute[0].t)
@@ -43,7 +46,6 @@ def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         del copy.graph.node[:]
         copy.graph.node.extend(kept)
         model = copy
-        del ids
     try:
         graph = onnx.shape_inference.infer_shapes(model).graph
     except Exception:  # a model inference cannot follow keeps its shape arithmetic
