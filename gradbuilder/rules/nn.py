@@ -232,7 +232,7 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, like: str, win: Win
     """
     nd = len(win.kernel)
     out_sizes = _static_spatial(g, like, nd)
-    if out_sizes is not None and outputs is not None and _gathering(g, win, group, per_group, tails):
+    if out_sizes is not None and outputs is not None and _gathering(g, win, group, per_group, tails, out_sizes):
         return _weight_grad_by_gathering(g, inp, dout, win, tails, per_group, outputs, out_sizes)
     if positions is not None and _unfolding(g, inp, win, group, per_group, positions):
         return _weight_grad_by_unfolding(g, inp, dout, win, tails, per_group, outputs, positions)
@@ -320,12 +320,15 @@ def _static_spatial(g: Grad, t: str, nd: int) -> list[int] | None:
     return [int(d) for d in shape[2:]]
 
 
-def _gathering(g: Grad, win: Window, group: int, channels: int | None, tails: Sizes) -> bool:
+def _gathering(g: Grad, win: Window, group: int, channels: int | None, tails: Sizes, out_sizes: Sequence[int]
+               ) -> bool:
     """Whether the weight gradient gathers the input's windows: ungrouped, float or double (the node's input:
     a ConvTranspose's windows run over dY, whose type may not be known yet), static pads and tails, a large
-    kernel over few input channels."""
-    return (group == 1 and channels is not None and channels <= GATHER_MAX_INPUTS
-            and int(np.prod(win.kernel)) >= GATHER_MIN_TAPS and not isinstance(tails, str)
+    kernel over few input channels, and at most `UNFOLD_MAX_ELEMENTS` gathered a sample (a ResNet stem over
+    224x224 would gather 1.8M in 229 chunks: it takes the swapped Conv)."""
+    taps = int(np.prod(win.kernel))
+    return (group == 1 and channels is not None and channels <= GATHER_MAX_INPUTS and taps >= GATHER_MIN_TAPS
+            and channels * taps * int(np.prod(out_sizes)) <= UNFOLD_MAX_ELEMENTS and not isinstance(tails, str)
             and not isinstance(win.begin, str) and g.dtype(g.I(0)) in (TensorProto.FLOAT, TensorProto.DOUBLE))
 
 
