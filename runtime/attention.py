@@ -7,12 +7,13 @@ result twice more on its way back to [B, T, d]. Eager torch makes most of those 
 each a copy (of a [B, T, d] tensor, or three of them), in the forward and again in the backward.
 
 While the runtime exports, `lean_attention` has the self-attention that `nn.TransformerEncoderLayer` and
-decoder-style models run (batch first, packed projection weights, no key padding mask, no attention weights
-returned) computed the way it is defined instead: one product by the packed weight, split into q, k and v, each
-viewed as [B, T, H, dh] and transposed once to [B, H, T, dh] for `scaled_dot_product_attention` (whose export
-transposes k once more; onnxruntime merges the two), and the result transposed once back. The views take their
-sizes from the input, so the export's shape arithmetic folds. Same values, masks, dropout and causal flag as
-torch's forward; every other call runs torch's own forward.
+decoder-style models run (batch first, packed projection weights, a key padding mask of [B, T] or none, no
+attention weights returned) computed the way it is defined instead: one product by the packed weight, split into
+q, k and v, each viewed as [B, T, H, dh] and transposed once to [B, H, T, dh] for `scaled_dot_product_attention`
+(whose export transposes k once more; onnxruntime merges the two), and the result transposed once back. The views
+take their sizes from the input, so the export's shape arithmetic folds and one export serves every length (torch's
+own forward with a key padding mask reshapes by the length it was traced at). Same values, masks, dropout and
+causal flag as torch's forward; every other call runs torch's own forward.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def lean_attention() -> Iterator[None]:
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if _lean(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
-            return _forward(self, query, attn_mask, is_causal), None
+            return _forward(self, query, attn_mask, is_causal, key_padding_mask), None
         return original(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                         is_causal)
 
@@ -51,23 +52,34 @@ def _lean(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, valu
           key_padding_mask: torch.Tensor | None, need_weights: bool, attn_mask: torch.Tensor | None,
           is_causal: bool) -> bool:
     """Whether `_forward` computes this call: batched self-attention, batch first, packed projections without
-    extra key/value biases, no key padding mask, no weights returned, a mask of [T, T] or [B*H, T, T] (its sizes
-    are checked in `_forward`, as torch checks them) and one given with the causal flag, as torch requires."""
+    extra key/value biases, no weights returned, a key padding mask of [B, T] or none, a mask of [T, T] or
+    [B*H, T, T] (their sizes are checked in `_forward`, as torch checks them) and one given with the causal flag,
+    as torch requires."""
     if not (m.batch_first and m._qkv_same_embed_dim and m.in_proj_weight is not None and m.bias_k is None
-            and m.bias_v is None and not m.add_zero_attn and key_padding_mask is None and not need_weights
-            and query.dim() == 3 and query is key and key is value):
+            and m.bias_v is None and not m.add_zero_attn and not need_weights
+            and query.dim() == 3 and query is key and key is value
+            and (key_padding_mask is None or key_padding_mask.dim() == 2)):
         return False
     return attn_mask is not None if is_causal else attn_mask is None or attn_mask.dim() in (2, 3)
 
 
-def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None,
-             is_causal: bool) -> torch.Tensor:
+def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+             key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Self-attention of x [B, T, d] as `F.multi_head_attention_forward` computes it for these calls, with one
-    transpose each for q, k, v and the result."""
+    transpose each for q, k, v and the result. A key padding mask is added to the mask as [B, 1, 1, T] (torch
+    expands it to every head first: the same sums, broadcast)."""
     heads, width = m.num_heads, m.head_dim
     batch, length, _ = x.shape
     packed = F.linear(x, m.in_proj_weight, m.in_proj_bias)  # [B, T, 3d]: one product
     q, k, v = (t.view(batch, length, heads, width).transpose(1, 2) for t in packed.split(m.embed_dim, dim=-1))
+    padding = None
+    if key_padding_mask is not None:
+        padding = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
+                                    other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
+                                    target_type=x.dtype)
+        _check_mask(padding, (batch, length), "key_padding_mask")
+        padding = padding.view(batch, 1, 1, length)
+        is_causal = False  # torch's rule: the merged mask is no longer causal; the mask given with the flag serves
     if is_causal:  # torch's rule without a key padding mask or weights: the causal flag stands for the mask
         mask = None
     else:
@@ -77,15 +89,21 @@ def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor 
             _check_mask(mask, (length, length) if mask.dim() == 2 else (batch * heads, length, length))
             if mask.dim() == 3:  # one for every sample and head
                 mask = mask.view(batch, heads, length, length)
+        if padding is not None:
+            mask = padding if mask is None else mask + padding
     out = F.scaled_dot_product_attention(q, k, v, mask, m.dropout if m.training else 0.0, is_causal)
     return F.linear(out.transpose(1, 2).reshape(batch, length, m.embed_dim), m.out_proj.weight, m.out_proj.bias)
 
 
-def _check_mask(mask: torch.Tensor, want: tuple) -> None:
+def _check_mask(mask: torch.Tensor, want: tuple, name: str = "attn_mask") -> None:
     """torch's own error (`F.multi_head_attention_forward`'s) for a mask of other sizes. While tracing, sizes
     compare as traced values and the result is baked into the export, as it is for torch's own checks; the
     tracer's warning about it is for the caller's code, so it is silenced here."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         if mask.shape != want:
+            if name != "attn_mask":  # torch asserts this one, dim by dim
+                dim = next(i for i, (n, w) in enumerate(zip(mask.shape, want)) if n != w)
+                raise AssertionError(f"Expected key_padded_mask.shape[{dim}] to be {want[dim]}, but got "
+                                     f"{mask.shape[dim]}")
             raise RuntimeError(f"The shape of the {mask.dim()}D attn_mask is {mask.shape}, but should be {want}.")

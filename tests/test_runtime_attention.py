@@ -10,6 +10,7 @@ import onnx
 import pytest
 import torch
 from torch import nn
+from zoo_models import PaddedEncoder, padded_tokens
 
 from runtime import ORTModule, attention
 
@@ -18,10 +19,15 @@ B, T, D, H = 3, 5, 12, 3
 
 def _mask(kind: str) -> dict:
     causal = nn.Transformer.generate_square_subsequent_mask(T, dtype=torch.float64)
+    padding = torch.arange(T) >= torch.tensor([T, T - 2, 2]).unsqueeze(1)  # [B, T]: True past each length
+    per_head = torch.randn(B * H, T, T, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     return {"none": {}, "float": {"attn_mask": causal}, "causal": {"attn_mask": causal, "is_causal": True},
             "bool": {"attn_mask": torch.rand(T, T, generator=torch.Generator().manual_seed(1)) > 0.6},
-            "per-head": {"attn_mask": torch.randn(B * H, T, T, dtype=torch.float64,
-                                                  generator=torch.Generator().manual_seed(2))}}[kind]
+            "per-head": {"attn_mask": per_head},
+            "padding": {"key_padding_mask": padding},
+            "padding-float": {"key_padding_mask": torch.zeros(B, T, dtype=torch.float64).masked_fill(padding, -1e9)},
+            "padding-causal": {"attn_mask": causal, "is_causal": True, "key_padding_mask": padding},
+            "padding-per-head": {"attn_mask": per_head, "key_padding_mask": padding}}[kind]
 
 
 def _run(m: nn.MultiheadAttention, x: torch.Tensor, lean: bool, **kw) -> tuple[torch.Tensor, ...]:
@@ -37,7 +43,8 @@ def _run(m: nn.MultiheadAttention, x: torch.Tensor, lean: bool, **kw) -> tuple[t
     return out.detach(), weights, x.grad, *[p.grad for p in m.parameters()]
 
 
-@pytest.mark.parametrize("mask", ["none", "float", "causal", "bool", "per-head"])
+@pytest.mark.parametrize("mask", ["none", "float", "causal", "bool", "per-head", "padding", "padding-float",
+                                  "padding-causal", "padding-per-head"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("training", [True, False])
 def test_lean_forward_computes_torchs(mask: str, bias: bool, training: bool, monkeypatch) -> None:
@@ -56,17 +63,15 @@ def test_lean_forward_computes_torchs(mask: str, bias: bool, training: bool, mon
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["weights", "padding", "sequence-first", "cross", "bias_kv"])
+@pytest.mark.parametrize("case", ["weights", "sequence-first", "cross", "bias_kv"])
 def test_other_calls_run_torchs_forward(case: str, monkeypatch) -> None:
-    """Attention weights asked for, a key padding mask, sequence-first inputs, cross-attention and extra key/value
-    biases: torch's own forward runs, with its results."""
+    """Attention weights asked for, sequence-first inputs, cross-attention and extra key/value biases: torch's own
+    forward runs, with its results."""
     torch.manual_seed(0)
     m = nn.MultiheadAttention(D, H, batch_first=case != "sequence-first", add_bias_kv=case == "bias_kv").double()
     x = torch.randn(B, T, D, dtype=torch.float64)
     monkeypatch.setattr(attention, "_forward", lambda *a: pytest.fail("the lean forward ran"))
     kw = {"need_weights": case == "weights"}
-    if case == "padding":
-        kw["key_padding_mask"] = torch.zeros(B, T, dtype=torch.bool)
     if case == "cross":
         y = torch.randn(B, T, D, dtype=torch.float64)
         with attention.lean_attention():
@@ -79,15 +84,17 @@ def test_other_calls_run_torchs_forward(case: str, monkeypatch) -> None:
             torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("shape", [(T, T + 1), (B, T, T), (1, T, T)])
-def test_masks_of_other_sizes_refused_as_torch_does(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("name,shape", [("attn_mask", (T, T + 1)), ("attn_mask", (B, T, T)), ("attn_mask", (1, T, T)),
+                                        ("key_padding_mask", (B, T + 1)), ("key_padding_mask", (1, T))])
+def test_masks_of_other_sizes_refused_as_torch_does(name: str, shape: tuple[int, ...]) -> None:
     """A mask of sizes torch refuses is refused with torch's error."""
     m = nn.MultiheadAttention(D, H, batch_first=True)
     x = torch.randn(B, T, D)
-    with pytest.raises(RuntimeError) as want:
-        m(x, x, x, need_weights=False, attn_mask=torch.zeros(shape))
-    with attention.lean_attention(), pytest.raises(RuntimeError) as got:
-        m(x, x, x, need_weights=False, attn_mask=torch.zeros(shape))
+    kind = RuntimeError if name == "attn_mask" else AssertionError
+    with pytest.raises(kind) as want:
+        m(x, x, x, need_weights=False, **{name: torch.zeros(shape)})
+    with attention.lean_attention(), pytest.raises(kind) as got:
+        m(x, x, x, need_weights=False, **{name: torch.zeros(shape)})
     assert str(got.value) == str(want.value)
 
 
@@ -125,3 +132,21 @@ def test_encoder_exports_five_activation_transposes_a_layer(tmp_path) -> None:
     params = {i.name for i in exported.graph.input if "." in i.name}
     activations = [n for n in exported.graph.node if n.op_type == "Transpose" and n.input[0] not in params]
     assert len(activations) == 5 * 2, [n.name for n in activations]
+
+
+def test_an_encoder_with_a_key_padding_mask_exports_once_for_every_length() -> None:
+    """nn.TransformerEncoder over padded batches of three lengths: the lean forward takes the key padding mask,
+    so one export serves every length (torch's own forward reshaped by the traced length: onnxruntime refused
+    other lengths, then every length needed an export of its own), with torch's gradients."""
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    reference, wrapped = copy.deepcopy(model), ORTModule(model)
+    g = torch.Generator().manual_seed(0)
+    for length in (10, 12, 9):
+        batch = padded_tokens(g, length=length)
+        for m in (wrapped, reference):
+            m.zero_grad()
+            nn.functional.cross_entropy(m(batch["tokens"], batch["padding"]), batch["labels"]).backward()
+        for p, q in zip(wrapped.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert wrapped.stats == {"exports": 1, "builds": 2, "fallbacks": 0}
