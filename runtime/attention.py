@@ -7,8 +7,9 @@ result twice more on its way back to [B, T, d]. Eager torch makes most of those 
 each a copy (of a [B, T, d] tensor, or three of them), in the forward and again in the backward.
 
 While the runtime exports, `lean_attention` has the self-attention that `nn.TransformerEncoderLayer` and
-decoder-style models run (batch first, packed projection weights, a key padding mask of [B, T] or none, no
-attention weights returned) computed the way it is defined instead: one product by the packed weight, split into
+decoder-style models run, and `nn.TransformerDecoderLayer`'s attention to its memory (batch first, packed
+projection weights, a key padding mask or none, no attention weights returned) computed the way it is defined
+instead: one product by the packed weight, split into
 q, k and v, each viewed as [B, T, H, dh] and transposed once to [B, H, T, dh] for `scaled_dot_product_attention`
 (whose export transposes k once more; onnxruntime merges the two), and the result transposed once back. The views
 take their sizes from the input, so the export's shape arithmetic folds and one export serves every length (torch's
@@ -37,7 +38,7 @@ def lean_attention() -> Iterator[None]:
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if _lean(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
-            return _forward(self, query, attn_mask, is_causal, key_padding_mask), None
+            return _forward(self, query, key, attn_mask, is_causal, key_padding_mask), None
         return original(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                         is_causal)
 
@@ -51,34 +52,44 @@ def lean_attention() -> Iterator[None]:
 def _lean(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           key_padding_mask: torch.Tensor | None, need_weights: bool, attn_mask: torch.Tensor | None,
           is_causal: bool) -> bool:
-    """Whether `_forward` computes this call: batched self-attention, batch first, packed projections without
-    extra key/value biases, no weights returned, a key padding mask of [B, T] or none, a mask of [T, T] or
-    [B*H, T, T] (their sizes are checked in `_forward`, as torch checks them) and one given with the causal flag,
-    as torch requires."""
+    """Whether `_forward` computes this call: batched self-attention or attention to one memory (key is value, a
+    decoder's cross-attention), batch first, packed projections without extra key/value biases, no weights
+    returned, a key padding mask of [B, S] or none, a mask of [T, S] or [B*H, T, S] (their sizes are checked in
+    `_forward`, as torch checks them) and one given with the causal flag, as torch requires."""
     if not (m.batch_first and m._qkv_same_embed_dim and m.in_proj_weight is not None and m.bias_k is None
             and m.bias_v is None and not m.add_zero_attn and not need_weights
-            and query.dim() == 3 and query is key and key is value
+            and query.dim() == 3 and key.dim() == 3 and key is value
             and (key_padding_mask is None or key_padding_mask.dim() == 2)):
         return False
     return attn_mask is not None if is_causal else attn_mask is None or attn_mask.dim() in (2, 3)
 
 
-def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-             key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Self-attention of x [B, T, d] as `F.multi_head_attention_forward` computes it for these calls, with one
-    transpose each for q, k, v and the result. A key padding mask is added to the mask as [B, 1, 1, T] (torch
-    expands it to every head first: the same sums, broadcast)."""
-    heads, width = m.num_heads, m.head_dim
+def _forward(m: nn.MultiheadAttention, x: torch.Tensor, memory: torch.Tensor, attn_mask: torch.Tensor | None,
+             is_causal: bool, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of x [B, T, d] to itself or to a memory [B, S, d] as `F.multi_head_attention_forward` computes it
+    for these calls, with one transpose each for q, k, v and the result: self-attention projects q, k and v in one
+    product, cross-attention q alone and k, v from the memory in another, as torch does. A key padding mask is
+    added to the mask as [B, 1, 1, S] (torch expands it to every head first: the same sums, broadcast)."""
+    heads, width, d = m.num_heads, m.head_dim, m.embed_dim
     batch, length, _ = x.shape
-    packed = F.linear(x, m.in_proj_weight, m.in_proj_bias)  # [B, T, 3d]: one product
-    q, k, v = (t.view(batch, length, heads, width).transpose(1, 2) for t in packed.split(m.embed_dim, dim=-1))
+    if memory is x:
+        packed = F.linear(x, m.in_proj_weight, m.in_proj_bias)  # [B, T, 3d]: one product
+        q, k, v = (t.view(batch, length, heads, width).transpose(1, 2) for t in packed.split(d, dim=-1))
+        span = length
+    else:
+        bias = m.in_proj_bias
+        span = memory.shape[1]
+        q = F.linear(x, m.in_proj_weight[:d], None if bias is None else bias[:d])
+        kv = F.linear(memory, m.in_proj_weight[d:], None if bias is None else bias[d:])  # [B, S, 2d]
+        q = q.view(batch, length, heads, width).transpose(1, 2)
+        k, v = (t.view(batch, span, heads, width).transpose(1, 2) for t in kv.split(d, dim=-1))
     padding = None
     if key_padding_mask is not None:
         padding = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
                                     other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
                                     target_type=x.dtype)
-        _check_mask(padding, (batch, length), "key_padding_mask")
-        padding = padding.view(batch, 1, 1, length)
+        _check_mask(padding, (batch, span), "key_padding_mask")
+        padding = padding.view(batch, 1, 1, span)
         is_causal = False  # torch's rule: the merged mask is no longer causal; the mask given with the flag serves
     if is_causal:  # torch's rule without a key padding mask or weights: the causal flag stands for the mask
         mask = None
@@ -86,9 +97,9 @@ def _forward(m: nn.MultiheadAttention, x: torch.Tensor, attn_mask: torch.Tensor 
         mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
                                  target_type=x.dtype, check_other=False)
         if mask is not None:
-            _check_mask(mask, (length, length) if mask.dim() == 2 else (batch * heads, length, length))
+            _check_mask(mask, (length, span) if mask.dim() == 2 else (batch * heads, length, span))
             if mask.dim() == 3:  # one for every sample and head
-                mask = mask.view(batch, heads, length, length)
+                mask = mask.view(batch, heads, length, span)
         if padding is not None:
             mask = padding if mask is None else mask + padding
     out = F.scaled_dot_product_attention(q, k, v, mask, m.dropout if m.training else 0.0, is_causal)

@@ -3,6 +3,7 @@ the result, computing what torch computes; every other call left to torch's own 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -63,20 +64,51 @@ def test_lean_forward_computes_torchs(mask: str, bias: bool, training: bool, mon
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["weights", "sequence-first", "cross", "bias_kv"])
+@pytest.mark.parametrize("mask", ["none", "float", "per-head", "padding", "padding-float"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_lean_cross_attention_computes_torchs(mask: str, bias: bool, monkeypatch) -> None:
+    """Attention of x [B, T, d] to a memory [B, S, d] (a decoder's cross-attention, S != T) in float64: torch's
+    output and the gradients of x, the memory and every parameter, from the lean forward."""
+    torch.manual_seed(0)
+    S = T + 2
+    m = nn.MultiheadAttention(D, H, bias=bias, batch_first=True).double()
+    padding = torch.arange(S) >= torch.tensor([S, S - 3, 2]).unsqueeze(1)
+    kw = {"none": {}, "float": {"attn_mask": torch.randn(T, S, dtype=torch.float64)},
+          "per-head": {"attn_mask": torch.randn(B * H, T, S, dtype=torch.float64)},
+          "padding": {"key_padding_mask": padding},
+          "padding-float": {"attn_mask": torch.randn(T, S, dtype=torch.float64), "key_padding_mask": padding}}[mask]
+    calls = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *a: calls.append(1) or forward(*a))
+    results = []
+    for lean in (False, True):
+        x, memory = (torch.randn(B, n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+                     .requires_grad_() for n in (T, S))
+        m.zero_grad()
+        with attention.lean_attention() if lean else contextlib.nullcontext():
+            out, weights = m(x, memory, memory, need_weights=False, **kw)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, memory.grad, *[p.grad for p in m.parameters()]))
+    assert calls == [1] and weights is None
+    for a, b in zip(*results):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["weights", "sequence-first", "key-not-value", "bias_kv"])
 def test_other_calls_run_torchs_forward(case: str, monkeypatch) -> None:
-    """Attention weights asked for, sequence-first inputs, cross-attention and extra key/value biases: torch's own
-    forward runs, with its results."""
+    """Attention weights asked for, sequence-first inputs, keys and values of different tensors and extra key/value
+    biases: torch's own forward runs, with its results."""
     torch.manual_seed(0)
     m = nn.MultiheadAttention(D, H, batch_first=case != "sequence-first", add_bias_kv=case == "bias_kv").double()
     x = torch.randn(B, T, D, dtype=torch.float64)
     monkeypatch.setattr(attention, "_forward", lambda *a: pytest.fail("the lean forward ran"))
     kw = {"need_weights": case == "weights"}
-    if case == "cross":
-        y = torch.randn(B, T, D, dtype=torch.float64)
+    if case == "key-not-value":
+        y, z = torch.randn(2, B, T, D, dtype=torch.float64)
         with attention.lean_attention():
-            out = m(x, y, y, **kw)[0]
-        torch.testing.assert_close(out, m(x, y, y, **kw)[0])
+            out = m(x, y, z, **kw)[0]
+        torch.testing.assert_close(out, m(x, y, z, **kw)[0])
         return
     got, want = _run(m, x, True, **kw), _run(m, x, False, **kw)
     for a, b in zip(got, want):
@@ -147,6 +179,41 @@ def test_an_encoder_with_a_key_padding_mask_exports_once_for_every_length() -> N
         for m in (wrapped, reference):
             m.zero_grad()
             nn.functional.cross_entropy(m(batch["tokens"], batch["padding"]), batch["labels"]).backward()
+        for p, q in zip(wrapped.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert wrapped.stats == {"exports": 1, "builds": 2, "fallbacks": 0}
+
+
+class PaddedDecoder(nn.Module):
+    """nn.TransformerDecoder with a causal mask and padding masks on the target and on the memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 1)
+        self.out = nn.Linear(16, 20)
+
+    def forward(self, tgt, memory, tgt_padding, memory_padding):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.out(self.decoder(self.embed(tgt), memory, tgt_mask=causal, tgt_key_padding_mask=tgt_padding,
+                                     memory_key_padding_mask=memory_padding))
+
+
+def test_a_decoder_with_padding_masks_exports_once_for_every_length() -> None:
+    """Its self- and cross-attention both take the lean forward: one export for target and memory lengths of
+    (6, 5), (8, 7) and (6, 5) again, with torch's gradients."""
+    torch.manual_seed(0)
+    model = PaddedDecoder()
+    reference, wrapped = copy.deepcopy(model), ORTModule(model)
+    g = torch.Generator().manual_seed(0)
+    for t, s in ((6, 5), (8, 7), (6, 5)):
+        tgt_padding = torch.arange(t) >= torch.tensor([t, t - 2]).unsqueeze(1)
+        memory_padding = torch.arange(s) >= torch.tensor([s - 1, s]).unsqueeze(1)
+        batch = (torch.randint(0, 20, (2, t), generator=g), torch.randn(2, s, 16, generator=g), tgt_padding,
+                 memory_padding)
+        for m in (wrapped, reference):
+            m.zero_grad()
+            m(*batch).square().mean().backward()
         for p, q in zip(wrapped.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     assert wrapped.stats == {"exports": 1, "builds": 2, "fallbacks": 0}
