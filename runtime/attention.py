@@ -9,12 +9,12 @@ each a copy (of a [B, T, d] tensor, or three of them), in the forward and again 
 While the runtime exports, `lean_attention` has the self-attention that `nn.TransformerEncoderLayer` and
 decoder-style models run, and `nn.TransformerDecoderLayer`'s attention to its memory (batch first, packed
 projection weights, a key padding mask or none, no attention weights returned) computed the way it is defined
-instead: one product by the packed weight, split into
-q, k and v, each viewed as [B, T, H, dh] and transposed once to [B, H, T, dh] for `scaled_dot_product_attention`
-(whose export transposes k once more; onnxruntime merges the two), and the result transposed once back. The views
-take their sizes from the input, so the export's shape arithmetic folds and one export serves every length (torch's
-own forward with a key padding mask reshapes by the length it was traced at). Same values, masks, dropout and
-causal flag as torch's forward; every other call runs torch's own forward.
+instead: one product by the packed weight (two for attention to a memory: q, then k and v), split into q, k and
+v, each viewed as [B, T, H, dh] and transposed once to [B, H, T, dh] for `scaled_dot_product_attention` (whose
+export transposes k once more; onnxruntime merges the two), and the result transposed once back. The views take
+their sizes from the inputs, so the export's shape arithmetic folds and one export serves every length (torch's own
+forward with a key padding mask, or to a memory, reshapes by the lengths it was traced at). Same values, masks,
+dropout and causal flag as torch's forward; every other call runs torch's own forward.
 """
 
 from __future__ import annotations
