@@ -229,14 +229,27 @@ def _gumbel_softmax(logits: torch.Tensor, tau: float = 1.0, hard: bool = False, 
     return torch.zeros_like(logits).scatter(dim, index, 1.0) - soft.detach() + soft  # straight through
 
 
+def _linspace_from_neg_one(n: Any, align_corners: bool, dtype: torch.dtype) -> torch.Tensor:
+    """torch's affine_grid axis, bit for bit in float32: its linspace(-1, 1, n) (the first half -1 + step*i, the
+    rest 1 - step*(n-1-i), each one rounding from float64, as its fused multiply-add), times (n-1)/n without
+    align_corners. At the identity transform (the spatial transformer tutorial's start) every sample then lands on
+    a pixel exactly where torch's does: bilinear sampling has a kink there, and an ulp either side picked the other
+    one-sided difference (theta's gradient 10% off torch's)."""
+    if isinstance(n, int) and n <= 1:
+        return torch.zeros(n, dtype=dtype)  # torch's single position: the centre
+    i = torch.arange(n, dtype=torch.float64)
+    step = (torch.tensor(2.0, dtype=torch.float32) / (n - 1)).double()
+    axis = torch.where(i < n // 2, step * i - 1, 1 - step * (n - 1 - i)).to(dtype)
+    if not align_corners:
+        axis = axis * (n - 1) / n
+    return axis
+
+
 def _affine_grid(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def affine_grid(theta: torch.Tensor, size: Sequence[Any], align_corners: bool) -> torch.Tensor:
         if len(size) != 4:
             return original(theta, size, align_corners)
-        axes = []
-        for n in (size[3], size[2]):  # x along the width, y along the height, each in [-1, 1] as torch's linspace
-            steps = torch.arange(n, dtype=theta.dtype)
-            axes.append((steps * 2 - (n - 1)) / ((n - 1) if align_corners else n))
+        axes = [_linspace_from_neg_one(n, align_corners, theta.dtype) for n in (size[3], size[2])]  # x, then y
         xs = axes[0][None, :].expand(size[2], size[3])
         ys = axes[1][:, None].expand(size[2], size[3])
         base = torch.stack([xs, ys, torch.ones_like(xs)], -1).reshape(1, -1, 3)  # [1, H*W, 3]
