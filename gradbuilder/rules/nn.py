@@ -231,9 +231,9 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, like: str, win: Win
     (runtime/nchwc.py) needs its sizes.
     """
     nd = len(win.kernel)
-    out_sizes = _static_spatial(g, like, nd)
-    if out_sizes is not None and outputs is not None and _gathering(g, win, group, per_group, tails, out_sizes):
-        return _weight_grad_by_gathering(g, inp, dout, win, tails, per_group, outputs, out_sizes)
+    out_sizes = _dims(g, like, nd)
+    if None not in out_sizes and outputs is not None and _gathering(g, win, group, per_group, tails, out_sizes):
+        return _weight_grad_by_gathering(g, inp, dout, win, tails, per_group, outputs, out_sizes)  # type: ignore[arg-type]
     if positions is not None and _unfolding(g, inp, win, group, per_group, positions):
         return _weight_grad_by_unfolding(g, inp, dout, win, tails, per_group, outputs, positions)
     spatial = list(range(2, 2 + nd))
@@ -311,13 +311,6 @@ GATHER_BATCH = 64
 """Each gather holds about `GATHER_CHUNK_BYTES` (one core's L2 here) at a batch of this many samples (the batch is
 symbolic when building), so that its product reads it from the cache: 3 -> 6 over 32x32 at batch 128, positions in
 1 / 2 / 4 / 8 gathers: 3.07 / 2.98 / 1.37 / 1.31 ms."""
-
-
-def _static_spatial(g: Grad, t: str, nd: int) -> list[int] | None:
-    shape = g.info(t).shape
-    if shape is None or len(shape) != nd + 2 or not all(isinstance(d, int) for d in shape[2:]):
-        return None
-    return [int(d) for d in shape[2:]]
 
 
 def _gathering(g: Grad, win: Window, group: int, channels: int | None, tails: Sizes, out_sizes: Sequence[int]
