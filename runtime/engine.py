@@ -334,10 +334,14 @@ class Engine:
         except ExportError as e:
             schema = self._fail(e, "export")
         else:
-            save = self.options.save_dir
-            schema = Schema(exported, self.options, save / f"{self.name}_{len(self.schemas)}" if save else None)
-            schema.sparse = self._sparse_names(exported)
+            schema = self._schema(exported)
         self.schemas[key] = schema
+        return schema
+
+    def _schema(self, exported: Exported) -> Schema:
+        save = self.options.save_dir
+        schema = Schema(exported, self.options, save / f"{self.name}_{len(self.schemas)}" if save else None)
+        schema.sparse = self._sparse_names(exported)
         return schema
 
     def _new_sizes(self, key: Hashable, schema: Schema, in_spec: Any, leaves: list[torch.Tensor],
@@ -367,9 +371,7 @@ class Engine:
                             for seen in old.sizes_seen}
             key = (key, sizes)
         self.stats["exports"] += 1
-        fresh = Schema(exported, self.options, None if self.options.save_dir is None else
-                       self.options.save_dir / f"{self.name}_{len(self.schemas)}")
-        fresh.sparse = self._sparse_names(exported)
+        fresh = self._schema(exported)
         fresh.sizes_seen.add(sizes)
         self.schemas[key] = fresh
         return fresh
