@@ -144,14 +144,7 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     if not any(n.op_type in ("Shape", "Size") for n in graph.node):
         return model
-    dims = _known_dims(model)
-    values = _constant_values(graph)
-    constant = set(values)
-    for n in graph.node:
-        if len(n.output) == 1 and n.output[0] not in constant and n.domain in ("", "ai.onnx"):
-            v = _evaluate(n, values, dims)
-            if v is not None and len(v[1]) <= MAX_ELEMENTS:
-                values[n.output[0]] = v
+    values, constant, _ = _evaluated(model)
     outputs = {o.name for o in graph.output}
     folded = {name: v for name, v in values.items()
               if name not in constant and name not in outputs and None not in v[1]}
@@ -186,31 +179,34 @@ COMPARISONS = {"Equal": lambda a, b: a == b, "Greater": lambda a, b: a > b, "Les
                "GreaterOrEqual": lambda a, b: a >= b, "LessOrEqual": lambda a, b: a <= b}
 
 
-def _conditions(model: onnx.ModelProto) -> dict[str, bool]:
-    """The one-element boolean tensors the known dims decide: comparisons of shape arithmetic (`_evaluate`), and
-    their negations."""
+def _evaluated(model: onnx.ModelProto) -> tuple[dict[str, Value], set[str], dict[str, bool]]:
+    """One pass over the graph with the dims shape inference knows: the int64 shape arithmetic's values
+    (`_evaluate`), the names already constant before it (initializers, Constants), and the one-element booleans the
+    dims decide (comparisons of that arithmetic, their negations); Slices the inference left unsized are sized
+    from their computed starts and ends on the way (torch exports them computed)."""
     graph = model.graph
     dims = _known_dims(model)
     values = _constant_values(graph)
+    constant = set(values)
     truth: dict[str, bool] = {}
     for n in graph.node:
-        if len(n.output) != 1 or n.domain not in ("", "ai.onnx"):
+        if len(n.output) != 1 or n.domain not in ("", "ai.onnx") or n.output[0] in constant:
             continue
+        if n.op_type == "Slice" and None in dims.get(n.output[0], [None]):
+            sliced = _sliced_dims(dims.get(n.input[0]), [values.get(i) for i in n.input[1:]])
+            if sliced is not None:
+                dims[n.output[0]] = sliced
         if n.op_type in COMPARISONS and len(n.input) == 2:
             a, b = values.get(n.input[0]), values.get(n.input[1])
             if a is not None and b is not None and len(a[1]) == len(b[1]) == 1 and None not in a[1] + b[1]:
                 truth[n.output[0]] = bool(COMPARISONS[n.op_type](a[1][0], b[1][0]))
         elif n.op_type == "Not" and n.input[0] in truth:
             truth[n.output[0]] = not truth[n.input[0]]
-        elif n.op_type == "Slice" and None in dims.get(n.output[0], [None]):
-            sliced = _sliced_dims(dims.get(n.input[0]), [values.get(i) for i in n.input[1:]])
-            if sliced is not None:
-                dims[n.output[0]] = sliced
-        elif n.output[0] not in values:
+        else:
             v = _evaluate(n, values, dims)
             if v is not None and len(v[1]) <= MAX_ELEMENTS:
                 values[n.output[0]] = v
-    return truth
+    return values, constant, truth
 
 
 def _sliced_dims(shape: list[int | None] | None, args: list[Value | None]) -> list[int | None] | None:
@@ -268,7 +264,7 @@ def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
         ifs = [n for n in graph.node if n.op_type == "If" and n.domain in ("", "ai.onnx")]
         if not ifs:
             return model
-        truth = _conditions(model)
+        truth = _evaluated(model)[2]
         taken = names_in_use(graph)
         replaced: dict[int, list[onnx.NodeProto]] = {}
         for n in ifs:
