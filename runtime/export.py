@@ -37,7 +37,7 @@ import torch
 from onnx import helper
 from torch import nn
 
-from . import exchange, stop_gradients
+from . import accumulation, exchange, stop_gradients
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -241,7 +241,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     buf = io.BytesIO()
     flat._result["without_grad"] = True  # a forward's no_grad results detached: both kept as StopGradient
     with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), \
-            stop_gradients.exported_detach():
+            stop_gradients.exported_detach(), accumulation.exported_accumulation():
         warnings.simplefilter("always")
         torch.onnx.export(
             flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
@@ -418,6 +418,8 @@ def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> N
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in unknown)
+    for v in probe.graph.output:  # a declared output shape may be wrong (an If's, typed by its other branch)
+        v.type.tensor_type.ClearField("shape")
     config = SessionConfig(threads=1, optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     try:
         values = Runner(probe, config, "shape probe").run({k: exchange.to_ortvalue(v) for k, v in feeds.items()},

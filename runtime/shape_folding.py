@@ -254,6 +254,18 @@ def _inlined(branch: onnx.GraphProto, outputs: Sequence[str], taken: set[str]) -
     return nodes
 
 
+def _forget_shapes(graph: onnx.GraphProto, names: set[str]) -> None:
+    """The declared shapes of `names` dropped (types kept), for inference to derive from their new nodes: the
+    legacy exporter types an If's outputs by one branch (torch's scatter_reduce writes a branch that flattens
+    0-d operands), which may not be the branch taken."""
+    kept = [v for v in graph.value_info if v.name not in names]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    for v in graph.output:
+        if v.name in names:
+            v.type.tensor_type.ClearField("shape")
+
+
 def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every If whose condition the known dims decide replaced by the branch it takes: the legacy exporter writes
     `squeeze(d)` of a dim it cannot size as If(shape[d] == 1, Squeeze, Identity) (torchaudio's M5 after its global
@@ -281,5 +293,6 @@ def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
         outputs = {o.name for o in graph.output}
         del out.graph.node[:]
         out.graph.node.extend(drop_dead(kept, [], outputs))
+        _forget_shapes(out.graph, {o for n in ifs if id(n) in replaced for o in n.output})
         model = out
     return model

@@ -1,0 +1,83 @@
+"""runtime/accumulation.py: sums at repeated indices (a graph network's messages into their target nodes) train
+through ORTModule like torch: index_add, index_put with accumulate=True and scatter_reduce's sum, whose exports
+overwrote all but one of the values an index repeats (index_add, index_put) or failed to build
+(scatter_reduce: an If typed by its other branch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from parity import check_parity
+from torch import nn
+
+NODES, FEATURES = 6, 5
+SRC = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2, 4, 1])
+DST = torch.tensor([1, 1, 1, 0, 0, 2, 3, 3, 1, 5])
+"""Edges with repeated targets (node 1 gets four messages, node 4 none)."""
+
+Aggregate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(node states [N, F], messages [E, F]) -> new node states [N, F]."""
+
+
+def _index_put_pairs(h: torch.Tensor, msg: torch.Tensor) -> torch.Tensor:
+    """An adjacency built by (target, source) pairs, a pair repeated: weights summed where it repeats."""
+    weights = torch.sigmoid(msg.sum(1))
+    dst, src = torch.cat([DST, DST[:3]]), torch.cat([SRC, SRC[:3]])
+    adjacency = torch.zeros(NODES, NODES).index_put((dst, src), torch.cat([weights, weights[:3]]), accumulate=True)
+    return adjacency @ h
+
+
+AGGREGATES: dict[str, Aggregate] = {
+    "index_add_ into zeros": lambda h, msg: torch.zeros(NODES, FEATURES).index_add_(0, DST, msg),
+    "index_add onto the states, alpha": lambda h, msg: h.index_add(0, DST, msg, alpha=0.5),
+    "index_add along dim 1": lambda h, msg: h.t().index_add(1, DST, msg.t()).t(),
+    "index_put accumulating": lambda h, msg: h.clone().index_put_((DST,), msg, accumulate=True),
+    "index_put accumulating pairs": _index_put_pairs,
+    "index_put accumulating a mask": lambda h, msg: h.index_put((h > 0,), msg[:1, :1].squeeze(), accumulate=True),
+    "scatter_reduce sum": lambda h, msg: torch.zeros(NODES, FEATURES).scatter_reduce(
+        0, DST.unsqueeze(1).expand_as(msg), msg, "sum"),
+}
+
+
+class MessagePassing(nn.Module):
+    """Node states from features, a message per edge from its source's state, aggregated at the targets, a
+    graph-level regression."""
+
+    def __init__(self, aggregate: Aggregate):
+        super().__init__()
+        self.embed = nn.Linear(3, FEATURES)
+        self.message = nn.Linear(FEATURES, FEATURES)
+        self.head = nn.Linear(FEATURES, 1)
+        self.aggregate = aggregate
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        out = torch.tanh(self.aggregate(h, self.message(h)[SRC]))
+        return (self.head(out).sum() - y).square()
+
+
+@pytest.mark.parametrize("aggregate", list(AGGREGATES))
+def test_repeated_indices_sum_like_torch(aggregate: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(NODES, 3, generator=g), torch.randn((), generator=g)) for _ in range(3)]
+    check_parity(lambda: MessagePassing(AGGREGATES[aggregate]), batches, lambda m, b: m(*b), threads=1)
+
+
+class ScatterSum(nn.Module):
+    """Per-target sums returned as the module's output: the export's If typed that output by its other branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.message = nn.Linear(3, FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        msg = self.message(x)[SRC]
+        return torch.zeros(NODES, FEATURES).scatter_reduce(0, DST.unsqueeze(1).expand_as(msg), msg, "sum")
+
+
+def test_scatter_reduce_output_trains_like_torch() -> None:
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(NODES, 3, generator=g), torch.randn(NODES, FEATURES, generator=g)) for _ in range(3)]
+    check_parity(ScatterSum, batches, lambda m, b: (m(b[0]) * b[1]).sum(), threads=1)
