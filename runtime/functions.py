@@ -8,7 +8,8 @@ accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zer
 `Tensor.unfold` (sliding windows: "input size not accessible") or, before opset 20, `affine_grid` (spatial
 transformers);
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder
-does not differentiate.
+does not differentiate; `avg_pool2d` and `avg_pool3d` export with their `divisor_override` ignored (a constant
+one: a wrong result, no error).
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -17,6 +18,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - adaptive max pooling: the first maximum of each window in raster order (torch's, and its flat index), as the
   first maximum of each window row (ArgMax over a masked copy, one a column window) then the first among the
   window's rows;
+- average pooling by a divisor: the input framed by its padding and zeros where torch's last ceil-mode window
+  overhangs (sizes taken at the export, so the size check re-exports other sizes), pooled, times the kernel's
+  size over the divisor;
 - threshold(x, t, v): x where x > t, else v;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
@@ -36,6 +40,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,6 +99,37 @@ def _adaptive_max_pool2d(original: Callable[..., tuple[torch.Tensor, torch.Tenso
         return rows.gather(-2, at_h.unsqueeze(-2)).squeeze(-2), at_h * width + at_w.gather(-2, at_h)
 
     return pool
+
+
+def _ceil_overhang(size: int, kernel: int, stride: int, pad: int) -> int:
+    """How far torch's last ceil-mode window reaches past the padded input (its windows start inside the input
+    or the left padding)."""
+    out = -(-(size + 2 * pad - kernel) // stride) + 1
+    if (out - 1) * stride >= size + pad:
+        out -= 1
+    return max(0, (out - 1) * stride + kernel - (size + 2 * pad))
+
+
+def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
+    def pool(x: torch.Tensor, kernel_size: Sequence[int] | int, stride: Sequence[int] | int | None = None,
+             padding: Sequence[int] | int = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+             divisor_override: int | None = None) -> torch.Tensor:
+        if divisor_override is None:
+            return original(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
+        kernel, pads = _per_axis(kernel_size, dims), _per_axis(padding, dims)
+        strides = _per_axis(stride, dims) if stride else kernel
+        overhang = [_ceil_overhang(int(x.shape[x.dim() - dims + i]), kernel[i], strides[i], pads[i]) if ceil_mode
+                    else 0 for i in range(dims)]
+        framed = F.pad(x, [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])])
+        # every window now lies inside the zero-framed input: its mean times its size is the sum torch divides
+        mean = original(framed, kernel, strides, 0, False, True)
+        return mean * (math.prod(kernel) / divisor_override)
+
+    return pool
+
+
+def _per_axis(value: Sequence[int] | int, dims: int) -> list[int]:
+    return [value] * dims if isinstance(value, int) else list(value) * (dims if len(value) == 1 else 1)
 
 
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -270,6 +306,8 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
     nn_ops = torch._C._nn
     return replaced([
         (nn_ops, "adaptive_avg_pool2d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool2d, 2)),
+        *((owner, f"avg_pool{d}d", _divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d)) for d in (2, 3)
+          for owner in (nn_ops, F)),
         (nn_ops, "adaptive_max_pool2d", _adaptive_max_pool2d(nn_ops.adaptive_max_pool2d)),
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),

@@ -1,6 +1,6 @@
-"""runtime/functions.py: adaptive average pooling to any size, a non-zero threshold, channel shuffle, local
-response norm and Tensor.unfold train through ORTModule like torch (`check_parity`), the pooling for every input
-size from one export."""
+"""runtime/functions.py: adaptive average pooling to any size, average pooling by a divisor_override, a non-zero
+threshold, channel shuffle, local response norm and Tensor.unfold train through ORTModule like torch
+(`check_parity`), the adaptive pooling for every input size from one export."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ CASES = {
     "adaptive average pool 1-D": (lambda: nn.Sequential(nn.Flatten(2), nn.AdaptiveAvgPool1d(5)), 4 * 5, (4, 6)),
     "adaptive max pool 8x7 -> 3x2": (lambda: nn.AdaptiveMaxPool2d((3, 2)), 4 * 6, (8, 7)),
     "adaptive max pool of a ReLU (ties)": (lambda: nn.Sequential(nn.ReLU(), nn.AdaptiveMaxPool2d(4)), 4 * 16, (9, 9)),
+    "average pool, divisor_override": (lambda: nn.AvgPool2d(2, divisor_override=3), 4 * 9, (6, 6)),
+    "average pool, divisor_override, padded, ceil mode": (
+        lambda: nn.AvgPool2d(3, 2, 1, ceil_mode=True, divisor_override=5), 4 * 25, (9, 9)),
     "threshold 0.1 -> 0.5": (lambda: nn.Threshold(0.1, 0.5), 4 * 36, (6, 6)),
     "hypot": (lambda: Hypot(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
