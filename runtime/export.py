@@ -37,7 +37,7 @@ import torch
 from onnx import helper
 from torch import nn
 
-from . import accumulation, exchange, stop_gradients
+from . import accumulation, custom_functions, exchange, stop_gradients
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -296,7 +296,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
                 _preserved(module) as changed, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
-                exportable_losses(), exportable_functions():
+                exportable_losses(), exportable_functions(), custom_functions.applied_functions() as applied:
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
@@ -306,6 +306,9 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{type(e).__name__}: {e}") from e
+    refused = custom_functions.refusal(type(module).__name__, applied)
+    if refused:
+        raise ExportError(refused)
     hooked = _hooked(module)
     if flat._result.get("tensor_hooks"):
         hooked.append("a gradient hook on a tensor inside forward (register_hook)")

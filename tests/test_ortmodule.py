@@ -3,6 +3,7 @@ export caching, grad modes, train/eval, state_dict, errors and fallback."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import pickle
@@ -880,6 +881,53 @@ def test_export_failure_is_a_clear_error() -> None:
 
     with pytest.raises(ORTModuleError, match=r"ORTModule\(Cholesky\): the export failed.*linalg_cholesky"):
         ORTModule(Cholesky())(torch.randn(3, 3))
+
+
+class RoundStraightThrough(torch.autograd.Function):
+    """Quantization-aware training's straight-through estimator: round, pass the gradient on unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Quantized(nn.Module):
+    """Rounds its features by the Function, by the same estimator written with detach() ("trick"), or rounds its
+    input by the Function ("input": nothing there requires grad)."""
+
+    def __init__(self, how: str = "function"):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "input":
+            return (self.fc(RoundStraightThrough.apply(x * 4)) * x).sum()
+        h = self.fc(x) * 4
+        rounded = h + (torch.round(h) - h).detach() if self.how == "trick" else RoundStraightThrough.apply(h)
+        return (rounded * x).sum()
+
+
+def test_custom_autograd_functions_are_refused() -> None:
+    """A Function's own backward is not in the exported graph (onnxruntime would differentiate its forward: zero
+    gradients through the round): refused by name; fallback runs it in torch; the detach() form of the same
+    estimator, and the Function on tensors that need no gradient, train on onnxruntime with torch's gradients."""
+    x = torch.randn(3, 4)
+    with pytest.raises(ORTModuleError, match=r"the export failed.*Quantized applies torch.autograd.Function "
+                                             r"test_ortmodule.RoundStraightThrough to tensors that require grad"):
+        ORTModule(Quantized())(x)
+    for module, kwargs, expected in ((Quantized(), {"fallback": True}, FallbackWarning),
+                                     (Quantized("trick"), {}, None), (Quantized("input"), {}, None)):
+        ref, om = pair(module, **kwargs)
+        with pytest.warns(expected, match="RoundStraightThrough") if expected else contextlib.nullcontext():
+            om(x).backward()
+        ref(x).backward()
+        assert_grads_equal(om, ref)
+        assert ref.fc.weight.grad.abs().sum() > 0
 
 
 def test_data_dependent_trace_warns() -> None:
