@@ -132,6 +132,43 @@ def _per_axis(value: Sequence[int] | int, dims: int) -> list[int]:
     return [value] * dims if isinstance(value, int) else list(value) * (dims if len(value) == 1 else 1)
 
 
+def vector_norm(d: torch.Tensor, p: float, keepdim: bool = False) -> torch.Tensor:
+    """The p-norm over the last axis with torch's gradient where it is 0 (zero, as torch's norm and cdist
+    backward give; sqrt and pow of 0 would give NaN): 1, 2 and inf as ReduceL1, ReduceL2 and ReduceMax of Abs,
+    whose rules mask the zeros; others by a power guarded away from 0."""
+    if p in (1, 2, math.inf):
+        return torch.linalg.vector_norm(d, p, dim=-1, keepdim=keepdim)
+    if p == 0:
+        return (d != 0).to(d.dtype).sum(-1, keepdim=keepdim)
+    total = (d.abs() ** p).sum(-1, keepdim=keepdim)
+    positive = total > 0
+    return torch.where(positive, torch.where(positive, total, torch.ones_like(total)) ** (1 / p),
+                       torch.zeros_like(total))
+
+
+def pairwise_distance(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, eps: float = 1e-6,
+                       keepdim: bool = False) -> torch.Tensor:
+    """torch's: the p-norm of x1 - x2 + eps over the last axis."""
+    return vector_norm(x1 - x2 + eps, p, keepdim)
+
+
+MM_ROWS = 25
+"""torch's cdist takes the product form for p = 2 past this many rows on either side (its
+`use_mm_for_euclid_dist_if_necessary`)."""
+
+
+def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode: str | None = None) -> torch.Tensor:
+    mode = compute_mode or "use_mm_for_euclid_dist_if_necessary"
+    if p == 2 and (mode == "use_mm_for_euclid_dist" or (mode == "use_mm_for_euclid_dist_if_necessary"
+                   and max(x1.shape[-2], x2.shape[-2]) > MM_ROWS)):
+        # torch's _euclidean_dist: |a|^2 + |b|^2 - 2 a.b in one product, clamped to 1e-30 before the root
+        n1, n2 = (x1 * x1).sum(-1, keepdim=True), (x2 * x2).sum(-1, keepdim=True)
+        a = torch.cat([x1 * -2, n1, torch.ones_like(n1)], -1)
+        b = torch.cat([x2, torch.ones_like(n2), n2], -1)
+        return torch.matmul(a, b.transpose(-1, -2)).clamp_min(1e-30).sqrt()
+    return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p)
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -311,6 +348,8 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (nn_ops, "adaptive_max_pool2d", _adaptive_max_pool2d(nn_ops.adaptive_max_pool2d)),
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
+        (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
+        (torch, "cdist", _cdist),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),

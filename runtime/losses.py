@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .functions import pairwise_distance
 from .patching import replaced
 
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -103,21 +104,11 @@ def _cosine_embedding(x1: torch.Tensor, x2: torch.Tensor, y: torch.Tensor, margi
     return _reduce(loss, reduction)
 
 
-def _distance(a: torch.Tensor, b: torch.Tensor, p: float, eps: float) -> torch.Tensor:
-    """torch's `pairwise_distance`: the p-norm of a - b + eps over the last axis."""
-    d = a - b + eps
-    if p == 2:
-        return torch.sqrt((d * d).sum(-1))
-    if p == 1:
-        return d.abs().sum(-1)
-    return (d.abs() ** p).sum(-1) ** (1 / p)
-
-
 def _triplet_margin(anchor: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor, margin: float, p: float,
                     eps: float, swap: bool, reduction: int) -> torch.Tensor:
-    d_pos, d_neg = _distance(anchor, positive, p, eps), _distance(anchor, negative, p, eps)
+    d_pos, d_neg = pairwise_distance(anchor, positive, p, eps), pairwise_distance(anchor, negative, p, eps)
     if swap:
-        d_neg = torch.minimum(d_neg, _distance(positive, negative, p, eps))
+        d_neg = torch.minimum(d_neg, pairwise_distance(positive, negative, p, eps))
     return _reduce(torch.clamp(margin + d_pos - d_neg, min=0), reduction)
 
 

@@ -200,3 +200,34 @@ def test_spatial_transformer_trains_like_torch(align_corners: bool, identity: bo
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
     check_parity(lambda: SpatialTransformer(align_corners, identity), batches, lambda m, b: m(*b), threads=1)
+
+
+class Distances(nn.Module):
+    """Embeddings of points, their distances to a set including themselves (zeros, where sqrt and pow have no
+    finite gradient; torch's is zero there), a regression on the distances."""
+
+    def __init__(self, distance: str):
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.distance = distance
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        e = torch.tanh(self.embed(x))
+        others = torch.cat([e[:2], e.flip(0)])
+        kind, p = self.distance.split()
+        if kind == "pairwise":
+            d = nn.functional.pairwise_distance(e, e.flip(0) * (torch.arange(len(e))[:, None] % 2), p=float(p))
+        else:
+            d = torch.cdist(e, others, p=float(p)).sum(-1)
+        return ((d - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("distance, points", [("cdist 2", 6), ("cdist 2", 30), ("cdist 1", 6), ("cdist 3", 6),
+                                              ("cdist inf", 6), ("pairwise 2", 6), ("pairwise 1", 6),
+                                              ("pairwise 3", 6)])
+def test_distances_train_like_torch(distance: str, points: int) -> None:
+    """cdist (torch's product form past 25 points) and pairwise_distance (torch's exporter adds eps to the
+    exponent, not to the difference): values and gradients as torch's, zero distances included."""
+    g = torch.Generator().manual_seed(points)
+    batches = [(torch.randn(points, 3, generator=g), torch.rand(points, generator=g)) for _ in range(3)]
+    check_parity(lambda: Distances(distance), batches, lambda m, b: m(*b), threads=1)
