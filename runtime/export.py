@@ -44,7 +44,7 @@ from .dropouts import exportable_dropouts
 from .functions import exportable_functions
 from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
-from .passes import int_attr, names_in_use, rename_tensors
+from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -63,6 +63,8 @@ class ExportWarning(UserWarning):
 class ExportOptions:
     exporter: str = "torchscript"
     opset: int | None = None
+    check: bool = True
+    """Compare onnxruntime's outputs of the call that exported with torch's (`Exported.reference`)."""
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
@@ -88,6 +90,9 @@ class Exported:
     batch_stats: list[BatchStats] = field(default_factory=list)
     frozen: frozenset[str] = frozenset()
     """State inputs never differentiated (second reads of a tensor, see `_embedding_padding`)."""
+    reference: tuple[torch.Tensor, ...] | None = None
+    """torch's outputs of the traced call, to check onnxruntime's outputs of the same call against (the engine
+    drops them after); None where they cannot match (random ops, state changed in place) or are not kept."""
 
     @functools.cached_property
     def state_names(self) -> frozenset[str]:
@@ -135,6 +140,7 @@ class _Flat(nn.Module):
         if mode is not None:
             self._result["tensor_hooks"] = mode.tensor_hooks
         flat, self._result["spec"] = flatten(out)
+        self._result["outputs"] = flat  # the values torch computed (the tracer runs the module eagerly)
         return tuple(flat)
 
 
@@ -352,7 +358,43 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     feeds = {name: leaves[k] for name, k in inputs}
     feeds.update({name: state[fqn] for name, fqn in state_inputs})
     _complete_ranks(model, feeds)
-    return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen))
+    reference = None
+    if options.check and options.exporter == "torchscript" and not mutated and not draws_random(model):
+        reference = tuple(t.detach() for t in flat._result.get("outputs", ()))
+    return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
+                    reference)
+
+
+RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+                        "Bernoulli", "Multinomial"})
+
+
+def draws_random(model: onnx.ModelProto) -> bool:
+    """Whether the graph draws random numbers (a Dropout that drops), so that its outputs differ from those
+    of torch's run of the same call."""
+    return any(n.op_type in RANDOM_OPS for n in inactive_dropouts(model).graph.node)
+
+
+def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str | None:
+    """How onnxruntime's float outputs differ from torch's beyond float32 rounding (0.1% of the largest
+    magnitude of torch's output), or None."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if not b.is_floating_point():
+            continue
+        where = f"output {i} of {len(want)} {tuple(b.shape)}"
+        if a.shape != b.shape:
+            return f"{where} has shape {tuple(a.shape)} on onnxruntime"
+        a, b = a.detach().double(), b.double()
+        finite = torch.isfinite(b)
+        if not torch.equal(torch.isfinite(a), finite):
+            return f"{where} is not finite on onnxruntime where torch's is, or the other way round"
+        if not finite.any():
+            continue
+        scale = float(b[finite].abs().max())
+        worst = float((a - b)[finite].abs().max())
+        if worst > 1e-3 * scale:
+            return f"{where} differs by up to {worst:.3g} (torch's largest magnitude: {scale:.3g})"
+    return None
 
 
 def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[str, torch.Tensor]

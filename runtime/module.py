@@ -51,18 +51,24 @@ class ORTModule(nn.Module):
         schema (default: the GRADBUILDER_SAVE_ONNX environment variable).
     park_torch_threads: while an onnxruntime run on 2+ threads lasts, torch's OpenMP workers that are spinning
         after its last parallel op sleep instead of sharing the cores (`runtime.openmp`); False leaves them be.
+    check_export: compare onnxruntime's outputs of each call that exports with torch's outputs of the same call
+        (torchscript exporter; skipped where the graph draws random numbers or the forward changes state in
+        place), and fail as a failed export does where they differ (wrong conversions, in-place changes through
+        views the tracer misses). False skips it.
     """
 
     def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,
                  fallback: bool = False, threads: int | None = None, specialise: bool = True,
-                 save_onnx: str | os.PathLike | None = None, park_torch_threads: bool = True):
+                 save_onnx: str | os.PathLike | None = None, park_torch_threads: bool = True,
+                 check_export: bool = True):
         if isinstance(module, ORTModule):
             raise TypeError("the module is already an ORTModule")
         super().__init__()
         import torch
 
-        options = Options(ExportOptions(exporter, opset), threads if threads is not None else torch.get_num_threads(),
-                          specialise, fallback, default_save_dir(save_onnx), park_torch_threads)
+        options = Options(ExportOptions(exporter, opset, check_export),
+                          threads if threads is not None else torch.get_num_threads(), specialise, fallback,
+                          default_save_dir(save_onnx), park_torch_threads)
         object.__setattr__(self, "_options", options)
         self._share(module)
         _bind_forward(self, module)

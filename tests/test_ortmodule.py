@@ -930,6 +930,33 @@ def test_custom_autograd_functions_are_refused() -> None:
         assert ref.fc.weight.grad.abs().sum() > 0
 
 
+class ThroughView(nn.Module):
+    """ReLU applied in place through a view of the features, the features returned: torch's tracer records the
+    ReLU on the view only, so the export returns the features without it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        F.relu_(h.view(-1, 2, 3))
+        return h
+
+
+def test_export_computing_something_else_is_refused() -> None:
+    """onnxruntime's outputs of the exporting call are compared with torch's: a graph that differs fails as an
+    export does (named, fallback runs torch); check_export=False skips the comparison."""
+    x = torch.randn(5, 4)
+    with pytest.raises(ORTModuleError, match=r"export check failed.*output 0 of 1 \(5, 6\) differs by up to"):
+        ORTModule(ThroughView())(x)
+    ref, om = pair(ThroughView(), fallback=True)
+    with pytest.warns(FallbackWarning, match="differ from torch's"):
+        out = om(x)
+    torch.testing.assert_close(out, ref(x))
+    assert (ORTModule(ThroughView(), check_export=False)(x) < 0).any()  # the export's graph: no ReLU
+
+
 def test_data_dependent_trace_warns() -> None:
     class Branchy(nn.Module):
         def forward(self, x):
