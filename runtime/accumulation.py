@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.onnx._internal.torchscript_exporter import jit_utils, symbolic_helper, symbolic_opset11
+
+from .symbolics import registered
 
 OPSET = 16
 """The first opset whose scatters take `reduction="add"`."""
@@ -66,15 +67,6 @@ def _index_put(g: Any, self: Any, indices: Any, values: Any, accumulate: Any = F
     return symbolic_opset11.index_put(adding, self, indices, values, accumulate)
 
 
-@contextlib.contextmanager
-def exported_accumulation() -> Iterator[None]:
-    """The two symbolics registered while the block lasts (from `OPSET`). Holds under the export lock (the
-    symbolic registry is process-wide)."""
-    symbolics = {"aten::index_add": _index_add, "aten::index_put": _index_put}
-    for name, fn in symbolics.items():
-        torch.onnx.register_custom_op_symbolic(name, fn, OPSET)
-    try:
-        yield
-    finally:
-        for name in symbolics:
-            torch.onnx.unregister_custom_op_symbolic(name, OPSET)
+def exported_accumulation() -> contextlib.AbstractContextManager[None]:
+    """The two symbolics registered while the block lasts (from `OPSET`)."""
+    return registered({"aten::index_add": _index_add, "aten::index_put": _index_put}, OPSET)

@@ -37,7 +37,7 @@ import torch
 from onnx import helper
 from torch import nn
 
-from . import accumulation, custom_functions, exchange, stop_gradients
+from . import accumulation, custom_functions, exchange, stop_gradients, symbolics
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -247,7 +247,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     buf = io.BytesIO()
     flat._result["without_grad"] = True  # a forward's no_grad results detached: both kept as StopGradient
     with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), \
-            stop_gradients.exported_detach(), accumulation.exported_accumulation():
+            stop_gradients.exported_detach(), accumulation.exported_accumulation(), symbolics.exported_symbolics():
         warnings.simplefilter("always")
         torch.onnx.export(
             flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from gradbuilder.stop_gradient import OP_TYPE
 from gradbuilder.yield_op import DOMAIN
+
+from .symbolics import registered
 
 OPSET = 9
 """The default-domain opset from which the symbolic applies (every opset the legacy exporter writes)."""
@@ -31,15 +32,10 @@ def _stop_gradient(g: Any, x: Any) -> Any:
     return out
 
 
-@contextlib.contextmanager
-def exported_detach() -> Iterator[None]:
+def exported_detach() -> contextlib.AbstractContextManager[None]:
     """`aten::detach` exported as StopGradient while the block lasts (the exporter imports the domain at version
-    1 where one is written). Holds under the export lock (the symbolic registry is process-wide)."""
-    torch.onnx.register_custom_op_symbolic("aten::detach", _stop_gradient, OPSET)
-    try:
-        yield
-    finally:
-        torch.onnx.unregister_custom_op_symbolic("aten::detach", OPSET)
+    1 where one is written)."""
+    return registered({"aten::detach": _stop_gradient}, OPSET)
 
 
 class WithoutGrad(TorchFunctionMode):

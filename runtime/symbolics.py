@@ -1,0 +1,112 @@
+"""Conversions the legacy exporter lacks, written in the ONNX ops they are, registered while exporting.
+
+torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
+`addmv`, `addr`, `sgn`, `fmax`, `fmin` and `trunc` ("Exporting the operator ... is not supported"), though
+ONNX and gradbuilder's rules have what they compute: each is one op (Sinh, ...) or a few.
+`registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.onnx._internal.torchscript_exporter import symbolic_helper
+
+OPSET = 9
+"""The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
+
+
+@contextlib.contextmanager
+def registered(symbolics: Mapping[str, Callable[..., Any]], opset: int) -> Iterator[None]:
+    """`symbolics` (aten name -> conversion) override torch's from `opset` while the block lasts. Holds under
+    the export lock (the symbolic registry is process-wide)."""
+    for name, fn in symbolics.items():
+        torch.onnx.register_custom_op_symbolic(name, fn, opset)
+    try:
+        yield
+    finally:
+        for name in symbolics:
+            torch.onnx.unregister_custom_op_symbolic(name, opset)
+
+
+def _const(g: Any, value: float, like: Any) -> Any:
+    return g.op("CastLike", g.op("Constant", value_t=torch.tensor(value)), like)
+
+
+def _scalar(value: Any, default: float = 1.0) -> float:
+    got = symbolic_helper._maybe_get_scalar(value)
+    return default if got is None else float(symbolic_helper._scalar(got))
+
+
+def _unary(op: str) -> Callable[[Any, Any], Any]:
+    return lambda g, x: g.op(op, x)
+
+
+def _logaddexp(g: Any, a: Any, b: Any, base: float = 1.0) -> Any:
+    """max(a, b) + log(1 + exp(-|a - b|)), in base e or 2 (`base` = ln 2)."""
+    if base != 1.0:
+        a, b = g.op("Mul", a, _const(g, base, a)), g.op("Mul", b, _const(g, base, b))
+    gap = g.op("Neg", g.op("Abs", g.op("Sub", a, b)))
+    out = g.op("Add", g.op("Max", a, b), g.op("Log", g.op("Add", _const(g, 1.0, a), g.op("Exp", gap))))
+    return out if base == 1.0 else g.op("Div", out, _const(g, base, out))
+
+
+def _xlogy(g: Any, x: Any, y: Any) -> Any:
+    """x * log(y), 0 where x is 0 (unless y is NaN), as torch's."""
+    zero = g.op("And", g.op("Equal", x, _const(g, 0.0, x)), g.op("Not", g.op("IsNaN", y)))
+    return g.op("Where", zero, _const(g, 0.0, x), g.op("Mul", x, g.op("Log", y)))
+
+
+def _added(g: Any, base: Any, product: Any, beta: Any, alpha: Any) -> Any:
+    """beta * base + alpha * product; beta 0 ignores base (NaNs in it included), as torch's."""
+    b, a = _scalar(beta), _scalar(alpha)
+    scaled = product if a == 1.0 else g.op("Mul", product, _const(g, a, product))
+    if b == 0.0:
+        return scaled
+    return g.op("Add", base if b == 1.0 else g.op("Mul", base, _const(g, b, base)), scaled)
+
+
+def _addmv(g: Any, base: Any, mat: Any, vec: Any, beta: Any = None, alpha: Any = None) -> Any:
+    return _added(g, base, g.op("MatMul", mat, vec), beta, alpha)
+
+
+def _addr(g: Any, base: Any, u: Any, v: Any, beta: Any = None, alpha: Any = None) -> Any:
+    outer = g.op("Mul", symbolic_helper._unsqueeze_helper(g, u, [1]), symbolic_helper._unsqueeze_helper(g, v, [0]))
+    return _added(g, base, outer, beta, alpha)
+
+
+def _nan_ignoring(op: str) -> Callable[[Any, Any, Any], Any]:
+    """fmax / fmin: the other operand where one is NaN."""
+    def convert(g: Any, a: Any, b: Any) -> Any:
+        picked = g.op(op, a, b)
+        return g.op("Where", g.op("IsNaN", a), b, g.op("Where", g.op("IsNaN", b), a, picked))
+    return convert
+
+
+def _trunc(g: Any, x: Any) -> Any:
+    return g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Abs", x)))
+
+
+MISSING: dict[str, Callable[..., Any]] = {
+    **{f"aten::{name}": _unary(op) for name, op in [
+        ("sinh", "Sinh"), ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"),
+        ("sgn", "Sign")]},
+    "aten::exp2": lambda g, x: g.op("Pow", _const(g, 2.0, x), x),
+    "aten::erfc": lambda g, x: g.op("Sub", _const(g, 1.0, x), g.op("Erf", x)),
+    "aten::special_erfc": lambda g, x: g.op("Sub", _const(g, 1.0, x), g.op("Erf", x)),
+    "aten::logaddexp": _logaddexp,
+    "aten::logaddexp2": lambda g, a, b: _logaddexp(g, a, b, math.log(2.0)),
+    "aten::xlogy": _xlogy, "aten::special_xlogy": _xlogy,
+    "aten::addmv": _addmv, "aten::addr": _addr,
+    "aten::fmax": _nan_ignoring("Max"), "aten::fmin": _nan_ignoring("Min"),
+    "aten::trunc": _trunc, "aten::fix": _trunc,
+}
+
+
+def exported_symbolics() -> contextlib.AbstractContextManager[None]:
+    """`MISSING` registered while the block lasts."""
+    return registered(MISSING, OPSET)
