@@ -246,11 +246,15 @@ class Engine:
                           "its outputs are float32.", RuntimeWarning, stacklevel=3)
         leaves, in_spec = self._flatten(args, kwargs)
         kinds = []
+        empty = False
         for t in leaves:
             if not t.is_cpu:
                 raise ORTModuleError(f"ORTModule({self.name}) runs on onnxruntime's CPU provider; an input is on "
                                      f"{t.device}. Move the module and inputs to the CPU.")
             kinds.append((t.dtype, t.dim()))
+            empty = empty or not t.numel()
+        if empty:  # an empty batch: torch computes it exactly, where graphs reshaping by -1 cannot size it
+            return self.module(*args, **kwargs)
         if self._module_list is None:
             self._module_list = list(self.module.modules())
         key: Hashable = (in_spec, tuple(kinds), tuple([m.training for m in self._module_list]), self.version)

@@ -957,6 +957,27 @@ def test_export_computing_something_else_is_refused() -> None:
     assert (ORTModule(ThroughView(), check_export=False)(x) < 0).any()  # the export's graph: no ReLU
 
 
+def test_empty_batch_computes_as_torch() -> None:
+    """A batch of 0 (the last of a filtered dataset) gives torch's empty outputs, gradients and BatchNorm
+    statistics between full batches (a Conv's backward reshaped it by -1, which cannot size an empty tensor)."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(4 * 9, 3))
+
+    ref, om = net(), ORTModule(net())
+    for n in (4, 0, 3):
+        x = torch.randn(n, 1, 8, 8)
+        om.zero_grad()
+        ref.zero_grad()
+        got, want = om(x), ref(x)
+        assert got.shape == want.shape == (n, 3)
+        (got.sum() + sum(p.sum() for p in om.parameters()) * 0.1).backward()
+        (want.sum() + sum(p.sum() for p in ref.parameters()) * 0.1).backward()
+        assert_grads_equal(om, ref)
+        torch.testing.assert_close(om.module[1].running_mean, ref[1].running_mean)
+
+
 def test_data_dependent_trace_warns() -> None:
     class Branchy(nn.Module):
         def forward(self, x):
