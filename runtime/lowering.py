@@ -19,10 +19,11 @@ from .ort_session import Runner, SessionConfig
 
 def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = None) -> onnx.ModelProto:
     """Always: Ifs the known sizes decide replaced by their branch (`shape_folding.inline_constant_ifs`: the
-    builder differentiates no control flow). Then Dropouts that drop nothing removed (`passes.inactive_dropouts`),
+    builder differentiates no control flow), EyeLikes of types onnxruntime lacks made in float
+    (`passes.runnable_eyelikes`). Then Dropouts that drop nothing removed (`passes.inactive_dropouts`),
     Relu at the pooled size (`passes.relu_after_pool`) and chains of Linear layers computed feature-major
     (`feature_major`; `rows`: the batch expected where the model leaves it symbolic)."""
-    model = shape_folding.inline_constant_ifs(model)
+    model = passes.runnable_eyelikes(shape_folding.inline_constant_ifs(model))
     if not config.lower:
         return model
     return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)), rows)

@@ -854,3 +854,52 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
         return e.nodes
 
     return rewrite_nodes(model, plan, build)
+
+
+EYE_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32, TensorProto.INT64,
+                       TensorProto.UINT64})
+"""The element types onnxruntime's CPU EyeLike reads and writes."""
+
+
+def runnable_eyelikes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """EyeLikes of other types (torch's `eye(n, dtype=torch.bool)`, a contrastive loss's diagonal mask, exports
+    as an EyeLike of a bool ConstantOfShape, which onnxruntime cannot load) made in float and cast, before and
+    after. Returns a rewritten copy, or `model` itself when every EyeLike is of a type onnxruntime has."""
+    eyes = [n for n in model.graph.node if n.op_type == "EyeLike" and n.domain in ("", "ai.onnx")]
+    if not eyes:
+        return model
+    types = {name: t for name, (t, _) in tensor_types(infer_shapes_safely(model) or model.graph).items()}
+    types.update((t.name, t.data_type) for t in model.graph.initializer)
+    plans: dict[int, tuple[int, int]] = {}
+    for k, n in enumerate(model.graph.node):
+        if n.op_type != "EyeLike" or n.domain not in ("", "ai.onnx"):
+            continue
+        given = types.get(n.input[0], TensorProto.UNDEFINED)
+        made = int_attr(n, "dtype", given)
+        if given and made and (given not in EYE_TYPES or made not in EYE_TYPES):
+            plans[k] = (given, made)
+    if not plans:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    taken = names_in_use(out.graph)
+    nodes: list[onnx.NodeProto] = []
+    for k, n in enumerate(out.graph.node):
+        if k not in plans:
+            nodes.append(n)
+            continue
+        given, made = plans[k]
+        source = n.input[0]
+        if given not in EYE_TYPES:
+            source = fresh_name(f"{n.input[0]}/as_float", taken)
+            nodes.append(helper.make_node("Cast", [n.input[0]], [source], to=TensorProto.FLOAT))
+        k_attr = int_attr(n, "k", 0)
+        if made in EYE_TYPES:
+            nodes.append(helper.make_node("EyeLike", [source], [n.output[0]], name=n.name, k=k_attr, dtype=made))
+        else:
+            eye = fresh_name(f"{n.output[0]}/float", taken)
+            nodes.append(helper.make_node("EyeLike", [source], [eye], name=n.name, k=k_attr, dtype=TensorProto.FLOAT))
+            nodes.append(helper.make_node("Cast", [eye], [n.output[0]], to=made))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .passes import constant_values, drop_dead, fresh_name, int_attr, names_in_use, tensor_types
+from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, names_in_use, tensor_types
 
 MAX_ELEMENTS = 16
 """Longest int64 vector evaluated (shape vectors are as long as a tensor's rank)."""
@@ -255,12 +255,10 @@ def _inlined(branch: onnx.GraphProto, outputs: Sequence[str], taken: set[str]) -
 
 
 def _forget_shapes(graph: onnx.GraphProto, names: set[str]) -> None:
-    """The declared shapes of `names` dropped (types kept), for inference to derive from their new nodes: the
-    legacy exporter types an If's outputs by one branch (torch's scatter_reduce writes a branch that flattens
-    0-d operands), which may not be the branch taken."""
-    kept = [v for v in graph.value_info if v.name not in names]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
+    """The declared shapes of `names` dropped (graph outputs keep their type), for inference to derive from
+    their new nodes: the legacy exporter types an If's outputs by one branch (torch's scatter_reduce writes a
+    branch that flattens 0-d operands), which may not be the branch taken."""
+    forget_types(graph, names)
     for v in graph.output:
         if v.name in names:
             v.type.tensor_type.ClearField("shape")

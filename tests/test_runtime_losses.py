@@ -53,6 +53,15 @@ def _probabilities(g: torch.Generator) -> torch.Tensor:
 
 WEIGHT = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.25])
 
+
+def _nt_xent(z: torch.Tensor, _: torch.Tensor, temperature: float = 0.5) -> torch.Tensor:
+    """SimCLR's loss over two views (rows i and i + n), each row's own similarity masked by a boolean eye
+    (exported as an EyeLike of bools, which onnxruntime has no kernel for)."""
+    z = F.normalize(z, dim=1)
+    n = z.shape[0] // 2
+    sim = (z @ z.t() / temperature).masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+    return F.cross_entropy(sim, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
 CASES: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
     "l1 mean": (F.l1_loss, _real),
     "l1 sum": (lambda a, b: F.l1_loss(a, b, reduction="sum"), _real),
@@ -87,6 +96,7 @@ CASES: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
                               lambda g: torch.randn(8, 2, generator=g)),
     "multi margin, p = 2, weighted": (lambda a, b: F.multi_margin_loss(a, b, p=2, weight=WEIGHT),
                                       lambda g: torch.randint(0, 5, (8,), generator=g)),
+    "NT-Xent": (_nt_xent, _real),
     "nn.L1Loss module": (nn.L1Loss(), _real),
     "nn.CrossEntropyLoss module, label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.05), _classes),
 }
