@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.onnx._internal.torchscript_exporter import jit_utils, symbolic_helper, symbolic_opset11
 
-from .symbolics import registered
+from .symbolics import const_like, registered
 
 OPSET = 16
 """The first opset whose scatters take `reduction="add"`."""
@@ -34,11 +34,11 @@ def _index_add(g: Any, self: Any, dim: Any, index: Any, source: Any, alpha: Any 
     source_rank = symbolic_helper._get_tensor_rank(source)
     if source_rank is not None and source_rank < rank:  # a 0-d source for a 1-d self
         source = symbolic_helper._unsqueeze_helper(g, source, list(range(source_rank, rank)))
-    factor = symbolic_helper._maybe_get_scalar(alpha) if alpha is not None else None
-    if factor is not None and not symbolic_helper._is_value(factor) and float(factor) != 1:
-        source = g.op("Mul", source, g.op("CastLike", g.op("Constant", value_t=torch.tensor(float(factor))), source))
-    elif factor is not None and symbolic_helper._is_value(factor):
+    factor = 1.0 if alpha is None else symbolic_helper._maybe_get_scalar(alpha)
+    if symbolic_helper._is_value(factor):  # alpha computed in the graph
         source = g.op("Mul", source, g.op("CastLike", factor, source))
+    elif float(factor) != 1:
+        source = g.op("Mul", source, const_like(g, float(factor), source))
     along = g.op("Constant", value_t=torch.tensor([-1 if i == dim else 1 for i in range(rank)]))
     index = g.op("Expand", symbolic_helper._reshape_helper(g, index, along), g.op("Shape", source))
     return g.op("ScatterElements", self, index, source, axis_i=dim, reduction_s="add")

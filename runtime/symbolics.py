@@ -33,7 +33,8 @@ def registered(symbolics: Mapping[str, Callable[..., Any]], opset: int) -> Itera
             torch.onnx.unregister_custom_op_symbolic(name, opset)
 
 
-def _const(g: Any, value: float, like: Any) -> Any:
+def const_like(g: Any, value: float, like: Any) -> Any:
+    """A scalar constant of `like`'s element type."""
     return g.op("CastLike", g.op("Constant", value_t=torch.tensor(value)), like)
 
 
@@ -49,25 +50,25 @@ def _unary(op: str) -> Callable[[Any, Any], Any]:
 def _logaddexp(g: Any, a: Any, b: Any, base: float = 1.0) -> Any:
     """max(a, b) + log(1 + exp(-|a - b|)), in base e or 2 (`base` = ln 2)."""
     if base != 1.0:
-        a, b = g.op("Mul", a, _const(g, base, a)), g.op("Mul", b, _const(g, base, b))
+        a, b = g.op("Mul", a, const_like(g, base, a)), g.op("Mul", b, const_like(g, base, b))
     gap = g.op("Neg", g.op("Abs", g.op("Sub", a, b)))
-    out = g.op("Add", g.op("Max", a, b), g.op("Log", g.op("Add", _const(g, 1.0, a), g.op("Exp", gap))))
-    return out if base == 1.0 else g.op("Div", out, _const(g, base, out))
+    out = g.op("Add", g.op("Max", a, b), g.op("Log", g.op("Add", const_like(g, 1.0, a), g.op("Exp", gap))))
+    return out if base == 1.0 else g.op("Div", out, const_like(g, base, out))
 
 
 def _xlogy(g: Any, x: Any, y: Any) -> Any:
     """x * log(y), 0 where x is 0 (unless y is NaN), as torch's."""
-    zero = g.op("And", g.op("Equal", x, _const(g, 0.0, x)), g.op("Not", g.op("IsNaN", y)))
-    return g.op("Where", zero, _const(g, 0.0, x), g.op("Mul", x, g.op("Log", y)))
+    zero = g.op("And", g.op("Equal", x, const_like(g, 0.0, x)), g.op("Not", g.op("IsNaN", y)))
+    return g.op("Where", zero, const_like(g, 0.0, x), g.op("Mul", x, g.op("Log", y)))
 
 
 def _added(g: Any, base: Any, product: Any, beta: Any, alpha: Any) -> Any:
     """beta * base + alpha * product; beta 0 ignores base (NaNs in it included), as torch's."""
     b, a = _scalar(beta), _scalar(alpha)
-    scaled = product if a == 1.0 else g.op("Mul", product, _const(g, a, product))
+    scaled = product if a == 1.0 else g.op("Mul", product, const_like(g, a, product))
     if b == 0.0:
         return scaled
-    return g.op("Add", base if b == 1.0 else g.op("Mul", base, _const(g, b, base)), scaled)
+    return g.op("Add", base if b == 1.0 else g.op("Mul", base, const_like(g, b, base)), scaled)
 
 
 def _addmv(g: Any, base: Any, mat: Any, vec: Any, beta: Any = None, alpha: Any = None) -> Any:
@@ -95,9 +96,9 @@ MISSING: dict[str, Callable[..., Any]] = {
     **{f"aten::{name}": _unary(op) for name, op in [
         ("sinh", "Sinh"), ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"),
         ("sgn", "Sign")]},
-    "aten::exp2": lambda g, x: g.op("Pow", _const(g, 2.0, x), x),
-    "aten::erfc": lambda g, x: g.op("Sub", _const(g, 1.0, x), g.op("Erf", x)),
-    "aten::special_erfc": lambda g, x: g.op("Sub", _const(g, 1.0, x), g.op("Erf", x)),
+    "aten::exp2": lambda g, x: g.op("Pow", const_like(g, 2.0, x), x),
+    "aten::erfc": lambda g, x: g.op("Sub", const_like(g, 1.0, x), g.op("Erf", x)),
+    "aten::special_erfc": lambda g, x: g.op("Sub", const_like(g, 1.0, x), g.op("Erf", x)),
     "aten::logaddexp": _logaddexp,
     "aten::logaddexp2": lambda g, a, b: _logaddexp(g, a, b, math.log(2.0)),
     "aten::xlogy": _xlogy, "aten::special_xlogy": _xlogy,
