@@ -5,11 +5,11 @@ exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any si
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
 `bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw),
-`Tensor.unfold` (sliding windows: "input size not accessible") or, before opset 20, `affine_grid` (spatial
-transformers);
-`local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder
-does not differentiate; `avg_pool2d` and `avg_pool3d` export with their `divisor_override` ignored (a constant
-one: a wrong result, no error).
+`Tensor.unfold` (sliding windows: "input size not accessible"), `scatter_reduce` by "mean" or without self, or,
+before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with an If
+or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
+else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance`
+adds eps to the exponent, and `cdist`'s gradient is NaN at zero distances.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -21,6 +21,11 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - average pooling by a divisor: the input framed by its padding and zeros where torch's last ceil-mode window
   overhangs (sizes taken at the export, so the size check re-exports other sizes), pooled, times the kernel's
   size over the divisor;
+- scatter_reduce by mean, or by sum without self: sums and counts scattered by `scatter_add` (self added and
+  counted once where included), the mean their quotient, self kept where nothing was scattered to;
+- pairwise_distance and cdist: the p-norm of the difference (plus eps for pairwise_distance, which torch's
+  exporter wrote into the exponent) with torch's zero gradient at zero distance, and cdist's product form past
+  25 rows for p = 2, as torch's;
 - threshold(x, t, v): x where x > t, else v;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
@@ -167,6 +172,27 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode: str
         b = torch.cat([x2, torch.ones_like(n2), n2], -1)
         return torch.matmul(a, b.transpose(-1, -2)).clamp_min(1e-30).sqrt()
     return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p)
+
+
+def _scatter_reduce(original: Callable[..., torch.Tensor], in_place: bool = False) -> Callable[..., torch.Tensor]:
+    """`scatter_reduce` by "mean", or by "sum" without self (`include_self=False`: graph networks' aggregations),
+    which the exporter refuses, as sums and counts scattered with `scatter_add`: positions nothing is scattered
+    to keep self. Other reductions keep torch's function (its export, or its refusal)."""
+    def scatter_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str, *,
+                       include_self: bool = True) -> torch.Tensor:
+        if reduce not in ("sum", "mean") or (reduce == "sum" and include_self) or not self.is_floating_point():
+            return original(self, dim, index, src, reduce, include_self=include_self)
+        zeros = torch.zeros_like(self)
+        total = zeros.scatter_add(dim, index, src)
+        count = zeros.scatter_add(dim, index, torch.ones_like(src))
+        if include_self:
+            total, count = total + self, count + 1
+        if reduce == "mean":
+            total = total / count.clamp(min=1)
+        out = torch.where(count > 0, total, self)
+        return self.copy_(out) if in_place else out
+
+    return scatter_reduce
 
 
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -350,6 +376,9 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
         (torch, "cdist", _cdist),
+        (torch, "scatter_reduce", _scatter_reduce(torch.scatter_reduce)),
+        (torch.Tensor, "scatter_reduce", _scatter_reduce(torch.Tensor.scatter_reduce)),
+        (torch.Tensor, "scatter_reduce_", _scatter_reduce(torch.Tensor.scatter_reduce_, in_place=True)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),

@@ -1,7 +1,8 @@
 """runtime/accumulation.py: sums at repeated indices (a graph network's messages into their target nodes) train
 through ORTModule like torch: index_add, index_put with accumulate=True and scatter_reduce's sum, whose exports
 overwrote all but one of the values an index repeats (index_add, index_put) or failed to build
-(scatter_reduce: an If typed by its other branch)."""
+(scatter_reduce: an If typed by its other branch); scatter_reduce's mean, and its sum without self, which the
+exporter refuses (runtime/functions.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ AGGREGATES: dict[str, Aggregate] = {
     "index_put accumulating a mask": lambda h, msg: h.index_put((h > 0,), msg[:1, :1].squeeze(), accumulate=True),
     "scatter_reduce sum": lambda h, msg: torch.zeros(NODES, FEATURES).scatter_reduce(
         0, DST.unsqueeze(1).expand_as(msg), msg, "sum"),
+    "scatter_reduce mean without self": lambda h, msg: h.scatter_reduce(
+        0, DST.unsqueeze(1).expand_as(msg), msg, "mean", include_self=False),
+    "scatter_reduce mean with self": lambda h, msg: torch.scatter_reduce(
+        h, 0, DST.unsqueeze(1).expand_as(msg), msg, "mean"),
+    "scatter_reduce_ sum without self": lambda h, msg: torch.zeros(NODES, FEATURES).scatter_reduce_(
+        0, DST.unsqueeze(1).expand_as(msg), msg, "sum", include_self=False) + h,
 }
 
 
