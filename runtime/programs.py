@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 import gradbuilder
+from gradbuilder.stop_gradient import identities
 from gradbuilder.yield_op import find_yield, read_yield
 
 from . import passes
@@ -138,7 +139,8 @@ def _align(sub: onnx.ModelProto, full: onnx.ModelProto) -> None:
     known |= {i.name for i in full.graph.input}
     # the full build's forward starts with the same source nodes: skip them
     n_source = 0
-    while n_source < min(y, len(full_nodes)) and nodes[n_source] == full_nodes[n_source]:
+    as_run = identities(nodes[:y])  # the forward half runs StopGradients as Identities: compare those
+    while n_source < min(y, len(full_nodes)) and as_run[n_source] == full_nodes[n_source]:
         n_source += 1
 
     rename: dict[str, str] = {}
@@ -154,13 +156,13 @@ def _align(sub: onnx.ModelProto, full: onnx.ModelProto) -> None:
     for n in full_nodes:
         index.setdefault(_node_key(n, {}), n)
     matched, moved = [], []
-    for n in nodes[n_source:y]:
-        twin = index.get(_node_key(n, rename))
+    for n, run in zip(nodes[n_source:y], as_run[n_source:]):
+        twin = index.get(_node_key(run, rename))
         if twin is None:
             moved.append(n)
             continue
         matched.append(n)
-        rename.update({o: t for o, t in zip(n.output, twin.output) if o and t})
+        rename.update({o: t for o, t in zip(n.output, twin.output) if o and t and o != t})
 
     # names of `sub` that are not renamed but collide with a rename target would alias two values
     targets = set(rename.values())

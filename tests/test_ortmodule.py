@@ -562,6 +562,32 @@ def test_stop_gradients_as_torch() -> None:
         torch.testing.assert_close(om(x), ref(x))
 
 
+class DetachedFeatures(nn.Module):
+    """A loss and features computed after a detach(), returned together."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        features = h.detach() * h
+        return self.b(features).sum(), features
+
+
+def test_outputs_after_a_stop_gradient_left_without_gradient() -> None:
+    """Only the loss gets a gradient: the backward built for it alone lines its forward names up with the full
+    build's, whose forward half runs the StopGradient as an Identity (compared as one: they differed, and the
+    features' node was renamed to itself, an AssertionError)."""
+    ref, om = pair(DetachedFeatures())
+    x = torch.randn(3, 4)
+    (loss, features), (want, want_features) = om(x), ref(x)
+    loss.backward()
+    want.backward()
+    assert_grads_equal(om, ref)
+    torch.testing.assert_close(features, want_features)
+
+
 def test_dynamo_refuses_stop_gradients() -> None:
     """The dynamo exporter loses them: refused, naming the cause, before it exports."""
     om = ORTModule(StopGradients(), exporter="dynamo")
@@ -895,9 +921,24 @@ class RoundStraightThrough(torch.autograd.Function):
         return grad
 
 
+class FastTanh(torch.autograd.Function):
+    """A Function whose backward is its forward's own derivative (as transformers' Bloom GELU)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
 class Quantized(nn.Module):
     """Rounds its features by the Function, by the same estimator written with detach() ("trick"), or rounds its
-    input by the Function ("input": nothing there requires grad)."""
+    input by the Function ("input": nothing there requires grad); "exact" takes FastTanh instead of rounding."""
 
     def __init__(self, how: str = "function"):
         super().__init__()
@@ -908,20 +949,24 @@ class Quantized(nn.Module):
         if self.how == "input":
             return (self.fc(RoundStraightThrough.apply(x * 4)) * x).sum()
         h = self.fc(x) * 4
+        if self.how == "exact":
+            return (FastTanh.apply(h) * x).sum()
         rounded = h + (torch.round(h) - h).detach() if self.how == "trick" else RoundStraightThrough.apply(h)
         return (rounded * x).sum()
 
 
 def test_custom_autograd_functions_are_refused() -> None:
     """A Function's own backward is not in the exported graph (onnxruntime would differentiate its forward: zero
-    gradients through the round): refused by name; fallback runs it in torch; the detach() form of the same
-    estimator, and the Function on tensors that need no gradient, train on onnxruntime with torch's gradients."""
+    gradients through the round): one whose backward differs from its forward's derivative is refused by name;
+    fallback runs it in torch; one computing its forward's derivative, the detach() form of the estimator, and
+    the Function on tensors that need no gradient train on onnxruntime with torch's gradients."""
     x = torch.randn(3, 4)
     with pytest.raises(ORTModuleError, match=r"the export failed.*Quantized applies torch.autograd.Function "
                                              r"test_ortmodule.RoundStraightThrough to tensors that require grad"):
         ORTModule(Quantized())(x)
     for module, kwargs, expected in ((Quantized(), {"fallback": True}, FallbackWarning),
-                                     (Quantized("trick"), {}, None), (Quantized("input"), {}, None)):
+                                     (Quantized("trick"), {}, None), (Quantized("input"), {}, None),
+                                     (Quantized("exact"), {}, None)):
         ref, om = pair(module, **kwargs)
         with pytest.warns(expected, match="RoundStraightThrough") if expected else contextlib.nullcontext():
             om(x).backward()
