@@ -1,21 +1,36 @@
 """torch.autograd.Function subclasses a module applies while it is exported: their own backward is lost.
 
 Both exporters trace through a Function's forward (or write its `symbolic`), and the gradient builder then
-differentiates those ops, not what the Function's backward computes: a straight-through estimator (round in
+differentiates those ops, not what the Function's backward computes. Many Functions only compute their
+forward's own derivative faster (transformers' Bloom GELU, memory-saving activations): differentiating the
+forward is then right. Others define another gradient on purpose: a straight-through estimator (round in
 forward, the gradient passed on unchanged) would get zero gradients, a gradient reversal layer the unreversed
-gradient, silently. So the export records every Function applied to a tensor that requires grad, and refuses
-the module when one is not torch's own (`refusal`).
+one, silently. So the export records the first call of every Function applied to a tensor that requires grad
+(not torch's own), and after it compares the Function's backward with autograd's gradient of its forward's ops
+on that call's inputs (one random cotangent); a Function whose two differ, or that cannot be checked, refuses the
+module (`refusal`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import stop_gradients
 from .patching import replaced
+
+
+@dataclass
+class Applied:
+    """A Function's first call while exporting."""
+
+    cls: type
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 def _own(cls: type) -> bool:
@@ -23,31 +38,97 @@ def _own(cls: type) -> bool:
     return cls.__module__.split(".", 1)[0] == "torch"
 
 
+_APPLY = vars(torch.autograd.Function)["apply"].__func__
+
+
 @contextlib.contextmanager
-def applied_functions() -> Iterator[list[type]]:
-    """The Function classes applied to tensors requiring grad while the block runs, in call order (not torch's
-    own). Holds under the export lock (`Function.apply` is replaced process-wide)."""
-    applied: list[type] = []
-    original = vars(torch.autograd.Function)["apply"].__func__
+def applied_functions() -> Iterator[list[Applied]]:
+    """The Functions applied to tensors requiring grad while the block runs, in call order, each with its first
+    call (not torch's own). Holds under the export lock (`Function.apply` is replaced process-wide)."""
+    applied: list[Applied] = []
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not _own(cls) and cls not in applied and any(
+        if not _own(cls) and all(a.cls is not cls for a in applied) and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
-            applied.append(cls)
-        return original(cls, *args, **kwargs)
+            applied.append(Applied(cls, args, kwargs))
+        with stop_gradients.in_function():
+            return _APPLY(cls, *args, **kwargs)
 
     with replaced([(torch.autograd.Function, "apply", classmethod(apply))]):
         yield applied
 
 
-def refusal(module: str, applied: list[type]) -> str | None:
-    """The export error for a module that applied `applied`, or None when it applied none."""
-    if not applied:
+class _Context:
+    """What a Function's forward may call on its ctx, when it runs outside `apply` (nothing is kept)."""
+
+    def __init__(self, needs: Sequence[bool]):
+        self.needs_input_grad = tuple(needs)
+        self.saved_tensors: tuple[torch.Tensor, ...] = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    items = out if isinstance(out, tuple | list) else (out,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _forward_ops(call: Applied, args: list[Any]) -> Any:
+    """The Function's forward run as plain ops (autograd records them)."""
+    cls = call.cls
+    if getattr(cls, "setup_context", None) is not getattr(torch.autograd.Function, "setup_context", None):
+        return cls.forward(*args, **call.kwargs)  # a forward without ctx (its setup_context only saves)
+    return cls.forward(_Context([isinstance(a, torch.Tensor) and a.requires_grad for a in args]), *args,
+                       **call.kwargs)
+
+
+def derivative_consistent(call: Applied, rtol: float = 1e-3) -> bool:
+    """Whether the Function's backward gives autograd's gradient of its forward's ops on the call's inputs,
+    along one random cotangent; False when either cannot be computed."""
+    try:
+        with torch.enable_grad():
+            args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                    for a in call.args]
+            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            custom, plain = _tensors(_APPLY(call.cls, *args, **call.kwargs)), _tensors(_forward_ops(call, args))
+            if len(custom) != len(plain) or not custom:
+                return False
+            g = torch.Generator().manual_seed(0)
+            cotangents = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in custom]
+            want = torch.autograd.grad(plain, inputs, cotangents, allow_unused=True)
+            got = torch.autograd.grad(custom, inputs, cotangents, allow_unused=True)
+    except Exception:
+        return False
+    for x, a, b in zip(inputs, got, want):
+        a = torch.zeros_like(x) if a is None else a
+        b = torch.zeros_like(x) if b is None else b
+        scale = float(torch.maximum(a.abs().max(), b.abs().max())) if a.numel() else 0.0
+        if not torch.allclose(a, b, rtol=rtol, atol=rtol * scale):
+            return False
+    return True
+
+
+def refusal(module: str, applied: Sequence[Applied]) -> str | None:
+    """The export error for a module that applied Functions whose backward is not their forward's derivative,
+    or None."""
+    wrong = [a.cls for a in applied if not derivative_consistent(a)]
+    if not wrong:
         return None
-    names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in applied)
-    return (f"{module} applies torch.autograd.Function {names} to tensors that require grad. Its backward() is "
-            "Python code the exported graph cannot hold: onnxruntime would differentiate the ops of its forward "
-            "instead, and the gradients would differ from torch's (a straight-through estimator's would be zero). "
+    names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in wrong)
+    return (f"{module} applies torch.autograd.Function {names} to tensors that require grad, and its backward() "
+            "gives other gradients than the ops of its forward (compared on this call's inputs), or cannot be "
+            "compared with them. Its backward is Python code the exported graph cannot hold: onnxruntime would "
+            "differentiate the forward's ops instead (a straight-through estimator's gradients would be zero). "
             "Run the module in torch (ORTModule(module, fallback=True) does so for such calls, with a warning), or "
             "write the gradient with detach(), which the export keeps: `x + (f(x) - x).detach()` computes f(x) and "
             "passes x's gradient straight through; `(c + 1) * x.detach() - c * x` for a gradient scaled by -c.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,21 @@ def exported_detach() -> contextlib.AbstractContextManager[None]:
     return registered({"aten::detach": _stop_gradient}, OPSET)
 
 
+_IN_FUNCTIONS = [0]
+"""How many torch.autograd.Function forwards are running (torch runs them without grad; `in_function`)."""
+
+
+@contextlib.contextmanager
+def in_function() -> Iterator[None]:
+    """A Function's forward runs: what it computes is not a stop-gradient, though grad is off (the export decides
+    whether its ops may be differentiated: runtime/custom_functions.py)."""
+    _IN_FUNCTIONS[0] += 1
+    try:
+        yield
+    finally:
+        _IN_FUNCTIONS[0] -= 1
+
+
 class WithoutGrad(TorchFunctionMode):
     """Float tensors returned by torch functions while grad is disabled come back detached (traced as `detach`);
     what a function returns of its own arguments (in-place ops, views returned as is) is left alone. Counts the
@@ -57,7 +73,7 @@ class WithoutGrad(TorchFunctionMode):
             caller = sys._getframe(1)
             for w in caught:
                 warnings.warn_explicit(w.message, w.category, caller.f_code.co_filename, caller.f_lineno)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or _IN_FUNCTIONS[0]:
             return out
         given = {id(a) for a in args if isinstance(a, torch.Tensor)}
         return _detached(out, given)
