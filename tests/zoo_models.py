@@ -504,6 +504,10 @@ CASES: dict[str, Case] = {
                          seq_classif_dropout=0.0, num_labels=3),
     "hf-roberta": _hf("RobertaForSequenceClassification", "RobertaConfig", text_batch, **TEXT, **NO_DROPOUT,
                       num_labels=3, max_position_embeddings=64),
+    # relative attention; its position terms detached: the backward for the loss alone (logits are returned too)
+    "hf-deberta-v2": _hf("DebertaV2ForSequenceClassification", "DebertaV2Config", text_batch, **TEXT, **NO_DROPOUT,
+                         num_labels=3, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                         max_relative_positions=16),
     # decoders
     "hf-gpt2": _hf("GPT2LMHeadModel", "GPT2Config", lm_batch, vocab_size=99, n_embd=32, n_layer=2, n_head=2,
                    n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
@@ -511,6 +515,9 @@ CASES: dict[str, Case] = {
                     max_position_embeddings=64, tie_word_embeddings=True),
     "hf-mistral-sdpa": _hf("MistralForCausalLM", "MistralConfig", lm_batch, **TEXT, num_key_value_heads=1,
                            max_position_embeddings=64, attn_implementation="sdpa"),
+    # its GELU is a torch.autograd.Function whose backward is its forward's derivative
+    "hf-bloom": _hf("BloomForCausalLM", "BloomConfig", lm_batch, vocab_size=99, hidden_size=32, n_layer=2, n_head=2,
+                    hidden_dropout=0.0, attention_dropout=0.0),
     "hf-gptneox": _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", lm_batch, **TEXT, max_position_embeddings=64,
                       hidden_dropout=0.0, attention_dropout=0.0),
     # encoder-decoders
