@@ -195,6 +195,11 @@ def _scatter_reduce(original: Callable[..., torch.Tensor], in_place: bool = Fals
     return scatter_reduce
 
 
+def _log_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """-softplus(-x): the exporter's log of a sigmoid is -inf below x ~ -17 (and its gradient NaN)."""
+    return -F.softplus(-x)
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -375,7 +380,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
-        (torch, "cdist", _cdist),
+        (torch, "cdist", _cdist), (nn_ops, "log_sigmoid", _log_sigmoid), (F, "logsigmoid", _log_sigmoid),
         (torch, "scatter_reduce", _scatter_reduce(torch.scatter_reduce)),
         (torch.Tensor, "scatter_reduce", _scatter_reduce(torch.Tensor.scatter_reduce)),
         (torch.Tensor, "scatter_reduce_", _scatter_reduce(torch.Tensor.scatter_reduce_, in_place=True)),

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from .functions import pairwise_distance
 from .patching import replaced
@@ -67,6 +68,15 @@ def _huber(x: torch.Tensor, y: torch.Tensor, reduction: int, delta: float = 1.0)
 def _binary_cross_entropy(p: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None, reduction: int
                           ) -> torch.Tensor:
     loss = (y - 1) * torch.clamp(torch.log(1 - p), min=-100) - y * torch.clamp(torch.log(p), min=-100)
+    return _reduce(loss if weight is None else loss * weight, reduction)
+
+
+def _binary_cross_entropy_with_logits(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None,
+                                      pos_weight: torch.Tensor | None, reduction: int) -> torch.Tensor:
+    """torch's stable form, (1 - y) x + w_pos (softplus(-x)) with w_pos = (pos_weight - 1) y + 1: the
+    exporter's log of a sigmoid is -inf past |x| ~ 17 (NaN gradients), and its gradient at x = 0 is right."""
+    softplus = F.softplus(-x)
+    loss = (1 - y) * x + (softplus if pos_weight is None else ((pos_weight - 1) * y + 1) * softplus)
     return _reduce(loss if weight is None else loss * weight, reduction)
 
 
@@ -166,6 +176,7 @@ def exportable_losses() -> contextlib.AbstractContextManager[None]:
     replacements: list[tuple[Any, str, Any]] = [
         (nn_ops, "l1_loss", _l1), (nn_ops, "smooth_l1_loss", _smooth_l1), (nn_ops, "huber_loss", _huber),
         (nn_ops, "binary_cross_entropy", _binary_cross_entropy), (nn_ops, "soft_margin_loss", _soft_margin),
+        (torch, "binary_cross_entropy_with_logits", _binary_cross_entropy_with_logits),
         (nn_ops, "cross_entropy_loss", _cross_entropy(nn_ops.cross_entropy_loss)),
         (torch, "margin_ranking_loss", _margin_ranking), (torch, "hinge_embedding_loss", _hinge_embedding),
         (torch, "poisson_nll_loss", _poisson_nll), (torch, "cosine_embedding_loss", _cosine_embedding),

@@ -97,6 +97,11 @@ CASES: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
     "multi margin, p = 2, weighted": (lambda a, b: F.multi_margin_loss(a, b, p=2, weight=WEIGHT),
                                       lambda g: torch.randint(0, 5, (8,), generator=g)),
     "NT-Xent": (_nt_xent, _real),
+    # confident logits (|x| up to ~100): the exporter's log of a sigmoid is -inf there, onnxruntime's sigmoid 0
+    "binary cross-entropy with logits, confident, weighted, pos_weight": (
+        lambda a, b: F.binary_cross_entropy_with_logits(40 * a, b, weight=WEIGHT, pos_weight=2 * WEIGHT), _binary),
+    "log-sigmoid, confident": (lambda a, b: -(F.logsigmoid(40 * a) * b).mean(), _binary),
+    "log of a sigmoid, confident": (lambda a, b: -(torch.log(torch.sigmoid(20 * a)) * b).mean(), _binary),
     "nn.L1Loss module": (nn.L1Loss(), _real),
     "nn.CrossEntropyLoss module, label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.05), _classes),
 }
