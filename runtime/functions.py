@@ -9,7 +9,8 @@ accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zer
 before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with an If
 or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
 else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance`
-adds eps to the exponent, and `cdist`'s gradient is NaN at zero distances.
+adds eps to the exponent, `softplus` ignores its threshold, `logsigmoid` is -inf below -17 and `cdist`'s gradient is
+NaN at zero distances.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -26,6 +27,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - pairwise_distance and cdist: the p-norm of the difference (plus eps for pairwise_distance, which torch's
   exporter wrote into the exponent) with torch's zero gradient at zero distance, and cdist's product form past
   25 rows for p = 2, as torch's;
+- softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
+- log-sigmoid as -softplus(-x) (the exporter's log of a sigmoid is -inf below x ~ -17);
 - threshold(x, t, v): x where x > t, else v;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
@@ -198,6 +201,17 @@ def _scatter_reduce(original: Callable[..., torch.Tensor], in_place: bool = Fals
 def _log_sigmoid(x: torch.Tensor) -> torch.Tensor:
     """-softplus(-x): the exporter's log of a sigmoid is -inf below x ~ -17 (and its gradient NaN)."""
     return -F.softplus(-x)
+
+
+def _softplus(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """softplus with a `threshold` below 20: x itself where beta x exceeds it, as torch's (the exporter ignores
+    the threshold; from 20 on it changes nothing a float32 holds)."""
+    def softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
+        if threshold >= 20.0:
+            return original(x, beta, threshold)
+        return torch.where(x * beta > threshold, x, original(x, beta, threshold))
+
+    return softplus
 
 
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -381,6 +395,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
         (torch, "cdist", _cdist), (nn_ops, "log_sigmoid", _log_sigmoid), (F, "logsigmoid", _log_sigmoid),
+        *((owner, "softplus", _softplus(nn_ops.softplus)) for owner in (nn_ops, F)),
         (torch, "scatter_reduce", _scatter_reduce(torch.scatter_reduce)),
         (torch.Tensor, "scatter_reduce", _scatter_reduce(torch.Tensor.scatter_reduce)),
         (torch.Tensor, "scatter_reduce_", _scatter_reduce(torch.Tensor.scatter_reduce_, in_place=True)),

@@ -56,6 +56,7 @@ CASES = {
     "average pool, divisor_override, padded, ceil mode": (
         lambda: nn.AvgPool2d(3, 2, 1, ceil_mode=True, divisor_override=5), 4 * 25, (9, 9)),
     "threshold 0.1 -> 0.5": (lambda: nn.Threshold(0.1, 0.5), 4 * 36, (6, 6)),
+    "softplus, beta 2, threshold 1": (lambda: nn.Softplus(beta=2, threshold=1), 4 * 36, (6, 6)),
     "hypot": (lambda: Hypot(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
