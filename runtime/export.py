@@ -375,9 +375,16 @@ def draws_random(model: onnx.ModelProto) -> bool:
     return any(n.op_type in RANDOM_OPS for n in inactive_dropouts(model).graph.node)
 
 
+CHECK_TOLERANCE = 1e-3
+"""An output element differs when it is off by more than this fraction of the output's largest magnitude, and an
+output differs when more than this fraction of its elements do (at least one): a rounding or comparison that float
+rounding tips the other way (a fake-quantized activation at a .5 boundary, a near tie in a top-k routing) moves
+a few elements by a step, while what the check is for moves many (or makes one non-finite)."""
+
+
 def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str | None:
-    """How onnxruntime's float outputs differ from torch's beyond float32 rounding (0.1% of the largest
-    magnitude of torch's output), or None."""
+    """How onnxruntime's float outputs differ from torch's beyond float32 rounding (`CHECK_TOLERANCE`), or
+    None."""
     for i, (a, b) in enumerate(zip(got, want)):
         if not b.is_floating_point():
             continue
@@ -391,9 +398,11 @@ def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str |
         if not finite.any():
             continue
         scale = float(b.abs().masked_fill(~finite, 0).max())
-        worst = float((a - b).abs().masked_fill(~finite, 0).max())
-        if worst > 1e-3 * scale:
-            return f"{where} differs by up to {worst:.3g} (torch's largest magnitude: {scale:.3g})"
+        off = (a - b).abs().masked_fill(~finite, 0)
+        differing = int((off > CHECK_TOLERANCE * scale).sum())
+        if differing > CHECK_TOLERANCE * b.numel():
+            return (f"{where} differs by up to {float(off.max()):.3g} at {differing} of {b.numel()} elements "
+                    f"(torch's largest magnitude: {scale:.3g})")
     return None
 
 

@@ -53,8 +53,8 @@ class ORTModule(nn.Module):
         after its last parallel op sleep instead of sharing the cores (`runtime.openmp`); False leaves them be.
     check_export: compare onnxruntime's outputs of each call that exports with torch's outputs of the same call
         (torchscript exporter; skipped where the graph draws random numbers or the forward changes state in
-        place), and fail as a failed export does where they differ (wrong conversions, in-place changes through
-        views the tracer misses). False skips it.
+        place), and fail as a failed export does where they differ (`export.mismatch`: wrong conversions,
+        in-place changes through views the tracer misses). False skips it.
     """
 
     def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,
