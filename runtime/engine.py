@@ -191,6 +191,10 @@ def _rows(shapes: dict[str, tuple[int, ...]]) -> int | None:
 _FALLBACK = object()
 
 
+GRADIENT_FLOOR = 1e-5
+"""The gradient check's absolute tolerance, as a fraction of the largest gradient of the call (`mismatch`)."""
+
+
 SIZE_CHECKS = 8
 """New input sizes exported again and compared (`Engine._new_sizes`) before an export that was the same graph at
 all of them serves every size unchecked: a model padding each batch to its longest sequence meets many lengths,
@@ -295,6 +299,7 @@ class Engine:
             if grad and t.requires_grad and name not in frozen:
                 wrt.append(name)
         n = len(ex.outputs)
+        call = None
         if wrt:
             session = self._session(key, schema, wrt, leaves)
             if session is None:
@@ -311,17 +316,22 @@ class Engine:
                 return self.module(*args, **kwargs)
             values = [exchange.to_torch(v) for v in outs]
             user, stats = values[:n], values[n:]
-        if ex.reference is not None and not self._matches_torch(key, ex, user):
-            return self.module(*args, **kwargs)
+        if ex.reference is not None:
+            reference, ex.reference = ex.reference, None
+            if not self._matches_torch(key, reference, user):
+                return self.module(*args, **kwargs)
+            if call is not None:
+                call.check = self._gradient_check(key, reference, [named[name] for name in wrt])
         if ex.batch_stats:
             update_running_stats(self._modules(), ex.batch_stats, stats)
         return unflatten(ex.out_spec, user)
 
-    def _matches_torch(self, key: Hashable, ex: Exported, user: Sequence[torch.Tensor]) -> bool:
-        """Whether onnxruntime's outputs of the call that exported match torch's (`Exported.reference`, dropped
-        now): an export computing something else fails as an export does."""
-        reference, ex.reference = ex.reference, None
-        problem = mismatch(user, reference or ())
+    def _matches_torch(self, key: Hashable, reference: Sequence[torch.Tensor], user: Sequence[torch.Tensor]
+                       ) -> bool:
+        """Whether onnxruntime's outputs of the call that exported match torch's (`Exported.reference`): an export
+        computing something else fails as an export does."""
+        with torch.no_grad():
+            problem = mismatch(user, reference)
         if problem is None:
             return True
         self.schemas[key] = self._fail(ExportError(
@@ -330,6 +340,42 @@ class Engine:
             "(`x.view(...).relu_()`, `x.diagonal().fill_(v)`: write them out of place), and some of the exporter's "
             "conversions are wrong. ORTModule(module, check_export=False) skips this comparison."), "export check")
         return False
+
+    def _gradient_check(self, key: Hashable, reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor]
+                        ) -> function.GradientCheck:
+        """The first backward of an export, checked: torch's gradients of its traced outputs (their autograd graph
+        kept from the export until then) for the same incoming gradients, against onnxruntime's. Where they
+        differ the schema fails as an export does: the error is raised from backward, or with fallback this
+        step gets torch's gradients and later calls run in torch. Skipped where torch cannot differentiate its
+        trace any more (a saved tensor changed in place since)."""
+        def check(incoming: Sequence[torch.Tensor | None], ours: list[torch.Tensor | None]
+                  ) -> list[torch.Tensor | None]:
+            pairs = [(r, g) for r, g in zip(reference, incoming) if g is not None and r.requires_grad]
+            if not pairs:
+                return ours
+            try:
+                theirs = torch.autograd.grad([r for r, _ in pairs], list(wrt), [g for _, g in pairs],
+                                             allow_unused=True)
+            except RuntimeError:
+                return ours
+            theirs = [t.to_dense() if t is not None and t.is_sparse else t for t in theirs]  # sparse embeddings
+            zeros = [torch.zeros_like(t) for t in wrt]
+            want = [t if t is not None else z for t, z in zip(theirs, zeros)]
+            with torch.no_grad():
+                # gradients zero by the math (a bias before a normalization) are rounding noise: measured against
+                # the largest gradient of all
+                largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
+                problem = mismatch([o if o is not None else z for o, z in zip(ours, zeros)], want, "gradient",
+                                   GRADIENT_FLOOR * largest)
+            if problem is None:
+                return ours
+            self.schemas[key] = self._fail(ExportError(
+                f"onnxruntime's gradients of the call that exported the module differ from torch's: {problem}. "
+                "Please report it with the module; ORTModule(module, check_export=False) skips this comparison."),
+                "gradient check")
+            return list(theirs)
+
+        return check
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], Any]:
         """The call's tensors and spec. A call of tensors only, filling the signature positionally, has the

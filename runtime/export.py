@@ -91,8 +91,9 @@ class Exported:
     frozen: frozenset[str] = frozenset()
     """State inputs never differentiated (second reads of a tensor, see `_embedding_padding`)."""
     reference: tuple[torch.Tensor, ...] | None = None
-    """torch's outputs of the traced call, to check onnxruntime's outputs of the same call against (the engine
-    drops them after); None where they cannot match (random ops, state changed in place) or are not kept."""
+    """torch's outputs of the traced call, with their autograd graph, to check onnxruntime's outputs and first
+    gradients of the same call against (the engine takes them); None where they cannot match (random ops, state
+    changed in place) or are not kept."""
 
     @functools.cached_property
     def state_names(self) -> frozenset[str]:
@@ -360,7 +361,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     _complete_ranks(model, feeds)
     reference = None
     if options.check and options.exporter == "torchscript" and not mutated and not draws_random(model):
-        reference = tuple(t.detach() for t in flat._result.get("outputs", ()))
+        reference = tuple(flat._result.get("outputs", ()))  # with their autograd graph: the gradient check
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     reference)
 
@@ -382,13 +383,14 @@ rounding tips the other way (a fake-quantized activation at a .5 boundary, a nea
 a few elements by a step, while what the check is for moves many (or makes one non-finite)."""
 
 
-def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str | None:
-    """How onnxruntime's float outputs differ from torch's beyond float32 rounding (`CHECK_TOLERANCE`), or
-    None."""
+def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str = "output", floor: float = 0.0
+             ) -> str | None:
+    """How onnxruntime's float outputs (or gradients) differ from torch's beyond float32 rounding
+    (`CHECK_TOLERANCE`, plus `floor`: an absolute tolerance), or None."""
     for i, (a, b) in enumerate(zip(got, want)):
         if not b.is_floating_point():
             continue
-        where = f"output {i} of {len(want)} {tuple(b.shape)}"
+        where = f"{what} {i} of {len(want)} {tuple(b.shape)}"
         if a.shape != b.shape:
             return f"{where} has shape {tuple(a.shape)} on onnxruntime"
         a = a.detach()
@@ -399,7 +401,7 @@ def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str |
             continue
         scale = float(b.abs().masked_fill(~finite, 0).max())
         off = (a - b).abs().masked_fill(~finite, 0)
-        differing = int((off > CHECK_TOLERANCE * scale).sum())
+        differing = int((off > CHECK_TOLERANCE * scale + floor).sum())
         if differing > CHECK_TOLERANCE * b.numel():
             return (f"{where} differs by up to {float(off.max()):.3g} at {differing} of {b.numel()} elements "
                     f"(torch's largest magnitude: {scale:.3g})")

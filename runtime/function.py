@@ -9,7 +9,7 @@ backward specialised to the outputs that do get gradients.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,9 @@ from torch.autograd.function import once_differentiable
 
 from . import exchange
 from .session import TrainingSession
+
+GradientCheck = Callable[[Sequence[torch.Tensor | None], list[torch.Tensor | None]], list[torch.Tensor | None]]
+"""(incoming output gradients, onnxruntime's gradients) -> the gradients to hand to torch (engine's check)."""
 
 
 @dataclass
@@ -35,6 +38,8 @@ class Call:
     """The caller's tensors behind the graph inputs backward reads (saved to detect in-place changes)."""
     sparse: tuple[int, ...] = ()
     """Positions in `wrt` whose gradient is handed to torch sparse (embeddings with `sparse=True`)."""
+    check: GradientCheck | None = None
+    """Run on the first backward of an export, then dropped (`Engine._gradient_check`)."""
 
 
 def _keep_graph() -> bool:
@@ -82,6 +87,9 @@ def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | Non
             ort_grads[i] = exchange.to_ortvalue(g)
     result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
     out = [result.get(w) for w in call.wrt]
+    if call.check is not None:
+        check, call.check = call.check, None
+        out = check(grads[:call.n_user], out)
     for i in call.sparse:  # as torch's sparse embedding gradient: the rows, COO over the first axis
         if out[i] is not None:
             out[i] = out[i].to_sparse(1)

@@ -51,10 +51,10 @@ class ORTModule(nn.Module):
         schema (default: the GRADBUILDER_SAVE_ONNX environment variable).
     park_torch_threads: while an onnxruntime run on 2+ threads lasts, torch's OpenMP workers that are spinning
         after its last parallel op sleep instead of sharing the cores (`runtime.openmp`); False leaves them be.
-    check_export: compare onnxruntime's outputs of each call that exports with torch's outputs of the same call
-        (torchscript exporter; skipped where the graph draws random numbers or the forward changes state in
-        place), and fail as a failed export does where they differ (`export.mismatch`: wrong conversions,
-        in-place changes through views the tracer misses). False skips it.
+    check_export: compare onnxruntime's outputs of each call that exports, and its first gradients, with
+        torch's for the same call (torchscript exporter; skipped where the graph draws random numbers or the
+        forward changes state in place), and fail as a failed export does where they differ (`export.mismatch`:
+        wrong conversions, in-place changes through views the tracer misses). False skips both.
     """
 
     def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,

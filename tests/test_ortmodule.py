@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import pickle
 import types
@@ -1051,6 +1052,36 @@ def test_export_check_passes_rounding_tipped_the_other_way() -> None:
     got.square().mean().backward()
     want.square().mean().backward()
     assert_grads_equal(om, ref, rtol=1e-3, atol=1e-5)
+
+
+def test_first_gradients_checked_against_torch(monkeypatch) -> None:
+    """The first backward of an export is compared with torch's gradients of the traced call: a wrong gradient
+    rule (Tanh's without its 1 - y^2) fails it from backward, named; with fallback that step gets torch's
+    gradients and later calls run in torch; check_export=False leaves onnxruntime's."""
+    from gradbuilder.rules import registry
+
+    [tanh] = registry._RULES["", "Tanh"]
+    monkeypatch.setitem(registry._RULES, ("", "Tanh"), [dataclasses.replace(tanh, fn=lambda g: (g.GO(0),))])
+    x = torch.randn(5, 4)
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradients of the call that exported the "
+                                             r"module differ from torch's: gradient \d+ of 4 \(8, 4\)"):
+        ORTModule(net())(x).sum().backward()
+    ref, om = net(), ORTModule(net(), fallback=True)
+    with pytest.warns(FallbackWarning, match="gradient check"):
+        om(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(om, ref)
+    om(x).sum().backward()  # in torch now
+    ref(x).sum().backward()
+    assert_grads_equal(om, ref)
+    unchecked = ORTModule(net(), check_export=False)
+    unchecked(x).sum().backward()
+    assert not torch.allclose(unchecked.module[0].weight.grad, ref[0].weight.grad / 2, rtol=1e-3)
 
 
 def test_data_dependent_trace_warns() -> None:
