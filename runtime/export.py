@@ -394,9 +394,9 @@ def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: st
         if a.shape != b.shape:
             return f"{where} has shape {tuple(a.shape)} on onnxruntime"
         a = a.detach()
-        finite = torch.isfinite(b)
-        if not torch.equal(torch.isfinite(a), finite):
-            return f"{where} is not finite on onnxruntime where torch's is, or the other way round"
+        finite = torch.isfinite(b)  # where torch's is not (NaN through a 0/0 it computes), anything goes
+        if not torch.isfinite(a)[finite].all():
+            return f"{where} is not finite on onnxruntime where torch's is"
         if not finite.any():
             continue
         scale = float(b.abs().masked_fill(~finite, 0).max())

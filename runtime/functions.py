@@ -9,8 +9,8 @@ accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zer
 before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with an If
 or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
 else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance`
-adds eps to the exponent, `softplus` ignores its threshold, `logsigmoid` is -inf below -17 and `cdist`'s gradient is
-NaN at zero distances.
+adds eps to the exponent, `softplus` ignores its threshold, `logsigmoid` is -inf below -17, and the gradients of
+`cdist` at zero distances, of `cosine_similarity` at zero vectors and of `std` over constant values are NaN.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -27,6 +27,10 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - pairwise_distance and cdist: the p-norm of the difference (plus eps for pairwise_distance, which torch's
   exporter wrote into the exponent) with torch's zero gradient at zero distance, and cdist's product form past
   25 rows for p = 2, as torch's;
+- cosine similarity: each input over its norm clamped to eps, the products summed (torch's; the exporter's
+  sqrt of the product of squared norms has a NaN gradient at a zero vector);
+- std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
+  constant row: the exporter's sqrt made it NaN);
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
 - log-sigmoid as -softplus(-x) (the exporter's log of a sigmoid is -inf below x ~ -17);
 - threshold(x, t, v): x where x > t, else v;
@@ -214,6 +218,31 @@ def _softplus(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     return softplus
 
 
+def _cosine_similarity(x1: torch.Tensor, x2: torch.Tensor, dim: int = 1, eps: float = 1e-8) -> torch.Tensor:
+    """torch's: each input over its norm (at least eps), the products summed. The exporter divides by
+    sqrt(|x1|^2 |x2|^2), whose gradient at a zero vector (a padding embedding) is NaN; the norms here are
+    ReduceL2s, whose rule gives 0 there, as torch's norm does."""
+    n1 = torch.linalg.vector_norm(x1, 2, dim=dim, keepdim=True).clamp_min(eps)
+    n2 = torch.linalg.vector_norm(x2, 2, dim=dim, keepdim=True).clamp_min(eps)
+    return ((x1 / n1) * (x2 / n2)).sum(dim)
+
+
+def _root_of(var: torch.Tensor) -> torch.Tensor:
+    """sqrt(var) with torch's std gradient where var is 0 (zero: its backward masks it; sqrt's would be inf, NaN
+    once multiplied by the zero deviations): the root of 1 there, replaced by 0."""
+    zero = var == 0
+    return torch.where(zero, torch.zeros_like(var), torch.sqrt(torch.where(zero, torch.ones_like(var), var)))
+
+
+def _std(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return _root_of(torch.var(x, *args, **kwargs))
+
+
+def _std_mean(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    var, mean = torch.var_mean(x, *args, **kwargs)
+    return _root_of(var), mean
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -394,7 +423,10 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
-        (torch, "cdist", _cdist), (nn_ops, "log_sigmoid", _log_sigmoid), (F, "logsigmoid", _log_sigmoid),
+        (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity),
+        (torch, "std", _std), (torch.Tensor, "std", _std), (torch, "std_mean", _std_mean),
+        (F, "cosine_similarity", _cosine_similarity),
+        (nn_ops, "log_sigmoid", _log_sigmoid), (F, "logsigmoid", _log_sigmoid),
         *((owner, "softplus", _softplus(nn_ops.softplus)) for owner in (nn_ops, F)),
         (torch, "scatter_reduce", _scatter_reduce(torch.scatter_reduce)),
         (torch.Tensor, "scatter_reduce", _scatter_reduce(torch.Tensor.scatter_reduce)),

@@ -11,6 +11,7 @@ import pickle
 import types
 import warnings
 from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -1054,33 +1055,46 @@ def test_export_check_passes_rounding_tipped_the_other_way() -> None:
     assert_grads_equal(om, ref, rtol=1e-3, atol=1e-5)
 
 
-def test_first_gradients_checked_against_torch(monkeypatch) -> None:
-    """The first backward of an export is compared with torch's gradients of the traced call: a wrong gradient
-    rule (Tanh's without its 1 - y^2) fails it from backward, named; with fallback that step gets torch's
-    gradients and later calls run in torch; check_export=False leaves onnxruntime's."""
+@contextlib.contextmanager
+def wrong_tanh_rule() -> Iterator[None]:
+    """Tanh's gradient rule without its 1 - y^2 while the block runs (the rule table and its lookup cache)."""
     from gradbuilder.rules import registry
 
     [tanh] = registry._RULES["", "Tanh"]
-    monkeypatch.setitem(registry._RULES, ("", "Tanh"), [dataclasses.replace(tanh, fn=lambda g: (g.GO(0),))])
+    registry._RULES["", "Tanh"] = [dataclasses.replace(tanh, fn=lambda g: (g.GO(0),))]
+    registry.lookup.cache_clear()
+    try:
+        yield
+    finally:
+        registry._RULES["", "Tanh"] = [tanh]
+        registry.lookup.cache_clear()
+
+
+def test_first_gradients_checked_against_torch() -> None:
+    """The first backward of an export is compared with torch's gradients of the traced call: a wrong gradient
+    rule fails it from backward, named; with fallback that step gets torch's gradients and later calls run in
+    torch; check_export=False leaves onnxruntime's."""
     x = torch.randn(5, 4)
 
     def net() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
-    with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradients of the call that exported the "
-                                             r"module differ from torch's: gradient \d+ of 4 \(8, 4\)"):
-        ORTModule(net())(x).sum().backward()
-    ref, om = net(), ORTModule(net(), fallback=True)
-    with pytest.warns(FallbackWarning, match="gradient check"):
-        om(x).sum().backward()
-    ref(x).sum().backward()
-    assert_grads_equal(om, ref)
-    om(x).sum().backward()  # in torch now
-    ref(x).sum().backward()
-    assert_grads_equal(om, ref)
-    unchecked = ORTModule(net(), check_export=False)
-    unchecked(x).sum().backward()
+    ref = net()
+    with wrong_tanh_rule():
+        with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradients of the call that exported the "
+                                                 r"module differ from torch's: gradient \d+ of 4 \(8, 4\)"):
+            ORTModule(net())(x).sum().backward()
+        om = ORTModule(net(), fallback=True)
+        with pytest.warns(FallbackWarning, match="gradient check"):
+            om(x).sum().backward()
+        ref(x).sum().backward()
+        assert_grads_equal(om, ref)
+        om(x).sum().backward()  # in torch now
+        ref(x).sum().backward()
+        assert_grads_equal(om, ref)
+        unchecked = ORTModule(net(), check_export=False)
+        unchecked(x).sum().backward()
     assert not torch.allclose(unchecked.module[0].weight.grad, ref[0].weight.grad / 2, rtol=1e-3)
 
 

@@ -232,3 +232,33 @@ def test_distances_train_like_torch(distance: str, points: int) -> None:
     g = torch.Generator().manual_seed(points)
     batches = [(torch.randn(points, 3, generator=g), torch.rand(points, generator=g)) for _ in range(3)]
     check_parity(lambda: Distances(distance), batches, lambda m, b: m(*b), threads=1)
+
+
+class Degenerate(nn.Module):
+    """Features with some rows zero (padding), reduced where torch's gradient is 0 by definition and sqrt's
+    would be inf: cosine similarity with a zero vector, the std of a constant row."""
+
+    def __init__(self, reduction: str):
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.reduction = reduction
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        padded = h * (torch.arange(len(h))[:, None] % 3 > 0)  # every third row zero
+        if self.reduction == "cosine":
+            d = nn.functional.cosine_similarity(padded, h.flip(0))
+        elif self.reduction == "std":
+            d = (padded + 1).std(1) + torch.std(padded, 1, correction=0)
+        else:
+            std, mean = torch.std_mean(padded, dim=1)
+            d = std * mean + std
+        return ((d - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("reduction", ["cosine", "std", "std_mean"])
+def test_zero_rows_train_like_torch(reduction: str) -> None:
+    """Gradients as torch's, not NaN, through zero vectors and constant rows."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 3, generator=g), torch.rand(6, generator=g)) for _ in range(3)]
+    check_parity(lambda: Degenerate(reduction), batches, lambda m, b: m(*b), threads=1)
