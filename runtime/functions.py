@@ -5,7 +5,8 @@ exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any si
 accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
 `bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw),
-`Tensor.unfold` (sliding windows: "input size not accessible"), `scatter_reduce` by "mean" or without self, or,
+`Tensor.unfold` (sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's
+sizes, `scatter_reduce` by "mean" or without self, or,
 before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with an If
 or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
 else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance`
@@ -31,6 +32,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
   sqrt of the product of squared norms has a NaN gradient at a zero vector);
 - std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
   constant row: the exporter's sqrt made it NaN);
+- layer norm over a shape read from the input's sizes: the sizes as Python ints;
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
 - log-sigmoid as -softplus(-x) (the exporter's log of a sigmoid is -inf below x ~ -17);
 - threshold(x, t, v): x where x > t, else v;
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -243,6 +246,21 @@ def _std_mean(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor,
     return _root_of(var), mean
 
 
+def _layer_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """layer_norm over a normalized shape taken from the input's own sizes (`F.layer_norm(x, x.shape[-1:])`,
+    MAE's normalized pixel targets): the trace makes those sizes tensors, which the exporter's LayerNormalization
+    cannot take ("Failed to export a node"); they are the input's trailing sizes, read as Python ints (another
+    size at another call is the size check's to find)."""
+    def layer_norm(x: torch.Tensor, normalized_shape: Sequence[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not all(isinstance(d, int) for d in normalized_shape):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                normalized_shape = [int(d) for d in normalized_shape]
+        return original(x, normalized_shape, *args, **kwargs)
+
+    return layer_norm
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -424,6 +442,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity),
+        (torch, "layer_norm", _layer_norm(torch.layer_norm)),
         (torch, "std", _std), (torch.Tensor, "std", _std), (torch, "std_mean", _std_mean),
         (F, "cosine_similarity", _cosine_similarity),
         (nn_ops, "log_sigmoid", _log_sigmoid), (F, "logsigmoid", _log_sigmoid),

@@ -35,6 +35,13 @@ class Hypot(nn.Module):
         return torch.hypot(x, x.flip(1) + 0.5)
 
 
+class OwnSizeNorm(nn.Module):
+    """A layer norm over the input's own trailing sizes, as MAE normalizes its pixel targets."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, x.shape[-2:])
+
+
 class Windows(nn.Module):
     """Tensor.unfold: 2x2 patches (two unfolds), or overlapping windows of 3 every 2 along the flattened map."""
 
@@ -58,6 +65,7 @@ CASES = {
     "threshold 0.1 -> 0.5": (lambda: nn.Threshold(0.1, 0.5), 4 * 36, (6, 6)),
     "softplus, beta 2, threshold 1": (lambda: nn.Softplus(beta=2, threshold=1), 4 * 36, (6, 6)),
     "hypot": (lambda: Hypot(), 4 * 36, (6, 6)),
+    "layer norm over the input's own sizes": (lambda: OwnSizeNorm(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
     "Tensor.unfold patches": (lambda: Windows(False), 4 * 36, (6, 6)),
