@@ -191,6 +191,16 @@ def _rows(shapes: dict[str, tuple[int, ...]]) -> int | None:
 _FALLBACK = object()
 
 
+def _vjp(outputs: list[torch.Tensor], inputs: list[torch.Tensor], grads: list[torch.Tensor]
+         ) -> tuple[torch.Tensor | None, ...]:
+    """torch.autograd.grad(outputs, inputs, grads, allow_unused=True) without its argument checks, whose first call
+    imports sympy (torch.fx's symbolic shapes: 0.4 s of a first step); the gradients come from backward, shaped."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    return run(tuple(outputs), tuple(grads), False, False, tuple(inputs), True, accumulate_grad=False)
+
+
 GRADIENT_FLOOR = 1e-3
 """The gradient check's absolute tolerance, as a fraction of the largest gradient of the call (`mismatch`):
 gradients zero by the math are rounding noise of the others, up to 3e-5 of the largest here (a bias before
@@ -356,8 +366,7 @@ class Engine:
             if not pairs:
                 return ours
             try:
-                theirs = torch.autograd.grad([r for r, _ in pairs], list(wrt), [g for _, g in pairs],
-                                             allow_unused=True)
+                theirs = _vjp([r for r, _ in pairs], list(wrt), [g for _, g in pairs])
             except RuntimeError:
                 return ours
             theirs = [t.to_dense() if t is not None and t.is_sparse else t for t in theirs]  # sparse embeddings
