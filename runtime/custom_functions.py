@@ -5,7 +5,9 @@ differentiates those ops, not what the Function's backward computes. Many Functi
 forward's own derivative faster (transformers' Bloom GELU, memory-saving activations): differentiating the
 forward is then right. Others define another gradient on purpose: a straight-through estimator (round in
 forward, the gradient passed on unchanged) would get zero gradients, a gradient reversal layer the unreversed
-one, silently. So the export records the first call of every Function applied to a tensor that requires grad
+one, silently. (Reentrant activation checkpointing, torch's CheckpointFunction, which the exporter fails in with
+"unordered_map::at", runs its function directly: Hugging Face's `gradient_checkpointing_enable()`.) So the export
+records the first call of every Function applied to a tensor that requires grad
 (not torch's own), and after it compares the Function's backward with autograd's gradient of its forward's ops
 on that call's inputs (one random cotangent); a Function whose two differ, or that cannot be checked, refuses the
 module (`refusal`).
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import checkpoint
 
 from . import stop_gradients
 from .patching import replaced
@@ -48,6 +51,8 @@ def applied_functions() -> Iterator[list[Applied]]:
     applied: list[Applied] = []
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is checkpoint.CheckpointFunction:  # reentrant activation checkpointing: the function itself
+            return args[0](*args[2:])  # (the exporter fails inside it; the graph keeps what backward needs)
         if not _own(cls) and all(a.cls is not cls for a in applied) and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
             applied.append(Applied(cls, args, kwargs))

@@ -399,6 +399,17 @@ def hf(model: str, config: str, **kwargs: Any) -> Callable[[], nn.Module]:
     return make
 
 
+def checkpointed(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """The model with Hugging Face's activation checkpointing on, reentrant (torch's CheckpointFunction)."""
+
+    def make_checkpointed() -> nn.Module:
+        model = make()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return model
+
+    return make_checkpointed
+
+
 def text_batch(g: torch.Generator, batch: int = 4, length: int = 10, vocab: int = 99, classes: int = 3) -> Batch:
     """Token ids, an attention mask with right padding on some rows, class labels."""
     lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
@@ -498,6 +509,9 @@ CASES: dict[str, Case] = {
     "hf-bert": _hf("BertForSequenceClassification", "BertConfig", text_batch, **TEXT, **NO_DROPOUT, num_labels=3),
     "hf-bert-sdpa": _hf("BertForSequenceClassification", "BertConfig", text_batch, **TEXT, **NO_DROPOUT, num_labels=3,
                         attn_implementation="sdpa"),
+    "hf-bert-checkpointing": Case(checkpointed(hf("BertForSequenceClassification", "BertConfig", **TEXT,
+                                                  **NO_DROPOUT, num_labels=3)), text_batch, _hf_loss,
+                                  needs="transformers"),
     "hf-bert-mlm": _hf("BertForMaskedLM", "BertConfig", mlm_batch, **TEXT, **NO_DROPOUT),
     "hf-distilbert": _hf("DistilBertForSequenceClassification", "DistilBertConfig", text_batch, vocab_size=99, dim=32,
                          n_layers=2, n_heads=2, hidden_dim=37, dropout=0.0, attention_dropout=0.0,
