@@ -26,9 +26,9 @@ from torch import nn
 import gradbuilder
 from gradbuilder.errors import RuleError
 
-from . import exchange, function, lowering, workload
+from . import checks, exchange, function, lowering, workload
 from .batchnorm import update_running_stats
-from .export import Exported, ExportError, ExportOptions, export, mismatch, pin_dims
+from .export import Exported, ExportError, ExportOptions, export, pin_dims
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
@@ -191,22 +191,6 @@ def _rows(shapes: dict[str, tuple[int, ...]]) -> int | None:
 _FALLBACK = object()
 
 
-def _vjp(outputs: list[torch.Tensor], inputs: list[torch.Tensor], grads: list[torch.Tensor]
-         ) -> tuple[torch.Tensor | None, ...]:
-    """torch.autograd.grad(outputs, inputs, grads, allow_unused=True) without its argument checks, whose first call
-    imports sympy (torch.fx's symbolic shapes: 0.4 s of a first step); the gradients come from backward, shaped."""
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None:
-        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-    return run(tuple(outputs), tuple(grads), False, False, tuple(inputs), True, accumulate_grad=False)
-
-
-GRADIENT_FLOOR = 1e-3
-"""The gradient check's absolute tolerance, as a fraction of the largest gradient of the call (`mismatch`):
-gradients zero by the math are rounding noise of the others, up to 3e-5 of the largest here (a bias before
-cdist's product form, |a|^2 + |b|^2 - 2ab cancelling)."""
-
-
 SIZE_CHECKS = 8
 """New input sizes exported again and compared (`Engine._new_sizes`) before an export that was the same graph at
 all of them serves every size unchecked: a model padding each batch to its longest sequence meets many lengths,
@@ -328,65 +312,22 @@ class Engine:
                 return self.module(*args, **kwargs)
             values = [exchange.to_torch(v) for v in outs]
             user, stats = values[:n], values[n:]
-        if ex.reference is not None:
+        if ex.reference is not None:  # the call that exported: checked against torch (runtime/checks.py)
             reference, ex.reference = ex.reference, None
-            if not self._matches_torch(key, reference, user):
+            error = checks.outputs_error(reference, user)
+            if error is not None:
+                self._refuse(key, error, "export check")
                 return self.module(*args, **kwargs)
             if call is not None:
-                call.check = self._gradient_check(key, reference, [named[name] for name in wrt])
+                call.check = checks.gradient_check(reference, [named[name] for name in wrt],
+                                                   lambda e: self._refuse(key, e, "gradient check"))
         if ex.batch_stats:
             update_running_stats(self._modules(), ex.batch_stats, stats)
         return unflatten(ex.out_spec, user)
 
-    def _matches_torch(self, key: Hashable, reference: Sequence[torch.Tensor], user: Sequence[torch.Tensor]
-                       ) -> bool:
-        """Whether onnxruntime's outputs of the call that exported match torch's (`Exported.reference`): an export
-        computing something else fails as an export does."""
-        with torch.no_grad():
-            problem = mismatch(user, reference)
-        if problem is None:
-            return True
-        self.schemas[key] = self._fail(ExportError(
-            f"onnxruntime's outputs of the call that exported the module differ from torch's: {problem}. The graph "
-            "does not compute what the module does: torch's tracer misses changes made in place through a view "
-            "(`x.view(...).relu_()`, `x.diagonal().fill_(v)`: write them out of place), and some of the exporter's "
-            "conversions are wrong. ORTModule(module, check_export=False) skips this comparison."), "export check")
-        return False
-
-    def _gradient_check(self, key: Hashable, reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor]
-                        ) -> function.GradientCheck:
-        """The first backward of an export, checked: torch's gradients of its traced outputs (their autograd graph
-        kept from the export until then) for the same incoming gradients, against onnxruntime's. Where they
-        differ the schema fails as an export does: the error is raised from backward, or with fallback this
-        step gets torch's gradients and later calls run in torch. Skipped where torch cannot differentiate its
-        trace any more (a saved tensor changed in place since)."""
-        def check(incoming: Sequence[torch.Tensor | None], ours: list[torch.Tensor | None]
-                  ) -> list[torch.Tensor | None]:
-            pairs = [(r, g) for r, g in zip(reference, incoming) if g is not None and r.requires_grad]
-            if not pairs:
-                return ours
-            try:
-                theirs = _vjp([r for r, _ in pairs], list(wrt), [g for _, g in pairs])
-            except RuntimeError:
-                return ours
-            theirs = [t.to_dense() if t is not None and t.is_sparse else t for t in theirs]  # sparse embeddings
-            zeros = [torch.zeros_like(t) for t in wrt]
-            want = [t if t is not None else z for t, z in zip(theirs, zeros)]
-            with torch.no_grad():
-                # gradients zero by the math (a bias before a normalization) are rounding noise: measured against
-                # the largest gradient of all
-                largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
-                problem = mismatch([o if o is not None else z for o, z in zip(ours, zeros)], want, "gradient",
-                                   GRADIENT_FLOOR * largest)
-            if problem is None:
-                return ours
-            self.schemas[key] = self._fail(ExportError(
-                f"onnxruntime's gradients of the call that exported the module differ from torch's: {problem}. "
-                "Please report it with the module; ORTModule(module, check_export=False) skips this comparison."),
-                "gradient check")
-            return list(theirs)
-
-        return check
+    def _refuse(self, key: Hashable, error: ExportError, stage: str) -> None:
+        """The schema fails as a failed export does: raised, or with fallback its calls run in torch from now."""
+        self.schemas[key] = self._fail(error, stage)
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], Any]:
         """The call's tensors and spec. A call of tensors only, filling the signature positionally, has the

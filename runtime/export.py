@@ -376,38 +376,6 @@ def draws_random(model: onnx.ModelProto) -> bool:
     return any(n.op_type in RANDOM_OPS for n in inactive_dropouts(model).graph.node)
 
 
-CHECK_TOLERANCE = 1e-3
-"""An output element differs when it is off by more than this fraction of the output's largest magnitude, and an
-output differs when more than this fraction of its elements do (at least one): a rounding or comparison that float
-rounding tips the other way (a fake-quantized activation at a .5 boundary, a near tie in a top-k routing) moves
-a few elements by a step, while what the check is for moves many (or makes one non-finite)."""
-
-
-def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str = "output", floor: float = 0.0
-             ) -> str | None:
-    """How onnxruntime's float outputs (or gradients) differ from torch's beyond float32 rounding
-    (`CHECK_TOLERANCE`, plus `floor`: an absolute tolerance), or None."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        if not b.is_floating_point():
-            continue
-        where = f"{what} {i} of {len(want)} {tuple(b.shape)}"
-        if a.shape != b.shape:
-            return f"{where} has shape {tuple(a.shape)} on onnxruntime"
-        a = a.detach()
-        finite = torch.isfinite(b)  # where torch's is not (NaN through a 0/0 it computes), anything goes
-        if not torch.isfinite(a)[finite].all():
-            return f"{where} is not finite on onnxruntime where torch's is"
-        if not finite.any():
-            continue
-        scale = float(b.abs().masked_fill(~finite, 0).max())
-        off = (a - b).abs().masked_fill(~finite, 0)
-        differing = int((off > CHECK_TOLERANCE * scale + floor).sum())
-        if differing > CHECK_TOLERANCE * b.numel():
-            return (f"{where} differs by up to {float(off.max()):.3g} at {differing} of {b.numel()} elements "
-                    f"(torch's largest magnitude: {scale:.3g})")
-    return None
-
-
 def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[str, torch.Tensor]
                        ) -> list[tuple[str, str]]:
     """nn.Embedding(padding_idx=p) gives row p no gradient, but both exporters emit a plain Gather. Each Gather

@@ -9,7 +9,7 @@ backward specialised to the outputs that do get gradients.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +18,8 @@ from onnxruntime.capi import _pybind_state as C
 from torch.autograd.function import once_differentiable
 
 from . import exchange
+from .checks import GradientCheck
 from .session import TrainingSession
-
-GradientCheck = Callable[[Sequence[torch.Tensor | None], list[torch.Tensor | None]], list[torch.Tensor | None]]
-"""(incoming output gradients, onnxruntime's gradients) -> the gradients to hand to torch (engine's check)."""
 
 
 @dataclass
@@ -39,7 +37,7 @@ class Call:
     sparse: tuple[int, ...] = ()
     """Positions in `wrt` whose gradient is handed to torch sparse (embeddings with `sparse=True`)."""
     check: GradientCheck | None = None
-    """Run on the first backward of an export, then dropped (`Engine._gradient_check`)."""
+    """Run on the first backward of an export, then dropped (`checks.gradient_check`)."""
 
 
 def _keep_graph() -> bool:

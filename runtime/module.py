@@ -53,7 +53,7 @@ class ORTModule(nn.Module):
         after its last parallel op sleep instead of sharing the cores (`runtime.openmp`); False leaves them be.
     check_export: compare onnxruntime's outputs of each call that exports, and its first gradients, with
         torch's for the same call (torchscript exporter; skipped where the graph draws random numbers or the
-        forward changes state in place), and fail as a failed export does where they differ (`export.mismatch`:
+        forward changes state in place), and fail as a failed export does where they differ (`runtime/checks.py`:
         wrong conversions, in-place changes through views the tracer misses). False skips both.
     """
 

@@ -1,0 +1,116 @@
+"""The first call of every export checked against torch: its outputs, then its first gradients.
+
+The legacy exporter runs the module eagerly while it traces, so torch's outputs of that call exist, with their
+autograd graph (`Exported.reference`). onnxruntime's outputs of the same call are compared with them
+(`outputs_error`); on its first backward, torch's gradients of those outputs for the same incoming gradients
+with onnxruntime's (`gradient_check`). A difference means the exported graph or its gradient computes something
+else than the module: a conversion of torch's exporter that is wrong (index_add dropping repeated indices,
+pairwise_distance's eps in the exponent, before this runtime wrote them itself), an in-place change through a view
+that its tracer misses, a gradient rule of ours. The module then fails as a failed export does. Not checked where
+the graph draws random numbers or the forward changed state in place (`export`), and not for dynamo's exports
+(they trace fake tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .export import ExportError
+
+CHECK_TOLERANCE = 1e-3
+"""An output element differs when it is off by more than this fraction of the output's largest magnitude, and an
+output differs when more than this fraction of its elements do (at least one): a rounding or comparison that float
+rounding tips the other way (a fake-quantized activation at a .5 boundary, a near tie in a top-k routing) moves
+a few elements by a step, while what the check is for moves many (or makes one non-finite)."""
+
+
+def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str = "output", floor: float = 0.0
+             ) -> str | None:
+    """How onnxruntime's float outputs (or gradients) differ from torch's beyond float32 rounding
+    (`CHECK_TOLERANCE`, plus `floor`: an absolute tolerance), or None."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if not b.is_floating_point():
+            continue
+        where = f"{what} {i} of {len(want)} {tuple(b.shape)}"
+        if a.shape != b.shape:
+            return f"{where} has shape {tuple(a.shape)} on onnxruntime"
+        a = a.detach()
+        finite = torch.isfinite(b)  # where torch's is not (NaN through a 0/0 it computes), anything goes
+        if not torch.isfinite(a)[finite].all():
+            return f"{where} is not finite on onnxruntime where torch's is"
+        if not finite.any():
+            continue
+        scale = float(b.abs().masked_fill(~finite, 0).max())
+        off = (a - b).abs().masked_fill(~finite, 0)
+        differing = int((off > CHECK_TOLERANCE * scale + floor).sum())
+        if differing > CHECK_TOLERANCE * b.numel():
+            return (f"{where} differs by up to {float(off.max()):.3g} at {differing} of {b.numel()} elements "
+                    f"(torch's largest magnitude: {scale:.3g})")
+    return None
+
+
+GRADIENT_FLOOR = 1e-3
+"""The gradient check's absolute tolerance, as a fraction of the largest gradient of the call (`mismatch`):
+gradients zero by the math are rounding noise of the others, up to 3e-5 of the largest here (a bias before
+cdist's product form, |a|^2 + |b|^2 - 2ab cancelling)."""
+
+GradientCheck = Callable[[Sequence[torch.Tensor | None], list[torch.Tensor | None]], list[torch.Tensor | None]]
+"""(incoming output gradients, onnxruntime's gradients) -> the gradients to hand to torch."""
+
+
+def outputs_error(reference: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> ExportError | None:
+    """The export's error where onnxruntime's outputs of the call that exported differ from torch's."""
+    with torch.no_grad():
+        problem = mismatch(outputs, reference)
+    if problem is None:
+        return None
+    return ExportError(
+        f"onnxruntime's outputs of the call that exported the module differ from torch's: {problem}. The graph "
+        "does not compute what the module does: torch's tracer misses changes made in place through a view "
+        "(`x.view(...).relu_()`, `x.diagonal().fill_(v)`: write them out of place), and some of the exporter's "
+        "conversions are wrong. ORTModule(module, check_export=False) skips this comparison.")
+
+
+def _vjp(outputs: list[torch.Tensor], inputs: list[torch.Tensor], grads: list[torch.Tensor]
+         ) -> tuple[torch.Tensor | None, ...]:
+    """torch.autograd.grad(outputs, inputs, grads, allow_unused=True) without its argument checks, whose first call
+    imports sympy (torch.fx's symbolic shapes: 0.4 s of a first step); the gradients come from backward, shaped."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    return run(tuple(outputs), tuple(grads), False, False, tuple(inputs), True, accumulate_grad=False)
+
+
+def gradient_check(reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor],
+                   refuse: Callable[[ExportError], None]) -> GradientCheck:
+    """The first backward's check: torch's gradients of the traced outputs for the same incoming gradients against
+    onnxruntime's. Where they differ, `refuse` (raises, or with fallback lets this step hand torch's gradients).
+    Skipped where torch cannot differentiate its trace any more (a tensor it saved changed in place since)."""
+    def check(incoming: Sequence[torch.Tensor | None], ours: list[torch.Tensor | None]
+              ) -> list[torch.Tensor | None]:
+        pairs = [(r, g) for r, g in zip(reference, incoming) if g is not None and r.requires_grad]
+        if not pairs:
+            return ours
+        try:
+            theirs = _vjp([r for r, _ in pairs], list(wrt), [g for _, g in pairs])
+        except RuntimeError:
+            return ours
+        theirs = [t.to_dense() if t is not None and t.is_sparse else t for t in theirs]  # sparse embeddings
+        zeros = [torch.zeros_like(t) for t in wrt]
+        want = [t if t is not None else z for t, z in zip(theirs, zeros)]
+        with torch.no_grad():
+            # gradients zero by the math (a bias before a normalization) are rounding noise: measured against the
+            # largest gradient of all
+            largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
+            problem = mismatch([o if o is not None else z for o, z in zip(ours, zeros)], want, "gradient",
+                               GRADIENT_FLOOR * largest)
+        if problem is None:
+            return ours
+        refuse(ExportError(f"onnxruntime's gradients of the call that exported the module differ from torch's: "
+                           f"{problem}. Please report it with the module; ORTModule(module, check_export=False) "
+                           "skips this comparison."))
+        return list(theirs)
+
+    return check
