@@ -211,52 +211,27 @@ def test_spatial_transformer_trains_like_torch(align_corners: bool, identity: bo
     check_parity(lambda: SpatialTransformer(align_corners, identity), batches, lambda m, b: m(*b), threads=1)
 
 
-class Distances(nn.Module):
-    """Embeddings of points, their distances to a set including themselves (zeros, where sqrt and pow have no
-    finite gradient; torch's is zero there), a regression on the distances."""
+class PerPoint(nn.Module):
+    """Embeddings of points, one value each from the function under test, a regression on those values. Zeros
+    where sqrt and pow have no finite gradient (torch's is zero there): distances of points to themselves, every
+    third embedding zero (padding) for the similarity and the spreads."""
 
-    def __init__(self, distance: str):
+    def __init__(self, case: str):
         super().__init__()
         self.embed = nn.Linear(3, 4)
-        self.distance = distance
+        self.case = case
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         e = torch.tanh(self.embed(x))
-        others = torch.cat([e[:2], e.flip(0)])
-        kind, p = self.distance.split()
+        padded = e * (torch.arange(len(e))[:, None] % 3 > 0)
+        kind, _, p = self.case.partition(" ")
         if kind == "pairwise":
             d = nn.functional.pairwise_distance(e, e.flip(0) * (torch.arange(len(e))[:, None] % 2), p=float(p))
-        else:
-            d = torch.cdist(e, others, p=float(p)).sum(-1)
-        return ((d - y) ** 2).mean()
-
-
-@pytest.mark.parametrize("distance, points", [("cdist 2", 6), ("cdist 2", 30), ("cdist 1", 6), ("cdist 3", 6),
-                                              ("cdist inf", 6), ("pairwise 2", 6), ("pairwise 1", 6),
-                                              ("pairwise 3", 6)])
-def test_distances_train_like_torch(distance: str, points: int) -> None:
-    """cdist (torch's product form past 25 points) and pairwise_distance (torch's exporter adds eps to the
-    exponent, not to the difference): values and gradients as torch's, zero distances included."""
-    g = torch.Generator().manual_seed(points)
-    batches = [(torch.randn(points, 3, generator=g), torch.rand(points, generator=g)) for _ in range(3)]
-    check_parity(lambda: Distances(distance), batches, lambda m, b: m(*b), threads=1)
-
-
-class Degenerate(nn.Module):
-    """Features with some rows zero (padding), reduced where torch's gradient is 0 by definition and sqrt's
-    would be inf: cosine similarity with a zero vector, the std of a constant row."""
-
-    def __init__(self, reduction: str):
-        super().__init__()
-        self.embed = nn.Linear(3, 4)
-        self.reduction = reduction
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.embed(x))
-        padded = h * (torch.arange(len(h))[:, None] % 3 > 0)  # every third row zero
-        if self.reduction == "cosine":
-            d = nn.functional.cosine_similarity(padded, h.flip(0))
-        elif self.reduction == "std":
+        elif kind == "cdist":
+            d = torch.cdist(e, torch.cat([e[:2], e.flip(0)]), p=float(p)).sum(-1)
+        elif kind == "cosine":
+            d = nn.functional.cosine_similarity(padded, e.flip(0))
+        elif kind == "std":
             d = (padded + 1).std(1) + torch.std(padded, 1, correction=0)
         else:
             std, mean = torch.std_mean(padded, dim=1)
@@ -264,9 +239,13 @@ class Degenerate(nn.Module):
         return ((d - y) ** 2).mean()
 
 
-@pytest.mark.parametrize("reduction", ["cosine", "std", "std_mean"])
-def test_zero_rows_train_like_torch(reduction: str) -> None:
-    """Gradients as torch's, not NaN, through zero vectors and constant rows."""
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(6, 3, generator=g), torch.rand(6, generator=g)) for _ in range(3)]
-    check_parity(lambda: Degenerate(reduction), batches, lambda m, b: m(*b), threads=1)
+@pytest.mark.parametrize("case, points", [("cdist 2", 6), ("cdist 2", 30), ("cdist 1", 6), ("cdist 3", 6),
+                                          ("cdist inf", 6), ("pairwise 2", 6), ("pairwise 1", 6), ("pairwise 3", 6),
+                                          ("cosine", 6), ("std", 6), ("std_mean", 6)])
+def test_per_point_values_train_like_torch(case: str, points: int) -> None:
+    """cdist (torch's product form past 25 points), pairwise_distance (torch's exporter adds eps to the exponent,
+    not to the difference), cosine similarity and std: values and gradients as torch's, not NaN, at zero
+    distances, zero vectors and constant rows."""
+    g = torch.Generator().manual_seed(points)
+    batches = [(torch.randn(points, 3, generator=g), torch.rand(points, generator=g)) for _ in range(3)]
+    check_parity(lambda: PerPoint(case), batches, lambda m, b: m(*b), threads=1)
