@@ -312,18 +312,36 @@ class Engine:
                 return self.module(*args, **kwargs)
             values = [exchange.to_torch(v) for v in outs]
             user, stats = values[:n], values[n:]
+        updated = stats[:len(ex.updates)]
+        stats = stats[len(ex.updates):]
         if ex.reference is not None:  # the call that exported: checked against torch (runtime/checks.py)
             reference, ex.reference = ex.reference, None
-            error = checks.outputs_error(reference, user)
+            error = checks.outputs_error(reference, [*user, *updated])
             if error is not None:
                 self._refuse(key, error, "export check")
                 return self.module(*args, **kwargs)
             if call is not None:
                 call.check = checks.gradient_check(reference, [named[name] for name in wrt],
                                                    lambda e: self._refuse(key, e, "gradient check"))
+        if ex.updates:
+            self._write_back(ex, updated, set(call.session.read_inputs) if call is not None else set())
         if ex.batch_stats:
             update_running_stats(self._modules(), ex.batch_stats, stats)
         return unflatten(ex.out_spec, user)
+
+    def _write_back(self, ex: Exported, values: Sequence[torch.Tensor], read: set[str]) -> None:
+        """Buffers the forward changes in place get its new values, as torch's forward leaves them: copied in,
+        or, where this call's backward reads the buffer (its old value, from the buffer's own memory), the new
+        value put in its place."""
+        feeding = {fqn: name for name, fqn in ex.state}
+        with torch.no_grad():
+            for (_, fqn), value in zip(ex.updates, values):
+                owner, _, attr = fqn.rpartition(".")
+                holder = self.module.get_submodule(owner) if owner else self.module
+                if feeding.get(fqn) in read:
+                    holder._buffers[attr] = value
+                else:
+                    holder._buffers[attr].copy_(value)
 
     def _refuse(self, key: Hashable, error: ExportError, stage: str) -> None:
         """The schema fails as a failed export does: raised, or with fallback its calls run in torch from now."""

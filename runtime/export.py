@@ -36,6 +36,7 @@ import onnxruntime as ort
 import torch
 from onnx import helper
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from . import accumulation, custom_functions, exchange, stop_gradients, symbolics
 from .attention import lean_attention
@@ -90,6 +91,9 @@ class Exported:
     batch_stats: list[BatchStats] = field(default_factory=list)
     frozen: frozenset[str] = frozenset()
     """State inputs never differentiated (second reads of a tensor, see `_embedding_padding`)."""
+    updates: list[tuple[str, str]] = field(default_factory=list)
+    """(graph output, qualified name of a buffer): the buffer's value after the forward, which changes it in place
+    (written back by the engine after each call). These outputs follow the user's, before BatchNorm's."""
     reference: tuple[torch.Tensor, ...] | None = None
     """torch's outputs of the traced call, with their autograd graph, to check onnxruntime's outputs and first
     gradients of the same call against (the engine takes them); None where they cannot match (random ops, state
@@ -136,13 +140,24 @@ class _Flat(nn.Module):
     def forward(self, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         arguments = unflatten(self._in_spec, leaves)
         bound = inspect.BoundArguments(self._signature, arguments)
-        with stop_gradients.WithoutGrad() if self._result.get("without_grad") else contextlib.nullcontext() as mode:
+        legacy = self._result.get("without_grad")  # the legacy exporter's trace (dynamo's tensors are fake)
+        reads = _PythonReads(dict(self._target.named_buffers())) if legacy else contextlib.nullcontext()
+        with reads, stop_gradients.WithoutGrad() if legacy else contextlib.nullcontext() as mode:
             out = self._target(*bound.args, **bound.kwargs)
+        if isinstance(reads, _PythonReads):
+            self._result["python_reads"] = reads.read
         if mode is not None:
             self._result["tensor_hooks"] = mode.tensor_hooks
         flat, self._result["spec"] = flatten(out)
-        self._result["outputs"] = flat  # the values torch computed (the tracer runs the module eagerly)
-        return tuple(flat)
+        updated = [self._target.get_buffer(name) for name in self._result.get("updates", ())]
+        tracing = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)  # copies of the changed buffers' values, not part of the trace
+        try:
+            copies = [b.detach().clone() for b in updated]
+        finally:
+            torch._C._set_tracing_state(tracing)
+        self._result["outputs"] = [*flat, *copies]  # the values torch computed (the tracer runs the module eagerly)
+        return (*flat, *updated)
 
 
 @contextlib.contextmanager
@@ -168,6 +183,28 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
             for _, b, v in saved:
                 b.copy_(v)
         torch.random.set_rng_state(rng)
+
+
+_CONVERSIONS = frozenset({torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
+                          torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist})
+
+
+class _PythonReads(TorchFunctionMode):
+    """Records which of `buffers` (qualified name -> tensor) the forward turns into Python numbers (`int(self.ptr)`,
+    a view of one included): the trace keeps the number it read as a constant."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]):
+        super().__init__()
+        # storages, not sizes: a size read while tracing is itself traced (and warned about as a conversion)
+        self.storages = {ptr: name for name, b in buffers.items() if (ptr := b.untyped_storage().data_ptr())}
+        self.read: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _CONVERSIONS and args and isinstance(args[0], torch.Tensor):
+            name = self.storages.get(args[0].untyped_storage().data_ptr())
+            if name is not None:
+                self.read.add(name)
+        return func(*args, **(kwargs or {}))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -289,13 +326,17 @@ _EXPORT_LOCK = threading.Lock()
 
 
 def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leaves: Sequence[torch.Tensor],
-           options: ExportOptions) -> Exported:
-    """Export one call of `module` (bound arguments flattened to `in_spec` + `leaves`)."""
+           options: ExportOptions, updates: tuple[str, ...] = ()) -> Exported:
+    """Export one call of `module` (bound arguments flattened to `in_spec` + `leaves`). A forward that changes
+    buffers in place (a running statistic, a queue of keys, a step count) is exported again with those buffers'
+    new values as extra outputs (`updates`; the legacy exporter), which the engine writes back after each call."""
     # every name of a shared (tied) tensor: the exporters may call it by any of them (dynamo by the last)
     state = dict(module.named_parameters(remove_duplicate=False))
     state.update(module.named_buffers(remove_duplicate=False))
     names = _unique(tensor_paths(in_spec), set(state))
     flat = _Flat(module, signature, in_spec)
+    flat._result["updates"] = list(updates)
+    buffers = {name for name, _ in module.named_buffers()}
     try:
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
@@ -313,6 +354,16 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{type(e).__name__}: {e}") from e
+    changed_buffers = tuple(name for name in mutated if name in buffers)
+    frozen_reads = sorted(set(changed_buffers) & flat._result.get("python_reads", set()))
+    if frozen_reads:
+        raise ExportError(f"{type(module).__name__}'s forward changes {_listed(frozen_reads)} in place and reads "
+                          "it as a Python number (int(), float(), .item(), an index): the export keeps the number "
+                          "of this call, so from the next step on it would compute with a stale one. Compute with "
+                          "the tensor instead (torch.roll, index_copy_ with a tensor index, torch.where), or run "
+                          "the module in torch.")
+    if changed_buffers and not updates and options.exporter == "torchscript":
+        return export(module, signature, in_spec, leaves, options, changed_buffers)
     refused = custom_functions.refusal(type(module).__name__, applied)
     if refused:
         raise ExportError(refused)
@@ -325,12 +376,6 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "effects (activations it records, counters) happened once, while exporting, and backward hooks "
                       "on its modules or tensors never run (hooks on its inputs and outputs do).", ExportWarning,
                       stacklevel=4)
-    if mutated:
-        warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(mutated)} in place, "
-                      "which the exported graph does "
-                      "not carry back to the module (only BatchNorm's running statistics are updated): each step "
-                      "reads its value as it is, where torch's changes. Update it outside forward(), or run the "
-                      "module in torch.", ExportWarning, stacklevel=4)
     out_spec = flat.out_spec
     assert out_spec is not None
     if not model.graph.output:
@@ -348,6 +393,14 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     _split_sequences_to_slices(model.graph)
     _dynamic_inputs(model, set(names))
     outputs = _name_outputs(model, out_spec)
+    carried = _updates(model, outputs[len(tensor_paths(out_spec)):], updates)
+    outputs = outputs[:len(tensor_paths(out_spec))]
+    lost = [name for name in mutated if name not in {fqn for _, fqn in carried}]
+    if lost:
+        warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(lost)} in place, "
+                      "which the exported graph does not carry back to the module (buffers are, with the legacy "
+                      "exporter; parameters are not): each step reads its value as it is, where torch's changes. "
+                      "Update it outside forward(), or run the module in torch.", ExportWarning, stacklevel=4)
     graph_inputs = {i.name for i in model.graph.input}
     inputs = [(n, k) for k, n in enumerate(names) if n in graph_inputs]
     state_inputs = [(i.name, i.name) for i in model.graph.input if i.name in state]
@@ -360,10 +413,37 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     feeds.update({name: state[fqn] for name, fqn in state_inputs})
     _complete_ranks(model, feeds)
     reference = None
-    if options.check and options.exporter == "torchscript" and not mutated and not draws_random(model):
+    if options.check and options.exporter == "torchscript" and not lost and not draws_random(model):
         reference = tuple(flat._result.get("outputs", ()))  # with their autograd graph: the gradient check
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
-                    reference)
+                    carried, reference)
+
+
+def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[str]) -> list[tuple[str, str]]:
+    """The extra outputs of a re-export that carries `buffers`, named `state.<buffer>`: (output, buffer) for
+    those the trace changed. An output that is still the buffer's own graph input was not changed by the trace
+    (a change it missed): removed, so the warning names it."""
+    g = model.graph
+    inputs = {i.name for i in g.input}
+    taken = names_in_use(g)
+    kept, carried, rename = [], [], {}
+    for vi in g.output:
+        if vi.name not in outputs:
+            kept.append(vi)
+            continue
+        fqn = buffers[list(outputs).index(vi.name)]
+        if vi.name in inputs:
+            continue
+        new = _unique([f"state.{fqn}"], taken)[0]
+        taken.add(new)
+        rename[vi.name] = new
+        vi.name = new
+        kept.append(vi)
+        carried.append((new, fqn))
+    rename_tensors(g, rename)
+    del g.output[:]
+    g.output.extend(kept)
+    return carried
 
 
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",

@@ -1,8 +1,9 @@
 """Conversions the legacy exporter lacks, written in the ONNX ops they are, registered while exporting.
 
 torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
-`addmv`, `addr`, `sgn`, `fmax`, `fmin` and `trunc` ("Exporting the operator ... is not supported"), though
-ONNX and gradbuilder's rules have what they compute: each is one op (Sinh, ...) or a few.
+`addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc` and `copy` (a buffer's `copy_` whose result is used) ("Exporting
+the operator ... is not supported"), though ONNX and gradbuilder's rules have what they compute: each is one op
+(Sinh, ...) or a few.
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
@@ -88,6 +89,12 @@ def _nan_ignoring(op: str) -> Callable[[Any, Any, Any], Any]:
     return convert
 
 
+def _copy(g: Any, self: Any, src: Any, non_blocking: Any = None) -> Any:
+    """`self.copy_(src)` as the tracer records it (a buffer's new value the forward writes in place and the export
+    carries back): src in self's type, broadcast to its shape."""
+    return g.op("Expand", g.op("CastLike", src, self), g.op("Shape", self))
+
+
 def _trunc(g: Any, x: Any) -> Any:
     return g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Abs", x)))
 
@@ -104,7 +111,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::xlogy": _xlogy, "aten::special_xlogy": _xlogy,
     "aten::addmv": _addmv, "aten::addr": _addr,
     "aten::fmax": _nan_ignoring("Max"), "aten::fmin": _nan_ignoring("Min"),
-    "aten::trunc": _trunc, "aten::fix": _trunc,
+    "aten::trunc": _trunc, "aten::fix": _trunc, "aten::copy": _copy,
 }
 
 

@@ -598,27 +598,60 @@ def test_dynamo_refuses_stop_gradients() -> None:
 
 
 class Counting(nn.Module):
-    """A forward that changes buffers in place: a step count and an EMA of its inputs."""
+    """A forward that changes buffers in place: a step count, an EMA of its inputs the output reads, and a queue
+    of past features (MoCo's, shifted by tensor ops)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema", torch.full((4,), float("nan")))
+        self.register_buffer("queue", torch.zeros(4, 6))
 
     def forward(self, x):
         self.steps += 1
         with torch.no_grad():
-            self.ema.copy_(x.mean(0))
-        return self.fc(x)
+            self.ema.copy_(torch.where(self.ema.isnan(), x.mean(0), 0.9 * self.ema + 0.1 * x.mean(0)))
+        h = self.fc(x - self.ema)
+        out = (h @ self.queue.clone()).sum() + h.square().sum()
+        with torch.no_grad():
+            self.queue.copy_(torch.cat([h.detach().T[:, :2], self.queue[:, :-2]], 1))
+        return out
 
 
-def test_buffers_changed_in_forward_are_named() -> None:
-    """The export does not carry in-place buffer or parameter updates back: warned, naming them (a NaN buffer
-    compared as equal to itself); BatchNorm's statistics, which the runtime updates, and an untouched NaN buffer
-    are not."""
-    with pytest.warns(ExportWarning, match=r"changes steps, ema in place"):
-        ORTModule(Counting())(torch.randn(3, 4))
+class Pointer(Counting):
+    """The queue written at a pointer read as a Python number: the export would keep that number."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            p = int(self.ptr)
+            self.queue[:, p:p + 2] = h.T[:, :2]
+            self.ptr.fill_((p + 2) % 6)
+        return h.sum()
+
+
+def test_buffers_changed_in_forward_follow_torch() -> None:
+    """Buffers the forward changes in place get torch's values after every call (exported again with their new
+    values as outputs, written back), the queue's gradient path included; one read as a Python number is
+    refused by name; parameters changed in place (an embedding's max_norm renorm) are only warned about
+    (a NaN buffer left alone is not)."""
+    ref, om = pair(Counting())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        for _ in range(3):
+            x = torch.randn(3, 4)
+            om(x).backward()
+            ref(x).backward()
+            for name, b in ref.named_buffers():
+                torch.testing.assert_close(om.module.get_buffer(name), b, msg=name)
+            assert_grads_equal(om, ref)
+    with pytest.raises(ORTModuleError, match=r"changes ptr in place and reads it as a Python number"):
+        ORTModule(Pointer())(torch.randn(3, 4))
     renormed = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))  # rows renormed in place
     with pytest.warns(ExportWarning, match=r"changes 0.weight in place"):
         ORTModule(renormed)(torch.randint(0, 10, (2, 3)))
