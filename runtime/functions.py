@@ -33,6 +33,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
   constant row: the exporter's sqrt made it NaN);
 - layer norm over a shape read from the input's sizes: the sizes as Python ints;
+- normalize into `out` (spectral norm's power iteration; the exporter read `out` as div's rounding mode):
+  computed, then copied in;
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
 - log-sigmoid as -softplus(-x) (the exporter's log of a sigmoid is -inf below x ~ -17);
 - threshold(x, t, v): x where x > t, else v;
@@ -61,6 +63,7 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
+from torch.nn.utils import spectral_norm as spectral_norm_module
 
 from .patching import replaced
 
@@ -261,6 +264,16 @@ def _layer_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     return layer_norm
 
 
+def _normalize(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """normalize into `out` (spectral norm's power iteration writes its vectors so): computed, then copied in; the
+    exporter read `out` as div's rounding mode."""
+    def normalize(x: torch.Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        return original(x, p, dim, eps) if out is None else out.copy_(original(x, p, dim, eps))
+
+    return normalize
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -442,6 +455,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity),
+        *((owner, "normalize", _normalize(F.normalize)) for owner in (F, spectral_norm_module)),
         (torch, "layer_norm", _layer_norm(torch.layer_norm)),
         (torch, "std", _std), (torch.Tensor, "std", _std), (torch, "std_mean", _std_mean),
         (F, "cosine_similarity", _cosine_similarity),

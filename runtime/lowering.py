@@ -35,8 +35,9 @@ def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     `source`); activations onnxruntime computes element by element vectorized (`vectorized`); shape
     arithmetic folded where only the batch is unknown (`shape_folding`); Convs with weight inputs blocked
     (`nchwc`). Always: gradbuilder's StopGradient as the Identity it is (an inference graph is the exported one,
-    never split)."""
-    model = stop_gradient.as_identity(model)
+    never split), and 1-D MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`:
+    onnxruntime's MatmulTransposeFusion computes those wrong)."""
+    model = passes.vectors_as_matrices(stop_gradient.as_identity(model))
     if not config.lower:
         return model
     model = vectorized.vectorized_ops(crossentropy.lower_losses(passes.inactive_dropouts(model)))
@@ -54,7 +55,9 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
     """Slow onnxruntime patterns (`passes.lower`, `vectorized` recomputed in backward), then sums and
     contractions over rows (`reductions.lower_sums`), then large unfolded weight gradients in chunks of the batch
     and the Convs and stride-1 ConvTransposes blocked (`nchwc`); `known`: values of the initializers backward
-    reads from the forward part; `rows`: the batch expected where the graph leaves it symbolic."""
+    reads from the forward part; `rows`: the batch expected where the graph leaves it symbolic. Always: 1-D
+    MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`)."""
+    model = passes.vectors_as_matrices(model)
     if not config.lower:
         return model
     lowered = reductions.lower_sums(vectorized.vectorized_ops(passes.lower(model, known)))

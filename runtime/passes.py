@@ -903,3 +903,42 @@ def runnable_eyelikes(model: onnx.ModelProto) -> onnx.ModelProto:
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
+
+
+def vectors_as_matrices(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A MatMul of a Transpose's output and a 1-D operand computed with the operand as a one-column (or one-row)
+    matrix: onnxruntime 1.32's MatmulTransposeFusion (ORT_ENABLE_EXTENDED and up) gives wrong values for
+    MatMul(Transpose(A), v) with v 1-D (`A.t() @ v`, `torch.mv(W.t(), u)`: spectral norm's power iteration;
+    2-D operands are right). Returns a rewritten copy, or `model` itself when no MatMul has such operands."""
+    g = model.graph
+    made = {o: n for n in g.node for o in n.output}
+
+    def transposed(name: str) -> bool:  # through Identities (StopGradients split as such), which onnxruntime drops
+        node = made.get(name)
+        while node is not None and node.op_type == "Identity":
+            node = made.get(node.input[0])
+        return node is not None and node.op_type == "Transpose"
+
+    candidates = [(k, n) for k, n in enumerate(g.node) if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
+                  and (transposed(n.input[0]) or transposed(n.input[1]))]
+    if not candidates:
+        return model
+    dims = {name: d for name, (_, d) in tensor_types(infer_shapes_safely(model) or g).items() if d is not None}
+    dims.update((t.name, list(t.dims)) for t in g.initializer)
+    plan = [(k, 1 if len(dims.get(n.input[1], ())) == 1 else 0) for k, n in candidates
+            if len(dims.get(n.input[1], ())) == 1 or len(dims.get(n.input[0], ())) == 1]
+    opset = default_opset(model)
+
+    def build(node: onnx.NodeProto, vector: int, taken: set[str]) -> list[onnx.NodeProto]:
+        e = Nodes(node.name or node.output[0], taken)
+        axis = -1 if vector == 1 else 0
+
+        def along(op: str, x: str, ax: int, out: str | None = None) -> str:
+            return e(op, x, e.axes([ax]), out=out) if opset >= 13 else e(op, x, axes=[ax], out=out)
+
+        operands = list(node.input)
+        operands[vector] = along("Unsqueeze", operands[vector], axis)
+        along("Squeeze", e("MatMul", *operands), -1 if vector == 1 else -2, out=node.output[0])
+        return e.nodes
+
+    return rewrite_nodes(model, plan, build)

@@ -1,9 +1,9 @@
 """Conversions the legacy exporter lacks, written in the ONNX ops they are, registered while exporting.
 
 torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
-`addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc` and `copy` (a buffer's `copy_` whose result is used) ("Exporting
-the operator ... is not supported"), though ONNX and gradbuilder's rules have what they compute: each is one op
-(Sinh, ...) or a few.
+`addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc`, `mH` (spectral norm's parametrization) and `copy` (a buffer's
+`copy_` whose result is used) ("Exporting the operator ... is not supported"), though ONNX and gradbuilder's rules
+have what they compute: each is one op (Sinh, ...) or a few.
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
@@ -95,6 +95,14 @@ def _copy(g: Any, self: Any, src: Any, non_blocking: Any = None) -> Any:
     return g.op("Expand", g.op("CastLike", src, self), g.op("Shape", self))
 
 
+def _matrix_h(g: Any, x: Any) -> Any:
+    """`x.mH` of a real tensor (spectral norm's parametrization): its last two axes swapped."""
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None or rank < 2:
+        return symbolic_helper._unimplemented("matrix_H", "a tensor of unknown rank or below 2", x)
+    return g.op("Transpose", x, perm_i=[*range(rank - 2), rank - 1, rank - 2])
+
+
 def _trunc(g: Any, x: Any) -> Any:
     return g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Abs", x)))
 
@@ -111,7 +119,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::xlogy": _xlogy, "aten::special_xlogy": _xlogy,
     "aten::addmv": _addmv, "aten::addr": _addr,
     "aten::fmax": _nan_ignoring("Max"), "aten::fmin": _nan_ignoring("Min"),
-    "aten::trunc": _trunc, "aten::fix": _trunc, "aten::copy": _copy,
+    "aten::trunc": _trunc, "aten::fix": _trunc, "aten::copy": _copy, "aten::matrix_H": _matrix_h,
 }
 
 

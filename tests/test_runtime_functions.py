@@ -249,3 +249,29 @@ def test_per_point_values_train_like_torch(case: str, points: int) -> None:
     g = torch.Generator().manual_seed(points)
     batches = [(torch.randn(points, 3, generator=g), torch.rand(points, generator=g)) for _ in range(3)]
     check_parity(lambda: PerPoint(case), batches, lambda m, b: m(*b), threads=1)
+
+
+@pytest.mark.parametrize("kind", ["parametrization", "hook"])
+def test_spectral_norm_trains_like_torch(kind: str) -> None:
+    """Spectral norm's power iteration (its u and v buffers normalized in place, `out=`, each forward; W^T u a
+    transposed matrix times a vector) follows torch's buffers and gradients step by step."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+        if kind == "parametrization":
+            torch.nn.utils.parametrizations.spectral_norm(net[0])
+        else:
+            torch.nn.utils.spectral_norm(net[0])
+        return net
+
+    ref, om = make(), ORTModule(make())
+    for step in range(3):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        got, want = om(x).square().sum(), ref(x).square().sum()
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want)
+        for (name, a), b in zip(om.module.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(a, b, msg=name)
+        for (name, p), q in zip(om.module.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -600,3 +600,28 @@ def test_relu_dropout_masks_only_where_nothing_else_reads(case):
         assert greater.input[0] == "d"
     else:
         assert freed == [] and training == before
+
+
+@pytest.mark.parametrize("vector_first", [False, True])
+def test_vectors_times_transposed_matrices_as_onnxruntime_should(vector_first: bool) -> None:
+    """onnxruntime 1.32's MatmulTransposeFusion gives wrong values for MatMul(Transpose(A), v) with v 1-D (through an
+    Identity too, a StopGradient split): `vectors_as_matrices` makes v a column, which it fuses right; both orders,
+    the graph's output as numpy's."""
+    rng = np.random.default_rng(0)
+    a, v = rng.standard_normal((6, 5), np.float32), rng.standard_normal(6 if not vector_first else 5, np.float32)
+    operands = ["v", "t"] if vector_first else ["t", "v"]
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]), helper.make_node("Identity", ["at"], ["t"]),
+         helper.make_node("MatMul", operands, ["y"])], "g",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [6, 5]),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, [len(v)])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    fixed = passes.vectors_as_matrices(model)
+    assert fixed is not model
+    got = Runner(fixed, SessionConfig(threads=1), "test").run({"a": to_ortvalue(a), "v": to_ortvalue(v)}, ["y"])[0]
+    np.testing.assert_allclose(to_numpy(got), v @ a.T if vector_first else a.T @ v, rtol=1e-5, atol=1e-6)
+    plain = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["a", "v"], ["y"])], "g", [graph.input[0], helper.make_tensor_value_info(
+            "v", TensorProto.FLOAT, [5])], graph.output), opset_imports=[helper.make_opsetid("", 17)])
+    assert passes.vectors_as_matrices(plain) is plain  # no Transpose: left alone
