@@ -923,10 +923,16 @@ def vectors_as_matrices(model: onnx.ModelProto) -> onnx.ModelProto:
                   and (transposed(n.input[0]) or transposed(n.input[1]))]
     if not candidates:
         return model
-    dims = {name: d for name, (_, d) in tensor_types(infer_shapes_safely(model) or g).items() if d is not None}
-    dims.update((t.name, list(t.dims)) for t in g.initializer)
-    plan = [(k, 1 if len(dims.get(n.input[1], ())) == 1 else 0) for k, n in candidates
-            if len(dims.get(n.input[1], ())) == 1 or len(dims.get(n.input[0], ())) == 1]
+    def ranks(graph: onnx.GraphProto) -> dict[str, int]:
+        known = {name: len(d) for name, (_, d) in tensor_types(graph).items() if d is not None}
+        known.update((t.name, len(t.dims)) for t in g.initializer)
+        return known
+
+    dims = ranks(g)  # the declared types first: inference over a large backward costs a first step ~0.1 s
+    if any(x not in dims for _, n in candidates for x in n.input[:2]):
+        dims = ranks(infer_shapes_safely(model) or g)
+    plan = [(k, 1 if dims.get(n.input[1]) == 1 else 0) for k, n in candidates
+            if dims.get(n.input[1]) == 1 or dims.get(n.input[0]) == 1]
     opset = default_opset(model)
 
     def build(node: onnx.NodeProto, vector: int, taken: set[str]) -> list[onnx.NodeProto]:
