@@ -1,21 +1,22 @@
 """Conversions the legacy exporter lacks, written in the ONNX ops they are, registered while exporting.
 
 torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
-`addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc`, `mH` (spectral norm's parametrization) and `copy` (a buffer's
-`copy_` whose result is used) ("Exporting the operator ... is not supported"), though ONNX and gradbuilder's rules
-have what they compute: each is one op (Sinh, ...) or a few.
+`addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc`, `mH` (spectral norm's parametrization), `copy` (a buffer's
+`copy_` whose result is used) and interpolate's nearest-exact ("Exporting the operator ... is not supported"),
+though ONNX and gradbuilder's rules have what they compute: each is one op (Sinh, Resize, ...) or a few.
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.onnx._internal.torchscript_exporter import symbolic_helper
+from torch.onnx._internal.torchscript_exporter import jit_utils, registration, symbolic_helper
 
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
@@ -103,6 +104,27 @@ def _matrix_h(g: Any, x: Any) -> Any:
     return g.op("Transpose", x, perm_i=[*range(rank - 2), rank - 1, rank - 2])
 
 
+@dataclasses.dataclass
+class _ExactNearest(jit_utils.GraphContext):
+    """A graph context whose Resize samples as torch's nearest-exact: pixel centres (half_pixel), rounded half up
+    (the legacy exporter's nearest is floor of asymmetric coordinates)."""
+
+    def op(self, opname: str, *raw_args: Any, outputs: int = 1, **kwargs: Any) -> Any:
+        if opname == "Resize":
+            kwargs.update(coordinate_transformation_mode_s="half_pixel", nearest_mode_s="round_prefer_ceil")
+        return super().op(opname, *raw_args, outputs=outputs, **kwargs)
+
+
+def _nearest_exact(dims: int) -> Callable[..., Any]:
+    """torch's `nearest` conversion, its Resize sampling as nearest-exact's floor((i + 1/2) / scale): exactly
+    Resize's round_prefer_ceil of half_pixel coordinates, (i + 1/2) / scale - 1/2 rounded half up."""
+    def convert(g: Any, *args: Any) -> Any:
+        nearest = registration.registry.get_function_group(f"aten::upsample_nearest{dims}d").get(g.opset)
+        exact = _ExactNearest(**{f.name: getattr(g, f.name) for f in dataclasses.fields(g)})
+        return nearest(exact, *args)
+    return convert
+
+
 def _trunc(g: Any, x: Any) -> Any:
     return g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Abs", x)))
 
@@ -120,6 +142,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::addmv": _addmv, "aten::addr": _addr,
     "aten::fmax": _nan_ignoring("Max"), "aten::fmin": _nan_ignoring("Min"),
     "aten::trunc": _trunc, "aten::fix": _trunc, "aten::copy": _copy, "aten::matrix_H": _matrix_h,
+    **{f"aten::_upsample_nearest_exact{d}d": _nearest_exact(d) for d in (1, 2, 3)},
 }
 
 

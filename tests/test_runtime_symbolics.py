@@ -1,5 +1,6 @@
 """runtime/symbolics.py: ops torch's legacy exporter has no conversion for ("Exporting the operator ... is not
-supported") train through ORTModule like torch, in-place forms and torch.special aliases included."""
+supported") train through ORTModule like torch, in-place forms and torch.special aliases included, and
+interpolate's nearest-exact."""
 
 from __future__ import annotations
 
@@ -43,3 +44,22 @@ def test_converted_ops_train_like_torch(op: str) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 6, generator=g), torch.randn(1, 6, generator=g)) for _ in range(3)]
     check_parity(lambda: Op(OPS[op]), batches, lambda m, b: m(*b), threads=1)
+
+
+@pytest.mark.parametrize("dims, resize", [(2, {"size": (7, 5)}), (2, {"size": (3, 2)}), (2, {"scale_factor": 1.5}),
+                                          (1, {"size": 11}), (3, {"size": (5, 3, 4)})])
+def test_nearest_exact_trains_like_torch(dims: int, resize: dict) -> None:
+    """interpolate(mode="nearest-exact"), which the exporter has no conversion for, up and down, 1-D to 3-D."""
+    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv(2, 3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.interpolate(self.conv(x), mode="nearest-exact", **resize).square().mean()
+
+    g = torch.Generator().manual_seed(dims)
+    batches = [(torch.randn(2, 2, *[9, 8, 6][:dims], generator=g),) for _ in range(3)]
+    check_parity(Net, batches, lambda m, b: m(*b), threads=1)
