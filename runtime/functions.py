@@ -6,7 +6,7 @@ accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zer
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
 `bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw),
 `Tensor.unfold` (sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's
-sizes, `scatter_reduce` by "mean" or without self, or,
+sizes, `scatter_reduce` by "mean" or without self, `embedding` with `scale_grad_by_freq`, or,
 before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with an If
 or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
 else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance`
@@ -32,6 +32,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
   sqrt of the product of squared norms has a NaN gradient at a zero vector);
 - std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
   constant row: the exporter's sqrt made it NaN);
+- an embedding with `scale_grad_by_freq` (refused in training): the rows' gradient divided by their index's
+  count in the input;
 - layer norm over a shape read from the input's sizes: the sizes as Python ints;
 - normalize into `out` (spectral norm's power iteration; the exporter read `out` as div's rounding mode):
   computed, then copied in;
@@ -274,6 +276,24 @@ def _normalize(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return normalize
 
 
+def _embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """An embedding with `scale_grad_by_freq` (which the exporter refuses in training): each row's gradient divided
+    by how often its index occurs in the input, as torch's, by the looked-up rows' values taken without a gradient
+    plus their gradient path times 1 / count (counts scatter-added over the vocabulary)."""
+    def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
+                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                  sparse: bool = False) -> torch.Tensor:
+        rows = original(ids, weight, padding_idx, max_norm, norm_type, False, sparse)
+        if not scale_grad_by_freq:
+            return rows
+        flat = ids.reshape(-1)
+        ones = torch.ones_like(flat, dtype=rows.dtype)
+        counts = torch.zeros(weight.shape[0], dtype=rows.dtype).index_add(0, flat, ones)
+        return rows.detach() + (rows - rows.detach()) / counts[ids].unsqueeze(-1)
+
+    return embedding
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -455,6 +475,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity),
+        (F, "embedding", _embedding(F.embedding)),
         *((owner, "normalize", _normalize(F.normalize)) for owner in (F, spectral_norm_module)),
         (torch, "layer_norm", _layer_norm(torch.layer_norm)),
         (torch, "std", _std), (torch.Tensor, "std", _std), (torch, "std_mean", _std_mean),

@@ -275,3 +275,21 @@ def test_spectral_norm_trains_like_torch(kind: str) -> None:
             torch.testing.assert_close(a, b, msg=name)
         for (name, p), q in zip(om.module.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embedding_scaled_by_frequency_trains_like_torch(padding_idx: int | None) -> None:
+    """nn.Embedding(scale_grad_by_freq=True), which the exporter refuses in training: rows' gradients divided by
+    how often each index occurs in the batch (repeated indices in every batch)."""
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 6, padding_idx=padding_idx, scale_grad_by_freq=True)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.head(self.embed(ids)).mean(1), y)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 5, (4, 7), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    check_parity(Tokens, batches, lambda m, b: m(*b), threads=1)
