@@ -22,6 +22,7 @@ import functools
 import inspect
 import io
 import os
+import random
 import sys
 import threading
 import warnings
@@ -46,6 +47,7 @@ from .functions import exportable_functions
 from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
 from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
+from .patching import replaced
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -207,6 +209,30 @@ class _PythonReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_PYTHON_RANDOM = (("random", random, ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
+                                         "shuffle", "gauss", "normalvariate", "betavariate")),
+                  ("numpy.random", np.random, ("rand", "randn", "random", "uniform", "randint", "choice",
+                                               "normal", "permutation", "shuffle", "binomial")))
+
+
+@contextlib.contextmanager
+def _python_draws() -> Iterator[list[str]]:
+    """The module-level Python and numpy random functions the block calls (`random.uniform`, ...), in call order:
+    the trace keeps what they drew as constants (a layer drop decided once for every step)."""
+    drawn: list[str] = []
+
+    def recording(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if label not in drawn:
+                drawn.append(label)
+            return fn(*args, **kwargs)
+        return draw
+
+    with replaced((owner, name, recording(f"{prefix}.{name}", getattr(owner, name)))
+                  for prefix, owner, names in _PYTHON_RANDOM for name in names):
+        yield drawn
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, NaN where the other has NaN (a buffer holding NaN is unchanged when left alone)."""
     if torch.equal(a, b):
@@ -344,7 +370,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
                 _preserved(module) as changed, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
-                exportable_losses(), exportable_functions(), custom_functions.applied_functions() as applied:
+                exportable_losses(), exportable_functions(), custom_functions.applied_functions() as applied, \
+                _python_draws() as drawn:
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
@@ -367,6 +394,11 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     refused = custom_functions.refusal(type(module).__name__, applied)
     if refused:
         raise ExportError(refused)
+    if drawn:
+        warnings.warn(f"ORTModule({type(module).__name__}): the forward draws Python random numbers ({_listed(drawn)}) "
+                      "while it is exported: the graph keeps this call's draws, so every step repeats them (a layer "
+                      "dropped or kept, a size). Draw them as torch tensors the computation uses as tensors "
+                      "(torch.rand with torch.where), or run the module in torch.", ExportWarning, stacklevel=4)
     hooked = _hooked(module)
     if flat._result.get("tensor_hooks"):
         hooked.append("a gradient hook on a tensor inside forward (register_hook)")

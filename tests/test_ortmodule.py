@@ -1131,6 +1131,28 @@ def test_first_gradients_checked_against_torch() -> None:
     assert not torch.allclose(unchecked.module[0].weight.grad, ref[0].weight.grad / 2, rtol=1e-3)
 
 
+def test_python_random_draws_in_forward_warn() -> None:
+    """A forward drawing from Python's or numpy's random functions (a LayerDrop written with random.uniform): the
+    export keeps the draws, so it is warned, naming them; the functions are torch's own again after."""
+    import random
+
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                if not (self.training and random.uniform(0, 1) < 0.5):
+                    x = torch.tanh(layer(x))
+            return x * float(np.random.rand() >= 0)
+
+    uniform = random.uniform
+    with pytest.warns(ExportWarning, match=r"draws Python random numbers \(random.uniform, numpy.random.rand\)"):
+        ORTModule(LayerDrop())(torch.randn(2, 4))
+    assert random.uniform == uniform
+
+
 def test_data_dependent_trace_warns() -> None:
     class Branchy(nn.Module):
         def forward(self, x):
