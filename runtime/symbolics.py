@@ -2,8 +2,9 @@
 
 torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
 `addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc`, `mH` (spectral norm's parametrization), `copy` (a buffer's
-`copy_` whose result is used) and interpolate's nearest-exact ("Exporting the operator ... is not supported"),
-though ONNX and gradbuilder's rules have what they compute: each is one op (Sinh, Resize, ...) or a few.
+`copy_` whose result is used), `median` and interpolate's nearest-exact ("Exporting the operator ... is not
+supported"), though ONNX and gradbuilder's rules have what they compute: each is one op (Sinh, Resize, ...) or a
+few (median: a TopK of the smaller half).
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
@@ -125,6 +126,31 @@ def _nearest_exact(dims: int) -> Callable[..., Any]:
     return convert
 
 
+def _median_dim(g: Any, x: Any, dim: Any, keepdim: Any = None) -> tuple[Any, Any]:
+    """torch.median along dim: the lower median, the ((n - 1) // 2)-th smallest, and its index, by a TopK of the
+    k = (n - 1) // 2 + 1 smallest (n read at run time) and its last entry."""
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None:
+        return symbolic_helper._unimplemented("median", "a tensor of unknown rank", x)
+    axis = symbolic_helper._get_const(dim, "i", "dim") % max(rank, 1)
+    keep = bool(symbolic_helper._get_const(keepdim, "i", "keepdim")) if keepdim is not None else False
+    one = g.op("Constant", value_t=torch.tensor([1]))
+    n = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+    k = g.op("Add", g.op("Div", g.op("Sub", n, one), g.op("Constant", value_t=torch.tensor([2]))), one)
+    values, indices = g.op("TopK", x, k, axis_i=axis, largest_i=0, sorted_i=1, outputs=2)
+    last = g.op("Sub", k, one)
+    picked = [g.op("Gather", t, last, axis_i=axis) for t in (values, indices)]
+    if not keep:
+        picked = [symbolic_helper._squeeze_helper(g, t, [axis]) for t in picked]
+    return picked[0], picked[1]
+
+
+def _median(g: Any, x: Any) -> Any:
+    """torch.median of every element: the lower median of the flattened tensor."""
+    flat = g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([-1])))
+    return _median_dim(g, flat, g.op("Constant", value_t=torch.tensor(0)), None)[0]
+
+
 def _trunc(g: Any, x: Any) -> Any:
     return g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Abs", x)))
 
@@ -143,6 +169,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::fmax": _nan_ignoring("Max"), "aten::fmin": _nan_ignoring("Min"),
     "aten::trunc": _trunc, "aten::fix": _trunc, "aten::copy": _copy, "aten::matrix_H": _matrix_h,
     **{f"aten::_upsample_nearest_exact{d}d": _nearest_exact(d) for d in (1, 2, 3)},
+    "aten::median": lambda g, x, *args: _median(g, x) if not args else _median_dim(g, x, *args),
 }
 
 

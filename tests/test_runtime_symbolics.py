@@ -26,6 +26,7 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sgn": lambda h: torch.sgn(h) * h,
     "fmax, fmin": lambda h: torch.fmax(h, h.flip(1)) + torch.fmin(h, h.flip(0)),
     "trunc, fix": lambda h: (torch.trunc(3 * h) + torch.fix(h)) * h,
+    "median": lambda h: h.median(1, keepdim=True).values * h + torch.median(h) + h[:, :4].median(1).values[:, None],
 }
 
 
