@@ -6,9 +6,9 @@ accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zer
 `channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
 `bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw),
 `Tensor.unfold` (sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's
-sizes, `scatter_reduce` by "mean" or without self, `embedding` with `scale_grad_by_freq`, or,
-before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with an If
-or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
+sizes, `scatter_reduce` by "mean" or without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18,
+or, before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with
+an If or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
 else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance`
 adds eps to the exponent, `softplus` ignores its threshold, `logsigmoid` is -inf below -17, and the gradients of
 `cdist` at zero distances, of `cosine_similarity` at zero vectors and of `std` over constant values are NaN.
@@ -35,6 +35,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - an embedding with `scale_grad_by_freq` (refused in training): the rows' gradient divided by their index's
   count in the input;
 - layer norm over a shape read from the input's sizes: the sizes as Python ints;
+- fold (Col2Im, from opset 18 only): a ConvTranspose of the patches with a one-hot kernel per channel and tap;
 - normalize into `out` (spectral norm's power iteration; the exporter read `out` as div's rounding mode):
   computed, then copied in;
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
@@ -294,6 +295,29 @@ def _embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return embedding
 
 
+def _col2im(x: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int],
+            padding: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """F.fold (Col2Im only exists from opset 18): the patches laid back and summed by a ConvTranspose with a
+    one-hot kernel per channel and tap (groups = channels), output padding making up the rows and columns no
+    window reaches."""
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel_size, dilation, padding, stride
+    height, width = output_size
+    rows = (height + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    cols = (width + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    batched = x.dim() == 3
+    x = x if batched else x.unsqueeze(0)
+    with warnings.catch_warnings():  # the channels, a size the trace holds as a tensor, make the kernel: an int
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        channels = int(x.shape[1]) // (kh * kw)
+    patches = x.reshape(x.shape[0], channels * kh * kw, rows, cols)
+    taps = torch.eye(kh * kw, dtype=x.dtype).reshape(kh * kw, 1, kh, kw).repeat(channels, 1, 1, 1)
+    spare = [height - ((rows - 1) * sh - 2 * ph + dh * (kh - 1) + 1),
+             width - ((cols - 1) * sw - 2 * pw + dw * (kw - 1) + 1)]
+    out = F.conv_transpose2d(patches, taps, stride=(sh, sw), padding=(ph, pw), output_padding=spare,
+                             groups=channels, dilation=(dh, dw))
+    return out if batched else out.squeeze(0)
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -474,7 +498,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
-        (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity),
+        (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity), (nn_ops, "col2im", _col2im),
         (F, "embedding", _embedding(F.embedding)),
         *((owner, "normalize", _normalize(F.normalize)) for owner in (F, spectral_norm_module)),
         (torch, "layer_norm", _layer_norm(torch.layer_norm)),

@@ -42,6 +42,13 @@ class OwnSizeNorm(nn.Module):
         return nn.functional.layer_norm(x, x.shape[-2:])
 
 
+class FoldBack(nn.Module):
+    """Overlapping 3x3 patches (stride 2, padded) summed back onto the 6x6 map by F.fold (Col2Im from opset 18)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.fold(nn.functional.unfold(x, 3, padding=1, stride=2), (6, 6), 3, padding=1, stride=2)
+
+
 class Windows(nn.Module):
     """Tensor.unfold: 2x2 patches (two unfolds), or overlapping windows of 3 every 2 along the flattened map."""
 
@@ -66,6 +73,7 @@ CASES = {
     "softplus, beta 2, threshold 1": (lambda: nn.Softplus(beta=2, threshold=1), 4 * 36, (6, 6)),
     "hypot": (lambda: Hypot(), 4 * 36, (6, 6)),
     "layer norm over the input's own sizes": (lambda: OwnSizeNorm(), 4 * 36, (6, 6)),
+    "fold of overlapping patches": (lambda: FoldBack(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
     "Tensor.unfold patches": (lambda: Windows(False), 4 * 36, (6, 6)),
