@@ -1,18 +1,21 @@
 """Losses torch's legacy exporter cannot export, written in ops it exports, while the runtime exports.
 
 `l1_loss`, `smooth_l1_loss`, `huber_loss`, `binary_cross_entropy`, `soft_margin_loss`, `margin_ranking_loss`,
-`hinge_embedding_loss`, `poisson_nll_loss`, `cosine_embedding_loss`, `triplet_margin_loss` and
-`multi_margin_loss` have no ONNX symbolic ("Exporting the
-operator 'aten::l1_loss' ... is not supported"), `cross_entropy` refuses `label_smoothing` ("ONNX does not
-support label_smoothing") and exports probability targets as an invalid graph: a module returning such a loss
-could not train. While exporting, `exportable_losses` replaces the `torch._C._nn` and `torch` functions
-`torch.nn.functional` calls (after its own argument checks and broadcasting) by torch's own formulas (aten's) in
-exportable ops:
+`hinge_embedding_loss`, `poisson_nll_loss`, `cosine_embedding_loss`, `triplet_margin_loss`, `multi_margin_loss`
+and `multilabel_margin_loss` have no ONNX symbolic ("Exporting the operator 'aten::l1_loss' ... is not
+supported"), `cross_entropy` refuses `label_smoothing` ("ONNX does not support label_smoothing") and exports
+probability targets as an invalid graph, and `binary_cross_entropy_with_logits` exports the log of a sigmoid
+(-inf past |x| ~ 17): a module returning such a loss could not train, or not at confident logits. While
+exporting, `exportable_losses` replaces the `torch._C._nn` and `torch` functions `torch.nn.functional` calls (after
+its own argument checks and broadcasting) by torch's own formulas (aten's) in exportable ops:
 
 - l1: |x - y|; smooth l1: 0.5 z^2 / beta where z = |x - y| < beta, else z - 0.5 beta (l1 for beta = 0); huber:
   0.5 z^2 where z < delta, else delta (z - 0.5 delta);
 - binary cross-entropy: (y - 1) max(log(1 - p), -100) - y max(log(p), -100), times the weight (torch's log1p(-p)
   as log(1 - p): equal but for p below ~1e-7);
+- binary cross-entropy with logits: (1 - y) x + w softplus(-x), w = (pos_weight - 1) y + 1 (torch's);
+- multilabel margin: for each target class j (y before its first -1) and each non-target i, max(0, 1 - x[j] +
+  x[i]), summed over both and divided by the number of classes;
 - soft margin: log(1 + exp(-y x)); margin ranking: max(0, -y (x1 - x2) + margin); hinge embedding: x where
   y != -1 plus max(0, margin - x) where y != 1; Poisson NLL: exp(x) - y x (or x - y log(x + eps)), with the
   Stirling term where y > 1 when `full`; cosine embedding: 1 - cos where y = 1, max(0, cos - margin) where
@@ -78,6 +81,20 @@ def _binary_cross_entropy_with_logits(x: torch.Tensor, y: torch.Tensor, weight: 
     softplus = F.softplus(-x)
     loss = (1 - y) * x + (softplus if pos_weight is None else ((pos_weight - 1) * y + 1) * softplus)
     return _reduce(loss if weight is None else loss * weight, reduction)
+
+
+def _multilabel_margin(x: torch.Tensor, y: torch.Tensor, reduction: int) -> torch.Tensor:
+    """torch's: for each target class j (y's entries before its first -1) and each class i not a target,
+    max(0, 1 - x[j] + x[i]), summed and divided by the number of classes."""
+    single = x.dim() == 1
+    x, y = (x.unsqueeze(0), y.unsqueeze(0)) if single else (x, y)
+    listed = (y < 0).long().cumsum(-1) == 0  # the entries before the first -1
+    index = y.clamp(min=0)
+    targets = torch.zeros_like(x).scatter_add(-1, index, listed.to(x.dtype)) > 0
+    margins = torch.relu(1 - x.gather(-1, index).unsqueeze(-1) + x.unsqueeze(-2))  # [N, listed j, class i]
+    counted = listed.unsqueeze(-1) & ~targets.unsqueeze(-2)
+    loss = (margins * counted.to(x.dtype)).sum((-2, -1)) / x.shape[-1]
+    return _reduce(loss.squeeze(0) if single else loss, reduction)
 
 
 def _soft_margin(x: torch.Tensor, y: torch.Tensor, reduction: int) -> torch.Tensor:
@@ -181,5 +198,6 @@ def exportable_losses() -> contextlib.AbstractContextManager[None]:
         (torch, "margin_ranking_loss", _margin_ranking), (torch, "hinge_embedding_loss", _hinge_embedding),
         (torch, "poisson_nll_loss", _poisson_nll), (torch, "cosine_embedding_loss", _cosine_embedding),
         (torch, "triplet_margin_loss", _triplet_margin),
-        (nn_ops, "multi_margin_loss", _multi_margin(nn_ops.multi_margin_loss))]
+        (nn_ops, "multi_margin_loss", _multi_margin(nn_ops.multi_margin_loss)),
+        (nn_ops, "multilabel_margin_loss", _multilabel_margin)]
     return replaced(replacements)

@@ -102,6 +102,12 @@ CASES: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
         lambda a, b: F.binary_cross_entropy_with_logits(40 * a, b, weight=WEIGHT, pos_weight=2 * WEIGHT), _binary),
     "log-sigmoid, confident": (lambda a, b: -(F.logsigmoid(40 * a) * b).mean(), _binary),
     "log of a sigmoid, confident": (lambda a, b: -(torch.log(torch.sigmoid(20 * a)) * b).mean(), _binary),
+    "multilabel margin (targets ended by -1, repeats, none)": (
+        F.multilabel_margin_loss, lambda g: torch.tensor([[1, 3, -1, 0, 2], [0, -1, 4, 4, 4], [4, 4, 2, -1, -1],
+                                                          [-1, 1, 2, 3, 4], [0, 1, 2, 3, 4], [2, 2, 2, -1, 0],
+                                                          [3, -1, -1, -1, -1], [1, 0, -1, 3, 3]])),
+    "multilabel margin, sum": (lambda a, b: F.multilabel_margin_loss(a, b, reduction="sum"),
+                               lambda g: torch.randint(-1, 5, (8, 5), generator=g)),
     "nn.L1Loss module": (nn.L1Loss(), _real),
     "nn.CrossEntropyLoss module, label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.05), _classes),
 }
