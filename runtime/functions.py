@@ -7,11 +7,12 @@ accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zer
 `bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw),
 `Tensor.unfold` (sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's
 sizes, `scatter_reduce` by "mean" or without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18,
-or, before opset 20, `affine_grid` (spatial transformers); `local_response_norm` and `embedding_bag` export with
-an If or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
-else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance`
-adds eps to the exponent, `softplus` ignores its threshold, `logsigmoid` is -inf below -17, and the gradients of
-`cdist` at zero distances, of `cosine_similarity` at zero vectors and of `std` over constant values are NaN.
+`lgamma` and `digamma` (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial
+transformers); `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which
+gradbuilder does not differentiate; and some exports compute something else, without an error: `avg_pool2d` and
+`avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance` adds eps to the exponent, `softplus` ignores
+its threshold, `logsigmoid` is -inf below -17, and the gradients of `cdist` at zero distances, of
+`cosine_similarity` at zero vectors and of `std` over constant values are NaN.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -36,6 +37,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
   count in the input;
 - layer norm over a shape read from the input's sizes: the sizes as Python ints;
 - fold (Col2Im, from opset 18 only): a ConvTranspose of the patches with a one-hot kernel per channel and tap;
+- lgamma and digamma (no ONNX ops): Stirling's and the asymptotic series past 8, the recurrences below, the
+  reflections below 1/2 (to ~2e-9 of torch's in double);
 - normalize into `out` (spectral norm's power iteration; the exporter read `out` as div's rounding mode):
   computed, then copied in;
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
@@ -318,6 +321,44 @@ def _col2im(x: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence[i
     return out if batched else out.squeeze(0)
 
 
+SHIFT = 8
+"""lgamma and digamma of x below this are computed at x + SHIFT and brought back by the recurrences, where their
+asymptotic series are exact to float64 (the first term left out ~1e-11 at 8)."""
+
+
+def _lgamma(x: torch.Tensor) -> torch.Tensor:
+    """log |Gamma(x)| (no ONNX op): Stirling's series at z = x, or x + SHIFT less the logs of x .. x + SHIFT - 1;
+    below 1/2 by the reflection log(pi / |sin(pi x)|) - lgamma(1 - x). Its gradient is the series' own (digamma).
+    +inf at 0 and the negative integers, as torch's."""
+    reflect = x < 0.5
+    y = torch.where(reflect, 1 - x, x)
+    small = y < SHIFT
+    z = torch.where(small, y + SHIFT, y)
+    shifted = sum(torch.log(torch.where(small, y + k, torch.ones_like(y))) for k in range(SHIFT))
+    inv, inv2 = 1 / z, 1 / (z * z)
+    series = (z - 0.5) * torch.log(z) - z + 0.5 * math.log(2 * math.pi) + inv * (
+        1 / 12 - inv2 * (1 / 360 - inv2 * (1 / 1260 - inv2 / 1680)))
+    value = series - shifted
+    sine = torch.sin(math.pi * torch.where(reflect, x, torch.zeros_like(x))).abs()
+    return torch.where(reflect, math.log(math.pi) - torch.log(sine) - value, value)
+
+
+def _digamma(x: torch.Tensor) -> torch.Tensor:
+    """d/dx log Gamma(x) (no ONNX op): the asymptotic series at z = x, or x + SHIFT less the sum of 1 / (x + k);
+    below 1/2 by the reflection digamma(1 - x) - pi / tan(pi x). NaN at the negative integers and -inf at 0 would
+    need a branch of their own: there the reflection's tangent gives +-inf as torch's does not (left)."""
+    reflect = x < 0.5
+    y = torch.where(reflect, 1 - x, x)
+    small = y < SHIFT
+    z = torch.where(small, y + SHIFT, y)
+    shifted = sum(torch.where(small, 1 / (y + k), torch.zeros_like(y)) for k in range(SHIFT))
+    inv2 = 1 / (z * z)
+    series = torch.log(z) - 0.5 / z - inv2 * (1 / 12 - inv2 * (1 / 120 - inv2 * (1 / 252 - inv2 / 240)))
+    value = series - shifted
+    return torch.where(reflect, value - math.pi / torch.tan(math.pi * torch.where(reflect, x, torch.zeros_like(x))),
+                       value)
+
+
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def threshold(x: torch.Tensor, t: float, value: float) -> torch.Tensor:
         if t == 0 and value == 0:
@@ -499,6 +540,8 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity), (nn_ops, "col2im", _col2im),
+        *((owner, name, fn) for fn, names in ((_lgamma, ("lgamma", "gammaln")), (_digamma, ("digamma", "psi")))
+          for owner in (torch, torch.Tensor, torch.special) for name in names if hasattr(owner, name)),
         (F, "embedding", _embedding(F.embedding)),
         *((owner, "normalize", _normalize(F.normalize)) for owner in (F, spectral_norm_module)),
         (torch, "layer_norm", _layer_norm(torch.layer_norm)),

@@ -301,3 +301,29 @@ def test_embedding_scaled_by_frequency_trains_like_torch(padding_idx: int | None
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 5, (4, 7), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
     check_parity(Tokens, batches, lambda m, b: m(*b), threads=1)
+
+
+class CountModel(nn.Module):
+    """A negative binomial likelihood of counts and a Gamma one of rates (torch.distributions: lgamma), a Beta's
+    entropy (digamma), each with parameters from a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 9)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
+        mu, a, b = torch.nn.functional.softplus(self.fc(x)).chunk(3, 1)
+        theta = 2.0
+        nb = (torch.lgamma(counts + theta) - torch.special.gammaln(counts + 1) + theta * torch.log(theta / (theta + mu))
+              + counts * torch.log(mu / (theta + mu)))
+        gamma = torch.distributions.Gamma(a + 0.1, b + 0.1).log_prob(rates)
+        return -nb.mean() - gamma.mean() - torch.distributions.Beta(a + 0.5, b + 0.5).entropy().mean()
+
+
+def test_lgamma_and_digamma_train_like_torch() -> None:
+    """lgamma and digamma (no ONNX op) as series: count likelihoods and distributions' log-probabilities and
+    entropies train as torch's."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 30, (8, 3), generator=g).float(),
+                torch.rand(8, 3, generator=g) * 3 + 0.05) for _ in range(3)]
+    check_parity(CountModel, batches, lambda m, b: m(*b), threads=1)
