@@ -95,6 +95,8 @@ class Schema:
         self.first_sizes: dict[frozenset[str], tuple[tuple[int, ...], ...]] = {}
         """The sizes each set's first (pinned) build was made for."""
         self.sizes_seen: set[tuple[tuple[int, ...], ...]] = set()
+        self.values_checked = False
+        """Whether a second call re-exported and compared (`Engine._new_values`)."""
         """Every call's input sizes but the batch, once checked against this export (`Engine._new_sizes`)."""
         types = {o.name: o.type.tensor_type.elem_type for o in exported.model.graph.output}
         float_types = gradbuilder.graph.FLOAT_TYPES
@@ -266,6 +268,8 @@ class Engine:
             schema = self._new_schema(key, in_spec, leaves)
         if schema is not _FALLBACK and sizes not in schema.sizes_seen:
             schema = self._new_sizes(key, schema, in_spec, leaves, sizes)
+        elif schema is not _FALLBACK and not schema.values_checked:
+            schema = self._new_values(key, schema, in_spec, leaves)
         if schema is _FALLBACK:
             return self.module(*args, **kwargs)
         ex: Exported = schema.exported
@@ -411,6 +415,32 @@ class Engine:
         fresh.sizes_seen.add(sizes)
         self.schemas[key] = fresh
         return fresh
+
+    def _new_values(self, key: Hashable, schema: Schema, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
+        """The second call at sizes already seen: exported again, on these values, and compared with the export
+        it would reuse. Another graph means the trace kept values of the first call as constants (a branch on a
+        tensor, a Python number the forward reads from a tensor or changes between calls: an annealed weight, a
+        layer dropped by a draw), which every later call would compute with: the schema fails as a failed export
+        does. Once a schema; not for dynamo (fake tensors) or with `check_export=False`."""
+        schema.values_checked = True
+        if self.options.export.exporter == "dynamo" or not self.options.export.check:
+            return schema
+        try:
+            with warnings.catch_warnings():  # the first export showed them
+                warnings.simplefilter("ignore")
+                exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
+        except ExportError:
+            return schema
+        if _same_graph(exported.model, schema.exported.model):
+            return schema
+        self._refuse(key, ExportError(
+            "exported again at its second call, the module gives another graph: its trace kept values of the first "
+            "call as constants (a Python branch on a tensor's value, a number read from a tensor or kept in a "
+            "Python attribute that changes between calls: an annealed weight, a layer dropped by a draw), so every "
+            "call would compute with those. Compute them as tensors (torch.where instead of if, a buffer instead of "
+            "a Python attribute), or run the module in torch. ORTModule(module, check_export=False) skips this "
+            "check."), "export check")
+        return _FALLBACK
 
     def _sparse_names(self, exported: Exported) -> frozenset[str]:
         """Graph names of the weights of embeddings with `sparse=True` that no other module shares: torch gives

@@ -54,7 +54,8 @@ class ORTModule(nn.Module):
     check_export: compare onnxruntime's outputs of each call that exports, and its first gradients, with
         torch's for the same call (torchscript exporter; skipped where the graph draws random numbers or the
         forward changes state in place), and fail as a failed export does where they differ (`runtime/checks.py`:
-        wrong conversions, in-place changes through views the tracer misses). False skips both.
+        wrong conversions, in-place changes through views the tracer misses); and export again at each export's
+        second call, failing where the graph differs (values the trace kept as constants). False skips them.
     """
 
     def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,

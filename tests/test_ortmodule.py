@@ -1153,6 +1153,41 @@ def test_python_random_draws_in_forward_warn() -> None:
     assert random.uniform == uniform
 
 
+class Annealed(nn.Module):
+    """A weight annealed in a Python attribute the forward changes: the trace keeps the first call's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * min(1.0, self.calls / 10)
+
+
+def test_values_kept_by_the_trace_are_refused_at_the_second_call() -> None:
+    """The second call of an export is exported again and compared: another graph (a Python number that changed
+    between the calls) fails as an export does; with fallback the module runs in torch from there, as torch
+    computes it; the same graph (any module that computes with tensors) goes on unchanged."""
+    x = torch.randn(3, 4)
+    om = ORTModule(Annealed())
+    om(x)
+    with pytest.raises(ORTModuleError, match=r"exported again at its second call, the module gives another graph"):
+        om(x)
+    om = ORTModule(Annealed(), fallback=True)
+    om(x)
+    with pytest.warns(FallbackWarning, match="second call"):
+        out = om(x)
+    module = om.module  # exports run the forward too: its count is the module's own, torch computes with it
+    torch.testing.assert_close(out, module.fc(x) * min(1.0, module.calls / 10))
+    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 1
+    plain = ORTModule(nn.Linear(4, 2))
+    for _ in range(3):
+        plain(x)
+    assert plain.stats["exports"] == 1 and plain.stats["fallbacks"] == 0
+
+
 def test_data_dependent_trace_warns() -> None:
     class Branchy(nn.Module):
         def forward(self, x):
