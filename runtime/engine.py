@@ -95,9 +95,9 @@ class Schema:
         self.first_sizes: dict[frozenset[str], tuple[tuple[int, ...], ...]] = {}
         """The sizes each set's first (pinned) build was made for."""
         self.sizes_seen: set[tuple[tuple[int, ...], ...]] = set()
+        """Every call's input sizes but the batch, once checked against this export (`Engine._new_sizes`)."""
         self.values_checked = False
         """Whether a second call re-exported and compared (`Engine._new_values`)."""
-        """Every call's input sizes but the batch, once checked against this export (`Engine._new_sizes`)."""
         types = {o.name: o.type.tensor_type.elem_type for o in exported.model.graph.output}
         float_types = gradbuilder.graph.FLOAT_TYPES
         self.float_outputs = [n for n in exported.outputs if types.get(n, 0) in float_types or not types.get(n)]
