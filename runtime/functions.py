@@ -339,7 +339,8 @@ def _lgamma(x: torch.Tensor) -> torch.Tensor:
     series = (z - 0.5) * torch.log(z) - z + 0.5 * math.log(2 * math.pi) + inv * (
         1 / 12 - inv2 * (1 / 360 - inv2 * (1 / 1260 - inv2 / 1680)))
     value = series - shifted
-    sine = torch.sin(math.pi * torch.where(reflect, x, torch.zeros_like(x))).abs()
+    # the reflected branch at 1/2 where not taken: no log(0) to carry an infinity into the gradient's dead branch
+    sine = torch.sin(math.pi * torch.where(reflect, x, torch.full_like(x, 0.5))).abs()
     return torch.where(reflect, math.log(math.pi) - torch.log(sine) - value, value)
 
 
@@ -355,8 +356,8 @@ def _digamma(x: torch.Tensor) -> torch.Tensor:
     inv2 = 1 / (z * z)
     series = torch.log(z) - 0.5 / z - inv2 * (1 / 12 - inv2 * (1 / 120 - inv2 * (1 / 252 - inv2 / 240)))
     value = series - shifted
-    return torch.where(reflect, value - math.pi / torch.tan(math.pi * torch.where(reflect, x, torch.zeros_like(x))),
-                       value)
+    tangent = torch.tan(math.pi * torch.where(reflect, x, torch.full_like(x, 0.25)))  # 1 where not taken
+    return torch.where(reflect, value - math.pi / tangent, value)
 
 
 def _threshold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
