@@ -201,6 +201,7 @@ def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool) ->
     model = ORTModule(net, threads=2, park_torch_threads=park)
     x = torch.randn(512, 256)
     model(x).sum().backward()  # built on two threads (its forward work is above `workload.SMALL`)
+    model(x).sum().backward()  # the second call exports again (engine's check): its trace lets the workers sleep
     entries.clear()
     _spinners()
     model.zero_grad(set_to_none=True)
