@@ -11,13 +11,12 @@ what they scatter (`reduction="add"`), which is what torch computes; below it to
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any
 
 import torch
-from torch.onnx._internal.torchscript_exporter import jit_utils, symbolic_helper, symbolic_opset11
+from torch.onnx._internal.torchscript_exporter import symbolic_helper, symbolic_opset11
 
-from .symbolics import const_like, registered
+from .symbolics import const_like, registered, with_attributes
 
 OPSET = 16
 """The first opset whose scatters take `reduction="add"`."""
@@ -44,16 +43,6 @@ def _index_add(g: Any, self: Any, dim: Any, index: Any, source: Any, alpha: Any 
     return g.op("ScatterElements", self, index, source, axis_i=dim, reduction_s="add")
 
 
-@dataclasses.dataclass
-class _Adding(jit_utils.GraphContext):
-    """A graph context whose ScatterND adds (torch's index_put writes its one scatter through it)."""
-
-    def op(self, opname: str, *raw_args: Any, outputs: int = 1, **kwargs: Any) -> Any:
-        if opname == "ScatterND":
-            kwargs["reduction_s"] = "add"
-        return super().op(opname, *raw_args, outputs=outputs, **kwargs)
-
-
 def _index_put(g: Any, self: Any, indices: Any, values: Any, accumulate: Any = False) -> Any:
     """torch's own symbolic, its scatter adding when accumulating. A single boolean mask names each element
     once, and torch's symbolic then overwrites (masked_scatter): the values go into zeros, added to self."""
@@ -63,8 +52,8 @@ def _index_put(g: Any, self: Any, indices: Any, values: Any, accumulate: Any = F
     if len(listed) == 1 and symbolic_helper._is_bool(listed[0]):
         zeros = g.op("CastLike", g.op("ConstantOfShape", g.op("Shape", self)), self)
         return g.op("Add", self, symbolic_opset11.index_put(g, zeros, indices, values, False))
-    adding = _Adding(**{f.name: getattr(g, f.name) for f in dataclasses.fields(g)})
-    return symbolic_opset11.index_put(adding, self, indices, values, accumulate)
+    return symbolic_opset11.index_put(with_attributes(g, "ScatterND", reduction_s="add"), self, indices, values,
+                                      accumulate)
 
 
 def exported_accumulation() -> contextlib.AbstractContextManager[None]:

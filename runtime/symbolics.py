@@ -106,14 +106,23 @@ def _matrix_h(g: Any, x: Any) -> Any:
 
 
 @dataclasses.dataclass
-class _ExactNearest(jit_utils.GraphContext):
-    """A graph context whose Resize samples as torch's nearest-exact: pixel centres (half_pixel), rounded half up
-    (the legacy exporter's nearest is floor of asymmetric coordinates)."""
+class _Overriding(jit_utils.GraphContext):
+    """A graph context whose nodes of one op get attributes of ours: torch's own symbolic, run through it, writes
+    that op as we want it (`with_attributes`)."""
+
+    override_op: str = ""
+    override_attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def op(self, opname: str, *raw_args: Any, outputs: int = 1, **kwargs: Any) -> Any:
-        if opname == "Resize":
-            kwargs.update(coordinate_transformation_mode_s="half_pixel", nearest_mode_s="round_prefer_ceil")
+        if opname == self.override_op:
+            kwargs.update(self.override_attrs)
         return super().op(opname, *raw_args, outputs=outputs, **kwargs)
+
+
+def with_attributes(g: Any, op: str, **attrs: Any) -> Any:
+    """`g` writing every `op` node with `attrs` (in the exporter's `name_s` / `name_i` form)."""
+    return _Overriding(**{f.name: getattr(g, f.name) for f in dataclasses.fields(g)}, override_op=op,
+                       override_attrs=attrs)
 
 
 def _nearest_exact(dims: int) -> Callable[..., Any]:
@@ -121,7 +130,8 @@ def _nearest_exact(dims: int) -> Callable[..., Any]:
     Resize's round_prefer_ceil of half_pixel coordinates, (i + 1/2) / scale - 1/2 rounded half up."""
     def convert(g: Any, *args: Any) -> Any:
         nearest = registration.registry.get_function_group(f"aten::upsample_nearest{dims}d").get(g.opset)
-        exact = _ExactNearest(**{f.name: getattr(g, f.name) for f in dataclasses.fields(g)})
+        exact = with_attributes(g, "Resize", coordinate_transformation_mode_s="half_pixel",
+                                nearest_mode_s="round_prefer_ceil")
         return nearest(exact, *args)
     return convert
 
