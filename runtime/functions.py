@@ -164,10 +164,16 @@ def vector_norm(d: torch.Tensor, p: float, keepdim: bool = False) -> torch.Tenso
         return torch.linalg.vector_norm(d, p, dim=-1, keepdim=keepdim)
     if p == 0:
         return (d != 0).to(d.dtype).sum(-1, keepdim=keepdim)
-    total = (d.abs() ** p).sum(-1, keepdim=keepdim)
-    positive = total > 0
-    return torch.where(positive, torch.where(positive, total, torch.ones_like(total)) ** (1 / p),
-                       torch.zeros_like(total))
+    return root((d.abs() ** p).sum(-1, keepdim=keepdim), p)
+
+
+def root(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """x ** (1 / p) (sqrt for 2) with a zero gradient where x is 0, as torch's norm and std backward give (the
+    plain root's is infinite there, NaN once multiplied by the zeros below it): the root of 1 there, replaced by
+    0; NaN stays NaN."""
+    zero = x == 0
+    safe = torch.where(zero, torch.ones_like(x), x)
+    return torch.where(zero, torch.zeros_like(x), torch.sqrt(safe) if p == 2 else safe ** (1 / p))
 
 
 def pairwise_distance(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, eps: float = 1e-6,
@@ -239,20 +245,23 @@ def _cosine_similarity(x1: torch.Tensor, x2: torch.Tensor, dim: int = 1, eps: fl
     return ((x1 / n1) * (x2 / n2)).sum(dim)
 
 
-def _root_of(var: torch.Tensor) -> torch.Tensor:
-    """sqrt(var) with torch's std gradient where var is 0 (zero: its backward masks it; sqrt's would be inf, NaN
-    once multiplied by the zero deviations): the root of 1 there, replaced by 0."""
-    zero = var == 0
-    return torch.where(zero, torch.zeros_like(var), torch.sqrt(torch.where(zero, torch.ones_like(var), var)))
-
-
 def _std(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _root_of(torch.var(x, *args, **kwargs))
+    return root(torch.var(x, *args, **kwargs))
 
 
 def _std_mean(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     var, mean = torch.var_mean(x, *args, **kwargs)
-    return _root_of(var), mean
+    return root(var), mean
+
+
+def _python_int(size: Any) -> int:
+    """A size the trace holds as a tensor, as the Python int the export keeps (a later call at another size is
+    the size check's to find): quietly, this being the export's own choice, not the user's code."""
+    if isinstance(size, int):
+        return size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return int(size)
 
 
 def _layer_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -261,11 +270,7 @@ def _layer_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     cannot take ("Failed to export a node"); they are the input's trailing sizes, read as Python ints (another
     size at another call is the size check's to find)."""
     def layer_norm(x: torch.Tensor, normalized_shape: Sequence[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not all(isinstance(d, int) for d in normalized_shape):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                normalized_shape = [int(d) for d in normalized_shape]
-        return original(x, normalized_shape, *args, **kwargs)
+        return original(x, [_python_int(d) for d in normalized_shape], *args, **kwargs)
 
     return layer_norm
 
@@ -309,9 +314,7 @@ def _col2im(x: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence[i
     cols = (width + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     batched = x.dim() == 3
     x = x if batched else x.unsqueeze(0)
-    with warnings.catch_warnings():  # the channels, a size the trace holds as a tensor, make the kernel: an int
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        channels = int(x.shape[1]) // (kh * kw)
+    channels = _python_int(x.shape[1]) // (kh * kw)  # they make the kernel
     patches = x.reshape(x.shape[0], channels * kh * kw, rows, cols)
     taps = torch.eye(kh * kw, dtype=x.dtype).reshape(kh * kw, 1, kh, kw).repeat(channels, 1, 1, 1)
     spare = [height - ((rows - 1) * sh - 2 * ph + dh * (kh - 1) + 1),
