@@ -340,8 +340,7 @@ class Engine:
         feeding = {fqn: name for name, fqn in ex.state}
         with torch.no_grad():
             for (_, fqn), value in zip(ex.updates, values):
-                owner, _, attr = fqn.rpartition(".")
-                holder = self.module.get_submodule(owner) if owner else self.module
+                holder, attr = self._owners.get(fqn) or self._owner(fqn)
                 if feeding.get(fqn) in read:
                     holder._buffers[attr] = value
                 else:

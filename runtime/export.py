@@ -467,7 +467,6 @@ def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[s
         if vi.name in inputs:
             continue
         new = _unique([f"state.{fqn}"], taken)[0]
-        taken.add(new)
         rename[vi.name] = new
         vi.name = new
         kept.append(vi)
