@@ -870,39 +870,26 @@ def runnable_eyelikes(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     types = {name: t for name, (t, _) in tensor_types(infer_shapes_safely(model) or model.graph).items()}
     types.update((t.name, t.data_type) for t in model.graph.initializer)
-    plans: dict[int, tuple[int, int]] = {}
+    plan = []
     for k, n in enumerate(model.graph.node):
         if n.op_type != "EyeLike" or n.domain not in ("", "ai.onnx"):
             continue
         given = types.get(n.input[0], TensorProto.UNDEFINED)
         made = int_attr(n, "dtype", given)
         if given and made and (given not in EYE_TYPES or made not in EYE_TYPES):
-            plans[k] = (given, made)
-    if not plans:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    taken = names_in_use(out.graph)
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        if k not in plans:
-            nodes.append(n)
-            continue
-        given, made = plans[k]
-        source = n.input[0]
-        if given not in EYE_TYPES:
-            source = fresh_name(f"{n.input[0]}/as_float", taken)
-            nodes.append(helper.make_node("Cast", [n.input[0]], [source], to=TensorProto.FLOAT))
-        k_attr = int_attr(n, "k", 0)
-        if made in EYE_TYPES:
-            nodes.append(helper.make_node("EyeLike", [source], [n.output[0]], name=n.name, k=k_attr, dtype=made))
-        else:
-            eye = fresh_name(f"{n.output[0]}/float", taken)
-            nodes.append(helper.make_node("EyeLike", [source], [eye], name=n.name, k=k_attr, dtype=TensorProto.FLOAT))
-            nodes.append(helper.make_node("Cast", [eye], [n.output[0]], to=made))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+            plan.append((k, given, made))
+
+    def build(node: onnx.NodeProto, given: int, made: int, taken: set[str]) -> list[onnx.NodeProto]:
+        e = Nodes(node.name or node.output[0], taken)
+        source = node.input[0] if given in EYE_TYPES else e("Cast", node.input[0], to=TensorProto.FLOAT)
+        exact = made in EYE_TYPES
+        eye = e("EyeLike", source, k=int_attr(node, "k", 0), dtype=made if exact else TensorProto.FLOAT,
+                out=node.output[0] if exact else None)
+        if not exact:
+            e("Cast", eye, to=made, out=node.output[0])
+        return e.nodes
+
+    return rewrite_nodes(model, plan, build)
 
 
 def vectors_as_matrices(model: onnx.ModelProto) -> onnx.ModelProto:
