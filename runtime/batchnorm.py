@@ -81,7 +81,8 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         # onnxruntime may write the batch statistics in place into the running-stat inputs, which share
         # memory with the module's buffers; with momentum 0 their values are unused: feed constants instead
         channels = int(mod.num_features)
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(types.get(node.input[3], onnx.TensorProto.FLOAT))
+        elem = types.get(node.input[3], onnx.TensorProto.FLOAT)  # the running statistics' type, before the swap
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
         g.initializer.extend([onnx.numpy_helper.from_array(np.zeros(channels, dtype), f"{p}.zeros"),
                               onnx.numpy_helper.from_array(np.ones(channels, dtype), f"{p}.ones")])
         node.input[3], node.input[4] = f"{p}.zeros", f"{p}.ones"
@@ -100,7 +101,6 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
             helper.make_node("Div", [f"{p}.n", f"{p}.n_minus_1"], [f"{p}.factor"]),
             helper.make_node("Mul", [f"{p}.biased_var", f"{p}.factor"], [f"{p}.var"]),
         ]
-        elem = types.get(node.input[3], onnx.TensorProto.FLOAT)
         g.output.extend([helper.make_tensor_value_info(f"{p}.mean", elem, None),
                          helper.make_tensor_value_info(f"{p}.var", elem, None)])
         stats.append(BatchStats(fqn, f"{p}.mean", f"{p}.var"))  # type: ignore[arg-type]

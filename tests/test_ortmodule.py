@@ -507,16 +507,17 @@ class SharedNorms(nn.Module):
         return self.c(self.b(self.fc2(h)))
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_batchnorm_running_statistics_over_steps(shared) -> None:
+@pytest.mark.parametrize("shared,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.float64)])
+def test_batchnorm_running_statistics_over_steps(shared, dtype) -> None:
     """Every module's running statistics and count as torch's after each step, whatever its momentum, and a
-    module called twice a forward counted and updated once a call, in order."""
-    ref, om = pair(SharedNorms())
+    module called twice a forward counted and updated once a call, in order; in double too (the batch statistics'
+    outputs were declared float, so the build failed)."""
+    ref, om = pair(SharedNorms().to(dtype))
     if not shared:
         for m in (ref, om.module):
             m.forward = types.MethodType(lambda self, x: self.b(self.fc2(self.c(self.a(self.fc1(x)).relu()))), m)
     for _ in range(3):
-        x = torch.randn(6, 3) * 2 + 1
+        x = torch.randn(6, 3, dtype=dtype) * 2 + 1
         om(x).square().sum().backward()
         ref(x).square().sum().backward()
         for name in ("a", "b", "c"):
