@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from onnxruntime.capi import _pybind_state as C
 from torch import nn
 
 from runtime import ORTModule, exchange
+from runtime.session import TrainingSession
 
 from .models import Case
 
@@ -143,21 +145,12 @@ def graph_saved_bytes(loss: torch.Tensor, excluded: Iterable[torch.Tensor]) -> i
 
 
 def ort_stash_bytes(model: ORTModule, args: tuple[torch.Tensor, ...]) -> int:
-    """Bytes of the OrtValues one ORTModule forward stashes for backward (its ForwardState less the
-    feeds), deduplicated by address; a stashed value sharing memory with an input or a parameter is free."""
+    """Bytes one ORTModule forward keeps for its backward beyond its inputs and parameters
+    (`TrainingSession.stash_bytes`): the stash of a split forward, the gradients of a fused one."""
     loss = model(*args)
-    state = loss.grad_fn.state
-    session = loss.grad_fn.call.session
-    feeds = set(session.input_names)
-    excluded = {t.data_ptr() for t in [*model.parameters(), *model.buffers(), *args]}
-    excluded |= {v.data_ptr() for n, v in state.values.items() if n in feeds}
-    stash = {e.name for e in session.full.manifest.backward_inputs if e.role == "stash"}
-    seen: dict[int, int] = {}
-    for name, v in state.values.items():
-        if name in stash and v.data_ptr() not in excluded:
-            seen[v.data_ptr()] = v.tensor_size_in_bytes()
+    nbytes = loss.grad_fn.call.session.stash_bytes(loss.grad_fn.state)
     del loss
-    return sum(seen.values())
+    return nbytes
 
 
 def _pair(case: Case, threads: int, seed: int) -> tuple[ORTModule, nn.Module, tuple[torch.Tensor, ...]]:
@@ -216,19 +209,8 @@ _REPLAY = super(torch.autograd.Function, _Replay).apply
 """The C++ apply ORTModule calls too (`runtime.function._APPLY`), without `Function.apply`'s Python layer."""
 
 
-def bare_overhead(case: Case, threads: int = 2, reps: int | None = None) -> dict[str, float]:
-    """ORTModule's step against the two onnxruntime sessions run directly on prepared OrtValues (the
-    forward's stash fed straight to the backward): what the Python side adds per step; `autograd` is torch's
-    own share of it (a custom Function returning precomputed gradients, no onnxruntime)."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = ORTModule(case.make(), threads=threads)
-    args = case.batch(torch.Generator().manual_seed(0))
-    step = stepper(model, args)
-    step()
-    session = model.training_sessions()[0]
-    loss = model(*args)
-    feeds = {n: v for n, v in loss.grad_fn.state.values.items() if n in set(session.input_names)}
+def _bare_split(session: TrainingSession, feeds: dict[str, C.OrtValue]) -> Callable[[], float]:
+    """The split sessions run on prepared OrtValues, the forward's stash fed straight to the backward."""
     backward = next(iter(session._backwards.values()))
     fwd, bwd = session._fwd, backward.runner
     assert bwd is not None
@@ -243,6 +225,32 @@ def bare_overhead(case: Case, threads: int = 2, reps: int | None = None) -> dict
         env.update((g, one) for g in grad_names)
         bwd.run({n: env[n] if n in env else backward.consts[n] for n in bwd.input_names}, backward.out_names)
         return time.perf_counter() - t0
+
+    return bare
+
+
+def bare_overhead(case: Case, threads: int = 2, reps: int | None = None) -> dict[str, float]:
+    """ORTModule's step against its onnxruntime runs made directly on prepared OrtValues (the split sessions',
+    or the fused one's): what the Python side adds per step; `autograd` is torch's
+    own share of it (a custom Function returning precomputed gradients, no onnxruntime)."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = ORTModule(case.make(), threads=threads)
+    args = case.batch(torch.Generator().manual_seed(0))
+    step = stepper(model, args)
+    step()
+    session = model.training_sessions()[0]
+    loss = model(*args)
+    feeds = dict(loss.grad_fn.call.feeds)
+    if session._fused is not None:  # one run does both (runtime/fused.py)
+        fused = session._fused
+
+        def bare() -> float:
+            t0 = time.perf_counter()
+            fused.run(feeds)
+            return time.perf_counter() - t0
+    else:
+        bare = _bare_split(session, feeds)
 
     params = _params(model)
 

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 from onnxruntime.capi import _pybind_state as C
 
 from . import exchange
-from .ort_session import Runner, SessionConfig
+from .ort_session import DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .passes import (
     FLOATS,
     constant_values,
@@ -107,34 +108,50 @@ class MaskedRunner:
     module docstring); the same `run` as `Runner`, the masks among the outputs where the graph returned them."""
 
     def __init__(self, model: onnx.ModelProto, masked: onnx.ModelProto, masks: list[Mask], config: SessionConfig,
-                 what: str):
+                 what: str, disabled: Sequence[str] = DISABLED_OPTIMIZERS,
+                 shapes: Mapping[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] | None = None):
         self.masks = masks
         self.output_names = [o.name for o in model.graph.output]
         self._sources = list(dict.fromkeys(m.source for m in masks))
-        probe = onnx.ModelProto()
-        probe.CopyFrom(model)
-        masked_outputs = {m.output for m in masks}
-        for n in probe.graph.node:
-            if n.op_type == "Dropout" and n.output[0] in masked_outputs:
-                n.attribute.append(helper.make_attribute("seed", _seed()))
-        taken = names_in_use(probe.graph)
-        self._shape_names = []
-        for x in self._sources:
-            name = fresh_name(f"{x}/host_mask_shape", taken)
-            probe.graph.node.append(helper.make_node("Shape", [x], [name], name=f"{name}_node"))
-            probe.graph.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, [None]))
-            self._shape_names.append(name)
-        self.plain = Runner(probe, dataclasses.replace(config, arena=False), what)
-        self.session = self.plain.session
-        self.input_names = self.plain.input_names
+        self._model: onnx.ModelProto | None = model
+        self._plain: Runner | None = None
+        inits = {t.name for t in model.graph.initializer}
+        self.input_names = [i.name for i in model.graph.input if i.name not in inits]
         self._masked_model: onnx.ModelProto | None = masked
         self._masked: Runner | None = None
-        self._config, self._what = config, what
+        self._config, self._what, self._disabled = config, what, disabled
         self._sized = [i.name for i in model.graph.input if not _static(i)]
         """Graph inputs whose sizes may change between calls: the key of `shapes`."""
-        self.shapes: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = {}
+        self.shapes: dict[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] = dict(shapes or {})
         """Per set of input sizes, each masked Dropout input's shape (from the forward as it is)."""
         self._fed = {m.input for m in masks}
+        self._shape_names: list[str] = []
+
+    @property
+    def plain(self) -> Runner:
+        """The forward as it is plus the Dropout inputs' shapes, made when first needed (its Dropouts' seeds drawn
+        then): a runner given every shape it meets never makes it."""
+        if self._plain is None:
+            assert self._model is not None
+            probe = onnx.ModelProto()
+            probe.CopyFrom(self._model)
+            self._model = None
+            masked_outputs = {m.output for m in self.masks}
+            for n in probe.graph.node:
+                if n.op_type == "Dropout" and n.output[0] in masked_outputs:
+                    n.attribute.append(helper.make_attribute("seed", _seed()))
+            taken = names_in_use(probe.graph)
+            for x in self._sources:
+                name = fresh_name(f"{x}/host_mask_shape", taken)
+                probe.graph.node.append(helper.make_node("Shape", [x], [name], name=f"{name}_node"))
+                probe.graph.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, [None]))
+                self._shape_names.append(name)
+            self._plain = Runner(probe, dataclasses.replace(self._config, arena=False), self._what, self._disabled)
+        return self._plain
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        return self.plain.session
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
         names = list(self.output_names if outputs is None else outputs)
@@ -149,7 +166,7 @@ class MaskedRunner:
         drawn = self.draw(shapes)
         if self._masked is None:
             assert self._masked_model is not None
-            self._masked = Runner(self._masked_model, self._config, self._what)
+            self._masked = Runner(self._masked_model, self._config, self._what, self._disabled)
             self._masked_model = None
         computed = [n for n in names if n not in self._fed]
         try:
@@ -209,11 +226,16 @@ def seeded_random_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> Runner | MaskedRunner:
+def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str,
+                   disabled: Sequence[str] = DISABLED_OPTIMIZERS, like: Runner | MaskedRunner | None = None
+                   ) -> Runner | MaskedRunner:
     """The Runner for a forward or inference graph (its random ops seeded from torch's generator): a
-    `MaskedRunner` where it has training Dropouts to mask (and `config.lower` is on), else a plain one."""
+    `MaskedRunner` where it has training Dropouts to mask (and `config.lower` is on), else a plain one. `like`: a
+    runner of the same forward whose mask shapes this one starts from (a fused forward and backward after the split
+    forward's first call: the same masks from the same seeds, no probe session)."""
     model = seeded_random_ops(model)
     masked, masks = mask_dropouts(model) if config.lower else (model, [])
     if not masks:
-        return Runner(model, config, what)
-    return MaskedRunner(model, masked, masks, config, what)
+        return Runner(model, config, what, disabled)
+    shapes = like.shapes if isinstance(like, MaskedRunner) else None
+    return MaskedRunner(model, masked, masks, config, what, disabled, shapes)

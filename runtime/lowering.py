@@ -14,7 +14,7 @@ import onnx
 from gradbuilder import stop_gradient
 
 from . import crossentropy, feature_major, host_dropout, nchwc, passes, reductions, shape_folding, vectorized
-from .ort_session import Runner, SessionConfig
+from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, DISABLED_OPTIMIZERS, Runner, SessionConfig
 
 
 def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = None) -> onnx.ModelProto:
@@ -48,6 +48,19 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> 
     """The session for a forward or inference graph: `forward`'s rewrites, then training Dropouts fed masks drawn
     on the host (`host_dropout`), which needs a runner of its own."""
     return host_dropout.forward_runner(forward(model, config), config, what)
+
+
+def fused_runner(model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
+                 like: Runner | host_dropout.MaskedRunner) -> Runner | host_dropout.MaskedRunner:
+    """The session for a forward and `backward` joined (`fused.fused_model`, each half already lowered): its
+    training Dropouts fed host masks as a forward's; onnxruntime's NCHWc layout kept for the forward's pools
+    unless `backward` has Convs of constant weights (the one-hot unfolds `BACKWARD_DISABLED_OPTIMIZERS` is for);
+    `like`: the split forward's runner (its Dropout inputs' shapes)."""
+    consts = {t.name for t in backward.graph.initializer}
+    unfolds = any(n.op_type == "Conv" and not n.domain and len(n.input) > 1 and n.input[1] in consts
+                  for n in backward.graph.node)
+    disabled = BACKWARD_DISABLED_OPTIMIZERS if unfolds else DISABLED_OPTIMIZERS
+    return host_dropout.forward_runner(model, config, "forward and backward", disabled, like)
 
 
 def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig, rows: int | None = None

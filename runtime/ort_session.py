@@ -68,6 +68,9 @@ class SessionConfig:
     alternately, the forward and backward of a Conv-ReLU-BatchNorm CNN took 5.7-6.7 ms with an arena each against
     5.0 run each in a block; 5.2-5.5 sharing one). CNN steps against torch's, alternating processes: 0.92-0.96 of
     before; MLP and transformer level; peak RSS within 2%."""
+    fuse: bool = True
+    """A module whose only differentiable output is a scalar runs its backward within its forward, seeded with 1,
+    where the gradients are no larger than the stash (`fused`); backward then scales them by the host's gradient."""
     park_openmp: bool = True
     """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.parked`), so
     that they do not share cores with onnxruntime's threads."""

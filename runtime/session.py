@@ -27,7 +27,7 @@ from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
 
-from . import exchange, lowering, passes
+from . import exchange, fused, lowering, passes
 from .exchange import Tensor
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
@@ -44,11 +44,47 @@ class ForwardState:
     outputs: list[C.OrtValue]
     as_torch: bool
     released: bool = False
+    gradients: _Gradients | None = None
+    """A fused run's gradients (`fused`), kept instead of a stash."""
 
     def release(self) -> None:
         """Drop the stash (like torch freeing saved tensors after backward)."""
         self.values = {}
+        self.gradients = None
         self.released = True
+
+
+@dataclass
+class _Gradients:
+    """The gradients a fused run computed for a host gradient of 1: `values[first:]`, one per `wrt`."""
+
+    values: C.OrtValueVector | list[C.OrtValue]
+    first: int
+    wrt: list[str]
+
+    def nbytes(self) -> int:
+        return sum(self.values[i].tensor_size_in_bytes() for i in range(self.first, len(self.values)))
+
+    def scaled(self, g: C.OrtValue, as_torch: bool, copy: bool) -> dict[str, Any]:
+        """wrt -> gradient times the host's scalar g, as torch tensors or OrtValues: the values themselves when g
+        is 1, unless `copy` (a backward that will run again must not hand out what it keeps)."""
+        vals, k = self.values, self.first
+        scale = exchange.to_numpy(g).reshape(())  # a scalar's gradient: one element
+        one = scale == 1
+        grads: list[Any]
+        if as_torch:
+            grads = ([exchange.to_torch(v) for v in vals[k:]] if isinstance(vals, list)
+                     else exchange.vector_to_torch(vals)[k:])
+            if not one:
+                factor = exchange.to_torch(g).reshape(())
+                grads = [t * factor for t in grads]
+            elif copy:
+                grads = [t.clone() for t in grads]
+        elif one and not copy:
+            grads = [vals[i] for i in range(k, len(vals))]
+        else:
+            grads = [exchange.to_ortvalue(exchange.to_numpy(vals[i]) * scale) for i in range(k, len(vals))]
+        return dict(zip(self.wrt, grads))
 
 
 @dataclass
@@ -75,6 +111,21 @@ class _Backward:
                            if e.role == "output_grad"]
         self.from_state = [e.name for e in man.backward_inputs
                            if e.role != "output_grad" and e.name not in self.fixed]
+
+
+@dataclass
+class _Fused:
+    """The session running forward and backward at once (`fused`), its output names (the module's, then the
+    gradients of `wrt`)."""
+
+    runner: Runner | MaskedRunner
+    names: list[str]
+    wrt: list[str]
+
+    def run(self, feeds: Mapping[str, C.OrtValue]) -> C.OrtValueVector | list[C.OrtValue]:
+        if isinstance(self.runner, Runner):
+            return self.runner.run_vector(feeds, self.names)
+        return self.runner.run(feeds, self.names)
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -158,6 +209,9 @@ class TrainingSession:
         self._infer: Runner | MaskedRunner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
         self.stats = {"backward_builds": 0, "fallbacks": 0}
+        self._fusing: bool | None = None if config.fuse and self._fusable() else False
+        """Whether forward runs the backward too (`fused`): None until the first forward's stash decides."""
+        self._fused: _Fused | None = None
         self.rows = rows
         """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
         if self.save_dir is not None:
@@ -171,6 +225,7 @@ class TrainingSession:
         self._fwd = self._forward_runner()
         self._infer = None
         self._backwards.clear()
+        self._fused = None
 
     def _forward_runner(self) -> Runner | MaskedRunner:
         return lowering.forward_runner(self.full.forward, self.config, "forward")
@@ -223,11 +278,16 @@ class TrainingSession:
     # --- OrtValue-level API (no conversions; what ORTModule uses) -------------------------------
     def forward_ortvalues(self, feeds: Mapping[str, C.OrtValue], as_torch: bool = True
                           ) -> tuple[list[C.OrtValue], ForwardState]:
+        if self._fusing:
+            return self._fused_forward(feeds, as_torch)
         values = self._fwd.run(feeds, self._fwd_names)
         env = dict(feeds)
         env.update(zip(self._fwd_names, values))
         outs = [env[n] for n in self.output_names]
-        return outs, ForwardState(env, outs, as_torch)
+        state = ForwardState(env, outs, as_torch)
+        if self._fusing is None:
+            self._fusing = self._gradient_bytes(feeds) <= fused.MAX_KEPT * self.stash_bytes(state)
+        return outs, state
 
     def backward_ortvalues(self, state: ForwardState, grads: Sequence[C.OrtValue | None], *,
                            retain: bool = False, as_torch: bool = False) -> dict[str, Any]:
@@ -236,6 +296,12 @@ class TrainingSession:
             raise RuntimeError("backward through a ForwardState a second time: its stashed tensors were already "
                                "freed; pass retain=True to the first backward to keep them.")
         given = frozenset([i for i in self.differentiable if grads[i] is not None])
+        if state.gradients is not None:
+            g = grads[self.differentiable[0]]
+            result = {} if g is None else state.gradients.scaled(g, as_torch, copy=retain)
+            if not retain:
+                state.release()
+            return result
         if not given and self.spec.loss is None:
             if not retain:
                 state.release()
@@ -255,7 +321,75 @@ class TrainingSession:
             self._infer = lowering.forward_runner(self.source, self.config, "inference")
         return self._infer.run(feeds, self.output_names)
 
+    def stash_bytes(self, state: ForwardState) -> int:
+        """Bytes a forward keeps for its backward beyond the caller's tensors: the stash of a split forward, the
+        gradients of a fused one (each distinct buffer once)."""
+        if state.gradients is not None:
+            return state.gradients.nbytes()
+        fed = {state.values[n].data_ptr() for n in self.input_names if n in state.values}
+        seen: set[int] = set()
+        total = 0
+        for name in self.full.manifest.stashed:
+            v = state.values.get(name)
+            if v is None or name in self.input_names:
+                continue
+            ptr = v.data_ptr()
+            if ptr not in seen and ptr not in fed:
+                seen.add(ptr)
+                total += v.tensor_size_in_bytes()
+        return total
+
     # --- internals ----------------------------------------------------------------------------------
+    def _fusable(self) -> bool:
+        """One differentiable module output, a scalar (a loss), and no `loss` seeded in the graph."""
+        if self.spec.loss is not None or len(self.differentiable) != 1:
+            return False
+        name = self.output_names[self.differentiable[0]]
+        vi = next((o for o in self.full.forward.graph.output if o.name == name), None)
+        t = vi.type.tensor_type if vi is not None else None
+        return t is not None and t.HasField("shape") and len(t.shape.dim) == 0
+
+    def _gradient_bytes(self, feeds: Mapping[str, C.OrtValue]) -> int:
+        inits = {t.name: t for t in self.full.forward.graph.initializer}
+        total = 0
+        for w in self.full.gradients:
+            if w in feeds:
+                total += feeds[w].tensor_size_in_bytes()
+            elif w in inits:
+                total += onnx.numpy_helper.to_array(inits[w]).nbytes
+        return total
+
+    def _fused_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
+                       ) -> tuple[list[C.OrtValue], ForwardState]:
+        one = self._fused or self._make_fused()
+        if one is None:
+            self._fusing = False
+            return self.forward_ortvalues(feeds, as_torch)
+        values = one.run(feeds)
+        k = len(self.output_names)
+        outs = [values[i] for i in range(k)]
+        return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt))
+
+    def _make_fused(self) -> _Fused | None:
+        program, man = self.full, self.full.manifest
+        grads = program.gradients
+        seed = next(e.name for e in man.backward_inputs if e.role == "output_grad")
+        inits = {t.name: t for t in program.forward.graph.initializer}
+        arrays = {e.name: onnx.numpy_helper.to_array(inits[e.name])
+                  for e in man.backward_inputs if e.role == "initializer" and e.name in inits}
+        if not grads:
+            return None
+        backward = lowering.backward(program.backward, arrays, self.config, self.rows)
+        model = fused.fused_model(lowering.forward(program.forward, self.config), backward, self.output_names, seed,
+                                  arrays, list(grads.values()))
+        if model is None:
+            return None
+        self._fused = _Fused(lowering.fused_runner(model, backward, self.config, self._fwd),
+                             [o.name for o in model.graph.output], list(grads))
+        if self.save_dir is not None:
+            gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
+        return self._fused
+
     def _feeds(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[dict[str, C.OrtValue], bool]:
         if not isinstance(inputs, Mapping):
             inputs = list(inputs)

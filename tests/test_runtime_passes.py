@@ -12,7 +12,7 @@ from parity import check_parity
 from torch import nn
 
 import gradbuilder
-from runtime import ORTModule, passes
+from runtime import ORTModule, fused, passes
 from runtime.exchange import to_numpy, to_ortvalue
 from runtime.ort_session import Runner, SessionConfig
 from runtime.session import TrainingSession
@@ -531,7 +531,8 @@ def _record_masks(runner, drawn: dict) -> None:
     runner.draw = recorded
 
 
-def test_relu_dropout_masks_from_the_dropout_output():
+def test_relu_dropout_masks_from_the_dropout_output(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(fused, "MAX_KEPT", -1.0)  # the split forward's stash, which this reads
     """dropout(relu(h)): backward keeps the Dropout's output d, not the Relu's output and the mask; d > 0 is where
     both passed, and the gradients are torch's with the masks drawn (float64, three steps, the first one with
     onnxruntime's own Dropout)."""
