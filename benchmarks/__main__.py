@@ -46,7 +46,7 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None, glib
             entry["timing"] = {"ort_step": r.ort.step, "torch_step": r.torch.step, "ratio": r.ratio,
                                "ort_forward": r.ort.forward, "torch_forward": r.torch.forward,
                                "ort_iqr": r.ort.step_iqr, "torch_iqr": r.torch.step_iqr, "samples": r.ort.samples,
-                               "ort_stash": r.ort_stash, "torch_saved": r.torch_saved,
+                               "ort_stash": r.ort_stash, "torch_saved": r.torch_saved, "fused": r.fused,
                                "load": (load0 + report.load()) / 2}
         if "memory" in parts:
             _log(f"{name}: peak RSS (fresh processes)")

@@ -51,6 +51,9 @@ class Result:
     torch_saved: int
     ratio: float
     """Median over runs of the paired ratio ORTModule step / torch step."""
+    fused: bool = False
+    """Whether ORTModule's training forward ran the backward too (runtime/fused.py): its forward time is then
+    the whole step's, its backward only hands the gradients over."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -175,8 +178,9 @@ def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0
     timings = [Timing(statistics.median(s), statistics.median(f), _quantiles(s), reps)
                for s, f in zip(step_times, fwd_times)]
     ratio = statistics.median(a / b for a, b in zip(*step_times))
+    fused = any(s._fused is not None for s in ort_model.training_sessions())
     return Result(case.name, timings[0], timings[1], ort_stash_bytes(ort_model, args),
-                  torch_saved_bytes(reference, args), ratio)
+                  torch_saved_bytes(reference, args), ratio, fused)
 
 
 def step_ratio(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0) -> dict[str, float]:

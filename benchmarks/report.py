@@ -70,7 +70,8 @@ def step_table(results: dict[str, Any]) -> str:
         t = r.get("timing")
         if not t:
             continue
-        lines.append(f"| {name} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** | "
+        fused = " (fused)" if t.get("fused") else ""
+        lines.append(f"| {name}{fused} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** | "
                      f"{_ms(t['ort_forward'])} | {_ms(t['torch_forward'])} | "
                      f"{t['ort_step'] / t['ort_forward']:.2f} / {t['torch_step'] / t['torch_forward']:.2f} | "
                      f"{t['load']:.1f} |")
@@ -124,7 +125,8 @@ def memory_table(results: dict[str, Any]) -> str:
     for name, r in results["models"].items():
         t = r.get("timing") or {}
         rss_o, rss_t = _get(r, "rss", "ortmodule", "growth"), _get(r, "rss", "eager", "growth")
-        lines.append(f"| {name} | {_mb(t.get('ort_stash'))} | {_mb(t.get('torch_saved'))} | "
+        kept = " (its gradients: fused)" if t.get("fused") else ""
+        lines.append(f"| {name} | {_mb(t.get('ort_stash'))}{kept} | {_mb(t.get('torch_saved'))} | "
                      f"{_mb(r.get('compile_saved'))} | {_mb(rss_o)} / {_mb(rss_t)} |")
     return "\n".join(lines)
 

@@ -61,6 +61,13 @@ class _Gradients:
     values: C.OrtValueVector | list[C.OrtValue]
     first: int
     wrt: list[str]
+    unused: list[int]
+    """The session's count of fused runs whose gradients nobody took (`fused.MAX_UNUSED`), shared."""
+    taken: bool = False
+
+    def __del__(self) -> None:
+        if not self.taken:
+            self.unused[0] += 1
 
     def nbytes(self) -> int:
         return sum(self.values[i].tensor_size_in_bytes() for i in range(self.first, len(self.values)))
@@ -68,6 +75,7 @@ class _Gradients:
     def scaled(self, g: C.OrtValue, as_torch: bool, copy: bool) -> dict[str, Any]:
         """wrt -> gradient times the host's scalar g, as torch tensors or OrtValues: the values themselves when g
         is 1, unless `copy` (a backward that will run again must not hand out what it keeps)."""
+        self.taken = True
         vals, k = self.values, self.first
         scale = exchange.to_numpy(g).reshape(())  # a scalar's gradient: one element
         one = scale == 1
@@ -212,6 +220,7 @@ class TrainingSession:
         self._fusing: bool | None = None if config.fuse and self._fusable() else False
         """Whether forward runs the backward too (`fused`): None until the first forward's stash decides."""
         self._fused: _Fused | None = None
+        self._unused = [0]
         self.rows = rows
         """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
         if self.save_dir is not None:
@@ -362,13 +371,13 @@ class TrainingSession:
     def _fused_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
         one = self._fused or self._make_fused()
-        if one is None:
+        if one is None or self._unused[0] >= fused.MAX_UNUSED:
             self._fusing = False
             return self.forward_ortvalues(feeds, as_torch)
         values = one.run(feeds)
         k = len(self.output_names)
         outs = [values[i] for i in range(k)]
-        return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt))
+        return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt, self._unused))
 
     def _make_fused(self) -> _Fused | None:
         program, man = self.full, self.full.manifest
