@@ -52,8 +52,9 @@ class Result:
     ratio: float
     """Median over runs of the paired ratio ORTModule step / torch step."""
     fused: bool = False
-    """Whether ORTModule's training forward ran the backward too (runtime/fused.py): its forward time is then
-    the whole step's, its backward only hands the gradients over."""
+    """Whether ORTModule's steps ran forward and backward as one run (runtime/fused.py): its stash is then the
+    gradients it kept; its forwards alone (no backward after them) run split, as ORTModule pauses fusing for
+    them."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -81,7 +82,9 @@ def stepper(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[[], fl
 
 
 def forwarder(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[[], float]:
-    """A function timing one training forward (grad enabled, so the stash is made; then dropped)."""
+    """A function timing one training forward (grad enabled, so the stash is made; then dropped). A module that
+    fuses its steps' runs (runtime/fused.py) pauses that after a few of these in a row (`MAX_UNUSED`): what is
+    timed is its split forward."""
 
     def forward() -> float:
         t0 = time.perf_counter()
@@ -174,13 +177,14 @@ def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0
     forwards = [forwarder(ort_model, args), forwarder(reference, args)]
     interleave(steps + forwards, WARMUP)
     step_times = interleave(steps, reps)
+    # what the steps kept, before forwards alone (a fused session pauses after forwards without backward)
+    fused = any(s._fusing and not s._paused for s in ort_model.training_sessions())
+    stash = ort_stash_bytes(ort_model, args)
     fwd_times = interleave(forwards, reps)
     timings = [Timing(statistics.median(s), statistics.median(f), _quantiles(s), reps)
                for s, f in zip(step_times, fwd_times)]
     ratio = statistics.median(a / b for a, b in zip(*step_times))
-    fused = any(s._fused is not None for s in ort_model.training_sessions())
-    return Result(case.name, timings[0], timings[1], ort_stash_bytes(ort_model, args),
-                  torch_saved_bytes(reference, args), ratio, fused)
+    return Result(case.name, timings[0], timings[1], stash, torch_saved_bytes(reference, args), ratio, fused)
 
 
 def step_ratio(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0) -> dict[str, float]:
@@ -246,7 +250,7 @@ def bare_overhead(case: Case, threads: int = 2, reps: int | None = None) -> dict
     session = model.training_sessions()[0]
     loss = model(*args)
     feeds = dict(loss.grad_fn.call.feeds)
-    if session._fused is not None:  # one run does both (runtime/fused.py)
+    if session._fused is not None and session._fusing and not session._paused:  # one run does both (fused.py)
         fused = session._fused
 
         def bare() -> float:

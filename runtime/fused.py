@@ -10,8 +10,8 @@ The fused graph is the composition of the two halves as they run split (each low
 host-gradient input becomes a constant 1, its constant feeds initializers, and it reads the forward's values by
 name. `TrainingSession` takes this path only where the gradients it keeps are no larger than the stash the split
 forward keeps (a CNN: 0.18 MB of gradients against 0.58 MB of stash; not an MLP, whose weights outweigh its
-activations, nor GPT-2), so it never holds more between forward and backward than the split would, and goes back
-to split runs when forwards keep ending without a backward (`MAX_UNUSED`).
+activations, nor GPT-2), so it never holds more between forward and backward than the split would; it pauses while
+forwards keep ending without a backward (`MAX_UNUSED`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ MAX_KEPT = 1.0
 """A fused forward keeps its gradients until backward: fused only where they are at most this many times the bytes
 the split forward stashes."""
 MAX_UNUSED = 3
-"""Fused runs whose gradients no backward took (a validation loss computed with grad enabled, outputs dropped)
-before the session goes back to split runs for good: such a forward paid for a backward nobody wanted."""
+"""Fused runs in a row whose gradients no backward took (a validation loss computed with grad enabled, its outputs
+dropped: each paid for a backward nobody wanted) before the session pauses fusing; it resumes after as many split
+calls whose backward came."""
 
 
 def fused_model(forward: onnx.ModelProto, backward: onnx.ModelProto, outputs: list[str], seed: str,

@@ -62,7 +62,7 @@ class _Gradients:
     first: int
     wrt: list[str]
     unused: list[int]
-    """The session's count of fused runs whose gradients nobody took (`fused.MAX_UNUSED`), shared."""
+    """The session's count of fused runs in a row whose gradients nobody took (`fused.MAX_UNUSED`), shared."""
     taken: bool = False
 
     def __del__(self) -> None:
@@ -76,6 +76,7 @@ class _Gradients:
         """wrt -> gradient times the host's scalar g, as torch tensors or OrtValues: the values themselves when g
         is 1, unless `copy` (a backward that will run again must not hand out what it keeps)."""
         self.taken = True
+        self.unused[0] = 0
         vals, k = self.values, self.first
         scale = exchange.to_numpy(g).reshape(())  # a scalar's gradient: one element
         one = scale == 1
@@ -221,6 +222,8 @@ class TrainingSession:
         """Whether forward runs the backward too (`fused`): None until the first forward's stash decides."""
         self._fused: _Fused | None = None
         self._unused = [0]
+        self._paused = 0
+        """While fused runs are paused (`fused.MAX_UNUSED`): split backwards since, counting up to resuming."""
         self.rows = rows
         """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
         if self.save_dir is not None:
@@ -287,7 +290,7 @@ class TrainingSession:
     # --- OrtValue-level API (no conversions; what ORTModule uses) -------------------------------
     def forward_ortvalues(self, feeds: Mapping[str, C.OrtValue], as_torch: bool = True
                           ) -> tuple[list[C.OrtValue], ForwardState]:
-        if self._fusing:
+        if self._fusing and not self._paused:
             return self._fused_forward(feeds, as_torch)
         values = self._fwd.run(feeds, self._fwd_names)
         env = dict(feeds)
@@ -315,6 +318,10 @@ class TrainingSession:
             if not retain:
                 state.release()
             return {}
+        if self._paused:
+            self._paused += 1
+            if self._paused > fused.MAX_UNUSED:  # backwards came back: fused runs pay again
+                self._paused, self._unused[0] = 0, 0
         bw = self._backward_for(given)
         result: dict[str, Any] = {}
         if bw.runner is not None:
@@ -371,8 +378,11 @@ class TrainingSession:
     def _fused_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
         one = self._fused or self._make_fused()
-        if one is None or self._unused[0] >= fused.MAX_UNUSED:
+        if one is None:
             self._fusing = False
+            return self.forward_ortvalues(feeds, as_torch)
+        if self._unused[0] >= fused.MAX_UNUSED:  # forwards whose backward never comes: split until one does
+            self._unused[0], self._paused = 0, 1
             return self.forward_ortvalues(feeds, as_torch)
         values = one.run(feeds)
         k = len(self.output_names)
