@@ -17,6 +17,7 @@ missing gradients, and returns gradients only for the tensors the subset reaches
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,14 +378,20 @@ class TrainingSession:
 
     def _fused_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
-        one = self._fused or self._make_fused()
+        try:
+            one = self._fused or self._make_fused()
+            if one is not None and self._unused[0] < fused.MAX_UNUSED:
+                values = one.run(feeds)
+        except RuntimeError as e:  # onnxruntime refusing the joined graph: the split runs are the same math
+            warnings.warn(f"the forward and backward joined in one onnxruntime run failed, so they run as two: {e}",
+                          RuntimeWarning, stacklevel=2)
+            one = None
         if one is None:
             self._fusing = False
             return self.forward_ortvalues(feeds, as_torch)
         if self._unused[0] >= fused.MAX_UNUSED:  # forwards whose backward never comes: split until one does
             self._unused[0], self._paused = 0, 1
             return self.forward_ortvalues(feeds, as_torch)
-        values = one.run(feeds)
         k = len(self.output_names)
         outs = [values[i] for i in range(k)]
         return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt, self._unused))

@@ -201,3 +201,37 @@ def test_forwards_without_backward_pause_fused_runs() -> None:
         for (name, p), q in zip(om.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{step} {name}")
     assert seen == ["split", "fused", "fused", "fused"] + ["fused"] * k + ["split"] * 2 + ["split"] * k + ["fused"] * 3
+
+
+def test_a_joined_graph_onnxruntime_refuses_runs_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should onnxruntime refuse the joined graph (here: an op it does not know), the session warns and runs split
+    from then on, with torch's gradients; inputs requiring grad get theirs either way."""
+    def refused(*args, **kwargs):
+        model = joined(*args, **kwargs)
+        model.graph.node[0].op_type = "NoSuchOp"
+        return model
+
+    joined = fused.fused_model
+    torch.manual_seed(0)
+    model = LeNetLoss()
+    ref = copy.deepcopy(model)
+    for broken in (False, True):
+        if broken:
+            monkeypatch.setattr(fused, "fused_model", refused)
+        om = ORTModule(copy.deepcopy(model))
+        for step in range(3):
+            x, y = _batch(step)
+            xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+            om.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            if broken and step == 1:
+                with pytest.warns(RuntimeWarning, match="joined in one onnxruntime run failed"):
+                    loss, _ = om(xo, y)
+            else:
+                loss, _ = om(xo, y)
+            assert (loss.grad_fn.state.gradients is not None) == (step > 0 and not broken)
+            loss.backward()
+            ref(xr, y)[0].backward()
+            torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-4, atol=1e-7)
+            for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{step} {name}")
