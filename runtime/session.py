@@ -12,6 +12,10 @@ the full forward (see `programs.specialise`), so an output whose gradient is alw
 backward work. If a subset's backward would read a tensor the full forward does not stash, that
 subset uses the full backward with scalar zeros (full-shape zeros for `full_shape_outputs`) for the
 missing gradients, and returns gradients only for the tensors the subset reaches (torch's `None`).
+
+One run for a loss: where the only differentiable output is a scalar, calls after the first run forward and
+backward joined (`fused`), keep the gradients instead of the stash, and backward scales them by the output's
+gradient.
 """
 
 from __future__ import annotations
@@ -378,19 +382,18 @@ class TrainingSession:
 
     def _fused_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
+        if self._unused[0] >= fused.MAX_UNUSED:  # forwards whose backward never comes: split until one does
+            self._unused[0], self._paused = 0, 1
+            return self.forward_ortvalues(feeds, as_torch)
         try:
             one = self._fused or self._make_fused()
-            if one is not None and self._unused[0] < fused.MAX_UNUSED:
-                values = one.run(feeds)
+            values = one.run(feeds) if one is not None else None
         except RuntimeError as e:  # onnxruntime refusing the joined graph: the split runs are the same math
             warnings.warn(f"the forward and backward joined in one onnxruntime run failed, so they run as two: {e}",
                           RuntimeWarning, stacklevel=2)
-            one = None
-        if one is None:
+            one = values = None
+        if one is None or values is None:
             self._fusing = False
-            return self.forward_ortvalues(feeds, as_torch)
-        if self._unused[0] >= fused.MAX_UNUSED:  # forwards whose backward never comes: split until one does
-            self._unused[0], self._paused = 0, 1
             return self.forward_ortvalues(feeds, as_torch)
         k = len(self.output_names)
         outs = [values[i] for i in range(k)]
@@ -399,12 +402,12 @@ class TrainingSession:
     def _make_fused(self) -> _Fused | None:
         program, man = self.full, self.full.manifest
         grads = program.gradients
+        if not grads:
+            return None
         seed = next(e.name for e in man.backward_inputs if e.role == "output_grad")
         inits = {t.name: t for t in program.forward.graph.initializer}
         arrays = {e.name: onnx.numpy_helper.to_array(inits[e.name])
                   for e in man.backward_inputs if e.role == "initializer" and e.name in inits}
-        if not grads:
-            return None
         backward = lowering.backward(program.backward, arrays, self.config, self.rows)
         model = fused.fused_model(lowering.forward(program.forward, self.config), backward, self.output_names, seed,
                                   arrays, list(grads.values()))
