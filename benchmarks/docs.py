@@ -138,10 +138,14 @@ alternating: two modules in one process disturb each other's timings).
 - {_allocator(results)}
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
   on onnxruntime too), gradients set to None before it, no optimizer. Forward = the training forward alone
-  (grad enabled, stash made, then dropped).
+  (grad enabled, stash made, then dropped). "(fused)": ORTModule ran each step's forward and backward as one
+  onnxruntime run (`runtime/fused.py`: a module whose only differentiable output is a scalar, where its
+  gradients are no larger than the split forward's stash); its forwards alone run split (fusing pauses after
+  forwards without a backward), so the forward column times the split forward.
 - Saved bytes: torch eager's through `torch.autograd.graph.saved_tensors_hooks`, torch.compile's from its
-  `CompiledFunctionBackward.saved_tensors`, ORTModule's from the OrtValues its forward stashes; parameters,
-  buffers and inputs excluded (tensors sharing their memory too), deduplicated by storage.
+  `CompiledFunctionBackward.saved_tensors`, ORTModule's from the OrtValues its forward stashes (a fused step's:
+  the gradients it keeps until backward); parameters, buffers and inputs excluded (tensors sharing their memory
+  too), deduplicated by storage.
 - Peak RSS: fresh process per engine, glibc's mmap threshold fixed at 64 KB so freed tensors leave RSS, two
   warm-up steps, then the peak (VmHWM, reset through /proc/self/clear_refs) of a forward and of a step above
   the RSS before each. onnxruntime's arena is switched off for this measurement only (it keeps the largest
