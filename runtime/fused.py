@@ -11,7 +11,8 @@ host-gradient input becomes a constant 1, its constant feeds initializers, and i
 name. `TrainingSession` takes this path only where the gradients it keeps are no larger than the stash the split
 forward keeps (a CNN: 0.18 MB of gradients against 0.58 MB of stash; not an MLP, whose weights outweigh its
 activations, nor GPT-2), so it never holds more between forward and backward than the split would; it pauses while
-forwards keep ending without a backward (`MAX_UNUSED`).
+forwards keep ending without a backward (`MAX_UNUSED`). Its first fused run is compared with the split runs of the
+same call (`TrainingSession._composition_check`): onnxruntime optimizes across the halves' boundary.
 """
 
 from __future__ import annotations

@@ -27,14 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
+import torch
 from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
 
-from . import exchange, fused, lowering, passes
+from . import checks, exchange, fused, lowering, passes
 from .exchange import Tensor
-from .host_dropout import MaskedRunner
+from .host_dropout import RANDOM_OPS, MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
 
@@ -135,6 +137,14 @@ class _Fused:
     runner: Runner | MaskedRunner
     names: list[str]
     wrt: list[str]
+    random_ops: bool
+    """Whether the graph draws random numbers other than host-masked Dropouts (onnxruntime seeds those per session)."""
+    checked: bool = False
+
+    def reproducible(self, feeds: Mapping[str, C.OrtValue]) -> bool:
+        """Whether a split run of the same call draws the same random numbers (`TrainingSession._composition_check`):
+        no random ops of onnxruntime's, the Dropouts' masks drawn on the host."""
+        return not self.random_ops and (not isinstance(self.runner, MaskedRunner) or self.runner.drawn_for(feeds))
 
     def run(self, feeds: Mapping[str, C.OrtValue]) -> C.OrtValueVector | list[C.OrtValue]:
         if isinstance(self.runner, Runner):
@@ -297,11 +307,7 @@ class TrainingSession:
                           ) -> tuple[list[C.OrtValue], ForwardState]:
         if self._fusing and not self._paused:
             return self._fused_forward(feeds, as_torch)
-        values = self._fwd.run(feeds, self._fwd_names)
-        env = dict(feeds)
-        env.update(zip(self._fwd_names, values))
-        outs = [env[n] for n in self.output_names]
-        state = ForwardState(env, outs, as_torch)
+        outs, state = self._split_forward(feeds, as_torch)
         if self._fusing is None:
             self._fusing = self._gradient_bytes(feeds) <= fused.MAX_KEPT * self.stash_bytes(state)
         return outs, state
@@ -380,11 +386,20 @@ class TrainingSession:
                 total += onnx.numpy_helper.to_array(inits[w]).nbytes
         return total
 
+    def _split_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
+                       ) -> tuple[list[C.OrtValue], ForwardState]:
+        values = self._fwd.run(feeds, self._fwd_names)
+        env = dict(feeds)
+        env.update(zip(self._fwd_names, values))
+        outs = [env[n] for n in self.output_names]
+        return outs, ForwardState(env, outs, as_torch)
+
     def _fused_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
         if self._unused[0] >= fused.MAX_UNUSED:  # forwards whose backward never comes: split until one does
             self._unused[0], self._paused = 0, 1
             return self.forward_ortvalues(feeds, as_torch)
+        rng = torch.random.get_rng_state() if self._fused is None or not self._fused.checked else None
         try:
             one = self._fused or self._make_fused()
             values = one.run(feeds) if one is not None else None
@@ -397,7 +412,50 @@ class TrainingSession:
             return self.forward_ortvalues(feeds, as_torch)
         k = len(self.output_names)
         outs = [values[i] for i in range(k)]
+        if rng is not None:
+            one.checked = True
+            split = self._composition_check(one, feeds, values, rng, as_torch)
+            if split is not None:
+                return split
         return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt, self._unused))
+
+    def _composition_check(self, one: _Fused, feeds: Mapping[str, C.OrtValue],
+                           values: C.OrtValueVector | list[C.OrtValue], rng: torch.Tensor, as_torch: bool
+                           ) -> tuple[list[C.OrtValue], ForwardState] | None:
+        """The first fused run against the split runs of the same call (the host's Dropout masks drawn again from
+        the same generator state): the joined graph is the composition of the halves, which the first call's checks
+        compared with torch, but onnxruntime optimizes across their boundary. None where they agree; else a
+        warning, split runs from then on, and this call's split forward (its state kept for the backward)."""
+        if not one.reproducible(feeds):
+            return None
+        after = torch.random.get_rng_state()
+        torch.random.set_rng_state(rng)
+        try:
+            outs, state = self._split_forward(feeds, as_torch)
+        finally:
+            torch.random.set_rng_state(after)
+        index = self.differentiable[0]
+        seeds: list[C.OrtValue | None] = [None] * len(self.output_names)
+        seeds[index] = exchange.to_ortvalue(np.ones((), dtype=exchange.to_numpy(outs[index]).dtype))
+        split = self.backward_ortvalues(state, seeds, retain=True, as_torch=True)
+        k = len(outs)
+        ours = exchange.vector_to_torch(values) if not isinstance(values, list) else [
+            exchange.to_torch(v) for v in values]
+        theirs = [exchange.to_torch(v) for v in outs]
+        want = [split.get(w) for w in one.wrt]
+        got = [g for g, w in zip(ours[k:], want) if w is not None]
+        want = [w for w in want if w is not None]
+        largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
+        problem = (checks.mismatch(ours[:k], theirs) or
+                   checks.mismatch(got, want, "gradient", checks.GRADIENT_FLOOR * largest))
+        if problem is None:
+            state.release()
+            return None
+        warnings.warn(f"onnxruntime's run of forward and backward joined differs from the two runs it joins "
+                      f"({problem}), so they run as two from now on; please report it with the module.",
+                      RuntimeWarning, stacklevel=3)
+        self._fusing = False
+        return outs, state
 
     def _make_fused(self) -> _Fused | None:
         program, man = self.full, self.full.manifest
@@ -413,8 +471,11 @@ class TrainingSession:
                                   arrays, list(grads.values()))
         if model is None:
             return None
-        self._fused = _Fused(lowering.fused_runner(model, backward, self.config, self._fwd),
-                             [o.name for o in model.graph.output], list(grads))
+        runner = lowering.fused_runner(model, backward, self.config, self._fwd)
+        masked = len(runner.masks) if isinstance(runner, MaskedRunner) else 0
+        random_ops = (sum(n.op_type == "Dropout" for n in model.graph.node) > masked
+                      or any(n.op_type in RANDOM_OPS for n in model.graph.node))
+        self._fused = _Fused(runner, [o.name for o in model.graph.output], list(grads), random_ops)
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
         return self._fused
