@@ -82,7 +82,7 @@ def fused_model(forward: onnx.ModelProto, backward: onnx.ModelProto, outputs: li
     b_typed = {v.name: v for v in [*b.value_info, *b.output]}
     for g in gradients:
         vi = onnx.ValueInfoProto()
-        vi.CopyFrom(b_typed[g]) if g in b_typed else vi.CopyFrom(helper.make_empty_tensor_value_info(g))
+        vi.CopyFrom(b_typed.get(g) or helper.make_empty_tensor_value_info(g))
         vi.name = rn(g)
         outs.append(vi)
     value_info = list(f.value_info)
@@ -97,7 +97,7 @@ def fused_model(forward: onnx.ModelProto, backward: onnx.ModelProto, outputs: li
         opsets[op.domain] = max(opsets.get(op.domain, 0), op.version)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
                               ir_version=max(forward.ir_version, backward.ir_version))
-    seen = set()
+    seen: set[tuple[str, str]] = set()
     for fn in [*forward.functions, *backward.functions]:
         if (fn.domain, fn.name) not in seen:
             seen.add((fn.domain, fn.name))
