@@ -9,7 +9,7 @@ read back, the backward reading what the forward left in the cache, and no backw
 The fused graph is the composition of the two halves as they run split (each lowered as before): the backward's
 host-gradient input becomes a constant 1, its constant feeds initializers, and it reads the forward's values by
 name. `TrainingSession` takes this path only where the gradients it keeps are no larger than the stash the split
-forward keeps (a CNN: 0.18 MB of gradients against 0.58 MB of stash; not an MLP, whose weights outweigh its
+forward keeps (a LeNet: 0.25 MB of gradients against 0.58 MB of stash; not an MLP, whose weights outweigh its
 activations, nor GPT-2), so it never holds more between forward and backward than the split would; it pauses while
 forwards keep ending without a backward (`MAX_UNUSED`). Its first fused run is compared with the split runs of the
 same call (`TrainingSession._composition_check`): onnxruntime optimizes across the halves' boundary.
