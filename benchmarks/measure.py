@@ -178,7 +178,7 @@ def measure(case: Case, threads: int = 2, reps: int | None = None, seed: int = 0
     interleave(steps + forwards, WARMUP)
     step_times = interleave(steps, reps)
     # what the steps kept, before forwards alone (a fused session pauses after forwards without backward)
-    fused = any(s._fusing and not s._paused for s in ort_model.training_sessions())
+    fused = any(s.runs_fused for s in ort_model.training_sessions())
     stash = ort_stash_bytes(ort_model, args)
     fwd_times = interleave(forwards, reps)
     timings = [Timing(statistics.median(s), statistics.median(f), _quantiles(s), reps)
@@ -250,7 +250,7 @@ def bare_overhead(case: Case, threads: int = 2, reps: int | None = None) -> dict
     session = model.training_sessions()[0]
     loss = model(*args)
     feeds = dict(loss.grad_fn.call.feeds)
-    if session._fused is not None and session._fusing and not session._paused:  # one run does both (fused.py)
+    if session.runs_fused and session._fused is not None:  # one run does both (runtime/fused.py)
         fused = session._fused
 
         def bare() -> float:

@@ -264,6 +264,12 @@ class TrainingSession:
         return list(self.full.gradients)
 
     @property
+    def runs_fused(self) -> bool:
+        """Whether the next training forward runs the backward too (`fused`: decided at the first call, paused while
+        forwards end without a backward)."""
+        return bool(self._fusing) and not self._paused
+
+    @property
     def backwards(self) -> dict[tuple[str, ...], tuple[Program, bool]]:
         """Backward programs built so far, keyed by the outputs that received gradients, with whether each is
         specialised to them (False: the full backward fed zeros). For inspection and tests."""

@@ -133,7 +133,7 @@ def test_only_where_gradients_are_no_larger_than_the_stash() -> None:
     split = cnn(*_batch(0))[0]
     kept = cnn(*_batch(1))[0]
     session = split.grad_fn.call.session
-    assert session._fusing and kept.grad_fn.state.gradients is not None
+    assert session.runs_fused and kept.grad_fn.state.gradients is not None
     assert 0 < session.stash_bytes(kept.grad_fn.state) <= session.stash_bytes(split.grad_fn.state)
 
     class Wide(nn.Module):
@@ -152,7 +152,7 @@ def test_only_where_gradients_are_no_larger_than_the_stash() -> None:
             out = om(x)
             torch.autograd.backward(out, [torch.ones_like(t) for t in out] if isinstance(out, tuple)
                                     else torch.ones_like(out))
-        assert not om.training_sessions()[0]._fusing, outputs
+        assert not om.training_sessions()[0].runs_fused, outputs
 
 
 def test_training_session_fuses_for_numpy_callers(tmp_path) -> None:
