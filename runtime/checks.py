@@ -56,6 +56,13 @@ GRADIENT_FLOOR = 1e-3
 gradients zero by the math are rounding noise of the others, up to 3e-5 of the largest here (a bias before
 cdist's product form, |a|^2 + |b|^2 - 2ab cancelling)."""
 
+def gradients_mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str | None:
+    """`mismatch` for gradients: gradients zero by the math (a bias before a normalization) are rounding noise of
+    the others, so the absolute tolerance is `GRADIENT_FLOOR` of the largest gradient of all."""
+    largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
+    return mismatch(got, want, "gradient", GRADIENT_FLOOR * largest)
+
+
 GradientCheck = Callable[[Sequence[torch.Tensor | None], list[torch.Tensor | None]], list[torch.Tensor | None]]
 """(incoming output gradients, onnxruntime's gradients) -> the gradients to hand to torch."""
 
@@ -101,11 +108,7 @@ def gradient_check(reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor
         zeros = [torch.zeros_like(t) for t in wrt]
         want = [t if t is not None else z for t, z in zip(theirs, zeros)]
         with torch.no_grad():
-            # gradients zero by the math (a bias before a normalization) are rounding noise: measured against the
-            # largest gradient of all
-            largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
-            problem = mismatch([o if o is not None else z for o, z in zip(ours, zeros)], want, "gradient",
-                               GRADIENT_FLOOR * largest)
+            problem = gradients_mismatch([o if o is not None else z for o, z in zip(ours, zeros)], want)
         if problem is None:
             return ours
         refuse(ExportError(f"onnxruntime's gradients of the call that exported the module differ from torch's: "

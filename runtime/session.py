@@ -89,8 +89,7 @@ class _Gradients:
         one = scale == 1
         grads: list[Any]
         if as_torch:
-            grads = ([exchange.to_torch(v) for v in vals[k:]] if isinstance(vals, list)
-                     else exchange.vector_to_torch(vals)[k:])
+            grads = exchange.vector_to_torch(vals)[k:]
             if not one:
                 factor = exchange.to_torch(g).reshape(())
                 grads = [t * factor for t in grads]
@@ -150,6 +149,13 @@ class _Fused:
         if isinstance(self.runner, Runner):
             return self.runner.run_vector(feeds, self.names)
         return self.runner.run(feeds, self.names)
+
+
+def _backward_constants(program: Program) -> dict[str, np.ndarray]:
+    """The values of the forward's initializers that the backward reads (fed to it as constants)."""
+    inits = {t.name: t for t in program.forward.graph.initializer}
+    return {e.name: onnx.numpy_helper.to_array(inits[e.name])
+            for e in program.manifest.backward_inputs if e.role == "initializer" and e.name in inits}
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -445,15 +451,11 @@ class TrainingSession:
         seeds[index] = exchange.to_ortvalue(np.ones((), dtype=exchange.to_numpy(outs[index]).dtype))
         split = self.backward_ortvalues(state, seeds, retain=True, as_torch=True)
         k = len(outs)
-        ours = exchange.vector_to_torch(values) if not isinstance(values, list) else [
-            exchange.to_torch(v) for v in values]
-        theirs = [exchange.to_torch(v) for v in outs]
+        ours = exchange.vector_to_torch(values)
         want = [split.get(w) for w in one.wrt]
         got = [g for g, w in zip(ours[k:], want) if w is not None]
-        want = [w for w in want if w is not None]
-        largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
-        problem = (checks.mismatch(ours[:k], theirs) or
-                   checks.mismatch(got, want, "gradient", checks.GRADIENT_FLOOR * largest))
+        problem = (checks.mismatch(ours[:k], [exchange.to_torch(v) for v in outs])
+                   or checks.gradients_mismatch(got, [w for w in want if w is not None]))
         if problem is None:
             state.release()
             return None
@@ -469,9 +471,7 @@ class TrainingSession:
         if not grads:
             return None
         seed = next(e.name for e in man.backward_inputs if e.role == "output_grad")
-        inits = {t.name: t for t in program.forward.graph.initializer}
-        arrays = {e.name: onnx.numpy_helper.to_array(inits[e.name])
-                  for e in man.backward_inputs if e.role == "initializer" and e.name in inits}
+        arrays = _backward_constants(program)
         backward = lowering.backward(program.backward, arrays, self.config, self.rows)
         model = fused.fused_model(lowering.forward(program.forward, self.config), backward, self.output_names, seed,
                                   arrays, list(grads.values()))
@@ -525,9 +525,7 @@ class TrainingSession:
         return self._backward(program, program.gradients, specialised=specialised)
 
     def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool) -> _Backward:
-        inits = {t.name: t for t in program.forward.graph.initializer}
-        arrays = {e.name: onnx.numpy_helper.to_array(inits[e.name])
-                  for e in program.manifest.backward_inputs if e.role == "initializer" and e.name in inits}
+        arrays = _backward_constants(program)
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner = None
         if grads and program.manifest.backward_outputs:
