@@ -15,6 +15,13 @@ an interleaved benchmark but not in training loops: torch's next parallel op mak
 the process slept in between, queued behind its spinning parent for up to 16 ms (Adam loops with 2-3 ms pauses
 ran 1.4-3x slower). Nothing runs inside the region but onnxruntime, which does not use OpenMP.
 
+Letting the workers go costs a wake-up and a join (`GOMP_parallel_end` waits for them): 20-40 µs when a core is
+free, a scheduler slice (3-8 ms here) when the machine has more runnable threads than cores, the woken worker
+then queueing for a core behind another process (an MLP step interleaved with torch's, with one busy process
+beside: 4.3-5.3 ms parked against 0.8-0.9 left alone; torch's 0.8-1.2). There the spinning workers are no
+worse than what else runs on the cores, so after a slow release runs go unparked for a while (`_Backoff`), the
+while doubling with each slow release in a row.
+
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
 `ORTModule(..., park_torch_threads=False)`, leaves the workers alone.
@@ -27,6 +34,7 @@ import functools
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -169,8 +177,38 @@ def _probe() -> set[int]:
     return seen
 
 
+SLOW_RELEASE = 1e-3
+"""Seconds letting the workers go may take before parking is backed off from (20-40 µs with a core free)."""
+BACKOFF = (8, 1024)
+"""Runs left unparked after a first slow release, and at most after slow releases in a row."""
+
+
+class _Backoff:
+    """Runs that go unparked after slow releases: `span` doubles with each slow release in a row, from
+    `BACKOFF[0]` up to `BACKOFF[1]` (a slow release costs about as much as thousands of runs' parking saves when
+    the machine stays busy), and goes back to nothing after a quick one."""
+
+    def __init__(self) -> None:
+        self.left = 0
+        self.span = 0
+
+    def skip(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+    def released(self, seconds: float) -> None:
+        if seconds <= SLOW_RELEASE:
+            self.span = 0
+            return
+        low, high = BACKOFF
+        self.span = min(self.span * 2, high) if self.span else low
+        self.left = self.span
+
+
 _local = threading.local()
-"""Per thread: `workers`, the `_Workers` of its pools."""
+"""Per thread: `workers`, the `_Workers` of its pools; `backoff`, its `_Backoff`."""
 _PID = os.getpid()
 """The process this module was imported in. A forked child has the parent's OpenMP pools without their threads
 (a parallel region there can hang, which is why torch's DataLoader workers run on one thread): nothing is
@@ -192,6 +230,18 @@ def contended() -> bool:
     return workers.spinning(sizes)
 
 
+def _backoff() -> _Backoff:
+    backoff = getattr(_local, "backoff", None)
+    if backoff is None:
+        backoff = _local.backoff = _Backoff()
+    return backoff
+
+
+def worth_parking() -> bool:
+    """Whether a run should be parked now: a worker spins, and releases have not been slow lately."""
+    return not _backoff().skip() and contended()
+
+
 @contextmanager
 def parked() -> Iterator[None]:
     """Run the body with the workers of the calling thread's OpenMP pools asleep on a semaphore."""
@@ -211,7 +261,10 @@ def parked() -> Iterator[None]:
             entered.append((r, sem, workers))
         yield
     finally:
+        start = time.perf_counter()
         for r, sem, workers in reversed(entered):
             for _ in range(workers):
                 libc.post(sem)
             r.end()
+        if entered:
+            _backoff().released(time.perf_counter() - start)

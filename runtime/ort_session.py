@@ -137,7 +137,7 @@ class Runner:
         """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
         names = self.output_names if outputs is None else outputs
         feeds = feeds if isinstance(feeds, dict) else dict(feeds)
-        park = self._park and openmp.contended()
+        park = self._park and openmp.worth_parking()
         try:
             if park:
                 with openmp.parked():

@@ -119,9 +119,12 @@ def _runner(config: SessionConfig) -> Runner:
 
 @pytest.fixture
 def entries(monkeypatch) -> list[int]:
-    """One entry per `openmp.parked` region entered while the test runs."""
+    """One entry per `openmp.parked` region entered while the test runs (no back-off from releases the loaded
+    machine made slow)."""
     entered: list[int] = []
     parked = openmp.parked
+    monkeypatch.setattr(openmp, "SLOW_RELEASE", float("inf"))
+    monkeypatch.setattr(openmp._local, "backoff", openmp._Backoff())
 
     def counting():
         entered.append(1)
@@ -149,6 +152,33 @@ def test_runs_are_parked_only_when_torch_spins(two_threads, entries) -> None:
     assert _wait_until(lambda: not openmp.contended())
     runner.run(feeds)
     assert len(entries) == 3
+
+
+def test_slow_releases_back_parking_off(two_threads, entries, monkeypatch) -> None:
+    """Where letting the workers go is slow (no core free for them), runs go unparked for a while, longer after
+    each slow release in a row, and parked again after a quick one."""
+    from onnxruntime.capi import _pybind_state as C
+
+    monkeypatch.setattr(openmp, "BACKOFF", (2, 5))
+    runner = _runner(SessionConfig(threads=2))
+    x = np.ones((256, 256), np.float32)
+    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+
+    def parked_runs(slow: float, runs: int) -> list[bool]:
+        monkeypatch.setattr(openmp, "SLOW_RELEASE", slow)
+        seen = []
+        for _ in range(runs):
+            before = len(entries)
+            _spinners()
+            runner.run(feeds)
+            seen.append(len(entries) > before)
+        return seen
+
+    # every release slow: parked, 2 left alone, parked, 4 alone, parked, 5 alone (the cap), parked
+    assert parked_runs(-1.0, 14) == [True, False, False, True, *[False] * 4, True, *[False] * 5]
+    # a quick release ends the back-off: the next slow one starts again from 2
+    assert parked_runs(float("inf"), 2) == [True, True]
+    assert parked_runs(-1.0, 4) == [True, False, False, True]
 
 
 def test_a_forked_child_parks_nothing(two_threads) -> None:
