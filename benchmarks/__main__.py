@@ -114,7 +114,15 @@ _RUN_KEYS = {"overhead": ("overhead",), "builder": ("builder",), "passive": ("pa
 
 def keep_unmeasured(results: dict[str, Any], earlier: dict[str, Any], parts: set[str]) -> None:
     """Carry the parts this run did not measure over from the saved results (a partial re-run keeps the slow
-    cold-start and RSS measurements), and record when each part was measured."""
+    cold-start and RSS measurements), and the models it did not run (each model records when it was measured),
+    and record when each part was measured."""
+    fresh = results["models"]
+    for entry in fresh.values():
+        entry["measured"] = results["started"]
+    kept = {name: {"measured": earlier.get("started", "?"), **old}
+            for name, old in earlier.get("models", {}).items() if name not in fresh}
+    order = [*earlier.get("models", {}), *[name for name in fresh if name not in earlier.get("models", {})]]
+    results["models"] = {name: fresh[name] if name in fresh else kept[name] for name in order}
     when = dict(earlier.get("measured", {}))
     for part in PARTS:
         if part in parts:
