@@ -18,9 +18,9 @@ ran 1.4-3x slower). Nothing runs inside the region but onnxruntime, which does n
 Letting the workers go costs a wake-up and a join (`GOMP_parallel_end` waits for them): 20-40 µs when a core is
 free, a scheduler slice (3-8 ms here) when the machine has more runnable threads than cores, the woken worker
 then queueing for a core behind another process (an MLP step interleaved with torch's, with one busy process
-beside: 4.3-5.3 ms parked against 0.8-0.9 left alone; torch's 0.8-1.2). There the spinning workers are no
+beside: 4.3-20 ms a step parked against 0.7-0.96 backed off; torch's 0.7-1.2). There the spinning workers are no
 worse than what else runs on the cores, so after a slow release runs go unparked for a while (`_Backoff`), the
-while doubling with each slow release in a row.
+while doubling with each slow release in a row; on a quiet machine nothing changes (releases stay quick).
 
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
