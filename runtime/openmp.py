@@ -18,9 +18,9 @@ ran 1.4-3x slower). Nothing runs inside the region but onnxruntime, which does n
 Letting the workers go costs a wake-up and a join (`GOMP_parallel_end` waits for them): 20-40 µs when a core is
 free, a scheduler slice (3-8 ms here) when the machine has more runnable threads than cores, the woken worker
 then queueing for a core behind another process (an MLP step interleaved with torch's, with one busy process
-beside: 4.3-20 ms a step parked against 0.7-0.96 backed off; torch's 0.7-1.2). There the spinning workers are no
-worse than what else runs on the cores, so after a slow release runs go unparked for a while (`_Backoff`), the
-while doubling with each slow release in a row; on a quiet machine nothing changes (releases stay quick).
+beside: 4.3-20 ms a step parked against 0.7-0.96 not; torch's 0.7-1.2). With a process busy half the time
+beside, parking paid on a LeNet and lost on an MLP. So each session learns from its own runs' times whether
+parking pays (`Parking`): it parks, and now and then runs unparked, and keeps to whichever measured faster.
 
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
@@ -34,7 +34,6 @@ import functools
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -177,38 +176,60 @@ def _probe() -> set[int]:
     return seen
 
 
-SLOW_RELEASE = 1e-3
-"""Seconds letting the workers go may take before parking is backed off from (20-40 µs with a core free)."""
-BACKOFF = (8, 1024)
-"""Runs left unparked after a first slow release, and at most after slow releases in a row."""
+EXPLORE = (4, 256)
+"""Contended runs between two tries of the option measured slower: at first, and at most (the gap doubles while
+the tries confirm it)."""
+SMOOTHING = 0.25
+"""Weight of a new run time in an option's moving average."""
+WARMUP = 2
+"""A session's first contended runs, not measured (its first runs allocate)."""
 
 
-class _Backoff:
-    """Runs that go unparked after slow releases: `span` doubles with each slow release in a row, from
-    `BACKOFF[0]` up to `BACKOFF[1]` (a slow release costs about as much as thousands of runs' parking saves when
-    the machine stays busy), and goes back to nothing after a quick one."""
+class Parking:
+    """Whether one session parks torch's spinning workers for its runs, learnt from the wall times of its contended
+    runs (parking included): a moving average for each option; runs take the faster, and the slower one is tried
+    again after `EXPLORE[0]` runs (its time then replacing its average), the gap doubling each time it stays
+    slower, back to `EXPLORE[0]` when the choice turns. Parked first: the default, and what a quiet machine
+    prefers."""
+
+    __slots__ = ("gap", "left", "mean", "trying", "warmup")
 
     def __init__(self) -> None:
-        self.left = 0
-        self.span = 0
+        self.mean = [0.0, 0.0]
+        """Moving averages of unparked and parked runs, in seconds (0: not measured yet)."""
+        self.gap = self.left = EXPLORE[0]
+        self.trying = False
+        self.warmup = WARMUP
 
-    def skip(self) -> bool:
-        if self.left <= 0:
+    def choose(self) -> bool:
+        """Whether to park this contended run."""
+        unparked, parked = self.mean
+        if self.warmup > 0 or not parked:
+            return True
+        if not unparked:
             return False
+        best = parked <= unparked
         self.left -= 1
-        return True
+        self.trying = self.left <= 0
+        return best != self.trying
 
-    def released(self, seconds: float) -> None:
-        if seconds <= SLOW_RELEASE:
-            self.span = 0
+    def record(self, parked: bool, seconds: float) -> None:
+        if self.warmup > 0:
+            self.warmup -= 1
             return
-        low, high = BACKOFF
-        self.span = min(self.span * 2, high) if self.span else low
-        self.left = self.span
+        m = self.mean[parked]
+        # a try's time replaces its option's average, as old as the last try
+        self.mean[parked] = m + SMOOTHING * (seconds - m) if m and not self.trying else seconds
+        if self.trying:
+            unparked, parked_mean = self.mean
+            still_slower = (parked_mean > unparked) == parked
+            self.gap = min(self.gap * 2, EXPLORE[1]) if still_slower else EXPLORE[0]
+            self.left = self.gap
+            self.trying = False
 
 
 _local = threading.local()
-"""Per thread: `workers`, the `_Workers` of its pools; `backoff`, its `_Backoff`."""
+"""Per thread: `workers`, the `_Workers` of its pools."""
 _PID = os.getpid()
 """The process this module was imported in. A forked child has the parent's OpenMP pools without their threads
 (a parallel region there can hang, which is why torch's DataLoader workers run on one thread): nothing is
@@ -230,18 +251,6 @@ def contended() -> bool:
     return workers.spinning(sizes)
 
 
-def _backoff() -> _Backoff:
-    backoff = getattr(_local, "backoff", None)
-    if backoff is None:
-        backoff = _local.backoff = _Backoff()
-    return backoff
-
-
-def worth_parking() -> bool:
-    """Whether a run should be parked now: a worker spins, and releases have not been slow lately."""
-    return not _backoff().skip() and contended()
-
-
 @contextmanager
 def parked() -> Iterator[None]:
     """Run the body with the workers of the calling thread's OpenMP pools asleep on a semaphore."""
@@ -261,10 +270,7 @@ def parked() -> Iterator[None]:
             entered.append((r, sem, workers))
         yield
     finally:
-        start = time.perf_counter()
         for r, sem, workers in reversed(entered):
             for _ in range(workers):
                 libc.post(sem)
             r.end()
-        if entered:
-            _backoff().released(time.perf_counter() - start)

@@ -119,12 +119,11 @@ def _runner(config: SessionConfig) -> Runner:
 
 @pytest.fixture
 def entries(monkeypatch) -> list[int]:
-    """One entry per `openmp.parked` region entered while the test runs (no back-off from releases the loaded
-    machine made slow)."""
+    """One entry per `openmp.parked` region entered while the test runs (every contended run parked, whatever
+    the loaded machine makes of their times)."""
     entered: list[int] = []
     parked = openmp.parked
-    monkeypatch.setattr(openmp, "SLOW_RELEASE", float("inf"))
-    monkeypatch.setattr(openmp._local, "backoff", openmp._Backoff())
+    monkeypatch.setattr(openmp.Parking, "choose", lambda self: True)
 
     def counting():
         entered.append(1)
@@ -145,7 +144,7 @@ def test_runs_are_parked_only_when_torch_spins(two_threads, entries) -> None:
         _spinners()
         y = runner.run(feeds)[0].numpy()
         np.testing.assert_allclose(y, x @ x, rtol=1e-4, atol=1e-3)
-    assert len(entries) == 3
+    assert len(entries) == 3 and runner._parking.mean[True] > 0  # their times measured (after a warm-up)
     _spinners()
     single.run(feeds)  # one thread: nothing to make room for
     assert len(entries) == 3
@@ -154,31 +153,36 @@ def test_runs_are_parked_only_when_torch_spins(two_threads, entries) -> None:
     assert len(entries) == 3
 
 
-def test_slow_releases_back_parking_off(two_threads, entries, monkeypatch) -> None:
-    """Where letting the workers go is slow (no core free for them), runs go unparked for a while, longer after
-    each slow release in a row, and parked again after a quick one."""
-    from onnxruntime.capi import _pybind_state as C
+def _choices(parking: openmp.Parking, seconds, runs: int) -> list[bool]:
+    """The choices of `runs` contended runs taking `seconds(parked)` each."""
+    made = []
+    for _ in range(runs):
+        park = parking.choose()
+        parking.record(park, seconds(park))
+        made.append(park)
+    return made
 
-    monkeypatch.setattr(openmp, "BACKOFF", (2, 5))
-    runner = _runner(SessionConfig(threads=2))
-    x = np.ones((256, 256), np.float32)
-    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
 
-    def parked_runs(slow: float, runs: int) -> list[bool]:
-        monkeypatch.setattr(openmp, "SLOW_RELEASE", slow)
-        seen = []
-        for _ in range(runs):
-            before = len(entries)
-            _spinners()
-            runner.run(feeds)
-            seen.append(len(entries) > before)
-        return seen
-
-    # every release slow: parked, 2 left alone, parked, 4 alone, parked, 5 alone (the cap), parked
-    assert parked_runs(-1.0, 14) == [True, False, False, True, *[False] * 4, True, *[False] * 5]
-    # a quick release ends the back-off: the next slow one starts again from 2
-    assert parked_runs(float("inf"), 2) == [True, True]
-    assert parked_runs(-1.0, 4) == [True, False, False, True]
+def test_parking_is_kept_where_it_pays_and_dropped_where_it_does_not(monkeypatch) -> None:
+    """Each session parks, tries its runs unparked now and then, and keeps to whichever measured faster: tries of
+    the slower option get rarer while it stays slower, and the choice turns when the machine does."""
+    monkeypatch.setattr(openmp, "EXPLORE", (2, 8))
+    monkeypatch.setattr(openmp, "WARMUP", 1)
+    parking = openmp.Parking()
+    # releases slow (a busy machine): 1 warm-up, parked, unparked, then unparked with tries of parking
+    # after 2, 4, 8, 8 runs
+    made = _choices(parking, lambda park: 5e-3 if park else 1e-3, 28)
+    assert made == [True, True, False, False, True, *[False] * 3, True, *[False] * 7, True, *[False] * 7, True,
+                    *[False] * 3]
+    # the machine quietens: parked runs now faster; the next try shows it and the choice turns
+    made = _choices(parking, lambda park: 0.5e-3 if park else 1e-3, 40)
+    turned = made.index(True)
+    assert turned < 8 and made[turned:turned + 2] == [True, True]  # then a try of the other, 2 runs on
+    assert made[turned:].count(False) <= 6 and parking.gap == openmp.EXPLORE[1]  # unparked tries, rarer each time
+    # where parking pays from the start, runs are parked but for rarer and rarer tries
+    parking = openmp.Parking()
+    made = _choices(parking, lambda park: 1e-3 if park else 2e-3, 40)
+    assert made.count(False) <= 6 and made[-8:].count(False) <= 1
 
 
 def test_a_forked_child_parks_nothing(two_threads) -> None:
