@@ -15,12 +15,15 @@ an interleaved benchmark but not in training loops: torch's next parallel op mak
 the process slept in between, queued behind its spinning parent for up to 16 ms (Adam loops with 2-3 ms pauses
 ran 1.4-3x slower). Nothing runs inside the region but onnxruntime, which does not use OpenMP.
 
-Letting the workers go costs a wake-up and a join (`GOMP_parallel_end` waits for them): 20-40 µs when a core is
-free, a scheduler slice (3-8 ms here) when the machine has more runnable threads than cores, the woken worker
-then queueing for a core behind another process (an MLP step interleaved with torch's, with one busy process
-beside: 4.3-20 ms a step parked against 0.7-0.96 not; torch's 0.7-1.2). With a process busy half the time
-beside, parking paid on a LeNet and lost on an MLP. So each session learns from its own runs' times whether
-parking pays (`Parking`): it parks, and now and then runs unparked, and keeps to whichever measured faster.
+Only on a machine with a core to spare: letting the workers go costs a wake-up and a join (`GOMP_parallel_end`
+waits for them), 20-40 µs when a core is free, a scheduler slice (3-8 ms here) when another process runs, the
+woken worker then queueing for a core; and with a busy process beside, parked runs were slower even when their
+release was quick. So a run is parked only when the threads running on the machine besides ours (the count
+`/proc/loadavg` gives now, less the calling thread and the spinning workers) fit in the cores the run leaves
+free (`worth_parking`); otherwise the spinning workers are no worse than what else runs there. Steps against
+torch's with one busy process beside (`benchmarks.ab`): MLP 0.93 unparked against 1.98 parked, LeNet 1.09 against
+1.34; with a process busy half the time, parking paid on the MLP (0.69 against 0.89 unparked) and was level on
+LeNets; on a quiet machine LeNet 0.96 parked against 1.05.
 
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
@@ -44,6 +47,7 @@ _RUNTIME = re.compile(r"/lib(g|i|)omp[^/]*\.so[^/]*$")
 """libgomp (GNU, torch's Linux wheels; vendored copies carry a hash, `libgomp-a34b3233.so.1`), libiomp5
 (Intel) and libomp (LLVM), which both implement libgomp's entry points too."""
 _TASKS = "/proc/self/task"
+_LOADAVG = "/proc/loadavg"
 SEM_T_BYTES = 64
 """Room for a `sem_t` (32 bytes on 64-bit glibc)."""
 
@@ -140,20 +144,20 @@ class _Workers:
 
     __del__ = _close
 
-    def spinning(self, sizes: tuple[int, ...]) -> bool:
-        """Whether one of the workers (`sizes`: each runtime's team size now) is running or runnable: spinning,
+    def spinning(self, sizes: tuple[int, ...]) -> int:
+        """How many of the workers (`sizes`: each runtime's team size now) are running or runnable: spinning,
         since their thread is not in a parallel region."""
         if sizes != self.sizes:
             self._learn(sizes)
+        n = 0
         for fd in self.kept.values():
             try:
                 stat = os.pread(fd, 64, 0)  # "tid (comm) S ...": comm is at most 15 bytes
             except OSError:  # gone: learnt again at the next check
                 self.sizes = ()
                 continue
-            if on_core(stat):
-                return True
-        return False
+            n += on_core(stat)
+        return n
 
 
 def on_core(stat: bytes) -> bool:
@@ -176,58 +180,6 @@ def _probe() -> set[int]:
     return seen
 
 
-EXPLORE = (4, 256)
-"""Contended runs between two tries of the option measured slower: at first, and at most (the gap doubles while
-the tries confirm it)."""
-SMOOTHING = 0.25
-"""Weight of a new run time in an option's moving average."""
-WARMUP = 2
-"""A session's first contended runs, not measured (its first runs allocate)."""
-
-
-class Parking:
-    """Whether one session parks torch's spinning workers for its runs, learnt from the wall times of its contended
-    runs (parking included): a moving average for each option; runs take the faster, and the slower one is tried
-    again after `EXPLORE[0]` runs (its time then replacing its average), the gap doubling each time it stays
-    slower, back to `EXPLORE[0]` when the choice turns. Parked first: the default, and what a quiet machine
-    prefers."""
-
-    __slots__ = ("gap", "left", "mean", "trying", "warmup")
-
-    def __init__(self) -> None:
-        self.mean = [0.0, 0.0]
-        """Moving averages of unparked and parked runs, in seconds (0: not measured yet)."""
-        self.gap = self.left = EXPLORE[0]
-        self.trying = False
-        self.warmup = WARMUP
-
-    def choose(self) -> bool:
-        """Whether to park this contended run."""
-        unparked, parked = self.mean
-        if self.warmup > 0 or not parked:
-            return True
-        if not unparked:
-            return False
-        best = parked <= unparked
-        self.left -= 1
-        self.trying = self.left <= 0
-        return best != self.trying
-
-    def record(self, parked: bool, seconds: float) -> None:
-        if self.warmup > 0:
-            self.warmup -= 1
-            return
-        m = self.mean[parked]
-        # a try's time replaces its option's average, as old as the last try
-        self.mean[parked] = m + SMOOTHING * (seconds - m) if m and not self.trying else seconds
-        if self.trying:
-            unparked, parked_mean = self.mean
-            still_slower = (parked_mean > unparked) == parked
-            self.gap = min(self.gap * 2, EXPLORE[1]) if still_slower else EXPLORE[0]
-            self.left = self.gap
-            self.trying = False
-
-
 _local = threading.local()
 """Per thread: `workers`, the `_Workers` of its pools."""
 _PID = os.getpid()
@@ -236,19 +188,49 @@ _PID = os.getpid()
 parked in one."""
 
 
-def contended() -> bool:
-    """Whether a worker of this thread's OpenMP pool is spinning now (a torch op ran in parallel within the last
-    ~10 ms)."""
+def contended() -> int:
+    """How many workers of this thread's OpenMP pools are spinning now (a torch op ran in parallel within the last
+    ~10 ms): 0 when none."""
     runtimes = _runtimes()
     if not runtimes or os.getpid() != _PID:
-        return False
+        return 0
     sizes = tuple([r.threads() for r in runtimes])
     if max(sizes) <= 1:
-        return False
+        return 0
     workers = getattr(_local, "workers", None)
     if workers is None:
         workers = _local.workers = _Workers()
     return workers.spinning(sizes)
+
+
+def _running_elsewhere(ours: int) -> int | None:
+    """Threads running or runnable on the machine now besides `ours` (None where /proc/loadavg cannot say)."""
+    fd = getattr(_local, "loadavg", None)
+    try:
+        if fd is None:
+            fd = _local.loadavg = os.open(_LOADAVG, os.O_RDONLY)
+        running = int(os.pread(fd, 128, 0).split()[3].split(b"/")[0])  # "0.48 0.29 0.66 2/345 12345"
+    except (OSError, IndexError, ValueError):
+        return None
+    return running - ours
+
+
+def worth_parking(threads: int) -> bool:
+    """Whether a run on `threads` intra-op threads should park torch's workers: one spins, and whatever else
+    runs fits in the cores the run leaves free (else a release waits for a core, and parked runs were slower)."""
+    spinning = contended()
+    if not spinning:
+        return False
+    elsewhere = _running_elsewhere(1 + spinning)
+    return elsewhere is None or elsewhere <= _cores() - threads
+
+
+@functools.cache
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @contextmanager

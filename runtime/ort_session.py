@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import onnx
@@ -128,7 +126,7 @@ class Runner:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._park = config.park_openmp and config.parallel
-        self._parking = openmp.Parking()
+        self._threads = config.threads or os.cpu_count() or 1
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
         """Run on C-level OrtValues; returns OrtValues in `outputs` order (default: all outputs)."""
@@ -140,15 +138,12 @@ class Runner:
         """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
         names = self.output_names if outputs is None else outputs
         feeds = feeds if isinstance(feeds, dict) else dict(feeds)
+        park = self._park and openmp.worth_parking(self._threads)
         try:
-            if not (self._park and openmp.contended()):
-                return self._c.run_with_ort_values(feeds, names, self._run_options)
-            park = self._parking.choose()
-            start = time.perf_counter()
-            with openmp.parked() if park else nullcontext():
-                out = self._c.run_with_ort_values(feeds, names, self._run_options)
-            self._parking.record(park, time.perf_counter() - start)
-            return out
+            if park:
+                with openmp.parked():
+                    return self._c.run_with_ort_values(feeds, names, self._run_options)
+            return self._c.run_with_ort_values(feeds, names, self._run_options)
         except Exception as e:
             missing = [n for n in self.input_names if n not in feeds]
             hint = f" (missing inputs: {missing})" if missing else ""
