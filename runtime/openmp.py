@@ -21,9 +21,10 @@ woken worker then queueing for a core; and with a busy process beside, parked ru
 release was quick. So a run is parked only when the threads running on the machine besides ours (the count
 `/proc/loadavg` gives now, less the calling thread and the spinning workers) fit in the cores the run leaves
 free (`worth_parking`); otherwise the spinning workers are no worse than what else runs there. Steps against
-torch's with one busy process beside (`benchmarks.ab`): MLP 0.93 unparked against 1.98 parked, LeNet 1.09 against
-1.34; with a process busy half the time, parking paid on the MLP (0.69 against 0.89 unparked) and was level on
-LeNets; on a quiet machine LeNet 0.96 parked against 1.05.
+torch's (`benchmarks.ab`): with one busy process beside, MLP 0.70 this way against 1.35 always parked and 0.93
+never, LeNet 1.00 against 1.37 and 1.09; with a process busy half the time and on a quiet machine level with
+always parking (0.93-1.06), where never parking lost (MLP 0.89 against 0.69 half-busy, LeNet 1.05 against 0.96
+quiet).
 
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
