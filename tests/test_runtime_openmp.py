@@ -177,11 +177,11 @@ def test_threads_running_elsewhere_are_counted(tmp_path, monkeypatch) -> None:
     fake = tmp_path / "loadavg"
     fake.write_text("0.48 0.29 0.66 5/345 12345\n")
     monkeypatch.setattr(openmp, "_LOADAVG", str(fake))
-    monkeypatch.setattr(openmp._local, "loadavg", None, raising=False)
     assert openmp._running_elsewhere(2) == 3
-    fake.write_text("garbage\n")
-    monkeypatch.setattr(openmp._local, "loadavg", None)
+    fake.write_text("garbage\n")  # read again at each call, through the kept descriptor
     assert openmp._running_elsewhere(2) is None  # then runs park as before
+    monkeypatch.setattr(openmp, "_LOADAVG", str(tmp_path / "none"))
+    assert openmp._running_elsewhere(2) is None
 
 
 def test_a_forked_child_parks_nothing(two_threads) -> None:
