@@ -130,7 +130,8 @@ alternating: two modules in one process disturb each other's timings).
   (`OMP_WAIT_POLICY={results.get('omp_wait_policy') or 'unset'}`) keeps its idle threads spinning for a while
   after each parallel region (~10 ms of a core here), which makes torch faster and would slow whatever runs next
   on the same cores (here ORTModule's step, right after torch's): ORTModule parks those workers while its runs
-  last (`runtime/openmp.py`); onnxruntime's threads spin while a run lasts and stop at its end
+  last, when nothing else runs on the machine (`runtime/openmp.py`: with another process running, letting them
+  go waits for a core); onnxruntime's threads spin while a run lasts and stop at its end
   (`session.force_spinning_stop`). The second table repeats the step times with torch's threads passive (torch
   then pays a wake-up per parallel op), for comparison. `threads` is the most ORTModule uses: a model whose
   forward work is small for its batch (below `runtime.workload.SMALL`, the tiny MLP) runs on one, as torch
