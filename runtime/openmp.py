@@ -145,9 +145,9 @@ class _Workers:
 
     __del__ = _close
 
-    def spinning(self, sizes: tuple[int, ...]) -> int:
-        """How many of the workers (`sizes`: each runtime's team size now) are running or runnable: spinning,
-        since their thread is not in a parallel region."""
+    def spinning(self, sizes: tuple[int, ...], enough: int = 1) -> int:
+        """How many of the workers (`sizes`: each runtime's team size now) are running or runnable, counted up to
+        `enough`: spinning, since their thread is not in a parallel region."""
         if sizes != self.sizes:
             self._learn(sizes)
         n = 0
@@ -158,6 +158,8 @@ class _Workers:
                 self.sizes = ()
                 continue
             n += on_core(stat)
+            if n >= enough:
+                break
         return n
 
 
@@ -189,9 +191,9 @@ _PID = os.getpid()
 parked in one."""
 
 
-def contended() -> int:
+def contended(enough: int = 1) -> int:
     """How many workers of this thread's OpenMP pools are spinning now (a torch op ran in parallel within the last
-    ~10 ms): 0 when none."""
+    ~10 ms), counted up to `enough`: 0 when none."""
     runtimes = _runtimes()
     if not runtimes or os.getpid() != _PID:
         return 0
@@ -201,7 +203,7 @@ def contended() -> int:
     workers = getattr(_local, "workers", None)
     if workers is None:
         workers = _local.workers = _Workers()
-    return workers.spinning(sizes)
+    return workers.spinning(sizes, enough)
 
 
 @functools.cache
@@ -213,26 +215,29 @@ def _loadavg(path: str) -> int | None:
         return None
 
 
-def _running_elsewhere(ours: int) -> int | None:
-    """Threads running or runnable on the machine now besides `ours` (None where /proc/loadavg cannot say)."""
+def _running() -> int | None:
+    """Threads running or runnable on the machine now, the caller included (None where /proc/loadavg cannot say)."""
     fd = _loadavg(_LOADAVG)
     if fd is None:
         return None
     try:
-        running = int(os.pread(fd, 128, 0).split()[3].split(b"/")[0])  # "0.48 0.29 0.66 2/345 12345"
+        return int(os.pread(fd, 128, 0).split()[3].split(b"/")[0])  # "0.48 0.29 0.66 2/345 12345"
     except (OSError, IndexError, ValueError):
         return None
-    return running - ours
 
 
 def worth_parking(threads: int) -> bool:
-    """Whether a run on `threads` intra-op threads should park torch's workers: one spins, and whatever else
-    runs fits in the cores the run leaves free (else a release waits for a core, and parked runs were slower)."""
-    spinning = contended()
-    if not spinning:
+    """Whether a run on `threads` intra-op threads should park torch's workers: one spins, and what else runs on
+    the machine fits in the cores the run leaves free (else a release waits for a core, and parked runs were
+    slower). Of the running threads, the caller and the spinning workers are ours: as many workers are read as it
+    takes to tell (one on a quiet machine)."""
+    if not contended():
         return False
-    elsewhere = _running_elsewhere(1 + spinning)
-    return elsewhere is None or elsewhere <= _cores() - threads
+    running = _running()
+    if running is None:
+        return True
+    ours = running - (_cores() - threads)  # the running threads that must be ours: the caller and spinning workers
+    return ours <= 2 or 1 + contended(ours - 1) >= ours
 
 
 @functools.cache

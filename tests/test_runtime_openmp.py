@@ -123,7 +123,7 @@ def entries(monkeypatch) -> list[int]:
     far as the runs can tell: the test machine may be busy)."""
     entered: list[int] = []
     parked = openmp.parked
-    monkeypatch.setattr(openmp, "_running_elsewhere", lambda ours: 0)
+    monkeypatch.setattr(openmp, "_running", lambda: None)
 
     def counting():
         entered.append(1)
@@ -161,27 +161,26 @@ def test_runs_are_parked_only_with_a_core_to_spare(two_threads, entries, monkeyp
     runner = _runner(SessionConfig(threads=2))
     x = np.ones((256, 256), np.float32)
     feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
-    seen: list[int] = []
-    for cores, elsewhere, parked in ((2, 0, True), (2, 1, False), (3, 1, True), (3, 2, False), (2, None, True)):
+    # running: the caller, torch's spinning worker, and what runs elsewhere
+    for cores, running, parked in ((2, 2, True), (2, 3, False), (3, 3, True), (3, 4, False), (2, None, True)):
         monkeypatch.setattr(openmp, "_cores", lambda c=cores: c)
-        monkeypatch.setattr(openmp, "_running_elsewhere", lambda ours, n=elsewhere: seen.append(ours) or n)
+        monkeypatch.setattr(openmp, "_running", lambda n=running: n)
         before = len(entries)
         _spinners()
         runner.run(feeds)
-        assert (len(entries) > before) == parked, (cores, elsewhere)
-    assert all(ours >= 2 for ours in seen)  # the calling thread and the spinning worker are ours
+        assert (len(entries) > before) == parked, (cores, running)
 
 
-def test_threads_running_elsewhere_are_counted(tmp_path, monkeypatch) -> None:
-    assert openmp._running_elsewhere(0) >= 1  # this thread, reading
+def test_threads_running_are_counted(tmp_path, monkeypatch) -> None:
+    assert openmp._running() >= 1  # this thread, reading
     fake = tmp_path / "loadavg"
     fake.write_text("0.48 0.29 0.66 5/345 12345\n")
     monkeypatch.setattr(openmp, "_LOADAVG", str(fake))
-    assert openmp._running_elsewhere(2) == 3
+    assert openmp._running() == 5
     fake.write_text("garbage\n")  # read again at each call, through the kept descriptor
-    assert openmp._running_elsewhere(2) is None  # then runs park as before
+    assert openmp._running() is None  # then runs park as before
     monkeypatch.setattr(openmp, "_LOADAVG", str(tmp_path / "none"))
-    assert openmp._running_elsewhere(2) is None
+    assert openmp._running() is None
 
 
 def test_a_forked_child_parks_nothing(two_threads) -> None:
