@@ -32,7 +32,7 @@ from onnx import TensorProto, helper
 from onnxruntime.capi import _pybind_state as C
 
 from . import exchange
-from .ort_session import DISABLED_OPTIMIZERS, Runner, SessionConfig
+from .ort_session import DISABLED_OPTIMIZERS, RANDOM_OPS, Runner, SessionConfig
 from .passes import (
     FLOATS,
     constant_values,
@@ -210,7 +210,6 @@ def _static(value: onnx.ValueInfoProto) -> bool:
     return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
 
 
-RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial")
 
 
 def seeded_random_ops(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -20,7 +20,7 @@ waits for them), 20-40 µs when a core is free, a scheduler slice (3-8 ms here) 
 woken worker then queueing for a core; and with a busy process beside, parked runs were slower even when their
 release was quick. So a run is parked only when the threads running on the machine besides ours (the count
 `/proc/loadavg` gives now, less the calling thread and the spinning workers) fit in the cores the run leaves
-free (`worth_parking`); otherwise the spinning workers are no worse than what else runs there. Steps against
+free (`room`); otherwise the spinning workers are no worse than what else runs there. Steps against
 torch's (`benchmarks.ab`): with one busy process beside, MLP 0.70 this way against 1.35 always parked and 0.93
 never, LeNet 1.00 against 1.37 and 1.09; with a process busy half the time and on a quiet machine level with
 always parking (0.93-1.06), where never parking lost (MLP 0.89 against 0.69 half-busy, LeNet 1.05 against 0.96
@@ -226,18 +226,21 @@ def _running() -> int | None:
         return None
 
 
-def worth_parking(threads: int) -> bool:
-    """Whether a run on `threads` intra-op threads should park torch's workers: one spins, and what else runs on
-    the machine fits in the cores the run leaves free (else a release waits for a core, and parked runs were
-    slower). Of the running threads, the caller and the spinning workers are ours: as many workers are read as it
+def room(threads: int) -> tuple[bool, bool]:
+    """For a run on `threads` intra-op threads: whether to park torch's workers (one spins, and what else runs on
+    the machine fits in the cores the run leaves free: else a release waits for a core, and parked runs were
+    slower), and whether the machine is crowded (more runs than fits: onnxruntime's threads would then wait on each
+    other). Of the running threads, the caller and the spinning workers are ours: as many workers are read as it
     takes to tell (one on a quiet machine)."""
-    if not contended():
-        return False
+    spinning = contended()
     running = _running()
     if running is None:
-        return True
+        return bool(spinning), False
     ours = running - (_cores() - threads)  # the running threads that must be ours: the caller and spinning workers
-    return ours <= 2 or 1 + contended(ours - 1) >= ours
+    if ours <= 1:
+        return bool(spinning), False
+    fits = bool(spinning) and (ours <= 2 or 1 + contended(ours - 1) >= ours)
+    return fits, not fits
 
 
 @functools.cache

@@ -13,6 +13,7 @@ from one process-wide arena (`shared_arena`), so that a backward reuses the memo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -74,6 +75,10 @@ class SessionConfig:
     park_openmp: bool = True
     """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.parked`), so
     that they do not share cores with onnxruntime's threads."""
+    narrow_when_crowded: bool = True
+    """A run on more than one thread that finds the machine crowded (more threads running than cores, `openmp.room`)
+    runs on a one-thread session of the same graph instead, made when first needed; not for graphs drawing random
+    numbers in onnxruntime (a session of their own would draw others)."""
 
     @property
     def parallel(self) -> bool:
@@ -110,6 +115,10 @@ def shared_arena() -> bool:
     return True
 
 
+RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial")
+"""onnxruntime's random ops besides Dropout: each session draws from its own generators."""
+
+
 class Runner:
     """A created-once onnxruntime session plus its input and output names."""
 
@@ -125,8 +134,13 @@ class Runner:
         self._run_options = C.RunOptions()
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self._park = config.park_openmp and config.parallel
+        self._parallel = config.parallel
+        self._park = config.park_openmp
         self._threads = config.threads or os.cpu_count() or 1
+        narrow = config.narrow_when_crowded and config.parallel and not _draws_random(model.graph)
+        self._narrow: tuple[bytes, SessionConfig, list[str]] | None = (
+            (model.SerializeToString(), dataclasses.replace(config, threads=1), list(disabled)) if narrow else None)
+        self._narrow_c: C.InferenceSession | None = None
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
         """Run on C-level OrtValues; returns OrtValues in `outputs` order (default: all outputs)."""
@@ -138,13 +152,40 @@ class Runner:
         """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
         names = self.output_names if outputs is None else outputs
         feeds = feeds if isinstance(feeds, dict) else dict(feeds)
-        park = self._park and openmp.worth_parking(self._threads)
+        park, crowded = openmp.room(self._threads) if self._parallel else (False, False)
+        session = self._narrow_session() if crowded and self._narrow is not None else self._c
         try:
-            if park:
+            if park and self._park:
                 with openmp.parked():
-                    return self._c.run_with_ort_values(feeds, names, self._run_options)
-            return self._c.run_with_ort_values(feeds, names, self._run_options)
+                    return session.run_with_ort_values(feeds, names, self._run_options)
+            return session.run_with_ort_values(feeds, names, self._run_options)
         except Exception as e:
             missing = [n for n in self.input_names if n not in feeds]
             hint = f" (missing inputs: {missing})" if missing else ""
             raise RuntimeError(f"onnxruntime failed running the {self.what} model{hint}: {e}") from e
+
+    def _narrow_session(self) -> C.InferenceSession:
+        """The one-thread session for crowded runs, made at the first (the usual one where it cannot be made)."""
+        if self._narrow_c is None:
+            assert self._narrow is not None
+            data, config, disabled = self._narrow
+            try:
+                narrow = ort.InferenceSession(data, config.options(), providers=list(config.providers),
+                                              disabled_optimizers=disabled)
+            except Exception:  # onnxruntime raises its own zoo of types; the usual session serves on
+                self._narrow = None
+                return self._c
+            self._narrow_c = narrow._sess
+        return self._narrow_c
+
+
+def _draws_random(graph: onnx.GraphProto) -> bool:
+    """Whether onnxruntime draws random numbers running `graph` (its subgraphs included)."""
+    for node in graph.node:
+        if node.op_type == "Dropout" or node.op_type in RANDOM_OPS:
+            return True
+        if any(_draws_random(a.g) for a in node.attribute if a.type == onnx.AttributeProto.GRAPH):
+            return True
+        if any(_draws_random(g) for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs):
+            return True
+    return False

@@ -117,6 +117,12 @@ def _runner(config: SessionConfig) -> Runner:
     return Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), config, "test")
 
 
+def _value(a: np.ndarray):
+    from onnxruntime.capi import _pybind_state as C
+
+    return C.OrtValue.ortvalue_from_numpy(a, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))
+
+
 @pytest.fixture
 def entries(monkeypatch) -> list[int]:
     """One entry per `openmp.parked` region entered while the test runs (nothing else running on the machine, as
@@ -134,12 +140,10 @@ def entries(monkeypatch) -> list[int]:
 
 
 def test_runs_are_parked_only_when_torch_spins(two_threads, entries) -> None:
-    from onnxruntime.capi import _pybind_state as C
-
     runner = _runner(SessionConfig(threads=2))
     single = _runner(SessionConfig(threads=1))
     x = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
-    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+    feeds = {"x": _value(x)}
     for _ in range(3):  # onnxruntime's own workers never count as spinning
         _spinners()
         y = runner.run(feeds)[0].numpy()
@@ -155,20 +159,44 @@ def test_runs_are_parked_only_when_torch_spins(two_threads, entries) -> None:
 
 def test_runs_are_parked_only_with_a_core_to_spare(two_threads, entries, monkeypatch) -> None:
     """Where other threads run on the machine, a parked worker's release waits for a core (a scheduler slice), and
-    parked runs were slower: a run is parked only when what runs elsewhere fits in the cores it leaves free."""
-    from onnxruntime.capi import _pybind_state as C
-
+    parked runs were slower: a run is parked only when what runs elsewhere fits in the cores it leaves free, and
+    runs on one thread (a session of its own, the same results) when the machine is crowded."""
     runner = _runner(SessionConfig(threads=2))
-    x = np.ones((256, 256), np.float32)
-    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+    x = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    feeds = {"x": _value(x)}
+    expected = runner.run(feeds)[0].numpy()
+    narrowed: list[int] = []
+    narrow_session = runner._narrow_session
+    monkeypatch.setattr(runner, "_narrow_session", lambda: narrowed.append(1) or narrow_session())
     # running: the caller, torch's spinning worker, and what runs elsewhere
     for cores, running, parked in ((2, 2, True), (2, 3, False), (3, 3, True), (3, 4, False), (2, None, True)):
         monkeypatch.setattr(openmp, "_cores", lambda c=cores: c)
         monkeypatch.setattr(openmp, "_running", lambda n=running: n)
-        before = len(entries)
+        before, crowded_before = len(entries), len(narrowed)
         _spinners()
-        runner.run(feeds)
+        y = runner.run(feeds)[0].numpy()
         assert (len(entries) > before) == parked, (cores, running)
+        assert (len(narrowed) > crowded_before) == (not parked), (cores, running)
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+    narrow = runner._narrow_c
+    assert narrow is not None and narrow is not runner._c
+    monkeypatch.setattr(openmp, "_running", lambda: 3)
+    runner.run(feeds)  # crowded without torch's workers spinning too
+    assert len(narrowed) == 3 and runner._narrow_c is narrow  # made once
+
+
+def test_crowded_runs_keep_a_graph_drawing_random_numbers_on_its_session(two_threads, monkeypatch) -> None:
+    """A second session would draw other random numbers: a graph with onnxruntime's random ops stays on one."""
+    graph = helper.make_graph([helper.make_node("RandomUniformLike", ["x"], ["r"]),
+                               helper.make_node("Add", ["x", "r"], ["y"])], "random",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    runner = Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                    SessionConfig(threads=2), "random")
+    monkeypatch.setattr(openmp, "_running", lambda: 5)
+    runner.run({"x": _value(np.ones(4, np.float32))})
+    assert runner._narrow is None and runner._narrow_c is None
+    assert _runner(SessionConfig(threads=1))._narrow is None  # one thread already
 
 
 def test_threads_running_are_counted(tmp_path, monkeypatch) -> None:
