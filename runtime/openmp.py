@@ -26,6 +26,10 @@ never, LeNet 1.00 against 1.37 and 1.09; with a process busy half the time and o
 always parking (0.93-1.06), where never parking lost (MLP 0.89 against 0.69 half-busy, LeNet 1.05 against 0.96
 quiet).
 
+The same count tells a crowded machine (more threads running than cores, torch's spinning workers included when
+they cannot be parked): `room` says so, and the run goes to a one-thread session of the same graph
+(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores.
+
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
 `ORTModule(..., park_torch_threads=False)`, leaves the workers alone.
