@@ -27,3 +27,14 @@ def _inputs_per_test(request):
     module = request.module
     if isinstance(getattr(module, "rng", None), np.random.Generator):
         module.rng = np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def _machine_load_unknown(monkeypatch):
+    """Runs on 2+ threads park torch's workers or narrow to one thread by the machine's load now
+    (`runtime.openmp.room`), and the suite's own xdist workers load it: tests see a machine whose load cannot be
+    read (as without /proc/loadavg), so their runs do not depend on what the other worker is doing; the tests of
+    that decision set the load themselves."""
+    from runtime import openmp
+
+    monkeypatch.setattr(openmp, "_LOADAVG", "/nonexistent/loadavg")

@@ -125,11 +125,10 @@ def _value(a: np.ndarray):
 
 @pytest.fixture
 def entries(monkeypatch) -> list[int]:
-    """One entry per `openmp.parked` region entered while the test runs (nothing else running on the machine, as
-    far as the runs can tell: the test machine may be busy)."""
+    """One entry per `openmp.parked` region entered while the test runs (the machine's load unknown to the runs:
+    conftest's `_machine_load_unknown`)."""
     entered: list[int] = []
     parked = openmp.parked
-    monkeypatch.setattr(openmp, "_running", lambda: None)
 
     def counting():
         entered.append(1)
@@ -200,6 +199,8 @@ def test_crowded_runs_keep_a_graph_drawing_random_numbers_on_its_session(two_thr
 
 
 def test_threads_running_are_counted(tmp_path, monkeypatch) -> None:
+    assert openmp._running() is None  # the suite's fixture: the load unknown
+    monkeypatch.setattr(openmp, "_LOADAVG", "/proc/loadavg")
     assert openmp._running() >= 1  # this thread, reading
     fake = tmp_path / "loadavg"
     fake.write_text("0.48 0.29 0.66 5/345 12345\n")
