@@ -125,8 +125,9 @@ class Runner:
     def __init__(self, model: onnx.ModelProto, config: SessionConfig, what: str,
                  disabled: Sequence[str] = DISABLED_OPTIMIZERS):
         self.what = what
+        data = model.SerializeToString()
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), config.options(),
+            self.session = ort.InferenceSession(data, config.options(),
                                                 providers=list(config.providers), disabled_optimizers=list(disabled))
         except Exception as e:  # onnxruntime raises its own zoo of types
             raise SessionLoadError(f"onnxruntime cannot load the {what} model: {e}") from e
@@ -139,7 +140,7 @@ class Runner:
         self._threads = config.threads or os.cpu_count() or 1
         narrow = config.narrow_when_crowded and config.parallel and not _draws_random(model.graph)
         self._narrow: tuple[bytes, SessionConfig, list[str]] | None = (
-            (model.SerializeToString(), dataclasses.replace(config, threads=1), list(disabled)) if narrow else None)
+            (data, dataclasses.replace(config, threads=1), list(disabled)) if narrow else None)
         self._narrow_c: C.InferenceSession | None = None
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
