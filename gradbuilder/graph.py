@@ -632,17 +632,17 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
         _check_inference_hazards(node, None if op_types is None else op_types[k])
         if nested:
-            for n in _nested_nodes(node):
+            for n in nested_nodes(node):
                 _check_inference_hazards(n)
 
 
-def _nested_nodes(node: onnx.NodeProto) -> Iterable[onnx.NodeProto]:
+def nested_nodes(node: onnx.NodeProto) -> Iterable[onnx.NodeProto]:
     """Every node of every body of `node`, at any depth."""
     for a in node.attribute:
         for g in [a.g] if a.HasField("g") else list(a.graphs):
             for n in g.node:
                 yield n
-                yield from _nested_nodes(n)
+                yield from nested_nodes(n)
 
 
 GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
@@ -673,7 +673,7 @@ def infer_shapes_safely(model: onnx.ModelProto) -> onnx.GraphProto | None:
     """
     try:
         for node in model.graph.node:
-            for n in [node, *_nested_nodes(node)]:
+            for n in [node, *nested_nodes(node)]:
                 _check_inference_hazards(n)
         return onnx.shape_inference.infer_shapes(without_weights(model), strict_mode=False).graph
     except Exception:

@@ -45,7 +45,8 @@ from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
 from .functions import exportable_functions
 from .losses import exportable_losses
-from .ort_session import RANDOM_OPS, Runner, SessionConfig
+from .ort_session import Runner, SessionConfig
+from .ort_session import draws_random as draws_random_numbers
 from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .patching import replaced
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
@@ -480,7 +481,7 @@ def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[s
 def draws_random(model: onnx.ModelProto) -> bool:
     """Whether the graph draws random numbers (a Dropout that drops), so that its outputs differ from those
     of torch's run of the same call."""
-    return any(n.op_type == "Dropout" or n.op_type in RANDOM_OPS for n in inactive_dropouts(model).graph.node)
+    return draws_random_numbers(inactive_dropouts(model).graph)
 
 
 def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[str, torch.Tensor]

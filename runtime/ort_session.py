@@ -23,6 +23,8 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
+from gradbuilder.graph import nested_nodes
+
 from . import openmp
 
 DISABLED_OPTIMIZERS = ("EliminateDropout", "ConstantSharing")
@@ -127,8 +129,7 @@ class Runner:
         self.what = what
         data = model.SerializeToString()
         try:
-            self.session = ort.InferenceSession(data, config.options(),
-                                                providers=list(config.providers), disabled_optimizers=list(disabled))
+            self.session = _session(data, config, disabled)
         except Exception as e:  # onnxruntime raises its own zoo of types
             raise SessionLoadError(f"onnxruntime cannot load the {what} model: {e}") from e
         self._c = self.session._sess
@@ -138,7 +139,7 @@ class Runner:
         self._parallel = config.parallel
         self._park = config.park_openmp
         self._threads = config.threads or os.cpu_count() or 1
-        narrow = config.narrow_when_crowded and config.parallel and not _draws_random(model.graph)
+        narrow = config.narrow_when_crowded and config.parallel and not draws_random(model.graph)
         self._narrow: tuple[bytes, SessionConfig, list[str]] | None = (
             (data, dataclasses.replace(config, threads=1), list(disabled)) if narrow else None)
         self._narrow_c: C.InferenceSession | None = None
@@ -171,8 +172,7 @@ class Runner:
             assert self._narrow is not None
             data, config, disabled = self._narrow
             try:
-                narrow = ort.InferenceSession(data, config.options(), providers=list(config.providers),
-                                              disabled_optimizers=disabled)
+                narrow = _session(data, config, disabled)
             except Exception:  # onnxruntime raises its own zoo of types; the usual session serves on
                 self._narrow = None
                 return self._c
@@ -180,13 +180,12 @@ class Runner:
         return self._narrow_c
 
 
-def _draws_random(graph: onnx.GraphProto) -> bool:
-    """Whether onnxruntime draws random numbers running `graph` (its subgraphs included)."""
-    for node in graph.node:
-        if node.op_type == "Dropout" or node.op_type in RANDOM_OPS:
-            return True
-        if any(_draws_random(a.g) for a in node.attribute if a.type == onnx.AttributeProto.GRAPH):
-            return True
-        if any(_draws_random(g) for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs):
-            return True
-    return False
+def _session(data: bytes, config: SessionConfig, disabled: Sequence[str]) -> ort.InferenceSession:
+    return ort.InferenceSession(data, config.options(), providers=list(config.providers),
+                                disabled_optimizers=list(disabled))
+
+
+def draws_random(graph: onnx.GraphProto) -> bool:
+    """Whether onnxruntime draws random numbers running `graph` (its Dropouts, its random ops, in bodies too)."""
+    return any(n.op_type == "Dropout" or n.op_type in RANDOM_OPS
+               for node in graph.node for n in (node, *nested_nodes(node)))
