@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench docs notebooks clean
+.PHONY: setup demo test lint bench docs notebooks fuzz clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,13 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# coverage-guided fuzzing from a fresh random seed (the test suite runs a fixed seed); finds land in fuzz/
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	mkdir -p fuzz/corpus fuzz/found
+	$(BIN)/python tests/fuzz/fuzz_build.py fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -artifact_prefix=fuzz/found/ \
+		-rss_limit_mb=4096 -timeout=20 -print_final_stats=1
 
 bench: setup
 	$(BIN)/python -m benchmarks

@@ -1,8 +1,9 @@
 """atheris harness for fuzz_models.check: model bytes -> inspect, build, split; only GradBuilderError may come out.
 
-Run for a bounded time by test_fuzz.py; by hand, for longer: `python tests/fuzz/fuzz_build.py CORPUS_DIR
--max_total_time=600` (CORPUS_DIR gets the seed models). A crash file it writes is an .onnx model:
-`gradbuilder build crash-... -o /tmp/out.onnx --debug` reproduces the failure.
+Run from a fixed seed for a fixed number of inputs by test_fuzz.py; by hand, from a fresh seed, `make fuzz`
+(`FUZZ_SECONDS=3600 make fuzz` for longer; fuzz/corpus gets the seed models and keeps what it learns). A crash
+file it writes (fuzz/found/) is an .onnx model: `gradbuilder build crash-... -o /tmp/out.onnx --debug` reproduces
+the failure.
 """
 
 from __future__ import annotations
