@@ -32,7 +32,7 @@ from onnx import TensorProto, helper
 from onnxruntime.capi import _pybind_state as C
 
 from . import exchange
-from .ort_session import DISABLED_OPTIMIZERS, RANDOM_OPS, Runner, SessionConfig
+from .ort_session import DISABLED_OPTIMIZERS, RANDOM_OPS, Runner, SessionConfig, draws_random
 from .passes import (
     FLOATS,
     constant_values,
@@ -118,6 +118,8 @@ class MaskedRunner:
         inits = {t.name for t in model.graph.initializer}
         self.input_names = [i.name for i in model.graph.input if i.name not in inits]
         self._masked_model: onnx.ModelProto | None = masked
+        self.draws_random = draws_random(masked.graph)
+        """Whether onnxruntime draws random numbers beside the host's masks (unmasked Dropouts, random ops)."""
         self._masked: Runner | None = None
         self._config, self._what, self._disabled = config, what, disabled
         self._sized = [i.name for i in model.graph.input if not _static(i)]
@@ -208,8 +210,6 @@ def _seed() -> int:
 def _static(value: onnx.ValueInfoProto) -> bool:
     t = value.type.tensor_type
     return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
-
-
 
 
 def seeded_random_ops(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -139,7 +139,9 @@ class Runner:
         self._parallel = config.parallel
         self._park = config.park_openmp
         self._threads = config.threads or os.cpu_count() or 1
-        narrow = config.narrow_when_crowded and config.parallel and not draws_random(model.graph)
+        self.draws_random = draws_random(model.graph)
+        """onnxruntime seeds its random ops per session: a second session of the graph would draw other numbers."""
+        narrow = config.narrow_when_crowded and config.parallel and not self.draws_random
         self._narrow: tuple[bytes, SessionConfig, list[str]] | None = (
             (data, dataclasses.replace(config, threads=1), list(disabled)) if narrow else None)
         self._narrow_c: C.InferenceSession | None = None

@@ -36,7 +36,7 @@ import gradbuilder
 
 from . import checks, exchange, fused, lowering, passes
 from .exchange import Tensor
-from .host_dropout import RANDOM_OPS, MaskedRunner
+from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
 
@@ -478,10 +478,7 @@ class TrainingSession:
         if model is None:
             return None
         runner = lowering.fused_runner(model, backward, self.config, self._fwd)
-        masked = len(runner.masks) if isinstance(runner, MaskedRunner) else 0
-        random_ops = (sum(n.op_type == "Dropout" for n in model.graph.node) > masked
-                      or any(n.op_type in RANDOM_OPS for n in model.graph.node))
-        self._fused = _Fused(runner, [o.name for o in model.graph.output], list(grads), random_ops)
+        self._fused = _Fused(runner, [o.name for o in model.graph.output], list(grads), runner.draws_random)
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
         return self._fused
