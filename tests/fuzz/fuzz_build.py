@@ -2,8 +2,8 @@
 
 Run from a fixed seed for a fixed number of inputs by test_fuzz.py; by hand, from a fresh seed, `make fuzz`
 (`FUZZ_SECONDS=3600 make fuzz` for longer; fuzz/corpus gets the seed models and keeps what it learns). A crash
-file it writes (fuzz/found/) is an .onnx model: `gradbuilder build crash-... -o /tmp/out.onnx --debug` reproduces
-the failure.
+file it writes (fuzz/found/) is an .onnx model: `python tests/fuzz/fuzz_models.py crash-...` reproduces the
+failure.
 """
 
 from __future__ import annotations

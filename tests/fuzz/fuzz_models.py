@@ -284,3 +284,8 @@ def mutate_bytes(data: bytes, seed: int, rounds: int = 3) -> bytes | None:
         except Exception:  # e.g. a value helper.make_attribute refuses: skip this mutation
             continue
     return m.SerializeToString()
+
+
+if __name__ == "__main__":  # reproduce a find: python tests/fuzz/fuzz_models.py crash.onnx
+    check(Path(sys.argv[1]).read_bytes())
+    print(f"{sys.argv[1]}: refused with a GradBuilderError or built, split and checked: no bug")

@@ -61,7 +61,7 @@ def _report(stdout: str, stderr: str, found: list[Path]) -> str:
     crash = "\n".join(f"{f.name} (base64): {base64.b64encode(f.read_bytes()).decode()}" for f in found[:1])
     return (f"the fuzzer (seed {SEED}, {RUNS} runs, PYTHONHASHSEED=0) found an input that raises something other "
             "than GradBuilderError (or hangs); reproduce with: base64 -d > crash.onnx, then "
-            "gradbuilder build crash.onnx -o /tmp/out.onnx --debug\n"
+            ".venv/bin/python tests/fuzz/fuzz_models.py crash.onnx\n"
             + stdout[-6000:] + "\n" + "\n".join(err[-30:]) + "\n" + crash)
 
 
