@@ -4,12 +4,13 @@ onnxruntime run, and computes what the split sessions compute, for any gradient 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from runtime import ORTModule, fused
@@ -270,3 +271,38 @@ def test_a_joined_run_that_computes_otherwise_is_caught(monkeypatch: pytest.Monk
         ref(*_batch(step))[0].backward()
         for (name, p), q in zip(om.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{step} {name}")
+
+
+def test_random_numbers_drawn_in_a_body_are_not_checked_against_split_runs() -> None:
+    """A joined graph whose If body draws random numbers fuses without the composition check: split runs draw
+    others (each session seeds its own), so comparing them warned that the joined run was wrong and split the
+    module for good. Its gradient still comes from the draw its loss did: loss = 2 sum(h) with w all ones, and the
+    gradient of w is h's column sums."""
+    rows = 4096  # the activations outweigh w's gradient, so the module fuses
+    then = helper.make_graph([helper.make_node("RandomUniformLike", ["x"], ["drawn"], dtype=TensorProto.FLOAT)],
+                             "then", [], [helper.make_tensor_value_info("drawn", TensorProto.FLOAT, [rows, 3])])
+    kept = helper.make_graph([helper.make_node("Identity", ["x"], ["same"])], "else", [],
+                             [helper.make_tensor_value_info("same", TensorProto.FLOAT, [rows, 3])])
+    nodes = [helper.make_node("If", ["cond"], ["noise"], then_branch=then, else_branch=kept),
+             helper.make_node("Add", ["x", "noise"], ["h"]),
+             helper.make_node("MatMul", ["h", "w"], ["y"]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 3])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(np.ones((3, 2), np.float32), "w"),
+                               numpy_helper.from_array(np.array(True), "cond")])
+    session = TrainingSession.from_forward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                           wrt=["w"])
+    x = np.random.default_rng(0).random((rows, 3), dtype=np.float32)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(3):
+            (loss,), state = session.forward([x])
+            assert (state.gradients is not None) == (step > 0), step  # the first call runs split, then fused
+            grad = session.backward(state, [np.float32(1.0)])["w"]
+            np.testing.assert_allclose(grad[:, 0], grad[:, 1])
+            np.testing.assert_allclose(2 * grad[:, 0].sum(), loss, rtol=1e-5)
+            losses.append(float(loss))
+    assert session._fused is not None and session._fused.random_ops
+    assert len(set(losses)) == 3  # a new draw each step
