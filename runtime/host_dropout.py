@@ -15,13 +15,14 @@ later call at sizes already seen.
 Each call takes its seed from torch's default generator, as torch's own dropout does, and so do the first
 forward's Dropouts (their `seed` attribute, drawn when the runner is made): after `torch.manual_seed`,
 ORTModule's masks are the same from run to run. The graph's other random ops (`seeded_random_ops`: randn_like,
-rand, bernoulli) get their `seed` the same way.
+rand, bernoulli), those inside If and Loop bodies too, and the Dropouts the host does not mask (in graphs with
+bodies, or of a non-constant ratio) get their `seed` the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,8 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 from onnxruntime.capi import _pybind_state as C
+
+from gradbuilder.graph import nested_nodes
 
 from . import exchange
 from .ort_session import DISABLED_OPTIMIZERS, RANDOM_OPS, Runner, SessionConfig, draws_random
@@ -212,33 +215,47 @@ def _static(value: onnx.ValueInfoProto) -> bool:
     return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
 
 
-def seeded_random_ops(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model`, or a copy whose random ops without a `seed` take one from torch's default generator (randn_like,
-    rand, bernoulli in a forward): onnxruntime seeds each op's generator once, when the session is made, and
-    advances it run by run, so after `torch.manual_seed` a run draws the same values as the last."""
-    def unseeded(n: onnx.NodeProto) -> bool:
-        return n.op_type in RANDOM_OPS and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
+def seeded_random_ops(model: onnx.ModelProto, masked: frozenset[str] = frozenset()) -> onnx.ModelProto:
+    """`model`, or a copy whose random ops and Dropouts without a `seed`, bodies included, take one from torch's
+    default generator (randn_like, rand, bernoulli in a forward; Dropouts the host does not mask: in graphs with
+    bodies, or of a non-constant ratio): onnxruntime seeds each op's generator once, when the session is made, and
+    advances it run by run, so after `torch.manual_seed` a run draws the same values as the last. `masked`: the
+    outputs of the Dropouts the host masks, left unseeded (`mask_dropouts` takes only those)."""
+    dropouts = default_opset(model) >= 12  # Dropout's `seed` attribute
 
-    if not any(unseeded(n) for n in model.graph.node):
+    def unseeded(n: onnx.NodeProto) -> bool:
+        return (n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
+                and (n.op_type in RANDOM_OPS or (dropouts and n.op_type == "Dropout" and n.output[0] not in masked)))
+
+    def every_node(g: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+        for n in g.node:
+            yield n
+            yield from nested_nodes(n)
+
+    if not any(unseeded(n) for n in every_node(model.graph)):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    for n in out.graph.node:
-        if unseeded(n):
-            n.attribute.append(helper.make_attribute("seed", float(_seed() % (1 << 24))))
+    for n in every_node(out.graph):
+        if unseeded(n):  # RandomNormal's seed is a float, Dropout's an int
+            seed = float(_seed() % (1 << 24)) if n.op_type in RANDOM_OPS else _seed()
+            n.attribute.append(helper.make_attribute("seed", seed))
     return out
 
 
 def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str,
                    disabled: Sequence[str] = DISABLED_OPTIMIZERS, like: Runner | MaskedRunner | None = None
                    ) -> Runner | MaskedRunner:
-    """The Runner for a forward or inference graph (its random ops seeded from torch's generator): a
-    `MaskedRunner` where it has training Dropouts to mask (and `config.lower` is on), else a plain one. `like`: a
-    runner of the same forward whose mask shapes this one starts from (a fused forward and backward after the split
-    forward's first call: the same masks from the same seeds, no probe session)."""
-    model = seeded_random_ops(model)
+    """The Runner for a forward or inference graph (its random ops and unmasked Dropouts seeded from torch's
+    generator): a `MaskedRunner` where it has training Dropouts to mask (and `config.lower` is on), else a plain
+    one. `like`: a runner of the same forward whose mask shapes this one starts from (a fused forward and backward
+    after the split forward's first call: the same masks from the same seeds, no probe session)."""
     masked, masks = mask_dropouts(model) if config.lower else (model, [])
+    seeded = seeded_random_ops(model, frozenset(m.output for m in masks))
     if not masks:
-        return Runner(model, config, what, disabled)
+        return Runner(seeded, config, what, disabled)
+    if seeded is not model:  # the same Dropouts masked (still unseeded), the seeds of the rest kept
+        model = seeded
+        masked, masks = mask_dropouts(model)
     shapes = like.shapes if isinstance(like, MaskedRunner) else None
     return MaskedRunner(model, masked, masks, config, what, disabled, shapes)

@@ -212,3 +212,27 @@ def sweep_tests(sweep: Callable[[int, type[np.floating]], None], float32_opsets:
             sweep(opset, np.float32)
 
     return test_every_opset, test_float32
+
+
+def random_body_model(rows: int, dropout: bool = False) -> onnx.ModelProto:
+    """loss = sum((x + noise) @ w) for w (3x2, ones): the noise drawn by RandomUniformLike in an If's body
+    (cond True), then a training Dropout (ratio 0.5) where `dropout` (not maskable on the host: the graph has a
+    body). The gradient of w is the column sums of what reached the MatMul, so loss = 2 sum of grad[:, 0]."""
+    shape = [rows, 3]
+    then = helper.make_graph([helper.make_node("RandomUniformLike", ["x"], ["drawn"], dtype=TensorProto.FLOAT)],
+                             "then", [], [helper.make_tensor_value_info("drawn", TensorProto.FLOAT, shape)])
+    kept = helper.make_graph([helper.make_node("Identity", ["x"], ["same"])], "else", [],
+                             [helper.make_tensor_value_info("same", TensorProto.FLOAT, shape)])
+    nodes = [helper.make_node("If", ["cond"], ["noise"], then_branch=then, else_branch=kept),
+             helper.make_node("Add", ["x", "noise"], ["h"])]
+    inits = [onnx.numpy_helper.from_array(np.ones((3, 2), np.float32), "w"),
+             onnx.numpy_helper.from_array(np.array(True), "cond")]
+    if dropout:
+        nodes.append(helper.make_node("Dropout", ["h", "ratio", "cond"], ["kept"]))
+        inits.append(onnx.numpy_helper.from_array(np.array(0.5, np.float32), "ratio"))
+    nodes += [helper.make_node("MatMul", ["kept" if dropout else "h", "w"], ["y"]),
+              helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "random_body", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from harness import random_body_model
+from onnx import helper, numpy_helper
 from torch import nn
 
 from runtime import ORTModule, fused
@@ -279,20 +280,7 @@ def test_random_numbers_drawn_in_a_body_are_not_checked_against_split_runs() -> 
     module for good. Its gradient still comes from the draw its loss did: loss = 2 sum(h) with w all ones, and the
     gradient of w is h's column sums."""
     rows = 4096  # the activations outweigh w's gradient, so the module fuses
-    then = helper.make_graph([helper.make_node("RandomUniformLike", ["x"], ["drawn"], dtype=TensorProto.FLOAT)],
-                             "then", [], [helper.make_tensor_value_info("drawn", TensorProto.FLOAT, [rows, 3])])
-    kept = helper.make_graph([helper.make_node("Identity", ["x"], ["same"])], "else", [],
-                             [helper.make_tensor_value_info("same", TensorProto.FLOAT, [rows, 3])])
-    nodes = [helper.make_node("If", ["cond"], ["noise"], then_branch=then, else_branch=kept),
-             helper.make_node("Add", ["x", "noise"], ["h"]),
-             helper.make_node("MatMul", ["h", "w"], ["y"]),
-             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 3])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                              [numpy_helper.from_array(np.ones((3, 2), np.float32), "w"),
-                               numpy_helper.from_array(np.array(True), "cond")])
-    session = TrainingSession.from_forward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
-                                           wrt=["w"])
+    session = TrainingSession.from_forward(random_body_model(rows), wrt=["w"])
     x = np.random.default_rng(0).random((rows, 3), dtype=np.float32)
     losses = []
     with warnings.catch_warnings():

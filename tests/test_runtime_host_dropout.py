@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from harness import random_body_model
 from onnx import TensorProto, helper
 from torch import nn
 
@@ -114,6 +115,30 @@ def test_torch_seed_reproduces_the_masks() -> None:
         torch.manual_seed(seed)
         om = ORTModule(copy.deepcopy(model), threads=1)
         return [float(om(x, c)) for _ in range(4)]
+
+    first = losses(5)
+    assert losses(5) == first and losses(6) != first
+    assert len(set(first)) == 4
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_torch_seed_reproduces_draws_in_bodies_and_unmasked_dropouts(dropout: bool) -> None:
+    """The same after torch.manual_seed for random ops inside an If's body and for Dropouts the host cannot mask
+    (the graph has a body): their seeds come from torch's generator too, not from onnxruntime's clock. The first
+    step runs split, the later ones fused; each draw gives the gradient of its own loss."""
+    rows = 256
+    x = np.random.default_rng(0).random((rows, 3), dtype=np.float32)
+
+    def losses(seed: int) -> list[float]:
+        torch.manual_seed(seed)
+        session = TrainingSession.from_forward(random_body_model(rows, dropout), wrt=["w"], threads=1)
+        out = []
+        for _ in range(4):
+            (loss,), state = session.forward([x])
+            grad = session.backward(state, [np.float32(1.0)])["w"]
+            np.testing.assert_allclose(2 * grad[:, 0].sum(), loss, rtol=1e-5)
+            out.append(float(loss))
+        return out
 
     first = losses(5)
     assert losses(5) == first and losses(6) != first
