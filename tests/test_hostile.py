@@ -141,6 +141,11 @@ def test_split_skips_inference_hazards():
     training.graph.node.insert(0, node("Einsum", ["x", "x"], ["e"], "ein", equation="..i"))
     assert graph.infer_shapes_safely(training) is None
     gradbuilder.split(training)
+    huge = gradbuilder.build_gradient_graph(tiny())  # a dimension onnx's inference would abort the process on
+    huge.graph.initializer.append(i64("huge_shape", [HUGE, 4]))
+    huge.graph.node.insert(0, node("Reshape", ["x", "huge_shape"], ["huge"], "reshaper"))
+    assert graph.infer_shapes_safely(huge) is None
+    gradbuilder.split(huge)
 
 
 def _loop_without_body_inputs() -> onnx.ModelProto:
@@ -150,6 +155,29 @@ def _loop_without_body_inputs() -> onnx.ModelProto:
                              "body", [], [vi("c_out", TP.BOOL, []), vi("k", TP.BOOL, [])])
     nodes = [node("Loop", ["M", ""], ["ks"], "looper", body=body), node("Mul", ["x", "W"], ["y"], "mul")]
     return make_model(nodes, [vi("x"), vi("M", TP.INT64, [])], [vi("y")], _params())
+
+
+HUGE = 2**31
+"""A dimension onnx's shape inference takes as negative (it computes Split's in 32 bits): Slice's inference after
+it then aborts the process on a C++ assertion (std::clamp), so such models must be refused before."""
+
+
+def _split_then_slice(x: str, first: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+                      inits: list[onnx.TensorProto]) -> onnx.ModelProto:
+    nodes = [*first, node("Split", [x], ["parts"], "splitter"), node("Transpose", ["parts"], ["t"], perm=[1, 0]),
+             node("Slice", ["t", "zero", "two", "one"], ["s"], "slicer"),
+             node("ReduceSum", ["s"], ["total"], keepdims=0), node("Mul", ["total", "w"], ["y"], "mul")]
+    consts = [i64("zero", [0]), i64("two", [2]), i64("one", [1]), f32("w", [1.0])]
+    return make_model(nodes, inputs, [vi("y", shape=[1])], inits + consts)
+
+
+def _reshape_to_a_huge_dimension() -> onnx.ModelProto:
+    reshape = node("Reshape", ["x", "shape"], ["r"], "reshaper")
+    return _split_then_slice("r", [reshape], [vi("x", shape=[2, 6])], [i64("shape", [HUGE, 4])])
+
+
+def _declared_huge_dimension() -> onnx.ModelProto:
+    return _split_then_slice("x", [], [vi("x", shape=[HUGE, 4])], [])
 
 
 BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
@@ -211,6 +239,9 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
                                             [vi("y")], _params()), ["'ein'", "'..i'", "Einsum equation"]),
     "malformed Einsum inside a body": (_einsum_in_if, ["'ein'", "'aß'", "Einsum equation"]),
     "Loop body without inputs": (_loop_without_body_inputs, ["'looper'", "'body' graph has 0 inputs", "needs 2"]),
+    "Reshape to a dimension above 2^31": (_reshape_to_a_huge_dimension,
+                                          ["'reshaper'", str(HUGE), "32 bits", "Fix the shape"]),
+    "declared dimension above 2^31": (_declared_huge_dimension, ["graph input 'x'", str(HUGE), "32 bits"]),
 }
 
 
