@@ -1,14 +1,14 @@
 """The first call of every export checked against torch: its outputs, then its first gradients.
 
-The legacy exporter runs the module eagerly while it traces, so torch's outputs of that call exist, with their
-autograd graph (`Exported.reference`). onnxruntime's outputs of the same call are compared with them
+The legacy exporter runs the module eagerly while it traces, and before exporting with dynamo (whose trace runs
+fake tensors) the module runs once in torch, so torch's outputs of that call exist, with their autograd graph
+(`Exported.reference`). onnxruntime's outputs of the same call are compared with them
 (`outputs_error`); on its first backward, torch's gradients of those outputs for the same incoming gradients
 with onnxruntime's (`gradient_check`). A difference means the exported graph or its gradient computes something
 else than the module: a conversion of torch's exporter that is wrong (index_add dropping repeated indices,
 pairwise_distance's eps in the exponent, before this runtime wrote them itself), an in-place change through a view
 that its tracer misses, a gradient rule of ours. The module then fails as a failed export does. Not checked where
-the graph draws random numbers or the forward changed state in place (`export`), and not for dynamo's exports
-(they trace fake tensors).
+the graph draws random numbers or the forward changed state in place (`export`).
 """
 
 from __future__ import annotations

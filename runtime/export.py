@@ -336,6 +336,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
     with stop_gradients.Finder() as finder:  # one forward in torch first (buffers and RNG put back after)
         flat(*leaves)
+    computed = flat._result.get("outputs")  # torch's values of this call: the reference of the first-call checks
     if finder.found:
         raise ExportError(f"the dynamo exporter loses torch's stop-gradients, and this forward has one "
                           f"({finder.found}): its gradients would flow where torch's do not. Use "
@@ -345,6 +346,7 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
         warnings.simplefilter("ignore")
         program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
                                     input_names=names, dynamic_shapes=(dims,), verbose=False)
+    flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     return program.model_proto  # type: ignore[union-attr]
 
 
@@ -446,8 +448,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     feeds.update({name: state[fqn] for name, fqn in state_inputs})
     _complete_ranks(model, feeds)
     reference = None
-    if options.check and options.exporter == "torchscript" and not lost and not draws_random(model):
-        reference = tuple(flat._result.get("outputs", ()))  # with their autograd graph: the gradient check
+    if options.check and not lost and not draws_random(model):
+        reference = tuple(flat._result.get("outputs") or ())  # with their autograd graph: the gradient check
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     carried, reference)
 

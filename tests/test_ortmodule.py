@@ -1038,6 +1038,37 @@ def test_export_computing_something_else_is_refused() -> None:
     assert (ORTModule(ThroughView(), check_export=False)(x) < 0).any()  # the export's graph: no ReLU
 
 
+def test_dynamo_export_computing_something_else_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo's exports are checked too, against the call torch runs before exporting (dynamo's trace runs fake
+    tensors): a graph whose output is off (here made so after the export) fails as an export does; a right one,
+    BatchNorm switched to training mode included, passes, and its running statistics move once a call, as torch's."""
+    def scaled(g: onnx.GraphProto) -> None:
+        _split(g)
+        out = g.output[0].name
+        for n in g.node:
+            n.output[:] = [o + "/right" if o == out else o for o in n.output]
+        g.node.append(helper.make_node("Mul", [out + "/right", "one_and_a_half"], [out]))
+        g.initializer.append(onnx.numpy_helper.from_array(np.array(1.5, dtype=np.float32), "one_and_a_half"))
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+
+    from runtime import export as export_module
+    _split = export_module._split_sequences_to_slices
+    x = torch.randn(5, 4)
+    ref, om = pair(net(), exporter="dynamo")
+    for _ in range(2):
+        om(x).sum().backward()
+        ref(x).sum().backward()
+    assert_grads_equal(om, ref)
+    torch.testing.assert_close(om.module[1].running_mean, ref[1].running_mean)
+    assert om.stats["fallbacks"] == 0
+    monkeypatch.setattr(export_module, "_split_sequences_to_slices", scaled)
+    with pytest.raises(ORTModuleError, match=r"export check failed.*output 0 of 1 \(5, 3\) differs by up to"):
+        ORTModule(net(), exporter="dynamo")(x)
+
+
 def test_empty_batch_computes_as_torch() -> None:
     """A batch of 0 (the last of a filtered dataset) gives torch's empty outputs, gradients and BatchNorm
     statistics between full batches (a Conv's backward reshaped it by -1, which cannot size an empty tensor)."""
@@ -1104,10 +1135,11 @@ def wrong_tanh_rule() -> Iterator[None]:
         registry.lookup.cache_clear()
 
 
-def test_first_gradients_checked_against_torch() -> None:
-    """The first backward of an export is compared with torch's gradients of the traced call: a wrong gradient
-    rule fails it from backward, named; with fallback that step gets torch's gradients and later calls run in
-    torch; check_export=False leaves onnxruntime's."""
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_first_gradients_checked_against_torch(exporter: str) -> None:
+    """The first backward of an export is compared with torch's gradients of the traced call (dynamo's: the call
+    torch ran before exporting): a wrong gradient rule fails it from backward, named; with fallback that step gets
+    torch's gradients and later calls run in torch; check_export=False leaves onnxruntime's."""
     x = torch.randn(5, 4)
 
     def net() -> nn.Module:
@@ -1118,8 +1150,8 @@ def test_first_gradients_checked_against_torch() -> None:
     with wrong_tanh_rule():
         with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradients of the call that exported the "
                                                  r"module differ from torch's: gradient \d+ of 4 \(8, 4\)"):
-            ORTModule(net())(x).sum().backward()
-        om = ORTModule(net(), fallback=True)
+            ORTModule(net(), exporter=exporter)(x).sum().backward()
+        om = ORTModule(net(), fallback=True, exporter=exporter)
         with pytest.warns(FallbackWarning, match="gradient check"):
             om(x).sum().backward()
         ref(x).sum().backward()
@@ -1127,7 +1159,7 @@ def test_first_gradients_checked_against_torch() -> None:
         om(x).sum().backward()  # in torch now
         ref(x).sum().backward()
         assert_grads_equal(om, ref)
-        unchecked = ORTModule(net(), check_export=False)
+        unchecked = ORTModule(net(), check_export=False, exporter=exporter)
         unchecked(x).sum().backward()
     assert not torch.allclose(unchecked.module[0].weight.grad, ref[0].weight.grad / 2, rtol=1e-3)
 
