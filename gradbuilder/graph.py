@@ -328,12 +328,11 @@ class ForwardGraph:
         _check_interface(self.graph)
         self._index()
         _check_nodes(model, self.nodes, self.hidden_inputs, self.node_ops)
-        overflow = dimension_overflow(self.graph, self.nodes, self.node_ops, self.hidden_inputs)
-        if overflow is not None:
+        hazard = dimension_hazard(self.graph, self.nodes, self.node_ops, self.hidden_inputs)
+        if hazard is not None:
             raise InvalidModelError(
-                f"{overflow}, above {MAX_DIM}: onnx's shape inference computes dimensions in 32 bits and crashes "
-                "the process on such a model, and no tensor can have that many elements along one axis. Fix the "
-                "shape (a wrong constant or declaration) or re-export the model.")
+                f"{hazard}: onnx's shape inference would crash the process on this model. Fix the shape (a wrong "
+                "constant or declaration) or re-export the model.")
         self._largest = max((_check_tensor(t, f"initializer '{t.name}'") for t in self.graph.initializer), default=0)
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
         for node, inputs, op, dom in zip(self.nodes, self.node_inputs, self.node_ops, self.node_domains):
@@ -674,24 +673,27 @@ def _check_inference_hazards(node: onnx.NodeProto, op: str | None = None) -> Non
 MAX_DIM = 2**31 - 1
 """The largest dimension onnx's shape inference can take: some of it computes dimensions in 32 bits (Split), so a
 larger one wraps, and a negative result aborts the whole process in a later node's inference (Slice's std::clamp
-asserts), which no exception handler survives."""
+asserts), which no exception handler survives. A negative dimension declared, or a negative Expand shape, aborts
+it the same way."""
 SHAPE_INPUTS = {"Reshape": 1, "Expand": 1, "ConstantOfShape": 0, "Tile": 1, "Resize": 3}
 """The input that gives each op's output dimensions (Tile's multiplies them)."""
+SHAPE_FLOOR = {"Reshape": -1}
+"""The least value each op's shape input takes (Reshape's -1 is inferred; the others' least is 0)."""
 SHAPE_PASSING = frozenset({"Concat", "Unsqueeze", "Squeeze", "Identity", "Cast"})
 """Ops through which constant shape values reach those inputs unchanged."""
 
 
-def dimension_overflow(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto] | None = None,
-                       ops: Sequence[str] | None = None, bodied: Iterable[int] | None = None) -> str | None:
-    """What in `graph` (its bodies included) would give onnx's shape inference a dimension above `MAX_DIM`: a
-    declared one, or a constant value that reaches a shape input; None when nothing does. `nodes`, their `ops` and
-    the positions of those with bodies (`bodied`), when the caller has read them already (a protobuf field read
-    costs about a microsecond)."""
+def dimension_hazard(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto] | None = None,
+                     ops: Sequence[str] | None = None, bodied: Iterable[int] | None = None) -> str | None:
+    """What in `graph` (its bodies included) would give onnx's shape inference a dimension it aborts the process
+    on: declared negative or above `MAX_DIM`, or a constant out of range that reaches a shape input; None when
+    nothing does. `nodes`, their `ops` and the positions of those with bodies (`bodied`), when the caller has read
+    them already (a protobuf field read costs about a microsecond)."""
     for kind, vis in (("graph input", graph.input), ("graph output", graph.output), ("value_info", graph.value_info)):
         for vi in vis:
             for d in vi.type.tensor_type.shape.dim:
-                if d.dim_value > MAX_DIM:
-                    return f"{kind} '{vi.name}' is declared with a dimension of {d.dim_value}"
+                if d.dim_value > MAX_DIM or d.dim_value < 0:
+                    return f"{kind} '{vi.name}' is declared with a dimension of {d.dim_value} ({_bounds(0)})"
     nodes = list(graph.node) if nodes is None else nodes
     ops = [n.op_type for n in nodes] if ops is None else ops
     takers = [k for k, op in enumerate(ops) if op in SHAPE_INPUTS]
@@ -705,27 +707,33 @@ def dimension_overflow(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto] |
                 if op == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
                     constants[node.output[0]] = node.attribute[0].t
         for k in takers:
-            node = nodes[k]
-            i = SHAPE_INPUTS[ops[k]]
+            node, op = nodes[k], ops[k]
+            i, floor = SHAPE_INPUTS[op], SHAPE_FLOOR.get(op, 0)
             if node.domain in ("", "ai.onnx") and i < len(node.input) and node.input[i]:
-                found = _largest_value(node.input[i], constants, made, set())
-                if found is not None and found > MAX_DIM:
-                    return f"node {describe(node)} takes its output's shape from a constant holding {found}"
+                found = _value_range(node.input[i], constants, made, set())
+                bad = found and next((v for v in found if v > MAX_DIM or v < floor), None)
+                if bad is not None:
+                    return (f"node {describe(node)} takes its output's shape from a constant holding {bad} "
+                            f"({_bounds(floor)})")
     if bodied is None:
         bodied = [k for k, (node, op) in enumerate(zip(nodes, ops))
                   if op in CONTROL_FLOW_OPS or (node.attribute and _has_bodies(node))]
     for k in bodied:
         for a in nodes[k].attribute:
             for body in [a.g] if a.HasField("g") else list(a.graphs):
-                found_in_body = dimension_overflow(body)
+                found_in_body = dimension_hazard(body)
                 if found_in_body is not None:
-                    return f"{found_in_body} (in a body of node {describe(nodes[k])})"
+                    return f"{found_in_body}, in a body of node {describe(nodes[k])}"
     return None
 
 
-def _largest_value(name: str, constants: dict[str, TensorProto], made: dict[str, onnx.NodeProto],
-                   seen: set[str]) -> int | None:
-    """The largest magnitude among the integer constants `name` is made of through `SHAPE_PASSING` ops."""
+def _bounds(floor: int) -> str:
+    return f"dimensions run from {floor} to {MAX_DIM} there, the most onnx's shape inference computes without wrapping"
+
+
+def _value_range(name: str, constants: dict[str, TensorProto], made: dict[str, onnx.NodeProto],
+                 seen: set[str]) -> tuple[int, int] | None:
+    """The least and largest of the integer constants `name` is made of through `SHAPE_PASSING` ops."""
     if name in seen:
         return None
     seen.add(name)
@@ -737,21 +745,21 @@ def _largest_value(name: str, constants: dict[str, TensorProto], made: dict[str,
             values = onnx.numpy_helper.to_array(t)
         except Exception:  # damaged bytes: the tensor checks name them
             return None
-        return int(abs(values).max()) if values.size else None
+        return (int(values.min()), int(values.max())) if values.size else None
     node = made.get(name)
     if node is None or node.op_type not in SHAPE_PASSING or node.domain not in ("", "ai.onnx"):
         return None
     inputs = node.input if node.op_type == "Concat" else node.input[:1]
-    found = [v for x in inputs if x and (v := _largest_value(x, constants, made, seen)) is not None]
-    return max(found, default=None)
+    found = [r for x in inputs if x and (r := _value_range(x, constants, made, seen)) is not None]
+    return (min(r[0] for r in found), max(r[1] for r in found)) if found else None
 
 
 def infer_shapes_safely(model: onnx.ModelProto) -> onnx.GraphProto | None:
     """onnx's (lenient) shape inference without its hazards: None when the model has one or inference fails.
 
     For graphs that are not validated as a ForwardGraph is (a training graph in split): no hang on a malformed
-    Einsum, no crash on a Loop body without inputs or a dimension above `MAX_DIM`, no refusal above 2 GB, no data
-    propagation over long vectors.
+    Einsum, no crash on a Loop body without inputs or a dimension out of range (`dimension_hazard`), no refusal
+    above 2 GB, no data propagation over long vectors.
     """
     try:
         nodes = list(model.graph.node)
@@ -763,7 +771,7 @@ def infer_shapes_safely(model: onnx.ModelProto) -> onnx.GraphProto | None:
         for k in bodied:
             for n in nested_nodes(nodes[k]):
                 _check_inference_hazards(n)
-        if dimension_overflow(model.graph, nodes, ops, bodied) is not None:
+        if dimension_hazard(model.graph, nodes, ops, bodied) is not None:
             return None
         return onnx.shape_inference.infer_shapes(without_weights(model), strict_mode=False).graph
     except Exception:

@@ -180,6 +180,16 @@ def _declared_huge_dimension() -> onnx.ModelProto:
     return _split_then_slice("x", [], [vi("x", shape=[HUGE, 4])], [])
 
 
+def _declared_negative_dimension() -> onnx.ModelProto:
+    return _split_then_slice("x", [], [vi("x", shape=[-5, 4])], [])
+
+
+def _expand_to_a_negative_dimension() -> onnx.ModelProto:
+    """Expand's inference takes -1 as a dimension (Reshape's 'infer' means nothing to Expand) and aborts too."""
+    expand = node("Expand", ["x", "shape"], ["r"], "expander")
+    return _split_then_slice("r", [expand], [vi("x", shape=[2, 6])], [i64("shape", [-1, 6])])
+
+
 BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "no default opset": (_no_default_opset, ["no version of the default ONNX domain", "re-export"]),
     "no opset import": (_opset_import_cleared, ["no version of the default ONNX domain"]),
@@ -240,8 +250,10 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "malformed Einsum inside a body": (_einsum_in_if, ["'ein'", "'aß'", "Einsum equation"]),
     "Loop body without inputs": (_loop_without_body_inputs, ["'looper'", "'body' graph has 0 inputs", "needs 2"]),
     "Reshape to a dimension above 2^31": (_reshape_to_a_huge_dimension,
-                                          ["'reshaper'", str(HUGE), "32 bits", "Fix the shape"]),
-    "declared dimension above 2^31": (_declared_huge_dimension, ["graph input 'x'", str(HUGE), "32 bits"]),
+                                          ["'reshaper'", str(HUGE), "wrapping", "Fix the shape"]),
+    "declared dimension above 2^31": (_declared_huge_dimension, ["graph input 'x'", str(HUGE), "crash the process"]),
+    "declared negative dimension": (_declared_negative_dimension, ["graph input 'x'", "dimension of -5", "from 0"]),
+    "Expand to a negative dimension": (_expand_to_a_negative_dimension, ["'expander'", "holding -1", "from 0"]),
 }
 
 
