@@ -537,6 +537,17 @@ def _tensor_type_str(elem_type: int) -> str:
 
 
 def _check_versions(model: onnx.ModelProto, opset: int) -> None:
+    versions: dict[str, set[int]] = {}
+    for op in model.opset_import:
+        versions.setdefault("" if op.domain == "ai.onnx" else op.domain, set()).add(op.version)
+    twice = next(((d, sorted(v)) for d, v in versions.items() if len(v) > 1), None)
+    if twice is not None:
+        domain = f"domain '{twice[0]}'" if twice[0] else "the default ONNX domain"
+        raise InvalidModelError(
+            f"the model imports {domain} at {len(twice[1])} versions ({', '.join(map(str, twice[1]))}) in "
+            "opset_import: tools disagree on which one counts (onnx's checker takes the last entry, others the "
+            "first), so the ops would be read by one opset and checked by another. Keep one entry per domain."
+        )
     latest = onnx.defs.onnx_opset_version()
     if opset < MIN_OPSET:
         raise InvalidModelError(

@@ -71,6 +71,14 @@ def _opset(version: int) -> Callable[[], onnx.ModelProto]:
     return make
 
 
+def _default_domain_twice() -> onnx.ModelProto:
+    """onnx's checker reads the last entry, gradbuilder the first: the model must be refused, not built for one
+    opset and checked by the other (a ReduceMean with opset 17's axes attribute under opset 18: found by fuzzing)."""
+    m = tiny()
+    m.opset_import.append(helper.make_opsetid("", m.opset_import[0].version + 1))
+    return m
+
+
 def _opset_import_cleared() -> onnx.ModelProto:
     m = tiny()
     del m.opset_import[:]
@@ -193,6 +201,8 @@ def _expand_to_a_negative_dimension() -> onnx.ModelProto:
 BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "no default opset": (_no_default_opset, ["no version of the default ONNX domain", "re-export"]),
     "no opset import": (_opset_import_cleared, ["no version of the default ONNX domain"]),
+    "default domain imported twice": (_default_domain_twice, ["default ONNX domain at 2 versions",
+                                                              "Keep one entry per domain"]),
     "opset 7": (_opset(7), ["opset 7", "13 and later", "convert_version"]),
     "opset 99": (_opset(99), ["opset 99", "newest ONNX opset", "Re-export"]),
     "ir_version 0": (_ir_version_zero, ["no IR version", "ir_version"]),
