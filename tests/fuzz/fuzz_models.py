@@ -239,8 +239,8 @@ def mutate(m: onnx.ModelProto, r: random.Random) -> None:
                     d = tt.shape.dim.add()
                     if r.random() < 0.3:
                         d.dim_param = "n"
-                    else:
-                        d.dim_value = r.choice([0, 1, 2, 3, 5])
+                    else:  # the last two: onnx's 32-bit dimensions wrap, and its inference aborts on negatives
+                        d.dim_value = r.choice([0, 1, 2, 3, 5, 0, 1, 2, 3, 5, -1, 2**31])
     elif kind == 8 and g.initializer:
         t = r.choice(g.initializer)
         change = r.randrange(4)
@@ -253,7 +253,11 @@ def mutate(m: onnx.ModelProto, r: random.Random) -> None:
         else:
             t.raw_data = bytes(r.randrange(256) for _ in range(r.randrange(16)))
     elif kind == 9:
-        m.opset_import[0].version = r.choice([7, 12, 13, 14, 15, 17, 18, 21, 23, 24, 99])
+        version = r.choice([7, 12, 13, 14, 15, 17, 18, 21, 23, 24, 99])
+        if r.random() < 0.2:  # a second entry for the domain: tools disagree on which one counts
+            m.opset_import.append(helper.make_opsetid(m.opset_import[0].domain if m.opset_import else "", version))
+        elif m.opset_import:
+            m.opset_import[0].version = version
     elif kind == 10 and g.output:
         out = r.choice(g.output)
         if r.random() < 0.3:
