@@ -335,8 +335,21 @@ class ForwardGraph:
                 "constant or declaration) or re-export the model.")
         self._largest = max((_check_tensor(t, f"initializer '{t.name}'") for t in self.graph.initializer), default=0)
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
+        self._check_known_types()
         for node, inputs, op, dom in zip(self.nodes, self.node_inputs, self.node_ops, self.node_domains):
             self._check_input_types(node, inputs, op, dom)
+
+    def _check_known_types(self) -> None:
+        """A tensor of a type onnx does not define (an attribute naming a type, such as Cast's 'to' or
+        LayerNormalization's 'stash_type', holds a wrong number): no rule could cast to or from it."""
+        for name, info in self.info.items():
+            if info.elem_type and info.elem_type not in KNOWN_TYPES:
+                made = self.producer.get(name)
+                by = f", made by node {describe(self.nodes[made])}," if made is not None else ""
+                raise InvalidModelError(
+                    f"tensor '{name}'{by} has element type {info.elem_type}, which is not an ONNX type: an attribute "
+                    "naming a type (Cast's 'to', LayerNormalization's 'stash_type', a dtype) holds a wrong value. "
+                    "Fix it or re-export the model.")
 
     def _index(self) -> None:
         defined = set(self.inputs) | set(self.initializers)

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..errors import RuleError
+from ..errors import InvalidModelError, RuleError
 from ..graph import UNKNOWN, ForwardGraph, NameAllocator, TensorInfo, describe
 
 
@@ -247,7 +247,14 @@ class Grad:
         if self._attr_values is None:
             self._attr_values = {a.name: helper.get_attribute_value(a) for a in self.node.attribute}
         value = self._attr_values.get(name, default)
-        return value.decode() if isinstance(value, bytes) else value
+        if not isinstance(value, bytes):
+            return value
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise InvalidModelError(f"node {describe(self.node)}: attribute '{name}' is not UTF-8 text "
+                                    f"({value[:16]!r}); ONNX strings are UTF-8. Fix the attribute or re-export the "
+                                    "model.") from None
 
     def info(self, name: str) -> TensorInfo:
         return self._info.get(name, UNKNOWN)  # ForwardGraph.tensor_info
