@@ -247,8 +247,13 @@ class Grad:
         if self._attr_values is None:
             self._attr_values = {a.name: helper.get_attribute_value(a) for a in self.node.attribute}
         value = self._attr_values.get(name, default)
-        if not isinstance(value, bytes):
-            return value
+        if isinstance(value, bytes):
+            return self._text(name, value)
+        if isinstance(value, list) and value and isinstance(value[0], bytes):
+            return [self._text(name, v) for v in value]
+        return value
+
+    def _text(self, name: str, value: bytes) -> str:
         try:
             return value.decode()
         except UnicodeDecodeError:

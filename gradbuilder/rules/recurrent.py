@@ -142,7 +142,7 @@ def _spec(g: Grad, gates: int, default_acts: tuple[str, ...]) -> _Spec:
     if g.attr("input_forget", 0):
         g.fail("input_forget=1 (coupled input and forget gates) is not supported")
     given = g.attr("activations", [])
-    names = [a.decode() if isinstance(a, bytes) else a for a in given] or list(default_acts) * len(reverse)
+    names = list(given) or list(default_acts) * len(reverse)  # Grad.attr decodes them
     n = len(default_acts)
     if len(names) != n * len(reverse):
         g.fail(f"{len(names)} activations given; {g.op_type} needs {n} per direction")

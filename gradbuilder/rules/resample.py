@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper
 
+from ..graph import KNOWN_TYPES
 from .context import Grad
 from .indexing import as_tensor, axis_adjoint, size_along, zeros
 from .registry import rule
@@ -56,7 +57,10 @@ def _folded(g: Grad, i: int) -> list[Entry] | None:
     if op in ("Identity", "Squeeze", "Unsqueeze", "Reshape"):
         return vals
     if op == "Cast":
-        kind = float if helper.tensor_dtype_to_np_dtype(int(p.attr("to"))).kind == "f" else int
+        to = int(p.attr("to"))
+        if to not in KNOWN_TYPES:
+            return None
+        kind = float if helper.tensor_dtype_to_np_dtype(to).kind == "f" else int
         return [e if isinstance(e, tuple) else kind(e) for e in vals]
     if op == "Gather" and int(p.attr("axis", 0)) == 0 and (index := p.const_input(1)) is not None:
         return [vals[int(j)] for j in index.ravel()]
