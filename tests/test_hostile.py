@@ -211,6 +211,18 @@ def _pad_mode_not_utf8() -> onnx.ModelProto:
     return onnx.load_from_string(m.SerializeToString().replace(b"XXXX", b"\xc3%%%"))
 
 
+def _conv_strides_of_another_rank() -> onnx.ModelProto:
+    """Two strides for a 1-D kernel: x's rank unknown, onnx's inference cannot tell; the Conv rule can."""
+    nodes = [node("Conv", ["x", "Wc"], ["y"], "conv", strides=[1, 1])]
+    return make_model(nodes, [vi("x", shape=None)], [vi("y", shape=None)], [f32("Wc", [[[1.0, 2.0, 3.0]]])])
+
+
+def _slice_starts_not_1d() -> onnx.ModelProto:
+    nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
+    return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
+                      [*_params(), i64("s0", 0), i64("e2", 2)])
+
+
 BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "no default opset": (_no_default_opset, ["no version of the default ONNX domain", "re-export"]),
     "no opset import": (_opset_import_cleared, ["no version of the default ONNX domain"]),
@@ -280,6 +292,9 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "a type attribute outside ONNX's types": (_stash_type_outside_onnx_types,
                                               ["tensor 'mean'", "'norm'", "element type -3", "stash_type"]),
     "string attribute not UTF-8": (_pad_mode_not_utf8, ["'padder'", "attribute 'mode'", "not UTF-8"]),
+    "Conv strides of another rank": (_conv_strides_of_another_rank,
+                                     ["'conv'", "strides [1, 1]", "1 value of at least"]),
+    "Slice starts not 1-D": (_slice_starts_not_1d, ["'slicer'", "starts is a 0-D constant", "1-D"]),
 }
 
 
@@ -297,7 +312,8 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
-BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8"}
+BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
+              "Slice starts not 1-D"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 

@@ -145,9 +145,15 @@ def node_window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
     nd = len(kernel)
     strides = tuple(g.attr("strides", [1] * nd))
     dilations = tuple(g.attr("dilations", [1] * nd))
+    for name, values in (("kernel", tuple(kernel)), ("strides", strides), ("dilations", dilations)):
+        if len(values) != nd or any(v < 1 for v in values):
+            g.fail(f"its {name} {list(values)} must hold {nd} value{'s' if nd != 1 else ''} of at least 1, one "
+                   "per spatial axis")
     auto = g.attr("auto_pad", "NOTSET")
     if auto in ("NOTSET", ""):
         pads = list(g.attr("pads", [0] * 2 * nd))
+        if len(pads) != 2 * nd:
+            g.fail(f"its pads {pads} must hold {2 * nd} values, a begin and an end per spatial axis")
         return Window(tuple(kernel), strides, dilations, tuple(pads[:nd]), tuple(pads[nd:]))
     if auto == "VALID":
         return Window(tuple(kernel), strides, dilations, (0,) * nd, (0,) * nd)
