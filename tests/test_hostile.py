@@ -223,6 +223,13 @@ def _slice_starts_not_1d() -> onnx.ModelProto:
                       [*_params(), i64("s0", 0), i64("e2", 2)])
 
 
+def _slice_lengths_differ() -> onnx.ModelProto:
+    """Two starts, one end, and steps of 2 (the step rule reads each axis's values by position)."""
+    nodes = [node("Mul", ["x", "W"], ["x2"], "mul"), node("Slice", ["x2", "s", "e", "a", "st"], ["y"], "slicer")]
+    return make_model(nodes, [vi("x", shape=None)], [vi("y", shape=None)],
+                      [*_params(), i64("s", [0, 0]), i64("e", [2]), i64("a", [0, 1]), i64("st", [2, 2])])
+
+
 BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "no default opset": (_no_default_opset, ["no version of the default ONNX domain", "re-export"]),
     "no opset import": (_opset_import_cleared, ["no version of the default ONNX domain"]),
@@ -295,6 +302,7 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Conv strides of another rank": (_conv_strides_of_another_rank,
                                      ["'conv'", "strides [1, 1]", "1 value of at least"]),
     "Slice starts not 1-D": (_slice_starts_not_1d, ["'slicer'", "starts is a 0-D constant", "1-D"]),
+    "Slice inputs of different lengths": (_slice_lengths_differ, ["'slicer'", "ends (1)", "differ in length"]),
 }
 
 
@@ -313,7 +321,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
-              "Slice starts not 1-D"}
+              "Slice starts not 1-D", "Slice inputs of different lengths"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 

@@ -136,10 +136,16 @@ def slice_(g: Grad):
     axis, Slice 0..d-1 the same way (so ONNX's own clamping rules say which positions were read) and
     scatter there. Run-time axes: the flat-position fallback."""
     x, dy = g.I(0), g.GO(0)
+    lengths: dict[str, int] = {}
     for i, what in ((1, "starts"), (2, "ends"), (3, "axes"), (4, "steps")):
         value = g.const_input(i) if g.I(i) is not None else None
         if value is not None and value.ndim != 1:
             g.fail(f"its {what} is a {value.ndim}-D constant; Slice takes a 1-D one, a value per sliced axis")
+        if value is not None:
+            lengths[what] = len(value)
+    if len(set(lengths.values())) > 1:
+        g.fail(f"its {' and '.join(f'{w} ({n})' for w, n in lengths.items())} differ in length; Slice takes one "
+               "value of each per sliced axis")
     rank = g.rank(x)
     axes = _slice_axes(g, rank)
     if axes is None:
