@@ -286,7 +286,7 @@ def subgraph_free_names(node: onnx.NodeProto) -> set[str]:
         graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
         for g in graphs:
             defined = {i.name for i in g.input} | {t.name for t in g.initializer}
-            defined |= {t.name for t in g.sparse_initializer}
+            defined |= {t.values.name for t in g.sparse_initializer}  # a sparse tensor's name is its values''
             for n in g.node:
                 for name in n.input:
                     if name and name not in defined:

@@ -230,6 +230,25 @@ def _slice_lengths_differ() -> onnx.ModelProto:
                       [*_params(), i64("s", [0, 0]), i64("e", [2]), i64("a", [0, 1]), i64("st", [2, 2])])
 
 
+def _dropout_ratio_of_three() -> onnx.ModelProto:
+    """Three ratios: onnx's inference would refuse them, but it knows nothing of a custom op's output and stops there;
+    the Dropout rule meets them."""
+    nodes = [helper.make_node("Frob", ["x"], ["h"], name="frob", domain="com.example"),
+             node("Mul", ["h", "W"], ["h2"], "mul"), node("Dropout", ["h2", "ratios", "on"], ["y"], "dropper")]
+    return make_model(nodes, [vi("x")], [vi("y", shape=None)],
+                      [*_params(), f32("ratios", [0.1, 0.2, 0.3]), onnx.numpy_helper.from_array(np.array(True), "on")],
+                      extra_opsets=["com.example"])
+
+
+def _sparse_initializer_in_a_body() -> onnx.ModelProto:
+    """A SparseTensorProto keeps its name in `values`: reading the outer names a body uses must look there."""
+    body = helper.make_graph([node("Identity", ["S"], ["a"])], "then", [], [vi("a")])
+    body.sparse_initializer.append(helper.make_sparse_tensor(f32("S", [1.0]), i64("S_idx", [0]), [3]))
+    other = helper.make_graph([node("Neg", ["x"], ["b"])], "else", [], [vi("b")])
+    nodes = [node("If", ["c"], ["z"], "brancher", then_branch=body, else_branch=other), node("Mul", ["x", "W"], ["y"])]
+    return make_model(nodes, [vi("x"), vi("c", TP.BOOL, [])], [vi("y"), vi("z")], _params())
+
+
 BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "no default opset": (_no_default_opset, ["no version of the default ONNX domain", "re-export"]),
     "no opset import": (_opset_import_cleared, ["no version of the default ONNX domain"]),
@@ -303,6 +322,8 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
                                      ["'conv'", "strides [1, 1]", "1 value of at least"]),
     "Slice starts not 1-D": (_slice_starts_not_1d, ["'slicer'", "starts is a 0-D constant", "1-D"]),
     "Slice inputs of different lengths": (_slice_lengths_differ, ["'slicer'", "ends (1)", "differ in length"]),
+    "Dropout ratio of three values": (_dropout_ratio_of_three, ["'dropper'", "ratio is a constant of shape [3]"]),
+    "sparse initializer in a body": (_sparse_initializer_in_a_body, ["'brancher'", "inconsistent"]),
 }
 
 
@@ -321,7 +342,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
-              "Slice starts not 1-D", "Slice inputs of different lengths"}
+              "Slice starts not 1-D", "Slice inputs of different lengths", "Dropout ratio of three values"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 

@@ -1023,7 +1023,10 @@ def dropout(g: Grad):
     output, added to the node when absent): a product, as torch's own dropout backward computes it
     (onnxruntime's Where costs ten times a Cast and a Mul). Inference (training_mode absent or false): identity."""
     x, ratio, mode, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
-    known_mode = g.const_input(2)
+    known_mode = g.const_input(2) if mode is not None else None
+    for what, value in (("training_mode", known_mode), ("ratio", g.const_input(1) if ratio is not None else None)):
+        if value is not None and value.size != 1:
+            g.fail(f"its {what} is a constant of shape {list(value.shape)}; Dropout takes a scalar")
     if mode is None or (known_mode is not None and not bool(known_mode)):
         return (dy,)
     mask = g.output(1, "mask")
