@@ -665,6 +665,19 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
                 _check_inference_hazards(n)
 
 
+def graph_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of `graph`, those of its nodes' bodies included, at any depth."""
+    for node in graph.node:
+        yield node
+        yield from nested_nodes(node)
+
+
+def with_bodies(nodes: Sequence[onnx.NodeProto], ops: Sequence[str]) -> list[int]:
+    """Positions of the nodes that have bodies (control flow, or any node with a graph attribute)."""
+    return [k for k, (node, op) in enumerate(zip(nodes, ops))
+            if op in CONTROL_FLOW_OPS or (node.attribute and _has_bodies(node))]
+
+
 def nested_nodes(node: onnx.NodeProto) -> Iterable[onnx.NodeProto]:
     """Every node of every body of `node`, at any depth."""
     for a in node.attribute:
@@ -740,8 +753,7 @@ def dimension_hazard(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto] | N
                     return (f"node {describe(node)} takes its output's shape from a constant holding {bad} "
                             f"({_bounds(floor)})")
     if bodied is None:
-        bodied = [k for k, (node, op) in enumerate(zip(nodes, ops))
-                  if op in CONTROL_FLOW_OPS or (node.attribute and _has_bodies(node))]
+        bodied = with_bodies(nodes, ops)
     for k in bodied:
         for a in nodes[k].attribute:
             for body in [a.g] if a.HasField("g") else list(a.graphs):
@@ -788,8 +800,7 @@ def infer_shapes_safely(model: onnx.ModelProto) -> onnx.GraphProto | None:
     try:
         nodes = list(model.graph.node)
         ops = [n.op_type for n in nodes]
-        bodied = [k for k, (node, op) in enumerate(zip(nodes, ops))
-                  if op in CONTROL_FLOW_OPS or (node.attribute and _has_bodies(node))]
+        bodied = with_bodies(nodes, ops)
         for node, op in zip(nodes, ops):
             _check_inference_hazards(node, op)
         for k in bodied:

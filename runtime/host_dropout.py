@@ -22,7 +22,7 @@ bodies, or of a non-constant ratio) get their `seed` the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +32,7 @@ import torch
 from onnx import TensorProto, helper
 from onnxruntime.capi import _pybind_state as C
 
-from gradbuilder.graph import nested_nodes
+from gradbuilder.graph import graph_nodes
 
 from . import exchange
 from .ort_session import DISABLED_OPTIMIZERS, RANDOM_OPS, Runner, SessionConfig, draws_random
@@ -227,16 +227,11 @@ def seeded_random_ops(model: onnx.ModelProto, masked: frozenset[str] = frozenset
         return (n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
                 and (n.op_type in RANDOM_OPS or (dropouts and n.op_type == "Dropout" and n.output[0] not in masked)))
 
-    def every_node(g: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-        for n in g.node:
-            yield n
-            yield from nested_nodes(n)
-
-    if not any(unseeded(n) for n in every_node(model.graph)):
+    if not any(unseeded(n) for n in graph_nodes(model.graph)):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    for n in every_node(out.graph):
+    for n in graph_nodes(out.graph):
         if unseeded(n):  # RandomNormal's seed is a float, Dropout's an int
             seed = float(_seed() % (1 << 24)) if n.op_type in RANDOM_OPS else _seed()
             n.attribute.append(helper.make_attribute("seed", seed))

@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as C
 
-from gradbuilder.graph import nested_nodes
+from gradbuilder.graph import graph_nodes
 
 from . import openmp
 
@@ -189,5 +189,4 @@ def _session(data: bytes, config: SessionConfig, disabled: Sequence[str]) -> ort
 
 def draws_random(graph: onnx.GraphProto) -> bool:
     """Whether onnxruntime draws random numbers running `graph` (its Dropouts, its random ops, in bodies too)."""
-    return any(n.op_type == "Dropout" or n.op_type in RANDOM_OPS
-               for node in graph.node for n in (node, *nested_nodes(node)))
+    return any(n.op_type == "Dropout" or n.op_type in RANDOM_OPS for n in graph_nodes(graph))
