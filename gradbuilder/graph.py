@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 from onnx import TensorProto
 
 from .errors import InvalidModelError, ModelLoadError, SaveError
+from .inference import infer_shapes
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
@@ -438,7 +439,7 @@ class ForwardGraph:
     def _inferred(self, copy: onnx.ModelProto, untyped: bool, data_prop: bool) -> onnx.GraphProto | None:
         """Strict shape inference: a conflict it reports is refused, naming the node; None if inference fails."""
         try:
-            return onnx.shape_inference.infer_shapes(copy, strict_mode=True, data_prop=data_prop).graph
+            return infer_shapes(copy, strict=True, data_prop=data_prop).graph
         except onnx.shape_inference.InferenceError as e:
             lines = str(e).replace("[ShapeInferenceError] Inference error(s): ", "").splitlines()
             problems = [line for line in lines if line.strip()
@@ -446,7 +447,7 @@ class ForwardGraph:
             if problems:
                 raise self._inconsistent(problems[0]) from None
             try:
-                return onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=data_prop).graph
+                return infer_shapes(copy, data_prop=data_prop).graph
             except Exception:
                 return None
         except Exception:
@@ -808,7 +809,7 @@ def infer_shapes_safely(model: onnx.ModelProto) -> onnx.GraphProto | None:
                 _check_inference_hazards(n)
         if dimension_hazard(model.graph, nodes, ops, bodied) is not None:
             return None
-        return onnx.shape_inference.infer_shapes(without_weights(model), strict_mode=False).graph
+        return infer_shapes(without_weights(model)).graph
     except Exception:
         return None
 

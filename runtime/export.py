@@ -39,6 +39,8 @@ from onnx import helper
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from gradbuilder.inference import infer_shapes
+
 from . import accumulation, custom_functions, exchange, stop_gradients, symbolics
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
@@ -541,7 +543,7 @@ def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> N
     need ranks. Dimensions stay unknown, so no size is baked in."""
     g = model.graph
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True).graph
+        inferred = infer_shapes(model, data_prop=True).graph
     except Exception:
         inferred = g
     known = {v.name for v in [*inferred.value_info, *inferred.input, *inferred.output]

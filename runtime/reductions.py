@@ -26,6 +26,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder.graph import default_opset
+from gradbuilder.inference import infer_shapes
 
 from .passes import (
     Dims,
@@ -44,7 +45,7 @@ from .passes import (
 
 def _shapes(model: onnx.ModelProto) -> dict[str, Dims]:
     """Every tensor's dims as shape inference sees them (int, symbol or None), for float32 tensors only."""
-    types = tensor_types(onnx.shape_inference.infer_shapes(model).graph)
+    types = tensor_types(infer_shapes(model).graph)
     return {name: dims for name, (elem, dims) in types.items() if elem == TensorProto.FLOAT and dims is not None}
 
 

@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from gradbuilder.inference import infer_shapes
+
 from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, names_in_use, tensor_types
 
 MAX_ELEMENTS = 16
@@ -47,7 +49,7 @@ def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         copy.graph.node.extend(kept)
         model = copy
     try:
-        graph = onnx.shape_inference.infer_shapes(model).graph
+        graph = infer_shapes(model).graph
     except Exception:  # a model inference cannot follow keeps its shape arithmetic
         return {}
     return {name: [d if isinstance(d, int) else None for d in dims]

@@ -19,6 +19,8 @@ import math
 
 import onnx
 
+from gradbuilder.inference import infer_shapes
+
 from .export import pin_dims
 
 SMALL = 12_000_000
@@ -49,7 +51,7 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
     sized = pin_dims(model, shapes, batch=True)
     del sized.graph.value_info[:]  # the exporter's own, with symbolic dims inference would keep
     try:
-        inferred = onnx.shape_inference.infer_shapes(sized, strict_mode=False, data_prop=True).graph
+        inferred = infer_shapes(sized, data_prop=True).graph
     except Exception:  # onnx raises several types; an unsized model keeps the configured threads
         return None
     known = {vi.name: _dims(vi) for vi in [*inferred.input, *inferred.value_info, *inferred.output]}

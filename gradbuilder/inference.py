@@ -1,0 +1,107 @@
+"""onnx's shape inference, with the pool sizes it gets wrong in ceil mode computed as ONNX defines them.
+
+ONNX's MaxPool, AveragePool and LpPool drop a last window that would start in the end padding ("sliding windows
+that would start in the right padded region are ignored", as torch does), and onnxruntime computes them so. onnx's
+shape inference (1.23) does not: MaxPool(kernel 2, stride 2, pads 1, ceil_mode 1) over 5 rows gives 3 rows in
+torch and onnxruntime and 4 in onnx's inference. A strict inference then reports a conflict further on (the
+Gemm after a Flatten) and refuses a valid model; a lenient one hands every later shape out wrong.
+
+`infer_shapes` runs inference with each such pool seen as the floor-mode pool of the same output size (ceil_mode
+0, the end pad cut or grown to match), which onnx sizes right, and hands back the graph with the pool as it
+was. The pool's input size must be known for that, so the pools are sized in lenient rounds first, each round
+giving later pools their input sizes.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+POOLS = frozenset({"MaxPool", "AveragePool", "LpPool"})
+
+
+def infer_shapes(model: onnx.ModelProto, *, strict: bool = False, data_prop: bool = False) -> onnx.ModelProto:
+    """onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=data_prop), ceil-mode pools
+    sized as ONNX defines them. `model` is patched while inference runs and restored before this returns."""
+    nodes = model.graph.node
+    ceil = [i for i, n in enumerate(nodes) if n.op_type in POOLS and n.domain in ("", "ai.onnx") and _ceil_mode(n)]
+    if not ceil:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=data_prop)
+    originals = {i: _copy(nodes[i]) for i in ceil}
+    try:
+        for _ in range(len(ceil)):  # each round sizes at least the first pool whose input size was unknown
+            graph = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=data_prop).graph
+            dims = _static_dims(graph)
+            changed = False
+            for i in ceil:
+                size = dims.get(originals[i].input[0]) if originals[i].input else None
+                floor = _as_floor_mode(originals[i], size) if size else None
+                if floor is not None and floor != nodes[i]:
+                    nodes[i].CopyFrom(floor)
+                    changed = True
+            if not changed:
+                break
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=data_prop)
+    finally:
+        for i, node in originals.items():
+            nodes[i].CopyFrom(node)
+    for i, node in originals.items():
+        inferred.graph.node[i].CopyFrom(node)
+    return inferred
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    return out
+
+
+def _ceil_mode(node: onnx.NodeProto) -> bool:
+    return any(a.name == "ceil_mode" and a.i for a in node.attribute)
+
+
+def _static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
+    out: dict[str, list[int | None]] = {}
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    return out
+
+
+def _as_floor_mode(node: onnx.NodeProto, size: list[int | None]) -> onnx.NodeProto | None:
+    """The floor-mode pool with `node`'s output size over an input of `size` (ONNX's: a last window starting in
+    the end padding dropped), or None where the spatial sizes are unknown or the pads are not explicit."""
+    attrs = {a.name: a for a in node.attribute}
+    if "auto_pad" in attrs and attrs["auto_pad"].s not in (b"", b"NOTSET"):
+        return None
+    kernel = list(attrs["kernel_shape"].ints) if "kernel_shape" in attrs else []
+    spatial = size[2:]
+    r = len(kernel)
+    if not r or len(spatial) != r or any(n is None for n in spatial):
+        return None
+    strides = list(attrs["strides"].ints) if "strides" in attrs else [1] * r
+    dilations = list(attrs["dilations"].ints) if "dilations" in attrs else [1] * r
+    pads = list(attrs["pads"].ints) if "pads" in attrs else [0] * (2 * r)
+    if len(strides) != r or len(dilations) != r or len(pads) != 2 * r or min(strides + dilations) < 1:
+        return None  # malformed: left to inference and the checks that report it
+    ends = list(pads[r:])
+    for i, (n, k, s, d) in enumerate(zip(spatial, kernel, strides, dilations)):
+        span = d * (k - 1) + 1
+        begin, end = pads[i], pads[r + i]
+        extent = n + begin + end - span
+        if extent < 0:
+            return None
+        out = -(-extent // s) + 1
+        if (out - 1) * s >= n + begin:  # the last window would start in the end padding: ONNX drops it
+            out -= 1
+        ends[i] = max((out - 1) * s + span - n - begin, 0)  # floor((n + begin + end' - span) / s) + 1 == out
+    floor = _copy(node)
+    for a in floor.attribute:
+        if a.name == "ceil_mode":
+            a.i = 0
+        elif a.name == "pads":
+            del a.ints[:]
+            a.ints.extend(pads[:r] + ends)
+    if "pads" not in attrs:
+        floor.attribute.append(onnx.helper.make_attribute("pads", [0] * r + ends))
+    return floor
