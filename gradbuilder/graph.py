@@ -23,6 +23,8 @@ from .inference import infer_shapes
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 MIN_OPSET = 13
+MIN_IR_VERSION = 7
+"""The IR version opset 13 came with (onnx 1.8): no exporter writes an older one beside a supported opset."""
 
 Dim = int | str | None
 
@@ -577,6 +579,13 @@ def _check_versions(model: onnx.ModelProto, opset: int) -> None:
         raise InvalidModelError(
             "the model has no IR version (ir_version is 0), so no runtime will load it; set "
             f"model.ir_version (onnx {onnx.__version__} writes {onnx.IR_VERSION}) or re-export it."
+        )
+    if model.ir_version < MIN_IR_VERSION:
+        raise InvalidModelError(
+            f"the model has IR version {model.ir_version}, older than opset {opset} allows (opset {MIN_OPSET} came "
+            f"with IR version {MIN_IR_VERSION}): tools read a model by its IR version's rules, and below 4 "
+            "initializers must also be graph inputs, so onnx's shape inference leaves them untyped and checks "
+            f"nothing. Set model.ir_version (onnx {onnx.__version__} writes {onnx.IR_VERSION}) or re-export it."
         )
     if model.ir_version > onnx.IR_VERSION:
         raise InvalidModelError(

@@ -85,10 +85,12 @@ def _opset_import_cleared() -> onnx.ModelProto:
     return m
 
 
-def _ir_version_zero() -> onnx.ModelProto:
-    m = tiny()
-    m.ir_version = 0
-    return m
+def _ir_version(version: int) -> Callable[[], onnx.ModelProto]:
+    def make() -> onnx.ModelProto:
+        m = tiny()
+        m.ir_version = version
+        return m
+    return make
 
 
 def _no_outputs() -> onnx.ModelProto:
@@ -217,6 +219,13 @@ def _conv_strides_of_another_rank() -> onnx.ModelProto:
     return make_model(nodes, [vi("x", shape=None)], [vi("y", shape=None)], [f32("Wc", [[[1.0, 2.0, 3.0]]])])
 
 
+def _conv_on_a_vector() -> onnx.ModelProto:
+    """A 2-D kernel with a vector weight over an input of unknown rank: onnx's inference cannot tell (a fuzz find,
+    where an IR version of 1 kept inference out)."""
+    nodes = [node("Conv", ["x", "Wv"], ["y"], "conv", kernel_shape=[2, 2])]
+    return make_model(nodes, [vi("x", shape=None)], [vi("y", shape=None)], [f32("Wv", [1.0, 2.0, 3.0])])
+
+
 def _slice_starts_not_1d() -> onnx.ModelProto:
     nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
     return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
@@ -256,7 +265,8 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
                                                               "Keep one entry per domain"]),
     "opset 7": (_opset(7), ["opset 7", "13 and later", "convert_version"]),
     "opset 99": (_opset(99), ["opset 99", "newest ONNX opset", "Re-export"]),
-    "ir_version 0": (_ir_version_zero, ["no IR version", "ir_version"]),
+    "ir_version 0": (_ir_version(0), ["no IR version", "ir_version"]),
+    "ir_version 3": (_ir_version(3), ["IR version 3, older than opset", "untyped", "Set model.ir_version"]),
     "dangling input": (lambda: make_model([node("Add", ["x", "ghost"], ["y"], "adder")], [vi("x")], [vi("y")]),
                        ["'adder'", "'ghost'", "dangling", "Add 'ghost' as a graph input or initializer"]),
     "two nodes write one tensor": (
@@ -324,6 +334,7 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Slice inputs of different lengths": (_slice_lengths_differ, ["'slicer'", "ends (1)", "differ in length"]),
     "Dropout ratio of three values": (_dropout_ratio_of_three, ["'dropper'", "ratio is a constant of shape [3]"]),
     "sparse initializer in a body": (_sparse_initializer_in_a_body, ["'brancher'", "inconsistent"]),
+    "Conv on a vector": (_conv_on_a_vector, ["'conv'", "weight 'Wv' has rank 1", "needs a weight of rank 4"]),
 }
 
 
@@ -342,7 +353,8 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
-              "Slice starts not 1-D", "Slice inputs of different lengths", "Dropout ratio of three values"}
+              "Slice starts not 1-D", "Slice inputs of different lengths", "Dropout ratio of three values",
+              "Conv on a vector"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 

@@ -88,6 +88,10 @@ def _kernel(g: Grad, w: str) -> list[int]:
     if not kernel:
         g.fail(f"the kernel has no spatial dims (weight '{w}' of rank {g.rank(w)}); a Conv weight is "
                "(M, C/group, k1, ...)")
+    rank = g.rank(w)
+    if rank is not None and rank != len(kernel) + 2:
+        g.fail(f"its weight '{w}' has rank {rank}, but its kernel_shape {list(kernel)} needs a weight of rank "
+               f"{len(kernel) + 2} (M, C/group, k1, ...)")
     return list(kernel)
 
 
@@ -149,6 +153,10 @@ def node_window(g: Grad, x: str, kernel: Sequence[int]) -> Window:
         if len(values) != nd or any(v < 1 for v in values):
             g.fail(f"its {name} {list(values)} must hold {nd} value{'s' if nd != 1 else ''} of at least 1, one "
                    "per spatial axis")
+    rank = g.rank(x)
+    if rank is not None and rank != nd + 2:
+        g.fail(f"its input '{x}' has rank {rank}, but a kernel of {nd} spatial dims needs rank {nd + 2} "
+               "(N, C, spatial...)")
     auto = g.attr("auto_pad", "NOTSET")
     if auto in ("NOTSET", ""):
         pads = list(g.attr("pads", [0] * 2 * nd))
