@@ -6,13 +6,17 @@ shape inference (1.23) does not: MaxPool(kernel 2, stride 2, pads 1, ceil_mode 1
 torch and onnxruntime and 4 in onnx's inference. A strict inference then reports a conflict further on (the
 Gemm after a Flatten) and refuses a valid model; a lenient one hands every later shape out wrong.
 
-`infer_shapes` runs inference with each such pool seen as the floor-mode pool of the same output size (ceil_mode
-0, the end pad cut or grown to match), which onnx sizes right, and hands back the graph with the pool as it
-was. The pool's input size must be known for that, so the pools are sized in lenient rounds first, each round
-giving later pools their input sizes.
+`infer_shapes` runs inference with each such pool seen as the floor-mode pool of the same windows
+(`as_floor_mode`: ceil_mode 0, the end pad cut to where the last window ends), which onnx sizes right, and hands
+back the graph with the pool as it was. The pool's input size must be known for that, so the pools are sized in
+lenient rounds first, each round giving later pools their input sizes. onnxruntime's own inference has the same
+fault (it refuses such a graph where a Gemm's weight fixes the size), so the runtime gives it the floor-mode
+pools themselves: the same windows and values.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import onnx
 
@@ -23,18 +27,18 @@ def infer_shapes(model: onnx.ModelProto, *, strict: bool = False, data_prop: boo
     """onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=data_prop), ceil-mode pools
     sized as ONNX defines them. `model` is patched while inference runs and restored before this returns."""
     nodes = model.graph.node
-    ceil = [i for i, n in enumerate(nodes) if n.op_type in POOLS and n.domain in ("", "ai.onnx") and _ceil_mode(n)]
+    ceil = ceil_mode_pools(nodes)
     if not ceil:
         return onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=data_prop)
     originals = {i: _copy(nodes[i]) for i in ceil}
     try:
         for _ in range(len(ceil)):  # each round sizes at least the first pool whose input size was unknown
             graph = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=data_prop).graph
-            dims = _static_dims(graph)
+            dims = static_dims(graph)
             changed = False
             for i in ceil:
                 size = dims.get(originals[i].input[0]) if originals[i].input else None
-                floor = _as_floor_mode(originals[i], size) if size else None
+                floor = as_floor_mode(originals[i], size) if size else None
                 if floor is not None and floor != nodes[i]:
                     nodes[i].CopyFrom(floor)
                     changed = True
@@ -55,11 +59,13 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     return out
 
 
-def _ceil_mode(node: onnx.NodeProto) -> bool:
-    return any(a.name == "ceil_mode" and a.i for a in node.attribute)
+def ceil_mode_pools(nodes: Sequence[onnx.NodeProto]) -> list[int]:
+    """Positions of the pools in ceil mode among `nodes`."""
+    return [i for i, n in enumerate(nodes) if n.op_type in POOLS and n.domain in ("", "ai.onnx")
+            and any(a.name == "ceil_mode" and a.i for a in n.attribute)]
 
 
-def _static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
+def static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
     out: dict[str, list[int | None]] = {}
     for vi in [*graph.input, *graph.value_info, *graph.output]:
         t = vi.type.tensor_type
@@ -68,9 +74,15 @@ def _static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
     return out
 
 
-def _as_floor_mode(node: onnx.NodeProto, size: list[int | None]) -> onnx.NodeProto | None:
-    """The floor-mode pool with `node`'s output size over an input of `size` (ONNX's: a last window starting in
-    the end padding dropped), or None where the spatial sizes are unknown or the pads are not explicit."""
+def as_floor_mode(node: onnx.NodeProto, size: Sequence[int | None]) -> onnx.NodeProto | None:
+    """The floor-mode pool of `node`'s windows over an input of `size`, where `node` (ceil mode) drops a last
+    window that would start in the end padding; None where it drops none (onnx sizes it right), the spatial
+    sizes are unknown or the pads are not explicit.
+
+    Each end pad becomes where the last window ends: the same windows. On an axis that drops a window that is
+    before the old end pad; on another it can be past it, where a ceil-mode window reached past the padding:
+    the same values for MaxPool and LpPool, which ignore padding or add its zeros, and for an AveragePool that
+    does not count padding (`same_values` tells)."""
     attrs = {a.name: a for a in node.attribute}
     if "auto_pad" in attrs and attrs["auto_pad"].s not in (b"", b"NOTSET"):
         return None
@@ -85,16 +97,20 @@ def _as_floor_mode(node: onnx.NodeProto, size: list[int | None]) -> onnx.NodePro
     if len(strides) != r or len(dilations) != r or len(pads) != 2 * r or min(strides + dilations) < 1:
         return None  # malformed: left to inference and the checks that report it
     ends = list(pads[r:])
+    drops = False
     for i, (n, k, s, d) in enumerate(zip(spatial, kernel, strides, dilations)):
         span = d * (k - 1) + 1
         begin, end = pads[i], pads[r + i]
-        extent = n + begin + end - span
-        if extent < 0:
-            return None
+        extent = n + begin + end - span  # negative for a kernel past the padded input: one window in ceil mode
         out = -(-extent // s) + 1
+        if out < 0:
+            return None
         if (out - 1) * s >= n + begin:  # the last window would start in the end padding: ONNX drops it
             out -= 1
+            drops = True
         ends[i] = max((out - 1) * s + span - n - begin, 0)  # floor((n + begin + end' - span) / s) + 1 == out
+    if not drops:
+        return None
     floor = _copy(node)
     for a in floor.attribute:
         if a.name == "ceil_mode":
@@ -105,3 +121,17 @@ def _as_floor_mode(node: onnx.NodeProto, size: list[int | None]) -> onnx.NodePro
     if "pads" not in attrs:
         floor.attribute.append(onnx.helper.make_attribute("pads", [0] * r + ends))
     return floor
+
+
+def same_values(ceil: onnx.NodeProto, floor: onnx.NodeProto) -> bool:
+    """Whether `floor` (`as_floor_mode(ceil, ...)`) computes `ceil`'s values, not only its sizes: not for an
+    AveragePool counting padding whose end pad grew (its last windows would count more padded positions)."""
+    if ceil.op_type != "AveragePool" or not any(a.name == "count_include_pad" and a.i for a in ceil.attribute):
+        return True
+    r = len(_ints(floor, "kernel_shape"))
+    old, new = _ints(ceil, "pads") or [0] * (2 * r), _ints(floor, "pads")
+    return all(b <= a for a, b in zip(old[r:], new[r:]))
+
+
+def _ints(node: onnx.NodeProto, name: str) -> list[int]:
+    return next((list(a.ints) for a in node.attribute if a.name == name), [])

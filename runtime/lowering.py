@@ -20,10 +20,11 @@ from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, DISABLED_OPTIMIZERS, Runn
 def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = None) -> onnx.ModelProto:
     """Always: Ifs the known sizes decide replaced by their branch (`shape_folding.inline_constant_ifs`: the
     builder differentiates no control flow), EyeLikes of types onnxruntime lacks made in float
-    (`passes.runnable_eyelikes`). Then Dropouts that drop nothing removed (`passes.inactive_dropouts`),
+    (`passes.runnable_eyelikes`), ceil-mode pools onnxruntime would size wrong made floor-mode
+    (`passes.ceil_pools_as_floor`). Then Dropouts that drop nothing removed (`passes.inactive_dropouts`),
     Relu at the pooled size (`passes.relu_after_pool`) and chains of Linear layers computed feature-major
     (`feature_major`; `rows`: the batch expected where the model leaves it symbolic)."""
-    model = passes.runnable_eyelikes(shape_folding.inline_constant_ifs(model))
+    model = passes.ceil_pools_as_floor(passes.runnable_eyelikes(shape_folding.inline_constant_ifs(model)))
     if not config.lower:
         return model
     return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)), rows)
@@ -35,9 +36,10 @@ def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     `source`); activations onnxruntime computes element by element vectorized (`vectorized`); shape
     arithmetic folded where only the batch is unknown (`shape_folding`); Convs with weight inputs blocked
     (`nchwc`). Always: gradbuilder's StopGradient as the Identity it is (an inference graph is the exported one,
-    never split), and 1-D MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`:
-    onnxruntime's MatmulTransposeFusion computes those wrong)."""
-    model = passes.vectors_as_matrices(stop_gradient.as_identity(model))
+    never split), 1-D MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`:
+    onnxruntime's MatmulTransposeFusion computes those wrong), and ceil-mode pools as in `source` (an inference
+    graph does not pass there)."""
+    model = passes.ceil_pools_as_floor(passes.vectors_as_matrices(stop_gradient.as_identity(model)))
     if not config.lower:
         return model
     model = vectorized.vectorized_ops(crossentropy.lower_losses(passes.inactive_dropouts(model)))

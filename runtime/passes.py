@@ -17,6 +17,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely, subgraph_free_names
+from gradbuilder.inference import as_floor_mode, ceil_mode_pools, same_values, static_dims
 from gradbuilder.yield_op import find_yield
 
 CHEAP = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast", "Expand", "Shape",
@@ -859,6 +860,24 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
 EYE_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32, TensorProto.INT64,
                        TensorProto.UINT64})
 """The element types onnxruntime's CPU EyeLike reads and writes."""
+
+
+def ceil_pools_as_floor(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Pools in ceil mode that drop a last window starting in the end padding, as the floor-mode pools of the
+    same windows (`gradbuilder.inference.as_floor_mode`): onnxruntime's own shape inference sizes them one
+    window too large, as onnx's does, and refuses to load the graph where a later node fixes the size (a
+    Linear's weight after a Flatten). Needs the pool's input size. Returns `model` itself when nothing changes."""
+    at = ceil_mode_pools(model.graph.node)
+    if not at:
+        return model
+    dims = static_dims(infer_shapes_safely(model) or model.graph)
+    plan = []
+    for k in at:
+        node = model.graph.node[k]
+        floor = as_floor_mode(node, dims.get(node.input[0]) or []) if node.input else None
+        if floor is not None and same_values(node, floor):
+            plan.append((k, floor))
+    return rewrite_nodes(model, plan, lambda node, floor, taken: [floor])
 
 
 def runnable_eyelikes(model: onnx.ModelProto) -> onnx.ModelProto:

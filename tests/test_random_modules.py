@@ -63,6 +63,26 @@ class Branches(nn.Module):
         return torch.cat([self.a(x), self.b(x)], 1)
 
 
+class Gate(nn.Module):
+    """x * sigmoid(conv(x)): the input read by a product and by the branch that scales it."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.conv(x))
+
+
+class ChannelSoftmax(nn.Module):
+    def __init__(self, log: bool):
+        super().__init__()
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x, 1) if self.log else torch.softmax(x, 1)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, d: int, heads: int, causal: bool):
         super().__init__()
@@ -77,7 +97,8 @@ class SelfAttention(nn.Module):
 
 class Stack(nn.Module):
     """The layers, then a head: 'out' (the host's cotangent), 'ce' (cross-entropy on labels), 'both' (the loss
-    and the output it came from, which the host also differentiates)."""
+    and the output it came from, which the host also differentiates), 'argmax' (the output and its argmax, an
+    integer output that gets no gradient)."""
 
     def __init__(self, layers: list[nn.Module], head: str):
         super().__init__()
@@ -88,6 +109,8 @@ class Stack(nn.Module):
         out = self.layers(x)
         if self.head == "out":
             return out
+        if self.head == "argmax":
+            return out, out.argmax(1)
         loss = nn.functional.cross_entropy(out, y)
         return loss if self.head == "ce" else (loss, out)
 
@@ -142,7 +165,8 @@ def pool(draw, c: int, h: int, w: int, average: bool) -> tuple[Layer, tuple[int,
 def image_layers(draw, c: int, h: int, w: int, depth: int, convs: bool, acts: list[str]
                  ) -> tuple[list[Layer], tuple[int, int, int]]:
     layers: list[Layer] = []
-    kinds = ["conv", "conv", "pool", "act", "act", "bn", "residual", "branches"] if convs else ["pool", "act", "bn"]
+    kinds = (["conv", "conv", "pool", "act", "act", "bn", "residual", "branches", "convt", "upsample", "groupnorm",
+              "gate", "shuffle", "softmax"] if convs else ["pool", "act", "bn", "softmax"])
     for _ in range(depth):
         choice = draw(st.sampled_from(kinds))
         if choice == "conv":
@@ -157,10 +181,32 @@ def image_layers(draw, c: int, h: int, w: int, depth: int, convs: bool, acts: li
             k = draw(st.sampled_from([1, 3]))
             act = draw(st.sampled_from(acts))
             made = Layer("residual", (("channels", c), ("kernel_size", k), ("act", act))), (c, h, w)
-        else:
+        elif choice == "branches":
             a, b = draw(st.integers(1, 4)), draw(st.integers(1, 4))
             pooled = draw(st.booleans())
             made = Layer("branches", (("in_channels", c), ("a", a), ("b", b), ("pooled", pooled))), (a + b, h, w)
+        elif choice == "convt":
+            k, stride = draw(st.sampled_from([2, 3])), draw(st.sampled_from([1, 2]))
+            padding = draw(st.integers(0, k // 2))
+            out_pad = draw(st.integers(0, stride - 1))
+            out = draw(st.integers(1, 6))
+            args = (("in_channels", c), ("out_channels", out), ("kernel_size", k), ("stride", stride),
+                    ("padding", padding), ("output_padding", out_pad))
+            size = [(n - 1) * stride - 2 * padding + k + out_pad for n in (h, w)]
+            made = (Layer("convt", args), (out, *size)) if min(size) >= 1 and max(size) <= 24 else None
+        elif choice == "upsample":
+            mode = draw(st.sampled_from(["nearest", "bilinear"]))
+            made = Layer("upsample", (("scale_factor", 2), ("mode", mode))), (c, 2 * h, 2 * w)
+            made = made if 2 * max(h, w) <= 24 else None
+        elif choice == "groupnorm":
+            groups = draw(st.sampled_from([g for g in (1, 2, c) if c % g == 0]))
+            made = Layer("groupnorm", (("num_groups", groups), ("num_channels", c))), (c, h, w)
+        elif choice == "gate":
+            made = Layer("gate", (("c", c),)), (c, h, w)
+        elif choice == "shuffle":
+            made = (Layer("shuffle", (("upscale_factor", 2),)), (c // 4, 2 * h, 2 * w)) if c % 4 == 0 else None
+        else:
+            made = Layer("softmax", (("log", draw(st.booleans())),)), (c, h, w)
         if made is not None:
             layers.append(made[0])
             c, h, w = made[1]
@@ -183,7 +229,7 @@ def flat_layers(draw, d: int, depth: int, classes: int, acts: list[str]) -> list
         elif choice == "bn":
             layers.append(Layer("bn1d", (("num_features", d),)))
         else:
-            layers.append(Layer("dropout", (("p", 0.0),)))
+            layers.append(Layer("dropout", (("p", draw(st.sampled_from([0.0, 0.5]))),)))
     layers.append(Layer("linear", (("in_features", d), ("out_features", classes), ("bias", True))))
     return layers
 
@@ -221,6 +267,7 @@ class Spec:
     frozen: tuple[int, ...]
     input_grad: bool
     seed: int
+    training: bool = True
 
 
 @st.composite
@@ -231,8 +278,10 @@ def specs(draw, double: bool = False) -> Spec:
     kind = draw(st.sampled_from(["image", "image", "flat", "sequence"]))
     classes = draw(st.integers(2, 5))
     if kind == "image":
-        c, h, w = draw(st.integers(1, 4)), draw(st.integers(4, 12)), draw(st.integers(4, 12))
+        c, h, w = draw(st.sampled_from([1, 2, 3, 4, 8, 16])), draw(st.integers(4, 12)), draw(st.integers(4, 12))
         layers, (c2, h2, w2) = draw(image_layers(c, h, w, draw(st.integers(1, 5)), not double, acts))
+        if not double and draw(st.booleans()):
+            layers, h2, w2 = [*layers, Layer("adaptive", (("output_size", 1),))], 1, 1
         layers = [*layers, Layer("flatten"), *draw(flat_layers(c2 * h2 * w2, draw(st.integers(0, 2)), classes, acts))]
         shape: tuple[int, ...] = (c, h, w)
     elif kind == "flat":
@@ -243,9 +292,10 @@ def specs(draw, double: bool = False) -> Spec:
         layers = [*draw(sequence_layers(d, draw(st.integers(1, 3)), double, acts)), Layer("mean_seq"),
                   Layer("linear", (("in_features", d), ("out_features", classes), ("bias", True)))]
         shape = (t, d)
-    head = draw(st.sampled_from(["out", "ce", "both"]))
+    head = draw(st.sampled_from(["out", "ce", "both", "argmax"]))
     frozen = tuple(draw(st.lists(st.integers(0, 40), max_size=3)))
-    return Spec(kind, shape, tuple(layers), head, classes, frozen, draw(st.booleans()), draw(st.integers(0, 2**16)))
+    return Spec(kind, shape, tuple(layers), head, classes, frozen, draw(st.booleans()), draw(st.integers(0, 2**16)),
+                draw(st.sampled_from([True, True, False])))
 
 
 def make(layer: Layer) -> nn.Module:
@@ -273,6 +323,20 @@ def make(layer: Layer) -> nn.Module:
             return Branches(first, nn.Sequential(second, nn.Conv2d(c, a["b"], 3, padding=1)))
         case "flatten":
             return nn.Flatten()
+        case "convt":
+            return nn.ConvTranspose2d(**a)
+        case "upsample":
+            return nn.Upsample(**a)
+        case "groupnorm":
+            return nn.GroupNorm(**a)
+        case "gate":
+            return Gate(a["c"])
+        case "shuffle":
+            return nn.PixelShuffle(**a)
+        case "softmax":
+            return ChannelSoftmax(a["log"])
+        case "adaptive":
+            return nn.AdaptiveAvgPool2d(**a)
         case "linear":
             return nn.Linear(**a)
         case "ln":
@@ -310,7 +374,10 @@ class MeanSeq(nn.Module):
 
 def build(spec: Spec, dtype: torch.dtype) -> Stack:
     torch.manual_seed(spec.seed)
-    model = Stack([make(layer) for layer in spec.layers], spec.head).to(dtype)
+    model = Stack([make(layer) for layer in spec.layers], spec.head).to(dtype).train(spec.training)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and spec.training:
+            m.p = 0.0  # a Dropout that drops draws other numbers than torch: only an inactive one compares
     params = list(model.parameters())
     for i in spec.frozen:
         if params:
@@ -431,5 +498,6 @@ def test_generator_reaches_every_layer() -> None:
 
     collect()
     kinds = {"conv", "maxpool", "avgpool", "act", "bn2d", "bn1d", "residual", "branches", "flatten", "linear",
-             "ln", "dropout", "attn", "ff", "conv1d_seq", "mean_seq"}
-    assert kinds <= seen and heads == {"out", "ce", "both"}, (kinds - seen, heads)
+             "ln", "dropout", "attn", "ff", "conv1d_seq", "mean_seq", "convt", "upsample", "groupnorm", "gate",
+             "shuffle", "softmax", "adaptive"}
+    assert kinds <= seen and heads == {"out", "ce", "both", "argmax"}, (kinds - seen, heads)
