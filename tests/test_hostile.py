@@ -226,6 +226,13 @@ def _conv_on_a_vector() -> onnx.ModelProto:
     return make_model(nodes, [vi("x", shape=None)], [vi("y", shape=None)], [f32("Wv", [1.0, 2.0, 3.0])])
 
 
+def _layer_norm_axis_out_of_range() -> onnx.ModelProto:
+    """axis 5 of a rank-2 input: onnx's inference lets it through, and `axis % rank` took it for axis 1 (a fuzz
+    find: a rank-0 input divided by zero there)."""
+    nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node("LayerNormalization", ["h", "W", "W"], ["y"], "ln", axis=5)]
+    return make_model(nodes, [vi("x", shape=[2, 3])], [vi("y", shape=None)], _params())
+
+
 def _slice_starts_not_1d() -> onnx.ModelProto:
     nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
     return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
@@ -334,6 +341,8 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Slice inputs of different lengths": (_slice_lengths_differ, ["'slicer'", "ends (1)", "differ in length"]),
     "Dropout ratio of three values": (_dropout_ratio_of_three, ["'dropper'", "ratio is a constant of shape [3]"]),
     "sparse initializer in a body": (_sparse_initializer_in_a_body, ["'brancher'", "inconsistent"]),
+    "LayerNormalization axis out of range": (_layer_norm_axis_out_of_range,
+                                             ["'ln'", "axis 5 is out of range for an input of rank 2"]),
     "Conv on a vector": (_conv_on_a_vector, ["'conv'", "weight 'Wv' has rank 1", "needs a weight of rank 4"]),
 }
 
@@ -354,7 +363,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
               "Slice starts not 1-D", "Slice inputs of different lengths", "Dropout ratio of three values",
-              "Conv on a vector"}
+              "Conv on a vector", "LayerNormalization axis out of range"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 

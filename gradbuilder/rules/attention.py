@@ -230,7 +230,7 @@ def compress(g: Grad):
     axis = g.attr("axis")
     if axis is not None:
         rank = g.require_rank(x)
-        axis = int(axis) % rank
+        axis = g.axis(axis, rank)
         return (axis_adjoint(g, dy, axis, rank, kept, size_along(g, x, axis), like=x, add=False), None)
     static = g.info(x).static_shape
     numel = int(np.prod(static)) if static is not None else g.ReduceProd(g.shape_of(x), keepdims=1)

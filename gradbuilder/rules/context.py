@@ -276,6 +276,15 @@ class Grad:
             self.fail(f"the rank of '{name}' is unknown; give the model's inputs a shape (at least their rank)")
         return r  # type: ignore[return-value]
 
+    def axis(self, value: Any, rank: int, what: str = "axis") -> int:
+        """`value` (an axis attribute or constant) as a position in [0, rank), refused outside [-rank, rank):
+        onnx's inference checks it only where it knows the rank, and `% rank` would wrap it silently."""
+        a = int(value)
+        if not -rank <= a < rank:
+            self.fail(f"its {what} {a} is out of range for an input of rank {rank}" +
+                      (f" (from {-rank} to {rank - 1})" if rank else " (which has no axes)"))
+        return a % rank
+
     def const_input(self, i: int) -> np.ndarray | None:
         """Value of input i when it is an initializer or a Constant node's output (axes, shapes, pads)."""
         name = self.I(i)

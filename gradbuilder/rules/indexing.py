@@ -147,7 +147,7 @@ def gather(g: Grad):
     covering the whole axis become one Concat downstream (`runtime.reductions`)."""
     data, dy = g.I(0), g.GO(0)
     r = g.require_rank(data)
-    a = int(g.attr("axis", 0)) % r
+    a = g.axis(g.attr("axis", 0), r)
     d = size_along(g, data, a)
     i = _constant_position(g, d)
     if i is not None and g.dtype(data) != TensorProto.BFLOAT16:  # onnxruntime's CPU Pad has no bfloat16

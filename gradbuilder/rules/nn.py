@@ -961,7 +961,7 @@ def layer_norm(g: Grad):
     over x twice again: eight nodes fewer over the whole input."""
     x, scale, bias, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
     rank = g.require_rank(x)
-    axis = int(g.attr("axis", -1)) % rank
+    axis = g.axis(g.attr("axis", -1), rank)
     axes = list(range(axis, rank))
     stat_type = int(g.attr("stash_type", TensorProto.FLOAT))  # the outputs' type, by the operator's definition
     if _readable(g, stat_type, x):  # float statistics for a float or half x
@@ -1014,7 +1014,7 @@ def lp_normalization(g: Grad):
     """y = x / |x|_p along axis: dX = (dY - s * sum(dY * y)) / |x|_p with s = y (p=2) or sign(x) (p=1)."""
     x, dy = g.I(0), g.GO(0)
     rank = g.require_rank(x)
-    axis = int(g.attr("axis", -1)) % rank
+    axis = g.axis(g.attr("axis", -1), rank)
     p = int(g.attr("p", 2))
     if p not in (1, 2):
         g.fail(f"p must be 1 or 2, not {p}")

@@ -64,7 +64,7 @@ def rms_normalization(g: Grad):
     dX = r (dxhat - xhat mean(dxhat xhat)) for dxhat = dY * scale, xhat = x r."""
     x, scale, dy = g.I(0), g.I(1), g.GO(0)
     rank = g.require_rank(x)
-    axes = list(range(int(g.attr("axis", -1)) % rank, rank))
+    axes = list(range(g.axis(g.attr("axis", -1), rank), rank))
     inv = g.Reciprocal(g.Sqrt(g.Add(g.reduce("ReduceMean", g.Mul(x, x), axes),
                                     g.const(float(g.attr("epsilon", 1e-5)), like=x))))
     xhat = g.Mul(x, inv)

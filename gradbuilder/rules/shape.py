@@ -81,7 +81,7 @@ def _slice_axes(g: Grad, rank: int | None) -> list[int] | None:
         n = len(starts) if starts is not None else (g.info(g.I(1)).shape or (None,))[0]
         return list(range(n)) if isinstance(n, int) else None
     axes = g.const_input(3)
-    return None if axes is None else [int(a) % rank for a in axes.ravel()]
+    return None if axes is None else [g.axis(a, rank, "axes value") for a in axes.ravel()]
 
 
 def _unit_steps(g: Grad) -> bool:
@@ -209,7 +209,7 @@ def pad(g: Grad):
         axes_v = g.const_input(3)
         if axes_v is None:
             g.fail(f"Pad in {mode} mode with axes computed at run time is not supported; make the axes a constant")
-        axes = [int(a) % r for a in axes_v.ravel()]
+        axes = [g.axis(a, r, "axes value") for a in axes_v.ravel()]
     k = len(axes)
     t = dy
     for i, a in enumerate(axes):
