@@ -119,6 +119,7 @@ ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.
                "leaky": lambda: nn.LeakyReLU(0.125), "elu": nn.ELU, "softplus": nn.Softplus}
 """LeakyReLU's slope is exact in float32: ONNX keeps it in a float attribute, so 0.1 would differ from torch's
 double 0.1 by 1.5e-8, relatively."""
+VOCABULARY = 11
 DOUBLE_ACTIVATIONS = sorted(set(ACTIVATIONS) - {"gelu"})
 """onnxruntime has no double Erf kernel, so a double GELU cannot run."""
 
@@ -165,8 +166,8 @@ def pool(draw, c: int, h: int, w: int, average: bool) -> tuple[Layer, tuple[int,
 def image_layers(draw, c: int, h: int, w: int, depth: int, convs: bool, acts: list[str]
                  ) -> tuple[list[Layer], tuple[int, int, int]]:
     layers: list[Layer] = []
-    kinds = (["conv", "conv", "pool", "act", "act", "bn", "residual", "branches", "convt", "upsample", "groupnorm",
-              "gate", "shuffle", "softmax"] if convs else ["pool", "act", "bn", "softmax"])
+    kinds = (["conv", "conv", "conv", "pool", "pool", "pool", "act", "act", "bn", "residual", "branches", "convt",
+              "upsample", "groupnorm", "gate", "shuffle", "softmax"] if convs else ["pool", "act", "bn", "softmax"])
     for _ in range(depth):
         choice = draw(st.sampled_from(kinds))
         if choice == "conv":
@@ -275,7 +276,7 @@ def specs(draw, double: bool = False) -> Spec:
     """double: no convolutions or average pools (onnxruntime has no double Conv or AveragePool kernel), no GELU
     (nor Erf) and no causal masks (torch's exporter has no double attention mask)."""
     acts = DOUBLE_ACTIVATIONS if double else sorted(ACTIVATIONS)
-    kind = draw(st.sampled_from(["image", "image", "flat", "sequence"]))
+    kind = draw(st.sampled_from(["image", "image", "flat", "sequence", "tokens"]))
     classes = draw(st.integers(2, 5))
     if kind == "image":
         c, h, w = draw(st.sampled_from([1, 2, 3, 4, 8, 16])), draw(st.integers(4, 12)), draw(st.integers(4, 12))
@@ -287,14 +288,18 @@ def specs(draw, double: bool = False) -> Spec:
     elif kind == "flat":
         d = draw(st.integers(2, 16))
         layers, shape = draw(flat_layers(d, draw(st.integers(1, 4)), classes, acts)), (d,)
-    else:
+    else:  # a sequence of vectors, or of tokens embedded first; the last call is one step longer
         d, t = draw(st.sampled_from([4, 8])), draw(st.integers(2, 6))
         layers = [*draw(sequence_layers(d, draw(st.integers(1, 3)), double, acts)), Layer("mean_seq"),
                   Layer("linear", (("in_features", d), ("out_features", classes), ("bias", True)))]
         shape = (t, d)
+        if kind == "tokens":
+            layers = [Layer("embedding", (("num_embeddings", VOCABULARY), ("embedding_dim", d))), *layers]
+            shape = (t,)
     head = draw(st.sampled_from(["out", "ce", "both", "argmax"]))
     frozen = tuple(draw(st.lists(st.integers(0, 40), max_size=3)))
-    return Spec(kind, shape, tuple(layers), head, classes, frozen, draw(st.booleans()), draw(st.integers(0, 2**16)),
+    input_grad = kind != "tokens" and draw(st.booleans())
+    return Spec(kind, shape, tuple(layers), head, classes, frozen, input_grad, draw(st.integers(0, 2**16)),
                 draw(st.sampled_from([True, True, False])))
 
 
@@ -323,6 +328,8 @@ def make(layer: Layer) -> nn.Module:
             return Branches(first, nn.Sequential(second, nn.Conv2d(c, a["b"], 3, padding=1)))
         case "flatten":
             return nn.Flatten()
+        case "embedding":
+            return nn.Embedding(**a)
         case "convt":
             return nn.ConvTranspose2d(**a)
         case "upsample":
@@ -404,8 +411,13 @@ def _call(model: nn.Module, params: nn.Module, spec: Spec, batch: int, dtype: to
     for p in params.parameters():
         p.grad = None
     g = torch.Generator().manual_seed(spec.seed + step)
-    x = torch.randn(batch, *spec.shape, generator=g, dtype=torch.float64).to(grid).to(dtype)
-    x.requires_grad_(spec.input_grad)
+    shape = (batch, spec.shape[0] + (step == 2), *spec.shape[1:]) if spec.kind in ("sequence", "tokens") else (
+        batch, *spec.shape)
+    if spec.kind == "tokens":
+        x = torch.randint(0, VOCABULARY, shape, generator=g)
+    else:
+        x = torch.randn(shape, generator=g, dtype=torch.float64).to(grid).to(dtype)
+        x.requires_grad_(spec.input_grad)
     y = torch.randint(0, spec.classes, (batch,), generator=g)
     result = model(x, y)
     outputs = list(result) if isinstance(result, tuple) else [result]
@@ -499,5 +511,5 @@ def test_generator_reaches_every_layer() -> None:
     collect()
     kinds = {"conv", "maxpool", "avgpool", "act", "bn2d", "bn1d", "residual", "branches", "flatten", "linear",
              "ln", "dropout", "attn", "ff", "conv1d_seq", "mean_seq", "convt", "upsample", "groupnorm", "gate",
-             "shuffle", "softmax", "adaptive"}
+             "shuffle", "softmax", "adaptive", "embedding"}
     assert kinds <= seen and heads == {"out", "ce", "both", "argmax"}, (kinds - seen, heads)
