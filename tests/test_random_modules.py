@@ -225,7 +225,7 @@ def flat_layers(draw, d: int, depth: int, classes: int, acts: list[str]) -> list
             d = out
         elif choice == "act":
             layers.append(Layer("act", (("name", draw(st.sampled_from(acts))),)))
-        elif choice == "ln":
+        elif choice == "ln" and d >= 4:  # over 2 features its Jacobian is zero: every gradient before it is noise
             layers.append(Layer("ln", (("normalized_shape", d), ("elementwise_affine", draw(st.booleans())))))
         elif choice == "bn":
             layers.append(Layer("bn1d", (("num_features", d),)))
