@@ -344,8 +344,20 @@ class ForwardGraph:
 
     def _check_known_types(self) -> None:
         """A tensor of a type onnx does not define (an attribute naming a type, such as Cast's 'to' or
-        LayerNormalization's 'stash_type', holds a wrong number): no rule could cast to or from it."""
+        LayerNormalization's 'stash_type', holds a wrong number): no rule could cast to or from it. And a
+        negative size, which onnx's inference computes without a word for a node that cannot run (a kernel
+        reaching past its padded input, pads cropping more than the input holds): rules would build on it."""
         for name, info in self.info.items():
+            shape = info.shape
+            if shape is not None and any(isinstance(d, int) and d < 0 for d in shape):
+                made = self.producer.get(name)
+                if made is not None:
+                    raise InvalidModelError(
+                        f"node {describe(self.nodes[made])} cannot run on its inputs: onnx's shape inference gives "
+                        f"its output '{name}' the shape {list(shape)}, with a negative size (a kernel reaching past "
+                        "the padded input, pads cropping more than the input holds, a shape computed wrong). Fix "
+                        "the node's attributes or the shapes it reads."
+                    )
             if info.elem_type and info.elem_type not in KNOWN_TYPES:
                 made = self.producer.get(name)
                 by = f", made by node {describe(self.nodes[made])}," if made is not None else ""

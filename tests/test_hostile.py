@@ -233,6 +233,14 @@ def _layer_norm_axis_out_of_range() -> onnx.ModelProto:
     return make_model(nodes, [vi("x", shape=[2, 3])], [vi("y", shape=None)], _params())
 
 
+def _kernel_past_the_input() -> onnx.ModelProto:
+    """A 5-tap kernel over 3 positions: onnx's inference sizes the output -1 without a word (a fuzz find, where the
+    weight-gradient rule then made a numpy array of that size)."""
+    nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node("Conv", ["h", "Wk"], ["y"], "conv")]
+    return make_model(nodes, [vi("x", shape=[1, 1, 3])], [vi("y", shape=None)],
+                      [*_params(), f32("Wk", [[[1.0, 2.0, 3.0, 4.0, 5.0]]])])
+
+
 def _slice_starts_not_1d() -> onnx.ModelProto:
     nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
     return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
@@ -343,6 +351,7 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "sparse initializer in a body": (_sparse_initializer_in_a_body, ["'brancher'", "inconsistent"]),
     "LayerNormalization axis out of range": (_layer_norm_axis_out_of_range,
                                              ["'ln'", "axis 5 is out of range for an input of rank 2"]),
+    "Conv kernel past its input": (_kernel_past_the_input, ["'conv'", "cannot run on its inputs", "[1, 1, -1]"]),
     "Conv on a vector": (_conv_on_a_vector, ["'conv'", "weight 'Wv' has rank 1", "needs a weight of rank 4"]),
 }
 
