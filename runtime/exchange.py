@@ -47,7 +47,9 @@ def to_ortvalue(x: Tensor) -> C.OrtValue:
         return x
     if hasattr(x, "_ortvalue"):  # onnxruntime.OrtValue
         return x._ortvalue
-    a = np.ascontiguousarray(x)
+    a = np.asarray(x)
+    if not a.flags.c_contiguous:  # np.ascontiguousarray alone would make a 0-d array 1-d
+        a = np.ascontiguousarray(a)
     if not a.flags.writeable:  # DLPack 0.x cannot say read-only
         a = a.copy()
     return C.OrtValue.from_dlpack(a.__dlpack__())

@@ -354,3 +354,22 @@ def test_sessions_share_one_arena() -> None:
     assert grads_a.keys() == grads_b.keys()
     for k in grads_a:
         np.testing.assert_array_equal(grads_a[k], grads_b[k])
+
+
+@pytest.mark.parametrize("grad", [np.array(2.0, np.float32), np.float32(2.0)], ids=["0-d array", "numpy scalar"])
+def test_numpy_scalar_host_gradient_keeps_its_rank(grad) -> None:
+    """A loss's host gradient given as a 0-d numpy array reached onnxruntime as shape [1]
+    (`np.ascontiguousarray` makes 0-d arrays 1-d): a mean over named axes unsqueezed it to [1, 1, 1] and the
+    weight gradient's Gemm failed (found by replaying the fuzz corpus through TrainingSession)."""
+    w = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["z"]),
+             helper.make_node("ReduceMean", ["z"], ["loss"], keepdims=0, axes=[0, 1])]
+    graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [onnx.numpy_helper.from_array(w, "W")])
+    session = TrainingSession.from_forward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                           threads=1)
+    x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    _, state = session.forward({"x": x})
+    got = session.backward(state, [grad])["W"]
+    np.testing.assert_allclose(np.asarray(got), 2.0 * np.outer(x.sum(0), np.ones(5)) / 15, rtol=1e-6)
