@@ -253,6 +253,11 @@ class Grad:
             return [self._text(name, v) for v in value]
         return value
 
+    def flag(self, name: str, default: bool = False) -> bool:
+        """An int attribute read as onnx and onnxruntime read it: any value but 0 is true (transB=7 is a
+        transpose), so `1 - flag` arithmetic never sees a 7."""
+        return bool(int(self.attr(name, int(default))))
+
     def _text(self, name: str, value: bytes) -> str:
         try:
             return value.decode()

@@ -72,7 +72,7 @@ def gemm(g: Grad):
     """Y = alpha * A' B' + beta * C with A' = A or A^T, B' = B or B^T; the transposes fold into Gemm itself."""
     a, b, c, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
     alpha, beta = float(g.attr("alpha", 1.0)), float(g.attr("beta", 1.0))
-    ta, tb = int(g.attr("transA", 0)), int(g.attr("transB", 0))
+    ta, tb = int(g.flag("transA")), int(g.flag("transB"))
     scale = alpha if alpha != 1.0 else None
     da = db = dc = None
     if g.needs(0):

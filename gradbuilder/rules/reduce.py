@@ -145,6 +145,5 @@ def reduce_log_sum_exp(g: Grad):
 @rule("CumSum", nondiff=(1,))
 def cumsum(g: Grad):
     """The adjoint of a running sum is the running sum the other way, equally exclusive."""
-    reverse = 1 - int(g.attr("reverse", 0))
-    return (g.CumSum(g.GO(0), g.I(1), exclusive=int(g.attr("exclusive", 0)), reverse=reverse),)
+    return (g.CumSum(g.GO(0), g.I(1), exclusive=int(g.flag("exclusive")), reverse=int(not g.flag("reverse"))),)
 
