@@ -200,6 +200,15 @@ def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
     diff, nondiff, full, grads = [], [], [], []
     for i, name in enumerate(fg.outputs):
         if name in selected and name in reach.needs:
+            if not fg.tensor_info(name).elem_type:
+                made = fg.producer.get(name)
+                by = f" (made by node {describe(fg.nodes[made])})" if made is not None else ""
+                raise InvalidModelError(
+                    f"graph output '{name}'{by} gets a gradient from the host, but its element type is unknown: "
+                    "neither the model declares it nor onnx's shape inference could infer it, so its gradient "
+                    "input cannot be typed. Declare the output's type (graph.output), or name the outputs to "
+                    "differentiate (outputs=/--outputs) without it."
+                )
             diff.append(i)
             g = names.fresh(f"{name}_host_grad")
             grads.append(g)

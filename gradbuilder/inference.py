@@ -25,7 +25,25 @@ POOLS = frozenset({"MaxPool", "AveragePool", "LpPool"})
 
 def infer_shapes(model: onnx.ModelProto, *, strict: bool = False, data_prop: bool = False) -> onnx.ModelProto:
     """onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=data_prop), ceil-mode pools
-    sized as ONNX defines them. `model` is patched while inference runs and restored before this returns."""
+    sized as ONNX defines them, and declarations with an empty type (`type {}`, which stops onnx's inference
+    for the whole graph without a word) read as no declaration. `model` is patched while inference runs and
+    restored before this returns."""
+    g = model.graph
+    empty = []
+    for vi in (*g.input, *g.output, *g.value_info):
+        if vi.HasField("type") and vi.type.WhichOneof("value") is None:
+            saved = onnx.TypeProto()
+            saved.CopyFrom(vi.type)  # with any fields this onnx does not know
+            empty.append((vi, saved))
+            vi.ClearField("type")
+    try:
+        return _infer_pools(model, strict, data_prop)
+    finally:
+        for vi, saved in empty:
+            vi.type.CopyFrom(saved)
+
+
+def _infer_pools(model: onnx.ModelProto, strict: bool, data_prop: bool) -> onnx.ModelProto:
     nodes = model.graph.node
     ceil = ceil_mode_pools(nodes)
     if not ceil:

@@ -241,6 +241,14 @@ def _kernel_past_the_input() -> onnx.ModelProto:
                       [*_params(), f32("Wk", [[[1.0, 2.0, 3.0, 4.0, 5.0]]])])
 
 
+def _untyped_output_behind_a_custom_op() -> onnx.ModelProto:
+    """y = Frob(x) * W, y declared without a type: inference cannot type it past the custom op, and its host
+    gradient input was written with element type 0, which onnxruntime refuses to load."""
+    nodes = [helper.make_node("Frob", ["x"], ["h"], name="frob", domain="com.example"),
+             node("Mul", ["h", "W"], ["y"], "mul")]
+    return make_model(nodes, [vi("x")], [vi("y", TP.UNDEFINED, None)], _params(), extra_opsets=["com.example"])
+
+
 def _slice_starts_not_1d() -> onnx.ModelProto:
     nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
     return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
@@ -352,6 +360,8 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "LayerNormalization axis out of range": (_layer_norm_axis_out_of_range,
                                              ["'ln'", "axis 5 is out of range for an input of rank 2"]),
     "Conv kernel past its input": (_kernel_past_the_input, ["'conv'", "cannot run on its inputs", "[1, 1, -1]"]),
+    "untyped output behind a custom op": (_untyped_output_behind_a_custom_op,
+                                          ["graph output 'y'", "'mul'", "element type is unknown", "Declare"]),
     "Conv on a vector": (_conv_on_a_vector, ["'conv'", "weight 'Wv' has rank 1", "needs a weight of rank 4"]),
 }
 
@@ -372,7 +382,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
               "Slice starts not 1-D", "Slice inputs of different lengths", "Dropout ratio of three values",
-              "Conv on a vector", "LayerNormalization axis out of range"}
+              "Conv on a vector", "LayerNormalization axis out of range", "untyped output behind a custom op"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 

@@ -119,3 +119,21 @@ def test_ceil_mode_pool_builds() -> None:
     training = gradbuilder.build_gradient_graph(exported)
     onnx.checker.check_model(training)
     assert {o.name for o in training.graph.output} >= {"2.weight_grad", "2.bias_grad"}
+
+
+def test_an_empty_declared_type_does_not_stop_inference() -> None:
+    """An output declared `type {}` (no tensor type) made onnx's inference type nothing at all: the gradient
+    input of another output was then written untyped (a fuzz corpus model)."""
+    nodes = [helper.make_node("Concat", ["W", "x"], ["n"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [onnx.ValueInfoProto(name="W"), onnx.ValueInfoProto(name="n")],
+                              [onnx.numpy_helper.from_array(np.ones(3, np.float32), "W")])
+    graph.output[0].type.SetInParent()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    before = model.SerializeToString()
+    inferred = infer_shapes(model, strict=True).graph
+    assert model.SerializeToString() == before
+    assert {v.name: v.type.tensor_type.elem_type for v in inferred.output}["n"] == TensorProto.FLOAT
+    training = gradbuilder.build_gradient_graph(model)
+    host = {v.name: v.type.tensor_type.elem_type for v in training.graph.value_info if v.name.endswith("_host_grad")}
+    assert host == {"W_host_grad": TensorProto.FLOAT, "n_host_grad": TensorProto.FLOAT}
