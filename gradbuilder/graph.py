@@ -341,6 +341,8 @@ class ForwardGraph:
         self._check_known_types()
         for node, inputs, op, dom in zip(self.nodes, self.node_inputs, self.node_ops, self.node_domains):
             self._check_input_types(node, inputs, op, dom)
+            if op == "Cast" and dom in ("", "ai.onnx"):
+                _check_cast(node)
 
     def _check_known_types(self) -> None:
         """A tensor of a type onnx does not define (an attribute naming a type, such as Cast's 'to' or
@@ -717,6 +719,17 @@ def _has_bodies(node: onnx.NodeProto) -> bool:
         if a.type in GRAPH_ATTRIBUTES:
             return True
     return False
+
+
+def _check_cast(node: onnx.NodeProto) -> None:
+    """Cast's 'to' must name a type: onnx's checker and inference let 0 (UNDEFINED) through, leaving the
+    output untyped, and onnxruntime runs it as some cast of its own."""
+    to = next((a.i for a in node.attribute if a.name == "to"), None)
+    if to is not None and to not in KNOWN_TYPES:
+        raise InvalidModelError(
+            f"node {describe(node)} casts to type {to}, which is not an ONNX type; set its 'to' attribute to one "
+            "(onnx.TensorProto.FLOAT is 1) or re-export the model."
+        )
 
 
 def _check_inference_hazards(node: onnx.NodeProto, op: str | None = None) -> None:

@@ -21,10 +21,12 @@ def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = Non
     """Always: Ifs the known sizes decide replaced by their branch (`shape_folding.inline_constant_ifs`: the
     builder differentiates no control flow), EyeLikes of types onnxruntime lacks made in float
     (`passes.runnable_eyelikes`), ceil-mode pools onnxruntime would size wrong made floor-mode
-    (`passes.ceil_pools_as_floor`). Then Dropouts that drop nothing removed (`passes.inactive_dropouts`),
-    Relu at the pooled size (`passes.relu_after_pool`) and chains of Linear layers computed feature-major
-    (`feature_major`; `rows`: the batch expected where the model leaves it symbolic)."""
+    (`passes.ceil_pools_as_floor`), spellings onnxruntime misreads rewritten (`passes.canonical_forms`). Then
+    Dropouts that drop nothing removed (`passes.inactive_dropouts`), Relu at the pooled size
+    (`passes.relu_after_pool`) and chains of Linear layers computed feature-major (`feature_major`; `rows`: the
+    batch expected where the model leaves it symbolic)."""
     model = passes.ceil_pools_as_floor(passes.runnable_eyelikes(shape_folding.inline_constant_ifs(model)))
+    model = passes.canonical_forms(model)
     if not config.lower:
         return model
     return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)), rows)
@@ -37,9 +39,10 @@ def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     arithmetic folded where only the batch is unknown (`shape_folding`); Convs with weight inputs blocked
     (`nchwc`). Always: gradbuilder's StopGradient as the Identity it is (an inference graph is the exported one,
     never split), 1-D MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`:
-    onnxruntime's MatmulTransposeFusion computes those wrong), and ceil-mode pools as in `source` (an inference
-    graph does not pass there)."""
+    onnxruntime's MatmulTransposeFusion computes those wrong), and ceil-mode pools and `canonical_forms` as in
+    `source` (an inference graph does not pass there)."""
     model = passes.ceil_pools_as_floor(passes.vectors_as_matrices(stop_gradient.as_identity(model)))
+    model = passes.canonical_forms(model)
     if not config.lower:
         return model
     model = vectorized.vectorized_ops(crossentropy.lower_losses(passes.inactive_dropouts(model)))

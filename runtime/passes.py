@@ -862,6 +862,55 @@ EYE_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32,
 """The element types onnxruntime's CPU EyeLike reads and writes."""
 
 
+FLAGS_OF_ONE = frozenset({"keepdims", "noop_with_empty_axes"})
+"""Int attributes onnxruntime's kernels read as true for 1 only."""
+
+
+def canonical_forms(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Two spellings onnxruntime's optimizers misread, written the way its kernels read them:
+    - keepdims and noop_with_empty_axes other than 0 or 1 become 0 (its kernels act on 1 only): its transpose
+      optimizer reads any nonzero keepdims as 1, and moving a Transpose past ReduceMean(keepdims=2) over every
+      axis failed the session load ("Permutation length 2 does not match rank 0"); onnx's shape inference reads
+      noop_with_empty_axes=2 as 1, so the gradient would be built for another shape;
+    - trailing empty inputs are dropped (an absent optional input): a LayerNormalization(x, scale, "") crashes
+      the process while an ORT_ENABLE_ALL session loads (onnxruntime 1.32), one without the "" runs;
+    - a Cast's saturate to a type that is not a float8 (or float4) is dropped, as ONNX ignores it there:
+      onnxruntime refuses saturate=0 and, for other values than 0 and 1, returns uninitialized memory.
+    Returns `model` itself when nothing changes."""
+    def odd(n: onnx.NodeProto) -> bool:
+        if n.input and not n.input[-1]:
+            return True
+        if n.domain not in ("", "ai.onnx"):
+            return False
+        return any(a.name in FLAGS_OF_ONE and a.i not in (0, 1) for a in n.attribute) or _idle_saturate(n)
+
+    at = [k for k, n in enumerate(model.graph.node) if odd(n)]
+    if not at:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for k in at:
+        node = out.graph.node[k]
+        for a in node.attribute:
+            if a.name in FLAGS_OF_ONE and a.i not in (0, 1) and node.domain in ("", "ai.onnx"):
+                a.i = 0
+        while node.input and not node.input[-1]:
+            node.input.pop()
+        if _idle_saturate(node):
+            node.attribute.remove(next(a for a in node.attribute if a.name == "saturate"))
+    return out
+
+
+SATURATING = frozenset({TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2,
+                        TensorProto.FLOAT8E5M2FNUZ, TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E8M0})
+"""The Cast targets ONNX's saturate attribute applies to."""
+
+
+def _idle_saturate(node: onnx.NodeProto) -> bool:
+    return (node.op_type == "Cast" and node.domain in ("", "ai.onnx")
+            and any(a.name == "saturate" for a in node.attribute) and int_attr(node, "to", 0) not in SATURATING)
+
+
 def ceil_pools_as_floor(model: onnx.ModelProto) -> onnx.ModelProto:
     """Pools in ceil mode that drop a last window starting in the end padding, as the floor-mode pools of the
     same windows (`gradbuilder.inference.as_floor_mode`): onnxruntime's own shape inference sizes them one

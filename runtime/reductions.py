@@ -101,7 +101,7 @@ def _as_product(node: onnx.NodeProto, dims: Dims, k: int, opset: int, taken: set
     x, y = node.input[0], node.output[0]
     rest = [int(d) for d in dims[k:]]
     width = int(np.prod(rest))
-    keep = int_attr(node, "keepdims", 1)
+    keep = int_attr(node, "keepdims", 1) == 1  # as onnx and onnxruntime read it: keepdims=2 drops the axes
     base = node.name or y
 
     def name(what: str) -> str:

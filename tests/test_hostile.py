@@ -249,6 +249,28 @@ def _untyped_output_behind_a_custom_op() -> onnx.ModelProto:
     return make_model(nodes, [vi("x")], [vi("y", TP.UNDEFINED, None)], _params(), extra_opsets=["com.example"])
 
 
+def _cast_to_undefined() -> onnx.ModelProto:
+    """Cast to type 0: onnx's checker and inference let it through, onnxruntime runs some cast of its own."""
+    nodes = [node("Mul", ["x", "W"], ["y"], "mul"), node("Cast", ["x"], ["n"], "cast", to=0)]
+    return make_model(nodes, [vi("x")], [vi("y"), vi("n", TP.INT64)], _params())
+
+
+def _odd_reduce_and_axis(op: str, **attrs: object) -> Callable[[], onnx.ModelProto]:
+    """A rule reading an attribute onnx and onnxruntime disagree on, or an axis past the rank."""
+    def make() -> onnx.ModelProto:
+        nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node(op, ["h"], ["y"], "odd", **attrs)]
+        return make_model(nodes, [vi("x", shape=[3])], [vi("y", shape=None)], _params(), opset=18)
+    return make
+
+
+def _slice_more_starts_than_rank() -> onnx.ModelProto:
+    """Two starts computed at run time (so onnx's inference cannot check them) and no axes, over a vector."""
+    nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node("Abs", ["s0"], ["s"]), node("Abs", ["e0"], ["e"]),
+             node("Slice", ["h", "s", "e"], ["y"], "slicer")]
+    return make_model(nodes, [vi("x", shape=[3])], [vi("y", shape=None)],
+                      [*_params(), i64("s0", [0, 0]), i64("e0", [2, 2])])
+
+
 def _slice_starts_not_1d() -> onnx.ModelProto:
     nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
     return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
@@ -362,6 +384,13 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Conv kernel past its input": (_kernel_past_the_input, ["'conv'", "cannot run on its inputs", "[1, 1, -1]"]),
     "untyped output behind a custom op": (_untyped_output_behind_a_custom_op,
                                           ["graph output 'y'", "'mul'", "element type is unknown", "Declare"]),
+    "Cast to type 0": (_cast_to_undefined, ["'cast'", "casts to type 0", "not an ONNX type"]),
+    "Softmax axis past the rank": (_odd_reduce_and_axis("Softmax", axis=1 << 40),
+                                   ["'odd'", "axis 1099511627776 is out of range for an input of rank 1"]),
+    "noop_with_empty_axes of 2": (_odd_reduce_and_axis("ReduceSum", noop_with_empty_axes=2),
+                                  ["'odd'", "noop_with_empty_axes is 2", "onnxruntime as 0"]),
+    "Slice of more axes than the rank": (_slice_more_starts_than_rank,
+                                         ["'slicer'", "2 starts and no axes", "rank 1"]),
     "Conv on a vector": (_conv_on_a_vector, ["'conv'", "weight 'Wv' has rank 1", "needs a weight of rank 4"]),
 }
 
@@ -382,7 +411,8 @@ def _write(path: Path, data: bytes) -> Path:
 
 BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
               "Slice starts not 1-D", "Slice inputs of different lengths", "Dropout ratio of three values",
-              "Conv on a vector", "LayerNormalization axis out of range", "untyped output behind a custom op"}
+              "Conv on a vector", "LayerNormalization axis out of range", "untyped output behind a custom op",
+              "Softmax axis past the rank", "noop_with_empty_axes of 2", "Slice of more axes than the rank"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 

@@ -5,6 +5,7 @@ import copy
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
@@ -626,3 +627,53 @@ def test_vectors_times_transposed_matrices_as_onnxruntime_should(vector_first: b
         [helper.make_node("MatMul", ["a", "v"], ["y"])], "g", [graph.input[0], helper.make_tensor_value_info(
             "v", TensorProto.FLOAT, [5])], graph.output), opset_imports=[helper.make_opsetid("", 17)])
     assert passes.vectors_as_matrices(plain) is plain  # no Transpose: left alone
+
+
+def _canonical_case(case: str) -> onnx.ModelProto:
+    """Three spellings onnxruntime misreads (found by tests/fuzz/test_runtime_replay.py): a mean over both axes
+    with keepdims=-2 after a Linear chain made feature-major, a LayerNormalization with an empty bias, a Cast to
+    int64 with saturate=7."""
+    w = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32), "W")
+    axes = onnx.numpy_helper.from_array(np.array([0, 1]), "axes")
+    nodes = [helper.make_node("Gemm", ["x", "W", "b"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "W"], ["z"])]
+    if case == "keepdims":
+        nodes.append(helper.make_node("Tanh", ["z"], ["t"]))  # a Transpose moves past it onto the mean
+        nodes.append(helper.make_node("ReduceMean", ["t", "axes"], ["loss"], keepdims=-2))
+    elif case == "empty bias":
+        nodes.append(helper.make_node("LayerNormalization", ["z", "scale", ""], ["n"]))
+        nodes.append(helper.make_node("ReduceSum", ["n"], ["loss"], keepdims=0))
+    else:
+        nodes.append(helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0))
+        nodes.append(helper.make_node("Cast", ["z"], ["ints"], to=TensorProto.INT64, saturate=7))
+    outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
+    if case == "saturate":
+        outputs.append(helper.make_tensor_value_info("ints", TensorProto.INT64, ["N", 4]))
+    scale = onnx.numpy_helper.from_array(np.full(4, 1.5, np.float32), "scale")
+    b = onnx.numpy_helper.from_array(np.full(4, 0.25, np.float32), "b")
+    graph = helper.make_graph(nodes, case, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              outputs, [w, axes, scale, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("case", ["keepdims", "empty bias", "saturate"])
+def test_spellings_onnxruntime_misreads(case: str) -> None:
+    """Each loads, runs the values an unoptimized onnxruntime session gives for the ONNX-equivalent spelling,
+    and gets the gradient torch gives. Before `passes.canonical_forms`: a failed session load, a crash of the
+    process, and uninitialized memory for the integers."""
+    model = _canonical_case(case)
+    x = np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32)
+    session = TrainingSession.from_forward(model, config=SessionConfig(threads=1))
+    outs, state = session.forward({"x": x})
+    grads = session.backward(state, [np.array(1.0, np.float32)] + [None] * (len(outs) - 1))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(passes.canonical_forms(model).SerializeToString(), options).run(None, {"x": x})
+    for got, expected in zip(outs, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+    w = torch.tensor(onnx.numpy_helper.to_array(model.graph.initializer[0]), requires_grad=True)
+    z = torch.relu(torch.from_numpy(x) @ w + 0.25) @ w
+    loss = {"keepdims": lambda: z.tanh().mean(), "saturate": lambda: z.sum(),
+            "empty bias": lambda: (torch.nn.functional.layer_norm(z, (4,), eps=1e-5) * 1.5).sum()}[case]()
+    loss.backward()
+    np.testing.assert_allclose(np.asarray(grads["W"]), w.grad.numpy(), rtol=1e-4, atol=1e-5)

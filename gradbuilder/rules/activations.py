@@ -72,7 +72,7 @@ def tanh(g: Grad) -> Grads:
 def softmax(g: Grad) -> Grads:
     """Opset 13+: normalised over one axis. dx = y * (dy - sum(dy * y, axis))."""
     y, dy = g.O(0), g.GO(0)
-    axis = g.attr("axis", -1)
+    axis = g.axis_of(g.attr("axis", -1), y)
     return (g.Mul(y, g.Sub(dy, g.reduce_sum(g.Mul(dy, y), [axis]))),)
 
 
@@ -80,7 +80,7 @@ def softmax(g: Grad) -> Grads:
 def log_softmax(g: Grad) -> Grads:
     """dx = dy - exp(y) * sum(dy, axis)."""
     y, dy = g.O(0), g.GO(0)
-    axis = g.attr("axis", -1)
+    axis = g.axis_of(g.attr("axis", -1), y)
     return (g.Sub(dy, g.Mul(g.Exp(y), g.reduce_sum(dy, [axis]))),)
 
 

@@ -254,8 +254,9 @@ class Grad:
         return value
 
     def flag(self, name: str, default: bool = False) -> bool:
-        """An int attribute read as onnx and onnxruntime read it: any value but 0 is true (transB=7 is a
-        transpose), so `1 - flag` arithmetic never sees a 7."""
+        """An int attribute onnx and onnxruntime read as true for any value but 0 (Gemm's transA and transB; CumSum's
+        other than 0 and 1 onnxruntime refuses), so `1 - flag` arithmetic never sees a 7. Not for keepdims, which
+        they read as true for 1 only."""
         return bool(int(self.attr(name, int(default))))
 
     def _text(self, name: str, value: bytes) -> str:
@@ -289,6 +290,12 @@ class Grad:
             self.fail(f"its {what} {a} is out of range for an input of rank {rank}" +
                       (f" (from {-rank} to {rank - 1})" if rank else " (which has no axes)"))
         return a % rank
+
+    def axis_of(self, value: Any, t: str, what: str = "axis") -> int:
+        """`value` checked by `axis` against t's rank where it is known (onnxruntime reads some axes out of range
+        without an error: a Softmax over axis 2^40 ran, its gradient's ReduceSum did not); as given otherwise."""
+        rank = self.rank(t)
+        return int(value) if rank is None else self.axis(value, rank, what)
 
     def const_input(self, i: int) -> np.ndarray | None:
         """Value of input i when it is an initializer or a Constant node's output (axes, shapes, pads)."""

@@ -214,12 +214,12 @@ def _scatter_add_elements_onehot(g: Grad, data: str, index: str, dy: str, axis: 
 @rule("GatherElements", nondiff=(1,))
 def gather_elements(g: Grad):
     data, index, dy = g.I(0), g.I(1), g.GO(0)
-    axis = int(g.attr("axis", 0))
+    axis = g.axis_of(g.attr("axis", 0), data)
     if g.opset >= SCATTER_ADD_OPSET:
         dy, back = _widen(g, dy, data)
         start = zeros(g, g.shape_of(data), data, TensorProto.FLOAT if back else None)
         return (_narrow(g, g.ScatterElements(start, index, dy, axis=axis, reduction="add"), back),)
-    return (_scatter_add_elements_onehot(g, data, index, dy, axis % g.require_rank(data)),)
+    return (_scatter_add_elements_onehot(g, data, index, dy, g.axis(axis, g.require_rank(data))),)
 
 
 def _scatter_reduction(g: Grad) -> str:
@@ -244,7 +244,7 @@ def scatter_nd(g: Grad):
 @rule("ScatterElements", nondiff=(1,))
 def scatter_elements(g: Grad):
     dy, index = g.GO(0), g.I(1)
-    axis = int(g.attr("axis", 0))
+    axis = g.axis_of(g.attr("axis", 0), g.I(0))
     reduction = _scatter_reduction(g)
     d_data = None
     if g.needs(0):
@@ -256,4 +256,4 @@ def scatter_elements(g: Grad):
 def topk(g: Grad):
     """The values' gradient goes back to the positions the Indices output names (all distinct)."""
     x = g.I(0)
-    return (g.ScatterElements(g.zeros_like(x), g.O(1), g.GO(0), axis=int(g.attr("axis", -1))),)
+    return (g.ScatterElements(g.zeros_like(x), g.O(1), g.GO(0), axis=g.axis_of(g.attr("axis", -1), x)),)

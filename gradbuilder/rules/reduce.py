@@ -31,11 +31,16 @@ class _Axes:
 
 def _axes(g: Grad) -> _Axes:
     as_input = g.op_type == "ReduceSum" or g.opset >= 18
-    keepdims = bool(g.attr("keepdims", 1))
+    keepdims = int(g.attr("keepdims", 1)) == 1  # onnx and onnxruntime keep dims for 1 only (keepdims=2 drops)
+    scalar = g.rank(g.I(0)) == 0  # reduces to itself, whatever axes onnxruntime is given
     if not as_input:
-        return _Axes(tuple(g.attr("axes", None) or ()), None, keepdims, False)
-    noop = bool(g.attr("noop_with_empty_axes", 0))
-    if g.I(1) is None:
+        return _Axes(() if scalar else tuple(g.attr("axes", None) or ()), None, keepdims, False)
+    noop_value = int(g.attr("noop_with_empty_axes", 0))
+    if noop_value not in (0, 1):
+        g.fail(f"noop_with_empty_axes is {noop_value}, which onnx's shape inference reads as 1 and onnxruntime as 0 "
+               "(it reduces every axis); set it to 0 or 1")
+    noop = noop_value == 1
+    if g.I(1) is None or scalar:
         return _Axes((), None, keepdims, noop)
     value = g.const_input(1)
     const = None if value is None else tuple(int(a) for a in value.ravel())

@@ -42,7 +42,7 @@ def expand(g: Grad):
 def concat(g: Grad):
     """Cut the gradient back into the inputs' sizes along the axis: one Split when every input needs its
     part, else one Slice per input that does."""
-    dy, axis = g.GO(0), int(g.attr("axis"))
+    dy, axis = g.GO(0), g.axis_of(g.attr("axis"), g.O(0))
     n = g.n_inputs
     if n == 1:
         return (dy,)
@@ -69,7 +69,7 @@ def concat(g: Grad):
 def split(g: Grad):
     """Concat of the output gradients; outputs that get none contribute zeros."""
     outs = range(len(g.node.output))
-    return (g.Concat(*[g.GO_or_zeros(j) for j in outs], axis=int(g.attr("axis", 0))),)
+    return (g.Concat(*[g.GO_or_zeros(j) for j in outs], axis=g.axis_of(g.attr("axis", 0), g.I(0))),)
 
 
 def _slice_axes(g: Grad, rank: int | None) -> list[int] | None:
@@ -79,6 +79,8 @@ def _slice_axes(g: Grad, rank: int | None) -> list[int] | None:
     if g.I(3) is None:
         starts = g.const_input(1)
         n = len(starts) if starts is not None else (g.info(g.I(1)).shape or (None,))[0]
+        if isinstance(n, int) and n > rank:
+            g.fail(f"it has {n} starts and no axes, so it slices axes 0 to {n - 1} of an input of rank {rank}")
         return list(range(n)) if isinstance(n, int) else None
     axes = g.const_input(3)
     return None if axes is None else [g.axis(a, rank, "axes value") for a in axes.ravel()]
