@@ -938,6 +938,8 @@ def _check_tensor(t: TensorProto, what: str) -> int:
         raise InvalidModelError(f"{what} has element type {type_name(data_type)}; {fix}.")
     if dims and min(dims) < 0:
         raise InvalidModelError(f"{what} has a negative dimension {list(dims)}; {fix}.")
+    if dims and max(dims) > MAX_DIM:  # even with no element (a 0 beside it), numpy cannot make the array
+        raise InvalidModelError(f"{what} has a dimension above {MAX_DIM} ({list(dims)}); {fix}.")
     if t.data_location == TensorProto.EXTERNAL:
         where = next((e.value for e in t.external_data if e.key == "location"), "?")
         raise InvalidModelError(

@@ -63,6 +63,19 @@ def test_reduce_runtime_axes(op, fn, axes, keepdims):
 
 
 @SUM_MEAN
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_repeated_axes(op, fn, keepdims):
+    """[0, -3, 2] names axis 0 twice: onnxruntime reduces it once, and the Unsqueeze putting the axes back
+    refused the repeat (constant axes deduplicated when building, run-time ones by a Unique of the axes made
+    non-negative; found by tests/fuzz/test_runtime_replay.py)."""
+    x, axes = r(2, 3, 4), (0, -3, 2)
+    check_op(op, [("x", x), ("a", i64(*axes))], lambda x: fn(x, (0, 2), keepdims), consts=["a"], opset=18,
+             keepdims=keepdims)
+    check_dynamic({}, op, [("x", x), ("a", i64(*axes))], lambda x, a: fn(x, (0, 2), keepdims), opset=18,
+                  keepdims=keepdims, out_ranks={"y0": 3 if keepdims else 1})
+
+
+@SUM_MEAN
 def test_reduce_runtime_empty_axes(op, fn):
     """Empty at run time: everything reduced, or nothing with noop_with_empty_axes."""
     x = r(2, 3, 4)

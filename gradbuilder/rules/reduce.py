@@ -9,6 +9,7 @@ ReduceSumSquare x*x), so the general formulas cover it without a special case.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +33,10 @@ class _Axes:
 def _axes(g: Grad) -> _Axes:
     as_input = g.op_type == "ReduceSum" or g.opset >= 18
     keepdims = int(g.attr("keepdims", 1)) == 1  # onnx and onnxruntime keep dims for 1 only (keepdims=2 drops)
-    scalar = g.rank(g.I(0)) == 0  # reduces to itself, whatever axes onnxruntime is given
+    rank = g.rank(g.I(0))
+    scalar = rank == 0  # reduces to itself, whatever axes onnxruntime is given
     if not as_input:
-        return _Axes(() if scalar else tuple(g.attr("axes", None) or ()), None, keepdims, False)
+        return _Axes(() if scalar else _distinct(g, g.attr("axes", None) or (), rank), None, keepdims, False)
     noop_value = int(g.attr("noop_with_empty_axes", 0))
     if noop_value not in (0, 1):
         g.fail(f"noop_with_empty_axes is {noop_value}, which onnx's shape inference reads as 1 and onnxruntime as 0 "
@@ -43,8 +45,18 @@ def _axes(g: Grad) -> _Axes:
     if g.I(1) is None or scalar:
         return _Axes((), None, keepdims, noop)
     value = g.const_input(1)
-    const = None if value is None else tuple(int(a) for a in value.ravel())
-    return _Axes(const, g.I(1), keepdims, noop)
+    if value is None:  # computed at run time: made non-negative and distinct there
+        r = g.Size(g.shape_of(g.I(0)))
+        return _Axes(None, g.op("Unique", g.Mod(g.Add(g.I(1), r), r), sorted=1), keepdims, noop)
+    return _Axes(_distinct(g, value.ravel().tolist(), rank), g.I(1), keepdims, noop)
+
+
+def _distinct(g: Grad, axes: Iterable[int], rank: int | None) -> tuple[int, ...]:
+    """The axes once each (onnxruntime reduces over [0, 0] as over [0]; the Unsqueeze putting them back refuses
+    a repeat), non-negative where the rank is known."""
+    if rank is None:
+        return tuple(dict.fromkeys(int(a) for a in axes))
+    return tuple(sorted({g.axis(a, rank, "axes value") for a in axes}))
 
 
 
