@@ -32,6 +32,8 @@ GATHERS = [
     ((2, 3, 4), [3, 0, 3], -1),
     ((4, 3), 2, 0),  # scalar index
     ((2, 4, 3), -2, 1),
+    ((6, 0), [2, 0], 0),  # nothing after the axis: a Reshape to [-1, 0] was refused (runtime fuzz replay)
+    ((0, 2, 3), [[1, 0]], 1),
 ]
 
 

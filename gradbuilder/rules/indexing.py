@@ -153,8 +153,10 @@ def gather(g: Grad):
     if i is not None and g.dtype(data) != TensorProto.BFLOAT16:  # onnxruntime's CPU Pad has no bfloat16
         return (g.Pad(g.unsqueeze(dy, [a]), placement_pads(g, r, a, i, d)),)
     src = g.Reshape(nonneg(g, int64(g, g.I(1)), d), g.ints([-1]))
+    index_shape = g.info(g.I(1)).static_shape  # the count read, rather than -1: a 0 beside -1 is refused
+    count = [int(np.prod(index_shape, dtype=np.int64))] if index_shape is not None else [-1]
     parts = [dims_of(g, data, range(a))] if a else []
-    parts += [g.ints([-1])] + ([dims_of(g, data, range(a + 1, r))] if a + 1 < r else [])
+    parts += [g.ints(count)] + ([dims_of(g, data, range(a + 1, r))] if a + 1 < r else [])
     one_axis = g.Reshape(dy, g.Concat(*parts, axis=0) if len(parts) > 1 else parts[0])
     return (axis_adjoint(g, one_axis, a, r, src, d, like=data),)
 
