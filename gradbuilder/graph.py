@@ -343,6 +343,8 @@ class ForwardGraph:
             self._check_input_types(node, inputs, op, dom)
             if op == "Cast" and dom in ("", "ai.onnx"):
                 _check_cast(node)
+            elif (op == "Reshape" or op.startswith("Reduce")) and dom in ("", "ai.onnx"):
+                _check_flags(node)
 
     def _check_known_types(self) -> None:
         """A tensor of a type onnx does not define (an attribute naming a type, such as Cast's 'to' or
@@ -626,6 +628,7 @@ def _check_interface(graph: onnx.GraphProto) -> None:
             "does not support; store them as dense initializers."
         )
     init_types = {t.name: t.data_type for t in graph.initializer}
+    declared: dict[str, tuple[str, int]] = {}
     for kind, vis in (("graph input", graph.input), ("graph output", graph.output), ("value_info", graph.value_info)):
         for vi in vis:
             if not vi.name:
@@ -642,6 +645,12 @@ def _check_interface(graph: onnx.GraphProto) -> None:
                 raise InvalidModelError(
                     f"{kind} '{vi.name}' is declared {type_name(t.elem_type)}, but the initializer of that name is "
                     f"{type_name(init_types[vi.name])}; fix the declaration or re-export the model."
+                )
+            first = declared.setdefault(vi.name, (kind, t.elem_type))
+            if first[1] != t.elem_type:
+                raise InvalidModelError(
+                    f"'{vi.name}' is declared {type_name(first[1])} as a {first[0]} and {type_name(t.elem_type)} as a "
+                    f"{kind}; a tensor has one type: fix the declarations or re-export the model."
                 )
 
 
@@ -730,6 +739,20 @@ def _check_cast(node: onnx.NodeProto) -> None:
             f"node {describe(node)} casts to type {to}, which is not an ONNX type; set its 'to' attribute to one "
             "(onnx.TensorProto.FLOAT is 1) or re-export the model."
         )
+
+
+DISPUTED_FLAGS = ("allowzero", "noop_with_empty_axes")
+"""Int attributes onnx's shape inference reads as true for any value but 0 and onnxruntime for 1 only: a value
+other than 0 or 1 gives the builder one shape and onnxruntime another."""
+
+
+def _check_flags(node: onnx.NodeProto) -> None:
+    for a in node.attribute:
+        if a.name in DISPUTED_FLAGS and a.i not in (0, 1):
+            raise InvalidModelError(
+                f"node {describe(node)} has {a.name}={a.i}, which onnx's shape inference reads as 1 and "
+                "onnxruntime as 0, so they disagree on its output's shape; set it to 0 or 1."
+            )
 
 
 def _check_inference_hazards(node: onnx.NodeProto, op: str | None = None) -> None:

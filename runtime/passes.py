@@ -862,16 +862,16 @@ EYE_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32,
 """The element types onnxruntime's CPU EyeLike reads and writes."""
 
 
-FLAGS_OF_ONE = frozenset({"keepdims", "noop_with_empty_axes"})
+FLAGS_OF_ONE = frozenset({"keepdims", "noop_with_empty_axes", "allowzero"})
 """Int attributes onnxruntime's kernels read as true for 1 only."""
 
 
 def canonical_forms(model: onnx.ModelProto) -> onnx.ModelProto:
     """Two spellings onnxruntime's optimizers misread, written the way its kernels read them:
-    - keepdims and noop_with_empty_axes other than 0 or 1 become 0 (its kernels act on 1 only): its transpose
-      optimizer reads any nonzero keepdims as 1, and moving a Transpose past ReduceMean(keepdims=2) over every
-      axis failed the session load ("Permutation length 2 does not match rank 0"); onnx's shape inference reads
-      noop_with_empty_axes=2 as 1, so the gradient would be built for another shape;
+    - keepdims, noop_with_empty_axes and allowzero other than 0 or 1 become 0 (its kernels act on 1 only): its
+      transpose optimizer reads any nonzero keepdims as 1, and moving a Transpose past ReduceMean(keepdims=2)
+      over every axis failed the session load ("Permutation length 2 does not match rank 0"); onnx's shape
+      inference reads the other two as 1, so the builder would refuse them (`gradbuilder.graph.DISPUTED_FLAGS`);
     - trailing empty inputs are dropped (an absent optional input): a LayerNormalization(x, scale, "") crashes
       the process while an ORT_ENABLE_ALL session loads (onnxruntime 1.32), one without the "" runs;
     - a Cast's saturate to a type that is not a float8 (or float4) is dropped, as ONNX ignores it there:

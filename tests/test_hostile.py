@@ -256,10 +256,12 @@ def _cast_to_undefined() -> onnx.ModelProto:
 
 
 def _odd_reduce_and_axis(op: str, **attrs: object) -> Callable[[], onnx.ModelProto]:
-    """A rule reading an attribute onnx and onnxruntime disagree on, or an axis past the rank."""
+    """An attribute onnx and onnxruntime read differently, or an axis past the rank (a Reshape gets a shape)."""
     def make() -> onnx.ModelProto:
-        nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node(op, ["h"], ["y"], "odd", **attrs)]
-        return make_model(nodes, [vi("x", shape=[3])], [vi("y", shape=None)], _params(), opset=18)
+        inputs = ["h", "to3"] if op == "Reshape" else ["h"]
+        nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node(op, inputs, ["y"], "odd", **attrs)]
+        return make_model(nodes, [vi("x", shape=[3])], [vi("y", shape=None)], [*_params(), i64("to3", [3])],
+                          opset=18)
     return make
 
 
@@ -277,6 +279,13 @@ def _empty_initializer_of_huge_dims() -> onnx.ModelProto:
     idx = onnx.TensorProto(name="idx", data_type=TP.INT64, dims=[0, 1 << 56])
     nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node("Gather", ["h", "idx"], ["y"], "gather")]
     return make_model(nodes, [vi("x")], [vi("y", shape=None)], [*_params(), idx])
+
+
+def _input_returned_as_another_type() -> onnx.ModelProto:
+    """x is a float input and an int64 output: the output's declaration overrode the input's (runtime fuzz replay:
+    the forward graph then typed a Transpose of x int64, and onnxruntime refused to load it)."""
+    nodes = [node("Mul", ["x", "W"], ["y"], "mul")]
+    return make_model(nodes, [vi("x")], [vi("y"), vi("x", TP.INT64)], _params())
 
 
 def _slice_starts_not_1d() -> onnx.ModelProto:
@@ -396,11 +405,14 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Softmax axis past the rank": (_odd_reduce_and_axis("Softmax", axis=1 << 40),
                                    ["'odd'", "axis 1099511627776 is out of range for an input of rank 1"]),
     "noop_with_empty_axes of 2": (_odd_reduce_and_axis("ReduceSum", noop_with_empty_axes=2),
-                                  ["'odd'", "noop_with_empty_axes is 2", "onnxruntime as 0"]),
+                                  ["'odd'", "noop_with_empty_axes=2", "onnxruntime as 0"]),
+    "allowzero of 2": (_odd_reduce_and_axis("Reshape", allowzero=2), ["'odd'", "allowzero=2", "onnxruntime as 0"]),
     "Slice of more axes than the rank": (_slice_more_starts_than_rank,
                                          ["'slicer'", "2 starts and no axes", "rank 1"]),
     "empty initializer of huge dimensions": (_empty_initializer_of_huge_dims,
                                              ["initializer 'idx'", "dimension above 2147483647", "re-export"]),
+    "input returned as another type": (_input_returned_as_another_type,
+                                       ["'x' is declared FLOAT as a graph input and INT64 as a graph output"]),
     "Conv on a vector": (_conv_on_a_vector, ["'conv'", "weight 'Wv' has rank 1", "needs a weight of rank 4"]),
 }
 
@@ -422,7 +434,7 @@ def _write(path: Path, data: bytes) -> Path:
 BUILD_ONLY = {"custom domain op on the gradient path", "string attribute not UTF-8", "Conv strides of another rank",
               "Slice starts not 1-D", "Slice inputs of different lengths", "Dropout ratio of three values",
               "Conv on a vector", "LayerNormalization axis out of range", "untyped output behind a custom op",
-              "Softmax axis past the rank", "noop_with_empty_axes of 2", "Slice of more axes than the rank"}
+              "Softmax axis past the rank", "Slice of more axes than the rank"}
 """Models whose problem only the gradient rules meet (a valid op with no rule, an attribute only a rule reads):
 inspect summarises them; build refuses."""
 
