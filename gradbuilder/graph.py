@@ -343,7 +343,7 @@ class ForwardGraph:
             self._check_input_types(node, inputs, op, dom)
             if op == "Cast" and dom in ("", "ai.onnx"):
                 _check_cast(node)
-            elif (op == "Reshape" or op.startswith("Reduce")) and dom in ("", "ai.onnx"):
+            elif (op in ("Reshape", "Gemm") or op.startswith("Reduce")) and dom in ("", "ai.onnx"):
                 _check_flags(node)
 
     def _check_known_types(self) -> None:
@@ -741,17 +741,19 @@ def _check_cast(node: onnx.NodeProto) -> None:
         )
 
 
-DISPUTED_FLAGS = ("allowzero", "noop_with_empty_axes")
-"""Int attributes onnx's shape inference reads as true for any value but 0 and onnxruntime for 1 only: a value
-other than 0 or 1 gives the builder one shape and onnxruntime another."""
+DISPUTED_FLAGS = ("allowzero", "noop_with_empty_axes", "transA", "transB")
+"""0/1 attributes whose other values onnx's shape inference and onnxruntime read differently, so the builder
+would see one output shape and onnxruntime compute another: inference takes allowzero=2 and
+noop_with_empty_axes=2 as 1, onnxruntime as 0; inference truncates transA=2^40 to 0, onnxruntime transposes."""
 
 
 def _check_flags(node: onnx.NodeProto) -> None:
     for a in node.attribute:
         if a.name in DISPUTED_FLAGS and a.i not in (0, 1):
             raise InvalidModelError(
-                f"node {describe(node)} has {a.name}={a.i}, which onnx's shape inference reads as 1 and "
-                "onnxruntime as 0, so they disagree on its output's shape; set it to 0 or 1."
+                f"node {describe(node)} has {a.name}={a.i}: ONNX defines 0 and 1, and onnx's shape inference and "
+                "onnxruntime read other values differently, so they disagree on its output's shape; set it to 0 "
+                "or 1."
             )
 
 

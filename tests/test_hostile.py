@@ -288,6 +288,12 @@ def _input_returned_as_another_type() -> onnx.ModelProto:
     return make_model(nodes, [vi("x")], [vi("y"), vi("x", TP.INT64)], _params())
 
 
+def _gemm_flag() -> onnx.ModelProto:
+    """transB=7: the Gemm rule wrote 1 - 7 as a flag; transA=2^40 onnx's inference reads as 0, onnxruntime as 1."""
+    nodes = [node("Gemm", ["x", "Wg"], ["y"], "gemm", transB=7)]
+    return make_model(nodes, [vi("x", shape=[2, 3])], [vi("y", shape=None)], [f32("Wg", np.ones((4, 3)))])
+
+
 def _slice_starts_not_1d() -> onnx.ModelProto:
     nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
     return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
@@ -405,8 +411,9 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Softmax axis past the rank": (_odd_reduce_and_axis("Softmax", axis=1 << 40),
                                    ["'odd'", "axis 1099511627776 is out of range for an input of rank 1"]),
     "noop_with_empty_axes of 2": (_odd_reduce_and_axis("ReduceSum", noop_with_empty_axes=2),
-                                  ["'odd'", "noop_with_empty_axes=2", "onnxruntime as 0"]),
-    "allowzero of 2": (_odd_reduce_and_axis("Reshape", allowzero=2), ["'odd'", "allowzero=2", "onnxruntime as 0"]),
+                                  ["'odd'", "noop_with_empty_axes=2", "read other values differently"]),
+    "Gemm transB of 7": (_gemm_flag, ["'gemm'", "transB=7", "set it to 0 or 1"]),
+    "allowzero of 2": (_odd_reduce_and_axis("Reshape", allowzero=2), ["'odd'", "allowzero=2", "set it to 0 or 1"]),
     "Slice of more axes than the rank": (_slice_more_starts_than_rank,
                                          ["'slicer'", "2 starts and no axes", "rank 1"]),
     "empty initializer of huge dimensions": (_empty_initializer_of_huge_dims,
