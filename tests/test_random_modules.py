@@ -305,21 +305,32 @@ def specs(draw, double: bool = False) -> Spec:
                 draw(st.sampled_from([True, True, False])), draw(st.sampled_from([1, 1, 2])))
 
 
+PLAIN: dict[str, type[nn.Module]] = {
+    "conv": nn.Conv2d,
+    "maxpool": nn.MaxPool2d,
+    "avgpool": nn.AvgPool2d,
+    "bn2d": nn.BatchNorm2d,
+    "bn1d": nn.BatchNorm1d,
+    "embedding": nn.Embedding,
+    "convt": nn.ConvTranspose2d,
+    "upsample": nn.Upsample,
+    "groupnorm": nn.GroupNorm,
+    "shuffle": nn.PixelShuffle,
+    "adaptive": nn.AdaptiveAvgPool2d,
+    "linear": nn.Linear,
+    "ln": nn.LayerNorm,
+    "dropout": nn.Dropout,
+}
+"""Layers made from their arguments alone."""
+
+
 def make(layer: Layer) -> nn.Module:
     a = dict(layer.args)
+    if layer.kind in PLAIN:
+        return PLAIN[layer.kind](**a)
     match layer.kind:
-        case "conv":
-            return nn.Conv2d(**a)
-        case "maxpool":
-            return nn.MaxPool2d(**a)
-        case "avgpool":
-            return nn.AvgPool2d(**a)
         case "act":
             return ACTIVATIONS[a["name"]]()
-        case "bn2d":
-            return nn.BatchNorm2d(**a)
-        case "bn1d":
-            return nn.BatchNorm1d(**a)
         case "residual":
             c, k = a["channels"], a["kernel_size"]
             return Residual(nn.Sequential(nn.Conv2d(c, c, k, padding=k // 2), ACTIVATIONS[a["act"]]()))
@@ -330,28 +341,10 @@ def make(layer: Layer) -> nn.Module:
             return Branches(first, nn.Sequential(second, nn.Conv2d(c, a["b"], 3, padding=1)))
         case "flatten":
             return nn.Flatten()
-        case "embedding":
-            return nn.Embedding(**a)
-        case "convt":
-            return nn.ConvTranspose2d(**a)
-        case "upsample":
-            return nn.Upsample(**a)
-        case "groupnorm":
-            return nn.GroupNorm(**a)
         case "gate":
             return Gate(a["c"])
-        case "shuffle":
-            return nn.PixelShuffle(**a)
         case "softmax":
             return ChannelSoftmax(a["log"])
-        case "adaptive":
-            return nn.AdaptiveAvgPool2d(**a)
-        case "linear":
-            return nn.Linear(**a)
-        case "ln":
-            return nn.LayerNorm(**a)
-        case "dropout":
-            return nn.Dropout(**a)
         case "attn":
             return Residual(SelfAttention(a["d"], a["heads"], a["causal"]))
         case "ff":
