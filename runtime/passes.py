@@ -677,13 +677,15 @@ def relu_after_pool(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Dropouts of the main graph that drop nothing go (their readers read the input; an Identity where the
-    output is a graph output): in inference mode (`training_mode` absent or a constant false) or at a constant
-    ratio of 0 (`nn.Dropout(0.0)`, exported in training mode). onnxruntime would otherwise run them, draw a
-    mask at a ratio of 0 (1.7 ms a step on a 3-layer encoder of width 192) and backward multiply by it: its
-    `EliminateDropout` is off for the sessions (it removes training Dropouts too). A mask that is read becomes
-    all true. Opset 12 and later (ratio and training_mode as inputs); returns a rewritten copy, or `model`
-    itself when nothing matches."""
+    """Dropouts of the main graph that drop nothing go, their readers reading the input: in inference mode
+    (`training_mode` absent or a constant false) or at a constant ratio of 0 (`nn.Dropout(0.0)`, exported in
+    training mode). onnxruntime would otherwise run them, draw a mask at a ratio of 0 (1.7 ms a step on a 3-layer
+    encoder of width 192) and backward multiply by it: its `EliminateDropout` is off for the sessions (it removes
+    training Dropouts too). A mask that is read becomes all true. Where the output is a graph output, an
+    inference-mode Dropout (a copy) stays: onnxruntime 1.32 refused to load a graph whose output was an Identity
+    of a parameter's Log that a Gemm also read ("Node input ... is not a graph input, initializer, or output of a
+    previous node", from BASIC optimizations on). Opset 12 and later (ratio and training_mode as inputs);
+    returns a rewritten copy, or `model` itself when nothing matches."""
     if default_opset(model) < 12:
         return model
     consts = constant_values(model.graph)
@@ -695,13 +697,13 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
             return True
         return bool(ratio) and ratio in consts and float(consts[ratio]) == 0.0
 
-    plan = [(k,) for k, n in enumerate(model.graph.node) if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")
-            and inactive(n)]
     outputs = {o.name for o in model.graph.output}
+    plan = [(k,) for k, n in enumerate(model.graph.node) if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")
+            and inactive(n) and not (len(n.input) == 1 and list(n.output) == [n.output[0]] and n.output[0] in outputs)]
 
     def build(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
-        nodes = [helper.make_node("Identity", [n.input[0]], [n.output[0]], name=n.name)] \
-            if n.output[0] in outputs else []
+        nodes = [helper.make_node("Dropout", [n.input[0]], [n.output[0]], name=n.name)] \
+            if n.output[0] in outputs else []  # inference mode: a copy (an Identity, see the docstring)
         if len(n.output) > 1 and n.output[1]:
             shape = fresh_name(f"{n.output[1]}/shape", taken)
             nodes += [helper.make_node("Shape", [n.input[0]], [shape]),

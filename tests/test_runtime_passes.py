@@ -434,9 +434,10 @@ def test_layer_norm_statistics_read_by_backward(dtype):
         np.testing.assert_allclose(grads[name], t.grad.numpy(), rtol=tol, atol=tol)
 
 
-def test_inactive_dropouts_become_identities():
-    """Dropouts at a constant ratio of 0 (the mask read) and in inference mode go (the mask all true; an Identity
-    for a graph output); a training Dropout at 0.3 stays. onnxruntime gives the same values before and after."""
+def test_inactive_dropouts_go():
+    """Dropouts at a constant ratio of 0 (the mask read) and in inference mode go (the mask all true; an
+    inference-mode Dropout for a graph output, which the pass then leaves); a training Dropout at 0.3 stays.
+    onnxruntime gives the same values before and after."""
     f, b = TensorProto.FLOAT, TensorProto.BOOL
     consts = [helper.make_tensor("zero", f, [], [0.0]), helper.make_tensor("third", f, [], [0.3]),
               helper.make_tensor("on", b, [], [True]), helper.make_tensor("off", b, [], [False])]
@@ -450,7 +451,7 @@ def test_inactive_dropouts_become_identities():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     rewritten = passes.inactive_dropouts(model)
     assert [(n.op_type, list(n.input)) for n in rewritten.graph.node] == [
-        ("Shape", ["x"]), ("ConstantOfShape", ["mask/shape"]), ("Identity", ["x"]), ("Dropout", ["d", "third", "on"])]
+        ("Shape", ["x"]), ("ConstantOfShape", ["mask/shape"]), ("Dropout", ["x"]), ("Dropout", ["d", "third", "on"])]
     assert passes.inactive_dropouts(rewritten) is rewritten
     x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
     config = SessionConfig(threads=1)  # onnxruntime's EliminateDropout off, as for every session of ours
@@ -677,3 +678,29 @@ def test_spellings_onnxruntime_misreads(case: str) -> None:
             "empty bias": lambda: (torch.nn.functional.layer_norm(z, (4,), eps=1e-5) * 1.5).sum()}[case]()
     loss.backward()
     np.testing.assert_allclose(np.asarray(grads["W"]), w.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_inactive_dropout_of_a_folded_parameter_as_an_output() -> None:
+    """n = Dropout(log(W1)) returned beside a loss whose Gemm reads log(W1) (the chain made feature-major): as an
+    Identity, onnxruntime's optimizations made the forward unloadable ("Node input 'e' is not a graph input,
+    initializer, or output of a previous node"; found by tests/fuzz/test_runtime_replay.py)."""
+    rng = np.random.default_rng(0)
+    inits = [onnx.numpy_helper.from_array(np.abs(rng.standard_normal(s)).astype(np.float32) + 0.5, n)
+             for n, s in (("W1", (4, 5)), ("b1", (5,)), ("W2", (5, 3)))]
+    inits.append(onnx.numpy_helper.from_array(np.array([0, 1]), "axes"))
+    nodes = [helper.make_node("Log", ["W1"], ["e"]), helper.make_node("Gemm", ["x", "e", "b1"], ["h"]),
+             helper.make_node("Relu", ["h"], ["r"]), helper.make_node("MatMul", ["r", "W2"], ["z"]),
+             helper.make_node("Softmax", ["z"], ["p"]), helper.make_node("Dropout", ["e"], ["n"]),
+             helper.make_node("ReduceMean", ["p", "axes"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                               helper.make_tensor_value_info("n", TensorProto.FLOAT, None)], inits)
+    session = TrainingSession.from_forward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+                                           threads=1)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    (_, n), state = session.forward({"x": x})
+    w1, b1, w2 = (torch.tensor(onnx.numpy_helper.to_array(t), requires_grad=True) for t in inits[:3])
+    np.testing.assert_allclose(np.asarray(n), w1.detach().log().numpy(), rtol=1e-6)
+    grads = session.backward(state, [np.array(1.0, np.float32), None])
+    torch.softmax(torch.relu(torch.from_numpy(x) @ w1.log() + b1) @ w2, -1).mean().backward()
+    np.testing.assert_allclose(np.asarray(grads["W1"]), w1.grad.numpy(), rtol=1e-4, atol=1e-6)
