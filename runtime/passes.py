@@ -877,10 +877,12 @@ def canonical_forms(model: onnx.ModelProto) -> onnx.ModelProto:
     - trailing empty inputs are dropped (an absent optional input): a LayerNormalization(x, scale, "") crashes
       the process while an ORT_ENABLE_ALL session loads (onnxruntime 1.32), one without the "" runs;
     - a Cast's saturate to a type that is not a float8 (or float4) is dropped, as ONNX ignores it there:
-      onnxruntime refuses saturate=0 and, for other values than 0 and 1, returns uninitialized memory.
+      onnxruntime refuses saturate=0 and, for other values than 0 and 1, returns uninitialized memory;
+    - a node whose outputs are all unnamed goes (it computes nothing anyone reads): onnxruntime crashed the
+      process running a Split with one output "".
     Returns `model` itself when nothing changes."""
     def odd(n: onnx.NodeProto) -> bool:
-        if n.input and not n.input[-1]:
+        if (n.input and not n.input[-1]) or not any(n.output):
             return True
         if n.domain not in ("", "ai.onnx"):
             return False
@@ -891,6 +893,7 @@ def canonical_forms(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    idle = [k for k in at if not any(out.graph.node[k].output)]
     for k in at:
         node = out.graph.node[k]
         for a in node.attribute:
@@ -900,6 +903,8 @@ def canonical_forms(model: onnx.ModelProto) -> onnx.ModelProto:
             node.input.pop()
         if _idle_saturate(node):
             node.attribute.remove(next(a for a in node.attribute if a.name == "saturate"))
+    for k in reversed(idle):
+        del out.graph.node[k]
     return out
 
 

@@ -631,9 +631,9 @@ def test_vectors_times_transposed_matrices_as_onnxruntime_should(vector_first: b
 
 
 def _canonical_case(case: str) -> onnx.ModelProto:
-    """Three spellings onnxruntime misreads (found by tests/fuzz/test_runtime_replay.py): a mean over both axes
-    with keepdims=-2 after a Linear chain made feature-major, a LayerNormalization with an empty bias, a Cast to
-    int64 with saturate=7."""
+    """Spellings onnxruntime misreads (found by tests/fuzz/test_runtime_replay.py): a mean over both axes with
+    keepdims=-2 after a Linear chain made feature-major, a LayerNormalization with an empty bias, a Cast to int64
+    with saturate=7, a Split whose one output is unnamed."""
     w = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32), "W")
     axes = onnx.numpy_helper.from_array(np.array([0, 1]), "axes")
     nodes = [helper.make_node("Gemm", ["x", "W", "b"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
@@ -644,9 +644,12 @@ def _canonical_case(case: str) -> onnx.ModelProto:
     elif case == "empty bias":
         nodes.append(helper.make_node("LayerNormalization", ["z", "scale", ""], ["n"]))
         nodes.append(helper.make_node("ReduceSum", ["n"], ["loss"], keepdims=0))
-    else:
+    elif case == "saturate":
         nodes.append(helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0))
         nodes.append(helper.make_node("Cast", ["z"], ["ints"], to=TensorProto.INT64, saturate=7))
+    else:
+        nodes.append(helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0))
+        nodes.append(helper.make_node("Split", ["z"], [""], axis=1))
     outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
     if case == "saturate":
         outputs.append(helper.make_tensor_value_info("ints", TensorProto.INT64, ["N", 4]))
@@ -657,11 +660,11 @@ def _canonical_case(case: str) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-@pytest.mark.parametrize("case", ["keepdims", "empty bias", "saturate"])
+@pytest.mark.parametrize("case", ["keepdims", "empty bias", "saturate", "unnamed output"])
 def test_spellings_onnxruntime_misreads(case: str) -> None:
     """Each loads, runs the values an unoptimized onnxruntime session gives for the ONNX-equivalent spelling,
     and gets the gradient torch gives. Before `passes.canonical_forms`: a failed session load, a crash of the
-    process, and uninitialized memory for the integers."""
+    process, uninitialized memory for the integers, a crash of the process."""
     model = _canonical_case(case)
     x = np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32)
     session = TrainingSession.from_forward(model, config=SessionConfig(threads=1))
@@ -674,7 +677,7 @@ def test_spellings_onnxruntime_misreads(case: str) -> None:
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
     w = torch.tensor(onnx.numpy_helper.to_array(model.graph.initializer[0]), requires_grad=True)
     z = torch.relu(torch.from_numpy(x) @ w + 0.25) @ w
-    loss = {"keepdims": lambda: z.tanh().mean(), "saturate": lambda: z.sum(),
+    loss = {"keepdims": lambda: z.tanh().mean(), "saturate": lambda: z.sum(), "unnamed output": lambda: z.sum(),
             "empty bias": lambda: (torch.nn.functional.layer_norm(z, (4,), eps=1e-5) * 1.5).sum()}[case]()
     loss.backward()
     np.testing.assert_allclose(np.asarray(grads["W"]), w.grad.numpy(), rtol=1e-4, atol=1e-5)
