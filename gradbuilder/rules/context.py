@@ -254,9 +254,8 @@ class Grad:
         return value
 
     def flag(self, name: str, default: bool = False) -> bool:
-        """An int attribute onnx and onnxruntime read as true for any value but 0 (Gemm's transA and transB; CumSum's
-        other than 0 and 1 onnxruntime refuses), so `1 - flag` arithmetic never sees a 7. Not for keepdims, which
-        they read as true for 1 only."""
+        """A 0/1 int attribute as a bool, so `1 - flag` arithmetic stays 0 or 1 (Gemm's transA and transB, which
+        the forward graph holds to 0 or 1, `graph.DISPUTED_FLAGS`; CumSum's, which onnxruntime holds to them)."""
         return bool(int(self.attr(name, int(default))))
 
     def _text(self, name: str, value: bytes) -> str:
