@@ -341,10 +341,26 @@ class ForwardGraph:
         self._check_known_types()
         for node, inputs, op, dom in zip(self.nodes, self.node_inputs, self.node_ops, self.node_domains):
             self._check_input_types(node, inputs, op, dom)
-            if op == "Cast" and dom in ("", "ai.onnx"):
+            if dom not in ("", "ai.onnx"):
+                continue
+            if op == "Cast":
                 _check_cast(node)
-            elif (op in ("Reshape", "Gemm") or op.startswith("Reduce")) and dom in ("", "ai.onnx"):
+            elif op in ("Reshape", "Gemm") or op.startswith("Reduce"):
                 _check_flags(node)
+            if op in SHAPE_INPUTS:
+                self._check_shape_input(node, op)
+
+    def _check_shape_input(self, node: onnx.NodeProto, op: str) -> None:
+        """A shape input must be a vector (Expand(W, [[1]]) ran in onnxruntime's kernel, its inference refused
+        the same node recomputed in backward)."""
+        i = SHAPE_INPUTS[op]
+        name = node.input[i] if i < len(node.input) else ""
+        rank = self.tensor_info(name).rank if name else None
+        if rank is not None and rank != 1:
+            raise InvalidModelError(
+                f"node {describe(node)} takes its output's shape from '{name}', of rank {rank}; {op} takes a 1-D "
+                "vector there. Fix the model or re-export it."
+            )
 
     def _check_known_types(self) -> None:
         """A tensor of a type onnx does not define (an attribute naming a type, such as Cast's 'to' or

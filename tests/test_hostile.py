@@ -294,6 +294,13 @@ def _gemm_flag() -> onnx.ModelProto:
     return make_model(nodes, [vi("x", shape=[2, 3])], [vi("y", shape=None)], [f32("Wg", np.ones((4, 3)))])
 
 
+def _expand_to_a_matrix_shape() -> onnx.ModelProto:
+    """Expand(W, [[1]]): onnxruntime's kernel ran it, its inference refused the same Expand recomputed in backward
+    (runtime fuzz replay)."""
+    nodes = [node("Expand", ["W", "to"], ["e"], "expander"), node("Mul", ["x", "e"], ["y"], "mul")]
+    return make_model(nodes, [vi("x")], [vi("y", shape=None)], [*_params(), i64("to", [[1]])])
+
+
 def _slice_starts_not_1d() -> onnx.ModelProto:
     nodes = [node("Slice", ["x2", "s0", "e2"], ["y"], "slicer")]
     return make_model([node("Mul", ["x", "W"], ["x2"], "mul"), *nodes], [vi("x", shape=None)], [vi("y", shape=None)],
@@ -420,6 +427,7 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
                                              ["initializer 'idx'", "dimension above 2147483647", "re-export"]),
     "input returned as another type": (_input_returned_as_another_type,
                                        ["'x' is declared FLOAT as a graph input and INT64 as a graph output"]),
+    "Expand to a matrix shape": (_expand_to_a_matrix_shape, ["'expander'", "'to', of rank 2", "1-D vector"]),
     "Conv on a vector": (_conv_on_a_vector, ["'conv'", "weight 'Wv' has rank 1", "needs a weight of rank 4"]),
 }
 
