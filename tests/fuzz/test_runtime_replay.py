@@ -121,7 +121,10 @@ def test_mutated_models_run_as_onnxruntime_runs_them() -> None:
         if not any(n.op_type in RANDOM for n in model.graph.node):
             for i, (a, b) in enumerate(zip(got, want, strict=True)):
                 assert a.shape == b.shape, f"{what}: output {i} is {a.shape}, onnxruntime's {b.shape}"
-                np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-5, atol=1e-6,
+                # 1e-3: the runtime's rewrites may round otherwise, and more exactly (log(sigmoid(x)) at x = -11.8
+                # is -11.7900 through the runtime, as in torch, and -11.7874 in onnxruntime): wrong graphs are off
+                # by far more
+                np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3, atol=1e-5,
                                            equal_nan=True, err_msg=f"{what}: output {i}")
         try:
             grads = session.backward(state, [np.ones_like(a) if a.dtype.kind == "f" else None for a in got])
