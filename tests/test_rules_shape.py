@@ -141,7 +141,7 @@ def test_expand_dynamic():
     check_op("Expand", [("x", r(3, 1)), ("s", i64(2, 3, 4))], lambda x, s: x.expand(2, 3, 4))
 
 
-@pytest.mark.parametrize("reps", [(2, 1, 3), (1, 1, 1), (1, 4, 1)])
+@pytest.mark.parametrize("reps", [(2, 1, 3), (1, 1, 1), (1, 4, 1), (2, 0, 1)])  # a 0: nothing tiled (runtime replay)
 def test_tile(reps):
     check_op("Tile", [("x", r(2, 3, 2)), ("k", i64(*reps))], lambda x: x.repeat(*reps), consts=["k"])
 

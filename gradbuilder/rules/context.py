@@ -400,8 +400,9 @@ class Grad:
         return self.shape_of(like)
 
     def reshape_like(self, x: str, like: str) -> str:
-        """x (of like's size) in like's shape."""
-        return self.Reshape(x, self.reshape_target(like))
+        """x (of like's size) in like's shape; allowzero keeps a genuine 0 of it a 0 (opset 14+: a 0 otherwise
+        copies x's size there, or is refused where x has no such axis)."""
+        return self.Reshape(x, self.reshape_target(like), allowzero=1 if self.opset >= 14 else None)
 
     def unbroadcast(self, grad: str, like: str, grad_like: str | None = None) -> str:
         """Sum `grad` (shaped like `grad_like`, default output 0) down to the shape of `like`.

@@ -15,9 +15,8 @@ from .registry import rule
 
 
 def _back_to_shape(g: Grad):
-    """Views (Reshape, Flatten, Squeeze, Unsqueeze): the gradient is the output gradient in x's shape.
-    allowzero keeps a genuine 0 in x's shape a 0 (opset 14+)."""
-    return (g.Reshape(g.GO(0), g.reshape_target(g.I(0)), allowzero=1 if g.opset >= 14 else None),)
+    """Views (Reshape, Flatten, Squeeze, Unsqueeze): the gradient is the output gradient in x's shape."""
+    return (g.reshape_like(g.GO(0), g.I(0)),)
 
 
 for _op in ("Reshape", "Squeeze", "Unsqueeze"):
@@ -177,7 +176,9 @@ def tile(g: Grad):
     else:
         pairs = g.Concat(g.unsqueeze(g.I(1), [1]), g.unsqueeze(g.shape_of(x), [1]), axis=1)
         split = g.Reshape(pairs, g.ints([-1]))
-    return (g.reduce_sum(g.Reshape(dy, split), list(range(0, 2 * r, 2)), keepdims=False),)
+    # allowzero: a repeat of 0 is a 0 of the split shape, not "x's size there" (refused past x's rank)
+    return (g.reduce_sum(g.Reshape(dy, split, allowzero=1 if g.opset >= 14 else None), list(range(0, 2 * r, 2)),
+                         keepdims=False),)
 
 
 @rule("Trilu", since=14, nondiff=(1,))
