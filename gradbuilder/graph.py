@@ -338,7 +338,7 @@ class ForwardGraph:
                 "constant or declaration) or re-export the model.")
         self._largest = max((_check_tensor(t, f"initializer '{t.name}'") for t in self.graph.initializer), default=0)
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
-        self._check_known_types()
+        self._check_inferred_tensors()
         for node, inputs, op, dom in zip(self.nodes, self.node_inputs, self.node_ops, self.node_domains):
             self._check_input_types(node, inputs, op, dom)
             if dom not in ("", "ai.onnx"):
@@ -362,7 +362,7 @@ class ForwardGraph:
                 "vector there. Fix the model or re-export it."
             )
 
-    def _check_known_types(self) -> None:
+    def _check_inferred_tensors(self) -> None:
         """A tensor of a type onnx does not define (an attribute naming a type, such as Cast's 'to' or
         LayerNormalization's 'stash_type', holds a wrong number): no rule could cast to or from it. And a
         negative size, which onnx's inference computes without a word for a node that cannot run (a kernel

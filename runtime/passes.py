@@ -699,11 +699,11 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
 
     outputs = {o.name for o in model.graph.output}
     plan = [(k,) for k, n in enumerate(model.graph.node) if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")
-            and inactive(n) and not (len(n.input) == 1 and list(n.output) == [n.output[0]] and n.output[0] in outputs)]
+            and inactive(n) and not (len(n.input) == 1 and len(n.output) == 1 and n.output[0] in outputs)]
 
     def build(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
         nodes = [helper.make_node("Dropout", [n.input[0]], [n.output[0]], name=n.name)] \
-            if n.output[0] in outputs else []  # inference mode: a copy (an Identity, see the docstring)
+            if n.output[0] in outputs else []  # inference mode: a copy, which the plan above then leaves
         if len(n.output) > 1 and n.output[1]:
             shape = fresh_name(f"{n.output[1]}/shape", taken)
             nodes += [helper.make_node("Shape", [n.input[0]], [shape]),
