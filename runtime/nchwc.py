@@ -21,7 +21,8 @@ a quarter to the block (the input is reordered to the blocked layout and back af
 channels, kernels of at least 25 taps (the plain NCHW input is read directly, one channel too); and at most
 3x the layer's multiply-adds once channels are padded to the block. 3x3 kernels over 1-3 channels, heavily padded
 channel counts, 1-3 output positions, LeNet's input gradient (6 channels, 10x10 to 14x14) and 5x5 input gradients
-onto more than twice dY's positions (`MAX_SPREAD`) stay as they are. Channels known only at run time take the
+onto more than twice dY's positions or onto channels that do not fill whole blocks (`MAX_SPREAD`) stay as they
+are. Channels known only at run time take the
 blocked layout for at least two images (`MIN_IMAGES_PADDED`): a weight gradient of 5x5 layers from 4+ channels ran
 at 0.4-0.6x the im2col Conv's time.
 """
@@ -78,7 +79,12 @@ positions (known) stays onnxruntime's own: as a blocked Conv over dY framed by K
 sit in the frame. 5x5 'valid' input gradients, 2 threads (ConvTranspose / blocked): 16 of 32 channels, 12x12 from
 8x8, batch 64, 0.60-0.70 / 0.92-1.0 ms, from 64 channels 0.88-0.93 / 1.77-1.90, 32 of 64 at batch 32 0.84-0.89 /
 1.09-1.19 (spread 2.25); 14x14 from 10x10 (1.96) level, 0.96-1.03 / 1.00-1.08 (64 -> 32: 0.81x blocked, kept);
-3x3 ones at 2.25 (6x6 from 4x4) ran blocked as fast or faster (0.11-0.37 / 0.19-0.37), hence the taps."""
+3x3 ones at 2.25 (6x6 from 4x4) ran blocked as fast or faster (0.11-0.37 / 0.19-0.37), hence the taps.
+Nor does one onto output channels that do not fill whole blocks: onnxruntime's own computes over dY's positions
+and the layer's channels, and its GEMM is tall there (25 taps a channel). With blocks of 8 (AVX2), 2 threads, batch 64
+(ConvTranspose / blocked): 16 -> 6 channels, 14x14 from 10x10 0.66 / 0.80 ms, 'same' over 14x14 1.09 / 1.23, 16x16
+from 12x12 0.74 / 1.15, 20 -> 6 0.71 / 1.20; onto whole blocks the blocked Conv wins: 16 -> 8 0.84 / 0.80, 32 -> 16
+2.08 / 1.80, 64 -> 32 6.15 / 4.73; 3x3 ones padded from 12 to 16 channels still win (1.01 / 0.63)."""
 INT64_MIN = np.iinfo(np.int64).min
 CHUNK_BYTES = 2 * 1024 * 1024
 """An unfold of at least `MIN_CHUNKS` times this at the expected batch is made and multiplied chunk by chunk
@@ -195,7 +201,8 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
                 given_positions = (dims[2] - grow[0]) * (dims[3] - grow[1])  # type: ignore[operator]
             spread = positions / given_positions if positions and given_positions else \
                 (1 + max(grow[0], 0) / ASSUMED_SIZE) * (1 + max(grow[1], 0) / ASSUMED_SIZE)
-            if positions and given_positions and spread > MAX_SPREAD and kh * kw >= MIN_TAPS_UNBLOCKED:
+            too_spread = bool(positions and given_positions and spread > MAX_SPREAD)
+            if kh * kw >= MIN_TAPS_UNBLOCKED and (m % block or too_spread):
                 continue
         images = (shapes.get(n.input[0], (0, None))[1] or [None])[0]
         layout = _layout(c, m, kh * kw, positions, spread, block, images if isinstance(images, int) else None)

@@ -120,7 +120,8 @@ def test_stride_one_conv_transpose_becomes_a_flipped_blocked_conv(n, m, c, ho, k
     "constant weight", "grouped", "double", "3x3 over 3 channels", "3x3 over 1 channel",
     "input channels not a multiple of 4",
     "input channels padded by 60%", "1x1 output", "strided transpose", "dilated transpose",
-    "LeNet's input gradient (dX 14x14 from 10x10, 6 of 16 channels)", "auto_pad", "3-D",
+    "LeNet's input gradient (dX 14x14 from 10x10, 6 of 16 channels)",
+    "5x5 input gradient onto channels that do not fill a block", "auto_pad", "3-D",
     "5x5 input gradient onto 12x12 from 8x8",
 ])
 def test_layers_that_do_not_pay_or_cannot_stay(case):
@@ -140,6 +141,8 @@ def test_layers_that_do_not_pay_or_cannot_stay(case):
                                                         dilations=[2, 2]),
         "LeNet's input gradient (dX 14x14 from 10x10, 6 of 16 channels)":
             lambda: _model("ConvTranspose", [2, b, 10, 10], [b, 6, 5, 5], None),
+        "5x5 input gradient onto channels that do not fill a block":
+            lambda: _model("ConvTranspose", [2, 2 * b, 14, 14], [2 * b, b + 4, 5, 5], None, pads=[2, 2, 2, 2]),
         "auto_pad": lambda: _model("Conv", [2, b, 8, 8], [b, b, 3, 3], None, auto_pad="SAME_UPPER"),
         "3-D": lambda: _model("Conv", [2, b, 4, 4, 4], [b, b, 3, 3, 3], None),
         "5x5 input gradient onto 12x12 from 8x8": lambda: _model("ConvTranspose", [2, 2 * b, 8, 8], [2 * b, b, 5, 5],
