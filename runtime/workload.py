@@ -15,12 +15,14 @@ thread.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import onnx
 
 from gradbuilder.inference import infer_shapes
 
+from . import nchwc
 from .export import pin_dims
 
 SMALL = 12_000_000
@@ -31,7 +33,22 @@ GEMM_WEIGHT = 0.5
 """What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at
 ~25M multiply-adds, LeNets at ~10M units)."""
 
+FULL_WIDTH = 16
+"""Floats in the vectors of the machine `SMALL` and `GEMM_WEIGHT` were measured on (AVX-512)."""
+
 PRODUCTS = frozenset({"MatMul", "Gemm", "FusedMatMul", "Conv", "ConvTranspose", "Einsum"})
+
+
+@functools.cache
+def mac_weight() -> float:
+    """What a convolution's multiply-add counts for on this machine: with vectors of 8 floats (AVX2, onnxruntime's
+    NCHWc block) a multiply-add takes about twice the time it takes with 16, while an element written costs
+    alike, so a model of the same sizes gains from a second thread sooner. On the AVX2 machine, one module a
+    process against torch (`benchmarks.ab`, one thread / two): LeNet at batch 16 (6.3M units) 0.93 / 0.86,
+    MLPs 784-512-512-10 at batch 32 (21M multiply-adds) 1.25 / 1.05, 784-300-100-10 at batch 64 (17M) 1.21 / 1.13;
+    784-128-10 (6.5M) 1.19 / 1.33 and 100-200-200-10 (4M) 1.25 / 1.32 still ran faster on one."""
+    width = nchwc.block_size()
+    return FULL_WIDTH / width if width else 1.0
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:
@@ -45,9 +62,9 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:
 def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> float | None:
     """Forward work for inputs of these shapes (every graph input named in `shapes` gets all its dims):
     multiply-adds of Conv/ConvTranspose, and of MatMul/Gemm at `GEMM_WEIGHT` (output elements times the reduced
-    length), and the element count of every other node's outputs. Other nodes shape inference cannot size count
-    nothing (a slice with computed bounds, as `pos[:tokens.shape[1]]`, left a whole encoder unsized); None when a
-    product cannot be sized."""
+    length), both at this machine's `mac_weight`, and the element count of every other node's outputs. Other
+    nodes shape inference cannot size count nothing (a slice with computed bounds, as `pos[:tokens.shape[1]]`,
+    left a whole encoder unsized); None when a product cannot be sized."""
     sized = pin_dims(model, shapes, batch=True)
     del sized.graph.value_info[:]  # the exporter's own, with symbolic dims inference would keep
     try:
@@ -56,7 +73,7 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
         return None
     known = {vi.name: _dims(vi) for vi in [*inferred.input, *inferred.value_info, *inferred.output]}
     known.update({t.name: list(t.dims) for t in inferred.initializer})
-    total = 0.0
+    total, macs = 0.0, 0.0
     for n in inferred.node:
         outs = [known.get(o) for o in n.output if o]
         if any(d is None for d in outs):
@@ -71,12 +88,12 @@ def forward_work(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
         if a is None or w is None:
             return None
         if n.op_type == "Conv":  # per output element: C/group * kernel taps
-            total += out_elems * math.prod(w[1:])
+            macs += out_elems * math.prod(w[1:])
         elif n.op_type == "ConvTranspose":  # per input element: M/group * kernel taps
-            total += math.prod(a) * math.prod(w[1:])
+            macs += math.prod(a) * math.prod(w[1:])
         elif n.op_type == "Gemm":
             trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
-            total += GEMM_WEIGHT * out_elems * (a[0] if trans_a else a[-1])
+            macs += GEMM_WEIGHT * out_elems * (a[0] if trans_a else a[-1])
         else:  # MatMul, FusedMatMul, Einsum: the reduced length is A's last dim (an estimate for Einsum)
-            total += GEMM_WEIGHT * out_elems * (a[-1] if a else 1)
-    return total
+            macs += GEMM_WEIGHT * out_elems * (a[-1] if a else 1)
+    return total + mac_weight() * macs

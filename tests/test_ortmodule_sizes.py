@@ -139,7 +139,7 @@ def test_small_forwards_run_on_one_thread_until_the_batch_grows() -> None:
     assert schema.config.threads == 1 and session.config.threads == 1
     ((name, _),) = schema.exported.inputs
     per_sample = workload.forward_work(schema.exported.model, {name: (1, 32)})
-    products = workload.GEMM_WEIGHT * 32 * 42
+    products = workload.GEMM_WEIGHT * workload.mac_weight() * 32 * 42
     assert per_sample is not None and products <= per_sample < products + 200  # two products, a few elementwise
     step(8 * 64)  # still small
     assert session.config.threads == 1

@@ -5,7 +5,11 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from runtime.workload import GEMM_WEIGHT, forward_work
+from runtime import nchwc, workload
+from runtime.workload import GEMM_WEIGHT, forward_work, mac_weight
+
+PRODUCT = GEMM_WEIGHT * mac_weight()
+"""What a product's multiply-add counts for here."""
 
 
 def _model(nodes: list[onnx.NodeProto], inputs: dict[str, list[int | str]], output: str) -> onnx.ModelProto:
@@ -19,18 +23,18 @@ def test_products_count_multiply_adds_and_the_rest_elements() -> None:
     """A product's multiply-adds at GEMM_WEIGHT (they gain less from a second thread than a convolution's)."""
     m = _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
                {"x": ["n", 16], "w": [16, 8]}, "z")
-    assert forward_work(m, {"x": (5, 16)}) == GEMM_WEIGHT * 5 * 8 * 16 + 5 * 8
+    assert forward_work(m, {"x": (5, 16)}) == PRODUCT * 5 * 8 * 16 + 5 * 8
     gemm = _model([helper.make_node("Gemm", ["x", "w"], ["y"], transA=1)], {"x": [16, "n"], "w": [16, 8]}, "y")
-    assert forward_work(gemm, {"x": (16, 5)}) == GEMM_WEIGHT * 5 * 8 * 16
+    assert forward_work(gemm, {"x": (16, 5)}) == PRODUCT * 5 * 8 * 16
 
 
 def test_convolutions() -> None:
     conv = _model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
                   {"x": ["n", 2, 8, 8], "w": [4, 2, 3, 3]}, "y")
-    assert forward_work(conv, {"x": (3, 2, 8, 8)}) == 3 * 4 * 8 * 8 * (2 * 3 * 3)
+    assert forward_work(conv, {"x": (3, 2, 8, 8)}) == mac_weight() * 3 * 4 * 8 * 8 * (2 * 3 * 3)
     up = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2])],
                 {"x": ["n", 4, 5, 5], "w": [4, 2, 3, 3]}, "y")
-    assert forward_work(up, {"x": (3, 4, 5, 5)}) == 3 * 4 * 5 * 5 * (2 * 3 * 3)
+    assert forward_work(up, {"x": (3, 4, 5, 5)}) == mac_weight() * 3 * 4 * 5 * 5 * (2 * 3 * 3)
 
 
 def test_unsized_is_unknown() -> None:
@@ -44,4 +48,17 @@ def test_unsized_elementwise_nodes_count_nothing() -> None:
     m = _model([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Reshape", ["y", "s"], ["z"])],
                {"x": ["n", 16], "w": [16, 8]}, "z")
     m.graph.input.append(helper.make_tensor_value_info("s", TensorProto.INT64, [2]))
-    assert forward_work(m, {"x": (5, 16)}) == GEMM_WEIGHT * 5 * 8 * 16
+    assert forward_work(m, {"x": (5, 16)}) == PRODUCT * 5 * 8 * 16
+
+
+def test_multiply_adds_weigh_by_the_vector_width(monkeypatch) -> None:
+    """Vectors of 8 floats (AVX2) take about twice the time per multiply-add that 16 (AVX-512, where the thresholds
+    were measured) take; without onnxruntime's NCHWc kernels (another CPU) the measured weights stand."""
+    try:
+        for width, weight in ((16, 1.0), (8, 2.0), (0, 1.0)):
+            monkeypatch.setattr(nchwc, "block_size", lambda width=width: width)
+            workload.mac_weight.cache_clear()
+            assert workload.mac_weight() == weight
+    finally:
+        monkeypatch.undo()
+        workload.mac_weight.cache_clear()
