@@ -33,22 +33,22 @@ GEMM_WEIGHT = 0.5
 """What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at
 ~25M multiply-adds, LeNets at ~10M units)."""
 
-FULL_WIDTH = 16
-"""Floats in the vectors of the machine `SMALL` and `GEMM_WEIGHT` were measured on (AVX-512)."""
+AVX2_WEIGHT = 3.0
+"""`mac_weight` on AVX2 machines (2 measured: the 11M MLP still 1.14x torch's step on one thread)."""
 
 PRODUCTS = frozenset({"MatMul", "Gemm", "FusedMatMul", "Conv", "ConvTranspose", "Einsum"})
 
 
 @functools.cache
 def mac_weight() -> float:
-    """What a convolution's multiply-add counts for on this machine: with vectors of 8 floats (AVX2, onnxruntime's
-    NCHWc block) a multiply-add takes about twice the time it takes with 16, while an element written costs
-    alike, so a model of the same sizes gains from a second thread sooner. On the AVX2 machine, one module a
-    process against torch (`benchmarks.ab`, one thread / two): LeNet at batch 16 (6.3M units) 0.93 / 0.86,
-    MLPs 784-512-512-10 at batch 32 (21M multiply-adds) 1.25 / 1.05, 784-300-100-10 at batch 64 (17M) 1.21 / 1.13;
-    784-128-10 (6.5M) 1.19 / 1.33 and 100-200-200-10 (4M) 1.25 / 1.32 still ran faster on one."""
-    width = nchwc.block_size()
-    return FULL_WIDTH / width if width else 1.0
+    """What a convolution's multiply-add counts for on this machine. `SMALL` and `GEMM_WEIGHT` were measured on an
+    AVX-512 machine; on an AVX2 one (a Zen 3 EPYC; onnxruntime's NCHWc block of 8 floats instead of 16 tells it),
+    products ran at the same speed alone but whole steps took 1.4-1.8x longer, and models gained from a second
+    thread at a third of the work. One module a process against torch (`benchmarks.ab`, one thread / two): LeNet
+    at batch 16 (6.3M multiply-adds) 0.88 / 0.84, MLPs 784-512-512-10 at batch 32 (21M) 1.27 / 1.06, at batch 16
+    (11M) 1.14 / 0.97, 784-300-100-10 at batch 64 (17M) 1.24 / 1.08; 784-128-10 (6.5M) and 100-200-200-10 (4M)
+    still run faster on one (1.19 / 1.33, 1.25 / 1.32). Machines of other widths, unmeasured, keep 1."""
+    return AVX2_WEIGHT if nchwc.block_size() == 8 else 1.0
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:
