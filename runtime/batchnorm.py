@@ -101,8 +101,8 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
             helper.make_node("Div", [f"{p}.n", f"{p}.n_minus_1"], [f"{p}.factor"]),
             helper.make_node("Mul", [f"{p}.biased_var", f"{p}.factor"], [f"{p}.var"]),
         ]
-        g.output.extend([helper.make_tensor_value_info(f"{p}.mean", elem, None),
-                         helper.make_tensor_value_info(f"{p}.var", elem, None)])
+        g.output.extend([helper.make_tensor_value_info(f"{p}.mean", elem, [channels]),  # sized, or the backward's
+                         helper.make_tensor_value_info(f"{p}.var", elem, [channels])])  # inference loses its sizes
         stats.append(BatchStats(fqn, f"{p}.mean", f"{p}.var"))  # type: ignore[arg-type]
     if stats:
         g.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, dtype=np.float32), _ONE))

@@ -3,6 +3,8 @@ contractions over rows with their transpose made first, with the same values."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -209,3 +211,32 @@ def test_rows_untransposed_in_a_training_session() -> None:
     got = session.backward(state, [None])["w"]
     x64, w64 = x.astype(np.float64), numpy_helper.to_array(w).astype(np.float64)
     np.testing.assert_allclose(got, 2 * (x64 @ w64.T).T @ x64, rtol=1e-4, atol=1e-3)
+
+
+def test_batch_norm_sums_over_the_batch_as_products() -> None:
+    """A training BatchNorm1d's gradient sums over the batch read its statistics, which the runtime's export
+    returns as outputs: declared with their sizes, so that shape inference in the backward knows the summed
+    tensors' widths and every sum over the batch (the statistics' terms, the biases' gradients behind the ReLU's
+    guarded select) becomes a product with ones; the gradients stay torch's."""
+    import torch
+    from torch import nn
+
+    from runtime import ORTModule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 16), nn.ReLU(),
+                          nn.BatchNorm1d(16), nn.Linear(16, 3))
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, threads=1)
+    x = torch.randn(8, 12)
+    for m in (wrapped, reference):
+        m(x).square().sum().backward()
+    for p, q in zip(wrapped.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    [session] = wrapped.training_sessions()
+    [bw] = session._backwards.values()
+    lowered = lowering.backward(bw.program.backward, {k: v.numpy() for k, v in bw.consts.items()}, session.config,
+                                session.rows)
+    sums = [n for n in lowered.graph.node if n.op_type == "ReduceSum"]
+    assert all(len(n.input) == 1 and next((a.i for a in n.attribute if a.name == "keepdims"), 1) == 0
+               for n in sums), [n.name for n in sums]  # whole-tensor sums only (a guard, the loss's count)
