@@ -117,8 +117,9 @@ alternating: two modules in one process disturb each other's timings).
 
 ## Machine and method
 
-- {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; Python {m['python']}, torch {m['torch']},
-  onnxruntime {m['onnxruntime']}. Measured {results.get('started', '?')}. {results.get('timing_note', '')}
+- {m['cpu']} ({m.get('vectors', 'vector extension not recorded')}), {m['cores']} cores, {m['memory_gb']} GB;
+  Python {m['python']}, torch {m['torch']}, onnxruntime {m['onnxruntime']}.
+  Measured {results.get('started', '?')}. {results.get('timing_note', '')}
   {_measured(results)}
 - **Shared machine**: other developers' test suites ran at the same time; one-minute load average
   {results.get('load_start', 0):.1f} at the start and {results.get('load_end', 0):.1f} at the end (per model
