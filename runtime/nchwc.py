@@ -22,9 +22,8 @@ channels, kernels of at least 25 taps (the plain NCHW input is read directly, on
 3x the layer's multiply-adds once channels are padded to the block. 3x3 kernels over 1-3 channels, heavily padded
 channel counts, 1-3 output positions, LeNet's input gradient (6 channels, 10x10 to 14x14) and 5x5 input gradients
 onto more than twice dY's positions or onto channels that do not fill whole blocks (`MAX_SPREAD`) stay as they
-are. Channels known only at run time take the
-blocked layout for at least two images (`MIN_IMAGES_PADDED`): a weight gradient of 5x5 layers from 4+ channels ran
-at 0.4-0.6x the im2col Conv's time.
+are. Channels known only at run time take the blocked layout for at least two images (`MIN_IMAGES_PADDED`): a
+weight gradient of 5x5 layers from 4+ channels ran at 0.4-0.6x the im2col Conv's time.
 """
 
 from __future__ import annotations
