@@ -781,6 +781,19 @@ def _check_inference_hazards(node: onnx.NodeProto, op: str | None = None) -> Non
         _check_control_flow(node)
     elif op == "Einsum" and node.domain in ("", "ai.onnx"):
         _check_einsum(node)
+    elif op == "Split" and node.domain in ("", "ai.onnx"):
+        _check_split(node)
+
+
+def _check_split(node: onnx.NodeProto) -> None:
+    """A Split with more outputs than its `num_outputs` (opset 18+) makes onnx's shape inference (1.23) read past
+    the sizes it computed, which aborts the process (onnx/onnx#8255, fixed after 1.23)."""
+    parts = next((a.i for a in node.attribute if a.name == "num_outputs"), None)
+    if parts is not None and len(node.output) > parts:
+        raise InvalidModelError(
+            f"node {describe(node)} splits into num_outputs={parts} parts but has {len(node.output)} outputs; make "
+            "them agree (trailing outputs may be left out, not added)."
+        )
 
 
 MAX_DIM = 2**31 - 1

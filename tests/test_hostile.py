@@ -395,6 +395,9 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
                                             [vi("y")], _params()), ["'ein'", "'..i'", "Einsum equation"]),
     "malformed Einsum inside a body": (_einsum_in_if, ["'ein'", "'aß'", "Einsum equation"]),
     "Loop body without inputs": (_loop_without_body_inputs, ["'looper'", "'body' graph has 0 inputs", "needs 2"]),
+    "Split with more outputs than num_outputs": (  # onnx's inference (1.23) aborts the process on it
+        lambda: make_model([node("Split", ["x"], ["a", "b"], "splitter", axis=0, num_outputs=1)], [vi("x")],
+                           [vi("a"), vi("b")], opset=18), ["'splitter'", "num_outputs=1", "2 outputs"]),
     "Reshape to a dimension above 2^31": (_reshape_to_a_huge_dimension,
                                           ["'reshaper'", str(HUGE), "wrapping", "Fix the shape"]),
     "declared dimension above 2^31": (_declared_huge_dimension, ["graph input 'x'", str(HUGE), "crash the process"]),
