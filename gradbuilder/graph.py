@@ -347,6 +347,8 @@ class ForwardGraph:
                 _check_cast(node)
             elif op in ("Reshape", "Gemm") or op.startswith("Reduce"):
                 _check_flags(node)
+            elif op in AXIS_OPS:
+                _check_axis(node)
             if op in SHAPE_INPUTS:
                 self._check_shape_input(node, op)
 
@@ -770,6 +772,23 @@ def _check_flags(node: onnx.NodeProto) -> None:
                 f"node {describe(node)} has {a.name}={a.i}: ONNX defines 0 and 1, and onnx's shape inference and "
                 "onnxruntime read other values differently, so they disagree on its output's shape; set it to 0 "
                 "or 1."
+            )
+
+
+AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax", "Concat", "Split", "Gather", "GatherElements",
+                      "ScatterElements", "Flatten", "TopK", "ArgMax", "ArgMin", "LayerNormalization", "Compress",
+                      "OneHot", "LpNormalization", "Unique"})
+"""Ops with an `axis` attribute, which onnxruntime reads in 32 bits for some (Softmax: 2^40 is its axis 0)."""
+
+
+def _check_axis(node: onnx.NodeProto) -> None:
+    """An axis no tensor can have: where the rank is known the rules refuse any axis past it, but behind a Squeeze of
+    a run-time size it is not, and onnxruntime truncates such an axis to 32 bits and reduces over another one."""
+    for a in node.attribute:
+        if a.name == "axis" and not -MAX_DIM <= a.i <= MAX_DIM:
+            raise InvalidModelError(
+                f"node {describe(node)} has axis={a.i}, past any tensor's rank (onnxruntime reads it in 32 bits, as "
+                f"{((a.i + 2**31) % 2**32) - 2**31}); set it to an axis of its input."
             )
 
 
