@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir
+from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir, memory_pattern_pays
 from .export import ExportOptions
 from .session import TrainingSession
 
@@ -69,7 +69,7 @@ class ORTModule(nn.Module):
 
         options = Options(ExportOptions(exporter, opset, check_export),
                           threads if threads is not None else torch.get_num_threads(), specialise, fallback,
-                          default_save_dir(save_onnx), park_torch_threads)
+                          default_save_dir(save_onnx), park_torch_threads, memory_pattern_pays(module))
         object.__setattr__(self, "_options", options)
         self._share(module)
         _bind_forward(self, module)

@@ -61,10 +61,10 @@ class SessionConfig:
     """onnxruntime's CPU memory arena: kept on (0-5% faster steps); off for sessions run only now and then, whose
     arena would hold on to their largest run's memory."""
     mem_pattern: bool = False
-    """onnxruntime's memory pattern (one block planned a run for all intermediates): off, since the plan holds more
-    than the run needs at once (GPT-2-width, 4 layers: a backward's peak 614 MB above its start with it, 451
-    without, the gradients 403 of those), and steps measured the same without it (0.99-1.03x, two modules each way
-    created in both orders: the module created first ran up to 5% faster whichever it was)."""
+    """onnxruntime's memory pattern (one block planned a run for all intermediates): off by default, since the plan
+    holds more than the run needs at once (GPT-2-width, 4 layers: a backward's peak 614 MB above its start with it,
+    451 without, the gradients 403 of those); ORTModule turns it on for small modules, where it saves 3-10% of a
+    step on the AVX2 machine (`engine.memory_pattern_pays`)."""
     shared_arena: bool = True
     """Sessions with an arena allocate from one process-wide arena (`shared_arena`) instead of one each, so that a
     backward writes into memory the forward just used, still in the cache, rather than into its own arena's (run

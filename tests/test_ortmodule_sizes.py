@@ -232,3 +232,19 @@ def test_an_export_the_same_at_enough_sizes_serves_every_size(monkeypatch) -> No
     for length in (7, 8, 9, 10, 11, 12):
         om(torch.randn(2, 4, length)).sum().backward()
     assert len(exports) == 3 and om.stats["exports"] == 1  # the first, then lengths 8 and 9 compared
+
+
+def test_memory_pattern_for_small_modules_only(monkeypatch) -> None:
+    """A small module's sessions plan each run's memory in one block (onnxruntime's memory pattern: an arena
+    allocation per node saved); above `MEM_PATTERN_MAX_BYTES` of parameters they allocate node by node, since the
+    plan holds more than a run needs at once (the rest of the suite trains with it on)."""
+    from runtime import engine
+
+    def trained(model: nn.Module) -> list:
+        wrapped = ORTModule(model, threads=1)
+        wrapped(torch.randn(3, 16)).square().sum().backward()
+        return [s.config.mem_pattern for s in wrapped.training_sessions()]
+
+    assert trained(_mlp(16)) == [True]
+    monkeypatch.setattr(engine, "MEM_PATTERN_MAX_BYTES", 100)
+    assert trained(_mlp(16)) == [False]
