@@ -69,9 +69,10 @@ def memory_pattern_pays(module: nn.Module) -> bool:
     """Whether onnxruntime's memory pattern (each run's intermediates in one block planned at the first run) is on
     for this module: for small ones it saves an arena allocation per node and costs little memory. On the AVX2
     machine, one module a process against torch (`benchmarks.ab`, two runs of 3 rounds, ratio to torch's step
-    with / without): the CNN 0.760 / 0.850 and 0.847 / 0.952; MLPs and the transformer within the noise (0.96-1.02
-    of the step without); earlier measured level on the AVX-512 machine. Large models keep it off: the plan holds more than a run needs at once
-    (GPT-2-width with 4 layers: a backward's peak 614 MB above its start with it, 451 without)."""
+    with / without): the CNN 0.760 / 0.850 and 0.847 / 0.952; MLPs and the transformer within the noise
+    (0.96-1.02 of the step without); earlier measured level on the AVX-512 machine. Large models keep it off:
+    the plan holds more than a run needs at once (GPT-2-width with 4 layers: a backward's peak 614 MB above its
+    start with it, 451 without)."""
     return sum(p.numel() * p.element_size() for p in module.parameters()) <= MEM_PATTERN_MAX_BYTES
 
 
