@@ -35,7 +35,7 @@ def machine() -> dict[str, Any]:
         mem = 0
     from runtime import nchwc
 
-    vectors = {16: "AVX-512", 8: "AVX2"}.get(nchwc.block_size(), "no NCHWc kernels")
+    vectors = nchwc.vector_extension() or "no NCHWc kernels"
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem / 2**20), "python": platform.python_version(),
             "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "vectors": vectors}
 

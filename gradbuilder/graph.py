@@ -345,10 +345,8 @@ class ForwardGraph:
                 continue
             if op == "Cast":
                 _check_cast(node)
-            elif op in ("Reshape", "Gemm") or op.startswith("Reduce"):
-                _check_flags(node)
-            elif op in AXIS_OPS:
-                _check_axis(node)
+            elif op in ("Reshape", "Gemm") or op in AXIS_OPS or op.startswith("Reduce"):
+                _check_int_attributes(node)
             if op in SHAPE_INPUTS:
                 self._check_shape_input(node, op)
 
@@ -765,7 +763,17 @@ would see one output shape and onnxruntime compute another: inference takes allo
 noop_with_empty_axes=2 as 1, onnxruntime as 0; inference truncates transA=2^40 to 0, onnxruntime transposes."""
 
 
-def _check_flags(node: onnx.NodeProto) -> None:
+AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax", "Concat", "Split", "Gather", "GatherElements",
+                      "ScatterElements", "Flatten", "TopK", "ArgMax", "ArgMin", "LayerNormalization", "Compress",
+                      "OneHot", "LpNormalization", "Unique"})
+"""Ops with an `axis` attribute, which onnxruntime reads in 32 bits for some (Softmax: 2^40 is its axis 0)."""
+
+
+def _check_int_attributes(node: onnx.NodeProto) -> None:
+    """Int attributes onnx's shape inference and onnxruntime read differently: `DISPUTED_FLAGS` other than 0 or
+    1, and an axis no tensor can have (past 32 bits: where the rank is known the rules refuse any axis past it,
+    but behind a Squeeze of a run-time size it is not, and onnxruntime truncates the axis and reduces over
+    another one)."""
     for a in node.attribute:
         if a.name in DISPUTED_FLAGS and a.i not in (0, 1):
             raise InvalidModelError(
@@ -773,18 +781,6 @@ def _check_flags(node: onnx.NodeProto) -> None:
                 "onnxruntime read other values differently, so they disagree on its output's shape; set it to 0 "
                 "or 1."
             )
-
-
-AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax", "Concat", "Split", "Gather", "GatherElements",
-                      "ScatterElements", "Flatten", "TopK", "ArgMax", "ArgMin", "LayerNormalization", "Compress",
-                      "OneHot", "LpNormalization", "Unique"})
-"""Ops with an `axis` attribute, which onnxruntime reads in 32 bits for some (Softmax: 2^40 is its axis 0)."""
-
-
-def _check_axis(node: onnx.NodeProto) -> None:
-    """An axis no tensor can have: where the rank is known the rules refuse any axis past it, but behind a Squeeze of
-    a run-time size it is not, and onnxruntime truncates such an axis to 32 bits and reduces over another one."""
-    for a in node.attribute:
         if a.name == "axis" and not -MAX_DIM <= a.i <= MAX_DIM:
             raise InvalidModelError(
                 f"node {describe(node)} has axis={a.i}, past any tensor's rank (onnxruntime reads it in 32 bits, as "

@@ -114,6 +114,11 @@ def block_size() -> int:
     return block if block in (8, 16) else 0
 
 
+def vector_extension() -> str | None:
+    """"AVX-512" or "AVX2", as MLAS's channel block tells them apart (None: no NCHWc kernels, another CPU)."""
+    return {16: "AVX-512", 8: "AVX2"}.get(block_size())
+
+
 def _up(n: int, block: int) -> int:
     return -(-n // block) * block
 

@@ -869,7 +869,7 @@ FLAGS_OF_ONE = frozenset({"keepdims", "noop_with_empty_axes", "allowzero"})
 
 
 def canonical_forms(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Two spellings onnxruntime's optimizers misread, written the way its kernels read them:
+    """Spellings onnxruntime's optimizers or kernels misread, written the way its kernels read them:
     - keepdims, noop_with_empty_axes and allowzero other than 0 or 1 become 0 (its kernels act on 1 only): its
       transpose optimizer reads any nonzero keepdims as 1, and moving a Transpose past ReduceMean(keepdims=2)
       over every axis failed the session load ("Permutation length 2 does not match rank 0"); onnx's shape

@@ -48,7 +48,7 @@ def mac_weight() -> float:
     at batch 16 (6.3M multiply-adds) 0.88 / 0.84, MLPs 784-512-512-10 at batch 32 (21M) 1.27 / 1.06, at batch 16
     (11M) 1.14 / 0.97, 784-300-100-10 at batch 64 (17M) 1.24 / 1.08; 784-128-10 (6.5M) and 100-200-200-10 (4M)
     still run faster on one (1.19 / 1.33, 1.25 / 1.32). Machines of other widths, unmeasured, keep 1."""
-    return AVX2_WEIGHT if nchwc.block_size() == 8 else 1.0
+    return AVX2_WEIGHT if nchwc.vector_extension() == "AVX2" else 1.0
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:

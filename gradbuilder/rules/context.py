@@ -399,10 +399,14 @@ class Grad:
                 return self.ints([-1 if k == dynamic[0] else int(d) for k, d in enumerate(dims)])  # type: ignore[arg-type]
         return self.shape_of(like)
 
+    def reshape_exact(self, x: str, shape: str) -> str:
+        """x in `shape`, whose 0s are sizes of 0 (allowzero, opset 14+: a 0 otherwise copies x's size there, or
+        is refused where x has no such axis)."""
+        return self.Reshape(x, shape, allowzero=1 if self.opset >= 14 else None)
+
     def reshape_like(self, x: str, like: str) -> str:
-        """x (of like's size) in like's shape; allowzero keeps a genuine 0 of it a 0 (opset 14+: a 0 otherwise
-        copies x's size there, or is refused where x has no such axis)."""
-        return self.Reshape(x, self.reshape_target(like), allowzero=1 if self.opset >= 14 else None)
+        """x (of like's size) in like's shape."""
+        return self.reshape_exact(x, self.reshape_target(like))
 
     def unbroadcast(self, grad: str, like: str, grad_like: str | None = None) -> str:
         """Sum `grad` (shaped like `grad_like`, default output 0) down to the shape of `like`.

@@ -176,9 +176,8 @@ def tile(g: Grad):
     else:
         pairs = g.Concat(g.unsqueeze(g.I(1), [1]), g.unsqueeze(g.shape_of(x), [1]), axis=1)
         split = g.Reshape(pairs, g.ints([-1]))
-    # allowzero: a repeat of 0 is a 0 of the split shape, not "x's size there" (refused past x's rank)
-    return (g.reduce_sum(g.Reshape(dy, split, allowzero=1 if g.opset >= 14 else None), list(range(0, 2 * r, 2)),
-                         keepdims=False),)
+    # a repeat of 0 is a 0 of the split shape, not "x's size there" (refused past x's rank)
+    return (g.reduce_sum(g.reshape_exact(dy, split), list(range(0, 2 * r, 2)), keepdims=False),)
 
 
 @rule("Trilu", since=14, nondiff=(1,))
