@@ -28,7 +28,8 @@ quiet).
 
 The same count tells a crowded machine (more threads running than cores, torch's spinning workers included when
 they cannot be parked): `room` says so, and the run goes to a one-thread session of the same graph
-(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores.
+(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. A decision serves the
+runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every run cost more than parking saved.
 
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
@@ -42,6 +43,7 @@ import functools
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -230,7 +232,36 @@ def _running() -> int | None:
         return None
 
 
+ROOM_SECONDS = 0.05
+"""How long a `room` decision holds for the calling thread's runs on as many threads. Its reads of /proc (the
+load average, one or two task stats) cost 80-120 µs a run on a machine whose caches go cold between steps
+(session 25: each read 20-55 µs cold, 3-11 warm), more than parking saved on a small model: decided per run, the
+MLPs stepped 3-14% slower (`benchmarks.ab`; in one process 1.07-1.15 of torch's step per run, 1.00-1.06 with
+this window, 0.99-1.06 always parked without reading anything). Within the window what it reads hardly moves:
+torch's workers spin for ~10 ms after a parallel region (after ours too, which lets them go at its end), and
+what else runs on the machine changes over seconds; a change is seen at most this late."""
+
+
 def room(threads: int) -> tuple[bool, bool]:
+    """`_room`'s decision, made again when the last one for `threads` is older than `ROOM_SECONDS`."""
+    now = time.perf_counter()
+    last = getattr(_local, "room", None)
+    if last is not None and last[0] == threads and now - last[1] < ROOM_SECONDS:
+        return last[2]
+    decision = _room(threads)
+    _local.room = (threads, now, decision)
+    return decision
+
+
+def _forget() -> None:
+    """Drop the calling thread's last decision: a forked child parks nothing (`_PID`), whatever its parent decided."""
+    _local.__dict__.pop("room", None)
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
+def _room(threads: int) -> tuple[bool, bool]:
     """For a run on `threads` intra-op threads: whether to park torch's workers (one spins, and what else runs on
     the machine fits in the cores the run leaves free: else a release waits for a core, and parked runs were
     slower), and whether the machine is crowded (more runs than fits: onnxruntime's threads would then wait on each

@@ -34,7 +34,9 @@ def _machine_load_unknown(monkeypatch):
     """Runs on 2+ threads park torch's workers or narrow to one thread by the machine's load now
     (`runtime.openmp.room`), and the suite's own xdist workers load it: tests see a machine whose load cannot be
     read (as without /proc/loadavg), so their runs do not depend on what the other worker is doing; the tests of
-    that decision set the load themselves."""
+    that decision set the load themselves. Each run decides anew (no `ROOM_SECONDS` window), as those tests count."""
     from runtime import openmp
 
     monkeypatch.setattr(openmp, "_LOADAVG", "/nonexistent/loadavg")
+    monkeypatch.setattr(openmp, "ROOM_SECONDS", 0.0)
+    openmp._forget()  # nor one made by an earlier test

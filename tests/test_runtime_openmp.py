@@ -212,14 +212,17 @@ def test_threads_running_are_counted(tmp_path, monkeypatch) -> None:
     assert openmp._running() is None
 
 
-def test_a_forked_child_parks_nothing(two_threads) -> None:
-    """The child has the parent's pools without their threads: a parallel region there could hang."""
+def test_a_forked_child_parks_nothing(two_threads, monkeypatch) -> None:
+    """The child has the parent's pools without their threads: a parallel region there could hang. Nor does the
+    parent's last decision carry over (`ROOM_SECONDS`)."""
+    monkeypatch.setattr(openmp, "ROOM_SECONDS", 3600.0)
     _spinners()
     assert openmp.contended()
+    assert openmp.room(2) == (True, False)  # the machine's load unknown (conftest): parked for the spinning worker
     pid = os.fork()
     if pid == 0:
         try:
-            os._exit(0 if not openmp.contended() else 1)
+            os._exit(0 if not openmp.contended() and openmp.room(2) == (False, False) else 1)
         finally:
             os._exit(2)
     deadline = time.monotonic() + 20
@@ -231,6 +234,30 @@ def test_a_forked_child_parks_nothing(two_threads) -> None:
         time.sleep(0.01)
     os.kill(pid, 9)
     pytest.fail("the forked child hung")
+
+
+def test_a_decision_serves_the_runs_of_its_window(monkeypatch) -> None:
+    """`room`'s reads of /proc cost more than parking saved when each run made them: a decision holds for
+    `ROOM_SECONDS` on as many threads, then is made again; another thread count, or another thread, decides anew."""
+    made: list[int] = []
+
+    def decide(threads: int) -> tuple[bool, bool]:
+        made.append(threads)
+        return len(made) % 2 == 1, False
+
+    monkeypatch.setattr(openmp, "_room", decide)
+    monkeypatch.setattr(openmp, "ROOM_SECONDS", 1.0)
+    assert openmp.room(2) == (True, False)
+    assert openmp.room(2) == (True, False) and made == [2]
+    assert openmp.room(3) == (False, False) and made == [2, 3]  # another count: decided, and now the last
+    seen: list[tuple[bool, bool]] = []
+    t = threading.Thread(target=lambda: seen.append(openmp.room(3)))
+    t.start()
+    t.join()
+    assert seen == [(True, False)] and made == [2, 3, 3]  # the other thread's pools are its own
+    assert openmp.room(3) == (False, False) and made == [2, 3, 3]
+    time.sleep(1.1)
+    assert openmp.room(3) == (False, False) and made == [2, 3, 3, 3]
 
 
 def test_each_thread_watches_its_own_pool(two_threads) -> None:
