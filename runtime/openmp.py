@@ -29,7 +29,9 @@ quiet).
 The same count tells a crowded machine (more threads running than cores, torch's spinning workers included when
 they cannot be parked): `room` says so, and the run goes to a one-thread session of the same graph
 (`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. A decision serves the
-runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every run cost more than parking saved.
+runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every run cost more than parking saved. A
+process held to fewer CPUs than the machine has (a container's cpuset or CPU quota) reads the load as unknown,
+since /proc/loadavg counts the whole host's threads (`_confined`).
 
 Only torch's own runtime is touched (other packages may load copies of libgomp with pools of their own), never
 in a forked child, and only on Linux (`/proc`). `SessionConfig(park_openmp=False)`, or
@@ -222,7 +224,10 @@ def _loadavg(path: str) -> int | None:
 
 
 def _running() -> int | None:
-    """Threads running or runnable on the machine now, the caller included (None where /proc/loadavg cannot say)."""
+    """Threads running or runnable on the machine now, the caller included (None where /proc/loadavg cannot say,
+    or says nothing about this process's cores: `_confined`)."""
+    if _confined():
+        return None
     fd = _loadavg(_LOADAVG)
     if fd is None:
         return None
@@ -276,6 +281,44 @@ def _room(threads: int) -> tuple[bool, bool]:
         return bool(spinning), False
     fits = bool(spinning) and (ours <= 2 or 1 + contended(ours - 1) >= ours)
     return fits, not fits
+
+
+@functools.cache
+def _confined() -> bool:
+    """Whether this process may use fewer CPUs than the machine has: an affinity mask (a container's cpuset,
+    `taskset`) or a CPU quota (a container's limit). /proc/loadavg counts the threads of the whole machine, in a
+    container too: on a busy host it would call the container's own idle cores crowded and put every run on one
+    thread. Confined, the load is read as unknown: runs park torch's spinning workers and keep their threads."""
+    return _cores() < (os.cpu_count() or 1) or cpu_quota()
+
+
+def cpu_quota(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> bool:
+    """Whether a CPU quota applies to this process's cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), read at its
+    path in /proc/self/cgroup and at the mount's root (where a container sees its own cgroup)."""
+    try:
+        with open(cgroups) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    files = []
+    for line in lines:
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        path = path.strip().lstrip("/")
+        if controllers == "":  # v2: "0::/path"
+            files += [os.path.join(root, path, "cpu.max"), os.path.join(root, "cpu.max")]
+        elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/path"
+            for mount in (controllers, "cpu", "cpu,cpuacct"):
+                files += [os.path.join(root, mount, path, "cpu.cfs_quota_us"),
+                          os.path.join(root, mount, "cpu.cfs_quota_us")]
+    for name in files:
+        try:
+            with open(name) as f:
+                limit = f.read().split()
+        except OSError:
+            continue
+        if limit and limit[0] != "max" and limit[0].lstrip("-").isdigit() and int(limit[0]) > 0:
+            return True
+    return False
 
 
 @functools.cache

@@ -200,6 +200,7 @@ def test_crowded_runs_keep_a_graph_drawing_random_numbers_on_its_session(two_thr
 
 def test_threads_running_are_counted(tmp_path, monkeypatch) -> None:
     assert openmp._running() is None  # the suite's fixture: the load unknown
+    monkeypatch.setattr(openmp, "_confined", lambda: False)  # whatever container runs the suite
     monkeypatch.setattr(openmp, "_LOADAVG", "/proc/loadavg")
     assert openmp._running() >= 1  # this thread, reading
     fake = tmp_path / "loadavg"
@@ -297,3 +298,41 @@ def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool) ->
     assert bool(entries) == park
     expected = torch.autograd.grad(net(x).sum(), net[0].weight)[0]
     torch.testing.assert_close(net[0].weight.grad, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_confined_process_reads_no_load(tmp_path, monkeypatch) -> None:
+    """/proc/loadavg counts the whole machine's threads, in a container too: a process held to fewer CPUs than the
+    machine has (a cpuset, a quota) reads the load as unknown, so a busy host does not put its runs on one thread."""
+    fake = tmp_path / "loadavg"
+    fake.write_text("31.0 30.0 29.0 40/900 12345\n")  # a busy 64-core host
+    monkeypatch.setattr(openmp, "_LOADAVG", str(fake))
+    monkeypatch.setattr(openmp, "_confined", lambda: False)
+    assert openmp._running() == 40
+    monkeypatch.setattr(openmp, "contended", lambda enough=1: 1)  # torch's worker spins
+    assert openmp._room(2) == (False, True)  # crowded: one thread
+    monkeypatch.setattr(openmp, "_confined", lambda: True)
+    assert openmp._running() is None
+    assert openmp._room(2) == (True, False)  # parked, on its threads
+
+
+def test_cpu_quotas_are_found(tmp_path) -> None:
+    """cgroup v2's cpu.max and v1's cpu.cfs_quota_us, at the process's cgroup path or the mount's root (where a
+    container sees its own); none, or unreadable files, is no quota."""
+    def case(cgroup: str, files: dict[str, str]) -> bool:
+        root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        (root / "fs").mkdir(parents=True)
+        (root / "cgroup").write_text(cgroup)
+        for name, text in files.items():
+            (root / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / "fs" / name).write_text(text)
+        return openmp.cpu_quota(str(root / "cgroup"), str(root / "fs"))
+
+    assert case("0::/user.slice/job\n", {"user.slice/job/cpu.max": "200000 100000\n"})
+    assert not case("0::/user.slice/job\n", {"user.slice/job/cpu.max": "max 100000\n"})
+    assert case("0::/\n", {"cpu.max": "150000 100000\n"})
+    assert case("4:cpu,cpuacct:/docker/abc\n1:memory:/docker/abc\n",
+                {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n"})
+    assert case("4:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "100000\n"})
+    assert not case("4:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "-1\n"})
+    assert not case("4:cpu,cpuacct:/\n", {})
+    assert not openmp.cpu_quota(str(tmp_path / "none"), str(tmp_path))
