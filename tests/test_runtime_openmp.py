@@ -306,6 +306,7 @@ def test_a_confined_process_reads_no_load(tmp_path, monkeypatch) -> None:
     fake = tmp_path / "loadavg"
     fake.write_text("31.0 30.0 29.0 40/900 12345\n")  # a busy 64-core host
     monkeypatch.setattr(openmp, "_LOADAVG", str(fake))
+    monkeypatch.setattr(openmp, "_cores", lambda: 2)  # the container's two
     monkeypatch.setattr(openmp, "_confined", lambda: False)
     assert openmp._running() == 40
     monkeypatch.setattr(openmp, "contended", lambda enough=1: 1)  # torch's worker spins
