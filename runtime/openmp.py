@@ -276,7 +276,7 @@ def _room(threads: int) -> tuple[bool, bool]:
     running = _running()
     if running is None:
         return bool(spinning), False
-    ours = running - (_cores() - threads)  # the running threads that must be ours: the caller and spinning workers
+    ours = running - (usable_cores() - threads)  # the running threads that must be ours: caller, spinning workers
     if ours <= 1:
         return bool(spinning), False
     fits = bool(spinning) and (ours <= 2 or 1 + contended(ours - 1) >= ours)
@@ -289,7 +289,7 @@ def _confined() -> bool:
     `taskset`) or a CPU quota (a container's limit). /proc/loadavg counts the threads of the whole machine, in a
     container too: on a busy host it would call the container's own idle cores crowded and put every run on one
     thread. Confined, the load is read as unknown: runs park torch's spinning workers and keep their threads."""
-    return _cores() < (os.cpu_count() or 1) or cpu_quota()
+    return usable_cores() < (os.cpu_count() or 1) or cpu_quota()
 
 
 def cpu_quota(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> bool:
@@ -322,7 +322,8 @@ def cpu_quota(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") 
 
 
 @functools.cache
-def _cores() -> int:
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset, `taskset`), not the machine's."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

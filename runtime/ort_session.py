@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -85,7 +84,7 @@ class SessionConfig:
     @property
     def parallel(self) -> bool:
         """Whether runs may use more than one intra-op thread."""
-        return (self.threads if self.threads is not None else os.cpu_count() or 1) > 1
+        return (self.threads if self.threads is not None else openmp.usable_cores()) > 1
 
     def options(self) -> ort.SessionOptions:
         so = ort.SessionOptions()
@@ -138,7 +137,7 @@ class Runner:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._parallel = config.parallel
         self._park = config.park_openmp
-        self._threads = config.threads or os.cpu_count() or 1
+        self._threads = config.threads or openmp.usable_cores()
         self.draws_random = draws_random(model.graph)
         """onnxruntime seeds its random ops per session: a second session of the graph would draw other numbers."""
         narrow = config.narrow_when_crowded and config.parallel and not self.draws_random

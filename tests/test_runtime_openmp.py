@@ -169,7 +169,7 @@ def test_runs_are_parked_only_with_a_core_to_spare(two_threads, entries, monkeyp
     monkeypatch.setattr(runner, "_narrow_session", lambda: narrowed.append(1) or narrow_session())
     # running: the caller, torch's spinning worker, and what runs elsewhere
     for cores, running, parked in ((2, 2, True), (2, 3, False), (3, 3, True), (3, 4, False), (2, None, True)):
-        monkeypatch.setattr(openmp, "_cores", lambda c=cores: c)
+        monkeypatch.setattr(openmp, "usable_cores", lambda c=cores: c)
         monkeypatch.setattr(openmp, "_running", lambda n=running: n)
         before, crowded_before = len(entries), len(narrowed)
         _spinners()
@@ -306,7 +306,7 @@ def test_a_confined_process_reads_no_load(tmp_path, monkeypatch) -> None:
     fake = tmp_path / "loadavg"
     fake.write_text("31.0 30.0 29.0 40/900 12345\n")  # a busy 64-core host
     monkeypatch.setattr(openmp, "_LOADAVG", str(fake))
-    monkeypatch.setattr(openmp, "_cores", lambda: 2)  # the container's two
+    monkeypatch.setattr(openmp, "usable_cores", lambda: 2)  # the container's two
     monkeypatch.setattr(openmp, "_confined", lambda: False)
     assert openmp._running() == 40
     monkeypatch.setattr(openmp, "contended", lambda enough=1: 1)  # torch's worker spins
@@ -337,3 +337,14 @@ def test_cpu_quotas_are_found(tmp_path) -> None:
     assert not case("4:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "-1\n"})
     assert not case("4:cpu,cpuacct:/\n", {})
     assert not openmp.cpu_quota(str(tmp_path / "none"), str(tmp_path))
+
+
+def test_default_threads_count_the_cores_this_process_may_use(monkeypatch) -> None:
+    """A container's cpuset leaves the machine's CPU count (`os.cpu_count`) above what runs can use: a session
+    left to onnxruntime's default threads is parallel, and makes room for as many threads, by its affinity."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(openmp, "usable_cores", lambda: 1)
+    assert not SessionConfig().parallel
+    monkeypatch.setattr(openmp, "usable_cores", lambda: 2)
+    assert SessionConfig().parallel
+    assert _runner(SessionConfig())._threads == 2
