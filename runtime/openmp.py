@@ -241,8 +241,8 @@ ROOM_SECONDS = 0.05
 """How long a `room` decision holds for the calling thread's runs on as many threads. Its reads of /proc (the
 load average, one or two task stats) cost 80-120 µs a run on a machine whose caches go cold between steps
 (session 25: each read 20-55 µs cold, 3-11 warm), more than parking saved on a small model: decided per run, the
-MLPs stepped 3-14% slower (`benchmarks.ab`; in one process 1.07-1.15 of torch's step per run, 1.00-1.06 with
-this window, 0.99-1.06 always parked without reading anything). Within the window what it reads hardly moves:
+MLPs stepped 3-14% slower (`benchmarks.ab`; in one process 1.01-1.15 of torch's step per run, 0.97-1.06 with
+this window, 0.97-1.06 always parked without reading anything). Within the window what it reads hardly moves:
 torch's workers spin for ~10 ms after a parallel region (after ours too, which lets them go at its end), and
 what else runs on the machine changes over seconds; a change is seen at most this late."""
 
