@@ -347,6 +347,8 @@ class ForwardGraph:
                 _check_cast(node)
             elif op in ("Reshape", "Gemm") or op in AXIS_OPS or op.startswith("Reduce"):
                 _check_int_attributes(node)
+            if op == "Split" and self.opset >= 18:
+                _check_split_parts(node)
             if op in SHAPE_INPUTS:
                 self._check_shape_input(node, op)
 
@@ -808,6 +810,18 @@ def _check_split(node: onnx.NodeProto) -> None:
         raise InvalidModelError(
             f"node {describe(node)} splits into num_outputs={parts} parts but has {len(node.output)} outputs; make "
             "them agree (trailing outputs may be left out, not added)."
+        )
+
+
+def _check_split_parts(node: onnx.NodeProto) -> None:
+    """From opset 18 a Split names its parts, by its `split` input or its `num_outputs` attribute. With neither,
+    onnx's and onnxruntime's shape inference refuse it wherever the input's shape is known, so it loads only while
+    that shape is unknown, and stops loading once a size is pinned or folded (as the runtime does)."""
+    if (len(node.input) < 2 or not node.input[1]) and not any(a.name == "num_outputs" for a in node.attribute):
+        raise InvalidModelError(
+            f"node {describe(node)} has neither a 'split' input nor a 'num_outputs' attribute, one of which Split "
+            f"requires from opset 18; set num_outputs={len(node.output)} for equal parts, or give the sizes as its "
+            "second input."
         )
 
 
