@@ -82,9 +82,15 @@ class SessionConfig:
     numbers in onnxruntime (a session of their own would draw others)."""
 
     @property
+    def thread_count(self) -> int:
+        """The intra-op threads runs use: `threads`, or where onnxruntime picks (None or 0) the cores this process
+        may use (its affinity, not the machine's CPUs)."""
+        return self.threads or openmp.usable_cores()
+
+    @property
     def parallel(self) -> bool:
         """Whether runs may use more than one intra-op thread."""
-        return (self.threads if self.threads is not None else openmp.usable_cores()) > 1
+        return self.thread_count > 1
 
     def options(self) -> ort.SessionOptions:
         so = ort.SessionOptions()
@@ -137,7 +143,7 @@ class Runner:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._parallel = config.parallel
         self._park = config.park_openmp
-        self._threads = config.threads or openmp.usable_cores()
+        self._threads = config.thread_count
         self.draws_random = draws_random(model.graph)
         """onnxruntime seeds its random ops per session: a second session of the graph would draw other numbers."""
         narrow = config.narrow_when_crowded and config.parallel and not self.draws_random
