@@ -307,7 +307,7 @@ def cpu_quota(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") 
         if controllers == "":  # v2: "0::/path"
             files += [os.path.join(root, path, "cpu.max"), os.path.join(root, "cpu.max")]
         elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/path"
-            for mount in (controllers, "cpu", "cpu,cpuacct"):
+            for mount in dict.fromkeys((controllers, "cpu", "cpu,cpuacct")):  # each mount once
                 files += [os.path.join(root, mount, path, "cpu.cfs_quota_us"),
                           os.path.join(root, mount, "cpu.cfs_quota_us")]
     for name in files:
