@@ -347,6 +347,8 @@ class ForwardGraph:
                 _check_cast(node)
             elif op in ("Reshape", "Gemm") or op in AXIS_OPS or op.startswith("Reduce"):
                 _check_int_attributes(node)
+                if op.startswith("Reduce") and len(inputs) > 1 and inputs[1]:
+                    self._check_scalar_reduced(node, inputs)
             if op == "Split" and self.opset >= 18:
                 _check_split_parts(node)
             if op in SHAPE_INPUTS:
@@ -363,6 +365,18 @@ class ForwardGraph:
                 f"node {describe(node)} takes its output's shape from '{name}', of rank {rank}; {op} takes a 1-D "
                 "vector there. Fix the model or re-export it."
             )
+
+    def _check_scalar_reduced(self, node: onnx.NodeProto, inputs: Sequence[str]) -> None:
+        """A rank-0 tensor has no axis to reduce, so axes computed at run time (which inference cannot range-check)
+        must be empty there: onnxruntime's kernel runs such a node as a copy, but its inference refuses the node as
+        soon as the axes are folded to constants, as its optimizers and the runtime do."""
+        shape = self.tensor_info(inputs[1]).shape
+        count = shape[0] if shape is not None and len(shape) == 1 else None
+        if self.tensor_info(inputs[0]).rank == 0 and isinstance(count, int) and count > 0:
+            raise InvalidModelError(
+                f"node {describe(node)} reduces '{inputs[0]}', a scalar (rank 0), over the {count} axes in "
+                f"'{inputs[1]}'; a scalar has no axes. Give it an empty axes input or remove the node (an earlier "
+                "reduction probably dropped the dims: check its keepdims).")
 
     def _check_inferred_tensors(self) -> None:
         """A tensor of a type onnx does not define (an attribute naming a type, such as Cast's 'to' or

@@ -255,6 +255,14 @@ def _cast_to_undefined() -> onnx.ModelProto:
     return make_model(nodes, [vi("x")], [vi("y"), vi("n", TP.INT64)], _params())
 
 
+def _scalar_reduced_over_computed_axes() -> onnx.ModelProto:
+    """Axes only known at run time, of a scalar: onnxruntime runs it until the axes are folded (runtime replay
+    seeds 16 and 141)."""
+    nodes = [node("Mul", ["x", "W"], ["h"], "mul"), node("ReduceSum", ["h"], ["s"], "all", keepdims=0),
+             node("Identity", ["axes"], ["computed"], "copy"), node("ReduceMean", ["s", "computed"], ["y"], "mean")]
+    return make_model(nodes, [vi("x", shape=[3])], [vi("y", shape=None)], [*_params(), i64("axes", [0])], opset=18)
+
+
 def _odd_reduce_and_axis(op: str, **attrs: object) -> Callable[[], onnx.ModelProto]:
     """An attribute onnx and onnxruntime read differently (a Reshape gets a shape)."""
     def make() -> onnx.ModelProto:
@@ -408,6 +416,8 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Split naming no parts, of an input of unknown shape": (  # loads in onnxruntime only while the shape is unknown
         lambda: make_model([node("Split", ["x"], ["a"], "splitter", axis=0)], [vi("x", shape=None)],
                            [vi("a", shape=None)], opset=18), ["'splitter'", "neither", "num_outputs=1"]),
+    "a scalar reduced over computed axes": (_scalar_reduced_over_computed_axes,
+                                            ["'mean'", "'s', a scalar", "1 axes in 'computed'", "keepdims"]),
     "Reshape to a dimension above 2^31": (_reshape_to_a_huge_dimension,
                                           ["'reshaper'", str(HUGE), "wrapping", "Fix the shape"]),
     "declared dimension above 2^31": (_declared_huge_dimension, ["graph input 'x'", str(HUGE), "crash the process"]),
