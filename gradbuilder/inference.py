@@ -83,13 +83,24 @@ def ceil_mode_pools(nodes: Sequence[onnx.NodeProto]) -> list[int]:
             and any(a.name == "ceil_mode" and a.i for a in n.attribute)]
 
 
-def static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
-    out: dict[str, list[int | None]] = {}
-    for vi in [*graph.input, *graph.value_info, *graph.output]:
+Dims = list[int | str | None]
+"""A tensor's dims: a size, a symbol's name, or None where unknown."""
+
+
+def tensor_types(graph: onnx.GraphProto) -> dict[str, tuple[int, Dims | None]]:
+    """(element type, dims or None without a shape) of every graph input, value_info and output."""
+    out: dict[str, tuple[int, Dims | None]] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
         t = vi.type.tensor_type
-        if t.HasField("shape"):
-            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        out[vi.name] = (t.elem_type, [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                                      for d in t.shape.dim] if t.HasField("shape") else None)
     return out
+
+
+def static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
+    """The dims of every shaped tensor `tensor_types` lists, None for a symbolic or unknown one."""
+    return {name: [d if isinstance(d, int) else None for d in dims]
+            for name, (_, dims) in tensor_types(graph).items() if dims is not None}
 
 
 def as_floor_mode(node: onnx.NodeProto, size: Sequence[int | None]) -> onnx.NodeProto | None:

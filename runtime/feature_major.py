@@ -20,8 +20,9 @@ import numpy as np
 import onnx
 
 from gradbuilder.graph import infer_shapes_safely, subgraph_free_names
+from gradbuilder.inference import Dims, tensor_types
 
-from .passes import Dims, Nodes, constant_values, forget_types, fresh_name, names_in_use, tensor_types
+from .passes import Nodes, constant_values, forget_types, fresh_name, names_in_use
 
 ELEMENTWISE = frozenset({
     "Relu", "LeakyRelu", "Tanh", "Sigmoid", "Elu", "Selu", "Celu", "Softplus", "Softsign", "HardSigmoid",

@@ -36,10 +36,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely
+from gradbuilder.inference import Dims, tensor_types
 from gradbuilder.rules.nn import unfold_kernel
 
 from .passes import (
-    Dims,
     Nodes,
     Readers,
     constant_values,
@@ -47,7 +47,6 @@ from .passes import (
     int_attr,
     ints_attr,
     rewrite_nodes,
-    tensor_types,
 )
 
 DOMAIN = "com.microsoft.nchwc"

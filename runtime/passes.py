@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely, subgraph_free_names
-from gradbuilder.inference import as_floor_mode, ceil_mode_pools, same_values, static_dims
+from gradbuilder.inference import as_floor_mode, ceil_mode_pools, same_values, static_dims, tensor_types
 from gradbuilder.yield_op import find_yield
 
 CHEAP = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast", "Expand", "Shape",
@@ -61,20 +61,6 @@ def constant_values(graph: onnx.GraphProto, wanted: Callable[[TensorProto], bool
     tensors += [(n.output[0], a.t) for n in graph.node if n.op_type == "Constant" and not n.domain
                 for a in n.attribute if a.name == "value"]
     return {name: onnx.numpy_helper.to_array(t) for name, t in tensors if wanted is None or wanted(t)}
-
-
-Dims = list[int | str | None]
-"""A tensor's dims as declared or inferred: a size, a symbol, or None when unknown."""
-
-
-def tensor_types(graph: onnx.GraphProto) -> dict[str, tuple[int, Dims | None]]:
-    """(element type, dims or None without a shape) of every graph input, value_info and output."""
-    out: dict[str, tuple[int, Dims | None]] = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        t = vi.type.tensor_type
-        out[vi.name] = (t.elem_type, [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                                      for d in t.shape.dim] if t.HasField("shape") else None)
-    return out
 
 
 def pads_with_zeros(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> bool:

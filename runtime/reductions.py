@@ -26,10 +26,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from gradbuilder.graph import default_opset
-from gradbuilder.inference import infer_shapes
+from gradbuilder.inference import Dims, infer_shapes, tensor_types
 
 from .passes import (
-    Dims,
     Readers,
     constant_values,
     drop_dead,
@@ -39,7 +38,6 @@ from .passes import (
     pads_with_zeros,
     rewrite_nodes,
     rows_product,
-    tensor_types,
 )
 
 

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from gradbuilder.inference import infer_shapes
+from gradbuilder.inference import infer_shapes, static_dims
 
-from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, names_in_use, tensor_types
+from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, names_in_use
 
 MAX_ELEMENTS = 16
 """Longest int64 vector evaluated (shape vectors are as long as a tensor's rank)."""
@@ -52,8 +52,7 @@ def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         graph = infer_shapes(model).graph
     except Exception:  # a model inference cannot follow keeps its shape arithmetic
         return {}
-    return {name: [d if isinstance(d, int) else None for d in dims]
-            for name, (_, dims) in tensor_types(graph).items() if dims is not None}
+    return static_dims(graph)
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:

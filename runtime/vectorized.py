@@ -29,8 +29,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely
+from gradbuilder.inference import tensor_types
 
-from .passes import Nodes, rewrite_nodes, tensor_types
+from .passes import Nodes, rewrite_nodes
 
 SLOW = frozenset({"Elu", "Selu", "Celu", "Softplus", "Mish"})
 IMPRECISE = frozenset({"Sigmoid"})
