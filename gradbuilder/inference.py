@@ -87,14 +87,17 @@ Dims = list[int | str | None]
 """A tensor's dims: a size, a symbol's name, or None where unknown."""
 
 
+def declared_dims(vi: onnx.ValueInfoProto) -> Dims | None:
+    """A tensor declaration's dims, or None without a shape."""
+    t = vi.type.tensor_type
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in t.shape.dim] if t.HasField("shape") else None
+
+
 def tensor_types(graph: onnx.GraphProto) -> dict[str, tuple[int, Dims | None]]:
     """(element type, dims or None without a shape) of every graph input, value_info and output."""
-    out: dict[str, tuple[int, Dims | None]] = {}
-    for vi in (*graph.input, *graph.value_info, *graph.output):
-        t = vi.type.tensor_type
-        out[vi.name] = (t.elem_type, [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                                      for d in t.shape.dim] if t.HasField("shape") else None)
-    return out
+    return {vi.name: (vi.type.tensor_type.elem_type, declared_dims(vi))
+            for vi in (*graph.input, *graph.value_info, *graph.output)}
 
 
 def static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:

@@ -34,7 +34,7 @@ from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
 
-from . import checks, exchange, fused, lowering, passes
+from . import checks, declared, exchange, fused, lowering, passes
 from .exchange import Tensor
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
@@ -239,6 +239,8 @@ class TrainingSession:
         self._infer: Runner | MaskedRunner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
         self.stats = {"backward_builds": 0, "fallbacks": 0}
+        self._outputs_checked = False
+        """Whether a forward's outputs were checked against their declared shapes (`declared`), at the first."""
         self._fusing: bool | None = None if config.fuse and self._fusable() else False
         """Whether forward runs the backward too (`fused`): None until the first forward's stash decides."""
         self._fused: _Fused | None = None
@@ -320,6 +322,9 @@ class TrainingSession:
         if self._fusing and not self._paused:
             return self._fused_forward(feeds, as_torch)
         outs, state = self._split_forward(feeds, as_torch)
+        if not self._outputs_checked:
+            declared.check_outputs(self.source.graph, feeds, self.output_names, outs)
+            self._outputs_checked = True
         if self._fusing is None:
             self._fusing = self._gradient_bytes(feeds) <= fused.MAX_KEPT * self.stash_bytes(state)
         return outs, state

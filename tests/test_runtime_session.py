@@ -10,6 +10,7 @@ import torch
 from onnx import TensorProto, helper
 
 import gradbuilder
+from gradbuilder.errors import InvalidModelError
 from runtime import SessionConfig, TrainingSession
 
 RNG = np.random.default_rng(0)
@@ -373,3 +374,41 @@ def test_numpy_scalar_host_gradient_keeps_its_rank(grad) -> None:
     _, state = session.forward({"x": x})
     got = session.backward(state, [grad])["W"]
     np.testing.assert_allclose(np.asarray(got), 2.0 * np.outer(x.sum(0), np.ones(5)) / 15, rtol=1e-6)
+
+
+def _reshaped_to_run_time_target(x_dims: list, y_dims: list, target: list[int]) -> onnx.ModelProto:
+    """y = Reshape(x * W, target), the target's length hidden from inference behind a Slice of computed end."""
+    nodes = [helper.make_node("Mul", ["x", "W"], ["h"]), helper.make_node("Identity", ["k"], ["end"]),
+             helper.make_node("Slice", ["shape", "zero", "end"], ["target"]),
+             helper.make_node("Reshape", ["h", "target"], ["y"], name="reshape")]
+    inits = [onnx.numpy_helper.from_array(np.full((2, 3), 2.0, np.float32), "W"),
+             onnx.numpy_helper.from_array(np.array([*target, 1], np.int64), "shape"),
+             onnx.numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             onnx.numpy_helper.from_array(np.array([len(target)], np.int64), "k")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_dims)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize(("x_dims", "y_dims", "target", "said"), [
+    ([2, 3], [3, 2], [6], "rank 1 where the model declares rank 2"),
+    ([2, 3], [3], [6], "size 6 on axis 0 where the model declares 3"),
+    (["b", 3], ["b"], [6], "size 6 on axis 0, declared 'b', which 'x' has as 2"),
+    ([2, 3], ["n", "n"], [3, 2], "size 2 on axis 1, declared 'n' like an earlier axis of size 3"),
+    ([2, 3], ["n"], [6], None),
+    (["b", 3], ["b", 3], [2, 3], None),
+], ids=["rank", "size", "symbol of an input", "symbol twice", "fresh symbol", "as declared"])
+def test_outputs_are_held_to_their_declared_shapes(x_dims, y_dims, target, said) -> None:
+    """Inference cannot size y, so the build takes its declared shape, and the backward its gradient in it: a wrong
+    declaration is refused at the first forward, naming the output, not met as onnxruntime refusing the host's
+    gradient in backward."""
+    session = TrainingSession.from_forward(_reshaped_to_run_time_target(x_dims, y_dims, target), threads=1)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    if said is not None:
+        with pytest.raises(InvalidModelError, match=f"graph output 'y' .* shape \\[.*\\]: {said}"):
+            session.forward({"x": x})
+        return
+    (y,), state = session.forward({"x": x})
+    assert list(np.asarray(y).shape) == target
+    grads = session.backward(state, [np.ones(target, np.float32)])
+    np.testing.assert_array_equal(np.asarray(grads["W"]), x)
