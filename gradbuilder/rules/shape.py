@@ -171,6 +171,10 @@ def tile(g: Grad):
     if r == 0 or (reps is not None and np.all(reps == 1)):
         return (dy,)
     static = g.info(x).static_shape
+    if (reps is not None and not np.all(reps)) or (static is not None and not all(static)):
+        # an empty output: zeros flow back, as torch's, read off dy so that it stays an output that takes a gradient
+        # (no Reshape to a 0 size, which copies a size before opset 14)
+        return (g.Expand(g.ReduceSum(dy, keepdims=0), g.shape_of(x)),)
     if reps is not None and static is not None:
         split = g.ints(np.stack([reps.ravel(), np.array(static, dtype=np.int64)], axis=1).ravel().tolist())
     else:
