@@ -1,18 +1,17 @@
 """Layers torch's legacy exporter refuses, or refuses for inputs of run-time sizes, written in ops it exports.
-
-The runtime exports with every dimension dynamic (one export serves every batch and image size), and the
-exporter then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not
-accessible": VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at
-`channel_shuffle` (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models),
-`bilinear` (nn.Bilinear), `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw),
-`Tensor.unfold` (sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's
-sizes, `scatter_reduce` by "mean" or without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18,
-`lgamma` and `digamma` (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial
-transformers); `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which
-gradbuilder does not differentiate; and some exports compute something else, without an error: `avg_pool2d` and
-`avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance` adds eps to the exponent, `softplus` ignores
-its threshold, `logsigmoid` is -inf below -17, and the gradients of `cdist` at zero distances, of
-`cosine_similarity` at zero vectors and of `std` over constant values are NaN.
+The runtime exports with every dimension dynamic (one export serves every batch and image size), and the exporter
+then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not accessible":
+VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle`
+(ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models), `bilinear` (nn.Bilinear),
+`hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw), `Tensor.unfold` (sliding windows:
+"input size not accessible"), `layer_norm` over a shape read from the input's sizes, `scatter_reduce` by "mean" or
+without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
+(torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
+on `max_unpool` (SegNet's decoder) comparing run-time sizes; `local_response_norm` and `embedding_bag` export with
+an If or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
+else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance` adds
+eps to the exponent, `softplus` ignores its threshold, `logsigmoid` is -inf below -17, and the gradients of `cdist`
+at zero distances, of `cosine_similarity` at zero vectors and of `std` over constant values are NaN.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -44,6 +43,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
 - log-sigmoid as -softplus(-x) (the exporter's log of a sigmoid is -inf below x ~ -17);
 - threshold(x, t, v): x where x > t, else v;
+- max unpooling: each value scattered to its flat index in a zero map of the output's size (given, or the pool's
+  input size computed from the run-time input), as torch's kernel;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
@@ -525,6 +526,24 @@ def _affine_grid(original: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     return affine_grid
 
 
+def _max_unpool(dims: int) -> Callable[..., torch.Tensor]:
+    def max_unpool(x: torch.Tensor, indices: torch.Tensor, kernel_size: Sequence[int] | int,
+                   stride: Sequence[int] | int | None = None, padding: Sequence[int] | int = 0,
+                   output_size: Sequence[int] | None = None) -> torch.Tensor:
+        kernel, pads = _per_axis(kernel_size, dims), _per_axis(padding, dims)
+        strides = _per_axis(kernel_size if stride is None else stride, dims)
+        lead = x.shape[:-dims]
+        size = (list(output_size)[-dims:] if output_size is not None else
+                [(x.shape[i - dims] - 1) * strides[i] - 2 * pads[i] + kernel[i] for i in range(dims)])
+        cells = size[0]
+        for n in size[1:]:
+            cells = cells * n
+        spread = x.new_zeros(*lead, cells).scatter(-1, indices.flatten(-dims), x.flatten(-dims))
+        return spread.reshape(*lead, *size)
+
+    return max_unpool
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -556,6 +575,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "scatter_reduce", _scatter_reduce(torch.scatter_reduce)),
         (torch.Tensor, "scatter_reduce", _scatter_reduce(torch.Tensor.scatter_reduce)),
         (torch.Tensor, "scatter_reduce_", _scatter_reduce(torch.Tensor.scatter_reduce_, in_place=True)),
+        *((F, f"max_unpool{d}d", _max_unpool(d)) for d in (1, 2, 3)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),

@@ -60,6 +60,23 @@ class Windows(nn.Module):
         return x.flatten(2).unfold(-1, 3, 2) if self.overlapping else x.unfold(2, 2, 2).unfold(3, 2, 2)
 
 
+class Unpool(nn.Module):
+    """A max pool's values put back where they came from (SegNet's decoder), into the pool's input size or a given
+    one; with overlapping windows an element can be several windows' maximum."""
+
+    def __init__(self, dims: int, kernel: int, stride: int, padding: int = 0, size: list[int] | None = None):
+        super().__init__()
+        pools = {1: (nn.MaxPool1d, nn.MaxUnpool1d), 2: (nn.MaxPool2d, nn.MaxUnpool2d)}[dims]
+        self.pool = pools[0](kernel, stride, padding, return_indices=True)
+        self.unpool = pools[1](kernel, stride, padding)
+        self.dims, self.size = dims, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(2) if self.dims == 1 else x
+        y, where = self.pool(x)
+        return self.unpool(y, where, output_size=self.size)
+
+
 CASES = {
     "adaptive average pool 8x7 -> 3x3": (lambda: nn.AdaptiveAvgPool2d(3), 4 * 9, (8, 7)),
     "adaptive average pool 9x9 -> 2 x input width": (lambda: nn.AdaptiveAvgPool2d((2, None)), 4 * 2 * 9, (9, 9)),
@@ -75,6 +92,9 @@ CASES = {
     "layer norm over the input's own sizes": (lambda: OwnSizeNorm(), 4 * 36, (6, 6)),
     "fold of overlapping patches": (lambda: FoldBack(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
+    "max unpool 2x2": (lambda: Unpool(2, 2, 2), 4 * 36, (6, 6)),
+    "max unpool, overlapping padded windows": (lambda: Unpool(2, 3, 1, 1), 4 * 36, (6, 6)),
+    "max unpool 1-D to a given size": (lambda: Unpool(1, 2, 2, size=[37]), 4 * 37, (6, 6)),
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
     "Tensor.unfold patches": (lambda: Windows(False), 4 * 36, (6, 6)),
     "Tensor.unfold overlapping windows": (lambda: Windows(True), 4 * 17 * 3, (6, 6)),
