@@ -1,4 +1,5 @@
 """Layers torch's legacy exporter refuses, or refuses for inputs of run-time sizes, written in ops it exports.
+
 The runtime exports with every dimension dynamic (one export serves every batch and image size), and the exporter
 then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not accessible":
 VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle`
