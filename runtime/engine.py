@@ -407,20 +407,24 @@ class Engine:
         turned its input sizes into constants the trace kept (a pool's kernel from `x.shape[-1]`, a branch on a
         size), which would silently compute something else at these sizes: from then on every size gets an export
         of its own (warned once). After `SIZE_CHECKS` sizes all the same graph, the export serves every size."""
-        if not schema.sizes_seen or len(schema.sizes_seen) > SIZE_CHECKS or self.options.export.exporter == "dynamo":
-            schema.sizes_seen.add(sizes)  # (dynamo fixes any size its graph depends on in the input types: loud)
+        dynamo = self.options.export.exporter == "dynamo"  # its graph declares the sizes it depends on, as fixed
+        if not schema.sizes_seen or (dynamo and schema.exported.fits(leaves)) or (
+                not dynamo and len(schema.sizes_seen) > SIZE_CHECKS):
+            schema.sizes_seen.add(sizes)
             return schema
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:
             return self._fail(e, f"export at new input sizes {list(sizes)}")
-        if _same_graph(exported.model, schema.exported.model):
+        if not dynamo and _same_graph(exported.model, schema.exported.model):
             schema.sizes_seen.add(sizes)
             return schema
         if not self.per_size:
-            warnings.warn(f"ORTModule({self.name}): exported at input sizes {list(sizes)}, the graph differs from "
-                          f"its export at {list(next(iter(schema.sizes_seen)))}: the module's code turns input sizes "
-                          "into constants (a pool's kernel from x.shape, a Python branch on a size), so each input "
+            why = ("its export at {} holds for those sizes only (torch.export fixed them: a loop over a size, "
+                   "such as an RNN's steps, unrolled)" if dynamo else "the graph differs from its export at {}: the "
+                   "module's code turns input sizes into constants (a pool's kernel from x.shape, a Python branch on "
+                   "a size)").format(list(next(iter(schema.sizes_seen))))
+            warnings.warn(f"ORTModule({self.name}): exported at input sizes {list(sizes)}, as {why}, so each input "
                           "size gets its own export and gradient build.", RuntimeWarning, stacklevel=4)
             self.per_size = True
             self.schemas = {(k, seen): old for k, old in self.schemas.items() if isinstance(old, Schema)

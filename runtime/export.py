@@ -39,7 +39,7 @@ from onnx import helper
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradbuilder.inference import infer_shapes
+from gradbuilder.inference import declared_dims, infer_shapes
 
 from . import accumulation, custom_functions, exchange, stop_gradients, symbolics
 from .attention import lean_attention
@@ -107,6 +107,19 @@ class Exported:
     @functools.cached_property
     def state_names(self) -> frozenset[str]:
         return frozenset(name for name, _ in self.state)
+
+    @functools.cached_property
+    def _fixed_sizes(self) -> list[tuple[int, list[int | str | None]]]:
+        declared = {vi.name: declared_dims(vi) for vi in self.model.graph.input}
+        return [(k, dims) for name, k in self.inputs if (dims := declared.get(name)) is not None]
+
+    def fits(self, leaves: Sequence[torch.Tensor]) -> bool:
+        """Whether the inputs have the ranks and the fixed sizes the graph declares for them."""
+        for k, dims in self._fixed_sizes:
+            shape = leaves[k].shape
+            if len(dims) != len(shape) or any(isinstance(d, int) and d != n for d, n in zip(dims, shape)):
+                return False
+        return True
 
 
 class _Shared(dict):
@@ -349,7 +362,25 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
         program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
                                     input_names=names, dynamic_shapes=(dims,), verbose=False)
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
-    return program.model_proto  # type: ignore[union-attr]
+    model = program.model_proto  # type: ignore[union-attr]
+    _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
+    return model
+
+
+def _pin_single_values(model: onnx.ModelProto, ranges: dict[Any, Any]) -> None:
+    """torch.onnx.export declares each dim it was told is dynamic as a symbol even where torch.export found that the
+    graph holds for one value only (its range [10, 10]: an RNN unrolled over the 10 steps of the traced sequence),
+    so the graph ran other sizes without a word (an output of 10 steps for a sequence of 12). Such dims become that
+    value in every declaration: another size is then refused by the input's type, and ORTModule exports it anew
+    (`Exported.fits`)."""
+    fixed = {str(sym): int(r.lower) for sym, r in ranges.items() if r.is_int and r.lower == r.upper}
+    if not fixed:
+        return
+    g = model.graph
+    for vi in (*g.input, *g.value_info, *g.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in fixed:
+                d.dim_value = fixed[d.dim_param]
 
 
 _EXPORT_LOCK = threading.Lock()
@@ -428,7 +459,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     _sdpa_dropouts_in_training(model)
     _state_as_inputs(model, state, type(module).__name__)
     _split_sequences_to_slices(model.graph)
-    _dynamic_inputs(model, set(names))
+    if options.exporter == "torchscript":  # dynamo's inputs are dynamic where its graph is (`_pin_single_values`)
+        _dynamic_inputs(model, set(names))
     outputs = _name_outputs(model, out_spec)
     carried = _updates(model, outputs[len(tensor_paths(out_spec)):], updates)
     outputs = outputs[:len(tensor_paths(out_spec))]
@@ -696,15 +728,17 @@ def _holds_tensors(x: object, depth: int = 4) -> bool:
 
 
 def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
-    """The dynamo exporter (unoptimised) turns torch.split/chunk into SplitToSequence + SequenceAt, which have no
-    gradient rule. Each SequenceAt at a constant index becomes a Slice of the split tensor: chunk i of size s is
-    [i*s, (i+1)*s) (Slice clamps the last), of sizes [s0, s1, ...] it is [s0+...+s(i-1), ... + si). Splits whose
-    sizes or indices are not of that form stay as they are (a rule error then names them)."""
+    """The dynamo exporter (unoptimised) turns torch.split/chunk/unbind into SplitToSequence + SequenceAt, which
+    have no gradient rule. Each SequenceAt at a constant index becomes a Slice of the split tensor: chunk i of size
+    s is [i*s, (i+1)*s) (Slice clamps the last), of sizes [s0, s1, ...] it is [s0+...+s(i-1), ... + si); an item
+    of a split without sizes (unbind, an unrolled RNN's time steps) is a Gather of index i, scalar where the axis
+    goes (keepdims=0). Splits whose sizes or indices are not of that form stay as they are (a rule error then names
+    them)."""
     consts: dict[str, np.ndarray] = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
     for n in g.node:
         if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value":
             consts[n.output[0]] = onnx.numpy_helper.to_array(n.attribute[0].t)
-    splits = {n.output[0]: n for n in g.node if n.op_type == "SplitToSequence" and len(n.input) == 2}
+    splits = {n.output[0]: n for n in g.node if n.op_type == "SplitToSequence"}
     if not splits:
         return
     taken = {i.name for i in g.input} | set(consts) | {o for n in g.node for o in n.output}
@@ -715,9 +749,14 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
         if split is None or index is None or index.ndim != 0:
             nodes.append(n)
             continue
-        x, sizes = split.input
         axis = int_attr(split, "axis", 0)
         i = int(index)
+        if len(split.input) == 1 or not split.input[1]:  # unbind: items of size 1, the axis kept with keepdims
+            at = _unique([f"{n.output[0]}#index"], taken)[0]
+            _constant(g, at, [i] if int_attr(split, "keepdims", 1) else i)
+            nodes.append(helper.make_node("Gather", [split.input[0], at], [n.output[0]], axis=axis))
+            continue
+        x, sizes = split.input
         starts, ends, axes = _unique([f"{n.output[0]}#{k}" for k in ("starts", "ends", "axes")], taken)
         const = consts.get(sizes)
         if const is not None and const.ndim == 1 and -len(const) <= i < len(const):
@@ -741,6 +780,6 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
     g.node.extend(n for n in nodes if not (n.op_type == "SplitToSequence" and n.output[0] not in used))
 
 
-def _constant(g: onnx.GraphProto, name: str, values: list[int]) -> str:
+def _constant(g: onnx.GraphProto, name: str, values: list[int] | int) -> str:
     g.initializer.append(onnx.numpy_helper.from_array(np.array(values, np.int64), name))
     return name

@@ -221,6 +221,38 @@ def test_sizes_the_trace_turned_into_constants_get_an_export_each() -> None:
     assert om.stats["exports"] == 4
 
 
+class RNNSteps(nn.Module):
+    """An RNN's outputs at every step: the dynamo exporter unrolls its loop over the traced sequence's length (and
+    splits the steps with SplitToSequence, no gradient rule, written as Gathers) but declared that length dynamic."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(3, 5, batch_first=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_sizes_dynamo_fixed_get_an_export_each() -> None:
+    """torch.export found the graph holds at the traced length only (its range [10, 10]), and torch.onnx declared
+    the length a symbol: 12 steps ran the 10-step graph without a word. Pinned in the inputs' types, another length
+    gets its own export (warned once), the traced one and the batch reuse theirs."""
+    model = RNNSteps()
+    ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
+    with pytest.warns(RuntimeWarning, match="holds for those sizes only") as caught:
+        for shape, exports in [((4, 10, 3), 1), ((6, 10, 3), 1), ((4, 12, 3), 2), ((2, 7, 3), 3), ((3, 12, 3), 3)]:
+            x = torch.randn(shape)
+            for m in (om, ref):
+                m.zero_grad()
+                m(x).square().sum().backward()
+            torch.testing.assert_close(om(x), ref(x), rtol=1e-5, atol=1e-6, msg=f"outputs at {shape}")
+            for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {shape}")
+            assert om.stats["exports"] == exports, shape
+    assert sum("holds for those sizes only" in str(w.message) for w in caught) == 1
+
+
 def test_an_export_the_same_at_enough_sizes_serves_every_size(monkeypatch) -> None:
     """Sizes are checked until `SIZE_CHECKS` new ones were all the same graph; then the export serves the rest
     without exporting again (a model padding each batch to its longest sequence meets many lengths)."""
