@@ -8,11 +8,12 @@ VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold")
 "input size not accessible"), `layer_norm` over a shape read from the input's sizes, `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
-on `max_unpool` (SegNet's decoder) comparing run-time sizes; `local_response_norm` and `embedding_bag` export with
-an If or a Loop on the gradient path, which gradbuilder does not differentiate; and some exports compute something
-else, without an error: `avg_pool2d` and `avg_pool3d` ignore a constant `divisor_override`, `pairwise_distance` adds
-eps to the exponent, `softplus` ignores its threshold, `logsigmoid` is -inf below -17, and the gradients of `cdist`
-at zero distances, of `cosine_similarity` at zero vectors and of `std` over constant values are NaN.
+on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`;
+`local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder does
+not differentiate; and some exports compute something else, without an error: `avg_pool2d` and `avg_pool3d` ignore a
+constant `divisor_override`, `pairwise_distance` adds eps to the exponent, `softplus` ignores its threshold,
+`logsigmoid` is -inf below -17, and the gradients of `cdist` at zero distances, of `cosine_similarity` at zero
+vectors and of `std` over constant values are NaN.
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -46,6 +47,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - threshold(x, t, v): x where x > t, else v;
 - max unpooling: each value scattered to its flat index in a zero map of the output's size (given, or the pool's
   input size computed from the run-time input), as torch's kernel;
+- attention with fewer key/value heads than query heads (`enable_gqa`, Mistral's and LLaMA 3's grouped-query
+  attention): each key and value head repeated for the query heads it serves, as torch's own fallback does;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
@@ -545,6 +548,17 @@ def _max_unpool(dims: int) -> Callable[..., torch.Tensor]:
     return max_unpool
 
 
+def _grouped_query_attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                                     enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
+        if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+            groups = query.shape[-3] // key.shape[-3]  # each key/value head serves that many query heads in a row
+            key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        return original(query, key, value, *args, **kwargs)
+
+    return scaled_dot_product_attention
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -577,6 +591,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch.Tensor, "scatter_reduce", _scatter_reduce(torch.Tensor.scatter_reduce)),
         (torch.Tensor, "scatter_reduce_", _scatter_reduce(torch.Tensor.scatter_reduce_, in_place=True)),
         *((F, f"max_unpool{d}d", _max_unpool(d)) for d in (1, 2, 3)),
+        (F, "scaled_dot_product_attention", _grouped_query_attention(F.scaled_dot_product_attention)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),

@@ -77,6 +77,14 @@ class Unpool(nn.Module):
         return self.unpool(y, where, output_size=self.size)
 
 
+class GroupedQueryAttention(nn.Module):
+    """The map's 4 channels as 4 query heads of 6 tokens, attending over 2 key/value heads (`enable_gqa`): query
+    heads 0-1 read key/value head 0, heads 2-3 head 1."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(x, x[:, :2], x[:, 2:].flip(-1), enable_gqa=True)
+
+
 CASES = {
     "adaptive average pool 8x7 -> 3x3": (lambda: nn.AdaptiveAvgPool2d(3), 4 * 9, (8, 7)),
     "adaptive average pool 9x9 -> 2 x input width": (lambda: nn.AdaptiveAvgPool2d((2, None)), 4 * 2 * 9, (9, 9)),
@@ -92,6 +100,7 @@ CASES = {
     "layer norm over the input's own sizes": (lambda: OwnSizeNorm(), 4 * 36, (6, 6)),
     "fold of overlapping patches": (lambda: FoldBack(), 4 * 36, (6, 6)),
     "channel shuffle": (lambda: nn.ChannelShuffle(2), 4 * 36, (6, 6)),
+    "grouped-query attention": (lambda: GroupedQueryAttention(), 4 * 36, (6, 6)),
     "max unpool 2x2": (lambda: Unpool(2, 2, 2), 4 * 36, (6, 6)),
     "max unpool, overlapping padded windows": (lambda: Unpool(2, 3, 1, 1), 4 * 36, (6, 6)),
     "max unpool 1-D to a given size": (lambda: Unpool(1, 2, 2, size=[37]), 4 * 37, (6, 6)),

@@ -24,8 +24,6 @@ PACKED = "torch's exporters cannot export pack_padded_sequence (legacy: internal
 KNOWN: dict[tuple[str, str], str] = {
     ("lstm-packed", "torchscript"): PACKED,
     ("lstm-packed", "dynamo"): PACKED,
-    ("hf-mistral-sdpa", "torchscript"): "torch's legacy exporter cannot convert scaled_dot_product_attention with "
-                                        "enable_gqa=True (grouped-query attention); the dynamo exporter can",
     ("hf-deberta-v2", "dynamo"): "torch.export cannot trace its forward: it branches on a data-dependent value "
                                  "(modeling_deberta_v2.py, `u0 > 0`); the legacy exporter can",
     ("hf-bloom", "dynamo"): "refused by ORTModule: its forward computes under torch.no_grad() from a tensor that "
