@@ -945,6 +945,33 @@ def test_export_failure_is_a_clear_error() -> None:
         ORTModule(Cholesky())(torch.randn(3, 3))
 
 
+class ProjectedLSTM(nn.Module):
+    """dynamo exports an LSTM with projections (proj_size) as ONNX's LSTM, whose cell state is then sized by the
+    projection: onnxruntime refuses the graph's first run."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 6, proj_size=2, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+def test_an_export_onnxruntime_cannot_run_fails_as_an_export_does() -> None:
+    """The first run of an export fails only where the export is wrong (torch ran the same call): an ORTModuleError
+    naming the stage and onnxruntime's reason, or with fallback torch's result and a warning; later calls the same."""
+    x = torch.randn(4, 5, 3)
+    with pytest.raises(ORTModuleError, match=r"ProjectedLSTM\): the first onnxruntime run of the export failed.*"
+                                             r"initial_c"):
+        ORTModule(ProjectedLSTM(), exporter="dynamo")(x)
+    model = ProjectedLSTM()
+    om = ORTModule(copy.deepcopy(model), exporter="dynamo", fallback=True)
+    for _ in range(2):
+        with pytest.warns(FallbackWarning) if om.stats["fallbacks"] == 0 else contextlib.nullcontext():
+            torch.testing.assert_close(om(x), model(x))
+    assert om.stats["fallbacks"] == 1 and om.stats["exports"] == 1
+
+
 class RoundStraightThrough(torch.autograd.Function):
     """Quantization-aware training's straight-through estimator: round, pass the gradient on unchanged."""
 
