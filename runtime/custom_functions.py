@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch.utils import checkpoint
+from torch.utils._pytree import tree_map_only
 
 from . import stop_gradients
 from .patching import replaced
@@ -52,7 +53,11 @@ def applied_functions() -> Iterator[list[Applied]]:
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if cls is checkpoint.CheckpointFunction:  # reentrant activation checkpointing: the function itself
-            return args[0](*args[2:])  # (the exporter fails inside it; the graph keeps what backward needs)
+            out = args[0](*args[2:])  # (the exporter fails inside it; the graph keeps what backward needs)
+            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[2:]):
+                return out
+            # as torch's: with no input requiring grad, its outputs do not, and what it reads gets no gradient
+            return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         if not _own(cls) and all(a.cls is not cls for a in applied) and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
             applied.append(Applied(cls, args, kwargs))

@@ -972,6 +972,36 @@ def test_an_export_onnxruntime_cannot_run_fails_as_an_export_does() -> None:
     assert om.stats["fallbacks"] == 1 and om.stats["exports"] == 1
 
 
+class Checkpointed(nn.Module):
+    """A block under reentrant activation checkpointing (torch's CheckpointFunction), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(lambda h: torch.tanh(self.block(h)), x,
+                                                           use_reentrant=True))
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_reentrant_checkpointing_as_torch(input_grad: bool) -> None:
+    """The checkpointed function runs as it is; where no input requires grad, torch's reentrant checkpoint gives
+    its outputs none, so the block's parameters get None and only the head trains (torch warns of it at each
+    call; the export, which runs the module once, does not)."""
+    model = Checkpointed()
+    om = ORTModule(copy.deepcopy(model))
+    x = torch.randn(4, 6, requires_grad=input_grad)
+    om(x).square().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x.detach().requires_grad_(input_grad)).square().sum().backward()
+    for (name, p), q in zip(om.named_parameters(), model.parameters()):
+        assert (p.grad is None) == (q.grad is None) == (name.startswith("block") and not input_grad), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 class RoundStraightThrough(torch.autograd.Function):
     """Quantization-aware training's straight-through estimator: round, pass the gradient on unchanged."""
 
