@@ -6,7 +6,8 @@ forward's own derivative faster (transformers' Bloom GELU, memory-saving activat
 forward is then right. Others define another gradient on purpose: a straight-through estimator (round in
 forward, the gradient passed on unchanged) would get zero gradients, a gradient reversal layer the unreversed
 one, silently. (Reentrant activation checkpointing, torch's CheckpointFunction, which the exporter fails in with
-"unordered_map::at", runs its function directly: Hugging Face's `gradient_checkpointing_enable()`.) So the export
+"unordered_map::at", runs its function directly, its outputs detached where no input requires grad as torch's
+are: Hugging Face's `gradient_checkpointing_enable()`.) So the export
 records the first call of every Function applied to a tensor that requires grad
 (not torch's own), and after it compares the Function's backward with autograd's gradient of its forward's ops
 on that call's inputs (one random cotangent); a Function whose two differ, or that cannot be checked, refuses the
