@@ -793,6 +793,22 @@ def test_lp_normalization(xs, axis, p):
     check_op("LpNormalization", [("x", r(*xs))], lambda x: x / x.norm(p, dim=axis, keepdim=True), axis=axis, p=p)
 
 
+@pytest.mark.parametrize("p", [1, 2])
+def test_lp_normalization_of_a_zero_vector(p):
+    """onnxruntime's kernel maps a zero vector to zeros; its gradient there is zero too, not 0/0's NaN (which would
+    reach every weight before it). Elsewhere as torch's; the probe stays off the zero row (y jumps there)."""
+    x = r(3, 4)
+    x[1] = 0.0
+
+    def torch_fn(x):
+        norm = x.norm(p, dim=1, keepdim=True)
+        nonzero = (norm > 0).to(x.dtype)
+        return x * nonzero / torch.where(norm > 0, norm, torch.ones_like(norm))
+
+    grads = check_op("LpNormalization", [("x", x)], torch_fn, axis=1, p=p, fd_mask={"x": (x != 0).astype(float)})
+    assert np.all(np.isfinite(grads["x"])) and not np.any(grads["x"][1])
+
+
 # --- Dropout -------------------------------------------------------------------------------------
 def dropout_step(model, x, wrt=("x",), feeds=None):
     """One ORT forward+backward; returns (y, grad, the mask ORT drew in that same forward pass)."""

@@ -1011,7 +1011,9 @@ def group_norm(g: Grad):
 
 @rule("LpNormalization", since=13)
 def lp_normalization(g: Grad):
-    """y = x / |x|_p along axis: dX = (dY - s * sum(dY * y)) / |x|_p with s = y (p=2) or sign(x) (p=1)."""
+    """y = x / |x|_p along axis: dX = (dY - s * sum(dY * y)) / |x|_p with s = y (p=2) or sign(x) (p=1). A zero
+    vector, which onnxruntime's kernel (and ONNX's reference) maps to zeros, gets a zero gradient, not 0/0's NaN:
+    1/|x|_p is taken as 0 there."""
     x, dy = g.I(0), g.GO(0)
     rank = g.require_rank(x)
     axis = g.axis(g.attr("axis", -1), rank)
@@ -1019,9 +1021,11 @@ def lp_normalization(g: Grad):
     if p not in (1, 2):
         g.fail(f"p must be 1 or 2, not {p}")
     norm = g.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis])
-    y = g.Div(x, norm)
+    nonzero = g.Cast(g.Greater(norm, g.const(0.0, like=norm)), to=g.dtype(x) or TensorProto.FLOAT)
+    inverse = g.Div(nonzero, g.Add(norm, g.Sub(g.const(1.0, like=norm), nonzero)))  # 1 / |x|_p, or 0
+    y = g.Mul(x, inverse)
     s = y if p == 2 else g.Sign(x)
-    return (g.Div(g.Sub(dy, g.Mul(s, g.reduce_sum(g.Mul(dy, y), [axis]))), norm),)
+    return (g.Mul(g.Sub(dy, g.Mul(s, g.reduce_sum(g.Mul(dy, y), [axis]))), inverse),)
 
 
 # --- dropout -------------------------------------------------------------------------------------
