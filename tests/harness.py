@@ -17,6 +17,7 @@ import torch
 from onnx import TensorProto, helper
 
 import gradbuilder
+from gradbuilder.rules import registry
 
 NP_TO_ONNX = {
     np.dtype(np.float64): TensorProto.DOUBLE,
@@ -202,8 +203,8 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
 def sweep_tests(sweep: Callable[[int, type[np.floating]], None], float32_opsets: Sequence[int]
                 ) -> tuple[Callable[[int], None], Callable[[], None]]:
     """The two tests of a family's `sweep(opset, dtype)`, to assign to `test_every_opset, test_float32` in its
-    test module: float64 at every opset from 13 to 23 (one test each), float32 at `float32_opsets`."""
-    @pytest.mark.parametrize("opset", range(13, 24))
+    test module: float64 at every opset from 13 to the rules' newest (one test each), float32 at `float32_opsets`."""
+    @pytest.mark.parametrize("opset", range(13, registry.MAX_OPSET + 1))
     def test_every_opset(opset: int) -> None:
         sweep(opset, np.float64)
 

@@ -416,11 +416,13 @@ def test_low_precision_graphs_are_valid(op, n_in, elem_type, opset):
 
 
 
+@pytest.mark.parametrize("fmod,opset,fn", [(1, 17, torch.fmod), (0, 28, torch.remainder)], ids=["fmod", "floor"])
 @pytest.mark.parametrize("sa,sb", [((3, 4), (3, 4)), ((2, 3, 4), (4,))])
-def test_mod_is_fmod(sa, sb):
+def test_float_mod(sa, sb, fmod, opset, fn):
+    """fmod=1 truncates a/b (torch.fmod); from opset 28 a float Mod may floor it (fmod=0, torch.remainder)."""
     a = r(*sa) * 5
     b = away_from_zero(r(*sb), 0.5)
-    # keep the probe off the jumps of fmod (where a/b crosses an integer)
+    # keep the probe off the jumps (where a/b crosses an integer)
     frac = np.abs(np.fmod(a / np.broadcast_to(b, np.broadcast_shapes(a.shape, b.shape)), 1.0))
     near = (frac < 0.05) | (frac > 0.95)
-    check_op("Mod", [("a", np.where(near, a + 0.2, a)), ("b", b)], torch.fmod, fmod=1, fd_eps=1e-8)
+    check_op("Mod", [("a", np.where(near, a + 0.2, a)), ("b", b)], fn, fmod=fmod, fd_eps=1e-8, opset=opset)

@@ -164,7 +164,7 @@ def test_einsum_symbolic_ellipsis_that_may_broadcast_fails_clearly():
         gradbuilder.build_gradient_graph(model, wrt=["x0", "x1"], outputs=["y0"])
 
 
-@pytest.mark.parametrize("opset", [13, 23])
+@pytest.mark.parametrize("opset", [13, 23, 28])
 def test_opset_range_ends(opset):
     check_op("MatMul", [("a", r(2, 3, 4)), ("b", r(4, 5))], torch.matmul, opset=opset)
     check_op("Gemm", [("a", r(4, 3)), ("b", r(5, 4)), ("c", r(5))], _gemm_ref(1, 1, 0.5, 2.0), opset=opset,

@@ -1,3 +1,4 @@
+import harness
 import numpy as np
 import onnx
 import pytest
@@ -107,6 +108,25 @@ def test_losses_give_labels_and_weights_no_gradient():
     assert "non-differentiable" in meta["no_gradient"]["w"]
 
 
+@pytest.mark.parametrize("op", ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"])
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+def test_scores_of_unknown_rank_take_the_labels_rank(monkeypatch, op, shape):
+    """Scores reshaped to a shape read at run time (onnx's own expanded SoftmaxCrossEntropyLoss) have no rank for
+    onnx's inference; the labels', plus the class axis, gives it."""
+    make = onnx.helper.make_tensor_value_info
+    monkeypatch.setattr(harness.helper, "make_tensor_value_info",
+                        lambda name, elem_type, dims, *a, **k: make(name, elem_type, None if name == "x" else dims,
+                                                                    *a, **k))
+    xs, labels = r(*shape), _labels(shape, 1)
+    model = single_op_model(op, [("x", xs), ("labels", labels)], ignore_index=1)
+    assert not model.graph.input[0].type.tensor_type.HasField("shape")
+    _, grads = Trainer(gradbuilder.build_gradient_graph(model, wrt=["x"], loss="y0")).step({"x": xs, "labels": labels})
+    tx = torch.from_numpy(xs).requires_grad_()
+    (F.nll_loss if op == "NegativeLogLikelihoodLoss" else F.cross_entropy)(
+        tx, torch.from_numpy(labels), ignore_index=1).backward()
+    np.testing.assert_allclose(grads["x"], tx.grad.numpy(), rtol=1e-7, atol=1e-10)
+
+
 @pytest.mark.parametrize("opset", [13, 22])
 def test_nll_opsets(opset):
     shape = (4, 3)
@@ -125,7 +145,7 @@ def test_softmax_cross_entropy_symbolic_classes(monkeypatch):
              ignore_index=-1)
 
 
-@pytest.mark.parametrize("opset", [13, 23])
+@pytest.mark.parametrize("opset", [13, 23, 28])
 def test_opset_range_ends(opset):
     shape = (4, 3, 2)
     labels = _labels(shape, 0)

@@ -620,7 +620,7 @@ def test_symbolic_spatial_finite_differences():
              kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4, ceil_mode=1, symbolic={"x": [2, 3]})
 
 
-@pytest.mark.parametrize("opset", [13, 23])
+@pytest.mark.parametrize("opset", [13, 23, 28])
 def test_symbolic_spatial_opset_range_ends(opset):
     """The run-time pads (Pad with a pads input, negative ones cropping) and divisors at both opset ends."""
     dyn = {"x": [0, 2, 3]}
@@ -917,7 +917,7 @@ def _dropout_case(opset):
     np.testing.assert_allclose(grad, dropout_torch(x, mask, 0.5, cot)[1], rtol=1e-12)
 
 
-@pytest.mark.parametrize("opset", [13, 23])
+@pytest.mark.parametrize("opset", [13, 23, 28])
 @pytest.mark.parametrize("case", [_conv_case, _conv_transpose_case, _pool_case, _norm_case, _dropout_case],
                          ids=lambda f: f.__name__)
 def test_opset_range_ends(case, opset):

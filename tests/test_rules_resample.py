@@ -366,6 +366,12 @@ def test_space_to_depth(b):
     check_op("SpaceToDepth", [("x", r64(2, 2, 6, 3 * b))], space_to_depth(b), blocksize=b)
 
 
+def test_space_to_depth_crd_is_pixel_unshuffle():
+    """From opset 28 SpaceToDepth takes DepthToSpace's `mode`: CRD inverts pixel_shuffle."""
+    check_op("SpaceToDepth", [("x", r64(2, 2, 6, 4))], lambda x: F.pixel_unshuffle(x, 2), blocksize=2, mode="CRD",
+             opset=28)
+
+
 def test_depth_to_space_crd_is_pixel_shuffle():
     check_op("DepthToSpace", [("x", r64(2, 8, 3, 4))], lambda x: F.pixel_shuffle(x, 2), blocksize=2, mode="CRD")
 

@@ -126,7 +126,7 @@ def _plus(g: Grad, a: str | None, b: str) -> str:
     return b if a is None else g.Add(a, b)
 
 
-@rule("Attention", since=23, nondiff_outputs=(3,))
+@rule("Attention", since=23, until=23, nondiff_outputs=(3,))
 def attention(g: Grad):
     """S = scale Q K^T (softcapped, masked), P = softmax(S), Y = P V; present_key/value = past ++ K/V.
     dV = P^T dY, dS = P (dP - rowsum(dP P)) with dP = dY V^T, dQ = scale dS K, dK = scale dS^T Q; a float

@@ -105,16 +105,18 @@ def div(g: Grad) -> Grads:
 
 @rule("Mod", since=13)
 def mod(g: Grad) -> Grads:
-    """Float Mod is fmod (the spec requires fmod=1): a - trunc(a/b)*b, like torch.fmod."""
-    if g.attr("fmod", 0) != 1:
-        g.fail("integer Mod (fmod=0) carries no gradient; a float Mod must have fmod=1")
+    """a - n*b with n = trunc(a/b) (fmod=1, like torch.fmod) or, for floats from opset 28, floor(a/b) (fmod=0, like
+    torch.remainder); before 28 a float Mod must have fmod=1."""
+    floor = g.attr("fmod", 0) != 1
+    if floor and g.opset < 28:
+        g.fail("integer Mod (fmod=0) carries no gradient; a float Mod must have fmod=1 before opset 28")
     a, b, dy = g.I(0), g.I(1), g.GO(0)
     da = g.unbroadcast(dy, like=a) if g.needs(0) else None
     if not g.needs(1):
         return (da, None)
     q = g.Div(a, b)
-    trunc = g.Sub(q, g.Mod(q, g.const(1.0, like=q), fmod=1))  # trunc(q) = q - fmod(q, 1)
-    return (da, g.unbroadcast(g.Neg(g.Mul(dy, trunc)), like=b))
+    n = g.Floor(q) if floor else g.Sub(q, g.Mod(q, g.const(1.0, like=q), fmod=1))  # trunc(q) = q - fmod(q, 1)
+    return (da, g.unbroadcast(g.Neg(g.Mul(dy, n)), like=b))
 
 
 @rule("Neg", since=13)

@@ -60,9 +60,19 @@ def _count(g: Grad, x: str, labels: str) -> str:
     return g.cast_like(size, x)
 
 
+def _scores_rank(g: Grad, x: str) -> int:
+    """The rank of the scores (N, C, d1, ...): known, or the labels' (N, d1, ...) plus one (a Reshape of the scores to
+    a shape read at run time hides it from onnx's inference, as onnx's own expanded loss functions do)."""
+    rank = g.rank(x)
+    if rank is None:
+        labels = g.rank(g.I(1))
+        return labels + 1 if labels is not None else g.require_rank(x)
+    return rank
+
+
 def _onehot(g: Grad, x: str, labels: str) -> str:
     """(N, C, d1, ...) one-hot of the labels along axis 1, in x's type (ignored labels match no class)."""
-    rank = g.require_rank(x)
+    rank = _scores_rank(g, x)
     shape = g.info(x).shape
     c = shape[1] if shape is not None else None
     tail = [1] * (rank - 2)
@@ -93,8 +103,7 @@ def softmax_cross_entropy(g: Grad):
     if g.GO(0) is not None:
         kept, labels = _kept(g, _labels(g))
         coef = _coefficient(g, scores, kept, labels, g.GO(0))
-        rank = g.rank(scores)
-        if rank is not None and rank > 2:
+        if _scores_rank(g, scores) > 2:
             grad = g.Mul(g.Sub(prob, _onehot(g, scores, labels)), coef)
         else:
             index = g.unsqueeze(labels, [1])  # (N, 1) along the class axis

@@ -1021,8 +1021,8 @@ def lp_normalization(g: Grad):
     if p not in (1, 2):
         g.fail(f"p must be 1 or 2, not {p}")
     norm = g.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis])
-    nonzero = g.Cast(g.Greater(norm, g.const(0.0, like=norm)), to=g.dtype(x) or TensorProto.FLOAT)
-    inverse = g.Div(nonzero, g.Add(norm, g.Sub(g.const(1.0, like=norm), nonzero)))  # 1 / |x|_p, or 0
+    nonzero = g.cast_like(g.Greater(norm, g.const(0.0, like=x)), x)
+    inverse = g.Div(nonzero, g.Add(norm, g.Sub(g.const(1.0, like=x), nonzero)))  # 1 / |x|_p, or 0
     y = g.Mul(x, inverse)
     s = y if p == 2 else g.Sign(x)
     return (g.Mul(g.Sub(dy, g.Mul(s, g.reduce_sum(g.Mul(dy, y), [axis]))), inverse),)

@@ -241,8 +241,8 @@ def _blocksize(g: Grad) -> int:
 
 @rule("SpaceToDepth")
 def space_to_depth(g: Grad):
-    """A permutation whose inverse is DepthToSpace in DCR order."""
-    return (g.DepthToSpace(g.GO(0), blocksize=_blocksize(g), mode="DCR"),)
+    """A permutation whose inverse is DepthToSpace in the same order (DCR, or from opset 28 its `mode`)."""
+    return (g.DepthToSpace(g.GO(0), blocksize=_blocksize(g), mode=g.attr("mode", "DCR")),)
 
 
 @rule("DepthToSpace")
