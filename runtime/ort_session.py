@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -136,7 +137,7 @@ class Runner:
         try:
             self.session = _session(data, config, disabled)
         except Exception as e:  # onnxruntime raises its own zoo of types
-            raise SessionLoadError(f"onnxruntime cannot load the {what} model: {e}") from e
+            config = self._unoptimized(data, config, disabled, e)
         self._c = self.session._sess
         self._run_options = C.RunOptions()
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -150,6 +151,23 @@ class Runner:
         self._narrow: tuple[bytes, SessionConfig, list[str]] | None = (
             (data, dataclasses.replace(config, threads=1), list(disabled)) if narrow else None)
         self._narrow_c: C.InferenceSession | None = None
+
+    def _unoptimized(self, data: bytes, config: SessionConfig, disabled: Sequence[str], error: Exception
+                     ) -> SessionConfig:
+        """The session without graph optimizations, where onnxruntime's optimizers fail on a graph its kernels run
+        (its GemmTransposeFusion dropped the producer of a Gemm's computed bias that is also a graph output, at
+        every level but none); warned, since it runs slower. Its config; SessionLoadError where that fails too."""
+        plain = dataclasses.replace(config, optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        if config.optimization == plain.optimization:
+            raise SessionLoadError(f"onnxruntime cannot load the {self.what} model: {error}") from error
+        try:
+            self.session = _session(data, plain, disabled)
+        except Exception:
+            raise SessionLoadError(f"onnxruntime cannot load the {self.what} model: {error}") from error
+        warnings.warn(f"onnxruntime's graph optimizations failed on the {self.what} model ({str(error).strip()}), "
+                      "so it runs without them, slower; please report it with the model.", RuntimeWarning,
+                      stacklevel=4)
+        return plain
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
         """Run on C-level OrtValues; returns OrtValues in `outputs` order (default: all outputs)."""

@@ -12,6 +12,8 @@ from onnx import TensorProto, helper
 import gradbuilder
 from gradbuilder.errors import InvalidModelError
 from runtime import SessionConfig, TrainingSession
+from runtime.exchange import to_numpy, to_ortvalue
+from runtime.ort_session import Runner, SessionLoadError
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((4, 3)).astype(np.float32)
@@ -412,3 +414,24 @@ def test_outputs_are_held_to_their_declared_shapes(x_dims, y_dims, target, said)
     assert list(np.asarray(y).shape) == target
     grads = session.backward(state, [np.ones(target, np.float32)])
     np.testing.assert_array_equal(np.asarray(grads["W"]), x)
+
+
+def test_a_graph_onnxruntime_optimizes_wrong_runs_unoptimized() -> None:
+    """onnxruntime's optimizers fail on some graphs its kernels run (here a scalar reduced over axes computed from a
+    constant: folding them, its shape inference refuses what the kernel copies; runtime replay seed 155 met its
+    GemmTransposeFusion dropping a node): the session runs them without optimizations, warned, as onnxruntime's
+    unoptimized session computes them."""
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0), helper.make_node("Identity", ["axes"], ["a"]),
+             helper.make_node("ReduceMean", ["s", "a"], ["y"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [onnx.numpy_helper.from_array(np.array([0], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.warns(RuntimeWarning, match="graph optimizations failed on the test model"):
+        runner = Runner(model, SessionConfig(threads=1), "test")
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert float(to_numpy(runner.run({"x": to_ortvalue(x)})[0])) == 15.0
+    unknown = helper.make_graph([helper.make_node("Frobnicate", ["x"], ["y"])], "g", graph.input, graph.output)
+    with pytest.raises(SessionLoadError, match=r"cannot load the test model: .*Frobnicate"):  # unoptimized neither
+        Runner(helper.make_model(unknown, opset_imports=[helper.make_opsetid("", 18)]), SessionConfig(threads=1),
+               "test")
