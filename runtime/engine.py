@@ -24,7 +24,7 @@ from onnxruntime.capi import _pybind_state as C
 from torch import nn
 
 import gradbuilder
-from gradbuilder.errors import RuleError
+from gradbuilder.errors import InvalidModelError, RuleError
 
 from . import checks, exchange, function, lowering, workload
 from .batchnorm import update_running_stats
@@ -213,6 +213,10 @@ def _rows(shapes: dict[str, tuple[int, ...]]) -> int | None:
 _FALLBACK = object()
 
 
+FIRST_RUN_ERRORS = (RuntimeError, InvalidModelError)
+"""What a run of an export raises where the export is wrong: onnxruntime's errors, and its outputs of other shapes
+than the graph declares (`declared`)."""
+
 SIZE_CHECKS = 8
 """New input sizes exported again and compared (`Engine._new_sizes`) before an export that was the same graph at
 all of them serves every size unchecked: a model padding each batch to its longest sequence meets many lengths,
@@ -329,22 +333,16 @@ class Engine:
             call = function.Call(session, feeds, wrt, n, read, sparse)
             try:
                 user, stats = function.apply(call, [named[name] for name in wrt])
-            except RuntimeError as e:
-                if schema.ran:
-                    raise
-                self.schemas[key] = self._fail(e, "first onnxruntime run of the export")
-                return self.module(*args, **kwargs)
+            except FIRST_RUN_ERRORS as e:
+                return self._first_run_failed(key, schema, e, args, kwargs)
         else:
             try:
                 outs = schema.infer(feeds)
             except SessionLoadError as e:
                 self.schemas[key] = self._fail(e, "onnxruntime session creation")
                 return self.module(*args, **kwargs)
-            except RuntimeError as e:
-                if schema.ran:
-                    raise
-                self.schemas[key] = self._fail(e, "first onnxruntime run of the export")
-                return self.module(*args, **kwargs)
+            except FIRST_RUN_ERRORS as e:
+                return self._first_run_failed(key, schema, e, args, kwargs)
             values = [exchange.to_torch(v) for v in outs]
             user, stats = values[:n], values[n:]
         schema.ran = True
@@ -377,6 +375,15 @@ class Engine:
                     holder._buffers[attr] = value
                 else:
                     holder._buffers[attr].copy_(value)
+
+    def _first_run_failed(self, key: Hashable, schema: Schema, error: Exception, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> Any:
+        """A run failing after others did is the caller's to see; the export's first fails as a failed export does
+        (torch ran the same call, so only the export explains it): raised, or with fallback torch's result."""
+        if schema.ran:
+            raise error
+        self.schemas[key] = self._fail(error, "first onnxruntime run of the export")
+        return self.module(*args, **kwargs)
 
     def _refuse(self, key: Hashable, error: ExportError, stage: str) -> None:
         """The schema fails as a failed export does: raised, or with fallback its calls run in torch from now."""
