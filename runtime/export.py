@@ -39,7 +39,7 @@ from onnx import helper
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradbuilder.inference import declared_dims, infer_shapes
+from gradbuilder.inference import Dims, declared_dims, infer_shapes
 
 from . import accumulation, custom_functions, exchange, stop_gradients, symbolics
 from .attention import lean_attention
@@ -109,7 +109,7 @@ class Exported:
         return frozenset(name for name, _ in self.state)
 
     @functools.cached_property
-    def _fixed_sizes(self) -> list[tuple[int, list[int | str | None]]]:
+    def _fixed_sizes(self) -> list[tuple[int, Dims]]:
         declared = {vi.name: declared_dims(vi) for vi in self.model.graph.input}
         return [(k, dims) for name, k in self.inputs if (dims := declared.get(name)) is not None]
 
