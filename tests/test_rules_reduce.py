@@ -149,6 +149,14 @@ L2 = lambda x, d, k: torch.linalg.vector_norm(x, 2, d, bool(k))  # noqa: E731
 L1 = lambda x, d, k: x.abs().sum(d, keepdim=bool(k))  # noqa: E731
 SUMSQ = lambda x, d, k: (x * x).sum(d, keepdim=bool(k))  # noqa: E731
 LSE = lambda x, d, k: torch.logsumexp(x, d, keepdim=bool(k))  # noqa: E731
+LOGSUM = lambda x, d, k: torch.log(x.sum(d, keepdim=bool(k)))  # noqa: E731
+
+
+@pytest.mark.parametrize("axes", [(1,), (-1, 0), ()])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("opset", [13, 18])
+def test_reduce_log_sum(axes, keepdims, opset):
+    _reduce_check("ReduceLogSum", LOGSUM, np.abs(r(2, 3, 4)) + 0.1, axes, keepdims, opset)
 
 
 @pytest.mark.parametrize("op,fn", [("ReduceL2", L2), ("ReduceL1", L1), ("ReduceSumSquare", SUMSQ),
@@ -203,7 +211,7 @@ def test_cumsum_runtime_axis_dynamic():
 
 # --- every opset, float32 ---------------------------------------------------------------------------------
 REDUCTIONS = [("ReduceSum", SUM), ("ReduceMean", MEAN), ("ReduceL2", L2), ("ReduceL1", L1),
-              ("ReduceSumSquare", SUMSQ), ("ReduceLogSumExp", LSE),
+              ("ReduceSumSquare", SUMSQ), ("ReduceLogSumExp", LSE), ("ReduceLogSum", LOGSUM),
               ("ReduceProd", lambda x, d, k: x.prod(d[0], keepdim=bool(k))),
               ("ReduceMax", lambda x, d, k: torch.amax(x, d, bool(k))),
               ("ReduceMin", lambda x, d, k: torch.amin(x, d, bool(k)))]

@@ -155,6 +155,13 @@ def reduce_log_sum_exp(g: Grad):
     return (g.Mul(g.Exp(g.Sub(g.I(0), _kept(g, g.O(0), ax))), _kept(g, g.GO(0), ax)),)
 
 
+@rule("ReduceLogSum", nondiff=(1,))
+def reduce_log_sum(g: Grad):
+    """1 / sum(x) over the axes, read off the output as exp(-y)."""
+    ax = _axes(g)
+    return (g.Expand(g.Div(_kept(g, g.GO(0), ax), g.Exp(_kept(g, g.O(0), ax))), g.shape_of(g.I(0))),)
+
+
 @rule("CumSum", nondiff=(1,))
 def cumsum(g: Grad):
     """The adjoint of a running sum is the running sum the other way, equally exclusive."""
