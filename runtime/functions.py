@@ -539,10 +539,7 @@ def _max_unpool(dims: int) -> Callable[..., torch.Tensor]:
         lead = x.shape[:-dims]
         size = (list(output_size)[-dims:] if output_size is not None else
                 [(x.shape[i - dims] - 1) * strides[i] - 2 * pads[i] + kernel[i] for i in range(dims)])
-        cells = size[0]
-        for n in size[1:]:
-            cells = cells * n
-        spread = x.new_zeros(*lead, cells).scatter(-1, indices.flatten(-dims), x.flatten(-dims))
+        spread = x.new_zeros(*lead, math.prod(size)).scatter(-1, indices.flatten(-dims), x.flatten(-dims))
         return spread.reshape(*lead, *size)
 
     return max_unpool
