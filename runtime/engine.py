@@ -251,9 +251,13 @@ class Engine:
         self._warned_autocast = False
         self.per_size = False
         """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
+        self.unkeyed = 0 if options.export.exporter == "dynamo" else 1
+        """The leading axes a schema's sizes leave out: the legacy exporter's batch (dynamic, its graphs read it
+        at run time); none for dynamo, whose exports may assume anything of any size (`size_guards`)."""
 
     def sessions(self) -> list[TrainingSession]:
-        return [s for schema in self.schemas.values() if isinstance(schema, Schema) for s in schema.sessions.values()]
+        schemas = {id(schema): schema for schema in self.schemas.values() if isinstance(schema, Schema)}
+        return [s for schema in schemas.values() for s in schema.sessions.values()]
 
     def invalidate(self) -> None:
         """Parameters changed dtype or device (`.to()`): re-export on the next call."""
@@ -284,7 +288,7 @@ class Engine:
         if self._module_list is None:
             self._module_list = list(self.module.modules())
         key: Hashable = (in_spec, tuple(kinds), tuple([m.training for m in self._module_list]), self.version)
-        sizes = tuple([tuple(t.shape[1:]) for t in leaves])
+        sizes = tuple([tuple(t.shape[self.unkeyed:]) for t in leaves])
         if self.per_size:
             key = (key, sizes)
         schema = self.schemas.get(key)
@@ -406,6 +410,14 @@ class Engine:
 
     # --- caches -----------------------------------------------------------------------------------------
     def _new_schema(self, key: Hashable, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
+        if self.per_size and self.unkeyed == 0:  # dynamo: an earlier export may hold for these sizes too
+            base, sizes = key  # type: ignore[misc]
+            for (other_base, _), schema in list(self.schemas.items()):
+                if other_base == base and isinstance(schema, Schema) and schema.exported.guards is not None and \
+                        schema.exported.guards.refusal(sizes) is None:
+                    schema.sizes_seen.add(sizes)
+                    self.schemas[key] = schema
+                    return schema
         self.stats["exports"] += 1
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
@@ -429,11 +441,12 @@ class Engine:
         turned its input sizes into constants the trace kept (a pool's kernel from `x.shape[-1]`, a branch on a
         size), which would silently compute something else at these sizes: from then on every size gets an export
         of its own (warned once). After `SIZE_CHECKS` sizes all the same graph, the export serves every size."""
-        dynamo = self.options.export.exporter == "dynamo"  # its graph declares the sizes it depends on, as fixed
-        if not schema.sizes_seen or (dynamo and schema.exported.fits(leaves)) or (
-                not dynamo and len(schema.sizes_seen) > SIZE_CHECKS):
+        guards = schema.exported.guards  # dynamo's: what its graph assumes of the sizes
+        if not schema.sizes_seen or (guards.refusal(sizes) is None if guards is not None else
+                                     len(schema.sizes_seen) > SIZE_CHECKS):
             schema.sizes_seen.add(sizes)
             return schema
+        dynamo = guards is not None
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:
@@ -442,10 +455,10 @@ class Engine:
             schema.sizes_seen.add(sizes)
             return schema
         if not self.per_size:
-            why = ("its export at {} holds for those sizes only (torch.export fixed them: a loop over a size, "
-                   "such as an RNN's steps, unrolled)" if dynamo else "the graph differs from its export at {}: the "
-                   "module's code turns input sizes into constants (a pool's kernel from x.shape, a Python branch on "
-                   "a size)").format(list(next(iter(schema.sizes_seen))))
+            why = ("its export at {} assumes what these sizes break (torch.export's guards: a branch on a size, a "
+                   "loop over a size unrolled, such as an RNN's steps)" if dynamo else "the graph differs from its "
+                   "export at {}: the module's code turns input sizes into constants (a pool's kernel from x.shape, "
+                   "a Python branch on a size)").format(list(next(iter(schema.sizes_seen))))
             warnings.warn(f"ORTModule({self.name}): exported at input sizes {list(sizes)}, as {why}, so each input "
                           "size gets its own export and gradient build.", RuntimeWarning, stacklevel=4)
             self.per_size = True

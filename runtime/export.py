@@ -39,7 +39,7 @@ from onnx import helper
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradbuilder.inference import Dims, declared_dims, infer_shapes
+from gradbuilder.inference import infer_shapes
 
 from . import accumulation, custom_functions, exchange, stop_gradients, symbolics
 from .attention import lean_attention
@@ -51,6 +51,7 @@ from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
 from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .patching import replaced
+from .size_guards import SizeGuards
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -103,23 +104,13 @@ class Exported:
     """torch's outputs of the traced call, with their autograd graph, to check onnxruntime's outputs and first
     gradients of the same call against (the engine takes them); None where they cannot match (random ops, state
     changed in place) or are not kept."""
+    guards: SizeGuards | None = None
+    """The input sizes a dynamo export holds for; None for the legacy exporter, whose other sizes are checked by
+    exporting them again (`Engine._new_sizes`)."""
 
     @functools.cached_property
     def state_names(self) -> frozenset[str]:
         return frozenset(name for name, _ in self.state)
-
-    @functools.cached_property
-    def _fixed_sizes(self) -> list[tuple[int, Dims]]:
-        declared = {vi.name: declared_dims(vi) for vi in self.model.graph.input}
-        return [(k, dims) for name, k in self.inputs if (dims := declared.get(name)) is not None]
-
-    def fits(self, leaves: Sequence[torch.Tensor]) -> bool:
-        """Whether the inputs have the ranks and the fixed sizes the graph declares for them."""
-        for k, dims in self._fixed_sizes:
-            shape = leaves[k].shape
-            if len(dims) != len(shape) or any(isinstance(d, int) and d != n for d, n in zip(dims, shape)):
-                return False
-        return True
 
 
 class _Shared(dict):
@@ -364,6 +355,7 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     model = program.model_proto  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
+    flat._result["guards"] = SizeGuards.of(program.exported_program)  # type: ignore[union-attr]
     return model
 
 
@@ -371,8 +363,8 @@ def _pin_single_values(model: onnx.ModelProto, ranges: dict[Any, Any]) -> None:
     """torch.onnx.export declares each dim it was told is dynamic as a symbol even where torch.export found that the
     graph holds for one value only (its range [10, 10]: an RNN unrolled over the 10 steps of the traced sequence),
     so the graph ran other sizes without a word (an output of 10 steps for a sequence of 12). Such dims become that
-    value in every declaration: another size is then refused by the input's type, and ORTModule exports it anew
-    (`Exported.fits`)."""
+    value in every declaration (onnxruntime then refuses another size, which `SizeGuards` sends to an export of its
+    own)."""
     fixed = {str(sym): int(r.lower) for sym, r in ranges.items() if r.is_int and r.lower == r.upper}
     if not fixed:
         return
@@ -485,7 +477,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     if options.check and not lost and not draws_random(model):
         reference = tuple(flat._result.get("outputs") or ())  # with their autograd graph: the gradient check
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
-                    carried, reference)
+                    carried, reference, flat._result.get("guards"))
 
 
 def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[str]) -> list[tuple[str, str]]:

@@ -240,7 +240,7 @@ def test_sizes_dynamo_fixed_get_an_export_each() -> None:
     gets its own export (warned once), the traced one and the batch reuse theirs."""
     model = RNNSteps()
     ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
-    with pytest.warns(RuntimeWarning, match="holds for those sizes only") as caught:
+    with pytest.warns(RuntimeWarning, match="assumes what these sizes break") as caught:
         for shape, exports in [((4, 10, 3), 1), ((6, 10, 3), 1), ((4, 12, 3), 2), ((2, 7, 3), 3), ((3, 12, 3), 3)]:
             x = torch.randn(shape)
             for m in (om, ref):
@@ -250,7 +250,67 @@ def test_sizes_dynamo_fixed_get_an_export_each() -> None:
             for (name, p), q in zip(om.named_parameters(), ref.parameters()):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {shape}")
             assert om.stats["exports"] == exports, shape
-    assert sum("holds for those sizes only" in str(w.message) for w in caught) == 1
+    assert sum("assumes what these sizes break" in str(w.message) for w in caught) == 1
+
+
+class SizeBranches(nn.Module):
+    """Python branches on input sizes, the batch's included: torch.export keeps the branch taken and records its
+    condition as a range (`x.shape[1] > 8`) or a runtime assert (`x.shape[0] % 3 == 0`), which torch.onnx does not
+    put in the ONNX graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1))
+
+    def forward(self, x):
+        if x.shape[1] > 8:
+            x = x * 2
+        if x.shape[0] % 3 == 0:
+            x = x.flip(0)
+        return x * self.w + x.sum(1, keepdim=True) * x.shape[0]
+
+
+def test_sizes_dynamo_guards_send_other_sizes_to_an_export_that_holds() -> None:
+    """Before `size_guards`, every shape below after the first ran the first export's branches without a word.
+    Each call goes to the first export whose guards its sizes meet, else gets a new one (warned once)."""
+    model = SizeBranches()
+    ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
+    with pytest.warns(RuntimeWarning, match="assumes what these sizes break") as caught:
+        for shape, exports in [((6, 10), 1), ((9, 12), 1), ((4, 10), 2), ((6, 4), 3), ((5, 11), 3), ((3, 5), 3),
+                               ((7, 9), 3), ((6, 10), 3)]:
+            x = torch.randn(shape)
+            for m in (om, ref):
+                m.zero_grad()
+                m(x).square().sum().backward()
+            torch.testing.assert_close(om(x), ref(x), rtol=1e-5, atol=1e-5, msg=f"outputs at {shape}")
+            torch.testing.assert_close(om.w.grad, ref.w.grad, rtol=1e-4, atol=1e-4, msg=f"gradient at {shape}")
+            assert om.stats["exports"] == exports, shape
+    assert sum("assumes what these sizes break" in str(w.message) for w in caught) == 1
+
+
+class SharedBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, y):
+        return (x * self.w + y).sum(0) * x.shape[0]
+
+
+def test_sizes_dynamo_one_symbol_for_two_inputs() -> None:
+    """torch.export traced `x + y` at equal batches as one symbol, and the graph reads x's batch from y's Shape:
+    x of 1 row broadcast over y's 5 got 5 times torch's result (the batch is not part of a schema's key)."""
+    model = SharedBatch()
+    ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
+    with pytest.warns(RuntimeWarning, match="assumes what these sizes break"):
+        for rows, exports in [((3, 3), 1), ((1, 5), 2), ((4, 4), 2)]:
+            x, y = torch.randn(rows[0], 4), torch.randn(rows[1], 4)
+            for m in (om, ref):
+                m.zero_grad()
+                m(x, y).square().sum().backward()
+            torch.testing.assert_close(om(x, y), ref(x, y), rtol=1e-5, atol=1e-5, msg=f"outputs at {rows}")
+            torch.testing.assert_close(om.w.grad, ref.w.grad, rtol=1e-4, atol=1e-4, msg=f"gradient at {rows}")
+            assert om.stats["exports"] == exports, rows
 
 
 def test_an_export_the_same_at_enough_sizes_serves_every_size(monkeypatch) -> None:
