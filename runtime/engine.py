@@ -253,7 +253,8 @@ class Engine:
         """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
         self.unkeyed = 0 if options.export.exporter == "dynamo" else 1
         """The leading axes a schema's sizes leave out: the legacy exporter's batch (dynamic, its graphs read it
-        at run time); none for dynamo, whose exports may assume anything of any size (`size_guards`)."""
+        at run time) until an export of it bakes a traced value in (`Exported.baked`); none for dynamo, whose
+        exports may assume anything of any size (`size_guards`)."""
 
     def sessions(self) -> list[TrainingSession]:
         schemas = {id(schema): schema for schema in self.schemas.values() if isinstance(schema, Schema)}
@@ -294,6 +295,7 @@ class Engine:
         schema = self.schemas.get(key)
         if schema is None:
             schema = self._new_schema(key, in_spec, leaves)
+            sizes = tuple([tuple(t.shape[self.unkeyed:]) for t in leaves])  # an export baking values in: batch too
         if schema is not _FALLBACK and sizes not in schema.sizes_seen:
             schema = self._new_sizes(key, schema, in_spec, leaves, sizes)
         elif schema is not _FALLBACK and not schema.values_checked:
@@ -429,6 +431,8 @@ class Engine:
         return schema
 
     def _schema(self, exported: Exported) -> Schema:
+        if exported.baked:  # its batch may be one of the sizes it kept: new batches are exported again too
+            self.unkeyed = 0
         save = self.options.save_dir
         schema = Schema(exported, self.options, save / f"{self.name}_{len(self.schemas)}" if save else None)
         schema.sparse = self._sparse_names(exported)
@@ -453,6 +457,7 @@ class Engine:
             return self._fail(e, f"export at new input sizes {list(sizes)}")
         if not dynamo and _same_graph(exported.model, schema.exported.model):
             schema.sizes_seen.add(sizes)
+            schema.values_checked = True  # exported again on this call's values too (`_new_values`)
             return schema
         if not self.per_size:
             why = ("its export at {} assumes what these sizes break (torch.export's guards: a branch on a size, a "

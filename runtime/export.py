@@ -104,6 +104,9 @@ class Exported:
     """torch's outputs of the traced call, with their autograd graph, to check onnxruntime's outputs and first
     gradients of the same call against (the engine takes them); None where they cannot match (random ops, state
     changed in place) or are not kept."""
+    baked: bool = False
+    """Whether the legacy trace turned a traced value into a Python one (its TracerWarning): a branch on a size,
+    the batch's too, may be kept as the branch taken."""
     guards: SizeGuards | None = None
     """The input sizes a dynamo export holds for; None for the legacy exporter, whose other sizes are checked by
     exporting them again (`Engine._new_sizes`)."""
@@ -334,8 +337,9 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
         if issubclass(w.category, torch.jit.TracerWarning) and not inside_torch and str(w.message) not in seen:
             seen.add(str(w.message))
             warnings.warn(f"ORTModule({type(flat._target).__name__}): the export baked a traced value in and may be "
-                          f"wrong for other inputs: {w.message} ({w.filename}:{w.lineno})", ExportWarning,
-                          stacklevel=2)
+                          f"wrong for other inputs: {w.message} ({w.filename}:{w.lineno}). ORTModule exports it "
+                          "again at new input sizes, the batch's too, and compares", ExportWarning, stacklevel=2)
+    flat._result["baked"] = bool(seen)
     return onnx.load_from_string(buf.getvalue())
 
 
@@ -477,7 +481,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     if options.check and not lost and not draws_random(model):
         reference = tuple(flat._result.get("outputs") or ())  # with their autograd graph: the gradient check
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
-                    carried, reference, flat._result.get("guards"))
+                    carried, reference, bool(flat._result.get("baked")), flat._result.get("guards"))
 
 
 def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[str]) -> list[tuple[str, str]]:
