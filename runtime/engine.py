@@ -450,7 +450,7 @@ class Engine:
                                      len(schema.sizes_seen) > SIZE_CHECKS):
             schema.sizes_seen.add(sizes)
             return schema
-        dynamo = guards is not None
+        dynamo = guards is not None  # else exported again and compared, as the legacy exporter's
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:

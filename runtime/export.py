@@ -359,7 +359,7 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     model = program.model_proto  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
-    flat._result["guards"] = SizeGuards.of(program.exported_program)  # type: ignore[union-attr]
+    flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model
 
 

@@ -27,8 +27,9 @@ class SizeGuards:
     """sympy relations between input symbols that must hold."""
 
     @classmethod
-    def of(cls, program: Any) -> SizeGuards:
-        """The guards of a `torch.export.ExportedProgram` whose user inputs are the leaves, in order."""
+    def of(cls, program: Any, leaves: int) -> SizeGuards | None:
+        """The guards of a `torch.export.ExportedProgram` whose user inputs are the `leaves` input tensors, in
+        order; None where its inputs are not those (the engine then exports other sizes again and compares)."""
         from torch.utils._sympy.numbers import int_oo
 
         users = set(program.graph_signature.user_inputs)
@@ -40,6 +41,8 @@ class SizeGuards:
             shape = val.shape if isinstance(val, torch.Tensor) else ()
             dims.append(tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in shape))
             env = env or getattr(getattr(val, "fake_mode", None), "shape_env", None)
+        if len(dims) != leaves:
+            return None
         ranges = []
         for symbol, r in program.range_constraints.items():
             low = int(r.lower) if r.lower != -int_oo else 0

@@ -344,3 +344,20 @@ def test_memory_pattern_for_small_modules_only(monkeypatch) -> None:
     assert trained(_mlp(16)) == [True]
     monkeypatch.setattr(engine, "MEM_PATTERN_MAX_BYTES", 100)
     assert trained(_mlp(16)) == [False]
+
+
+def test_size_guards_refusal() -> None:
+    """Each kind of guard `SizeGuards` reads off torch.export refuses the sizes that break it, and only those."""
+    import sympy
+
+    from runtime.size_guards import SizeGuards
+
+    s, t = sympy.symbols("s t", integer=True, positive=True)
+    g = SizeGuards(dims=((s, 4), (s, 2 * t), (t,)), ranges=((t, 2, 9),), asserts=(sympy.Ne(sympy.Mod(s, 3), 0),))
+    assert g.refusal([(4, 4), (4, 6), (3,)]) is None
+    assert g.refusal([(5, 4), (5, 18), (9,)]) is None
+    for shapes, why in [([(4, 5), (4, 6), (3,)], "fixed at 4"), ([(4, 4), (5, 6), (3,)], "equal to another size"),
+                        ([(4, 4), (4, 7), (3,)], "traced as 2*t"), ([(4, 4), (4, 20), (10,)], "for 2 to 9"),
+                        ([(4, 4), (4, 2), (1,)], "for 2 to 9"), ([(6, 4), (6, 6), (3,)], "assumption"),
+                        ([(4, 4), (4, 6), (3, 1)], "rank"), ([(4, 4), (4, 6)], "2 inputs")]:
+        assert why in (g.refusal(shapes) or ""), (shapes, g.refusal(shapes))
