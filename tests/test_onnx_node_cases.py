@@ -39,6 +39,16 @@ NOT_SMOOTH: dict[str, str] = {
                     "test_thresholdedrelu_example_expanded_ver18", "test_maxpool_2d_same_upper",
                     "test_maxpool_2d_same_lower", "test_maxpool_3d_dilations", "test_maxpool_3d_dilations_use_ref_impl",
                     "test_maxpool_3d_dilations_use_ref_impl_large")},
+    **{name: "grid positions on the input's lattice, where linear interpolation has kinks and nearest jumps (their "
+             "gradients match torch's grid_sampler there, `test_rules_resample.py` compares the rest)"
+       for name in ("test_gridsample_bilinear", "test_gridsample_aligncorners_true", "test_gridsample_nearest",
+                    "test_gridsample_nearest_align_corners_0_additional_1",
+                    "test_gridsample_nearest_align_corners_1_additional_1",
+                    "test_gridsample_bilinear_align_corners_1_additional_1",
+                    "test_gridsample_volumetric_nearest_align_corners_0",
+                    "test_gridsample_volumetric_nearest_align_corners_1",
+                    "test_gridsample_volumetric_bilinear_align_corners_0",
+                    "test_gridsample_volumetric_bilinear_align_corners_1")},
     "test_l2normalization_axis_0": "a zero vector, where the output jumps (its gradient there is zero)",
     **{name: "inputs of 1e4: float32 differences of the log-softmax lose their digits"
        for name in ("test_logsoftmax_large_number", "test_logsoftmax_large_number_expanded",

@@ -400,22 +400,39 @@ def test_col2im(image, block, attrs):
 
 
 @pytest.mark.parametrize("align", [0, 1])
-@pytest.mark.parametrize("padding", ["zeros", "border"])
-@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 def test_grid_sample(mode: str, align: int, padding: str) -> None:
-    """GridSample (bilinear, nearest) against torch's grid_sampler gradients (X and grid), the grid reaching past
-    the input on every side (onnxruntime runs GridSample in float32 only)."""
+    """GridSample against torch's grid_sampler gradients (X and grid), the grid reaching past the input on every
+    side and reflected up to twice (onnxruntime runs GridSample in float32 only). Opset 16 names the modes as
+    torch does; opset 20 calls them linear and cubic."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
-    grid = rng.uniform(-1.3, 1.3, (2, 4, 7, 2)).astype(np.float32)
+    grid = rng.uniform(-2.6, 2.6, (2, 4, 7, 2)).astype(np.float32)
+    for opset, named in [(16, mode), (20, {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode))]:
+        check_op("GridSample", [("x", x), ("grid", grid)],
+                 lambda a, b: F.grid_sample(a, b, mode=mode, padding_mode=padding, align_corners=bool(align)),
+                 fd=False, opset=opset, mode=named, padding_mode=padding, align_corners=align)
+
+
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+def test_grid_sample_volumetric(mode: str, align: int, padding: str) -> None:
+    """5-D GridSample (opset 20: trilinear, nearest) against torch's 5-D grid_sampler, the grid's last axis
+    holding x, y, z for the input's last three axes in reverse."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 2, 3, 4, 5)).astype(np.float32)
+    grid = rng.uniform(-1.8, 1.8, (2, 3, 2, 4, 3)).astype(np.float32)
     check_op("GridSample", [("x", x), ("grid", grid)],
-             lambda a, b: F.grid_sample(a, b, mode=mode, padding_mode=padding, align_corners=bool(align)),
-             fd=False, opset=16, mode=mode, padding_mode=padding, align_corners=align)
+             lambda a, b: F.grid_sample(a, b, mode="bilinear" if mode == "linear" else mode, padding_mode=padding,
+                                        align_corners=bool(align)),
+             fd=False, opset=20, mode=mode, padding_mode=padding, align_corners=align)
 
 
 def test_grid_sample_refuses_modes_without_a_rule() -> None:
     x = np.zeros((1, 1, 3, 3), np.float32)
     grid = np.zeros((1, 2, 2, 2), np.float32)
-    model = single_op_model("GridSample", [("x", x), ("grid", grid)], opset=16, mode="bicubic")
-    with pytest.raises(gradbuilder.GradBuilderError, match="mode='bicubic'"):
+    model = single_op_model("GridSample", [("x", x), ("grid", grid)], opset=16, padding_mode="mirror")
+    with pytest.raises(gradbuilder.GradBuilderError, match="padding_mode='mirror'"):
         gradbuilder.build_gradient_graph(model, wrt=["x", "grid"], outputs=["y0"])

@@ -220,8 +220,9 @@ def test_adaptive_max_pool_picks_torchs_element_among_ties() -> None:
 class SpatialTransformer(nn.Module):
     """An affine grid from a localisation layer, bilinear grid sampling (the GridSample rule), a head."""
 
-    def __init__(self, align_corners: bool, identity: bool = False):
+    def __init__(self, align_corners: bool, identity: bool = False, mode: str = "bilinear", padding: str = "zeros"):
         super().__init__()
+        self.mode, self.padding = mode, padding
         self.loc = nn.Linear(64, 6)
         nn.init.normal_(self.loc.weight, std=0.05)
         self.loc.bias.data = torch.tensor([1.0, 0.1, 0.0, -0.1, 0.9, 0.05])
@@ -234,7 +235,8 @@ class SpatialTransformer(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         theta = self.loc(x.flatten(1)).view(-1, 2, 3)
         grid = nn.functional.affine_grid(theta, list(x.shape), align_corners=self.align_corners)
-        sampled = nn.functional.grid_sample(x, grid, align_corners=self.align_corners)
+        sampled = nn.functional.grid_sample(x, grid, mode=self.mode, padding_mode=self.padding,
+                                            align_corners=self.align_corners)
         return nn.functional.cross_entropy(self.head(sampled.flatten(1)), y)
 
 
@@ -246,6 +248,23 @@ def test_spatial_transformer_trains_like_torch(align_corners: bool, identity: bo
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
     check_parity(lambda: SpatialTransformer(align_corners, identity), batches, lambda m, b: m(*b), threads=1)
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("mode, padding", [("bicubic", "zeros"), ("bicubic", "reflection"),
+                                           ("bilinear", "reflection"), ("bicubic", "border")])
+def test_spatial_transformer_modes(mode: str, padding: str, align_corners: bool) -> None:
+    """Bicubic sampling and reflection padding through ORTModule, a zoomed-out transform so that
+    samples fall outside the image and reflect."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+
+    def make() -> SpatialTransformer:
+        m = SpatialTransformer(align_corners, mode=mode, padding=padding)
+        m.loc.bias.data = torch.tensor([1.6, 0.2, 0.1, -0.1, 1.5, 0.05])
+        return m
+
+    check_parity(make, batches, lambda m, b: m(*b), threads=1)
 
 
 class PerPoint(nn.Module):

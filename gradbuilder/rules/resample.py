@@ -12,6 +12,8 @@ The matrices are dense, [m, n] per axis: fine for feature maps, quadratic in the
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -278,97 +280,185 @@ def col2im(g: Grad):
 
 
 # --- GridSample ------------------------------------------------------------------------------------------
-def _grid_axis(g: Grad, coord: str, size: str, align: bool, border: bool, like: str) -> tuple[str, str]:
-    """(the input position a normalised grid coordinate reads, d position / d coordinate; `like`: a forward tensor
-    of the grid's type), as torch's
-    grid_sampler: align_corners maps -1 and 1 to the first and last positions' centres, else to the outer edges;
-    border padding clips the position into the input (and the derivative to 0 where it clips)."""
+_GRID_MODES = {"bilinear": "linear", "linear": "linear", "bicubic": "cubic", "cubic": "cubic", "nearest": "nearest"}
+"""GridSample's modes by their names before opset 20 and after (the same interpolations)."""
+_CUBIC_A = -0.75
+"""The cubic convolution coefficient of torch's bicubic sampling and of GridSample's cubic mode."""
+
+
+@dataclass
+class _Tap:
+    """One input position an output reads along one spatial axis: its coordinate (float, integral), its weight
+    and the weight's derivative with respect to the sampled position (None: the weight is 1, the derivative 0)."""
+
+    coord: str
+    weight: str | None
+    slope: str | None
+
+
+def _unnormalize(g: Grad, coord: str, size: str, align: bool, like: str) -> tuple[str, str]:
+    """(the input position a normalised grid coordinate in [-1, 1] reads, d position / d coordinate), as torch's
+    grid_sampler: align_corners maps -1 and 1 to the first and last positions' centres, else to the outer edges."""
     one, half = g.const(1.0, like=like), g.const(0.5, like=like)
     if align:
         scale = g.Mul(g.Sub(size, one), half)
-        pos = g.Mul(g.Add(coord, one), scale)
-    else:
-        scale = g.Mul(size, half)
-        pos = g.Mul(g.Sub(g.Mul(g.Add(coord, one), size), one), half)
-    if border:
-        last = g.Sub(size, one)
-        zero = g.const(0.0, like=like)
-        inside = g.And(g.GreaterOrEqual(pos, zero), g.LessOrEqual(pos, last))
-        pos = g.Min(g.Max(pos, zero), last)
-        scale = g.Mul(scale, g.Cast(inside, to=g.dtype(like)))
-    return pos, scale
+        return g.Mul(g.Add(coord, one), scale), scale
+    scale = g.Mul(size, half)
+    return g.Mul(g.Sub(g.Mul(g.Add(coord, one), size), one), half), scale
 
 
-@rule("GridSample", since=16, until=19)
+def _clip(g: Grad, pos: str, size: str, like: str) -> tuple[str, str]:
+    """(pos clipped into [0, size - 1], 1 where it was inside and 0 where it clipped; `like`: a forward tensor of
+    pos' type)."""
+    zero, last = g.const(0.0, like=like), g.Sub(size, g.const(1.0, like=like))
+    inside = g.And(g.GreaterOrEqual(pos, zero), g.LessOrEqual(pos, last))
+    return g.Min(g.Max(pos, zero), last), g.Cast(inside, to=g.dtype(like))
+
+
+def _reflect(g: Grad, pos: str, size: str, align: bool, like: str) -> tuple[str, str]:
+    """(pos reflected off the input's edges, d reflected / d pos: +-1), as torch's reflect_coordinates: about the
+    first and last centres with align_corners, else about the outer edges; a single position with align_corners
+    has no span to reflect in (position 0, derivative 0)."""
+    one, two, zero = (g.const(v, like=like) for v in (1.0, 2.0, 0.0))
+    low = zero if align else g.const(-0.5, like=like)
+    span = g.Sub(size, one) if align else size
+    spans = g.Cast(g.Greater(span, zero), to=g.dtype(like))
+    span = g.Max(span, one)  # a span of 0 reflects nothing: masked below
+    d = g.Sub(pos, low)
+    a = g.Abs(d)
+    extra = g.Mod(a, span, fmod=1)
+    odd = g.Mod(g.Floor(g.Div(a, span)), two, fmod=1)  # 1.0 on odd flips, where the position runs backwards
+    flip = g.Sub(one, g.Mul(two, odd))
+    out = g.Add(g.Add(extra, low), g.Mul(odd, g.Sub(span, g.Mul(two, extra))))
+    sign = g.Sub(one, g.Mul(two, g.Cast(g.Less(d, zero), to=g.dtype(like))))
+    return g.Mul(out, spans), g.Mul(g.Mul(sign, flip), spans)
+
+
+def _padded(g: Grad, pos: str, size: str, padding: str, align: bool, like: str) -> tuple[str, str | None]:
+    """(pos under border or reflection padding, d padded / d pos; None for zeros padding, which leaves pos)."""
+    if padding == "zeros":
+        return pos, None
+    mult = None
+    if padding == "reflection":
+        pos, mult = _reflect(g, pos, size, align, like)
+    pos, inside = _clip(g, pos, size, like)
+    return pos, inside if mult is None else g.Mul(mult, inside)
+
+
+def _cubic_taps(g: Grad, pos: str, like: str) -> list[_Tap]:
+    """The four positions around pos and their cubic convolution weights (Keys', a = -0.75) with derivatives."""
+    a = _CUBIC_A
+    base = g.Floor(pos)
+    t = g.Sub(pos, base)
+    one, two = g.const(1.0, like=like), g.const(2.0, like=like)
+
+    def poly(x: str, coeffs: Sequence[float]) -> str:  # Horner: coeffs from the highest power
+        acc = g.const(coeffs[0], like=like)
+        for c in coeffs[1:]:
+            acc = g.Add(g.Mul(acc, x), g.const(c, like=like))
+        return acc
+
+    outer, inner = (a, -5 * a, 8 * a, -4 * a), (a + 2, -(a + 3), 0.0, 1.0)
+    d_outer, d_inner = (3 * a, -10 * a, 8 * a), (3 * (a + 2), -2 * (a + 3), 0.0)
+    taps = []
+    for k, (x, coeffs, slopes, sign) in enumerate([(g.Add(t, one), outer, d_outer, 1.0), (t, inner, d_inner, 1.0),
+                                                   (g.Sub(one, t), inner, d_inner, -1.0),
+                                                   (g.Sub(two, t), outer, d_outer, -1.0)]):
+        slope = poly(x, slopes)
+        coord = g.Add(base, g.const(float(k - 1), like=like)) if k != 1 else base
+        taps.append(_Tap(coord, poly(x, coeffs), slope if sign > 0 else g.Neg(slope)))
+    return taps
+
+
+@rule("GridSample", since=16)
 def grid_sample(g: Grad):
-    """Bilinear (or nearest) sampling of X [N, C, H, W] at grid [N, Ho, Wo, 2] (x then y, in [-1, 1]), zeros or
-    border padding; nearest reads one element, weight 1, and gives the grid no gradient, as torch's.
-    Each output mixes the four input elements around its position with weights (1 - fx, fx) x (1 - fy, fy):
-    dX scatter-adds dY times those weights to them (the corners outside the input read nothing); dgrid is the
-    weights' derivative, (right - left) and (bottom - top) differences of the corners weighted by the other
-    axis, summed over the channels, times d position / d coordinate."""
+    """Sampling of X [N, C, D1..Dr] at grid [N, O1..Or, r] (its last axis: the coordinate of Dr first), linear
+    (bilinear, trilinear), nearest or cubic, with zeros, border or reflection padding, as torch's grid_sampler.
+    Each output is a weighted sum of input elements at taps around its position, a product of one weight per axis
+    (linear: (1 - f, f); cubic: Keys' four; nearest: the rounded position, weight 1). dX scatter-adds dY times the
+    weights to the taps (those outside the input read nothing); d grid is, per axis, the sum over taps of the
+    channels' dY * X there times that axis' weight derivative and the other axes' weights, times d position /
+    d coordinate. Linear and nearest pad the position (border clips it, reflection folds it back), cubic pads each
+    tap, as torch does; nearest is piecewise constant in the grid, whose gradient is then zeros, as torch's."""
     x, grid, dy = g.I(0), g.I(1), g.GO(0)
-    mode, padding = g.attr("mode", "bilinear"), g.attr("padding_mode", "zeros")
-    if mode not in ("bilinear", "nearest") or padding not in ("zeros", "border"):
-        g.fail(f"mode='{mode}', padding_mode='{padding}' has no gradient rule (bilinear or nearest, with zeros or "
-               "border padding)")
-    nearest = mode == "nearest"
-    if g.require_rank(x) != 4:
-        g.fail("only 4-D inputs ([N, C, H, W]) have a gradient rule")
+    named = g.attr("mode", "bilinear" if g.opset < 20 else "linear")
+    mode, padding = _GRID_MODES.get(named), g.attr("padding_mode", "zeros")
+    if mode is None or padding not in ("zeros", "border", "reflection"):
+        g.fail(f"mode='{named}', padding_mode='{padding}' has no gradient rule")
+    r = g.require_rank(x) - 2
     align = bool(g.attr("align_corners", 0))
     like = g.dtype(x)
     shape = g.shape_of(x)
-    height, width = (g.Cast(g.Gather(shape, g.ints([axis])), to=like) for axis in (2, 3))
-    coords = [g.Squeeze(g.Slice(grid, g.ints([k]), g.ints([k + 1]), g.ints([3])), g.ints([3])) for k in (0, 1)]
-    border = padding == "border"
-    (px, sx), (py, sy) = (_grid_axis(g, c, n, align, border, grid) for c, n in zip(coords, (width, height)))
-    one = g.const(1.0, like=x)
-    if nearest:  # the element at the rounded position (half to even, as torch's nearbyint), weight 1
-        rows, cols = [(g.Round(py), None, 0.0)], [(g.Round(px), None, 0.0)]
-    else:
-        x0, y0 = g.Floor(px), g.Floor(py)
-        fx, fy = g.Sub(px, x0), g.Sub(py, y0)
-        rows = [(y0, g.Sub(one, fy), -1.0), (g.Add(y0, one), fy, 1.0)]
-        cols = [(x0, g.Sub(one, fx), -1.0), (g.Add(x0, one), fx, 1.0)]
-    corners = []  # (flat index [N, 1, P], in-bounds mask as float [N, 1, P], wx, wy, sign x, sign y)
-    zero = g.const(0.0, like=x)
-    for cy, wy, sgn_y in rows:
-        for cx, wx, sgn_x in cols:
-            inside = g.And(g.And(g.GreaterOrEqual(cx, zero), g.LessOrEqual(cx, g.Sub(width, one))),
-                           g.And(g.GreaterOrEqual(cy, zero), g.LessOrEqual(cy, g.Sub(height, one))))
-            cxc = g.Min(g.Max(cx, zero), g.Sub(width, one))
-            cyc = g.Min(g.Max(cy, zero), g.Sub(height, one))
-            flat = g.Cast(g.Add(g.Mul(cyc, width), cxc), to=TensorProto.INT64)
-            flat = g.Reshape(flat, g.ints([0, 1, -1]))  # [N, 1, P]
-            valid = g.Reshape(g.Cast(inside, to=like), g.ints([0, 1, -1]))
-            corners.append((flat, valid, wx, wy, sgn_x, sgn_y))
+    sizes = [g.Gather(shape, g.ints([2 + axis])) for axis in range(r)]
+    taps: list[list[_Tap]] = []  # per axis of X
+    scales: list[str] = []  # d position / d coordinate, per axis
+    for axis in range(r):
+        k = r - 1 - axis  # the grid's coordinate of this axis
+        coord = g.Squeeze(g.Slice(grid, g.ints([k]), g.ints([k + 1]), g.ints([r + 1])), g.ints([r + 1]))
+        size = g.Cast(sizes[axis], to=like)
+        pos, scale = _unnormalize(g, coord, size, align, x)
+        if mode == "cubic":
+            axis_taps = _cubic_taps(g, pos, x)
+            if padding != "zeros":
+                axis_taps = [_Tap(_padded(g, t.coord, size, padding, align, x)[0], t.weight, t.slope)
+                             for t in axis_taps]
+        else:
+            pos, mult = _padded(g, pos, size, padding, align, x)
+            scale = scale if mult is None else g.Mul(scale, mult)
+            if mode == "nearest":  # half to even, as torch's nearbyint
+                axis_taps = [_Tap(g.Round(pos), None, None)]
+            else:
+                one = g.const(1.0, like=x)
+                base = g.Floor(pos)
+                f = g.Sub(pos, base)
+                axis_taps = [_Tap(base, g.Sub(one, f), g.const(-1.0, like=x)), _Tap(g.Add(base, one), f, one)]
+        taps.append(axis_taps)
+        scales.append(scale)
+    floats = [g.Cast(n, to=like) for n in sizes]
+    zero, one = g.const(0.0, like=x), g.const(1.0, like=x)
+    corners = []  # (flat index [N, 1, P] int64, in-bounds mask [N, 1, P], the corner's taps)
+    for combo in itertools.product(*taps):
+        flat = inside = None
+        for axis, tap in enumerate(combo):
+            last = g.Sub(floats[axis], one)
+            within = g.And(g.GreaterOrEqual(tap.coord, zero), g.LessOrEqual(tap.coord, last))
+            index = g.Cast(g.Min(g.Max(tap.coord, zero), last), to=TensorProto.INT64)  # integers held exactly
+            inside = within if inside is None else g.And(inside, within)
+            flat = index if flat is None else g.Add(g.Mul(flat, sizes[axis]), index)
+        flat = g.Reshape(flat, g.ints([0, 1, -1]))
+        valid = g.Reshape(g.Cast(inside, to=like), g.ints([0, 1, -1]))
+        corners.append((flat, valid, combo))
     dy_flat = g.Reshape(dy, g.ints([0, 0, -1]))  # [N, C, P]
     expand_to = g.Shape(dy_flat)
     dx = dgrid = None
     if g.needs(0):
         indices, values = [], []
-        for flat, valid, wx, wy, _, _ in corners:
-            weight = valid if nearest else g.Mul(g.Reshape(g.Mul(wx, wy), g.ints([0, 1, -1])), valid)
+        for flat, valid, combo in corners:
+            weights = [t.weight for t in combo if t.weight is not None]
+            weight = valid
+            if weights:
+                weight = g.Mul(g.Reshape(functools.reduce(g.Mul, weights), g.ints([0, 1, -1])), valid)
             indices.append(g.Expand(flat, expand_to))
             values.append(g.Mul(dy_flat, weight))
         planes = g.Concat(g.Slice(shape, g.ints([0]), g.ints([2])),
-                          g.Mul(g.Gather(shape, g.ints([2])), g.Gather(shape, g.ints([3]))), axis=0)  # [N, C, H*W]
+                          g.ReduceProd(g.Slice(shape, g.ints([2]), g.ints([r + 2])), keepdims=1), axis=0)
         summed = g.ScatterElements(zeros(g, planes, x), g.Concat(*indices, axis=2), g.Concat(*values, axis=2), axis=2,
                                    reduction="add")
         dx = g.Reshape(summed, shape)
-    if g.needs(1) and nearest:  # piecewise constant in the grid: torch's gradient is zeros
+    if g.needs(1) and mode == "nearest":
         dgrid = g.zeros_like(grid)
     elif g.needs(1):
-        x_flat = g.Reshape(x, g.ints([0, 0, -1]))  # [N, C, H*W]
-        grad_x = grad_y = None
-        for flat, valid, wx, wy, sgn_x, sgn_y in corners:
+        x_flat = g.Reshape(x, g.ints([0, 0, -1]))  # [N, C, prod(D)]
+        out_shape = g.Shape(taps[0][0].weight)  # [N, O1..Or]
+        per_axis: list[str | None] = [None] * r
+        for flat, valid, combo in corners:
             v = g.ReduceSum(g.Mul(g.Mul(g.GatherElements(x_flat, g.Expand(flat, expand_to), axis=2), valid),
-                                  dy_flat), g.ints([1]), keepdims=0)  # [N, P]: sum over C of dY * corner value
-            v = g.Reshape(v, g.Shape(wx))  # [N, Ho, Wo]
-            term_x = g.Mul(v, g.Mul(wy, g.const(sgn_x, like=x)))
-            term_y = g.Mul(v, g.Mul(wx, g.const(sgn_y, like=x)))
-            grad_x = term_x if grad_x is None else g.Add(grad_x, term_x)
-            grad_y = term_y if grad_y is None else g.Add(grad_y, term_y)
-        dgrid = g.Concat(g.Unsqueeze(g.Mul(grad_x, sx), g.ints([3])), g.Unsqueeze(g.Mul(grad_y, sy), g.ints([3])),
-                         axis=3)
+                                  dy_flat), g.ints([1]), keepdims=0)  # [N, P]: sum over C of dY * the tap's value
+            v = g.Reshape(v, out_shape)
+            for axis in range(r):
+                factors = [combo[axis].slope] + [t.weight for b, t in enumerate(combo) if b != axis]
+                term = functools.reduce(g.Mul, factors, v)
+                per_axis[axis] = term if per_axis[axis] is None else g.Add(per_axis[axis], term)
+        parts = [g.Unsqueeze(g.Mul(per_axis[r - 1 - k], scales[r - 1 - k]), g.ints([r + 1])) for k in range(r)]
+        dgrid = g.Concat(*parts, axis=r + 1) if r > 1 else parts[0]
     return (dx, dgrid)
