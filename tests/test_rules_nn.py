@@ -291,6 +291,25 @@ def test_max_pool_opsets(opset, overlap):
         check_op(*args, opset=opset, kernel_shape=kernel, strides=strides)
 
 
+@pytest.mark.parametrize("output_shape", [None, (2, 3, 7, 7)])
+def test_max_unpool(output_shape):
+    """MaxUnpool against torch's max_unpool2d, whose indices count within each plane where ONNX's count over the
+    whole output (batch and channels too), with an index two pooled values share (overlapping windows); float32
+    (onnxruntime's only kernel)."""
+    x = np.random.default_rng(5).standard_normal((2, 3, 3, 3)).astype(np.float32)
+    plane = 7 * 7 if output_shape else 6 * 6
+    local = np.random.default_rng(6).integers(0, plane, (2, 3, 3, 3))
+    local[1, 2, 0, 1] = local[1, 2, 0, 0]
+    offsets = (np.arange(6) * plane).reshape(2, 3, 1, 1)
+    inputs = [("x", x), ("indices", local + offsets)]
+    if output_shape:
+        inputs.append(("output_shape", np.array(output_shape)))
+    size = output_shape[2:] if output_shape else None
+    check_op("MaxUnpool", inputs,
+             lambda a, *_: F.max_unpool2d(a, torch.as_tensor(local), [2, 2], [2, 2], output_size=size),
+             consts=["output_shape"], out_ranks={"y0": 4}, kernel_shape=[2, 2], strides=[2, 2], fd=False)
+
+
 @pytest.mark.parametrize("kernel,strides", [([3, 3], [2, 2]), ([2, 2], [2, 2])])
 def test_max_pool_float16(kernel, strides):
     """onnxruntime has no float16 add-scatter: overlapping windows accumulate in float."""

@@ -430,6 +430,17 @@ def test_grid_sample_volumetric(mode: str, align: int, padding: str) -> None:
              fd=False, opset=20, mode=mode, padding_mode=padding, align_corners=align)
 
 
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("size", [(2, 3, 4, 5), (2, 1, 3, 4, 2)])
+def test_affine_grid(size, align) -> None:
+    """AffineGrid (opset 20) against torch's affine_grid, 2-D and 3-D, float32 (onnxruntime's kernel)."""
+    r = len(size) - 2
+    theta = np.random.default_rng(7).standard_normal((size[0], r, r + 1)).astype(np.float32)
+    check_op("AffineGrid", [("theta", theta), ("size", np.array(size))],
+             lambda t: F.affine_grid(t, list(size), align_corners=bool(align)), consts=["size"], opset=20,
+             align_corners=align)
+
+
 def test_grid_sample_refuses_modes_without_a_rule() -> None:
     x = np.zeros((1, 1, 3, 3), np.float32)
     grid = np.zeros((1, 2, 2, 2), np.float32)

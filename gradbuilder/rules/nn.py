@@ -817,6 +817,14 @@ def global_max_pool(g: Grad):
     return (g.reshape_like(g.ScatterElements(zeros, index, g.Reshape(dy, by_channel), axis=2), x),)
 
 
+@rule("MaxUnpool", since=13, nondiff=(1, 2))
+def max_unpool(g: Grad):
+    """Y places each X at its index (flat over all of Y, batch and channels included, as MaxPool's Indices
+    count) among zeros, so dX is dY read at the indices: a Gather, as torch's max_unpool backward (an index two
+    elements share gives both its gradient)."""
+    return (g.Gather(g.Reshape(g.GO(0), g.ints([-1])), g.I(1)), None, None)
+
+
 # --- normalization -------------------------------------------------------------------------------
 def _centered(g: Grad, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
     """(x - mean, invstd) of x over `axes` (biased variance, keepdims), recomputed in backward."""

@@ -1,4 +1,4 @@
-"""Resampling and rearranging: Resize, DepthToSpace, SpaceToDepth, Col2Im, GridSample.
+"""Resampling and rearranging: Resize, DepthToSpace, SpaceToDepth, Col2Im, GridSample, AffineGrid.
 
 Resize is linear in X and separable: along each resized axis, output position o is a weighted sum of input
 positions, with weights that depend only on that axis' sizes, scale and roi and on the node's attributes. The
@@ -462,3 +462,26 @@ def grid_sample(g: Grad):
         parts = [g.Unsqueeze(g.Mul(per_axis[r - 1 - k], scales[r - 1 - k]), g.ints([r + 1])) for k in range(r)]
         dgrid = g.Concat(*parts, axis=r + 1) if r > 1 else parts[0]
     return (dx, dgrid)
+
+
+# --- AffineGrid ------------------------------------------------------------------------------------------
+@rule("AffineGrid", since=20, nondiff=(1,))
+def affine_grid(g: Grad):
+    """grid[n, p] = theta[n] [x_p, y_p, (z_p,) 1]: linear in theta, so d theta[n] = sum over positions p of
+    d grid[n, p] outer [x_p, y_p, (z_p,) 1]. The base positions are AffineGrid's own, of the identity transform
+    at a batch of 1 (align_corners as the node's), so they match the forward's to the bit: one MatMul."""
+    theta, size, dgrid = g.I(0), g.I(1), g.GO(0)
+    shape = g.info(theta).shape
+    r = shape[1] if shape is not None and len(shape) == 3 and isinstance(shape[1], int) else None
+    sizes = g.info(size).shape
+    if r is None and sizes is not None and len(sizes) == 1 and isinstance(sizes[0], int):
+        r = sizes[0] - 2
+    if r not in (2, 3):
+        g.fail("the number of spatial axes (theta's [N, 2, 3] or [N, 3, 4], size's length) must be known")
+    identity = g.const(np.eye(r, r + 1)[None], like=theta)
+    one = g.Concat(g.ints([1]), g.Slice(size, g.ints([1]), g.ints([r + 2])), axis=0)
+    base = g.Reshape(g.AffineGrid(identity, one, align_corners=g.attr("align_corners", 0)), g.ints([1, -1, r]))
+    homogeneous = g.Concat(base, g.Expand(g.const(1.0, like=theta), g.Concat(g.Shape(base, end=2), g.ints([1]),
+                                                                              axis=0)), axis=2)  # [1, P, r + 1]
+    flat = g.Reshape(dgrid, g.Concat(g.Shape(theta, end=1), g.ints([-1, r]), axis=0))  # [N, P, r]
+    return (g.MatMul(g.Transpose(flat, perm=[0, 2, 1]), homogeneous), None)
