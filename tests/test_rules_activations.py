@@ -195,6 +195,15 @@ def test_mish(opset):
     check_op("Mish", [("x", x)], F.mish, opset=opset)
 
 
+@pytest.mark.parametrize("alpha", [1.0, 1.702, -0.5])
+@pytest.mark.parametrize("double", [False, True])
+def test_swish(alpha, double):
+    """Swish (opset 24, which onnxruntime runs through its function body), tails included."""
+    x = with_values(r(4, 5) * 3, [0.0, 30.0, -30.0, 12.0, -12.0])
+    check_op("Swish", [("x", x if double else f32(x))], lambda t: t * torch.sigmoid(alpha * t), opset=24,
+             alpha=alpha)
+
+
 @pytest.mark.parametrize("op,attrs,want", [
     ("Relu", {}, ["y0"]), ("Sigmoid", {}, ["y0"]), ("Tanh", {}, ["y0"]), ("Softmax", {}, ["y0"]),
     ("LogSoftmax", {}, ["y0"]), ("LeakyRelu", {}, ["y0"]), ("LeakyRelu", {"alpha": -0.5}, ["x0"])])

@@ -1,4 +1,4 @@
-"""Attention, RotaryEmbedding (opset 23), ReverseSequence, Compress.
+"""Attention (opsets 23-25), RotaryEmbedding (opset 23), ReverseSequence, Compress.
 
 onnxruntime computes double Attention in float and has no double RotaryEmbedding: those run in float32 against
 float64 torch references of the ONNX formulas (torch's SDPA aligns causal masks the same way without a past,
@@ -74,6 +74,34 @@ def test_attention_heads(hq, hkv, sq, skv, dv):
 @pytest.mark.parametrize("sq,skv", [(5, 5), (5, 7), (6, 4)])
 def test_attention_causal(sq, skv):
     check_op("Attention", qkv(sq=sq, skv=skv), attention_ref(causal=True), opset=23, is_causal=1)
+
+
+@pytest.mark.parametrize("causal,left,right,nonpad", [(1, -1, -1, [4, 6]), (0, 1, 2, None), (1, 2, -1, None),
+                                                      (1, 1, -1, [2, 6]), (0, -1, -1, [2, 5]), (0, 0, 1, [5, 3])])
+def test_attention_window_and_padded_keys(causal, left, right, nonpad):
+    """Opset 24's valid keys per sample (`nonpad_kv_seqlen`, which also shifts the causal frontier by the keys
+    before the queries) and opset 25's sliding window, against the formula with the mask they define written
+    out (a first query with no valid key at all gets a zero row)."""
+    b, sq, skv = 2, 3, 6
+    offset = np.array(nonpad) - sq if nonpad else np.zeros(b, int)
+    pos = np.arange(sq)[None, :, None] + offset[:, None, None]  # [B, Sq, 1]
+    keys = np.arange(skv)
+    allowed = np.ones((b, sq, skv), bool)
+    if causal:
+        allowed &= keys <= pos
+    if left >= 0:
+        allowed &= keys >= pos - left
+    if right >= 0:
+        allowed &= keys <= pos + right
+    if nonpad:
+        allowed &= keys < np.array(nonpad)[:, None, None]
+    inputs = [*qkv(b=b, sq=sq, skv=skv), ("attn_mask", None), ("past_key", None), ("past_value", None)]
+    if nonpad:
+        inputs.append(("nonpad", np.array(nonpad, np.int64)))
+    window = {"left_window_size": left, "right_window_size": right} if max(left, right) >= 0 else {}
+    check_op("Attention", inputs,
+             lambda q, k, v, *_: attention_ref()(q, k, v, torch.as_tensor(allowed[:, None])),
+             consts=["nonpad"], opset=25 if window else 24, is_causal=causal, **window)
 
 
 def test_attention_causal_like_torch_sdpa():

@@ -190,6 +190,16 @@ def hard_swish(g: Grad) -> Grads:
     return (g.Mul(dy, g.Add(ramp, indicator(g.GreaterOrEqual(x, c(3.0))))),)
 
 
+@rule("Swish", since=24)
+def swish(g: Grad) -> Grads:
+    """y = x sigmoid(a x), onnx's SiLU with a slope (opset 24): dy s (1 + a x (1 - s)) with s = sigmoid(a x)."""
+    x, dy = g.I(0), g.GO(0)
+    alpha = g.const(float(g.attr("alpha", 1.0)), like=x)
+    ax = g.Mul(alpha, x)
+    s = g.Sigmoid(ax)
+    return (g.Mul(dy, g.Mul(s, g.Add(g.const(1.0, like=x), g.Mul(ax, g.Sub(g.const(1.0, like=x), s))))),)
+
+
 @rule("Mish", since=18)
 def mish(g: Grad) -> Grads:
     """dy * (t + x*s*(1 - t^2)) with s = sigmoid(x) and t = tanh(softplus(x)) = s(2-s) / (s(2-s) + 2(1-s)^2):

@@ -1,4 +1,4 @@
-"""Sequence ops: Attention and RotaryEmbedding (opset 23), ReverseSequence, Compress.
+"""Sequence ops: Attention (opsets 23-25) and RotaryEmbedding (opset 23), ReverseSequence, Compress.
 
 Attention recomputes its probabilities from Q and K (which its gradient reads anyway) rather than stashing the
 [B, H, Sq, T] matrix. Grouped-query heads are handled without repeating K and V: the query heads of one key
@@ -60,6 +60,11 @@ class _Attention:
         self.softcap = float(g.attr("softcap", 0.0))
         self.mask = g.I(3)
         self.bool_mask = self.mask is not None and g.dtype(self.mask) == TensorProto.BOOL
+        self.nonpad = g.I(6)  # opset 24: valid keys per sample (an external cache)
+        self.causal = bool(int(g.attr("is_causal", 0)))
+        self.window = (int(g.attr("left_window_size", -1)), int(g.attr("right_window_size", -1)))  # opset 25
+        self.may_mask_rows = self.mask is not None or self.nonpad is not None or max(self.window) >= 0 or (
+            self.causal and self.past is not None)
 
     def split(self, t: str | None, i: int, i_past: int) -> tuple[str | None, str | None]:
         """The gradient of past ++ input i along the sequence axis -> (d past, d input i in its layout)."""
@@ -89,15 +94,37 @@ class _Attention:
             return g.const(1.0 / math.sqrt(d // (self.hq if self.three_d else 1)), like=q)
         return g.Reciprocal(g.Sqrt(g.cast_like(g.Shape(self.q, start=3), q)))
 
-    def _causal(self, scores: str) -> str:
-        """Query i sees key j iff j <= i + past length (bottom-right alignment once a past is given)."""
+    def _structural(self, scores: str) -> str:
+        """The causal frontier, the sliding window and the padded keys, as the op defines them: query i sits at
+        p = i + offset (the past's length, or per sample the valid keys less the queries with `nonpad_kv_seqlen`,
+        else 0); causal sees keys j <= p, the window p - left <= j <= p + right, and key j exists iff
+        j < nonpad_kv_seqlen. Disallowed scores become -inf."""
         g = self.g
+        left, right = self.window
+        if not (self.causal or self.nonpad is not None or left >= 0 or right >= 0):
+            return scores
         shape = g.Shape(scores)
-        rows = g.unsqueeze(arange(g, g.Slice(shape, g.ints([2]), g.ints([3]))), [1])
+        rows = g.unsqueeze(arange(g, g.Slice(shape, g.ints([2]), g.ints([3]))), [1])  # [Sq, 1]
+        keys = g.unsqueeze(arange(g, g.Slice(shape, g.ints([3]), g.ints([4]))), [0])  # [1, T]
+        nonpad = None if self.nonpad is None else g.Reshape(g.Cast(self.nonpad, to=TensorProto.INT64),
+                                                             g.ints([-1, 1, 1, 1]))  # [B, 1, 1, 1]
         if self.past is not None:
             rows = g.Add(rows, g.Shape(self.past, start=2, end=3))
-        allowed = g.LessOrEqual(g.unsqueeze(arange(g, g.Slice(shape, g.ints([3]), g.ints([4]))), [0]), rows)
-        return g.Where(allowed, scores, g.const(-np.inf, like=self.g.I(0)))
+        elif nonpad is not None:
+            rows = g.Add(rows, g.Sub(nonpad, g.Slice(shape, g.ints([2]), g.ints([3]))))  # [B, 1, Sq, 1]
+        allowed = []
+        if self.causal:
+            allowed.append(g.LessOrEqual(keys, rows))
+        if right >= 0:
+            allowed.append(g.LessOrEqual(keys, g.Add(rows, g.ints(right))))
+        if left >= 0:
+            allowed.append(g.GreaterOrEqual(keys, g.Sub(rows, g.ints(left))))
+        if nonpad is not None:
+            allowed.append(g.Less(keys, nonpad))
+        both = allowed[0]
+        for a in allowed[1:]:
+            both = g.And(both, a)
+        return g.Where(both, scores, g.const(-np.inf, like=self.g.I(0)))
 
     def probabilities(self) -> tuple[str, str | None]:
         """(P [B, Hq, Sq, T] with fully masked rows 0, the softcapped scores when softcap is set)."""
@@ -108,15 +135,14 @@ class _Attention:
         if self.softcap > 0:
             cap = g.const(self.softcap, like=q)
             scores = capped = g.Mul(cap, g.Tanh(g.Div(scores, cap)))
-        if int(g.attr("is_causal", 0)):
-            scores = self._causal(scores)
+        scores = self._structural(scores)
         if self.mask is not None:
             if self.bool_mask:
                 scores = g.Where(self.mask, scores, g.const(-np.inf, like=q))
             else:
                 scores = g.Add(scores, self.mask)
         p = g.Softmax(scores, axis=-1)
-        if self.mask is not None:  # a row with every key masked is 0, not NaN
+        if self.may_mask_rows:  # a row with every key masked is 0, not NaN
             dead = g.Equal(g.ReduceMax(scores, g.ints([-1]), keepdims=1), g.const(-np.inf, like=q))
             p = g.Where(dead, g.const(0.0, like=q), p)
         return p, capped
@@ -126,9 +152,10 @@ def _plus(g: Grad, a: str | None, b: str) -> str:
     return b if a is None else g.Add(a, b)
 
 
-@rule("Attention", since=23, until=23, nondiff_outputs=(3,))
+@rule("Attention", since=23, nondiff=(6,), nondiff_outputs=(3,))
 def attention(g: Grad):
     """S = scale Q K^T (softcapped, masked), P = softmax(S), Y = P V; present_key/value = past ++ K/V.
+    Opset 24 adds the valid keys per sample (`nonpad_kv_seqlen`), opset 25 a sliding window: both mask S.
     dV = P^T dY, dS = P (dP - rowsum(dP P)) with dP = dY V^T, dQ = scale dS K, dK = scale dS^T Q; a float
     mask gets dS summed to its shape; the present outputs' gradients add to those of past ++ K/V."""
     a = _Attention(g)
