@@ -197,6 +197,27 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
         torch.random.set_rng_state(rng)
 
 
+@contextlib.contextmanager
+def _inputs_kept(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> Iterator[Callable[[], list[str]]]:
+    """Tracing runs the module on the caller's tensors: a forward changing an input in place (`x.mul_(0.5)`)
+    changed the caller's tensor once per run of the export, and the graph then applied the change again to it.
+    Yields a function naming the inputs changed so far (by their version counters); puts back the values of those
+    that do not require grad (the rest torch itself lets change only when they are not leaves)."""
+    versions = [t._version for t in leaves]
+    kept = [None if t.requires_grad or t.is_inference() else t.detach().clone() for t in leaves]
+
+    def changed() -> list[str]:
+        return [name for name, t, v in zip(names, leaves, versions) if t._version != v]
+
+    try:
+        yield changed
+    finally:
+        with torch.no_grad():
+            for t, v, copy in zip(leaves, versions, kept):
+                if copy is not None and t._version != v:
+                    t.copy_(copy)
+
+
 _CONVERSIONS = frozenset({torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
                           torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist})
 
@@ -400,7 +421,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
         # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
-                _preserved(module) as changed, \
+                _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions(), custom_functions.applied_functions() as applied, \
                 _python_draws() as drawn:
@@ -408,11 +429,17 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
             mutated = changed()
+            inputs_changed = changed_inputs()
             # tensors that exist only while exporting (stand-in statistics) are constants of the export
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{type(e).__name__}: {e}") from e
+    if inputs_changed:
+        raise ExportError(f"{type(module).__name__}'s forward changes its input {_listed(inputs_changed)} in place: "
+                          "ORTModule's graph computes with the changed value but cannot change the caller's tensor, "
+                          "as torch does (its value is put back as it was before the export). Change a copy "
+                          "(x = x * 0.5 instead of x.mul_(0.5)), or run the module in torch.")
     changed_buffers = tuple(name for name in mutated if name in buffers)
     frozen_reads = sorted(set(changed_buffers) & flat._result.get("python_reads", set()))
     if frozen_reads:
