@@ -293,6 +293,26 @@ def test_pad_constant(pads, opset):
     check_dynamic({"x": [0]}, "Pad", [("x", x), ("p", i64(*pads))], lambda x, p: fn(x), opset=opset)
 
 
+@pytest.mark.parametrize("shape,target,axes", [((5, 6, 3), (3, 8), [0, 1]), ((4, 7), (7, 4), None),
+                                               ((2, 5, 6), (4, 3), [-1, 1]), ((3, 4), (3, 4), None)])
+def test_center_crop_pad(shape, target, axes):
+    """CenterCropPad (onnxruntime runs its function body) against the centred crop (start (size - target) // 2)
+    and zero pad (as many before) it defines, odd differences included."""
+    def ref(x):
+        for a, t in zip(axes if axes is not None else range(x.dim()), target):
+            a, n = a % x.dim(), x.shape[a % x.dim()]
+            if t < n:
+                x = x.narrow(a, (n - t) // 2, t)
+            elif t > n:
+                before = (t - n) // 2
+                x = torch.cat([x.new_zeros(*x.shape[:a], before, *x.shape[a + 1:]), x,
+                               x.new_zeros(*x.shape[:a], t - n - before, *x.shape[a + 1:])], a)
+        return x
+
+    attrs = {} if axes is None else {"axes": axes}
+    check_op("CenterCropPad", [("x", r(*shape)), ("t", i64(*target))], ref, consts=["t"], opset=18, **attrs)
+
+
 def test_pad_constant_axes():
     x = r(2, 3, 4)
     check_op("Pad", [("x", x), ("p", i64(1, 2, 0, 1)), ("v", None), ("a", i64(-1, 0))],

@@ -197,6 +197,21 @@ def _axis_positions(g: Grad, x: str, a: int, pads: str, mode: str) -> tuple[str,
     return g.Pad(arange(g, d), pads, mode=mode), d
 
 
+@rule("CenterCropPad", since=18, nondiff=(1,))
+def center_crop_pad(g: Grad):
+    """A centred crop or zero pad per axis: the crop's offset (size - target) // 2 is the pad's leading count the
+    other way, so the adjoint is the same op taking dY back to x's sizes (cropping what was padded, padding what
+    was cropped)."""
+    x, dy = g.I(0), g.GO(0)
+    axes = g.attr("axes")
+    if axes is None:
+        sizes = g.shape_of(x)
+    else:
+        r = g.require_rank(x)
+        sizes = g.Gather(g.shape_of(x), g.ints([g.axis(a, r) for a in axes]))
+    return (g.CenterCropPad(dy, sizes, axes=axes) if axes is not None else g.CenterCropPad(dy, sizes), None)
+
+
 @rule("Pad", nondiff=(1, 2, 3))
 def pad(g: Grad):
     """Constant mode: the adjoint is the Pad with negated pads (cropping what was added, zero-filling what
