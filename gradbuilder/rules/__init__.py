@@ -15,6 +15,7 @@ from . import (  # noqa: F401 - each import registers one family
     registry,
     resample,
     shape,
+    spectral,
 )
 from .registry import Rule, all_rules, lookup, nondifferentiable, rule
 

@@ -1,0 +1,69 @@
+"""Spectral ops: DFT.
+
+The DFT is linear: Y = F X along one axis, with F_kn = exp(-2 pi i k n / L) over the transform's length L, and
+the inverse (1 / L) F^H. Its adjoint over the real and imaginary parts is then the other transform with the
+other scale: F^H dY = L * IDFT(dY), and (1 / L) F dY = DFT(dY) / L. What sits around F adjoins as usual: a real
+input (its imaginary part zero) takes the real part, a one-sided output (the first L // 2 + 1 bins) is zero-padded
+back to L bins, and a dft_length that padded or truncated the signal crops or pads the gradient back.
+"""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from .context import Grad
+from .registry import rule
+
+
+def _axis(g: Grad, r: int) -> tuple[int | None, str]:
+    """(the transformed axis when static, else None; the axis as an int64 [1] tensor). Opset 20 made it an input
+    (default -2), which a graph may feed at run time; before, an attribute (default 1)."""
+    if g.opset >= 20 and g.I(2) is not None:
+        given = g.const_input(2)
+        if given is None:
+            return None, g.Reshape(g.Cast(g.I(2), to=TensorProto.INT64), g.ints([1]))
+        axis = int(given.ravel()[0])
+    else:
+        axis = -2 if g.opset >= 20 else int(g.attr("axis", 1))
+    axis = axis + r if axis < 0 else axis
+    if not 0 <= axis < r - 1:
+        g.fail(f"axis {axis} is not a signal axis of a rank-{r} input")
+    return axis, g.ints([axis])
+
+
+def _pad_end(g: Grad, t: str, r: int, axis: int | None, axes: str, amount: str) -> str:
+    """t zero-padded by `amount` (int64 [1]; negative crops) at the end of the axis."""
+    if g.opset >= 18:
+        return g.Pad(t, g.Concat(g.ints([0]), amount, axis=0), None, axes)
+    assert axis is not None  # before opset 20 the axis is an attribute
+    zeros = g.ints([0] * (r - 1 - axis))
+    return g.Pad(t, g.Concat(g.ints([0] * (r + axis)), amount, zeros, axis=0))
+
+
+@rule("DFT", since=17, nondiff=(1, 2))
+def dft(g: Grad):
+    x, dy = g.I(0), g.GO(0)
+    r = g.require_rank(x)
+    shape = g.info(x).shape
+    if shape is None or shape[-1] not in (1, 2):
+        g.fail("the last dim (1: real, 2: complex) must be static")
+    inverse, onesided = bool(g.attr("inverse", 0)), bool(g.attr("onesided", 0))
+    if inverse and onesided:
+        g.fail("the inverse one-sided transform (IRFFT) has no gradient rule")
+    axis, axes = _axis(g, r)
+    n = g.Gather(g.shape_of(x), axes)
+    length = n if g.I(1) is None else g.Reshape(g.Cast(g.I(1), to=TensorProto.INT64), g.ints([1]))
+    t = dy
+    if onesided:  # the bins past L // 2 were dropped: they get no gradient
+        kept = g.Add(g.Div(length, g.ints([2])), g.ints([1]))
+        t = _pad_end(g, t, r, axis, axes, g.Sub(length, kept))
+    flipped = 0 if inverse else 1
+    t = g.DFT(t, None, g.Reshape(axes, g.ints([])), inverse=flipped) if g.opset >= 20 else g.DFT(
+        t, axis=axis, inverse=flipped)
+    size = g.Cast(length, to=g.dtype(x))
+    t = g.Div(t, size) if inverse else g.Mul(t, size)
+    if g.I(1) is not None:  # the signal was zero-padded or truncated to L: back to its n
+        t = _pad_end(g, t, r, axis, axes, g.Sub(n, length))
+    if shape[-1] == 1:  # a real input: the real part
+        t = g.Slice(t, g.ints([0]), g.ints([1]), g.ints([r - 1]))
+    return (t, None, None)
