@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from . import report
 
@@ -46,22 +47,29 @@ class Setting:
             raise AttributeError(f"{self.module} has no attribute {self.attr!r}")
         setattr(mod, self.attr, eval(self.expr, vars(mod)))  # the developer's own expression
 
+    def value(self) -> object:
+        """The attribute's value in this process (after `apply`, the setting's)."""
+        return getattr(importlib.import_module(self.module), self.attr)
+
     def __str__(self) -> str:
         return f"{self.module}:{self.attr}={self.expr}"
 
 
-def measure_here(case_name: str, settings: list[Setting], reps: int | None, threads: int) -> dict[str, float]:
-    """One case in this process, after the settings: ORTModule's and torch's step medians and their paired ratio."""
+def measure_here(case_name: str, settings: list[Setting], reps: int | None, threads: int) -> dict[str, Any]:
+    """One case in this process, after the settings: ORTModule's and torch's step medians and their paired ratio,
+    and each setting's value as the process saw it after the measurement (`applied`)."""
     from . import allocator, measure
     from .models import ALL
 
     allocator.steady()
     for s in settings:
         s.apply()
-    return measure.step_ratio(ALL[case_name], threads, reps)
+    result: dict[str, Any] = dict(measure.step_ratio(ALL[case_name], threads, reps))
+    result["applied"] = {str(s): repr(s.value()) for s in settings}
+    return result
 
 
-def _child(case_name: str, settings: list[Setting], reps: int | None, threads: int) -> dict[str, float]:
+def _child(case_name: str, settings: list[Setting], reps: int | None, threads: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.ab", case_name, "--child", "--threads", str(threads)]
     cmd += [arg for s in settings for arg in ("--set", str(s))] + (["--reps", str(reps)] if reps else [])
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=report.ROOT)

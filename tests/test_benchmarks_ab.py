@@ -23,15 +23,16 @@ def test_settings_parse_and_apply_in_their_module(monkeypatch) -> None:
 
 
 def test_the_lever_reaches_its_processes() -> None:
-    """The tiny MLP forced onto two intra-op threads (SMALL = 0) steps far slower against torch than on the one it
-    gets (1.35-1.46 against 0.83 of torch's step here): the lever's processes ran with it, the baseline's without.
-    The lever's runs are kept on their two threads where the suite's other worker crowds the machine (else they
-    would run on one, `runtime.openmp.room`)."""
+    """The lever's process measures with its settings in place until the end (each one's value read back there),
+    the baseline's without them; `compare` alternates one process of each and tabulates their ratios. (The ratios
+    themselves are the benchmark's business: a timed assertion here failed on a crowded machine.)"""
     lever = [ab.Setting.parse("runtime.workload:SMALL=0"), ab.Setting.parse("runtime.openmp:_LOADAVG='/nonexistent'")]
-    results = ab.compare(["tiny-mlp"], lever, rounds=1, reps=60, threads=2)
+    assert ab._child("tiny-mlp", lever, 5, 2)["applied"] == {str(lever[0]): "0",
+                                                              str(lever[1]): "'/nonexistent'"}
+    assert ab._child("tiny-mlp", [], 5, 2)["applied"] == {}
+    results = ab.compare(["tiny-mlp"], lever, rounds=1, reps=5, threads=2)
     ratios = results["tiny-mlp"]
-    assert len(ratios["baseline"]) == len(ratios["lever"]) == 1
-    assert ratios["lever"][0] > 1.15 * ratios["baseline"][0], ratios
+    assert len(ratios["baseline"]) == len(ratios["lever"]) == 1 and all(r > 0 for r in ratios["lever"])
     assert "| tiny-mlp |" in ab.table(results)
 
 
