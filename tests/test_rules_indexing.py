@@ -141,6 +141,26 @@ def test_scatter_nd_add():
              reduction="add")
 
 
+@pytest.mark.parametrize("reduction", ["max", "min"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_scatter_max_min(reduction, ties):
+    """ScatterElements and ScatterND reducing by max or min (opset 18) against torch's scatter_reduce amax/amin
+    (include_self): the gradient goes to data or the updates where they equal the result, shared among ties (an
+    update equal to data, two equal updates; finite differences only away from ties, where the function has kinks)."""
+    x, u = r(5, 3), r(4, 3)
+    rows = np.array([2, 0, 2, 4])
+    if ties:
+        u[0] = x[2]  # an update equal to data where it lands
+        u[2, 1] = u[0, 1]  # two equal updates to one element
+    index = np.repeat(rows[:, None], 3, axis=1)
+    amode = {"max": "amax", "min": "amin"}[reduction]
+    fn = lambda x, u: torch.scatter_reduce(x, 0, torch.from_numpy(index), u, amode)  # noqa: E731
+    check_op("ScatterElements", [("x", x), ("i", index), ("u", u)], fn, consts=["i"], opset=18, axis=0,
+             reduction=reduction, fd=not ties)
+    check_op("ScatterND", [("x", x), ("i", idx(rows[:, None].tolist())), ("u", u)], fn, consts=["i"], opset=18,
+             reduction=reduction, fd=not ties)
+
+
 def test_scatter_nd_mul_is_refused():
     model = harness.single_op_model("ScatterND", [("x", r(5, 3)), ("i", idx([[2]])), ("u", r(1, 3))], opset=16,
                                     reduction="mul")

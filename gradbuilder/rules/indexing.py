@@ -7,7 +7,7 @@ matrix built from the indices (Equal against a Range): more memory, the same num
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -226,9 +226,22 @@ def gather_elements(g: Grad):
 
 def _scatter_reduction(g: Grad) -> str:
     reduction = g.attr("reduction", "none")
-    if reduction not in ("none", "add"):
-        g.fail(f"reduction='{reduction}' has no gradient rule (only 'none' and 'add')")
+    if reduction not in ("none", "add", "max", "min"):
+        g.fail(f"reduction='{reduction}' has no gradient rule (only 'none', 'add', 'max' and 'min')")
     return reduction
+
+
+def _scatter_extremum(g: Grad, gather: Callable[[str, str], str],
+                      scatter_add: Callable[[str, str, str], str]) -> tuple[str | None, None, str | None]:
+    """reduction='max' or 'min' (opset 18): dY goes to whichever of data and the updates scattered to an element
+    equal the result there, shared evenly among ties, as torch's scatter_reduce amax/amin (include_self) does."""
+    data, index, updates, y, dy = g.I(0), g.I(1), g.I(2), g.O(0), g.GO(0)
+    self_is = g.Cast(g.Equal(data, y), to=TensorProto.FLOAT)
+    src_is = g.Cast(g.Equal(updates, gather(y, index)), to=TensorProto.FLOAT)
+    share = g.Div(dy, g.cast_like(scatter_add(self_is, index, src_is), data))  # counts in float32: exact
+    d_data = g.Mul(share, g.cast_like(self_is, data)) if g.needs(0) else None
+    d_updates = g.Mul(gather(share, index), g.cast_like(src_is, data)) if g.needs(2) else None
+    return (d_data, None, d_updates)
 
 
 @rule("ScatterND", nondiff=(1,))
@@ -237,6 +250,8 @@ def scatter_nd(g: Grad):
     gradient read back where they were written."""
     dy, index = g.GO(0), g.I(1)
     reduction = _scatter_reduction(g)
+    if reduction in ("max", "min"):
+        return _scatter_extremum(g, g.GatherND, lambda t, i, u: g.ScatterND(t, i, u, reduction="add"))
     d_data = None
     if g.needs(0):
         d_data = dy if reduction == "add" else g.ScatterND(dy, index, g.zeros_like(g.I(2)))
@@ -248,6 +263,9 @@ def scatter_elements(g: Grad):
     dy, index = g.GO(0), g.I(1)
     axis = g.axis_of(g.attr("axis", 0), g.I(0))
     reduction = _scatter_reduction(g)
+    if reduction in ("max", "min"):
+        return _scatter_extremum(g, lambda t, i: g.GatherElements(t, i, axis=axis),
+                                 lambda t, i, u: g.ScatterElements(t, i, u, axis=axis, reduction="add"))
     d_data = None
     if g.needs(0):
         d_data = dy if reduction == "add" else g.ScatterElements(dy, index, g.zeros_like(g.I(2)), axis=axis)
