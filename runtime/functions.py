@@ -205,11 +205,16 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode: str
 
 
 def _scatter_reduce(original: Callable[..., torch.Tensor], in_place: bool = False) -> Callable[..., torch.Tensor]:
-    """`scatter_reduce` by "mean", or by "sum" without self (`include_self=False`: graph networks' aggregations),
-    which the exporter refuses, as sums and counts scattered with `scatter_add`: positions nothing is scattered
-    to keep self. Other reductions keep torch's function (its export, or its refusal)."""
+    """`scatter_reduce` by "mean", or by "sum", "amax" or "amin" without self (`include_self=False`: graph
+    networks' aggregations), which the exporter refuses: sums and counts scattered with `scatter_add` (positions
+    nothing is scattered to keep self), and the extrema over self with -inf / inf scattered in first. Other
+    reductions keep torch's function (its export, or its refusal)."""
     def scatter_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str, *,
                        include_self: bool = True) -> torch.Tensor:
+        if reduce in ("amax", "amin") and not include_self and self.is_floating_point():
+            fill = torch.full_like(src, -math.inf if reduce == "amax" else math.inf)
+            out = original(self.scatter(dim, index, fill), dim, index, src, reduce, include_self=True)
+            return self.copy_(out) if in_place else out
         if reduce not in ("sum", "mean") or (reduce == "sum" and include_self) or not self.is_floating_point():
             return original(self, dim, index, src, reduce, include_self=include_self)
         zeros = torch.zeros_like(self)

@@ -1,8 +1,8 @@
 """runtime/accumulation.py: sums at repeated indices (a graph network's messages into their target nodes) train
 through ORTModule like torch: index_add, index_put with accumulate=True and scatter_reduce's sum, whose exports
 overwrote all but one of the values an index repeats (index_add, index_put) or failed to build
-(scatter_reduce: an If typed by its other branch); scatter_reduce's mean, and its sum without self, which the
-exporter refuses (runtime/functions.py)."""
+(scatter_reduce: an If typed by its other branch); scatter_reduce's mean, and its sum, max and min without self,
+which the exporter refuses (runtime/functions.py); its max and min with self (ScatterElements' reductions)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ AGGREGATES: dict[str, Aggregate] = {
         h, 0, DST.unsqueeze(1).expand_as(msg), msg, "mean"),
     "scatter_reduce_ sum without self": lambda h, msg: torch.zeros(NODES, FEATURES).scatter_reduce_(
         0, DST.unsqueeze(1).expand_as(msg), msg, "sum", include_self=False) + h,
+    # max and min pooling of messages (ScatterElements' max/min reductions, opset 18)
+    "scatter_reduce amax with self": lambda h, msg: h.scatter_reduce(
+        0, DST.unsqueeze(1).expand_as(msg), msg, "amax"),
+    "scatter_reduce amax without self": lambda h, msg: h.scatter_reduce(
+        0, DST.unsqueeze(1).expand_as(msg), msg, "amax", include_self=False),
+    "scatter_reduce_ amin without self": lambda h, msg: h.clone().scatter_reduce_(
+        0, DST.unsqueeze(1).expand_as(msg), msg, "amin", include_self=False),
 }
 
 
