@@ -49,6 +49,8 @@ NOT_SMOOTH: dict[str, str] = {
                     "test_gridsample_volumetric_nearest_align_corners_1",
                     "test_gridsample_volumetric_bilinear_align_corners_0",
                     "test_gridsample_volumetric_bilinear_align_corners_1")},
+    "test_dft_irfft_opset19": "float32 outputs up to 99 (an unnormalised spectrum): differences over 1e-3 lose their "
+                              "digits (the gradient matches torch's irfft in float64, `test_rules_spectral.py`)",
     "test_l2normalization_axis_0": "a zero vector, where the output jumps (its gradient there is zero)",
     **{name: "inputs of 1e4: float32 differences of the log-softmax lose their digits"
        for name in ("test_logsoftmax_large_number", "test_logsoftmax_large_number_expanded",

@@ -1,4 +1,4 @@
-"""DFT against torch.fft in float64: full and one-sided, forward and inverse, real and complex inputs, a
+"""DFT against torch.fft in float64: full and one-sided, forward and inverse (IRFFT too), real and complex inputs, a
 dft_length that pads or truncates the signal, the axis as an attribute (opset 17) or an input (opset 20, a
 constant or fed at run time)."""
 
@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 import torch
 from harness import check_op
-
-import gradbuilder
 
 
 def _reference(axis: int, inverse: bool, onesided: bool, length: int | None):
@@ -46,10 +44,29 @@ def test_dft_axis_fed_at_run_time():
              lambda t, *_: torch.view_as_real(torch.fft.fft(torch.view_as_complex(t), dim=1)), opset=20)
 
 
-def test_dft_refuses_the_inverse_one_sided_transform():
+@pytest.mark.parametrize("opset", [17, 20])
+@pytest.mark.parametrize("bins,length", [(6, None), (6, 10), (6, 11), (4, 6), (4, 7)])
+def test_dft_inverse_one_sided(opset, bins, length):
+    """IRFFT against torch.fft.irfft, which ignores the imaginary parts of bins 0 and L/2 as onnxruntime does, for
+    even and odd lengths."""
+    x = np.random.default_rng(10).standard_normal((2, bins, 3, 2))
+    inputs = [("x", x), ("n", None if length is None else np.array(length, np.int64))]
+    attrs = {"inverse": 1, "onesided": 1}
+    if opset >= 20:
+        inputs.append(("axis", np.array(1, np.int64)))
+    else:
+        attrs["axis"] = 1
+    check_op("DFT", inputs, lambda t, *_: torch.fft.irfft(torch.view_as_complex(t), n=length, dim=1)[..., None],
+             consts=["n", "axis"], opset=opset, **attrs)
+
+
+def test_dft_inverse_one_sided_refuses_other_bin_counts():
+    """onnxruntime's IRFFT of a spectrum longer or shorter than dft_length // 2 + 1 bins is not numpy's: refused."""
     from harness import single_op_model
 
-    x = np.zeros((1, 4, 3, 2), np.float32)
-    model = single_op_model("DFT", [("x", x)], opset=17, axis=1, inverse=1, onesided=1)
-    with pytest.raises(gradbuilder.GradBuilderError, match="IRFFT"):
+    import gradbuilder
+
+    model = single_op_model("DFT", [("x", np.zeros((1, 5, 3, 2), np.float32)), ("n", np.array(12, np.int64))],
+                            consts=["n"], opset=17, axis=1, inverse=1, onesided=1)
+    with pytest.raises(gradbuilder.GradBuilderError, match="5 bins to 12 samples"):
         gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])

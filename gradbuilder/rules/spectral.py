@@ -4,11 +4,13 @@ The DFT is linear: Y = F X along one axis, with F_kn = exp(-2 pi i k n / L) over
 the inverse (1 / L) F^H. Its adjoint over the real and imaginary parts is then the other transform with the
 other scale: F^H dY = L * IDFT(dY), and (1 / L) F dY = DFT(dY) / L. What sits around F adjoins as usual: a real
 input (its imaginary part zero) takes the real part, a one-sided output (the first L // 2 + 1 bins) is zero-padded
-back to L bins, and a dft_length that padded or truncated the signal crops or pads the gradient back.
+back to L bins, and a dft_length that padded or truncated the signal crops or pads the gradient back. The
+inverse one-sided transform (IRFFT) is real-linear only: its adjoint is the one-sided forward transform, weighted.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from onnx import TensorProto
 
 from .context import Grad
@@ -40,6 +42,34 @@ def _pad_end(g: Grad, t: str, r: int, axis: int | None, axes: str, amount: str) 
     return g.Pad(t, g.Concat(g.ints([0] * (r + axis)), amount, zeros, axis=0))
 
 
+def _irfft_adjoint(g: Grad, r: int, axis: int | None, axes: str) -> str:
+    """The inverse one-sided transform (IRFFT) reads bins 0..L//2 of its input as a Hermitian spectrum of L real
+    samples, ignoring the imaginary parts of bins 0 and L/2: y[t] = (1/L) sum_k c_k Re(X[k] e^(2 pi i k t / L)),
+    c_k = 2 but 1 for those two. Its adjoint is the forward one-sided transform of dY times c_k / L. Spectra of
+    other than L//2 + 1 bins are refused: onnxruntime's kernel does not read them as numpy's irfft does."""
+    x = g.I(0)
+    shape = g.info(x).shape
+    bins = shape[axis] if axis is not None and shape is not None else None
+    if not isinstance(bins, int):
+        g.fail("the inverse one-sided transform needs a static axis and size along it")
+    given = g.const_input(1) if g.I(1) is not None else None
+    if g.I(1) is not None and given is None:
+        g.fail("the inverse one-sided transform needs a constant dft_length")
+    length = int(given.ravel()[0]) if given is not None else 2 * (bins - 1)
+    kept = length // 2 + 1
+    if kept != bins:  # onnxruntime then neither pads nor crops the spectrum as numpy's irfft does
+        g.fail(f"an inverse one-sided transform of {bins} bins to {length} samples (it reads {kept} bins) has no "
+               "gradient rule; slice or pad the spectrum to dft_length // 2 + 1 bins first")
+    t = g.DFT(g.GO(0), None, g.Reshape(axes, g.ints([])), onesided=1) if g.opset >= 20 else g.DFT(
+        g.GO(0), axis=axis, onesided=1)
+    weights = np.full(kept, 2.0 / length)
+    weights[0] = 1.0 / length
+    if length % 2 == 0:
+        weights[-1] = 1.0 / length
+    t = g.Mul(t, g.const(weights.reshape(kept, *[1] * (r - 1 - axis)), like=x))
+    return g.Slice(t, g.ints([0]), g.ints([1]), g.ints([r - 1])) if shape[-1] == 1 else t
+
+
 @rule("DFT", since=17, nondiff=(1, 2))
 def dft(g: Grad):
     x, dy = g.I(0), g.GO(0)
@@ -48,9 +78,9 @@ def dft(g: Grad):
     if shape is None or shape[-1] not in (1, 2):
         g.fail("the last dim (1: real, 2: complex) must be static")
     inverse, onesided = bool(g.attr("inverse", 0)), bool(g.attr("onesided", 0))
-    if inverse and onesided:
-        g.fail("the inverse one-sided transform (IRFFT) has no gradient rule")
     axis, axes = _axis(g, r)
+    if inverse and onesided:
+        return (_irfft_adjoint(g, r, axis, axes), None, None)
     n = g.Gather(g.shape_of(x), axes)
     length = n if g.I(1) is None else g.Reshape(g.Cast(g.I(1), to=TensorProto.INT64), g.ints([1]))
     t = dy
