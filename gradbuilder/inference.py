@@ -17,18 +17,29 @@ pools themselves: the same windows and values.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import onnx
 
 POOLS = frozenset({"MaxPool", "AveragePool", "LpPool"})
 
 
+_P = TypeVar("_P", onnx.NodeProto, onnx.ValueInfoProto)
+
+
 def infer_shapes(model: onnx.ModelProto, *, strict: bool = False, data_prop: bool = False) -> onnx.ModelProto:
     """onnx.shape_inference.infer_shapes(model, strict_mode=strict, data_prop=data_prop), ceil-mode pools
     sized as ONNX defines them, and declarations with an empty type (`type {}`, which stops onnx's inference
-    for the whole graph without a word) read as no declaration. `model` is patched while inference runs and
-    restored before this returns."""
+    for the whole graph without a word) read as no declaration. Graph outputs that are initializers are left out
+    while it runs: onnx then reads such an initializer as absent where a node takes it as a constant (a Slice's
+    axes: [2, 3] instead of [8, 2], replay seed 187). `model` is patched while inference runs and restored
+    before this returns."""
     g = model.graph
+    constants = {t.name for t in g.initializer}
+    outputs = [_copy(vi) for vi in g.output] if any(vi.name in constants for vi in g.output) else None
+    if outputs is not None:  # put back whole, after the empty types below
+        del g.output[:]
+        g.output.extend(vi for vi in outputs if vi.name not in constants)
     empty = []
     for vi in (*g.input, *g.output, *g.value_info):
         if vi.HasField("type") and vi.type.WhichOneof("value") is None:
@@ -37,10 +48,19 @@ def infer_shapes(model: onnx.ModelProto, *, strict: bool = False, data_prop: boo
             empty.append((vi, saved))
             vi.ClearField("type")
     try:
-        return _infer_pools(model, strict, data_prop)
+        inferred = _infer_pools(model, strict, data_prop)
     finally:
         for vi, saved in empty:
             vi.type.CopyFrom(saved)
+        if outputs is not None:
+            del g.output[:]
+            g.output.extend(outputs)
+    if outputs is not None:  # the outputs in their order, those left out as declared
+        typed = {vi.name: vi for vi in inferred.graph.output}
+        order = [_copy(typed.get(vi.name, vi)) for vi in outputs]
+        del inferred.graph.output[:]
+        inferred.graph.output.extend(order)
+    return inferred
 
 
 def _infer_pools(model: onnx.ModelProto, strict: bool, data_prop: bool) -> onnx.ModelProto:
@@ -71,9 +91,9 @@ def _infer_pools(model: onnx.ModelProto, strict: bool, data_prop: bool) -> onnx.
     return inferred
 
 
-def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
-    out = onnx.NodeProto()
-    out.CopyFrom(node)
+def _copy(proto: _P) -> _P:
+    out = type(proto)()
+    out.CopyFrom(proto)
     return out
 
 

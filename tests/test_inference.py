@@ -10,7 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import gradbuilder
@@ -137,3 +137,25 @@ def test_an_empty_declared_type_does_not_stop_inference() -> None:
     training = gradbuilder.build_gradient_graph(model)
     host = {v.name: v.type.tensor_type.elem_type for v in training.graph.value_info if v.name.endswith("_host_grad")}
     assert host == {"W_host_grad": TensorProto.FLOAT, "n_host_grad": TensorProto.FLOAT}
+
+
+def test_an_initializer_that_is_also_a_graph_output_stays_a_constant() -> None:
+    """onnx's inference reads a Slice's axes as absent when their initializer is also a graph output, and sized
+    the slice [2, 3] instead of [8, 2]; the backward then declared the host's gradient so (replay seed 187).
+    The model is as it was after inference, its outputs in their order."""
+    g = helper.make_graph(
+        [helper.make_node("Slice", ["c", "starts", "ends", "axes"], ["s"])], "g",
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [8, 3])],
+        [helper.make_tensor_value_info("axes", TensorProto.INT64, None),
+         helper.make_tensor_value_info("s", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([v]), n) for n, v in (("starts", 0), ("ends", 2), ("axes", 1))])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    before = model.SerializeToString()
+    inferred = infer_shapes(model)
+    assert model.SerializeToString() == before
+    assert [o.name for o in inferred.graph.output] == ["axes", "s"]
+    assert [d.dim_value for d in inferred.graph.output[1].type.tensor_type.shape.dim] == [8, 2]
+    training = gradbuilder.build_gradient_graph(model, wrt=["c"], outputs=["s"])
+    host = next(i for i in training.graph.node if i.op_type == "Yield").output[0]
+    declared = {vi.name: vi for vi in (*training.graph.value_info, *training.graph.input, *training.graph.output)}
+    assert [d.dim_value for d in declared[host].type.tensor_type.shape.dim] == [8, 2]
