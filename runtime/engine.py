@@ -217,6 +217,9 @@ FIRST_RUN_ERRORS = (RuntimeError, InvalidModelError)
 """What a run of an export raises where the export is wrong: onnxruntime's errors, and its outputs of other shapes
 than the graph declares (`declared`)."""
 
+SCALAR_EXPORTS = 8
+"""Exports again for a changed Python attribute the forward reads (`runtime/scalars.py`) before the module fails."""
+
 SIZE_CHECKS = 8
 """New input sizes exported again and compared (`Engine._new_sizes`) before an export that was the same graph at
 all of them serves every size unchecked: a model padding each batch to its longest sequence meets many lengths,
@@ -251,6 +254,8 @@ class Engine:
         self._warned_autocast = False
         self.per_size = False
         """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
+        self.scalar_exports = 0
+        """Exports made because a Python attribute the forward reads changed (`_scalar_changed`)."""
         self.unkeyed = 0 if options.export.exporter == "dynamo" else 1
         """The leading axes a schema's sizes leave out: the legacy exporter's batch (dynamic, its graphs read it
         at run time) until an export of it bakes a traced value in (`Exported.baked`); none for dynamo, whose
@@ -296,6 +301,10 @@ class Engine:
         if schema is None:
             schema = self._new_schema(key, in_spec, leaves)
             sizes = tuple([tuple(t.shape[self.unkeyed:]) for t in leaves])  # an export baking values in: batch too
+        elif schema is not _FALLBACK and schema.exported.scalars is not None and schema.exported.scalars.held:
+            changed = schema.exported.scalars.changed()
+            if changed is not None:
+                schema = self._scalar_changed(key, changed, in_spec, leaves)
         if schema is not _FALLBACK and sizes not in schema.sizes_seen:
             schema = self._new_sizes(key, schema, in_spec, leaves, sizes)
         elif schema is not _FALLBACK and not schema.values_checked:
@@ -382,6 +391,24 @@ class Engine:
                 else:
                     holder._buffers[attr].copy_(value)
 
+    def _scalar_changed(self, key: Hashable, changed: str, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
+        """A Python number the forward reads from a module attribute changed since the export, which holds it as a
+        constant (an annealed temperature): exported again, warned once. More than `SCALAR_EXPORTS` such exports
+        fail as a failed export does (a value changing at every step would export at every step)."""
+        self.schemas.pop(key, None)
+        self.scalar_exports += 1
+        if self.scalar_exports > SCALAR_EXPORTS:
+            error = ExportError(f"the forward reads {changed}, which changed again after {SCALAR_EXPORTS} exports "
+                                "for such changes: the graph holds it as a constant. Keep a value that changes in a "
+                                "tensor (register_buffer('tau', torch.tensor(1.0)), updated with .fill_()).")
+            self.schemas[key] = self._fail(error, "export for a changed attribute")
+            return self.schemas[key]
+        if self.scalar_exports == 1:
+            warnings.warn(f"ORTModule({self.name}): the forward reads {changed}, a Python value the exported graph "
+                          "holds as a constant: exported again. Keep a value that changes in a tensor buffer to "
+                          "train without exporting again.", RuntimeWarning, stacklevel=4)
+        return self._new_schema(key, in_spec, leaves)
+
     def _first_run_failed(self, key: Hashable, schema: Schema, error: Exception, args: tuple[Any, ...],
                           kwargs: dict[str, Any]) -> Any:
         """A run failing after others did is the caller's to see; the export's first fails as a failed export does
@@ -415,8 +442,9 @@ class Engine:
         if self.per_size and self.unkeyed == 0:  # dynamo: an earlier export may hold for these sizes too
             base, sizes = key  # type: ignore[misc]
             for (other_base, _), schema in list(self.schemas.items()):
-                if other_base == base and isinstance(schema, Schema) and schema.exported.guards is not None and \
-                        schema.exported.guards.refusal(sizes) is None:
+                ex = schema.exported if isinstance(schema, Schema) else None
+                if other_base == base and ex is not None and ex.guards is not None and \
+                        ex.guards.refusal(sizes) is None and (ex.scalars is None or ex.scalars.changed() is None):
                     schema.sizes_seen.add(sizes)
                     self.schemas[key] = schema
                     return schema

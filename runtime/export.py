@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradbuilder.inference import infer_shapes
 
-from . import accumulation, custom_functions, exchange, stop_gradients, symbolics
+from . import accumulation, custom_functions, exchange, scalars, stop_gradients, symbolics
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -51,6 +51,7 @@ from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
 from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .patching import replaced
+from .scalars import Scalars
 from .size_guards import SizeGuards
 from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
 
@@ -104,6 +105,9 @@ class Exported:
     """torch's outputs of the traced call, with their autograd graph, to check onnxruntime's outputs and first
     gradients of the same call against (the engine takes them); None where they cannot match (random ops, state
     changed in place) or are not kept."""
+    scalars: Scalars | None = None
+    """The Python numbers and strings the forward read from module attributes, which the graph holds as constants
+    (`runtime/scalars.py`)."""
     baked: bool = False
     """Whether the legacy trace turned a traced value into a Python one (its TracerWarning): a branch on a size,
     the batch's too, may be kept as the branch taken."""
@@ -344,14 +348,16 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), \
             stop_gradients.exported_detach(), accumulation.exported_accumulation(), symbolics.exported_symbolics():
         warnings.simplefilter("always")
-        torch.onnx.export(
-            flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
-            dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, leaves)},
-            training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
-            # parameters become graph inputs fed at run time: serialising their values would double the export
-            # time of a large model (GPT-2 small: 14 -> 7.5 s)
-            export_params=False, keep_initializers_as_inputs=True,
-        )
+        with scalars.reads() as read:  # the trace is the forward's one eager run
+            torch.onnx.export(
+                flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
+                dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, leaves)},
+                training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
+                # parameters become graph inputs fed at run time: serialising their values would double the
+                # export time of a large model (GPT-2 small: 14 -> 7.5 s)
+                export_params=False, keep_initializers_as_inputs=True,
+            )
+    flat._result["scalar_reads"] = read
     seen = set()
     for w in caught:
         inside_torch = w.filename.startswith(os.path.dirname(torch.__file__))  # torch's own size checks
@@ -365,8 +371,9 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
-    with stop_gradients.Finder() as finder:  # one forward in torch first (buffers and RNG put back after)
-        flat(*leaves)
+    with stop_gradients.Finder() as finder, scalars.reads() as read:  # one forward in torch first (buffers and
+        flat(*leaves)  # RNG put back after)
+    flat._result["scalar_reads"] = read
     computed = flat._result.get("outputs")  # torch's values of this call: the reference of the first-call checks
     if finder.found:
         raise ExportError(f"the dynamo exporter loses torch's stop-gradients, and this forward has one "
@@ -508,7 +515,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     if options.check and not lost and not draws_random(model):
         reference = tuple(flat._result.get("outputs") or ())  # with their autograd graph: the gradient check
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
-                    carried, reference, bool(flat._result.get("baked")), flat._result.get("guards"))
+                    carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
+                    bool(flat._result.get("baked")), flat._result.get("guards"))
 
 
 def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[str]) -> list[tuple[str, str]]:

@@ -1408,3 +1408,47 @@ def test_forward_changing_its_input_in_place(exporter: str) -> None:
         got = ORTModule(copy.deepcopy(model), exporter=exporter, fallback=True)(ours)
     torch.testing.assert_close(got, model(theirs))
     assert torch.equal(ours, theirs) and ours[0, 0] == 0.5
+
+
+class Tempered(nn.Module):
+    """A softmax with a temperature kept as a Python float, and a call counter the forward updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.tau = 1.0
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.softmax(self.fc(x) / self.tau, -1)
+
+
+def test_a_python_attribute_the_forward_reads_is_followed() -> None:
+    """Annealing `tau` after the export kept training with tau = 1 (0.53 off torch): the graph holds it as a
+    constant. A change now exports again (warned once); the counter the forward updates does not."""
+    model = Tempered()
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    x = torch.randn(5, 4)
+    with pytest.warns(RuntimeWarning, match=r"tau \(1.0 -> 0.1\)") as caught:
+        for step in range(6):
+            if step == 3:
+                ref.tau = om.module.tau = 0.1
+            for m in (ref, om):
+                m.zero_grad()
+                m(x).square().sum().backward()
+            torch.testing.assert_close(om(x), ref(x), msg=f"step {step}")
+            torch.testing.assert_close(om.module.fc.weight.grad, ref.fc.weight.grad, msg=f"step {step}")
+    assert om.stats["exports"] == 2
+    assert sum("Python value the exported graph" in str(w.message) for w in caught) == 1
+
+
+def test_a_python_attribute_changing_at_every_call_fails_as_an_export_does() -> None:
+    om = ORTModule(Tempered())
+    x = torch.randn(5, 4)
+    with pytest.raises(ORTModuleError, match="tau"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(12):
+            om.module.tau = 1.0 + step
+            om(x)
+    assert om.stats["exports"] == 9
