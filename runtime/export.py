@@ -371,8 +371,9 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
-    with stop_gradients.Finder() as finder, scalars.reads() as read:  # one forward in torch first (buffers and
-        flat(*leaves)  # RNG put back after)
+    # one forward in torch first (buffers and RNG put back after): its stop-gradients and attribute reads
+    with stop_gradients.Finder() as finder, scalars.reads() as read:
+        flat(*leaves)
     flat._result["scalar_reads"] = read
     computed = flat._result.get("outputs")  # torch's values of this call: the reference of the first-call checks
     if finder.found:
