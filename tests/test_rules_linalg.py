@@ -139,6 +139,8 @@ EINSUM = [
     ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 5)]),
     ("ij,jj->i", [(3, 4), (4, 4)]),
     ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),  # attention scores
+    ("ij,jk->ik", [(1, 1), (5, 3)]),  # a contracted label of size 1 broadcast against 5 (replay seed 199)
+    ("ij,jk->ik", [(2, 5), (1, 3)]),  # the same, the other operand
 ]
 
 

@@ -122,8 +122,8 @@ def _einsum_terms(g: Grad, equation: str, ranks: Sequence[int]) -> tuple[list[st
 
 def _einsum_operand_grad(g: Grad, k: int, terms: list[str], out: str, ell: str, dy: str) -> str:
     """Gradient of operand k: an Einsum of dY with the other operands onto k's labels, then k's own
-    structure restored: ellipsis dims it broadcast summed, repeated labels put on the diagonal, labels
-    only k has (summed away in the forward pass) broadcast back."""
+    structure restored: dims it broadcast (size 1 against the others') summed, repeated labels put on the
+    diagonal, labels only k has (summed away in the forward pass) broadcast back."""
     x, sub = g.I(k), terms[k]
     others = [(terms[j], g.I(j)) for j in range(len(terms)) if j != k]
     avail = set(out) | {ch for t, _ in others for ch in t}
@@ -136,14 +136,19 @@ def _einsum_operand_grad(g: Grad, k: int, terms: list[str], out: str, ell: str, 
     broadcast = []
     for axis, i in enumerate(keep):
         ch, dx = sub[i], x_shape[i]
-        if ch not in ell or (isinstance(dx, int) and dx > 1):
+        if isinstance(dx, int) and dx > 1:
             continue
-        if dx == 1:
-            broadcast.append(axis)
-        elif any(ch in t for t, _ in others) and not (y_shape and ch in out and y_shape[out.index(ch)] == dx):
+        if dx == 1:  # numpy's einsum (and onnxruntime's) broadcast a label of size 1 against the others' size
+            if ch in ell or _wider(g, ch, k, terms):
+                broadcast.append(axis)
+            continue
+        if ch in ell and any(ch in t for t, _ in others) and not (
+                y_shape and ch in out and y_shape[out.index(ch)] == dx):
             g.fail(f"dim {i} of '{x}' is symbolic inside the ellipsis and may broadcast; give it a static size")
     if broadcast:
         grad = g.reduce_sum(grad, broadcast, keepdims=True)
+    if any(x_shape[i] != 1 and sub[i] not in out and _only_ones(g, sub[i], k, terms) for i in keep):
+        grad = g.Expand(grad, g.Gather(g.shape_of(x), g.ints(keep)))  # read from operands of size 1 there
     placed = [i for i in range(len(sub)) if i not in keep]
     if placed:
         grad = g.unsqueeze(grad, placed)
@@ -153,6 +158,29 @@ def _einsum_operand_grad(g: Grad, k: int, terms: list[str], out: str, ell: str, 
     if len(keep) < len(first):
         grad = g.Expand(grad, g.shape_of(x))
     return grad
+
+
+def _wider(g: Grad, ch: str, k: int, terms: list[str]) -> bool:
+    """Whether another operand has label `ch` at a size that is not known to be 1 (a size-1 label of operand k
+    then broadcast: replay seed 199, `ij,jk->ik` with i, j of 1 against j of 5)."""
+    for j, t in enumerate(terms):
+        if j == k or ch not in t:
+            continue
+        shape = g.info(g.I(j)).shape
+        if shape is None or shape[t.index(ch)] != 1:
+            return True
+    return False
+
+
+def _only_ones(g: Grad, ch: str, k: int, terms: list[str]) -> bool:
+    """Whether every other operand with label `ch` has it at size 1: operand k's own size there then came from
+    it alone, and its gradient, contracted from those operands, must be broadcast back to it."""
+    sizes = []
+    for j, t in enumerate(terms):
+        if j != k and ch in t:
+            shape = g.info(g.I(j)).shape
+            sizes.append(shape[t.index(ch)] if shape is not None else None)
+    return bool(sizes) and all(n == 1 for n in sizes)
 
 
 def _diagonal_mask(g: Grad, x: str, p: int, q: int, rank: int) -> str:
