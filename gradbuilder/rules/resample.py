@@ -308,11 +308,10 @@ def _unnormalize(g: Grad, coord: str, size: str, align: bool, like: str) -> tupl
 
 
 def _clip(g: Grad, pos: str, size: str, like: str) -> tuple[str, str]:
-    """(pos clipped into [0, size - 1], 1 where it was inside and 0 where it clipped; `like`: a forward tensor of
-    pos' type)."""
+    """(pos clipped into [0, size - 1], whether it was inside (bool); `like`: a forward tensor of pos' type)."""
     zero, last = g.const(0.0, like=like), g.Sub(size, g.const(1.0, like=like))
     inside = g.And(g.GreaterOrEqual(pos, zero), g.LessOrEqual(pos, last))
-    return g.Min(g.Max(pos, zero), last), g.Cast(inside, to=g.dtype(like))
+    return g.Min(g.Max(pos, zero), last), inside
 
 
 def _reflect(g: Grad, pos: str, size: str, align: bool, like: str) -> tuple[str, str]:
@@ -342,6 +341,7 @@ def _padded(g: Grad, pos: str, size: str, padding: str, align: bool, like: str) 
     if padding == "reflection":
         pos, mult = _reflect(g, pos, size, align, like)
     pos, inside = _clip(g, pos, size, like)
+    inside = g.Cast(inside, to=g.dtype(like))
     return pos, inside if mult is None else g.Mul(mult, inside)
 
 
@@ -415,14 +415,12 @@ def grid_sample(g: Grad):
         taps.append(axis_taps)
         scales.append(scale)
     floats = [g.Cast(n, to=like) for n in sizes]
-    zero, one = g.const(0.0, like=x), g.const(1.0, like=x)
     corners = []  # (flat index [N, 1, P] int64, in-bounds mask [N, 1, P], the corner's taps)
     for combo in itertools.product(*taps):
         flat = inside = None
         for axis, tap in enumerate(combo):
-            last = g.Sub(floats[axis], one)
-            within = g.And(g.GreaterOrEqual(tap.coord, zero), g.LessOrEqual(tap.coord, last))
-            index = g.Cast(g.Min(g.Max(tap.coord, zero), last), to=TensorProto.INT64)  # integers held exactly
+            clipped, within = _clip(g, tap.coord, floats[axis], x)
+            index = g.Cast(clipped, to=TensorProto.INT64)  # integers held exactly
             inside = within if inside is None else g.And(inside, within)
             flat = index if flat is None else g.Add(g.Mul(flat, sizes[axis]), index)
         flat = g.Reshape(flat, g.ints([0, 1, -1]))
