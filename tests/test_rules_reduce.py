@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
 import torch
-from harness import check_op, sweep_tests
+from harness import check_op, single_op_model, sweep_tests
 from test_rules_shape import check_dynamic
+
+import gradbuilder
 
 rng = np.random.default_rng(0)
 
@@ -209,6 +211,89 @@ def test_cumsum_runtime_axis_dynamic():
                   lambda x, a: _torch_cumsum(x, 1, 1, 0), exclusive=1)
 
 
+
+def _torch_cumprod(x, axis, exclusive, reverse):
+    """torch reference: cumprod (whose backward handles zeros), flipped for reverse, shifted by one for exclusive."""
+    if reverse:
+        x = x.flip(axis)
+    y = x.cumprod(axis)
+    if exclusive:
+        n = x.shape[axis]
+        y = torch.cat([torch.ones_like(x.narrow(axis, 0, 1)), y.narrow(axis, 0, n - 1)], axis)
+    return y.flip(axis) if reverse else y
+
+
+CUMPROD_ZEROS = {  # zero positions along the axis (of n), one line each; the other lines keep no zero
+    "random": [],
+    "one zero": [lambda n: [n // 2], lambda n: [0], lambda n: [n - 1]],
+    "several zeros": [lambda n: [0, n - 1], lambda n: [1, 2], lambda n: [1, n - 2], lambda n: [0, 1, n - 1],
+                      lambda n: [n // 2, n - 1], lambda n: list(range(n))],
+}
+
+
+def _with_zeros(shape, axis, *patterns):
+    """Random values, the first lines along `axis` given the zeros of the CUMPROD_ZEROS `patterns` in turn (as
+    many as there are lines)."""
+    x = np.moveaxis(r(*shape), axis, -1).copy()
+    lines = x.reshape(-1, x.shape[-1])
+    wheres = [where for p in patterns for where in CUMPROD_ZEROS[p]]
+    for line, where in zip(lines, wheres):
+        line[where(x.shape[-1])] = 0.0
+    return np.moveaxis(lines.reshape(x.shape), -1, axis)
+
+
+def _cumprod_check(x, axis, exclusive, reverse, **kw):
+    return check_op("CumProd", [("x", x), ("a", np.array(axis, dtype=np.int64))],
+                    lambda x: _torch_cumprod(x, axis, exclusive, reverse), consts=["a"], opset=26,
+                    exclusive=exclusive, reverse=reverse, **kw)
+
+
+@pytest.mark.parametrize("pattern", list(CUMPROD_ZEROS))
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cumprod(pattern, axis, exclusive, reverse):
+    """torch's gradients where x has no zero, one (first, middle, last along the axis) or several: before the
+    first zero the product runs into, at it (the product of the others), and 0 past it; finite differences too
+    (the function is a polynomial, smooth at zeros)."""
+    x = _with_zeros((5, 6, 7), axis, pattern)
+    g = _cumprod_check(x, axis, exclusive, reverse)
+    assert np.all(np.isfinite(g["x"]))
+
+
+@pytest.mark.parametrize("shape,axis", [((7,), 0), ((7,), -1), ((2, 3, 5, 4), 2), ((5, 2, 3, 4), -4)])
+def test_cumprod_ranks(shape, axis):
+    x = _with_zeros(shape, axis, "several zeros")
+    for exclusive in (0, 1):
+        for reverse in (0, 1):
+            _cumprod_check(x, axis, exclusive, reverse)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cumprod_low_precision(dtype):
+    x = np.asarray(_with_zeros((4, 6, 3), 1, "one zero", "several zeros"), dtype)
+    kw = {"rtol": 1e-2, "atol": 1e-2, "fd": False} if dtype == np.float16 else {}
+    for exclusive in (0, 1):
+        for reverse in (0, 1):
+            _cumprod_check(x, -2, exclusive, reverse, **kw)
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 1)])
+def test_cumprod_runtime_axis_dynamic(exclusive, reverse):
+    """The axis a graph input (int32, as in onnx's node tests) and the dims symbolic: the rule needs neither."""
+    x = _with_zeros((4, 5), 1, "several zeros")
+    check_dynamic({"x": [0, 1]}, "CumProd", [("x", x), ("a", np.array(-1, dtype=np.int32))],
+                  lambda x, a: _torch_cumprod(x, 1, exclusive, reverse), opset=26, exclusive=exclusive,
+                  reverse=reverse)
+
+
+def test_cumprod_backward_reads_x_only():
+    """The product at the first zero comes from a running product of x in backward: y is not kept for it."""
+    model = single_op_model("CumProd", [("x", r(3, 4)), ("a", np.array(1, dtype=np.int64))], consts=["a"], opset=26)
+    manifest = gradbuilder.split(gradbuilder.build_gradient_graph(model, wrt=["x"]))[2]
+    assert sorted(e.name for e in manifest.backward_inputs if e.role in ("input", "stash")) == ["x"]
+
+
 # --- every opset, float32 ---------------------------------------------------------------------------------
 REDUCTIONS = [("ReduceSum", SUM), ("ReduceMean", MEAN), ("ReduceL2", L2), ("ReduceL1", L1),
               ("ReduceSumSquare", SUMSQ), ("ReduceLogSumExp", LSE), ("ReduceLogSum", LOGSUM),
@@ -223,6 +308,9 @@ def _sweep(opset, dtype):
         _reduce_check(op, fn, x, (-2,), 0, opset)
     check_op("CumSum", [("x", x), ("a", np.array(1, dtype=np.int64))], lambda x: _torch_cumsum(x, 1, 0, 1),
              consts=["a"], opset=opset, reverse=1)
+    if opset >= 26:
+        check_op("CumProd", [("x", x), ("a", np.array(-1, dtype=np.int64))], lambda x: _torch_cumprod(x, -1, 1, 0),
+                 consts=["a"], opset=opset, exclusive=1)
 
 
 test_every_opset, test_float32 = sweep_tests(_sweep, float32_opsets=(17, 20))

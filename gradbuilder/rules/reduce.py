@@ -1,4 +1,4 @@
-"""Reductions and CumSum: the output gradient is broadcast back over the reduced axes, times the local
+"""Reductions, CumSum and CumProd: the output gradient is broadcast back over the reduced axes, times the local
 derivative, which every rule reads off the forward output where it can.
 
 Axes come as an attribute (opset < 18, except ReduceSum) or as an input (ReduceSum from 13, the others from
@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import TensorProto
 
 from .context import Grad
 from .registry import rule
@@ -167,3 +168,26 @@ def cumsum(g: Grad):
     """The adjoint of a running sum is the running sum the other way, equally exclusive."""
     return (g.CumSum(g.GO(0), g.I(1), exclusive=int(g.flag("exclusive")), reverse=int(not g.flag("reverse"))),)
 
+
+@rule("CumProd", since=26, nondiff=(1,))
+def cumprod(g: Grad):
+    """Exact where x has zeros (as torch's cumprod_backward), and read off x alone. With z the first zero of x the
+    way the product runs, d/dx_k sums g times the product without x_k over the outputs covering k:
+
+    - before z: the adjoint running sum of g*y over the outputs holding no zero (the others are 0), over x_k (not 0);
+    - at z: the adjoint running sum of g*y', y' the running product with x_z made 1 (y' is y where y holds no
+      zero, so one running product serves both sums);
+    - past z: 0, since every output covering k covers z too.
+    """
+    x, axis = g.I(0), g.I(1)
+    exclusive, reverse = int(g.flag("exclusive")), int(g.flag("reverse"))
+    zero, one = g.const(0, like=x), g.const(1, like=x)
+    is_zero = g.Equal(x, zero)
+    seen = g.CumSum(g.Cast(is_zero, to=TensorProto.INT32), axis, reverse=reverse)  # zeros up to k: exact counts
+    before = g.Equal(seen, g.const(0, elem_type=TensorProto.INT32))
+    first = g.And(is_zero, g.Equal(seen, g.const(1, elem_type=TensorProto.INT32)))
+    gy = g.Mul(g.GO(0), g.CumProd(g.Where(first, one, x), axis, exclusive=exclusive, reverse=reverse))
+    no_zero = g.Or(before, first) if exclusive else before  # the outputs whose product holds no zero
+    up_to_z = g.CumSum(g.Where(no_zero, gy, zero), axis, exclusive=exclusive, reverse=1 - reverse)
+    from_z = g.CumSum(gy, axis, exclusive=exclusive, reverse=1 - reverse)  # read at z only
+    return (g.Where(before, g.Div(up_to_z, g.Where(before, x, one)), g.Where(first, from_z, zero)),)
