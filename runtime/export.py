@@ -49,6 +49,7 @@ from .functions import exportable_functions
 from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
+from .packed import exportable_packing
 from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .patching import replaced
 from .scalars import Scalars
@@ -431,8 +432,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
                 _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
-                exportable_losses(), exportable_functions(), custom_functions.applied_functions() as applied, \
-                _python_draws() as drawn:
+                exportable_losses(), exportable_functions(), exportable_packing(), \
+                custom_functions.applied_functions() as applied, _python_draws() as drawn:
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)

@@ -20,10 +20,7 @@ SLOW = [pytest.mark.slow,
 DYNAMO_IN_CI = {"hf-gpt2", "siamese"}
 """Covers what dynamo exports differently: tied weights named by their last alias, torch.split as sequences, a
 BatchNorm's second call reading the running statistics through Identities (4 s)."""
-PACKED = "torch's exporters cannot export pack_padded_sequence (legacy: internal error; dynamo: data-dependent sizes)"
 KNOWN: dict[tuple[str, str], str] = {
-    ("lstm-packed", "torchscript"): PACKED,
-    ("lstm-packed", "dynamo"): PACKED,
     ("hf-deberta-v2", "dynamo"): "torch.export cannot trace its forward: it branches on a data-dependent value "
                                  "(modeling_deberta_v2.py, `u0 > 0`); the legacy exporter can",
     ("hf-bloom", "dynamo"): "refused by ORTModule: its forward computes under torch.no_grad() from a tensor that "

@@ -1,0 +1,128 @@
+"""Packed sequences through ORTModule (runtime/packed.py): torch's outputs, last states and gradients, in float64."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from runtime import ORTModule
+
+LAYERS: dict[str, Callable[[], nn.RNNBase]] = {
+    "lstm-2-layers-bidirectional": lambda: nn.LSTM(5, 7, num_layers=2, bidirectional=True, batch_first=True),
+    "lstm-projected": lambda: nn.LSTM(5, 7, proj_size=3, batch_first=True),
+    "gru-bidirectional": lambda: nn.GRU(5, 7, bidirectional=True, batch_first=True),
+    "rnn-relu-2-layers-no-bias": lambda: nn.RNN(5, 7, num_layers=2, nonlinearity="relu", bias=False,
+                                                batch_first=True),
+}
+
+
+class Packed(nn.Module):
+    """A recurrent layer on a pack: its padded outputs (`pad_packed_sequence`) and its last states, from a learned
+    initial state or from zeros."""
+
+    def __init__(self, layer: nn.RNNBase, initial: bool, enforce_sorted: bool, total_length: int | None):
+        super().__init__()
+        self.layer = layer
+        self.enforce_sorted = enforce_sorted
+        self.total_length = total_length
+        dirs = 2 if layer.bidirectional else 1
+        size = getattr(layer, "proj_size", 0) or layer.hidden_size
+        self.h0 = nn.Parameter(torch.randn(layer.num_layers * dirs, 1, size) * 0.5) if initial else None
+        self.c0 = nn.Parameter(torch.randn(layer.num_layers * dirs, 1, layer.hidden_size) * 0.5) \
+            if initial and isinstance(layer, nn.LSTM) else None
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=self.enforce_sorted)
+        hx = None
+        if self.h0 is not None:
+            h0 = self.h0.expand(-1, x.shape[0], -1).contiguous()
+            hx = (h0, self.c0.expand(-1, x.shape[0], -1).contiguous()) if self.c0 is not None else h0
+        out, last = self.layer(packed, hx)
+        padded, out_lengths = pad_packed_sequence(out, batch_first=True, padding_value=-0.5,
+                                                  total_length=self.total_length)
+        return padded, *(last if isinstance(last, tuple) else (last,)), out_lengths
+
+
+def _calls(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of 4 sequences padded to 6 steps: lengths in any order, the longest shorter than the padding
+    (outputs then stop there), one of length 1; then a batch padded to 8 steps (another export)."""
+    calls = []
+    for lengths, steps in (([3, 6, 1, 4], 6), ([2, 5, 5, 1], 6), ([8, 2, 7, 3], 8)):
+        x = torch.randn(4, steps, 5, generator=gen, dtype=torch.float64)
+        calls.append((x, torch.tensor(lengths)))
+    return calls
+
+
+def _sorted(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same batches sorted longest first (what enforce_sorted=True asks for)."""
+    out = []
+    for x, lengths in calls:
+        order = torch.argsort(lengths, descending=True, stable=True)
+        out.append((x[order], lengths[order]))
+    return out
+
+
+def _step(model: nn.Module, x: torch.Tensor, lengths: torch.Tensor, weights: torch.Generator
+          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs, and the gradients of a random weighting of them with respect to x and the parameters."""
+    x = x.clone().requires_grad_(True)
+    outs = model(x, lengths)
+    loss = sum((o * torch.randn(o.shape, generator=weights, dtype=o.dtype)).sum()
+               for o in outs if o.is_floating_point())
+    grads = torch.autograd.grad(loss, [x, *model.parameters()])
+    return [o.detach() for o in outs], list(grads)
+
+
+CASES = [("lstm-2-layers-bidirectional", True, False, None), ("lstm-projected", False, True, 10),
+         ("gru-bidirectional", True, True, None), ("rnn-relu-2-layers-no-bias", False, False, None)]
+"""(layer, learned initial state, enforce_sorted, total_length)"""
+
+
+@pytest.mark.parametrize(("layer", "initial", "enforce_sorted", "total_length", "exporter"), [
+    *((*case, "torchscript") for case in CASES),
+    *(pytest.param(*case, "dynamo", marks=() if case[0].startswith("rnn") else pytest.mark.slow) for case in CASES)])
+def test_packed_layers_match_torch(layer: str, initial: bool, enforce_sorted: bool, total_length: int | None,
+                                   exporter: str) -> None:
+    torch.manual_seed(0)
+    reference = Packed(LAYERS[layer](), initial, enforce_sorted, total_length).double()
+    model = ORTModule(copy.deepcopy(reference), exporter=exporter)
+    calls = _calls(torch.Generator().manual_seed(1))
+    for x, lengths in _sorted(calls) if enforce_sorted else calls:
+        seed = int(lengths.sum())
+        got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(seed))
+        want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(seed))
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got + got_grads, want + want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+    assert model.stats["fallbacks"] == 0
+    assert model.stats["exports"] == 2, model.stats  # one for each padded length
+
+
+def test_packed_lstm_trains_with_dropout_between_layers() -> None:
+    """Dropout between stacked layers draws other masks than torch's kernel, so only its statistics can match: the
+    module trains and its loss falls, and in eval mode it computes torch's values."""
+    torch.manual_seed(0)
+    reference = Packed(nn.LSTM(5, 7, num_layers=2, dropout=0.5, batch_first=True), False, False, None)
+    model = ORTModule(copy.deepcopy(reference))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    x, lengths = torch.randn(4, 6, 5), torch.tensor([3, 6, 1, 4])
+    target = torch.randn(4, 6, 7)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = (model(x, lengths)[0] - target).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    reference.load_state_dict(model.module.state_dict())
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        for g, w in zip(model(x, lengths), reference(x, lengths)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
