@@ -39,8 +39,9 @@ class Applied:
 
 
 def _own(cls: type) -> bool:
-    """torch's own Functions (its modules are exported as torch defines them)."""
-    return cls.__module__.split(".", 1)[0] == "torch"
+    """torch's own Functions (its modules are exported as torch defines them), and the runtime's (which only run
+    inside its exports)."""
+    return cls.__module__.split(".", 1)[0] in ("torch", __name__.split(".", 1)[0])
 
 
 _APPLY = vars(torch.autograd.Function)["apply"].__func__

@@ -48,12 +48,12 @@ class Packed(nn.Module):
         return padded, *(last if isinstance(last, tuple) else (last,)), out_lengths
 
 
-def _calls(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _calls(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of 4 sequences padded to 6 steps: lengths in any order, the longest shorter than the padding
-    (outputs then stop there), one of length 1; then a batch padded to 8 steps (another export)."""
+    (outputs then stop there), one of length 1; then a batch padded to 8 steps."""
     calls = []
     for lengths, steps in (([3, 6, 1, 4], 6), ([2, 5, 5, 1], 6), ([8, 2, 7, 3], 8)):
-        x = torch.randn(4, steps, 5, generator=gen, dtype=torch.float64)
+        x = torch.randn(4, steps, 5, generator=gen, dtype=dtype)
         calls.append((x, torch.tensor(lengths)))
     return calls
 
@@ -83,24 +83,33 @@ CASES = [("lstm-2-layers-bidirectional", True, False, None), ("lstm-projected", 
 """(layer, learned initial state, enforce_sorted, total_length)"""
 
 
-@pytest.mark.parametrize(("layer", "initial", "enforce_sorted", "total_length", "exporter"), [
-    *((*case, "torchscript") for case in CASES),
-    *(pytest.param(*case, "dynamo", marks=() if case[0].startswith("rnn") else pytest.mark.slow) for case in CASES)])
+@pytest.mark.parametrize(("layer", "initial", "enforce_sorted", "total_length", "exporter", "dtype"), [
+    *((*case, "torchscript", dtype) for case in CASES for dtype in (torch.float64, torch.float32)),
+    *(pytest.param(*case, "dynamo", torch.float64, marks=() if case[0].startswith("rnn") else pytest.mark.slow)
+      for case in CASES)])
 def test_packed_layers_match_torch(layer: str, initial: bool, enforce_sorted: bool, total_length: int | None,
-                                   exporter: str) -> None:
+                                   exporter: str, dtype: torch.dtype) -> None:
+    """In float64 the steps are unrolled (onnxruntime's recurrent kernels have no double; torch.export too): an
+    export for each padded length, to 1e-9 of torch. In float32 the legacy exporter writes the layer's ONNX op
+    with sequence_lens (not for projections): one export for both lengths."""
     torch.manual_seed(0)
-    reference = Packed(LAYERS[layer](), initial, enforce_sorted, total_length).double()
+    reference = Packed(LAYERS[layer](), initial, enforce_sorted, total_length).to(dtype)
     model = ORTModule(copy.deepcopy(reference), exporter=exporter)
-    calls = _calls(torch.Generator().manual_seed(1))
+    calls = _calls(torch.Generator().manual_seed(1), dtype)
+    tight = dtype == torch.float64
     for x, lengths in _sorted(calls) if enforce_sorted else calls:
         seed = int(lengths.sum())
         got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(seed))
         want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(seed))
         assert [g.shape for g in got] == [w.shape for w in want]
         for g, w in zip(got + got_grads, want + want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+            torch.testing.assert_close(g, w, rtol=1e-9 if tight else 2e-5, atol=1e-11 if tight else 2e-6)
     assert model.stats["fallbacks"] == 0
-    assert model.stats["exports"] == 2, model.stats  # one for each padded length
+    as_op = not tight and exporter == "torchscript" and layer != "lstm-projected"
+    assert model.stats["exports"] == (1 if as_op else 2), model.stats
+    ops = {n.op_type: n for n in model.training_sessions()[0].source.graph.node}
+    kind = type(reference.layer).__name__
+    assert (kind in ops and ops[kind].input[4] != "") == as_op, sorted(ops)
 
 
 def test_packed_lstm_trains_with_dropout_between_layers() -> None:
