@@ -99,27 +99,28 @@ class _Body:
 
 # --- activations: forward by op name, derivative from the activation's output y ------------------------
 
-def _slope(e: Any, act: str, y: str, one: str, zero: str, elem: int) -> str:
-    """f'(x) read off y = f(x); `e` is a Scan body or the Grad itself (batched over every step)."""
+def _slope(e: Any, act: str, y: str, const: Callable[[float], str], elem: int) -> str:
+    """f'(x) read off y = f(x); `e` is a Scan body or the Grad itself (batched over every step), `const` makes its
+    scalar constants."""
     if act == "Sigmoid":
-        return e.Mul(y, e.Sub(one, y))
+        return e.Mul(y, e.Sub(const(1.0), y))
     if act == "Tanh":
-        return e.Sub(one, e.Mul(y, y))
-    return e.Cast(e.Greater(y, zero), to=elem)  # Relu: y >= 0, the step; 0 at the kink like torch
+        return e.Sub(const(1.0), e.Mul(y, y))
+    return e.Cast(e.Greater(y, const(0.0)), to=elem)  # Relu: y >= 0, the step; 0 at the kink like torch
 
 
 _ACTIVATIONS = ("Sigmoid", "Tanh", "Relu")
 
 
 def _act_grad(b: _Body, act: str, y: str, dy: str) -> str:
-    return b.Mul(dy, _slope(b, act, y, b.one, b.const(0.0), b.elem_type))
+    return b.Mul(dy, _slope(b, act, y, b.const, b.elem_type))
 
 
 def _batched_slope(g: Grad, act: str, y: str) -> str:
     """f'(x) from y over every step at once, outside any Scan (constants typed as X: emitted tensors may have no
     type yet)."""
     x = g.I(0)
-    return _slope(g, act, y, g.const(1.0, like=x), g.const(0.0, like=x), g.dtype(x))
+    return _slope(g, act, y, lambda v: g.const(v, like=x), g.dtype(x))
 
 
 # --- the node, read and normalized ------------------------------------------------------------------
