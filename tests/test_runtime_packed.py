@@ -135,3 +135,34 @@ def test_packed_lstm_trains_with_dropout_between_layers() -> None:
     with torch.no_grad():
         for g, w in zip(model(x, lengths), reference(x, lengths)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+class TimeMajor(nn.Module):
+    """Time first (the layer's default): the padded length is the inputs' first axis, where the batch usually is."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.GRU(5, 7)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out, last = self.layer(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        return pad_packed_sequence(out)[0], last
+
+
+@pytest.mark.parametrize(("dtype", "exports"), [(torch.float64, 3), (torch.float32, 1)])
+def test_time_first_packs_follow_the_padded_length(dtype: torch.dtype, exports: int) -> None:
+    """Unrolled (float64), each padded length gets its export although it is the first axis (the export says it
+    unrolled, as a traced size); as the ONNX op (float32) one export serves them all."""
+    torch.manual_seed(0)
+    reference = TimeMajor().to(dtype)
+    model = ORTModule(copy.deepcopy(reference))
+    gen = torch.Generator().manual_seed(2)
+    for steps, lengths in ((6, [3, 6, 1, 4]), (8, [8, 2, 7, 3]), (5, [5, 5, 2, 1])):
+        x = torch.randn(steps, 4, 5, generator=gen, dtype=dtype)
+        seed = steps
+        got, got_grads = _step(model, x, torch.tensor(lengths), torch.Generator().manual_seed(seed))
+        want, want_grads = _step(reference, x, torch.tensor(lengths), torch.Generator().manual_seed(seed))
+        for g, w in zip(got + got_grads, want + want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-9 if dtype == torch.float64 else 2e-5,
+                                       atol=1e-11 if dtype == torch.float64 else 2e-6)
+    assert model.stats["exports"] == exports, model.stats
