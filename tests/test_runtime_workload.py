@@ -28,6 +28,16 @@ def test_products_count_multiply_adds_and_the_rest_elements() -> None:
     assert forward_work(gemm, {"x": (16, 5)}) == PRODUCT * 5 * 8 * 16
 
 
+def test_recurrent_layers_count_their_products() -> None:
+    """Per step, sample and direction, each gate's product with the input and with the hidden state."""
+    lstm = _model([helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=8, direction="bidirectional")],
+                  {"x": ["t", "n", 6], "w": [2, 32, 6], "r": [2, 32, 8]}, "y")
+    assert forward_work(lstm, {"x": (7, 3, 6)}) == PRODUCT * 7 * 3 * 2 * 32 * (6 + 8)
+    gru = _model([helper.make_node("GRU", ["x", "w", "r"], ["y", "h"], hidden_size=8)],
+                 {"x": ["t", "n", 6], "w": [1, 24, 6], "r": [1, 24, 8]}, "h")
+    assert forward_work(gru, {"x": (7, 3, 6)}) == PRODUCT * 7 * 3 * 24 * (6 + 8)
+
+
 def test_convolutions() -> None:
     conv = _model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
                   {"x": ["n", 2, 8, 8], "w": [4, 2, 3, 3]}, "y")
