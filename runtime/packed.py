@@ -1,4 +1,5 @@
-"""Packed sequences (`pack_padded_sequence` into nn.LSTM, nn.GRU or nn.RNN) written in ops both exporters export.
+"""Packed sequences (`pack_padded_sequence` into nn.LSTM, nn.GRU or nn.RNN) written in ops both exporters export,
+and those layers in double.
 
 torch packs variable-length sequences so that its recurrent layers stop at each sequence's end: the outputs past
 it are zeros, and the last hidden state is the one at the sequence's own last step (for the reverse direction, the
@@ -23,6 +24,9 @@ order), and the layers compute on it:
 each end, as torch's does. The packed `batch_sizes` are torch's (the sequences still running at each step),
 computed from the lengths; the packed `data` is the padded tensor, so a forward that computes with `.data` itself
 (a loss over the packed elements) gets other values, which the export check refuses.
+
+onnxruntime's LSTM, GRU and RNN kernels run float32 only, so a layer of another element type (double: gradient
+checks) is unrolled the same way, without masks, packed or not.
 """
 
 from __future__ import annotations
@@ -125,11 +129,11 @@ def _recurrent(xw: torch.Tensor | None, h: torch.Tensor, w: dict[str, torch.Tens
     return out if xw is None else xw + out
 
 
-def _direction(cell: Callable[..., tuple[torch.Tensor, ...]], x: torch.Tensor, inside: torch.Tensor,
+def _direction(cell: Callable[..., tuple[torch.Tensor, ...]], x: torch.Tensor, inside: torch.Tensor | None,
                state: tuple[torch.Tensor, ...], w: dict[str, torch.Tensor], reverse: bool
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """One direction of one layer over [T, B, F]: outputs [T, B, H] (zeros past each end) and the final state, each
-    sequence's state at its own last step (the reverse direction starts there)."""
+    sequence's state at its own last step (the reverse direction starts there); every step counts without a mask."""
     xw = x @ w["ih"].t()
     if "b_ih" in w:
         xw = xw + w["b_ih"]
@@ -138,8 +142,12 @@ def _direction(cell: Callable[..., tuple[torch.Tensor, ...]], x: torch.Tensor, i
     order = range(x.shape[0] - 1, -1, -1) if reverse else range(x.shape[0])
     for t in order:
         new = cell(xw[t], state, w)
-        state = tuple(torch.where(inside[t], n, s) for n, s in zip(new, state))
-        outs.append(torch.where(inside[t], new[0], zero))
+        if inside is None:
+            state = new
+            outs.append(new[0])
+        else:
+            state = tuple(torch.where(inside[t], n, s) for n, s in zip(new, state))
+            outs.append(torch.where(inside[t], new[0], zero))
     if reverse:
         outs.reverse()
     return torch.stack(outs), state
@@ -155,15 +163,15 @@ def _weights(module: nn.RNNBase, layer: int, suffix: str) -> dict[str, torch.Ten
     return w
 
 
-def _layers(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, states: tuple[torch.Tensor, ...]
+def _layers(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor | None, states: tuple[torch.Tensor, ...]
             ) -> tuple[torch.Tensor, ...]:
-    """Every layer and direction over [T, B, F] with the steps past each sequence's end masked: the padded outputs
-    (zeros there) and the final states ([layers * directions, B, H] each)."""
+    """Every layer and direction over [T, B, F] with the steps past each sequence's end masked (none without
+    lengths): the padded outputs (zeros there) and the final states ([layers * directions, B, H] each)."""
     dirs = 2 if module.bidirectional else 1
     if torch.jit.is_tracing():  # the export then follows the time axis even where it is the batch axis (time first)
         warnings.warn(f"{type(module).__name__} on a packed sequence unrolls its {x.shape[0]} padded steps",
                       torch.jit.TracerWarning, stacklevel=2)
-    inside = _inside(lengths, x.shape[0], 3, x.device)
+    inside = None if lengths is None else _inside(lengths, x.shape[0], 3, x.device)
     cell = _cell(module.mode)
     finals: list[tuple[torch.Tensor, ...]] = []
     for layer in range(module.num_layers):
@@ -210,35 +218,58 @@ def _as_onnx_op(module: nn.RNNBase, x: torch.Tensor) -> bool:
         module.dropout and module.training and module.num_layers > 1)
 
 
+def _initial_states(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, ...]:
+    """hx as a tuple of states, zeros where not given, as torch's forward makes them."""
+    if hx is not None:
+        return tuple(hx) if module.mode == "LSTM" else (hx,)
+    dirs = 2 if module.bidirectional else 1
+    size = getattr(module, "proj_size", 0) or module.hidden_size
+    h0 = torch.zeros(module.num_layers * dirs, x.shape[1], size, dtype=x.dtype, device=x.device)
+    if module.mode != "LSTM":
+        return (h0,)
+    return h0, torch.zeros(module.num_layers * dirs, x.shape[1], module.hidden_size, dtype=x.dtype, device=x.device)
+
+
 def _packed_forward(module: nn.RNNBase, packed: PackedSequence, lengths: torch.Tensor, hx: Any) -> tuple[Any, Any]:
     """torch's forward of the layer on a pack, on the padded steps with masks (module docstring)."""
     module._update_flat_weights()
     x = packed.data
-    lstm = module.mode == "LSTM"
-    dirs = 2 if module.bidirectional else 1
-    batch = x.shape[1]
-    if hx is None:
-        size = module.proj_size if lstm and module.proj_size else module.hidden_size
-        h0 = torch.zeros(module.num_layers * dirs, batch, size, dtype=x.dtype, device=x.device)
-        hx = (h0, torch.zeros(module.num_layers * dirs, batch, module.hidden_size, dtype=x.dtype,
-                              device=x.device)) if lstm else h0
-    else:
-        hx = module.permute_hidden(hx, packed.sorted_indices)
-    states = tuple(hx) if lstm else (hx,)
+    states = _initial_states(module, x, None if hx is None else module.permute_hidden(hx, packed.sorted_indices))
     if _as_onnx_op(module, x):
         out, *hidden = _SequenceLengths.apply(module, x, lengths, len(states), *states, *module._flat_weights)
     else:
         out, *hidden = _layers(module, x, lengths, states)
     packed_out = PackedSequence(out, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+    lstm = module.mode == "LSTM"
     return packed_out, module.permute_hidden(tuple(hidden) if lstm else hidden[0], packed.unsorted_indices)
+
+
+def _unrolled_forward(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[Any, Any]:
+    """torch's forward of the layer on a tensor, its steps unrolled: for element types onnxruntime's recurrent
+    kernels lack (they run float32 only; a double LSTM failed at its first run)."""
+    module._update_flat_weights()
+    batched = x.dim() == 3
+    if not batched:  # one sequence: torch adds the batch axis, and takes it away again
+        x = x.unsqueeze(0 if module.batch_first else 1)
+        hx = None if hx is None else tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+    if module.batch_first:
+        x = x.transpose(0, 1)
+    out, *hidden = _layers(module, x, None, _initial_states(module, x, hx))
+    if module.batch_first:
+        out = out.transpose(0, 1)
+    if not batched:  # select, not squeeze: the legacy exporter writes a squeeze of a run-time size as an If
+        out, hidden = out.select(0 if module.batch_first else 1, 0), [h.select(1, 0) for h in hidden]
+    return out, (tuple(hidden) if module.mode == "LSTM" else hidden[0])
 
 
 def _forward(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: nn.RNNBase, input: Any, hx: Any = None) -> Any:
         lengths = _lengths(input)
-        if lengths is None:
-            return original(self, input, hx)
-        return _packed_forward(self, input, lengths, hx)
+        if lengths is not None:
+            return _packed_forward(self, input, lengths, hx)
+        if isinstance(input, torch.Tensor) and input.dtype != torch.float32:
+            return _unrolled_forward(self, input, hx)
+        return original(self, input, hx)
 
     return forward
 

@@ -166,3 +166,40 @@ def test_time_first_packs_follow_the_padded_length(dtype: torch.dtype, exports: 
             torch.testing.assert_close(g, w, rtol=1e-9 if dtype == torch.float64 else 2e-5,
                                        atol=1e-11 if dtype == torch.float64 else 2e-6)
     assert model.stats["exports"] == exports, model.stats
+
+
+class Plain(nn.Module):
+    """A recurrent layer on a padded tensor (no pack), from a learned initial state or zeros, one sequence or a
+    batch."""
+
+    def __init__(self, layer: nn.RNNBase, initial: bool):
+        super().__init__()
+        self.layer = layer
+        dirs = 2 if layer.bidirectional else 1
+        self.h0 = nn.Parameter(torch.randn(layer.num_layers * dirs, 4, layer.hidden_size)) if initial else None
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hx = self.h0 if self.h0 is None or x.dim() == 3 else self.h0[:, 0]
+        if isinstance(self.layer, nn.LSTM) and hx is not None:
+            hx = (hx, hx.tanh())
+        out, last = self.layer(x, hx)
+        return out, *(last if isinstance(last, tuple) else (last,))
+
+
+@pytest.mark.parametrize(("layer", "initial", "unbatched"), [
+    ("lstm-2-layers-bidirectional", True, False), ("gru-bidirectional", False, True),
+    ("rnn-relu-2-layers-no-bias", True, False)])
+def test_double_layers_match_torch(layer: str, initial: bool, unbatched: bool) -> None:
+    """onnxruntime's recurrent kernels run float32 only: in double the layers are unrolled (an export for each
+    length), to 1e-9 of torch."""
+    torch.manual_seed(0)
+    reference = Plain(LAYERS[layer](), initial).double()
+    model = ORTModule(copy.deepcopy(reference))
+    for x, lengths in _calls(torch.Generator().manual_seed(3), torch.float64):
+        x = x[0] if unbatched else x
+        seed = x.shape[-2]
+        got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(seed))
+        want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(seed))
+        for g, w in zip(got + got_grads, want + want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+    assert model.stats["exports"] == 2 and model.stats["fallbacks"] == 0, model.stats
