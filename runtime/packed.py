@@ -26,7 +26,10 @@ computed from the lengths; the packed `data` is the padded tensor, so a forward 
 (a loss over the packed elements) gets other values, which the export check refuses.
 
 onnxruntime's LSTM, GRU and RNN kernels run float32 only, so a layer of another element type (double: gradient
-checks) is unrolled the same way, without masks, packed or not.
+checks) is unrolled the same way, without masks, packed or not; so is an LSTM with projections (`proj_size`),
+which the legacy exporter refuses and torch.export mis-exports. Stacked layers with dropout between them, in
+training, which the legacy exporter also refuses, are exported one layer at a time through torch's own op with an
+F.dropout between.
 """
 
 from __future__ import annotations
@@ -262,13 +265,47 @@ def _unrolled_forward(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[Any
     return out, (tuple(hidden) if module.mode == "LSTM" else hidden[0])
 
 
+_OPS = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
+
+
+def _layer_by_layer(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[Any, Any]:
+    """Stacked layers with dropout between them, in training, under the legacy exporter (its symbolic refuses
+    "dropout in training mode"): each layer through torch's own op (one ONNX op a layer), the dropout between them
+    as F.dropout."""
+    module._update_flat_weights()
+    batched = x.dim() == 3
+    batch_axis = 0 if module.batch_first else 1
+    if not batched:
+        x = x.unsqueeze(batch_axis)
+        hx = None if hx is None else tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+    states = _initial_states(module, x.transpose(0, 1) if module.batch_first else x, hx)
+    dirs = 2 if module.bidirectional else 1
+    per = len(module._flat_weights) // module.num_layers
+    run = getattr(torch._VF, _OPS[module.mode])
+    lstm = module.mode == "LSTM"
+    finals = []
+    for layer in range(module.num_layers):
+        h = [s[layer * dirs:(layer + 1) * dirs] for s in states]
+        out, *last = run(x, h if lstm else h[0], module._flat_weights[layer * per:(layer + 1) * per], module.bias, 1,
+                         0.0, module.training, module.bidirectional, module.batch_first)
+        finals.append(last)
+        x = out if layer == module.num_layers - 1 else F.dropout(out, module.dropout, training=True)
+    hidden = [torch.cat([f[i] for f in finals]) for i in range(len(states))]
+    if not batched:
+        x, hidden = x.select(batch_axis, 0), [h.select(1, 0) for h in hidden]
+    return x, (tuple(hidden) if lstm else hidden[0])
+
+
 def _forward(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: nn.RNNBase, input: Any, hx: Any = None) -> Any:
         lengths = _lengths(input)
         if lengths is not None:
             return _packed_forward(self, input, lengths, hx)
-        if isinstance(input, torch.Tensor) and input.dtype != torch.float32:
-            return _unrolled_forward(self, input, hx)
+        if isinstance(input, torch.Tensor):
+            if input.dtype != torch.float32 or getattr(self, "proj_size", 0):
+                return _unrolled_forward(self, input, hx)
+            if torch.jit.is_tracing() and self.dropout and self.training and self.num_layers > 1:
+                return _layer_by_layer(self, input, hx)
         return original(self, input, hx)
 
     return forward

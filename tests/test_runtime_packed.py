@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,9 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from runtime import ORTModule
+
+SLOW = [pytest.mark.slow,
+        pytest.mark.skipif(os.environ.get("GRADBUILDER_SLOW") != "1", reason="dynamo export; set GRADBUILDER_SLOW=1")]
 
 LAYERS: dict[str, Callable[[], nn.RNNBase]] = {
     "lstm-2-layers-bidirectional": lambda: nn.LSTM(5, 7, num_layers=2, bidirectional=True, batch_first=True),
@@ -85,7 +89,7 @@ CASES = [("lstm-2-layers-bidirectional", True, False, None), ("lstm-projected", 
 
 @pytest.mark.parametrize(("layer", "initial", "enforce_sorted", "total_length", "exporter", "dtype"), [
     *((*case, "torchscript", dtype) for case in CASES for dtype in (torch.float64, torch.float32)),
-    *(pytest.param(*case, "dynamo", torch.float64, marks=() if case[0].startswith("rnn") else pytest.mark.slow)
+    *(pytest.param(*case, "dynamo", torch.float64, marks=() if case[0].startswith("rnn") else SLOW)
       for case in CASES)])
 def test_packed_layers_match_torch(layer: str, initial: bool, enforce_sorted: bool, total_length: int | None,
                                    exporter: str, dtype: torch.dtype) -> None:
@@ -203,3 +207,66 @@ def test_double_layers_match_torch(layer: str, initial: bool, unbatched: bool) -
         for g, w in zip(got + got_grads, want + want_grads):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
     assert model.stats["exports"] == 2 and model.stats["fallbacks"] == 0, model.stats
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=SLOW)])
+def test_projected_lstm_matches_torch(exporter: str) -> None:
+    """LSTM projections (the legacy exporter refuses them, torch.export's graph failed to build) are unrolled."""
+    torch.manual_seed(0)
+    reference = Plain(nn.LSTM(5, 7, proj_size=3, num_layers=2, batch_first=True), False)
+    model = ORTModule(copy.deepcopy(reference), exporter=exporter)
+    for x, lengths in _calls(torch.Generator().manual_seed(4), torch.float32):
+        seed = x.shape[1]
+        got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(seed))
+        want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(seed))
+        for g, w in zip(got + got_grads, want + want_grads):
+            torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+    assert model.stats["fallbacks"] == 0
+
+
+@pytest.mark.parametrize(("layer", "unbatched"), [("lstm-2-layers-bidirectional", False),
+                                                  ("rnn-relu-2-layers-no-bias", True)])
+def test_stacked_layers_with_dropout_export_one_layer_at_a_time(monkeypatch, layer: str, unbatched: bool) -> None:
+    """In training, dropout between stacked layers (refused by the legacy exporter) is exported as one ONNX op a
+    layer with F.dropout between. With that dropout made the identity, the export computes torch's values and
+    gradients for the same layers without dropout."""
+    from torch.nn import functional as F
+
+    monkeypatch.setattr(F, "dropout", lambda x, p=0.5, training=True, inplace=False: x)
+    torch.manual_seed(0)
+    reference = Plain(LAYERS[layer](), True)
+    model = ORTModule(copy.deepcopy(reference))
+    model.module.layer.dropout = 0.5
+    for x, lengths in _calls(torch.Generator().manual_seed(5), torch.float32)[:2]:
+        x = x[0] if unbatched else x
+        got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(6))
+        want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(6))
+        for g, w in zip(got + got_grads, want + want_grads):
+            torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+    kind = type(reference.layer).__name__
+    ops = [n.op_type for n in model.training_sessions()[0].source.graph.node]
+    assert ops.count(kind) == 2 and model.stats["exports"] == 1, (ops, model.stats)
+
+
+def test_stacked_lstm_with_dropout_trains() -> None:
+    """torch's word-language-model layers (2 layers, dropout 0.5 between them): the module trains (its dropout
+    draws other masks than torch's kernel, so only the loss can be compared), and in eval mode it is torch's."""
+    torch.manual_seed(0)
+    reference = Plain(nn.LSTM(5, 7, num_layers=2, dropout=0.5), False)
+    model = ORTModule(copy.deepcopy(reference))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    x, target = torch.randn(6, 4, 5), torch.randn(6, 4, 7)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = (model(x, None)[0] - target).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    reference.load_state_dict(model.module.state_dict())
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        for g, w in zip(model(x, None), reference(x, None)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
