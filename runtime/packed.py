@@ -11,10 +11,11 @@ While the runtime exports, `exportable_packing` keeps the padded tensor instead 
 order), and the layers compute on it:
 
 - under the legacy exporter, in float32, as their ONNX op fed the lengths as sequence_lens (`_SequenceLengths`,
-  torch's own symbolic for a packed call): one export for every padded length, on onnxruntime's recurrent kernels
+  torch's own symbolic for a packed call; one op a layer with F.dropout between them where dropout applies in
+  training): one export for every padded length, on onnxruntime's recurrent kernels
   and the gradient rules' Scans (a bidirectional LSTM of 128 at batch 32: 12.6-12.9 ms a step against torch's
   16-18 at 20 steps, 31.5-33.4 against 47.6-51.8 at 60; 0.5-1.1 s to the first step);
-- otherwise (torch.export, double, LSTM projections, dropout between layers in training) with a mask of the
+- otherwise (torch.export, double, LSTM projections) with a mask of the
   steps inside each sequence, a step past a sequence's end keeping its state and giving zeros; the input's
   product with the weights runs once over every step and the recurrence is unrolled over the padded length, so
   an export serves one length (torch.export specializes it; the legacy exporter's trace is compared at other
@@ -166,10 +167,12 @@ def _weights(module: nn.RNNBase, layer: int, suffix: str) -> dict[str, torch.Ten
     return w
 
 
-def _layers(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor | None, states: tuple[torch.Tensor, ...]
-            ) -> tuple[torch.Tensor, ...]:
-    """Every layer and direction over [T, B, F] with the steps past each sequence's end masked (none without
-    lengths): the padded outputs (zeros there) and the final states ([layers * directions, B, H] each)."""
+def _layers(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor | None, states: tuple[torch.Tensor, ...],
+            layers: range | None = None) -> tuple[torch.Tensor, ...]:
+    """Every layer (of `layers`, default all) and direction over [T, B, F] with the steps past each sequence's end
+    masked (none without lengths): the padded outputs (zeros there) and the final states ([layers * directions, B,
+    H] each; `states` holds those layers' initial ones)."""
+    layers = range(module.num_layers) if layers is None else layers
     dirs = 2 if module.bidirectional else 1
     if torch.jit.is_tracing():  # the export then follows the time axis even where it is the batch axis (time first)
         warnings.warn(f"{type(module).__name__} on a packed sequence unrolls its {x.shape[0]} padded steps",
@@ -177,48 +180,65 @@ def _layers(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor | None, s
     inside = None if lengths is None else _inside(lengths, x.shape[0], 3, x.device)
     cell = _cell(module.mode)
     finals: list[tuple[torch.Tensor, ...]] = []
-    for layer in range(module.num_layers):
+    for i, layer in enumerate(layers):
         outs = []
         for d in range(dirs):
-            k = layer * dirs + d
-            out, final = _direction(cell, x, inside, tuple(s[k] for s in states),
+            out, final = _direction(cell, x, inside, tuple(s[i * dirs + d] for s in states),
                                     _weights(module, layer, "_reverse" if d else ""), reverse=bool(d))
             outs.append(out)
             finals.append(final)
         x = torch.cat(outs, -1) if dirs > 1 else outs[0]
-        if module.dropout and module.training and layer < module.num_layers - 1:
+        if module.dropout and module.training and layer < layers[-1]:
             x = F.dropout(x, module.dropout, training=True)
     return x, *(torch.stack([f[i] for f in finals]) for i in range(len(states)))
 
 
 class _SequenceLengths(torch.autograd.Function):
-    """Under the legacy exporter, the layer as its ONNX op fed the lengths as sequence_lens (torch's own symbolic
-    for a packed call): one graph for every padded length, on onnxruntime's recurrent kernels (a bidirectional
-    LSTM tagger of 128 at batch 32, 20 steps: 12.6 ms a step against 23.9 unrolled, 0.6 s to the first step against
-    3.8). Its values while tracing are `_layers`'; it only ever runs inside an export."""
+    """Under the legacy exporter, layers [first, first + count) as their ONNX op fed the lengths as sequence_lens
+    (torch's own symbolic for a packed call): one graph for every padded length, on onnxruntime's recurrent kernels
+    (a bidirectional LSTM tagger of 128 at batch 32, 20 steps: 12.6 ms a step against 23.9 unrolled, 0.6 s to the
+    first step against 3.8). Its values while tracing are `_layers`'; it only ever runs inside an export."""
 
     @staticmethod
-    def forward(ctx: Any, module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, n_states: int,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _layers(module, x, lengths, tensors[:n_states])
+    def forward(ctx: Any, module: nn.RNNBase, first: int, count: int, x: torch.Tensor, lengths: torch.Tensor,
+                n_states: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _layers(module, x, lengths, tensors[:n_states], range(first, first + count))
 
     @staticmethod
-    def symbolic(g: Any, module: nn.RNNBase, x: Any, lengths: Any, n_states: int, *tensors: Any) -> Any:
+    def symbolic(g: Any, module: nn.RNNBase, first: int, count: int, x: Any, lengths: Any, n_states: int,
+                 *tensors: Any) -> Any:
         from torch.onnx._internal.torchscript_exporter import symbolic_opset9
 
         states, weights = tensors[:n_states], list(tensors[n_states:])
         lens = g.op("Cast", lengths, to_i=onnx.TensorProto.INT32)
         return symbolic_opset9._generic_rnn(g, module.mode, x, list(states) if n_states > 1 else states[0], weights,
-                                            module.bias, module.num_layers, module.dropout, module.training,
-                                            module.bidirectional, batch_first=False, batch_sizes=lens)
+                                            module.bias, count, 0.0, module.training, module.bidirectional,
+                                            batch_first=False, batch_sizes=lens)
+
+
+def _as_onnx_ops(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, states: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, ...]:
+    """The layers as ONNX ops with sequence_lens: all in one, or one a layer with F.dropout between them where
+    dropout applies (torch's symbolic refuses dropout in training)."""
+    count = len(module._flat_weights) // module.num_layers
+    dirs = 2 if module.bidirectional else 1
+    split = bool(module.dropout and module.training)
+    groups = [range(k, k + 1) for k in range(module.num_layers)] if split else [range(module.num_layers)]
+    finals = []
+    for group in groups:
+        held = tuple(s[group.start * dirs:group.stop * dirs] for s in states)
+        weights = module._flat_weights[group.start * count:group.stop * count]
+        x, *last = _SequenceLengths.apply(module, group.start, len(group), x, lengths, len(held), *held, *weights)
+        finals.append(last)
+        if split and group.stop < module.num_layers:
+            x = F.dropout(x, module.dropout, training=True)
+    return x, *(torch.cat([f[i] for f in finals]) for i in range(len(states)))
 
 
 def _as_onnx_op(module: nn.RNNBase, x: torch.Tensor) -> bool:
     """Whether the legacy exporter is tracing a layer its ONNX op computes: float32 (onnxruntime's recurrent
-    kernels have no double), no projections and no dropout between layers in training (torch's symbolic refuses
-    those)."""
-    return torch.jit.is_tracing() and x.dtype == torch.float32 and not getattr(module, "proj_size", 0) and not (
-        module.dropout and module.training and module.num_layers > 1)
+    kernels have no double) and no projections (torch's symbolic refuses them)."""
+    return torch.jit.is_tracing() and x.dtype == torch.float32 and not getattr(module, "proj_size", 0)
 
 
 def _initial_states(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, ...]:
@@ -239,7 +259,7 @@ def _packed_forward(module: nn.RNNBase, packed: PackedSequence, lengths: torch.T
     x = packed.data
     states = _initial_states(module, x, None if hx is None else module.permute_hidden(hx, packed.sorted_indices))
     if _as_onnx_op(module, x):
-        out, *hidden = _SequenceLengths.apply(module, x, lengths, len(states), *states, *module._flat_weights)
+        out, *hidden = _as_onnx_ops(module, x, lengths, states)
     else:
         out, *hidden = _layers(module, x, lengths, states)
     packed_out = PackedSequence(out, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)

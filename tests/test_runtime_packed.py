@@ -270,3 +270,23 @@ def test_stacked_lstm_with_dropout_trains() -> None:
     with torch.no_grad():
         for g, w in zip(model(x, None), reference(x, None)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_stacked_layers_with_dropout_are_one_op_a_layer(monkeypatch) -> None:
+    """Packed, with dropout between stacked layers in training: one ONNX op a layer, each fed sequence_lens, with
+    F.dropout between (made the identity here, so the values are torch's without dropout); one export serves
+    both padded lengths."""
+    from torch.nn import functional as F
+
+    monkeypatch.setattr(F, "dropout", lambda x, p=0.5, training=True, inplace=False: x)
+    torch.manual_seed(0)
+    reference = Packed(LAYERS["lstm-2-layers-bidirectional"](), True, False, None)
+    model = ORTModule(copy.deepcopy(reference))
+    model.module.layer.dropout = 0.5
+    for x, lengths in _calls(torch.Generator().manual_seed(7), torch.float32):
+        got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(8))
+        want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(8))
+        for g, w in zip(got + got_grads, want + want_grads):
+            torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+    lstms = [n for n in model.training_sessions()[0].source.graph.node if n.op_type == "LSTM"]
+    assert len(lstms) == 2 and all(n.input[4] for n in lstms) and model.stats["exports"] == 1, model.stats
