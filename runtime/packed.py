@@ -267,22 +267,30 @@ def _packed_forward(module: nn.RNNBase, packed: PackedSequence, lengths: torch.T
     return packed_out, module.permute_hidden(tuple(hidden) if lstm else hidden[0], packed.unsorted_indices)
 
 
-def _unrolled_forward(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[Any, Any]:
-    """torch's forward of the layer on a tensor, its steps unrolled: for element types onnxruntime's recurrent
-    kernels lack (they run float32 only; a double LSTM failed at its first run)."""
-    module._update_flat_weights()
-    batched = x.dim() == 3
-    if not batched:  # one sequence: torch adds the batch axis, and takes it away again
-        x = x.unsqueeze(0 if module.batch_first else 1)
-        hx = None if hx is None else tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
-    if module.batch_first:
-        x = x.transpose(0, 1)
-    out, *hidden = _layers(module, x, None, _initial_states(module, x, hx))
-    if module.batch_first:
-        out = out.transpose(0, 1)
-    if not batched:  # select, not squeeze: the legacy exporter writes a squeeze of a run-time size as an If
+def _as_batch(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[torch.Tensor, Any, bool]:
+    """One sequence gets the batch axis torch's forward gives it, and its states theirs; True for a batch."""
+    if x.dim() == 3:
+        return x, hx, True
+    hx = None if hx is None else tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+    return x.unsqueeze(0 if module.batch_first else 1), hx, False
+
+
+def _outputs(module: nn.RNNBase, out: torch.Tensor, hidden: list[torch.Tensor], batched: bool) -> tuple[Any, Any]:
+    """torch's (output, hidden), the batch axis taken away again for one sequence (select, not squeeze: the legacy
+    exporter writes a squeeze of a run-time size as an If)."""
+    if not batched:
         out, hidden = out.select(0 if module.batch_first else 1, 0), [h.select(1, 0) for h in hidden]
     return out, (tuple(hidden) if module.mode == "LSTM" else hidden[0])
+
+
+def _unrolled_forward(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[Any, Any]:
+    """torch's forward of the layer on a tensor, its steps unrolled: for what onnxruntime's recurrent kernels or the
+    exporters lack (element types other than float32, LSTM projections)."""
+    module._update_flat_weights()
+    x, hx, batched = _as_batch(module, x, hx)
+    steps_first = x.transpose(0, 1) if module.batch_first else x
+    out, *hidden = _layers(module, steps_first, None, _initial_states(module, steps_first, hx))
+    return _outputs(module, out.transpose(0, 1) if module.batch_first else out, hidden, batched)
 
 
 _OPS = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
@@ -293,27 +301,19 @@ def _layer_by_layer(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[Any, 
     "dropout in training mode"): each layer through torch's own op (one ONNX op a layer), the dropout between them
     as F.dropout."""
     module._update_flat_weights()
-    batched = x.dim() == 3
-    batch_axis = 0 if module.batch_first else 1
-    if not batched:
-        x = x.unsqueeze(batch_axis)
-        hx = None if hx is None else tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
+    x, hx, batched = _as_batch(module, x, hx)
     states = _initial_states(module, x.transpose(0, 1) if module.batch_first else x, hx)
     dirs = 2 if module.bidirectional else 1
     per = len(module._flat_weights) // module.num_layers
     run = getattr(torch._VF, _OPS[module.mode])
-    lstm = module.mode == "LSTM"
     finals = []
     for layer in range(module.num_layers):
         h = [s[layer * dirs:(layer + 1) * dirs] for s in states]
-        out, *last = run(x, h if lstm else h[0], module._flat_weights[layer * per:(layer + 1) * per], module.bias, 1,
-                         0.0, module.training, module.bidirectional, module.batch_first)
+        out, *last = run(x, h if module.mode == "LSTM" else h[0], module._flat_weights[layer * per:(layer + 1) * per],
+                         module.bias, 1, 0.0, module.training, module.bidirectional, module.batch_first)
         finals.append(last)
         x = out if layer == module.num_layers - 1 else F.dropout(out, module.dropout, training=True)
-    hidden = [torch.cat([f[i] for f in finals]) for i in range(len(states))]
-    if not batched:
-        x, hidden = x.select(batch_axis, 0), [h.select(1, 0) for h in hidden]
-    return x, (tuple(hidden) if lstm else hidden[0])
+    return _outputs(module, x, [torch.cat([f[i] for f in finals]) for i in range(len(states))], batched)
 
 
 def _forward(original: Callable[..., Any]) -> Callable[..., Any]:
