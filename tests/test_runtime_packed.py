@@ -1,4 +1,5 @@
-"""Packed sequences through ORTModule (runtime/packed.py): torch's outputs, last states and gradients, in float64."""
+"""Recurrent layers through ORTModule's export-time rewrites (runtime/packed.py): packed sequences, double, LSTM
+projections and dropout between stacked layers, against torch's outputs, last states and gradients."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ class Packed(nn.Module):
 
 
 def _calls(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of 4 sequences padded to 6 steps: lengths in any order, the longest shorter than the padding
-    (outputs then stop there), one of length 1; then a batch padded to 8 steps."""
+    """Batches of 4 sequences padded to 6 steps, lengths in any order, one of length 1, in the second the longest
+    shorter than the padding (outputs then stop there); then a batch padded to 8 steps."""
     calls = []
     for lengths, steps in (([3, 6, 1, 4], 6), ([2, 5, 5, 1], 6), ([8, 2, 7, 3], 8)):
         x = torch.randn(4, steps, 5, generator=gen, dtype=dtype)
