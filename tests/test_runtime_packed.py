@@ -117,31 +117,6 @@ def test_packed_layers_match_torch(layer: str, initial: bool, enforce_sorted: bo
     assert (kind in ops and ops[kind].input[4] != "") == as_op, sorted(ops)
 
 
-def test_packed_lstm_trains_with_dropout_between_layers() -> None:
-    """Dropout between stacked layers draws other masks than torch's kernel, so only its statistics can match: the
-    module trains and its loss falls, and in eval mode it computes torch's values."""
-    torch.manual_seed(0)
-    reference = Packed(nn.LSTM(5, 7, num_layers=2, dropout=0.5, batch_first=True), False, False, None)
-    model = ORTModule(copy.deepcopy(reference))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    x, lengths = torch.randn(4, 6, 5), torch.tensor([3, 6, 1, 4])
-    target = torch.randn(4, 6, 7)
-    losses = []
-    for _ in range(30):
-        opt.zero_grad()
-        loss = (model(x, lengths)[0] - target).square().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.8 * losses[0]
-    reference.load_state_dict(model.module.state_dict())
-    model.eval()
-    reference.eval()
-    with torch.no_grad():
-        for g, w in zip(model(x, lengths), reference(x, lengths)):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-
-
 class TimeMajor(nn.Module):
     """Time first (the layer's default): the padded length is the inputs' first axis, where the batch usually is."""
 
@@ -249,18 +224,24 @@ def test_stacked_layers_with_dropout_export_one_layer_at_a_time(monkeypatch, lay
     assert ops.count(kind) == 2 and model.stats["exports"] == 1, (ops, model.stats)
 
 
-def test_stacked_lstm_with_dropout_trains() -> None:
-    """torch's word-language-model layers (2 layers, dropout 0.5 between them): the module trains (its dropout
-    draws other masks than torch's kernel, so only the loss can be compared), and in eval mode it is torch's."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_stacked_layers_with_dropout_train(packed: bool) -> None:
+    """torch's word-language-model layers (2 layers, dropout 0.5 between them), packed or not: the module trains
+    (its dropout draws other masks than torch's kernel, so only the loss can be compared), and in eval mode it is
+    torch's."""
     torch.manual_seed(0)
-    reference = Plain(nn.LSTM(5, 7, num_layers=2, dropout=0.5), False)
+    if packed:
+        reference: nn.Module = Packed(nn.LSTM(5, 7, num_layers=2, dropout=0.5, batch_first=True), False, False, None)
+        x, lengths, target = torch.randn(4, 6, 5), torch.tensor([3, 6, 1, 4]), torch.randn(4, 6, 7)
+    else:
+        reference = Plain(nn.LSTM(5, 7, num_layers=2, dropout=0.5), False)
+        x, lengths, target = torch.randn(6, 4, 5), None, torch.randn(6, 4, 7)
     model = ORTModule(copy.deepcopy(reference))
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    x, target = torch.randn(6, 4, 5), torch.randn(6, 4, 7)
     losses = []
     for _ in range(30):
         opt.zero_grad()
-        loss = (model(x, None)[0] - target).square().mean()
+        loss = (model(x, lengths)[0] - target).square().mean()
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -269,7 +250,7 @@ def test_stacked_lstm_with_dropout_trains() -> None:
     model.eval()
     reference.eval()
     with torch.no_grad():
-        for g, w in zip(model(x, None), reference(x, None)):
+        for g, w in zip(model(x, lengths), reference(x, lengths)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
