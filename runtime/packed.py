@@ -216,23 +216,33 @@ class _SequenceLengths(torch.autograd.Function):
                                             batch_first=False, batch_sizes=lens)
 
 
-def _as_onnx_ops(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, states: tuple[torch.Tensor, ...]
-                 ) -> tuple[torch.Tensor, ...]:
-    """The layers as ONNX ops with sequence_lens: all in one, or one a layer with F.dropout between them where
-    dropout applies (torch's symbolic refuses dropout in training)."""
-    count = len(module._flat_weights) // module.num_layers
+_Group = Callable[[torch.Tensor, range, tuple[torch.Tensor, ...], list[torch.Tensor]], tuple[torch.Tensor, ...]]
+
+
+def _by_groups(module: nn.RNNBase, x: torch.Tensor, states: tuple[torch.Tensor, ...], run: _Group
+               ) -> tuple[torch.Tensor, ...]:
+    """The stacked layers through `run` (input, layers, their initial states, their weights -> output and final
+    states): all at once, or one at a time with F.dropout between them where dropout applies in training (torch's
+    symbolic refuses it inside its ops)."""
+    per = len(module._flat_weights) // module.num_layers
     dirs = 2 if module.bidirectional else 1
     split = bool(module.dropout and module.training)
     groups = [range(k, k + 1) for k in range(module.num_layers)] if split else [range(module.num_layers)]
     finals = []
     for group in groups:
         held = tuple(s[group.start * dirs:group.stop * dirs] for s in states)
-        weights = module._flat_weights[group.start * count:group.stop * count]
-        x, *last = _SequenceLengths.apply(module, group.start, len(group), x, lengths, len(held), *held, *weights)
+        x, *last = run(x, group, held, module._flat_weights[group.start * per:group.stop * per])
         finals.append(last)
         if split and group.stop < module.num_layers:
             x = F.dropout(x, module.dropout, training=True)
     return x, *(torch.cat([f[i] for f in finals]) for i in range(len(states)))
+
+
+def _as_onnx_ops(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor, states: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, ...]:
+    """The layers as ONNX ops with sequence_lens (`_by_groups`)."""
+    return _by_groups(module, x, states, lambda x, group, held, weights: _SequenceLengths.apply(
+        module, group.start, len(group), x, lengths, len(held), *held, *weights))
 
 
 def _as_onnx_op(module: nn.RNNBase, x: torch.Tensor) -> bool:
@@ -299,21 +309,18 @@ _OPS = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_r
 def _layer_by_layer(module: nn.RNNBase, x: torch.Tensor, hx: Any) -> tuple[Any, Any]:
     """Stacked layers with dropout between them, in training, under the legacy exporter (its symbolic refuses
     "dropout in training mode"): each layer through torch's own op (one ONNX op a layer), the dropout between them
-    as F.dropout."""
+    as F.dropout (`_by_groups`)."""
     module._update_flat_weights()
     x, hx, batched = _as_batch(module, x, hx)
     states = _initial_states(module, x.transpose(0, 1) if module.batch_first else x, hx)
-    dirs = 2 if module.bidirectional else 1
-    per = len(module._flat_weights) // module.num_layers
-    run = getattr(torch._VF, _OPS[module.mode])
-    finals = []
-    for layer in range(module.num_layers):
-        h = [s[layer * dirs:(layer + 1) * dirs] for s in states]
-        out, *last = run(x, h if module.mode == "LSTM" else h[0], module._flat_weights[layer * per:(layer + 1) * per],
-                         module.bias, 1, 0.0, module.training, module.bidirectional, module.batch_first)
-        finals.append(last)
-        x = out if layer == module.num_layers - 1 else F.dropout(out, module.dropout, training=True)
-    return _outputs(module, x, [torch.cat([f[i] for f in finals]) for i in range(len(states))], batched)
+    op = getattr(torch._VF, _OPS[module.mode])
+
+    def run(x: torch.Tensor, group: range, held: tuple[torch.Tensor, ...], weights: list[torch.Tensor]) -> Any:
+        return op(x, list(held) if module.mode == "LSTM" else held[0], weights, module.bias, len(group), 0.0,
+                  module.training, module.bidirectional, module.batch_first)
+
+    out, *hidden = _by_groups(module, x, states, run)
+    return _outputs(module, out, hidden, batched)
 
 
 def _forward(original: Callable[..., Any]) -> Callable[..., Any]:
