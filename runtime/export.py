@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradbuilder.inference import infer_shapes
 
-from . import accumulation, custom_functions, exchange, scalars, stop_gradients, symbolics
+from . import accumulation, checkpoints, custom_functions, exchange, scalars, stop_gradients, symbolics
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -368,7 +368,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
                           f"wrong for other inputs: {w.message} ({w.filename}:{w.lineno}). ORTModule exports it "
                           "again at new input sizes, the batch's too, and compares", ExportWarning, stacklevel=2)
     flat._result["baked"] = bool(seen)
-    return onnx.load_from_string(buf.getvalue())
+    return checkpoints.tag_regions(onnx.load_from_string(buf.getvalue()))
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
@@ -433,6 +433,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                 _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \
+                checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
                 custom_functions.applied_functions() as applied, _python_draws() as drawn:
             leaves = [t.clone() if t.is_inference() else t for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo

@@ -40,6 +40,10 @@ class SessionLoadError(RuntimeError):
     """onnxruntime refused to create a session for a model."""
 
 
+GRAPH_ORDER = ort.ExecutionOrder.PRIORITY_BASED
+"""The execution order of sessions run in their graph's order (`SessionConfig.graph_order`)."""
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """How every onnxruntime session of one TrainingSession is created."""
@@ -77,6 +81,11 @@ class SessionConfig:
     park_openmp: bool = True
     """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.parked`), so
     that they do not share cores with onnxruntime's threads."""
+    graph_order: bool = False
+    """Run nodes in the graph's order where their inputs allow (onnxruntime's priority-based order: the ready node
+    first in the graph, Shape and Size before all) instead of its default walk back from the outputs, which ran
+    every checkpointed region's recomputation first (`recompute`: 588 MB at the peak of a backward against 196).
+    Backward sessions only."""
     narrow_when_crowded: bool = True
     """A run on more than one thread that finds the machine crowded (more threads running than cores, `openmp.room`)
     runs on a one-thread session of the same graph instead, made when first needed; not for graphs drawing random
@@ -105,6 +114,8 @@ class SessionConfig:
         if self.arena and self.shared_arena and shared_arena():
             so.add_session_config_entry("session.use_env_allocators", "1")
         so.enable_mem_pattern = self.mem_pattern
+        if self.graph_order:
+            so.execution_order = GRAPH_ORDER
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         if self.spin:
             so.add_session_config_entry("session.force_spinning_stop", "1")

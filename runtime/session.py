@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from .exchange import Tensor
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
+from .recompute import recompute_checkpointed
 
 ModelLike = onnx.ModelProto | str | os.PathLike | bytes
 
@@ -195,6 +196,7 @@ class TrainingSession:
         source = lowering.source(source, config, rows)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
         if config.shrink:
+            recompute_checkpointed(training)
             passes.shrink_stash(training)
         self = cls.__new__(cls)
         self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir, rows)
@@ -532,7 +534,8 @@ class TrainingSession:
         runner = None
         if grads and program.manifest.backward_outputs:
             lowered = lowering.backward(program.backward, arrays, self.config, self.rows)
-            runner = Runner(lowered, self.config, "backward", BACKWARD_DISABLED_OPTIMIZERS)
+            runner = Runner(lowered, replace(self.config, graph_order=True), "backward",
+                            BACKWARD_DISABLED_OPTIMIZERS)
         return _Backward(program, runner, grads, consts, specialised)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]

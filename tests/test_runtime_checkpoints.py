@@ -1,0 +1,183 @@
+"""torch's activation checkpointing through ORTModule (runtime/checkpoints.py, runtime/recompute.py): the same
+outputs and gradients as torch, and a stash holding the checkpointed regions' inputs instead of their activations,
+as torch's saved tensors do."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
+
+from benchmarks.measure import ort_stash_bytes, torch_saved_bytes
+from runtime import ORTModule
+from runtime.checkpoints import OP_TYPE
+from runtime.recompute import region
+
+Wrap = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+WRAPS: dict[str, Wrap | None] = {
+    "non-reentrant": lambda block, x: checkpoint(block, x, use_reentrant=False),
+    "reentrant": lambda block, x: checkpoint(block, x, use_reentrant=True),
+    "none": None,
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, p: float = 0.0):
+        super().__init__()
+        self.norm, self.up, self.down, self.p = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(3 * d, d), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(self.norm(x)), approximate="tanh")
+        return x + F.dropout(self.down(torch.tanh(h) * h), self.p, self.training)
+
+
+class Stack(nn.Module):
+    """Checkpointed residual blocks between a projection (so that the first region's input requires grad, as the
+    reentrant checkpoint needs) and a head."""
+
+    def __init__(self, wrap: Wrap | None, d: int = 16, depth: int = 3, p: float = 0.0):
+        super().__init__()
+        self.wrap = wrap
+        self.embed, self.head = nn.Linear(5, d), nn.Linear(d, 3)
+        self.blocks = nn.ModuleList([Block(d, p) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h) if self.wrap is None else self.wrap(block, h)
+        return self.head(h)
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    (out.square().mean() + out[..., 0].sum()).backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+def _matches_torch(make: Callable[[], nn.Module], x: torch.Tensor, tol: float) -> ORTModule:
+    torch.manual_seed(0)
+    reference = make()
+    model = ORTModule(copy.deepcopy(reference))
+    for _ in range(2):  # the export's step, then a step on the built sessions
+        want, want_grads = _step(reference, x)
+        got, got_grads = _step(model, x)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert (g is None) == (w is None)
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
+def test_checkpointed_blocks_match_torch_and_stash_what_torch_saves(kind: str) -> None:
+    x = torch.randn(4, 6, 5, dtype=torch.float64)
+    model = _matches_torch(lambda: Stack(WRAPS[kind]).double(), x, 1e-10)
+    torch.manual_seed(0)
+    reference = Stack(WRAPS[kind]).double()
+    plain = ORTModule(Stack(None).double())
+    _step(plain, x)
+    stash, saved, unmarked = ort_stash_bytes(model, (x,)), torch_saved_bytes(reference, (x,)), ort_stash_bytes(
+        plain, (x,))
+    assert stash <= saved, (stash, saved)
+    assert stash * 3 < unmarked, (stash, unmarked)
+
+
+def test_checkpoint_sequential_matches_torch() -> None:
+    class Sequential(Stack):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint_sequential(nn.Sequential(*self.blocks), 2, self.embed(x), use_reentrant=False))
+
+    _matches_torch(lambda: Sequential(None).double(), torch.randn(3, 4, 5, dtype=torch.float64), 1e-10)
+
+
+def test_nested_regions_and_a_region_output_returned() -> None:
+    class Nested(Stack):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def pair(h: torch.Tensor) -> torch.Tensor:
+                return checkpoint(self.blocks[1], self.blocks[0](h), use_reentrant=False)
+
+            h = checkpoint(pair, self.embed(x), use_reentrant=False)
+            last = checkpoint(self.blocks[2], h, use_reentrant=False)
+            return self.head(h) + self.head(last), last
+
+    torch.manual_seed(0)
+    reference = Nested(None).double()
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    for m in (reference, model):
+        out, last = m(x)
+        (out.square().sum() + last.sum()).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_the_export_tags_each_region_and_drops_the_markers(tmp_path: Path) -> None:
+    model = ORTModule(Stack(WRAPS["non-reentrant"], depth=3), save_onnx=tmp_path)
+    _step(model, torch.randn(2, 3, 5))
+    exported = onnx.load(next(tmp_path.glob("*/exported.onnx")))
+    assert not [n for n in exported.graph.node if n.op_type == OP_TYPE]
+    tags = [region(n) for n in exported.graph.node]
+    assert sorted({t for t in tags if t is not None}) == [0, 1, 2]
+    assert not any(region(n) is not None for n in exported.graph.node if "embed" in n.name or "head" in n.name)
+
+
+def test_a_reentrant_checkpoint_of_inputs_without_grad_gives_no_gradients_inside() -> None:
+    """torch runs it under no_grad, so nothing inside gets a gradient (with a warning); ORTModule does the same."""
+    class Frozen(Stack):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.blocks[0], x @ torch.ones(5, 16, dtype=x.dtype), use_reentrant=True))
+
+    with pytest.warns(UserWarning, match="requires_grad"):
+        model = _matches_torch(lambda: Frozen(None).double(), torch.randn(2, 3, 5, dtype=torch.float64), 1e-10)
+    assert all(p.grad is None for p in model.module.blocks[0].parameters())
+
+
+def test_selective_checkpointing_is_left_to_a_plain_export() -> None:
+    """A `context_fn` picks which ops torch saves: not a region to recompute whole; the module still trains."""
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> bool:
+        return op is torch.ops.aten.mm.default
+
+    def selective(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(block, x, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+    _matches_torch(lambda: Stack(selective).double(), torch.randn(2, 3, 5, dtype=torch.float64), 1e-10)
+
+
+def test_a_dropout_inside_a_region_is_not_drawn_again() -> None:
+    """Backward recomputes tanh(dropout(x * w)) from the forward's mask: with y = 1.5 tanh(2 x w m) (m the mask),
+    the gradient of sum(c * y) with respect to w is sum(c * 1.5 (1 - (y / 1.5)^2) * 2 x [y != 0]), taken over the
+    forward's own y. A mask drawn again would give another."""
+    class Dropped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.rand(64) + 0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(lambda h: torch.tanh(F.dropout(h * self.w, 0.5, self.training)) * 1.5, x,
+                              use_reentrant=False)
+
+    model = ORTModule(Dropped())
+    x, c = torch.rand(32, 64) + 0.5, torch.randn(32, 64)
+    for _ in range(3):
+        model.module.w.grad = None
+        y = model(x)
+        (y * c).sum().backward()
+        assert 0.3 < (y == 0).float().mean() < 0.7
+        want = (c * 1.5 * (1 - (y / 1.5).square()) * 2 * x * (y != 0)).sum(0)
+        torch.testing.assert_close(model.module.w.grad, want, rtol=1e-5, atol=1e-5)
+    (backward,) = model.training_sessions()[0]._backwards.values()
+    ops = [(n.op_type, n.name) for n in backward.program.backward.graph.node]
+    assert any(op == "Tanh" and "__recomputed" in name for op, name in ops)
+    assert not any(op == "Dropout" for op, _ in ops)
