@@ -280,7 +280,7 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
             return True
         if n.op_type == "Dropout":  # its output again from its input and the mask backward keeps anyway
             inputs = [n.input[0]] if name == n.output[0] and len(n.output) > 1 and n.output[1] in stash \
-                and dropout_ratio(n) is not None else None
+                and rebuildable_dropout(n, consts, opset) is not None else None
         else:
             inputs = list(n.input) if n.op_type in POINTWISE and len(n.output) == 1 else None
         if inputs is None:
@@ -321,10 +321,6 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
             chain.append(name)
         return ok
 
-    def dropout_ratio(n: onnx.NodeProto) -> float | None:
-        ratio = training_ratio(n, consts) if opset >= 15 else None
-        return ratio if ratio is not None and ratio < 1.0 else None
-
     changed = True
     while changed:  # a view kept for another can make a Shape its target reads available: try again
         changed = False
@@ -339,47 +335,124 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     wanted = [x for n in nodes[y + 1:] for x in n.input if x in maker and x not in module_reads]
     if not wanted:
         return []
+    backward, copied = copied_into_backward(g, nodes, y, {x: n for x, n in maker.items() if x not in module_reads})
+    forward = drop_dead(nodes[:y], [nodes[y], *backward], {o.name for o in g.output})
+    del g.node[:]
+    g.node.extend([*forward, nodes[y], *backward])
+    return copied
+
+
+def rebuildable_dropout(node: onnx.NodeProto, consts: Mapping[str, np.ndarray], opset: int) -> float | None:
+    """The ratio of a Dropout whose output backward can make again from its input and mask: in training mode with a
+    known ratio below 1, at opset 15+ (below, `training_mode` is not an input)."""
+    ratio = training_ratio(node, consts) if opset >= 15 else None
+    return ratio if ratio is not None and ratio < 1.0 else None
+
+
+def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int,
+                         makers: Mapping[str, onnx.NodeProto], *, feeds_wait: bool = False
+                         ) -> tuple[list[onnx.NodeProto], list[str]]:
+    """The backward nodes (`nodes` after the Yield at `y`) with what `makers` makes copied in where they read it: each
+    group of copies right before its first reader, after the copies of the `makers` tensors it reads, and waiting
+    (`waiting_for`) for a backward tensor that reader reads, so that onnxruntime does not run every group first and hold
+    all they make at once. Copies wait where they read the forward's tensors; those that read only feeds (a parameter's
+    Transpose) only with `feeds_wait` (a checkpointed region after the module's input): the nodes waiting adds cost a
+    small model's step more than the bytes they hold. A Dropout (its output in `makers`) is rebuilt from its input and
+    the mask backward keeps (`dropout_output`; `rebuildable_dropout`). Readers are rewired to the copies. Returns the
+    new backward nodes and the tensors backward first read that it now makes itself."""
     taken = names_in_use(g)
-    rename: dict[str, str] = {}
-    copies: list[onnx.NodeProto] = []
+    consts = constant_values(g)
+    initializers = {t.name for t in g.initializer}
+    waits = {o for n in nodes[:y] for o in n.output if o}
+    if feeds_wait:
+        waits |= {i.name for i in g.input} - initializers
     # the float type backward already casts each Dropout mask to (the Dropout rule's Cast): a recomputed output
     # casting the same way shares that Cast once onnxruntime merges equal nodes
     mask_types = {n.input[0]: a.i for n in nodes[y + 1:] if n.op_type == "Cast" and not n.domain
                   for a in n.attribute if a.name == "to" and a.i in FLOATS}
+    rename: dict[str, str] = {}
 
-    def copy(name: str) -> str:
-        if name in rename or name not in maker:
-            return rename.get(name, name)
-        src = maker[name]
-        if src.op_type == "Dropout":
-            rename[name] = fresh_name(f"{name}__remat", taken)
-            copies.extend(dropout_output(copy(src.input[0]), src.output[1], dropout_ratio(src) or 0.0, rename[name], g,
-                                  taken, mask_types.get(src.output[1])))
-            return rename[name]
-        for x in src.input:
-            copy(x)
-        clone = onnx.NodeProto()
-        clone.CopyFrom(src)
-        clone.name = fresh_name(f"{src.name or src.op_type}__remat", taken)
-        for i, x in enumerate(clone.input):
-            clone.input[i] = rename.get(x, x)
-        for i, o in enumerate(clone.output):
-            if o:
-                rename[o] = clone.output[i] = fresh_name(f"{o}__remat", taken)
-        copies.append(clone)
-        return rename[name]
+    def copy(name: str, out: list[onnx.NodeProto]) -> None:
+        stack = [(name, False)]
+        while stack:
+            x, ready = stack.pop()
+            if x in rename:
+                continue
+            src = makers[x]
+            dropout = src.op_type == "Dropout" and not src.domain
+            sources = [src.input[0]] if dropout else [i for i in src.input if i]
+            if not ready:
+                stack.append((x, True))
+                stack.extend((i, False) for i in sources if i in makers and i not in rename)
+            elif dropout:
+                rename[x] = fresh_name(f"{x}__remat", taken)
+                mask = src.output[1]
+                ratio = training_ratio(src, consts) or 0.0
+                out.extend(dropout_output(rename.get(src.input[0], src.input[0]), mask, ratio, rename[x], g, taken,
+                                          mask_types.get(mask)))
+            else:
+                clone = onnx.NodeProto()
+                clone.CopyFrom(src)
+                del clone.metadata_props[:]
+                clone.name = fresh_name(f"{src.name or src.op_type}__remat", taken)
+                for i, v in enumerate(clone.input):
+                    clone.input[i] = rename.get(v, v)
+                for i, o in enumerate(clone.output):
+                    if o:
+                        rename[o] = clone.output[i] = fresh_name(f"{o}__remat", taken)
+                out.append(clone)
 
-    for x in dict.fromkeys(wanted):
-        copy(x)
-    backward = nodes[y + 1:]
-    for n in backward:
+    backward: list[onnx.NodeProto] = []
+    copied: list[str] = []
+    produced: set[str] = set()
+    latest = ""
+    for n in nodes[y:]:
+        group: list[onnx.NodeProto] = []
+        for x in n.input:
+            if x in makers and x not in rename:
+                copied.append(x)
+                copy(x, group)
+        if group:
+            anchor = next((x for x in n.input if x in produced), latest)
+            earlier = set(rename.values()) - {o for c in group for o in c.output}
+            backward.extend(waiting_for(group, anchor, earlier, waits, taken) if anchor else group)
+        if n is not nodes[y]:
+            backward.append(n)
         for i, x in enumerate(n.input):
             if x in rename:
                 n.input[i] = rename[x]
-    forward = drop_dead(nodes[:y], [nodes[y], *copies, *backward], {o.name for o in g.output})
-    del g.node[:]
-    g.node.extend([*forward, nodes[y], *copies, *backward])
-    return [x for x in dict.fromkeys(wanted)]
+        latest = next((o for o in reversed(n.output) if o), latest)
+        produced.update(n.output)
+    return backward, copied
+
+
+def waiting_for(group: list[onnx.NodeProto], anchor: str, copies: set[str], waits: set[str], taken: set[str]
+                ) -> list[onnx.NodeProto]:
+    """`group` made to wait for `anchor`. onnxruntime's default order walks back from the graph's outputs and ran every
+    checkpointed region's recomputation first (a stack of 8 checkpointed MLP blocks: 588 MB at the backward's peak
+    against 196); its priority-based order (`SessionConfig.graph_order`) takes the ready node first in the graph, but
+    the nodes its optimizers make come last. So each copy that reads no waiting copy reads its first input in `waits`
+    through a Reshape to that input's own shape joined with an empty slice of `anchor`'s values: a view, no copy, and a
+    data dependency on the backward tensor the group's first reader reads (a slice of `anchor`'s shape would not do:
+    onnxruntime folds the Shape of a tensor of static shape to a constant)."""
+    emit = Nodes(f"{anchor}__wait", taken)
+    empty = ""
+    waited: dict[str, str] = {}
+    waiting = set(copies)  # the copies made after their own anchor, and those of this group that wait
+    for c in group:
+        if not any(x in waiting for x in c.input):
+            k = next((k for k, x in enumerate(c.input) if x in waits), -1)
+            if k < 0:
+                continue
+            x = c.input[k]
+            if not empty:
+                flat = emit("Reshape", anchor, emit.axes([-1]))
+                empty = emit("Cast", emit("Slice", flat, emit.axes([0]), emit.axes([0])), to=TensorProto.INT64)
+            if x not in waited:
+                waited[x] = emit("Reshape", x, emit("Concat", emit("Shape", x), empty, axis=0))
+            c.input[k] = waited[x]
+        waiting.update(c.output)
+    return [*emit.nodes, *group]
 
 
 def training_ratio(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> float | None:

@@ -484,7 +484,7 @@ class TrainingSession:
                                   arrays, list(grads.values()))
         if model is None:
             return None
-        runner = lowering.fused_runner(model, backward, self.config, self._fwd)
+        runner = lowering.fused_runner(model, backward, replace(self.config, graph_order=True), self._fwd)
         self._fused = _Fused(runner, [o.name for o in model.graph.output], list(grads), runner.draws_random)
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")

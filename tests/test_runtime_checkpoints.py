@@ -179,5 +179,5 @@ def test_a_dropout_inside_a_region_is_not_drawn_again() -> None:
         torch.testing.assert_close(model.module.w.grad, want, rtol=1e-5, atol=1e-5)
     (backward,) = model.training_sessions()[0]._backwards.values()
     ops = [(n.op_type, n.name) for n in backward.program.backward.graph.node]
-    assert any(op == "Tanh" and "__recomputed" in name for op, name in ops)
+    assert any(op == "Tanh" and "__remat" in name for op, name in ops)
     assert not any(op == "Dropout" for op, _ in ops)
