@@ -161,11 +161,11 @@ def names_in_use(graph: onnx.GraphProto) -> set[str]:
             {t.name for t in graph.initializer})
 
 
-def shrink_stash(training: onnx.ModelProto) -> None:
-    """Make backward keep fewer bytes from forward, in place: `relu_dropout_masks`, `rematerialize`, then
-    `hoist_masks`."""
+def shrink_stash(training: onnx.ModelProto, wait: bool = False) -> None:
+    """Make backward keep fewer bytes from forward, in place: `relu_dropout_masks`, `rematerialize` (its copies made
+    to `wait` for their readers' inputs: `copied_into_backward`), then `hoist_masks`."""
     relu_dropout_masks(training)
-    rematerialize(training)
+    rematerialize(training, wait)
     hoist_masks(training)
 
 
@@ -235,7 +235,7 @@ def _is_zero(value: np.ndarray | None) -> bool:
     return value is not None and value.size == 1 and not value.any()
 
 
-def rematerialize(training: onnx.ModelProto) -> list[str]:
+def rematerialize(training: onnx.ModelProto, wait: bool = False) -> list[str]:
     """Backward recomputes instead of reading from the stash: (1) cheap functions (`CHEAP` ops) of graph inputs
     and initializers, such as a flattened input or a transposed weight: feeds are kept by the caller anyway,
     and onnxruntime can fuse the forward's Transpose into its MatMul once the transposed weight is no longer
@@ -335,7 +335,8 @@ def rematerialize(training: onnx.ModelProto) -> list[str]:
     wanted = [x for n in nodes[y + 1:] for x in n.input if x in maker and x not in module_reads]
     if not wanted:
         return []
-    backward, copied = copied_into_backward(g, nodes, y, {x: n for x, n in maker.items() if x not in module_reads})
+    backward, copied = copied_into_backward(g, nodes, y, {x: n for x, n in maker.items() if x not in module_reads},
+                                            wait=wait)
     forward = drop_dead(nodes[:y], [nodes[y], *backward], {o.name for o in g.output})
     del g.node[:]
     g.node.extend([*forward, nodes[y], *backward])
@@ -350,22 +351,19 @@ def rebuildable_dropout(node: onnx.NodeProto, consts: Mapping[str, np.ndarray], 
 
 
 def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int,
-                         makers: Mapping[str, onnx.NodeProto], *, feeds_wait: bool = False
+                         makers: Mapping[str, onnx.NodeProto], *, wait: bool = False
                          ) -> tuple[list[onnx.NodeProto], list[str]]:
     """The backward nodes (`nodes` after the Yield at `y`) with what `makers` makes copied in where they read it: each
-    group of copies right before its first reader, after the copies of the `makers` tensors it reads, and waiting
-    (`waiting_for`) for a backward tensor that reader reads, so that onnxruntime does not run every group first and hold
-    all they make at once. Copies wait where they read the forward's tensors; those that read only feeds (a parameter's
-    Transpose) only with `feeds_wait` (a checkpointed region after the module's input): the nodes waiting adds cost a
-    small model's step more than the bytes they hold. A Dropout (its output in `makers`) is rebuilt from its input and
-    the mask backward keeps (`dropout_output`; `rebuildable_dropout`). Readers are rewired to the copies. Returns the
-    new backward nodes and the tensors backward first read that it now makes itself."""
+    group of copies right before its first reader, after the copies of the `makers` tensors it reads; with `wait`,
+    each group waits (`waiting_for`) for a backward tensor its reader reads, so that onnxruntime, running the graph in
+    its order (`SessionConfig.graph_order`), does not run every group first and hold all they make at once. A Dropout
+    (its output in `makers`) is rebuilt from its input and the mask backward keeps (`dropout_output`;
+    `rebuildable_dropout`). Readers are rewired to the copies. Returns the new backward nodes and the tensors backward
+    first read that it now makes itself."""
     taken = names_in_use(g)
     consts = constant_values(g)
-    initializers = {t.name for t in g.initializer}
-    waits = {o for n in nodes[:y] for o in n.output if o}
-    if feeds_wait:
-        waits |= {i.name for i in g.input} - initializers
+    waits = {o for n in nodes[:y] for o in n.output if o} | {i.name for i in g.input} if wait else set()
+    waits -= {t.name for t in g.initializer}
     # the float type backward already casts each Dropout mask to (the Dropout rule's Cast): a recomputed output
     # casting the same way shares that Cast once onnxruntime merges equal nodes
     mask_types = {n.input[0]: a.i for n in nodes[y + 1:] if n.op_type == "Cast" and not n.domain
@@ -415,7 +413,7 @@ def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int
         if group:
             anchor = next((x for x in n.input if x in produced), latest)
             earlier = set(rename.values()) - {o for c in group for o in c.output}
-            backward.extend(waiting_for(group, anchor, earlier, waits, taken) if anchor else group)
+            backward.extend(waiting_for(group, anchor, earlier, waits, taken) if anchor and wait else group)
         if n is not nodes[y]:
             backward.append(n)
         for i, x in enumerate(n.input):

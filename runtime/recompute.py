@@ -71,7 +71,7 @@ def recompute_checkpointed(training: onnx.ModelProto) -> list[str]:
     makers = {x: nodes[k] for x, k in made.items() if inside(x)}
     if not makers:
         return []
-    backward, copied = copied_into_backward(g, nodes, y, makers, feeds_wait=True)
+    backward, copied = copied_into_backward(g, nodes, y, makers, wait=True)
     del g.node[:]
     g.node.extend([*nodes[:y + 1], *backward])
     return copied

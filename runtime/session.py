@@ -195,11 +195,12 @@ class TrainingSession:
         config = config or SessionConfig(threads=threads)
         source = lowering.source(source, config, rows)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
+        recomputes = bool(recompute_checkpointed(training)) if config.shrink else False
         if config.shrink:
-            recompute_checkpointed(training)
-            passes.shrink_stash(training)
+            passes.shrink_stash(training, wait=recomputes)
         self = cls.__new__(cls)
         self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir, rows)
+        self._in_graph_order = recomputes
         return self
 
     @classmethod
@@ -224,6 +225,9 @@ class TrainingSession:
         self.spec = spec
         self.full = full
         self.config = config
+        self._in_graph_order = False
+        """Whether backward runs in graph order (`SessionConfig.graph_order`): where it recomputes checkpointed
+        regions, which onnxruntime's default order would all run first."""
         self.specialise = specialise
         self.save_dir = Path(save_dir) if save_dir is not None else None
         man = full.manifest
@@ -484,7 +488,7 @@ class TrainingSession:
                                   arrays, list(grads.values()))
         if model is None:
             return None
-        runner = lowering.fused_runner(model, backward, replace(self.config, graph_order=True), self._fwd)
+        runner = lowering.fused_runner(model, backward, self._backward_config(), self._fwd)
         self._fused = _Fused(runner, [o.name for o in model.graph.output], list(grads), runner.draws_random)
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
@@ -528,14 +532,16 @@ class TrainingSession:
                 self._save(program, "_" + "_".join(str(i) for i in sorted(given)))
         return self._backward(program, program.gradients, specialised=specialised)
 
+    def _backward_config(self) -> SessionConfig:
+        return replace(self.config, graph_order=True) if self._in_graph_order else self.config
+
     def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool) -> _Backward:
         arrays = _backward_constants(program)
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner = None
         if grads and program.manifest.backward_outputs:
             lowered = lowering.backward(program.backward, arrays, self.config, self.rows)
-            runner = Runner(lowered, replace(self.config, graph_order=True), "backward",
-                            BACKWARD_DISABLED_OPTIMIZERS)
+            runner = Runner(lowered, self._backward_config(), "backward", BACKWARD_DISABLED_OPTIMIZERS)
         return _Backward(program, runner, grads, consts, specialised)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]
