@@ -20,6 +20,7 @@ from .passes import constant_values, copied_into_backward, has_subgraph, rebuild
 
 KEY = "gradbuilder.checkpoint"
 """The node metadata key holding the number of the checkpointed region a forward node belongs to."""
+SHAPE_READERS = frozenset({"Shape", "Size"})
 RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
                     "Multinomial"})
 
@@ -53,6 +54,8 @@ def recompute_checkpointed(training: onnx.ModelProto) -> list[str]:
     made = {o: k for k, n in enumerate(nodes[:y]) for o in n.output if o}
     escaping = set(nodes[y].input) | {o.name for o in g.output}
     for k, n in enumerate(nodes[:y]):
+        if n.op_type in SHAPE_READERS and not n.domain:  # the builder's Shapes for backward read no values
+            continue
         for x in [*n.input, *subgraph_free_names(n)]:
             if x in made and made[x] in regions and regions[made[x]] != regions.get(k):
                 escaping.add(x)

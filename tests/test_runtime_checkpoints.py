@@ -181,3 +181,31 @@ def test_a_dropout_inside_a_region_is_not_drawn_again() -> None:
     ops = [(n.op_type, n.name) for n in backward.program.backward.graph.node]
     assert any(op == "Tanh" and "__remat" in name for op, name in ops)
     assert not any(op == "Dropout" for op, _ in ops)
+
+
+def test_hugging_face_gradient_checkpointing_stashes_what_torch_saves() -> None:
+    """Hugging Face binds torch's `checkpoint` in a `functools.partial` before ORTModule exists (reentrant, as its
+    default); its attention's backward reads shapes the builder takes in the forward, which must not keep the
+    regions' activations."""
+    pytest.importorskip("transformers")
+    from zoo_models import CASES
+
+    case = CASES["hf-bert-checkpointing"]
+
+    class Loss(nn.Module):
+        def __init__(self, model: nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+                    ) -> torch.Tensor:
+            return case.loss(self.model, {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
+
+    torch.manual_seed(0)
+    reference = Loss(case.make()).train()
+    (batch,) = case.batches(1)
+    args = (batch["input_ids"], batch["attention_mask"], batch["labels"])
+    model = ORTModule(copy.deepcopy(reference))
+    model(*args).backward()
+    stash, saved = ort_stash_bytes(model, args), torch_saved_bytes(reference, args)
+    assert stash <= saved, (stash, saved)
