@@ -9,15 +9,16 @@ number (`recompute.KEY` in the node's metadata) and the markers removed. `recomp
 copies a region's nodes into backward where backward reads what they made, so the stash keeps the region's inputs
 instead, as torch's does.
 
-A reentrant checkpoint of inputs none of which requires grad gives no gradients inside (torch computes it under
-no_grad): it is exported as torch defines it, unmarked. So are calls with a `context_fn` (selective
-checkpointing: which ops to save is torch's policy, not a region's) and every call under the dynamo exporter,
-whose graph cannot carry the markers (its checkpointed models train, keeping their activations).
+Under the dynamo exporter the marker is a torch custom op (`gradbuilder::checkpoint_boundary`, a copy in eager
+runs) translated to the same ONNX op (`translations`). A reentrant checkpoint of inputs none of which requires grad
+gives no gradients inside (torch computes it under no_grad): it is exported as torch defines it, unmarked. So are
+calls with a `context_fn` (selective checkpointing: which ops to save is torch's policy, not a region's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import onnx
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from onnx import defs
 from torch.utils import _pytree as pytree
 
 from gradbuilder.yield_op import DOMAIN
@@ -52,12 +54,58 @@ class _Boundary(torch.autograd.Function):
         return out
 
 
-def _marked(tree: Any, region: int, side: str) -> Any:
-    return pytree.tree_map_only(torch.Tensor, lambda t: _Boundary.apply(t, region, side)
-                                if t.is_floating_point() else t, tree)
+@torch.library.custom_op("gradbuilder::checkpoint_boundary", mutates_args=())
+def _boundary_op(x: torch.Tensor, region: int, side: str) -> torch.Tensor:
+    """The marker under torch.export, which keeps custom ops whole (a custom op may not return its input)."""
+    return x.clone()
 
 
-def _marking(original: Any, counter: Iterator[int]) -> Any:
+_boundary_op.register_fake(lambda x, region, side: torch.empty_like(x))
+_boundary_op.register_autograd(lambda ctx, dy: (dy, None, None))
+
+
+def _register_schema() -> None:
+    """onnx's schema for the marker, which onnxscript needs to write it: the identity, with the region's number and
+    side as attributes."""
+    try:
+        defs.get_schema(OP_TYPE, 1, DOMAIN)
+        return
+    except defs.SchemaError:
+        pass
+    identity = defs.get_schema("Identity", defs.onnx_opset_version())
+    types = sorted({t for c in identity.type_constraints for t in c.allowed_type_strs if t.startswith("tensor(")})
+    attribute = defs.OpSchema.Attribute
+    schema = defs.OpSchema(OP_TYPE, DOMAIN, 1, "The identity, marking an input or output of a checkpointed region.",
+                           inputs=[defs.OpSchema.FormalParameter("input", "T")],
+                           outputs=[defs.OpSchema.FormalParameter("output", "T")],
+                           type_constraints=[("T", types, "any tensor type")],
+                           attributes=[attribute("region", defs.OpSchema.AttrType.INT, "the region's number"),
+                                       attribute("side", defs.OpSchema.AttrType.STRING, "in or out")])
+    schema.set_type_and_shape_inference_function(identity.get_type_and_shape_inference_function())
+    defs.register_schema(schema)
+
+
+@functools.cache
+def translations() -> dict[Any, Any]:
+    """The dynamo exporter's translation of the marker (its `custom_translation_table`). onnxscript loads here,
+    not with the runtime (half a second)."""
+    from onnxscript import values
+
+    _register_schema()
+    opset = values.Opset(DOMAIN, 1)
+
+    def translate(x: Any, region: int, side: str) -> Any:
+        return getattr(opset, OP_TYPE)(x, region=region, side=side)
+
+    return {torch.ops.gradbuilder.checkpoint_boundary.default: translate}
+
+
+def _marked(tree: Any, region: int, side: str, legacy: bool) -> Any:
+    mark = _Boundary.apply if legacy else torch.ops.gradbuilder.checkpoint_boundary
+    return pytree.tree_map_only(torch.Tensor, lambda t: mark(t, region, side) if t.is_floating_point() else t, tree)
+
+
+def _marking(original: Any, counter: Iterator[int], legacy: bool) -> Any:
     """`checkpoint` as the export sees it: the function called plainly between markers, or torch's own where its
     semantics differ from a plain call (see the module docstring)."""
 
@@ -74,24 +122,24 @@ def _marking(original: Any, counter: Iterator[int]) -> Any:
         if reentrant and kwargs:
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))  # as torch's own check
         region = next(counter)
-        return _marked(function(*_marked(args, region, "in"), **kwargs), region, "out")
+        return _marked(function(*_marked(args, region, "in", legacy), **kwargs), region, "out", legacy)
 
     return checkpoint
 
 
 @contextlib.contextmanager
 def exportable_checkpoints(legacy: bool) -> Iterator[None]:
-    """Checkpointed calls marked while the block lasts (the legacy export, under its lock). torch's `checkpoint`
+    """Checkpointed calls marked while the block lasts (an export, under its lock). torch's `checkpoint`
     is a dynamo-disabling wrapper around the function it calls (`fn`, a closure cell): that cell is swapped, so
     that references taken before the export (Hugging Face's `functools.partial(checkpoint, ...)`) see it too."""
     wrapper = torch_checkpoint.checkpoint
     cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or ()))
     cell = cells.get("fn")
-    if not legacy or cell is None or not callable(cell.cell_contents):
+    if cell is None or not callable(cell.cell_contents):
         yield
         return
     original = cell.cell_contents
-    marking = _marking(original, itertools.count())
+    marking = _marking(original, itertools.count(), legacy)
     marking.__dynamo_disable = marking  # type: ignore[attr-defined] # the wrapper's cache of its disabled fn
     cell.cell_contents = marking
     try:

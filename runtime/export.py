@@ -385,9 +385,10 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
-                                    input_names=names, dynamic_shapes=(dims,), verbose=False)
+                                    input_names=names, dynamic_shapes=(dims,), verbose=False,
+                                    custom_translation_table=checkpoints.translations())
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
-    model = program.model_proto  # type: ignore[union-attr]
+    model = checkpoints.tag_regions(program.model_proto)  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model

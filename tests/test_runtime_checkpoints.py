@@ -1,11 +1,12 @@
 """torch's activation checkpointing through ORTModule (runtime/checkpoints.py, runtime/recompute.py): the same
 outputs and gradients as torch, and a stash holding the checkpointed regions' inputs instead of their activations,
-as torch's saved tensors do."""
+as torch's saved tensors do. Under the legacy exporter, and under dynamo for one case (`GRADBUILDER_SLOW=1`: both)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from benchmarks.measure import ort_stash_bytes, torch_saved_bytes
 from runtime import ORTModule
 from runtime.checkpoints import OP_TYPE
 from runtime.recompute import region
+
+SLOW = [pytest.mark.slow,
+        pytest.mark.skipif(os.environ.get("GRADBUILDER_SLOW") != "1", reason="dynamo export; set GRADBUILDER_SLOW=1")]
 
 Wrap = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 WRAPS: dict[str, Wrap | None] = {
@@ -64,10 +68,11 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
     return out.detach(), [p.grad for p in model.parameters()]
 
 
-def _matches_torch(make: Callable[[], nn.Module], x: torch.Tensor, tol: float) -> ORTModule:
+def _matches_torch(make: Callable[[], nn.Module], x: torch.Tensor, tol: float, exporter: str = "torchscript"
+                   ) -> ORTModule:
     torch.manual_seed(0)
     reference = make()
-    model = ORTModule(copy.deepcopy(reference))
+    model = ORTModule(copy.deepcopy(reference), exporter=exporter)
     for _ in range(2):  # the export's step, then a step on the built sessions
         want, want_grads = _step(reference, x)
         got, got_grads = _step(model, x)
@@ -79,10 +84,12 @@ def _matches_torch(make: Callable[[], nn.Module], x: torch.Tensor, tol: float) -
     return model
 
 
-@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
-def test_checkpointed_blocks_match_torch_and_stash_what_torch_saves(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "exporter"), [
+    ("non-reentrant", "torchscript"), ("reentrant", "torchscript"), ("non-reentrant", "dynamo"),
+    pytest.param("reentrant", "dynamo", marks=SLOW)])
+def test_checkpointed_blocks_match_torch_and_stash_what_torch_saves(kind: str, exporter: str) -> None:
     x = torch.randn(4, 6, 5, dtype=torch.float64)
-    model = _matches_torch(lambda: Stack(WRAPS[kind]).double(), x, 1e-10)
+    model = _matches_torch(lambda: Stack(WRAPS[kind]).double(), x, 1e-10, exporter)
     torch.manual_seed(0)
     reference = Stack(WRAPS[kind]).double()
     plain = ORTModule(Stack(None).double())
