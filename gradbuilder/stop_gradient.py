@@ -8,7 +8,7 @@ does the same for a forward model run without a split.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import onnx
 from onnx import defs, helper
@@ -18,25 +18,24 @@ from .yield_op import DOMAIN
 OP_TYPE = "StopGradient"
 
 
-def _register_schema() -> None:
-    """onnx's schema for the op, typed as Identity: so the checker accepts it and shape inference types (and
-    sizes) its output, which the rules after it read."""
+def register_identity_schema(op_type: str, doc: str, attributes: Sequence[defs.OpSchema.Attribute] = ()) -> None:
+    """onnx's schema for an op of gradbuilder's domain typed as Identity (once): so the checker accepts it, shape
+    inference types (and sizes) its output, which the rules after it read, and onnxscript can write it."""
     try:
-        defs.get_schema(OP_TYPE, 1, DOMAIN)
+        defs.get_schema(op_type, 1, DOMAIN)
         return
     except defs.SchemaError:
         pass
     identity = defs.get_schema("Identity", defs.onnx_opset_version())
     types = sorted({t for c in identity.type_constraints for t in c.allowed_type_strs if t.startswith("tensor(")})
-    schema = defs.OpSchema(OP_TYPE, DOMAIN, 1, "The identity, with no gradient (torch's detach).",
-                           inputs=[defs.OpSchema.FormalParameter("input", "T")],
+    schema = defs.OpSchema(op_type, DOMAIN, 1, doc, inputs=[defs.OpSchema.FormalParameter("input", "T")],
                            outputs=[defs.OpSchema.FormalParameter("output", "T")],
-                           type_constraints=[("T", types, "any tensor type")])
+                           type_constraints=[("T", types, "any tensor type")], attributes=list(attributes))
     schema.set_type_and_shape_inference_function(identity.get_type_and_shape_inference_function())
     defs.register_schema(schema)
 
 
-_register_schema()
+register_identity_schema(OP_TYPE, "The identity, with no gradient (torch's detach).")
 
 
 def is_stop_gradient(node: onnx.NodeProto) -> bool:

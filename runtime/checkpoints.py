@@ -29,6 +29,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from onnx import defs
 from torch.utils import _pytree as pytree
 
+from gradbuilder.stop_gradient import register_identity_schema
 from gradbuilder.yield_op import DOMAIN
 
 from .recompute import tag
@@ -64,34 +65,16 @@ _boundary_op.register_fake(lambda x, region, side: torch.empty_like(x))
 _boundary_op.register_autograd(lambda ctx, dy: (dy, None, None))
 
 
-def _register_schema() -> None:
-    """onnx's schema for the marker, which onnxscript needs to write it: the identity, with the region's number and
-    side as attributes."""
-    try:
-        defs.get_schema(OP_TYPE, 1, DOMAIN)
-        return
-    except defs.SchemaError:
-        pass
-    identity = defs.get_schema("Identity", defs.onnx_opset_version())
-    types = sorted({t for c in identity.type_constraints for t in c.allowed_type_strs if t.startswith("tensor(")})
-    attribute = defs.OpSchema.Attribute
-    schema = defs.OpSchema(OP_TYPE, DOMAIN, 1, "The identity, marking an input or output of a checkpointed region.",
-                           inputs=[defs.OpSchema.FormalParameter("input", "T")],
-                           outputs=[defs.OpSchema.FormalParameter("output", "T")],
-                           type_constraints=[("T", types, "any tensor type")],
-                           attributes=[attribute("region", defs.OpSchema.AttrType.INT, "the region's number"),
-                                       attribute("side", defs.OpSchema.AttrType.STRING, "in or out")])
-    schema.set_type_and_shape_inference_function(identity.get_type_and_shape_inference_function())
-    defs.register_schema(schema)
-
-
 @functools.cache
 def translations() -> dict[Any, Any]:
     """The dynamo exporter's translation of the marker (its `custom_translation_table`). onnxscript loads here,
     not with the runtime (half a second)."""
     from onnxscript import values
 
-    _register_schema()
+    attribute = defs.OpSchema.Attribute
+    register_identity_schema(OP_TYPE, "The identity, marking an input or output of a checkpointed region.",
+                             [attribute("region", defs.OpSchema.AttrType.INT, "the region's number"),
+                              attribute("side", defs.OpSchema.AttrType.STRING, "in or out")])
     opset = values.Opset(DOMAIN, 1)
 
     def translate(x: Any, region: int, side: str) -> Any:
