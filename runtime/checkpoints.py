@@ -1,9 +1,9 @@
-"""torch's activation checkpointing kept through the legacy exporter, so that backward recomputes what torch would.
+"""torch's activation checkpointing kept through the exporters, so that backward recomputes what torch would.
 
 `torch.utils.checkpoint.checkpoint` saves only a region's inputs and runs the region again when backward needs
 what it computed. The exporters trace through it: the graph computes the region once, and the runtime's stash kept
-its activations, 4x torch's saved bytes on a stack of checkpointed MLP blocks. While the legacy exporter runs,
-each checkpointed call is traced plainly between boundary markers (a `CheckpointBoundary` op on every float
+its activations, 4x torch's saved bytes on a stack of checkpointed MLP blocks. While exporting, each checkpointed
+call is traced plainly between boundary markers (a `CheckpointBoundary` op on every float
 tensor going in and coming out); after the export, the nodes between a region's markers are tagged with its
 number (`recompute.KEY` in the node's metadata) and the markers removed. `recompute.recompute_checkpointed` then
 copies a region's nodes into backward where backward reads what they made, so the stash keeps the region's inputs

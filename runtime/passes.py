@@ -402,9 +402,9 @@ def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int
 
     backward: list[onnx.NodeProto] = []
     copied: list[str] = []
-    produced: set[str] = set()
-    latest = ""
-    for n in nodes[y:]:
+    produced = {o for o in nodes[y].output if o}  # the host's gradients first
+    latest = next((o for o in reversed(nodes[y].output) if o), "")
+    for n in nodes[y + 1:]:
         group: list[onnx.NodeProto] = []
         for x in n.input:
             if x in makers and x not in rename:
@@ -414,8 +414,7 @@ def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int
             anchor = next((x for x in n.input if x in produced), latest)
             earlier = set(rename.values()) - {o for c in group for o in c.output}
             backward.extend(waiting_for(group, anchor, earlier, waits, taken) if anchor and wait else group)
-        if n is not nodes[y]:
-            backward.append(n)
+        backward.append(n)
         for i, x in enumerate(n.input):
             if x in rename:
                 n.input[i] = rename[x]
