@@ -12,6 +12,10 @@ rewritten Dropout's input, runs the first call at each new set of input sizes (i
 without onnxruntime's memory arena (which would hold on to that call's memory); the rewritten forward runs every
 later call at sizes already seen.
 
+A call's masks can be drawn again from its seed (`run_redrawable`): a backward recomputing a checkpointed region
+gets its Dropouts' masks back without the forward keeping them (`session.ForwardState.redraw`), as torch's
+checkpoint does from its saved RNG state.
+
 Each call takes its seed from torch's default generator, as torch's own dropout does, and so do the first
 forward's Dropouts (their `seed` attribute, drawn when the runner is made): after `torch.manual_seed`,
 ORTModule's masks are the same from run to run. The graph's other random ops (`seeded_random_ops`: randn_like,
@@ -22,7 +26,8 @@ bodies, or of a non-constant ratio) get their `seed` the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,6 +168,12 @@ class MaskedRunner:
         return self.plain.session
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
+        return self.run_redrawable(feeds, outputs)[0]
+
+    def run_redrawable(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None
+                       ) -> tuple[list[C.OrtValue], Callable[[Collection[str]], dict[str, C.OrtValue]] | None]:
+        """`run`, and where the host drew the masks, a function drawing the named ones again, the same (from the
+        call's seed): a backward can then read them without the forward keeping them."""
         names = list(self.output_names if outputs is None else outputs)
         key = tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds])
         shapes = self.shapes.get(key)
@@ -171,8 +182,9 @@ class MaskedRunner:
             if len(self.shapes) < MAX_SIZES:
                 found = [tuple(exchange.to_numpy(v).tolist()) for v in values[len(names):]]
                 self.shapes[key] = dict(zip(self._sources, found))
-            return values[:len(names)]
-        drawn = self.draw(shapes)
+            return values[:len(names)], None
+        seed = _seed()
+        drawn = self.draw(shapes, seed)
         if self._masked is None:
             assert self._masked_model is not None
             self._masked = Runner(self._masked_model, self._config, self._what, self._disabled)
@@ -182,25 +194,25 @@ class MaskedRunner:
             values = dict(zip(computed, self._masked.run({**feeds, **drawn}, computed)))
         except RuntimeError:  # sizes recorded for these inputs may no longer hold (sizes read from values)
             del self.shapes[key]
-            plain = self.run(feeds, outputs)  # records them anew
+            plain = self.run_redrawable(feeds, outputs)  # records them anew
             if self.shapes.get(key) == shapes:  # they did hold: the masked session itself failed
                 raise
             return plain
         values.update(drawn)
-        return [values[n] for n in names]
+        return [values[n] for n in names], functools.partial(self.draw, shapes, seed)
 
-    def draw(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, C.OrtValue]:
-        """Every mask of one call, from one buffer of 32-bit draws seeded by torch's default generator."""
+    def draw(self, shapes: Mapping[str, tuple[int, ...]], seed: int, only: Collection[str] | None = None
+             ) -> dict[str, C.OrtValue]:
+        """The masks of one call (`only` those named), from one stream of 32-bit draws seeded by `seed` (taken from
+        torch's default generator); each mask its own buffer, so that one dropped frees its bytes."""
         sizes = [int(np.prod(shapes[m.source])) for m in self.masks]
-        total = sum(sizes)
-        bits = np.random.SFC64(_seed()).random_raw((total + 1) // 2).view(np.uint32)
-        kept = np.empty(total, dtype=bool)
+        bits = np.random.SFC64(seed).random_raw((sum(sizes) + 1) // 2).view(np.uint32)
         drawn: dict[str, C.OrtValue] = {}
         start = 0
         for m, size in zip(self.masks, sizes):
-            part = kept[start:start + size]
-            np.greater_equal(bits[start:start + size], np.uint32(m.threshold), out=part)
-            drawn[m.input] = exchange.to_ortvalue(part.reshape(shapes[m.source]))
+            if only is None or m.input in only:
+                kept = np.greater_equal(bits[start:start + size], np.uint32(m.threshold))
+                drawn[m.input] = exchange.to_ortvalue(kept.reshape(shapes[m.source]))
             start += size
         return drawn
 

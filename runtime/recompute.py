@@ -78,3 +78,10 @@ def recompute_checkpointed(training: onnx.ModelProto) -> list[str]:
     del g.node[:]
     g.node.extend([*nodes[:y + 1], *backward])
     return copied
+
+
+def region_masks(training: onnx.ModelProto) -> frozenset[str]:
+    """The masks of the training Dropouts inside checkpointed regions, which torch draws again in backward."""
+    return frozenset(n.output[1] for n in training.graph.node[:find_yield(list(training.graph.node))]
+                     if n.op_type == "Dropout" and not n.domain and len(n.output) > 1 and n.output[1]
+                     and region(n) is not None)

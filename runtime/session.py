@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from .exchange import Tensor
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
-from .recompute import recompute_checkpointed
+from .recompute import recompute_checkpointed, region_masks
 
 ModelLike = onnx.ModelProto | str | os.PathLike | bytes
 
@@ -54,11 +54,15 @@ class ForwardState:
     released: bool = False
     gradients: _Gradients | None = None
     """A fused run's gradients (`fused`), kept instead of a stash."""
+    redraw: Callable[[Collection[str]], dict[str, C.OrtValue]] | None = None
+    """Draws again the host's Dropout masks left out of `values` (those of checkpointed regions), as the forward
+    drew them."""
 
     def release(self) -> None:
         """Drop the stash (like torch freeing saved tensors after backward)."""
         self.values = {}
         self.gradients = None
+        self.redraw = None
         self.released = True
 
 
@@ -196,11 +200,13 @@ class TrainingSession:
         source = lowering.source(source, config, rows)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
         recomputes = bool(recompute_checkpointed(training)) if config.shrink else False
+        masks = region_masks(training) if recomputes else frozenset()
         if config.shrink:
             passes.shrink_stash(training, wait=recomputes)
         self = cls.__new__(cls)
         self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir, rows)
         self._in_graph_order = recomputes
+        self._redrawn = masks & set(self.full.manifest.stashed)
         return self
 
     @classmethod
@@ -225,6 +231,9 @@ class TrainingSession:
         self.spec = spec
         self.full = full
         self.config = config
+        self._redrawn: frozenset[str] = frozenset()
+        """The masks of Dropouts inside checkpointed regions: not kept by the forward where the host drew them
+        (`ForwardState.redraw`)."""
         self._in_graph_order = False
         """Whether backward runs in graph order (`SessionConfig.graph_order`): where it recomputes checkpointed
         regions, which onnxruntime's default order would all run first."""
@@ -411,11 +420,18 @@ class TrainingSession:
 
     def _split_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
-        values = self._fwd.run(feeds, self._fwd_names)
+        redraw = None
+        if self._redrawn and isinstance(self._fwd, MaskedRunner):
+            values, redraw = self._fwd.run_redrawable(feeds, self._fwd_names)
+        else:
+            values = self._fwd.run(feeds, self._fwd_names)
         env = dict(feeds)
         env.update(zip(self._fwd_names, values))
         outs = [env[n] for n in self.output_names]
-        return outs, ForwardState(env, outs, as_torch)
+        if redraw is not None:  # a checkpointed region's masks are drawn again for backward, as torch does
+            for name in self._redrawn:
+                env.pop(name, None)
+        return outs, ForwardState(env, outs, as_torch, redraw=redraw)
 
     def _fused_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
@@ -548,6 +564,8 @@ class TrainingSession:
                         ) -> dict[str, C.OrtValue]:
         feeds = dict(bw.fixed)
         values = state.values
+        if state.redraw is not None:
+            values = {**values, **state.redraw([n for n in bw.from_state if n not in values])}
         for name in bw.from_state:
             feeds[name] = values[name]
         for name, index, full_shape in bw.from_grads:

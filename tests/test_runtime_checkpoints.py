@@ -162,10 +162,11 @@ def test_selective_checkpointing_is_left_to_a_plain_export() -> None:
     _matches_torch(lambda: Stack(selective).double(), torch.randn(2, 3, 5, dtype=torch.float64), 1e-10)
 
 
-def test_a_dropout_inside_a_region_is_not_drawn_again() -> None:
-    """Backward recomputes tanh(dropout(x * w)) from the forward's mask: with y = 1.5 tanh(2 x w m) (m the mask),
+def test_a_dropout_inside_a_region_gets_the_forward_mask_back() -> None:
+    """Backward recomputes tanh(dropout(x * w)) with the forward's mask: with y = 1.5 tanh(2 x w m) (m the mask),
     the gradient of sum(c * y) with respect to w is sum(c * 1.5 (1 - (y / 1.5)^2) * 2 x [y != 0]), taken over the
-    forward's own y. A mask drawn again would give another."""
+    forward's own y. The host draws the mask again from the forward's seed (from the second call on), so the stash
+    holds no more than torch saves; another mask would give another gradient."""
     class Dropped(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -184,6 +185,8 @@ def test_a_dropout_inside_a_region_is_not_drawn_again() -> None:
         assert 0.3 < (y == 0).float().mean() < 0.7
         want = (c * 1.5 * (1 - (y / 1.5).square()) * 2 * x * (y != 0)).sum(0)
         torch.testing.assert_close(model.module.w.grad, want, rtol=1e-5, atol=1e-5)
+    stash = ort_stash_bytes(model, (x,))
+    assert stash <= torch_saved_bytes(Dropped(), (x,)), stash  # the mask drawn again, as torch does
     (backward,) = model.training_sessions()[0]._backwards.values()
     ops = [(n.op_type, n.name) for n in backward.program.backward.graph.node]
     assert any(op == "Tanh" and "__remat" in name for op, name in ops)
