@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradbuilder.inference import infer_shapes
 
-from . import accumulation, checkpoints, custom_functions, exchange, scalars, stop_gradients, symbolics
+from . import accumulation, checkpoints, custom_functions, double_scalars, exchange, scalars, stop_gradients, symbolics
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -368,7 +368,11 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
                           f"wrong for other inputs: {w.message} ({w.filename}:{w.lineno}). ORTModule exports it "
                           "again at new input sizes, the batch's too, and compares", ExportWarning, stacklevel=2)
     flat._result["baked"] = bool(seen)
-    return checkpoints.tag_regions(onnx.load_from_string(buf.getvalue()))
+    model = onnx.load_from_string(buf.getvalue())
+    traced = flat._result.get("outputs") or ()
+    doubles = [o.name for o, t in zip(model.graph.output, traced)
+               if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+    return checkpoints.tag_regions(double_scalars.in_double(model, doubles))
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:

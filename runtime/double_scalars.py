@@ -1,0 +1,90 @@
+"""float64 arithmetic on 0-d tensors kept in float64 through the legacy exporter.
+
+The legacy exporter writes a 0-d float64 tensor combined with a Python number (`0.5 * aux_loss`, `reg * 3`) as a
+Cast to float32, the op on a float32 constant, and a Cast back where the result meets a float64 tensor: a float64
+module's loss then carried float32 rounding (gradients 6e-8 off torch's, relative, in a module adding `3 * z.sum()`
+to its output). `in_double` computes such a stretch in float64: the first Cast kept as the identity, its elementwise
+ops on float64 copies of their constants (the decimal written, where float32 rounded it), up to the Casts back to
+float64. A graph output at the end of a stretch is kept in float64 where torch's call returned it so (`ORTModule`
+returned float32 for `linear(x).sum() * 3`); where a stretch reaches anything else (another op, a float32 tensor),
+the model is left as exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from gradbuilder.inference import tensor_types
+
+from .passes import fresh_name, names_in_use
+
+ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Exp", "Log", "Reciprocal",
+                         "Max", "Min"})
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    if node.op_type != "Cast" or node.domain:
+        return None
+    return next((a.i for a in node.attribute if a.name == "to"), None)
+
+
+def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.ModelProto:
+    """`model` with those stretches in float64, in place (see the module docstring): all of them, or, where one
+    reaches anything but elementwise ops, Casts back and the graph outputs in `doubles` (those torch's call
+    returned in float64), none."""
+    g = model.graph
+    if not doubles and not any(_cast_to(n) == TensorProto.DOUBLE for n in g.node):  # no way back to float64
+        return model
+    types = tensor_types(g)
+    if not any(_cast_to(n) == TensorProto.FLOAT and n.input[0] in types for n in g.node):
+        types = tensor_types(onnx.shape_inference.infer_shapes(model).graph)
+    constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output}
+    floats = {name for name, n in constants.items()
+              if any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
+    starts = [n for n in g.node if _cast_to(n) == TensorProto.FLOAT
+              and types.get(n.input[0], (0,))[0] == TensorProto.DOUBLE]
+    if not starts:
+        return model
+    inside = {n.output[0] for n in starts}
+    stretch: list[onnx.NodeProto] = []
+    for n in g.node:  # in graph order: inputs first
+        if n.op_type in ELEMENTWISE and not n.domain and len(n.output) == 1 and any(x in inside for x in n.input) \
+                and all(x in inside or x in floats for x in n.input):
+            stretch.append(n)
+            inside.add(n.output[0])
+    ok = {id(n) for n in stretch}
+    if any(o.name in inside and o.name not in doubles for o in g.output):  # a float32 result torch returns too
+        return model
+    for n in g.node:
+        if id(n) not in ok and _cast_to(n) != TensorProto.DOUBLE and any(x in inside for x in n.input):
+            return model  # a float32 value the stretch makes is read by something else: left as exported
+    taken = names_in_use(g)
+    for n in starts:
+        next(a for a in n.attribute if a.name == "to").i = TensorProto.DOUBLE
+    nodes: list[onnx.NodeProto] = []
+    for n in g.node:
+        if id(n) in ok:
+            for k, x in enumerate(n.input):
+                if x in floats:
+                    name = fresh_name(f"{x}/double", taken)
+                    value = _as_written(numpy_helper.to_array(constants[x].attribute[0].t))
+                    nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+                    n.input[k] = name
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    for vi in (*g.value_info, *g.output):
+        if vi.name in inside:
+            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    return model
+
+
+def _as_written(value: np.ndarray) -> np.ndarray:
+    """float32 constants in float64 at the shortest decimal that rounds to them: the Python number the module
+    wrote, where it was one (0.01, not 0.009999999776482582)."""
+    return np.array([float(np.format_float_scientific(v, unique=True)) for v in value.ravel()],
+                    dtype=np.float64).reshape(value.shape)
