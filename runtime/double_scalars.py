@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from gradbuilder.graph import infer_shapes_safely
 from gradbuilder.inference import tensor_types
 
 from .passes import fresh_name, names_in_use
@@ -41,7 +42,10 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
         return model
     types = tensor_types(g)
     if not any(_cast_to(n) == TensorProto.FLOAT and n.input[0] in types for n in g.node):
-        types = tensor_types(onnx.shape_inference.infer_shapes(model).graph)
+        inferred = infer_shapes_safely(model)
+        if inferred is None:
+            return model
+        types = tensor_types(inferred)
     constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output}
     floats = {name for name, n in constants.items()
               if any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
