@@ -22,6 +22,8 @@ import torch
 from onnx import helper
 from torch import nn
 
+from .recompute import region
+
 _ONE = "batchnorm.one"
 
 
@@ -32,6 +34,9 @@ class BatchStats:
     module: str
     mean: str
     var: str
+    region: int | None = None
+    """The checkpointed region (`runtime.checkpoints`) the module's call lies in: torch's backward runs that
+    region's forward again, and the call updates the running statistics a second time (`second_updates`)."""
 
 
 def _attr(node: onnx.NodeProto, name: str, value: float | int) -> None:
@@ -103,7 +108,7 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         ]
         g.output.extend([helper.make_tensor_value_info(f"{p}.mean", elem, [channels]),  # sized, or the backward's
                          helper.make_tensor_value_info(f"{p}.var", elem, [channels])])  # inference loses its sizes
-        stats.append(BatchStats(fqn, f"{p}.mean", f"{p}.var"))  # type: ignore[arg-type]
+        stats.append(BatchStats(fqn, f"{p}.mean", f"{p}.var", region(node)))  # type: ignore[arg-type]
     if stats:
         g.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, dtype=np.float32), _ONE))
     del g.node[:]
@@ -146,3 +151,14 @@ def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[Batch
         t = mod.momentum if mod.momentum is not None else 1.0 / float(mod.num_batches_tracked)
         mod.running_mean.mul_(1 - t).add_(mean.to(mod.running_mean.dtype), alpha=t)
         mod.running_var.mul_(1 - t).add_(var.to(mod.running_var.dtype), alpha=t)
+
+
+def second_updates(stats: Sequence[BatchStats], values: Sequence[torch.Tensor]
+                   ) -> tuple[list[BatchStats], list[torch.Tensor]]:
+    """The updates torch's backward makes again, as `update_running_stats` takes them: a BatchNorm call inside a
+    checkpointed region runs again when backward recomputes the region, on the same input, so its statistics are
+    updated a second time with the same batch mean and variance (torch's documented double update). Regions
+    are recomputed last one first; calls within a region in forward order."""
+    again = sorted((k for k, s in enumerate(stats) if s.region is not None),
+                   key=lambda k: -stats[k].region)  # type: ignore[operator]
+    return [stats[k] for k in again], [v for k in again for v in values[2 * k:2 * k + 2]]

@@ -10,6 +10,7 @@ with grad disabled (or nothing requiring grad) the exported forward runs alone, 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
@@ -27,7 +28,7 @@ import gradbuilder
 from gradbuilder.errors import InvalidModelError, RuleError
 
 from . import checks, exchange, function, lowering, workload
-from .batchnorm import update_running_stats
+from .batchnorm import second_updates, update_running_stats
 from .export import Exported, ExportError, ExportOptions, export, pin_dims
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
@@ -375,7 +376,11 @@ class Engine:
         if ex.updates:
             self._write_back(ex, updated, set(call.session.read_inputs) if call is not None else set())
         if ex.batch_stats:
-            update_running_stats(self._modules(), ex.batch_stats, stats)
+            modules = self._modules()
+            update_running_stats(modules, ex.batch_stats, stats)
+            again = second_updates(ex.batch_stats, stats) if call is not None else None
+            if again is not None and again[0]:
+                call.after_backward = functools.partial(update_running_stats, modules, *again)
         return unflatten(ex.out_spec, user)
 
     def _write_back(self, ex: Exported, values: Sequence[torch.Tensor], read: set[str]) -> None:

@@ -9,7 +9,7 @@ backward specialised to the outputs that do get gradients.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,9 @@ class Call:
     """Positions in `wrt` whose gradient is handed to torch sparse (embeddings with `sparse=True`)."""
     check: GradientCheck | None = None
     """Run on the first backward of an export, then dropped (`checks.gradient_check`)."""
+    after_backward: Callable[[], None] | None = None
+    """Run at each backward: what torch's backward changes besides gradients (BatchNorm statistics updated again
+    in checkpointed regions: `batchnorm.second_updates`)."""
 
 
 def _keep_graph() -> bool:
@@ -88,6 +91,8 @@ def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | Non
     if call.check is not None:
         check, call.check = call.check, None
         out = check(grads[:call.n_user], out)
+    if call.after_backward is not None:
+        call.after_backward()
     for i in call.sparse:  # as torch's sparse embedding gradient: the rows, COO over the first axis
         if out[i] is not None:
             out[i] = out[i].to_sparse(1)

@@ -129,6 +129,37 @@ def test_nested_regions_and_a_region_output_returned() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
+def test_batchnorm_statistics_in_a_region_are_updated_again_in_backward_as_torch_does(kind: str) -> None:
+    """torch's backward runs a checkpointed region's forward again, and its BatchNorms update their running
+    statistics a second time (torchvision's memory-efficient DenseNet trains so): the same buffers after each
+    step, and after a forward without backward (one update there)."""
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Linear(5, 8), nn.Linear(8, 3)
+            self.norms = nn.ModuleList([nn.BatchNorm1d(8), nn.BatchNorm1d(8, momentum=None)])
+
+        def block(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.norms[1](torch.relu(self.norms[0](h))))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(WRAPS[kind](self.block, self.embed(x)))  # type: ignore[misc]
+
+    torch.manual_seed(0)
+    reference = Normed().double()
+    model = ORTModule(copy.deepcopy(reference))
+    for step in range(3):
+        x = torch.randn(16, 5, dtype=torch.float64)
+        for m in (reference, model):
+            out = m(x)
+            if step != 1:
+                out.square().mean().backward()
+        for (name, got), want in zip(model.named_buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"step {step}: {name}")
+    assert [int(n.num_batches_tracked) for n in model.norms] == [5, 5]
+
+
 def test_the_export_tags_each_region_and_drops_the_markers(tmp_path: Path) -> None:
     model = ORTModule(Stack(WRAPS["non-reentrant"], depth=3), save_onnx=tmp_path)
     _step(model, torch.randn(2, 3, 5))
