@@ -449,7 +449,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
-                          f"{type(e).__name__}: {e}") from e
+                          f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}") from e
     if inputs_changed:
         raise ExportError(f"{type(module).__name__}'s forward changes its input {_listed(inputs_changed)} in place: "
                           "ORTModule's graph computes with the changed value but cannot change the caller's tensor, "
@@ -525,6 +525,23 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
                     bool(flat._result.get("baked")), flat._result.get("guards"))
+
+
+def _known_cause(module: nn.Module, exporter: str, error: Exception) -> str:
+    """What to do, where an export failure has a cause known to be the model's and not the exporter's bug: a
+    BatchNorm averaging its statistics over all batches (momentum=None) computes its factor from
+    num_batches_tracked as a Python number, a value torch.export cannot trace ("data-dependent")."""
+    if exporter != "dynamo" or "data-dependent" not in str(error):
+        return ""
+    cumulative = [name or type(m).__name__ for name, m in module.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None and m.training
+                  and m.track_running_stats]
+    if not cumulative:
+        return ""
+    names = _listed([repr(n) for n in cumulative])
+    return (f"BatchNorm {names} has momentum=None (a cumulative average), whose factor torch computes from "
+            "num_batches_tracked as a Python number, which torch.export cannot trace: use exporter='torchscript' "
+            "(the default), or give it a momentum. ")
 
 
 def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[str]) -> list[tuple[str, str]]:

@@ -599,6 +599,25 @@ def test_dynamo_refuses_stop_gradients() -> None:
         om(torch.randn(8, 4))
 
 
+def test_dynamo_names_a_cumulative_batchnorm_it_cannot_trace() -> None:
+    """BatchNorm with momentum=None takes its factor from num_batches_tracked as a Python number, which torch.export
+    cannot trace: the error names the module and what to do, ahead of torch's own message; the default exporter
+    trains it as torch does."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 2))
+
+    x = torch.randn(8, 4)
+    with pytest.raises(ORTModuleError, match=r"BatchNorm '1' has momentum=None .* use exporter='torchscript'"):
+        ORTModule(make(), exporter="dynamo")(x)
+    ref, om = make(), ORTModule(make())
+    for _ in range(2):
+        for m in (ref, om):
+            m(x).square().sum().backward()
+    assert_grads_equal(om, ref)
+    torch.testing.assert_close(om.module[1].running_var, ref[1].running_var)
+
+
 class Counting(nn.Module):
     """A forward that changes buffers in place: a step count, an EMA of its inputs the output reads, and a queue
     of past features (MoCo's, shifted by tensor ops)."""
