@@ -683,6 +683,43 @@ def test_buffers_changed_in_forward_follow_torch() -> None:
         ORTModule(quiet)(torch.randn(3, 4)).sum().backward()
 
 
+def test_gradient_hooks_on_parameters_and_inputs_run_as_in_torch() -> None:
+    """Hooks on the tensors receiving gradients (`register_hook`: gradient scaling or clipping; the
+    post-accumulate hooks of optimizers in backward) act on onnxruntime's gradients as on torch's, once a step:
+    the check of the export's first gradients compares onnxruntime's with torch's before such hooks."""
+    def run(model: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+        calls = [0, 0, 0]
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+        def scaled(g: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return g * 3
+
+        def clipped(g: torch.Tensor) -> torch.Tensor:
+            calls[1] += 1
+            return g.clamp(-0.05, 0.05)
+
+        def accumulated(p: torch.Tensor) -> None:
+            calls[2] += 1
+
+        model[0].weight.register_hook(scaled)
+        x.register_hook(clipped)
+        model[2].bias.register_post_accumulate_grad_hook(accumulated)
+        for _ in range(2):
+            model(x).square().sum().backward()
+        return [*(p.grad for p in model.parameters()), x.grad], calls
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    want, want_calls = run(make())
+    got, got_calls = run(ORTModule(make()))
+    assert got_calls == want_calls == [2, 2, 2]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
 def test_module_hooks_are_named() -> None:
     """Module hooks run only while exporting: warned, naming each; torch's own weight-norm pre-hook (a weight
     computed in the graph) is not."""
