@@ -59,7 +59,11 @@ class ORTFunction(torch.autograd.Function):
         values = [exchange.to_torch(v) for v in outs]
         ctx.call = call
         ctx.state = state
-        fixed = [t for k, t in enumerate(values) if k >= call.n_user or not t.is_floating_point()]
+        # as torch's: no grad for outputs that depend on nothing receiving gradients (an input passed through, a
+        # detached result), nor for ints and BatchNorm statistics
+        differentiable = call.session.differentiable
+        fixed = [t for k, t in enumerate(values)
+                 if k >= call.n_user or k not in differentiable or not t.is_floating_point()]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
         # outputs backward reads share memory with the stash: saving them lets torch detect in-place changes

@@ -683,6 +683,24 @@ def test_buffers_changed_in_forward_follow_torch() -> None:
         ORTModule(quiet)(torch.randn(3, 4)).sum().backward()
 
 
+def test_outputs_require_grad_where_torch_s_do() -> None:
+    """An output that depends on nothing receiving gradients (an input passed through, a detached result, a
+    constant) does not require grad, as in torch; a parameter returned as is does."""
+    class Outputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.scale = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            h = self.fc(x)
+            return h, x, h.detach() * 2, torch.ones(3) * 5.0, self.scale, h.argmax(-1)
+
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        got = [t.requires_grad for t in ORTModule(Outputs())(x)]
+        assert got == [t.requires_grad for t in Outputs()(x)] == [True, False, False, False, True, False]
+
+
 def test_gradient_hooks_on_parameters_and_inputs_run_as_in_torch() -> None:
     """Hooks on the tensors receiving gradients (`register_hook`: gradient scaling or clipping; the
     post-accumulate hooks of optimizers in backward) act on onnxruntime's gradients as on torch's, once a step:
