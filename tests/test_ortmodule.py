@@ -695,9 +695,9 @@ def test_outputs_require_grad_where_torch_s_do() -> None:
             h = self.fc(x)
             return h, x, h.detach() * 2, torch.ones(3) * 5.0, self.scale, h.argmax(-1)
 
-    x = torch.randn(3, 4)
-    for _ in range(2):
-        got = [t.requires_grad for t in ORTModule(Outputs())(x)]
+    x, om = torch.randn(3, 4), ORTModule(Outputs())
+    for _ in range(2):  # the export's call, then one on the built sessions
+        got = [t.requires_grad for t in om(x)]
         assert got == [t.requires_grad for t in Outputs()(x)] == [True, False, False, False, True, False]
 
 
