@@ -550,12 +550,42 @@ def _max_unpool(dims: int) -> Callable[..., torch.Tensor]:
     return max_unpool
 
 
-def _grouped_query_attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                    scale: float | None = None) -> torch.Tensor:
+    """`scaled_dot_product_attention` written out as torch defines it (rows that a boolean or causal mask leaves
+    empty get zeros, as the legacy exporter's translation gives)."""
+    # in the query's type, not 0-d: the legacy exporter computes 0-d tensors with traced sizes in float32
+    factor = query.new_ones(1).mul(query.shape[-1]).rsqrt() if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * factor
+    allowed = None
+    if is_causal:
+        allowed = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        allowed = attn_mask if allowed is None else allowed & attn_mask
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, -1)
+    if allowed is not None:
+        weights = weights.masked_fill(torch.isnan(weights), 0.0)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ value
+
+
+def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Grouped-query attention (`enable_gqa`) with its key and value heads repeated; float64 attention written out
+    (`_attention_math`): the legacy exporter's translation takes float32, float16 and bfloat16 only (a float64
+    nn.TransformerEncoderLayer with a padding mask failed to export)."""
     def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                                      enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
         if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
             groups = query.shape[-3] // key.shape[-3]  # each key/value head serves that many query heads in a row
             key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        if query.dtype == torch.float64:
+            return _attention_math(query, key, value, *args, **kwargs)
         return original(query, key, value, *args, **kwargs)
 
     return scaled_dot_product_attention
@@ -593,7 +623,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch.Tensor, "scatter_reduce", _scatter_reduce(torch.Tensor.scatter_reduce)),
         (torch.Tensor, "scatter_reduce_", _scatter_reduce(torch.Tensor.scatter_reduce_, in_place=True)),
         *((F, f"max_unpool{d}d", _max_unpool(d)) for d in (1, 2, 3)),
-        (F, "scaled_dot_product_attention", _grouped_query_attention(F.scaled_dot_product_attention)),
+        (F, "scaled_dot_product_attention", _attention(F.scaled_dot_product_attention)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),

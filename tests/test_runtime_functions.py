@@ -8,6 +8,7 @@ import pytest
 import torch
 from parity import check_parity
 from torch import nn
+from torch.nn import functional as F
 
 from runtime import ORTModule
 
@@ -375,3 +376,39 @@ def test_lgamma_and_digamma_train_like_torch() -> None:
     batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 30, (8, 3), generator=g).float(),
                 torch.rand(8, 3, generator=g) * 3 + 0.05) for _ in range(3)]
     check_parity(CountModel, batches, lambda m, b: m(*b), threads=1)
+
+
+class Attention(nn.Module):
+    """scaled_dot_product_attention over projected queries and keys, with a boolean or float mask or causal."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.proj, self.options = nn.Linear(8, 8), options
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(self.proj(q), self.proj(k), v, mask, **self.options)
+
+
+@pytest.mark.parametrize("case", ["bool mask", "float mask", "causal", "padded encoder layer"])
+def test_float64_attention_trains_like_torch(case: str) -> None:
+    """The legacy exporter translates scaled_dot_product_attention for float32, float16 and bfloat16 only: float64
+    attention is written out, a boolean mask's empty rows giving zeros as torch's do (an encoder layer with a
+    padding mask, need_weights=False, takes this path)."""
+    g = torch.Generator().manual_seed(0)
+    if case == "padded encoder layer":
+        pad = torch.zeros(3, 6, dtype=torch.bool)
+        pad[1, 4:] = True
+        make = lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double()  # noqa: E731
+        batches = [(torch.randn(3, 6, 8, generator=g, dtype=torch.float64), pad) for _ in range(2)]
+        check_parity(make, batches, lambda m, b: m(b[0], src_key_padding_mask=b[1]).square().sum(), rtol=1e-9)
+        return
+    mask = {"bool mask": torch.rand(2, 1, 4, 5, generator=g) > 0.3, "float mask": torch.randn(4, 5, generator=g,
+                                                                                            dtype=torch.float64),
+            "causal": None}[case]
+    if case == "bool mask":
+        mask[0, 0, 1] = False  # a query that may attend to nothing
+    options = {"is_causal": True, "scale": 0.3} if case == "causal" else {}
+    batches = [tuple(torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (4, 5, 5))
+               for _ in range(2)]
+    check_parity(lambda: Attention(**options).double(), batches, lambda m, b: m(*b, mask).square().sum(), rtol=1e-9)
