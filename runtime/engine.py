@@ -378,8 +378,8 @@ class Engine:
         if ex.batch_stats:
             modules = self._modules()
             update_running_stats(modules, ex.batch_stats, stats)
-            again = second_updates(ex.batch_stats, stats) if call is not None else None
-            if again is not None and again[0]:
+            if call is not None and ex.recomputed_stats:
+                again = second_updates(ex.batch_stats, stats)
                 call.after_backward = functools.partial(update_running_stats, modules, *again)
         return unflatten(ex.out_spec, user)
 

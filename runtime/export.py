@@ -120,6 +120,11 @@ class Exported:
     def state_names(self) -> frozenset[str]:
         return frozenset(name for name, _ in self.state)
 
+    @functools.cached_property
+    def recomputed_stats(self) -> bool:
+        """Whether a BatchNorm call lies in a checkpointed region (its statistics updated again at backward)."""
+        return any(s.region is not None for s in self.batch_stats)
+
 
 class _Shared(dict):
     """A dict that survives the copies torch.export makes of the module it traces."""
