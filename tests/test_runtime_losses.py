@@ -134,3 +134,22 @@ def test_cross_entropy_with_label_smoothing_over_a_sequence() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 3, 7, generator=g), torch.randint(0, 5, (4, 7), generator=g)) for _ in range(3)]
     check_parity(Seq, batches, lambda m, b: m(*b), threads=1)
+
+
+@pytest.mark.parametrize("case", ["mean", "weighted", "label smoothing", "per position", "nll"])
+def test_a_batch_of_ignored_targets_gives_torch_s_zero_gradients(case: str) -> None:
+    """Every target ignored (a batch of padding): the mean over no sample is nan in torch and here, but torch's
+    gradients are zeros, which an optimizer step survives; nan gradients (0 / 0) would spoil every weight. Then a
+    batch with targets trains as torch does."""
+    weight = torch.rand(5) + 0.5
+    loss: Loss = {"mean": F.cross_entropy,
+                  "weighted": lambda s, y: F.cross_entropy(s, y, weight=weight),
+                  "label smoothing": lambda s, y: F.cross_entropy(s, y, label_smoothing=0.1),
+                  "per position": lambda s, y: F.cross_entropy(s.reshape(2, 4, 5).transpose(1, 2), y.reshape(2, 4)),
+                  "nll": lambda s, y: F.nll_loss(F.log_softmax(s, 1), y)}[case]
+    g = torch.Generator().manual_seed(0)
+    ignored = torch.full((8,), -100)
+    batches = [(torch.randn(8, 6, generator=g), ignored), (torch.randn(8, 6, generator=g), _classes(g))]
+    om, _, _ = check_parity(lambda: WithLoss(loss), batches, lambda m, b: m(*b).nan_to_num(0.0),
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert all(p.isfinite().all() for p in om.parameters())

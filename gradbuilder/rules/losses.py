@@ -43,8 +43,13 @@ def _coefficient(g: Grad, x: str, kept: str | None, labels: str, dy: str) -> str
     if reduction in ("none", "sum"):
         coef = dy if w is None else g.Mul(dy, w)
     elif reduction == "mean":
-        total = g.ReduceSum(w, keepdims=0) if w is not None else _count(g, x, labels)
-        coef = g.Div(dy, total) if w is None else g.Mul(g.Div(dy, total), w)
+        if w is None:
+            coef = g.Div(dy, _count(g, x, labels))
+        else:  # no sample counted (a batch of ignored labels): torch's gradient is 0, not 0 / 0
+            total = g.ReduceSum(w, keepdims=0)
+            zero = g.const(0.0, like=x)
+            total = g.Where(g.Equal(total, zero), g.const(1.0, like=x), total)
+            coef = g.Mul(g.Div(dy, total), w)
     else:
         g.fail(f"unknown reduction '{reduction}'")
     per_sample = w is not None or reduction == "none"
