@@ -12,7 +12,8 @@ its own argument checks and broadcasting) by torch's own formulas (aten's) in ex
 - l1: |x - y|; smooth l1: 0.5 z^2 / beta where z = |x - y| < beta, else z - 0.5 beta (l1 for beta = 0); huber:
   0.5 z^2 where z < delta, else delta (z - 0.5 delta);
 - binary cross-entropy: (y - 1) max(log(1 - p), -100) - y max(log(p), -100), times the weight (torch's log1p(-p)
-  as log(1 - p): equal but for p below ~1e-7);
+  as log(1 - p): equal but for p below ~1e-7), with torch's gradient for p, (p - y) / max(p (1 - p), 1e-12),
+  finite where p is exactly 0 or 1;
 - binary cross-entropy with logits: (1 - y) x + w softplus(-x), w = (pos_weight - 1) y + 1 (torch's);
 - multilabel margin: for each target class j (y before its first -1) and each non-target i, max(0, 1 - x[j] +
   x[i]), summed over both and divided by the number of classes;
@@ -70,7 +71,13 @@ def _huber(x: torch.Tensor, y: torch.Tensor, reduction: int, delta: float = 1.0)
 
 def _binary_cross_entropy(p: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None, reduction: int
                           ) -> torch.Tensor:
-    loss = (y - 1) * torch.clamp(torch.log(1 - p), min=-100) - y * torch.clamp(torch.log(p), min=-100)
+    """The value from the formula at p held constant (its target gradient is torch's); p's gradient torch's own,
+    (p - y) / max(p (1 - p), 1e-12), added by a term that is 0: the formula's own is 0 * inf = nan where p is
+    exactly 0 or 1 (a saturated sigmoid), which torch's backward keeps finite."""
+    fixed = p.detach()
+    loss = (y - 1) * torch.clamp(torch.log(1 - fixed), min=-100) - y * torch.clamp(torch.log(fixed), min=-100)
+    slope = ((fixed - y) / torch.clamp(fixed * (1 - fixed), min=1e-12)).detach()
+    loss = loss + (p - fixed) * slope
     return _reduce(loss if weight is None else loss * weight, reduction)
 
 

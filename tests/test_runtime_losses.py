@@ -153,3 +153,21 @@ def test_a_batch_of_ignored_targets_gives_torch_s_zero_gradients(case: str) -> N
     om, _, _ = check_parity(lambda: WithLoss(loss), batches, lambda m, b: m(*b).nan_to_num(0.0),
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert all(p.isfinite().all() for p in om.parameters())
+
+
+def test_binary_cross_entropy_of_saturated_probabilities_keeps_torch_s_finite_gradients() -> None:
+    """A sigmoid saturates to exactly 0 or 1 past |x| ~ 17 (float32): torch's binary_cross_entropy clamps the log
+    at -100 and its backward divides by max(p (1 - p), 1e-12), finite; the formula's own derivative there is
+    0 * inf. A discriminator that grows confident must not turn its weights into nan."""
+    class Confident(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(6, 5)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.binary_cross_entropy(torch.sigmoid(self.net(x) * 50), y)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g), _binary(g)) for _ in range(3)]
+    om, _, _ = check_parity(Confident, batches, lambda m, b: m(*b), optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+    assert all(p.isfinite().all() for p in om.parameters())
