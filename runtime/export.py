@@ -505,6 +505,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     if options.exporter == "torchscript":  # dynamo's inputs are dynamic where its graph is (`_pin_single_values`)
         _dynamic_inputs(model, set(names))
     outputs = _name_outputs(model, out_spec)
+    _unshared_symbols(model, outputs, flat._result.get("outputs") or ())
     carried = _updates(model, outputs[len(tensor_paths(out_spec)):], updates)
     outputs = outputs[:len(tensor_paths(out_spec))]
     lost = [name for name in mutated if name not in {fqn for _, fqn in carried}]
@@ -628,6 +629,28 @@ def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[st
     del g.node[:]
     g.node.extend(nodes)
     return [(name, w) for w, name in added.items()]
+
+
+def _unshared_symbols(model: onnx.ModelProto, outputs: Sequence[str], values: Sequence[Any]) -> None:
+    """Clear the dimension names the exporter's shape inference gave to sizes that differ in the call it traced,
+    in place, wherever they appear but the graph inputs: the legacy exporter declared an adaptive average pool to
+    8 x 10 (`F.interpolate(mode="area")`) with one name for both axes, which the backward was built on (the first
+    run refused it). `values`: torch's outputs of that call, in `outputs` order."""
+    g = model.graph
+    declared = {o.name: o for o in g.output}
+    sizes: dict[str, set[int]] = {}
+    for name, value in zip(outputs, values):
+        vi = declared.get(name)
+        if vi is None or not isinstance(value, torch.Tensor) or len(vi.type.tensor_type.shape.dim) != value.dim():
+            continue
+        for d, n in zip(vi.type.tensor_type.shape.dim, value.shape):
+            if d.HasField("dim_param"):
+                sizes.setdefault(d.dim_param, set()).add(int(n))
+    wrong = {name for name, seen in sizes.items() if len(seen) > 1}
+    for vi in (*g.value_info, *g.output) if wrong else ():
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in wrong:
+                d.Clear()
 
 
 def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> None:

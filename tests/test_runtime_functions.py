@@ -89,6 +89,7 @@ class GroupedQueryAttention(nn.Module):
 CASES = {
     "adaptive average pool 8x7 -> 3x3": (lambda: nn.AdaptiveAvgPool2d(3), 4 * 9, (8, 7)),
     "adaptive average pool 9x9 -> 2 x input width": (lambda: nn.AdaptiveAvgPool2d((2, None)), 4 * 2 * 9, (9, 9)),
+    "adaptive average pool 5x6 -> 8x10": (lambda: nn.AdaptiveAvgPool2d((8, 10)), 4 * 80, (5, 6)),
     "adaptive average pool 1-D": (lambda: nn.Sequential(nn.Flatten(2), nn.AdaptiveAvgPool1d(5)), 4 * 5, (4, 6)),
     "adaptive max pool 8x7 -> 3x2": (lambda: nn.AdaptiveMaxPool2d((3, 2)), 4 * 6, (8, 7)),
     "adaptive max pool of a ReLU (ties)": (lambda: nn.Sequential(nn.ReLU(), nn.AdaptiveMaxPool2d(4)), 4 * 16, (9, 9)),
@@ -412,3 +413,18 @@ def test_float64_attention_trains_like_torch(case: str) -> None:
     batches = [tuple(torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (4, 5, 5))
                for _ in range(2)]
     check_parity(lambda: Attention(**options).double(), batches, lambda m, b: m(*b, mask).square().sum(), rtol=1e-9)
+
+
+@pytest.mark.parametrize("layer", ["adaptive", "area"])
+def test_a_pooled_map_of_two_sizes_returned_trains_like_torch(layer: str) -> None:
+    """The legacy exporter declared an adaptive average pool to 8 x 10 (and area interpolation, which is one) with
+    one dimension name for both axes: returned as the module's output, the backward was built on that shape and
+    the first run refused it. Names that the traced call's outputs show to stand for two sizes are cleared."""
+    def make() -> nn.Module:
+        pool = nn.AdaptiveAvgPool2d((8, 10)) if layer == "adaptive" else nn.Upsample(scale_factor=1.7, mode="area")
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), pool)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 3, 5, 6, generator=g) for _ in range(2)]
+    weights = torch.randn(2, 4, 8, 10, generator=g)
+    check_parity(make, batches, lambda m, b: (m(b) * weights).sum())
