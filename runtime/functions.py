@@ -474,6 +474,21 @@ def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None)
     return torch.sqrt(a * a + b * b)
 
 
+def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's atan2 by quadrant, defined where x is 0 (the legacy exporter's atan(y / x) is nan at (0, 0), where
+    torch's is 0): atan(y / x), plus or minus pi where x < 0; sign(y) pi / 2 - x / y where x = 0 (its
+    derivatives there are torch's, x / (x^2 + y^2) = 0 and -y / (x^2 + y^2) = -1 / y), 0 at (0, 0)."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.atan2 without `out`")
+    y, x = torch.broadcast_tensors(y, x)
+    axis = x == 0
+    flat = y == 0
+    base = torch.atan(y / torch.where(axis, torch.ones_like(x), x))
+    turned = torch.where(y >= 0, base + math.pi, base - math.pi)
+    on_axis = torch.sign(y) * (math.pi / 2) - x / torch.where(flat, torch.ones_like(y), y)
+    return torch.where(axis, on_axis, torch.where(x < 0, turned, base))
+
+
 def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def vdot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None or a.is_complex() or b.is_complex():
@@ -626,6 +641,7 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "scaled_dot_product_attention", _attention(F.scaled_dot_product_attention)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
+        *((owner, name, _atan2) for owner in (torch, torch.Tensor) for name in ("atan2", "arctan2")),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),

@@ -428,3 +428,29 @@ def test_a_pooled_map_of_two_sizes_returned_trains_like_torch(layer: str) -> Non
     batches = [torch.randn(2, 3, 5, 6, generator=g) for _ in range(2)]
     weights = torch.randn(2, 4, 8, 10, generator=g)
     check_parity(make, batches, lambda m, b: (m(b) * weights).sum())
+
+
+def test_atan2_is_torch_s_in_every_quadrant_and_on_the_axes() -> None:
+    """The legacy exporter writes atan2 as atan(y / x) with quadrant corrections, nan where x = 0 and y = 0 (torch:
+    0, so the first call's check refused the module). Values in the four quadrants, on both axes and at the
+    origin, and gradients but at the origin (torch's is nan there), as torch's."""
+    class Angle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor([1.0, 1.5]))
+
+        def forward(self, p: torch.Tensor) -> torch.Tensor:
+            q = p * self.scale
+            return torch.atan2(q[:, 1], q[:, 0]) + q[:, 1].arctan2(q[:, 0] - 1)
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.cat([torch.randn(16, 2, generator=g),
+                   torch.tensor([[0.0, 2.0], [0.0, -3.0], [4.0, 0.0], [-4.0, 0.0], [0.0, 0.0], [1.0, 0.0]])])
+    p.requires_grad_()
+    ref, om = Angle(), ORTModule(Angle())
+    for _ in range(2):
+        got, want = om(p), ref(p)
+        torch.testing.assert_close(got, want)
+        (gp,) = torch.autograd.grad(got.sum(), p)
+        (wp,) = torch.autograd.grad(want.sum(), p)
+        torch.testing.assert_close(gp[:-2], wp[:-2])
