@@ -8,7 +8,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -724,10 +724,30 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
             else:
                 todo = "Fix the node or re-export the model (onnx.checker.check_model reports the same)"
             raise InvalidModelError(f"node {describe(node)} is not valid ONNX: {why}. {todo}.") from None
+        if "" in node.output:
+            _check_unnamed_outputs(node, ctx.opset_imports)
         _check_inference_hazards(node, None if op_types is None else op_types[k])
         if nested:
             for n in nested_nodes(node):
                 _check_inference_hazards(n)
+
+
+def _check_unnamed_outputs(node: onnx.NodeProto, opsets: Mapping[str, int]) -> None:
+    """An empty name stands for an optional output left out; onnx's checker lets it stand for any output, and
+    onnxruntime crashed (a segmentation fault) running a Split whose second output had none."""
+    domain = node.domain or ""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
+    except onnx.defs.SchemaError:
+        return
+    formal = list(schema.outputs)
+    for i, name in enumerate(node.output):
+        if name or not formal:
+            continue
+        param = formal[min(i, len(formal) - 1)]
+        if param.option != onnx.defs.OpSchema.FormalParameterOption.Optional:
+            raise InvalidModelError(f"node {describe(node)} leaves its output {i} ('{param.name}') unnamed, but that "
+                                    f"output of {node.op_type} is not optional: give it a name.")
 
 
 def graph_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

@@ -413,6 +413,9 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "Split with more outputs than num_outputs": (  # onnx's inference (1.23) aborts the process on it
         lambda: make_model([node("Split", ["x"], ["a", "b"], "splitter", axis=0, num_outputs=1)], [vi("x")],
                            [vi("a"), vi("b")], opset=18), ["'splitter'", "num_outputs=1", "2 outputs"]),
+    "Split with an unnamed second output": (  # onnxruntime crashed (a segmentation fault) running it
+        lambda: make_model([node("Split", ["x"], ["a", ""], "splitter", axis=1)], [vi("x")], [vi("a", shape=None)]),
+        ["'splitter'", "output 1 ('outputs') unnamed", "not optional"]),
     "Split naming no parts, of an input of unknown shape": (  # loads in onnxruntime only while the shape is unknown
         lambda: make_model([node("Split", ["x"], ["a"], "splitter", axis=0)], [vi("x", shape=None)],
                            [vi("a", shape=None)], opset=18), ["'splitter'", "neither", "num_outputs=1"]),
