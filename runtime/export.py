@@ -662,14 +662,16 @@ def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> N
         inferred = infer_shapes(model, data_prop=True).graph
     except Exception:
         inferred = g
-    known = {v.name for v in [*inferred.value_info, *inferred.input, *inferred.output]
-             if v.type.tensor_type.HasField("shape")} | {t.name for t in g.initializer}
-    unknown = [o for n in g.node for o in n.output if o and o not in known]
+    typed = [*inferred.value_info, *inferred.input, *inferred.output]
+    known = {v.name for v in typed if v.type.tensor_type.HasField("shape")} | {t.name for t in g.initializer}
+    elem = {v.name: v.type.tensor_type.elem_type for v in typed}
+    # onnxruntime refuses a graph output without an element type: probed are those inference typed
+    unknown = [o for n in g.node for o in n.output if o and o not in known and elem.get(o)]
     if not unknown:
         return
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in unknown)
+    probe.graph.output.extend(helper.make_tensor_value_info(n, elem[n], None) for n in unknown)
     for v in probe.graph.output:  # a declared output shape may be wrong (an If's, typed by its other branch)
         v.type.tensor_type.ClearField("shape")
     config = SessionConfig(threads=1, optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)

@@ -130,6 +130,17 @@ def _adaptive_max_pool2d(original: Callable[..., tuple[torch.Tensor, torch.Tenso
     return pool
 
 
+def _adaptive_max_pool1d(pool2d: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                         ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The 1-D pool as the 2-D one over a map one row high (its indices, row * width + column, are the columns)."""
+    def pool(x: torch.Tensor, output_size: Sequence[int] | int) -> tuple[torch.Tensor, torch.Tensor]:
+        size = output_size if isinstance(output_size, int) else output_size[0]
+        values, indices = pool2d(x.unsqueeze(-2), (1, size))
+        return values.squeeze(-2), indices.squeeze(-2)
+
+    return pool
+
+
 def _ceil_overhang(size: int, kernel: int, stride: int, pad: int) -> int:
     """How far torch's last ceil-mode window reaches past the padded input (its windows start inside the input
     or the left padding)."""
@@ -621,7 +632,9 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         *((owner, f"avg_pool{d}d", _divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d)) for d in (2, 3)
           for owner in (nn_ops, F)),
         (nn_ops, "adaptive_max_pool2d", _adaptive_max_pool2d(nn_ops.adaptive_max_pool2d)),
+        (torch, "adaptive_max_pool1d", _adaptive_max_pool1d(_adaptive_max_pool2d(nn_ops.adaptive_max_pool2d))),
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),
+        (nn_ops, "adaptive_avg_pool3d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool3d, 3)),
         (torch._VF, "threshold", _threshold(torch.threshold)), (torch._VF, "threshold_", _threshold(torch.threshold)),
         (torch, "pairwise_distance", pairwise_distance), (F, "pairwise_distance", pairwise_distance),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity), (nn_ops, "col2im", _col2im),

@@ -92,6 +92,9 @@ CASES = {
     "adaptive average pool 5x6 -> 8x10": (lambda: nn.AdaptiveAvgPool2d((8, 10)), 4 * 80, (5, 6)),
     "adaptive average pool 1-D": (lambda: nn.Sequential(nn.Flatten(2), nn.AdaptiveAvgPool1d(5)), 4 * 5, (4, 6)),
     "adaptive max pool 8x7 -> 3x2": (lambda: nn.AdaptiveMaxPool2d((3, 2)), 4 * 6, (8, 7)),
+    "adaptive max pool 1-D 9 -> 4": (lambda: nn.Sequential(nn.Flatten(2), nn.AdaptiveMaxPool1d(4)), 4 * 4, (3, 3)),
+    "adaptive average pool 3-D 4x5x4 -> 3x2x3": (
+        lambda: nn.Sequential(nn.Unflatten(1, (1, 4)), nn.AdaptiveAvgPool3d((3, 2, 3))), 18, (5, 4)),
     "adaptive max pool of a ReLU (ties)": (lambda: nn.Sequential(nn.ReLU(), nn.AdaptiveMaxPool2d(4)), 4 * 16, (9, 9)),
     "average pool, divisor_override": (lambda: nn.AvgPool2d(2, divisor_override=3), 4 * 9, (6, 6)),
     "average pool, divisor_override, padded, ceil mode": (
