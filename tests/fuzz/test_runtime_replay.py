@@ -120,9 +120,17 @@ def _reference_verdict(model: bytes, feeds: dict[str, np.ndarray], i: int, got: 
         return "differs"
     if want is None:
         return "undefined"
+    got, ref = got.astype(np.float64), np.asarray(want[i], np.float64)
+    if got.shape != ref.shape:
+        return "differs"
+    # where the reference is not finite, any non-finite value agrees: products over infinities of both signs are
+    # nan in numpy and inf or -inf in onnxruntime's kernels, which differ by the order they add in (a Gemm with
+    # beta=inf, then a MatMul: replay seed 311)
+    lost = ~np.isfinite(ref)
+    if np.isfinite(got[lost]).any():
+        return "differs"
     try:
-        np.testing.assert_allclose(got.astype(np.float64), np.asarray(want[i], np.float64), rtol=1e-3, atol=1e-5,
-                                   equal_nan=True)
+        np.testing.assert_allclose(got[~lost], ref[~lost], rtol=1e-3, atol=1e-5)
     except AssertionError:
         return "differs"
     return "agrees"
