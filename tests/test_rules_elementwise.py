@@ -349,10 +349,14 @@ def test_clip(lo, hi, const, opset):
         assert np.all(grads["x"][on_edge] != 0)
 
 
-def test_clip_bounds_get_no_gradient():
-    model = single_op_model("Clip", [("x", r(3)), ("lo", np.asarray(-0.5)), ("hi", np.asarray(0.5))])
-    meta = gradbuilder.read_metadata(gradbuilder.build_gradient_graph(model, wrt=["x", "lo", "hi"]))
-    assert list(meta["gradients"]) == ["x"] and set(meta["no_gradient"]) == {"lo", "hi"}
+@pytest.mark.parametrize("lo,hi", [(-0.7, 1.2), (None, 0.7), (-0.7, None), (1.2, 0.3)])
+def test_clip_bounds_get_torch_s_gradients(lo, hi):
+    """torch.clamp with tensor bounds (a learnable clipping level, PACT's alpha): min's gradient sums dY where
+    x < min while min < max, max's where x > max or max < min (min above max clamps all to max)."""
+    ins = [("x", CLIP_X), ("min", None if lo is None else np.asarray(lo)),
+           ("max", None if hi is None else np.asarray(hi))]
+    wrt = ["x", *(n for n, v in ins[1:] if v is not None)]
+    check_op("Clip", ins, lambda x, mn=None, mx=None: torch.clamp(x, mn, mx), wrt=wrt)
 
 
 @pytest.mark.parametrize("opset", OPSETS)

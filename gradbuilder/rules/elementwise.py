@@ -299,16 +299,27 @@ def min_(g: Grad) -> Grads:
     return _extremum(g, "Greater")
 
 
-@rule("Clip", since=13, nondiff=(1, 2))
+@rule("Clip", since=13)
 def clip(g: Grad) -> Grads:
-    """Like torch.clamp: the gradient passes where min <= x <= max, boundaries included."""
-    x, dy = g.I(0), g.GO(0)
-    masks = [compare(g, op, x, bound) for op, bound in (("GreaterOrEqual", g.I(1)), ("LessOrEqual", g.I(2)))
-             if bound is not None]
-    if not masks:
-        return (dy,)
-    mask = masks[0] if len(masks) == 1 else g.And(*masks)
-    return (keep(g, mask, dy, like=x),)
+    """Like torch.clamp: x's gradient passes where min <= x <= max, boundaries included; a bound that gets a
+    gradient (a learnable clipping level) takes dY where x is past it, summed: min's where x < min while
+    min < max, max's where x > max or max < min (torch's, where min > max clamps everything to max)."""
+    x, lo, hi, dy = g.I(0), g.I(1), g.I(2), g.GO(0)
+    dx = None
+    if g.needs(0):
+        masks = [compare(g, op, x, bound) for op, bound in (("GreaterOrEqual", lo), ("LessOrEqual", hi))
+                 if bound is not None]
+        dx = dy if not masks else keep(g, masks[0] if len(masks) == 1 else g.And(*masks), dy, like=x)
+    dlo = dhi = None
+    if lo is not None and g.needs(1):
+        below = g.Less(x, lo)
+        below = g.And(below, g.Less(lo, hi)) if hi is not None else below
+        dlo = g.unbroadcast(keep(g, below, dy, like=x), like=lo)
+    if hi is not None and g.needs(2):
+        above = g.Greater(x, hi)
+        above = g.Or(above, g.Less(hi, lo)) if lo is not None else above
+        dhi = g.unbroadcast(keep(g, above, dy, like=x), like=hi)
+    return (dx, dlo, dhi)
 
 
 @rule("Where", since=13, nondiff=(0,))
