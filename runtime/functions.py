@@ -500,6 +500,21 @@ def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None)
     return torch.where(axis, on_axis, torch.where(x < 0, turned, base))
 
 
+def _expm1(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(x) - 1 as tanh(x / 2) (exp(x) + 1), the same value without exp(x) - 1's cancellation near 0 (whose
+    precision is why a module calls expm1); the legacy exporter has no expm1."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.expm1 without `out`")
+    return torch.tanh(x / 2) * (torch.exp(x) + 1)
+
+
+def _addcdiv(input: torch.Tensor, tensor1: torch.Tensor, tensor2: torch.Tensor, *, value: float = 1,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is not None:
+        raise TypeError("ORTModule exports torch.addcdiv without `out`")
+    return input + value * (tensor1 / tensor2)
+
+
 def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def vdot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None or a.is_complex() or b.is_complex():
@@ -655,6 +670,8 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         *((owner, name, _atan2) for owner in (torch, torch.Tensor) for name in ("atan2", "arctan2")),
+        *((owner, "expm1", _expm1) for owner in (torch, torch.Tensor, torch.special)),
+        (torch, "addcdiv", _addcdiv), (torch.Tensor, "addcdiv", _addcdiv),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),

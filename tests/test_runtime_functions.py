@@ -10,7 +10,7 @@ from parity import check_parity
 from torch import nn
 from torch.nn import functional as F
 
-from runtime import ORTModule
+from runtime import ORTModule, functions
 
 
 class Net(nn.Module):
@@ -457,3 +457,22 @@ def test_atan2_is_torch_s_in_every_quadrant_and_on_the_axes() -> None:
         (gp,) = torch.autograd.grad(got.sum(), p)
         (wp,) = torch.autograd.grad(want.sum(), p)
         torch.testing.assert_close(gp[:-2], wp[:-2])
+
+
+def test_expm1_and_addcdiv_train_like_torch() -> None:
+    """The legacy exporter has neither: expm1 is written as tanh(x / 2) (exp(x) + 1), exact near 0 where
+    exp(x) - 1 cancels (1e-6 stays 1e-6 to float32 rounding), and addcdiv as its formula."""
+    class Small(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            return torch.expm1(h * 1e-3) * 1e3 + h.addcdiv(h, h.abs() + 1, value=0.5) + torch.expm1(h).sum()
+
+    g = torch.Generator().manual_seed(0)
+    check_parity(Small, [torch.randn(5, 4, generator=g) for _ in range(2)], lambda m, b: m(b).square().sum())
+    tiny = torch.tensor([1e-6, -3e-7, 0.0, 2.5, -20.0])
+    with functions.exportable_functions():
+        torch.testing.assert_close(torch.expm1(tiny), tiny.double().expm1().float(), rtol=2e-7, atol=0)
