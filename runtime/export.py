@@ -26,7 +26,7 @@ import random
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -413,10 +413,17 @@ def _pin_single_values(model: onnx.ModelProto, ranges: dict[Any, Any]) -> None:
     if not fixed:
         return
     g = model.graph
-    for vi in (*g.input, *g.value_info, *g.output):
+    for d in _named_dims((*g.input, *g.value_info, *g.output), fixed):
+        d.dim_value = fixed[d.dim_param]
+
+
+def _named_dims(infos: Iterable[onnx.ValueInfoProto], names: Container[str]
+                ) -> Iterator[onnx.TensorShapeProto.Dimension]:
+    """The dimensions of these declarations named one of `names`, to be rewritten in place."""
+    for vi in infos:
         for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") and d.dim_param in fixed:
-                d.dim_value = fixed[d.dim_param]
+            if d.HasField("dim_param") and d.dim_param in names:
+                yield d
 
 
 _EXPORT_LOCK = threading.Lock()
@@ -647,10 +654,8 @@ def _unshared_symbols(model: onnx.ModelProto, outputs: Sequence[str], values: Se
             if d.HasField("dim_param"):
                 sizes.setdefault(d.dim_param, set()).add(int(n))
     wrong = {name for name, seen in sizes.items() if len(seen) > 1}
-    for vi in (*g.value_info, *g.output) if wrong else ():
-        for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") and d.dim_param in wrong:
-                d.Clear()
+    for d in _named_dims((*g.value_info, *g.output), wrong):
+        d.Clear()
 
 
 def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> None:
