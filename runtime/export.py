@@ -36,6 +36,7 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnx import helper
+from onnxruntime.capi import _pybind_state as C
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -681,13 +682,45 @@ def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> N
         v.type.tensor_type.ClearField("shape")
     config = SessionConfig(threads=1, optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     try:
-        values = Runner(probe, config, "shape probe").run({k: exchange.to_ortvalue(v) for k, v in feeds.items()},
-                                                          unknown)
+        runner = Runner(probe, config, "shape probe")
     except RuntimeError:
         return  # the gradient build will name the tensor whose rank it misses
+    values_of = {k: exchange.to_ortvalue(v) for k, v in feeds.items()}
+    try:
+        values = runner.run(values_of, unknown)
+    except RuntimeError:
+        _runs_as_exported(model, config, values_of)
+        return  # the probe's own outputs failed (a tensor inside a branch): the gradient build names what it misses
     for name, v in zip(unknown, values):
         if v.is_tensor():
             g.value_info.append(helper.make_tensor_value_info(name, v.element_type(), [None] * len(v.shape())))
+
+
+def _runs_as_exported(model: onnx.ModelProto, config: SessionConfig, feeds: dict[str, C.OrtValue]) -> None:
+    """Refuse an export onnxruntime cannot run on the very inputs it was traced with (torch's legacy exporter
+    translates some modules wrongly, AdaptiveLogSoftmaxWithLoss's index_copy_ for one), naming the node that
+    fails, rather than let the gradient build blame what it then misses."""
+    shapeless = onnx.ModelProto()
+    shapeless.CopyFrom(model)
+    graphs = [shapeless.graph]
+    while graphs:  # declared shapes may be wrong (an If's, typed by its other branch), as onnxruntime holds them
+        g = graphs.pop()
+        del g.value_info[:]
+        for v in g.output:
+            v.type.tensor_type.ClearField("shape")
+        graphs.extend(a.g for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
+        graphs.extend(sub for n in g.node for a in n.attribute for sub in a.graphs)
+    try:
+        runner = Runner(shapeless, config, "exported")
+    except RuntimeError:
+        return
+    try:
+        runner.run(feeds, [o.name for o in model.graph.output])
+    except RuntimeError as e:
+        raise ExportError(
+            f"onnxruntime cannot run the exported graph on the inputs it was traced with ({str(e).strip()}): the "
+            "exporter translated the module wrongly. Try the other exporter (ORTModule(module, exporter=...)), "
+            "or run the module in torch.") from e
 
 
 def _sdpa_dropouts_in_training(model: onnx.ModelProto) -> None:
