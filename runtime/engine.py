@@ -10,6 +10,7 @@ with grad disabled (or nothing requiring grad) the exported forward runs alone, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -29,7 +30,7 @@ from gradbuilder.errors import InvalidModelError, RuleError
 
 from . import checks, exchange, function, lowering, workload
 from .batchnorm import second_updates, update_running_stats
-from .export import Exported, ExportError, ExportOptions, export, pin_dims
+from .export import Exported, ExportError, ExportOptions, ExportWarning, export, pin_dims
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
@@ -233,6 +234,12 @@ def _same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
             and all(x.SerializeToString() == y.SerializeToString() for x, y in zip(a.graph.node, b.graph.node))
             and all(x.SerializeToString() == y.SerializeToString()
                     for x, y in zip(a.graph.initializer, b.graph.initializer)))
+
+
+def _operator(error: BaseException) -> str:
+    """The operator an UnsupportedOperatorError names ("Exporting the operator 'aten::diff' to ONNX ...")."""
+    quoted = str(error).split("'")
+    return quoted[1] if len(quoted) > 2 else "an operator"
 
 
 class Engine:
@@ -457,11 +464,33 @@ class Engine:
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:
-            schema = self._fail(e, "export")
-        else:
-            schema = self._schema(exported)
-        self.schemas[key] = schema
+            exported = self._other_exporter(e, in_spec, leaves)
+            if exported is None:
+                self.schemas[key] = self._fail(e, "export")
+                return self.schemas[key]
+        schema = self.schemas[key] = self._schema(exported)
         return schema
+
+    def _other_exporter(self, error: ExportError, in_spec: Any, leaves: list[torch.Tensor]) -> Exported | None:
+        """The module exported by dynamo from now on, where the legacy exporter has no translation of an operator
+        its first export met (torch.diff, kron, nansum, quantile, trace, sinc: torch.export decomposes them into
+        ops it has). Only before any schema exists, so that one engine never mixes the two exporters' graphs; None
+        (the legacy exporter's error stands, with dynamo's added) where dynamo fails too."""
+        if self.options.export.exporter != "torchscript" or \
+                not isinstance(error.__cause__, torch.onnx.errors.UnsupportedOperatorError) or \
+                any(isinstance(s, Schema) for s in self.schemas.values()):
+            return None
+        options = dataclasses.replace(self.options, export=dataclasses.replace(self.options.export, exporter="dynamo"))
+        try:
+            exported = export(self.module, self.signature, in_spec, leaves, options.export)
+        except ExportError as e:
+            error.args = (f"{error}\nexporter='dynamo', tried next, failed too: {e}",)
+            return None
+        warnings.warn(f"ORTModule({self.name}): torch's legacy exporter has no ONNX translation of "
+                      f"{_operator(error.__cause__)}, so this module is exported by dynamo (exporter='dynamo') from "
+                      "now on.", ExportWarning, stacklevel=7)
+        self.options, self.unkeyed = options, 0
+        return exported
 
     def _schema(self, exported: Exported) -> Schema:
         if exported.baked:  # its batch may be one of the sizes it kept: new batches are exported again too

@@ -139,7 +139,7 @@ class ORTModule(nn.Module):
         self._original._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"module={type(self._original).__name__}, exporter={self._options.export.exporter!r}"
+        return f"module={type(self._original).__name__}, exporter={self._engine.options.export.exporter!r}"
 
     # --- pickling and deepcopy: sessions are not copyable, they are rebuilt on demand --------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -618,6 +618,59 @@ def test_dynamo_names_a_cumulative_batchnorm_it_cannot_trace() -> None:
     torch.testing.assert_close(om.module[1].running_var, ref[1].running_var)
 
 
+def test_an_export_onnxruntime_cannot_run_on_its_own_inputs_is_named_as_the_export_s_fault() -> None:
+    """torch's legacy exporter translates AdaptiveLogSoftmaxWithLoss (an index_copy_ of a one-row cluster) into a
+    ScatterElements onnxruntime refuses on the very inputs traced; the error says so and names the node, where it
+    used to blame an unknown rank on the model's inputs."""
+    torch.manual_seed(0)
+    head = nn.AdaptiveLogSoftmaxWithLoss(8, 20, [5, 10], div_value=2.0)
+    with pytest.raises(ORTModuleError, match=r"the export failed.*cannot run the exported graph on the inputs it was "
+                       r"traced with .*ScatterElements.*translated the module wrongly"):
+        ORTModule(head)(torch.randn(6, 8), torch.tensor([0, 4, 7, 12, 19, 3]))
+
+
+class Differences(nn.Module):
+    """torch.diff, nansum and kron: operators torch's legacy exporter has no translation of (torch.export
+    decomposes them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        steps = torch.diff(h, dim=-1)
+        kept = torch.nansum(torch.where(h > 0, h, torch.nan), -1, keepdim=True)
+        return torch.cat([(steps * kept).flatten(), torch.kron(h[:2, :2], h[2:4, 1:3]).flatten()])
+
+
+def test_operators_the_legacy_exporter_lacks_are_exported_by_dynamo_with_a_warning() -> None:
+    """The module is exported by dynamo from its first call on, with a warning naming the operator, and trains as
+    torch does; an operator neither exporter translates keeps the legacy exporter's error, with dynamo's added."""
+    torch.manual_seed(0)
+    ref = Differences().double()
+    om = ORTModule(copy.deepcopy(ref))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    with pytest.warns(ExportWarning, match=r"no ONNX translation of aten::diff, so this module is exported by dynamo"):
+        om(x)
+    assert "exporter='dynamo'" in repr(om)
+    for batch in (4, 7):
+        x = torch.randn(batch, 5, dtype=torch.float64)
+        for m in (ref, om):
+            m.zero_grad()
+            out = m(x)
+            (out * torch.linspace(-1, 2, out.numel(), dtype=torch.float64).view(out.shape)).sum().backward()
+        torch.testing.assert_close(om(x), ref(x), rtol=1e-12, atol=1e-12)
+        assert_grads_equal(om, ref, rtol=1e-12, atol=1e-12)
+
+    class Kth(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.kthvalue(2, -1).values
+
+    with pytest.raises(ORTModuleError, match=r"aten::kthvalue.*\n.*exporter='dynamo', tried next, failed too"):
+        ORTModule(Kth())(torch.randn(3, 4, requires_grad=True))
+
+
 class Counting(nn.Module):
     """A forward that changes buffers in place: a step count, an EMA of its inputs the output reads, and a queue
     of past features (MoCo's, shifted by tensor ops)."""
