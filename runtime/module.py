@@ -42,7 +42,8 @@ def _bind_forward(obj: ORTModule, module: nn.Module) -> None:
 class ORTModule(nn.Module):
     """Train `module` on onnxruntime with PyTorch semantics (autograd, optimizers, state_dict).
 
-    exporter: "torchscript" (default, fast, keeps BatchNorm/Dropout training semantics) or "dynamo".
+    exporter: "torchscript" (default, fast, keeps BatchNorm/Dropout training semantics) or "dynamo"; a module
+        whose first export meets an operator the legacy exporter cannot translate is exported by dynamo (warned).
     fallback: run calls that cannot be exported or differentiated in PyTorch, with a FallbackWarning,
         instead of raising ORTModuleError. threads: the most onnxruntime intra-op threads (default: torch's);
         a model whose forward is small for its batch runs on one until a batch makes it big (`workload`).
