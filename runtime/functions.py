@@ -515,6 +515,41 @@ def _addcdiv(input: torch.Tensor, tensor1: torch.Tensor, tensor2: torch.Tensor, 
     return input + value * (tensor1 / tensor2)
 
 
+def _sinc(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """sin(pi x) / (pi x), 1 at 0 with torch's derivative there, 0 (SincNet's band-pass filters evaluate it at 0);
+    the legacy exporter has no sinc."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.sinc without `out`")
+    zero = x == 0
+    scaled = math.pi * torch.where(zero, torch.ones_like(x), x)  # finite in the branch not taken
+    return torch.where(zero, torch.ones_like(x), torch.sin(scaled) / scaled)
+
+
+def _diff(x: torch.Tensor, n: int = 1, dim: int = -1, prepend: torch.Tensor | None = None,
+          append: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The n-th forward difference along `dim` as torch's: `prepend` and `append` joined first, then n times a
+    slice less its neighbour (the legacy exporter has no diff)."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.diff without `out`")
+    x = torch.cat([t for t in (prepend, x, append) if t is not None], dim) if prepend is not None or \
+        append is not None else x
+    for _ in range(n):
+        x = x.narrow(dim, 1, x.shape[dim] - 1) - x.narrow(dim, 0, x.shape[dim] - 1)
+    return x
+
+
+def _kthvalue(x: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+    """The k-th smallest along `dim` and its index, as the last of TopK's k smallest (the legacy exporter has no
+    kthvalue); its gradient goes to that index, as torch's does."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.kthvalue without `out`")
+    values, indices = torch.topk(x, k, dim, largest=False, sorted=True)
+    if keepdim:
+        return torch.return_types.kthvalue((values.narrow(dim, k - 1, 1), indices.narrow(dim, k - 1, 1)))
+    return torch.return_types.kthvalue((values.select(dim, k - 1), indices.select(dim, k - 1)))
+
+
 def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def vdot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None or a.is_complex() or b.is_complex():
@@ -672,6 +707,9 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         *((owner, name, _atan2) for owner in (torch, torch.Tensor) for name in ("atan2", "arctan2")),
         *((owner, "expm1", _expm1) for owner in (torch, torch.Tensor, torch.special)),
         (torch, "addcdiv", _addcdiv), (torch.Tensor, "addcdiv", _addcdiv),
+        *((owner, "sinc", _sinc) for owner in (torch, torch.Tensor, torch.special)),
+        *((owner, name, fn) for name, fn in (("diff", _diff), ("kthvalue", _kthvalue))
+          for owner in (torch, torch.Tensor)),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),

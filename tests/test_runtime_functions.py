@@ -1,8 +1,10 @@
 """runtime/functions.py: adaptive average pooling to any size, average pooling by a divisor_override, a non-zero
-threshold, channel shuffle, local response norm and Tensor.unfold train through ORTModule like torch
-(`check_parity`), the adaptive pooling for every input size from one export."""
+threshold, channel shuffle, local response norm, Tensor.unfold, sinc, diff and kthvalue train through ORTModule
+like torch (`check_parity`), the adaptive pooling for every input size from one export."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from parity import check_parity
 from torch import nn
 from torch.nn import functional as F
 
-from runtime import ORTModule, functions
+from runtime import ExportWarning, ORTModule, functions
 
 
 class Net(nn.Module):
@@ -476,3 +478,35 @@ def test_expm1_and_addcdiv_train_like_torch() -> None:
     tiny = torch.tensor([1e-6, -3e-7, 0.0, 2.5, -20.0])
     with functions.exportable_functions():
         torch.testing.assert_close(torch.expm1(tiny), tiny.double().expm1().float(), rtol=2e-7, atol=0)
+
+
+def test_sinc_diff_and_kthvalue_train_like_torch_under_the_legacy_exporter() -> None:
+    """The legacy exporter has none of them: written out (sinc with torch's value 1 and derivative 0 at 0, as
+    SincNet's filters meet it at their centre tap; diff with prepend and append, twice; kthvalue as TopK's k-th
+    smallest, its gradient to that element), so the module keeps the legacy exporter (no warning of a switch)."""
+    class Filters(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.low = nn.Parameter(torch.linspace(0.05, 0.2, 4, dtype=torch.float64)[:, None])
+            self.proj = nn.Linear(6, 6, dtype=torch.float64)
+            self.register_buffer("taps", torch.arange(-3, 4, dtype=torch.float64)[None])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            band = torch.sinc(2 * self.low * self.taps) * self.low
+            h = self.proj(x)
+            steps = torch.diff(h, n=2, dim=1, prepend=h[:, :1], append=h[:, -1:] * 2)
+            kth = torch.kthvalue(h, 2, dim=1, keepdim=True).values + h.kthvalue(3, 0).values
+            return torch.cat([band.flatten(), h.diff(dim=1).flatten(), steps.flatten(), kth.flatten()])
+
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        check_parity(Filters, [torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(2)],
+                     lambda m, b: (m(b) * torch.linspace(-1, 1, 113, dtype=torch.float64)).sum(), rtol=1e-10)
+    zero = torch.tensor([0.0, 0.5, -1.25], dtype=torch.float64, requires_grad=True)
+    with functions.exportable_functions():
+        mine = torch.sinc(zero)
+    (got,) = torch.autograd.grad(mine.sum(), zero)
+    (want,) = torch.autograd.grad(torch.sinc(zero).sum(), zero)
+    torch.testing.assert_close(mine, torch.sinc(zero), rtol=0, atol=1e-15)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
