@@ -76,7 +76,19 @@ class WithoutGrad(TorchFunctionMode):
         if torch.is_grad_enabled() or _IN_FUNCTIONS[0]:
             return out
         given = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        if _changed_in_place(func, out, given):
+            out.copy_(out.detach())  # traced: later reads of the buffer go through a StopGradient
         return _detached(out, given)
+
+
+def _changed_in_place(func: Any, out: Any, given: set[int]) -> bool:
+    """A float tensor without grad (a buffer, not a view) that an in-place op changed while grad is disabled: an
+    EMA of the weights (`ema.mul_(d).add_(w, alpha=1 - d)`, mean teacher's, BYOL's) that the forward then reads.
+    torch's autograd sees the result as a constant; the trace records its arithmetic of the weights, which the
+    gradient builder would differentiate."""
+    return isinstance(out, torch.Tensor) and id(out) in given and out.is_floating_point() and \
+        not out.requires_grad and out._base is None and getattr(func, "__name__", "").endswith("_") and \
+        func is not torch.Tensor.copy_
 
 
 def _detached(out: Any, given: set[int]) -> Any:

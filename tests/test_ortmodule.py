@@ -566,6 +566,41 @@ def test_stop_gradients_as_torch() -> None:
         torch.testing.assert_close(om(x), ref(x))
 
 
+class MeanTeacher(nn.Module):
+    """A student and an EMA of its weights updated in place inside forward under no_grad (mean teacher's, BYOL's
+    target), the EMA then read as the teacher's weights; a step count kept the same way."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Linear(4, 3)
+        self.register_buffer("ema", torch.zeros(3, 4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(self.student.weight, alpha=0.1)
+            self.ema += 0.01 * self.ema.sign()
+            self.steps += 1
+        return (self.student(x) - F.linear(x, self.ema).softmax(-1)).square().mean()
+
+
+def test_buffers_changed_in_place_without_grad_stop_gradients_as_torch() -> None:
+    """torch's autograd sees the EMA as a constant: no gradient reaches the student through the teacher's weights
+    (the trace recorded their arithmetic, and onnxruntime's first gradients failed the check), and the buffers
+    follow torch's over the steps of an optimizer."""
+    ref, om = pair(MeanTeacher())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, om)]
+    for step in range(3):
+        x = torch.randn(6, 4)
+        for m, opt in zip((ref, om), opts):
+            opt.zero_grad()
+            m(x).backward()
+            opt.step()
+        assert_grads_equal(om, ref)
+        torch.testing.assert_close(om.module.ema, ref.ema, rtol=1e-6, atol=1e-7)
+        assert int(om.module.steps) == int(ref.steps) == step + 1
+
+
 class DetachedFeatures(nn.Module):
     """A loss and features computed after a detach(), returned together."""
 
