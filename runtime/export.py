@@ -194,18 +194,46 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     statistics = {f"{m}.{b}" if m else b for m, mod in module.named_modules()
                   if isinstance(mod, nn.modules.batchnorm._BatchNorm)
                   for b in ("running_mean", "running_var", "num_batches_tracked")}
+    through_data = _DataAccess({id(p): name for name, p, _ in versions})
 
     def changed() -> list[str]:
+        bumped = [name for name, p, version in versions if p._version != version]
         return [*(name for name, b, v in saved if name not in statistics and not _same(b, v)),
-                *(name for name, p, version in versions if p._version != version)]
+                *bumped, *(name for name in through_data.changed() if name not in bumped)]
 
     try:
-        yield changed
+        with through_data:
+            yield changed
     finally:
         with torch.no_grad():
             for _, b, v in saved:
                 b.copy_(v)
         torch.random.set_rng_state(rng)
+
+
+class _DataAccess(TorchFunctionMode):
+    """Parameters the forward reaches through `.data`, their values as they were then: a change through `.data`
+    (`w.data.clamp_(-c, c)`, `w.data = F.normalize(w.data)`) is neither traced nor counted by the parameter's
+    version counter, so only their values tell (compared for these alone, not copied for every export)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        super().__init__()
+        self.names = names
+        self.before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if getattr(func, "__self__", None) is _DATA and args and id(args[0]) in self.names:
+            name = self.names[id(args[0])]
+            if name not in self.before:
+                self.before[name] = (args[0], args[0].detach().clone())
+        return func(*args, **(kwargs or {}))
+
+    def changed(self) -> list[str]:
+        return [name for name, (p, value) in self.before.items() if not _same(p.detach(), value)]
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]
+"""The `data` descriptor, whose `__get__` and `__set__` reach a TorchFunctionMode as method wrappers."""
 
 
 @contextlib.contextmanager

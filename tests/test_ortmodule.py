@@ -764,11 +764,35 @@ def test_buffers_changed_in_forward_follow_torch() -> None:
     renormed = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))  # rows renormed in place
     with pytest.warns(ExportWarning, match=r"changes 0.weight in place"):
         ORTModule(renormed)(torch.randint(0, 10, (2, 3)))
+    for change in ("clamped", "replaced"):  # through .data: neither traced nor counted by the version counter
+        with pytest.warns(ExportWarning, match=r"changes fc.weight in place"):
+            ORTModule(ThroughData(change))(torch.randn(3, 4))
+    with warnings.catch_warnings():  # read through .data, left as it was
+        warnings.simplefilter("error", ExportWarning)
+        ORTModule(ThroughData("read"))(torch.randn(3, 4))
     quiet = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     quiet.register_buffer("unused", torch.full((2,), float("nan")))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ExportWarning)
         ORTModule(quiet)(torch.randn(3, 4)).sum().backward()
+
+
+class ThroughData(nn.Module):
+    """A weight clipped or renormalized through `.data` inside forward (WGAN's clipping, NormFace's class
+    centres), or only read through it."""
+
+    def __init__(self, change: str):
+        super().__init__()
+        self.fc, self.change = nn.Linear(4, 3), change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.change == "clamped":
+            self.fc.weight.data.clamp_(-0.1, 0.1)
+        elif self.change == "replaced":
+            self.fc.weight.data = F.normalize(self.fc.weight.data, dim=1)
+        if self.fc.weight.data.dtype != x.dtype:  # a read
+            raise TypeError("x must have the weights' dtype")
+        return self.fc(x)
 
 
 def test_outputs_require_grad_where_torch_s_do() -> None:
