@@ -187,8 +187,10 @@ class _Flat(nn.Module):
 def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     """Tracing runs the module: put back its buffers (BatchNorm statistics) and the RNG state after. Yields a
     function naming the buffers and parameters the forward changed in place so far (BatchNorm's statistics left
-    out: the runtime updates those; a parameter by its version counter, so nothing is copied)."""
+    out: the runtime updates those; a parameter by its version counter, so nothing is copied), or replaced (a
+    recurrent state kept from call to call, `self.h = h.detach()`: its slot holds another tensor)."""
     saved = [(name, b, b.detach().clone()) for name, b in module.named_buffers()]
+    slots = {name: _holder(module, name) for name, _, _ in saved}
     versions = [(name, p, p._version) for name, p in module.named_parameters()]
     rng = torch.random.get_rng_state()
     statistics = {f"{m}.{b}" if m else b for m, mod in module.named_modules()
@@ -198,7 +200,9 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
 
     def changed() -> list[str]:
         bumped = [name for name, p, version in versions if p._version != version]
-        return [*(name for name, b, v in saved if name not in statistics and not _same(b, v)),
+        return [*(name for name, b, v in saved if name not in statistics and
+                  (not _same(b, v) or (isinstance(slots[name][0]._buffers[slots[name][1]], torch.Tensor)
+                   and slots[name][0]._buffers[slots[name][1]] is not b))),
                 *bumped, *(name for name in through_data.changed() if name not in bumped)]
 
     try:
@@ -206,9 +210,33 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
             yield changed
     finally:
         with torch.no_grad():
-            for _, b, v in saved:
+            for name, b, v in saved:
                 b.copy_(v)
+                holder, attr = slots[name]
+                holder._buffers[attr] = b
         torch.random.set_rng_state(rng)
+
+
+@contextlib.contextmanager
+def _fed_buffers(module: nn.Module) -> Iterator[None]:
+    """Non-persistent buffers fed as graph inputs like the others: the exporters take the state to feed from the
+    state_dict, which leaves them out, so their values at the export became constants, and a change between calls
+    (a schedule, a recurrent state carried from call to call, a resized mask) went unseen. Their modules' sets of
+    non-persistent names are emptied for the export (in place: the flat module shares the root's)."""
+    sets = [(m._non_persistent_buffers_set, set(m._non_persistent_buffers_set)) for m in module.modules()]
+    for names, _ in sets:
+        names.clear()
+    try:
+        yield
+    finally:
+        for names, kept in sets:
+            names.update(kept)
+
+
+def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding a buffer or parameter and its attribute there."""
+    owner, _, attr = name.rpartition(".")
+    return (module.get_submodule(owner) if owner else module), attr
 
 
 class _DataAccess(TorchFunctionMode):
@@ -476,7 +504,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
         # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
-                _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, \
+                _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \

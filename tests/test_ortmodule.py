@@ -777,6 +777,44 @@ def test_buffers_changed_in_forward_follow_torch() -> None:
         ORTModule(quiet)(torch.randn(3, 4)).sum().backward()
 
 
+class Truncated(nn.Module):
+    """Truncated backpropagation through time: the GRU's last state kept in a buffer from call to call
+    (`self.h = h.detach()`, a new tensor in the buffer's slot), and a non-persistent scale the training loop sets
+    between calls."""
+
+    def __init__(self, persistent: bool):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 5, batch_first=True), nn.Linear(5, 2)
+        self.register_buffer("h", torch.zeros(1, 2, 5), persistent=persistent)
+        self.register_buffer("scale", torch.ones(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, h = self.rnn(x, self.h)
+        self.h = h.detach()
+        return self.head(out) * self.scale
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_state_carried_in_buffers_from_call_to_call_follows_torch(persistent: bool) -> None:
+    """A buffer the forward replaces is carried to the next call as torch's module carries it (it was taken as
+    unchanged: the second call's export differed and was refused); a non-persistent buffer is fed at each call
+    (the exporters took it for a constant, since the state_dict leaves it out), so changes between calls are
+    seen."""
+    ref, om = pair(Truncated(persistent))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, om)]
+    for step in range(4):
+        x = torch.randn(2, 4, 3)
+        for m, opt in zip((ref, om), opts):
+            m.scale.fill_(1.0 + step)
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        assert_grads_equal(om, ref)
+        torch.testing.assert_close(om.module.h, ref.h, rtol=1e-5, atol=1e-6)
+    assert om.stats["exports"] == 1
+    assert ("h" in om.state_dict()) == persistent and "scale" not in om.state_dict()
+
+
 class ThroughData(nn.Module):
     """A weight clipped or renormalized through `.data` inside forward (WGAN's clipping, NormFace's class
     centres), or only read through it."""
