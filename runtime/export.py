@@ -233,6 +233,20 @@ def _fed_buffers(module: nn.Module) -> Iterator[None]:
             names.update(kept)
 
 
+@contextlib.contextmanager
+def _plain_tensor_attributes(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
+    """Yields a function naming the plain attributes (neither parameters nor buffers) that the forward set to a
+    tensor so far (`self.h = h.detach()` on an attribute that is not a buffer)."""
+    modules = list(module.named_modules())
+    before = [{k: id(v) for k, v in vars(m).items() if isinstance(v, torch.Tensor)} for _, m in modules]
+
+    def stored() -> list[str]:
+        return [f"{prefix}.{k}" if prefix else k for (prefix, m), seen in zip(modules, before)
+                for k, v in vars(m).items() if isinstance(v, torch.Tensor) and seen.get(k) != id(v)]
+
+    yield stored
+
+
 def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The module holding a buffer or parameter and its attribute there."""
     owner, _, attr = name.rpartition(".")
@@ -505,6 +519,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
                 _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
+                _plain_tensor_attributes(module) as stored, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
@@ -513,6 +528,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
             mutated = changed()
+            kept_in_attributes = stored()
             inputs_changed = changed_inputs()
             # tensors that exist only while exporting (stand-in statistics) are constants of the export
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
@@ -578,6 +594,13 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "which the exported graph does not carry back to the module (buffers are, with the legacy "
                       "exporter; parameters are not): each step reads its value as it is, where torch's changes. "
                       "Update it outside forward(), or run the module in torch.", ExportWarning, stacklevel=4)
+    if kept_in_attributes:
+        warnings.warn(f"ORTModule({type(module).__name__}): the forward stores a tensor in "
+                      f"{_listed(kept_in_attributes)}, a plain attribute, which the exported graph does not: it keeps "
+                      "the tensor of the call that exported, where torch's holds each call's. Where a later call reads "
+                      "it (a recurrent state carried from call to call), register it in __init__ as a buffer holding "
+                      "its first value (self.register_buffer('h', torch.zeros(...), persistent=False)): ORTModule "
+                      "carries buffers from call to call as torch does.", ExportWarning, stacklevel=4)
     graph_inputs = {i.name for i in model.graph.input}
     inputs = [(n, k) for k, n in enumerate(names) if n in graph_inputs]
     state_inputs = [(i.name, i.name) for i in model.graph.input if i.name in state]

@@ -815,6 +815,26 @@ def test_state_carried_in_buffers_from_call_to_call_follows_torch(persistent: bo
     assert ("h" in om.state_dict()) == persistent and "scale" not in om.state_dict()
 
 
+def test_a_tensor_stored_in_a_plain_attribute_is_named_with_the_way_out() -> None:
+    """The same state in a plain attribute: the graph cannot carry it, and the warning says to make it a buffer;
+    an attribute the forward only reads stays quiet."""
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.h, self.scale = nn.GRU(3, 5, batch_first=True), None, torch.ones(5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, self.h = self.rnn(x, self.h)
+            return out * self.scale
+
+    with pytest.warns(ExportWarning, match=r"stores a tensor in h, a plain attribute.*register it in __init__ as a "
+                      r"buffer"):
+        ORTModule(Plain())(torch.randn(2, 4, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        ORTModule(Truncated(True))(torch.randn(2, 4, 3))
+
+
 class ThroughData(nn.Module):
     """A weight clipped or renormalized through `.data` inside forward (WGAN's clipping, NormFace's class
     centres), or only read through it."""
