@@ -191,6 +191,7 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     recurrent state kept from call to call, `self.h = h.detach()`: its slot holds another tensor)."""
     saved = [(name, b, b.detach().clone()) for name, b in module.named_buffers()]
     slots = {name: _holder(module, name) for name, _, _ in saved}
+    empty = [(m, attr) for m in module.modules() for attr, b in m._buffers.items() if b is None]
     versions = [(name, p, p._version) for name, p in module.named_parameters()]
     rng = torch.random.get_rng_state()
     statistics = {f"{m}.{b}" if m else b for m, mod in module.named_modules()
@@ -214,6 +215,8 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
                 b.copy_(v)
                 holder, attr = slots[name]
                 holder._buffers[attr] = b
+            for holder, attr in empty:  # set by the trace: no traced tensor left in the module
+                holder._buffers[attr] = None
         torch.random.set_rng_state(rng)
 
 
@@ -624,6 +627,13 @@ def _known_cause(module: nn.Module, exporter: str, error: Exception) -> str:
     """What to do, where an export failure has a cause known to be the model's and not the exporter's bug: a
     BatchNorm averaging its statistics over all batches (momentum=None) computes its factor from
     num_batches_tracked as a Python number, a value torch.export cannot trace ("data-dependent")."""
+    if "state_dict changed after running the tracer" in str(error):
+        unset = [f"{prefix}.{attr}" if prefix else attr for prefix, m in module.named_modules()
+                 for attr, b in m._buffers.items() if b is None]
+        if unset:
+            return (f"the forward sets {_listed(unset)}, registered as None, which the legacy exporter cannot follow "
+                    "(it takes the buffers before the call): register it holding its first value "
+                    "(torch.zeros(...)). ")
     if exporter != "dynamo" or "data-dependent" not in str(error):
         return ""
     cumulative = [name or type(m).__name__ for name, m in module.named_modules()

@@ -817,7 +817,8 @@ def test_state_carried_in_buffers_from_call_to_call_follows_torch(persistent: bo
 
 def test_a_tensor_stored_in_a_plain_attribute_is_named_with_the_way_out() -> None:
     """The same state in a plain attribute: the graph cannot carry it, and the warning says to make it a buffer;
-    an attribute the forward only reads stays quiet."""
+    an attribute the forward only reads stays quiet. A buffer registered as None fails the legacy trace, which
+    takes the buffers before the call: the error says so."""
     class Plain(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -833,6 +834,11 @@ def test_a_tensor_stored_in_a_plain_attribute_is_named_with_the_way_out() -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error", ExportWarning)
         ORTModule(Truncated(True))(torch.randn(2, 4, 3))
+    unset = Truncated(False)
+    unset.h = None  # a buffer registered as None that the first call sets: named, and left as it was
+    with pytest.raises(ORTModuleError, match=r"sets h, registered as None.*register it holding its first value"):
+        ORTModule(unset)(torch.randn(2, 4, 3))
+    assert unset.h is None
 
 
 class ThroughData(nn.Module):
