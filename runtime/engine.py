@@ -473,8 +473,8 @@ class Engine:
 
     def _other_exporter(self, error: ExportError, in_spec: Any, leaves: list[torch.Tensor]) -> Exported | None:
         """The module exported by dynamo from now on, where the legacy exporter has no translation of an operator
-        its first export met (torch.diff, kron, nansum, quantile, trace, sinc: torch.export decomposes them into
-        ops it has). Only before any schema exists, so that one engine never mixes the two exporters' graphs; None
+        its first export met (kron, nansum, quantile, trace, count_nonzero: torch.export decomposes them into ops
+        it has). Only before any schema exists, so that one engine never mixes the two exporters' graphs; None
         (the legacy exporter's error stands, with dynamo's added) where dynamo fails too."""
         if self.options.export.exporter != "torchscript" or \
                 not isinstance(error.__cause__, torch.onnx.errors.UnsupportedOperatorError) or \
