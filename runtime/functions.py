@@ -550,6 +550,37 @@ def _kthvalue(x: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *,
     return torch.return_types.kthvalue((values.select(dim, k - 1), indices.select(dim, k - 1)))
 
 
+def _nansum(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum with NaN taken as 0 (its gradient 0 there, as torch's); the legacy exporter has no nansum."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.nansum without `out`")
+    kept = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    return kept.sum(dtype=dtype) if dim is None else kept.sum(dim, keepdim, dtype=dtype)
+
+
+def _nanmean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean over the elements that are not NaN (NaN where all are, as torch's: 0 / 0)."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.nanmean without `out`")
+    present = (~torch.isnan(x)).to(dtype or x.dtype)
+    count = present.sum() if dim is None else present.sum(dim, keepdim)
+    return _nansum(x, dim, keepdim, dtype=dtype) / count
+
+
+def _count_nonzero(x: torch.Tensor, dim: Any = None) -> torch.Tensor:
+    """The number of non-zero elements (int64), as torch's; the legacy exporter has no count_nonzero."""
+    nonzero = (x != 0).to(torch.int64)
+    return nonzero.sum() if dim is None else nonzero.sum(dim)
+
+
+def _trace(x: torch.Tensor) -> torch.Tensor:
+    """The sum of a matrix's diagonal, as the sum of its product with the identity (the legacy exporter has no
+    trace, and writes diagonal with an If, which gradients cannot pass)."""
+    return (x * torch.eye(x.shape[0], x.shape[1], dtype=x.dtype)).sum()
+
+
 def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def vdot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None or a.is_complex() or b.is_complex():
@@ -708,7 +739,9 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         *((owner, "expm1", _expm1) for owner in (torch, torch.Tensor, torch.special)),
         (torch, "addcdiv", _addcdiv), (torch.Tensor, "addcdiv", _addcdiv),
         *((owner, "sinc", _sinc) for owner in (torch, torch.Tensor, torch.special)),
-        *((owner, name, fn) for name, fn in (("diff", _diff), ("kthvalue", _kthvalue))
+        *((owner, name, fn) for name, fn in (("diff", _diff), ("kthvalue", _kthvalue), ("nansum", _nansum),
+                                              ("nanmean", _nanmean), ("count_nonzero", _count_nonzero),
+                                              ("trace", _trace))
           for owner in (torch, torch.Tensor)),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),

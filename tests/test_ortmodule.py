@@ -665,8 +665,8 @@ def test_an_export_onnxruntime_cannot_run_on_its_own_inputs_is_named_as_the_expo
 
 
 class Differences(nn.Module):
-    """nansum and kron, operators torch's legacy exporter has no translation of (torch.export decomposes them),
-    and diff (which the runtime writes out for it)."""
+    """kron, an operator torch's legacy exporter has no translation of (torch.export decomposes it), with diff and
+    nansum (which the runtime writes out for it)."""
 
     def __init__(self):
         super().__init__()
@@ -686,7 +686,7 @@ def test_operators_the_legacy_exporter_lacks_are_exported_by_dynamo_with_a_warni
     ref = Differences().double()
     om = ORTModule(copy.deepcopy(ref))
     x = torch.randn(4, 5, dtype=torch.float64)
-    with pytest.warns(ExportWarning, match=r"no ONNX translation of aten::nansum, so this module is exported by dyn"):
+    with pytest.warns(ExportWarning, match=r"no ONNX translation of aten::kron, so this module is exported by dynamo"):
         om(x)
     assert "exporter='dynamo'" in repr(om)
     for batch in (4, 7):

@@ -1,5 +1,5 @@
 """runtime/functions.py: adaptive average pooling to any size, average pooling by a divisor_override, a non-zero
-threshold, channel shuffle, local response norm, Tensor.unfold, sinc, diff and kthvalue train through ORTModule
+threshold, channel shuffle, local response norm, Tensor.unfold, sinc, diff, kthvalue and nansum train through ORTModule
 like torch (`check_parity`), the adaptive pooling for every input size from one export."""
 
 from __future__ import annotations
@@ -480,10 +480,12 @@ def test_expm1_and_addcdiv_train_like_torch() -> None:
         torch.testing.assert_close(torch.expm1(tiny), tiny.double().expm1().float(), rtol=2e-7, atol=0)
 
 
-def test_sinc_diff_and_kthvalue_train_like_torch_under_the_legacy_exporter() -> None:
+def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None:
     """The legacy exporter has none of them: written out (sinc with torch's value 1 and derivative 0 at 0, as
     SincNet's filters meet it at their centre tap; diff with prepend and append, twice; kthvalue as TopK's k-th
-    smallest, its gradient to that element), so the module keeps the legacy exporter (no warning of a switch)."""
+    smallest, its gradient to that element; nansum and nanmean with no gradient to the NaNs; count_nonzero;
+    trace), so the module keeps the legacy exporter (no warning of a switch to dynamo, which would refuse a
+    module with stop-gradients)."""
     class Filters(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -496,13 +498,18 @@ def test_sinc_diff_and_kthvalue_train_like_torch_under_the_legacy_exporter() -> 
             h = self.proj(x)
             steps = torch.diff(h, n=2, dim=1, prepend=h[:, :1], append=h[:, -1:] * 2)
             kth = torch.kthvalue(h, 2, dim=1, keepdim=True).values + h.kthvalue(3, 0).values
-            return torch.cat([band.flatten(), h.diff(dim=1).flatten(), steps.flatten(), kth.flatten()])
+            holes = torch.where(h > 0.5, torch.nan, h)  # NaN where the loss is to skip an element
+            nan = torch.stack([torch.nansum(holes), holes.nansum(1).sum(), torch.nanmean(holes, 0).sum(),
+                               torch.trace(h[:, :5]), torch.trace(h[:4])])
+            counted = h[0] * torch.count_nonzero(h > 0, 0)
+            return torch.cat([band.flatten(), h.diff(dim=1).flatten(), steps.flatten(), kth.flatten(), nan,
+                              counted])
 
     g = torch.Generator().manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ExportWarning)
         check_parity(Filters, [torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(2)],
-                     lambda m, b: (m(b) * torch.linspace(-1, 1, 113, dtype=torch.float64)).sum(), rtol=1e-10)
+                     lambda m, b: (m(b) * torch.linspace(-1, 1, 124, dtype=torch.float64)).sum(), rtol=1e-10)
     zero = torch.tensor([0.0, 0.5, -1.25], dtype=torch.float64, requires_grad=True)
     with functions.exportable_functions():
         mine = torch.sinc(zero)
