@@ -425,9 +425,10 @@ def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: to
 def _variable_bags(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, mode: str,
                    per_sample_weights: torch.Tensor | None, include_last_offset: bool, padding_idx: int | None
                    ) -> torch.Tensor:
-    """Sums or means of bags of a 1-D input that `offsets` cut: each position's bag is the number of bag starts at
-    or before it, less one (ones scatter-added at the starts, then cumsum: empty bags share their start, and the
-    elements go to the last of them, as in torch); the rows are scatter-added into their bags."""
+    """Sums, means or maxima of bags of a 1-D input that `offsets` cut: each position's bag is the number of bag
+    starts at or before it, less one (ones scatter-added at the starts, then cumsum: empty bags share their start,
+    and the elements go to the last of them, as in torch); the rows are scatter-added (or scatter-maxed) into their
+    bags."""
     length = input.shape[0]
     starts = offsets[:-1] if include_last_offset else offsets
     bags = starts.shape[0]
@@ -440,6 +441,12 @@ def _variable_bags(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     kept = torch.ones(length, dtype=weight.dtype) if padding_idx is None else (input != padding_idx).to(weight.dtype)
     if padding_idx is not None:
         rows = rows * kept[:, None]
+    if mode == "max":  # the rows' maximum per bag (padding rows at -inf); empty bags, and padding-only ones, 0
+        if padding_idx is not None:
+            rows = torch.where(kept[:, None] > 0, rows, torch.full((), -math.inf, dtype=rows.dtype))
+        peak = torch.zeros(bags, weight.shape[1], dtype=weight.dtype).scatter_reduce(
+            0, bag[:, None].expand_as(rows), rows, "amax", include_self=False)
+        return peak if padding_idx is None else torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak)
     total = torch.zeros(bags, weight.shape[1], dtype=weight.dtype).scatter_add(0, bag[:, None].expand_as(rows), rows)
     if mode == "sum":
         return total
@@ -452,7 +459,7 @@ def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch
                       max_norm: float | None = None, norm_type: float = 2, scale_grad_by_freq: bool = False,
                       mode: str = "mean", sparse: bool = False, per_sample_weights: torch.Tensor | None = None,
                       include_last_offset: bool = False, padding_idx: int | None = None) -> torch.Tensor:
-        variable = input.dim() == 1 and offsets is not None and mode in ("sum", "mean")
+        variable = input.dim() == 1 and offsets is not None and mode in ("sum", "mean", "max")
         fixed = input.dim() == 2 and offsets is None and mode in ("sum", "mean", "max")
         if not (variable or fixed) or max_norm is not None or (per_sample_weights is not None and mode != "sum"):
             return original(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,

@@ -187,7 +187,8 @@ class VariableBags(nn.Module):
 
 
 @pytest.mark.parametrize("mode, padding_idx, weighted, include_last",
-                         [("mean", None, False, False), ("sum", None, True, True), ("mean", 0, False, True)])
+                         [("mean", None, False, False), ("sum", None, True, True), ("mean", 0, False, True),
+                          ("max", None, False, False), ("max", 0, False, True)])
 def test_embedding_bag_with_offsets_trains_like_torch(mode: str, padding_idx: int | None, weighted: bool,
                                                       include_last: bool) -> None:
     g = torch.Generator().manual_seed(0)
