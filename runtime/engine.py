@@ -15,6 +15,7 @@ import functools
 import inspect
 import os
 import warnings
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from gradbuilder.errors import InvalidModelError, RuleError
 
 from . import checks, exchange, function, lowering, workload
 from .batchnorm import second_updates, update_running_stats
-from .export import Exported, ExportError, ExportOptions, ExportWarning, export, pin_dims
+from .export import Exported, ExportError, ExportOptions, ExportWarning, export, pin_dims, scratch_buffers
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
@@ -354,6 +355,8 @@ class Engine:
             read = tuple([named[name] for name in session.read_inputs if name in named])
             sparse = tuple([i for i, w in enumerate(wrt) if w in schema.sparse]) if schema.sparse else ()
             call = function.Call(session, feeds, wrt, n, read, sparse)
+            call.in_torch = functools.partial(self.in_torch, ex, in_spec, [weakref.ref(t) for t in leaves],
+                                              [t._version for t in leaves], wrt)
             try:
                 user, stats = function.apply(call, [named[name] for name in wrt])
             except FIRST_RUN_ERRORS as e:
@@ -470,6 +473,25 @@ class Engine:
                 return self.schemas[key]
         schema = self.schemas[key] = self._schema(exported)
         return schema
+
+    def in_torch(self, ex: Exported, in_spec: Any, refs: list[weakref.ref[torch.Tensor]], versions: list[int],
+                 wrt: list[str]) -> tuple[list[Any], list[torch.Tensor]]:
+        """One call computed again by torch's module, on the same inputs (unchanged since) and parameters, with
+        grad enabled, its buffers and RNG state put back after: its flat outputs, and the tensors behind `wrt`."""
+        leaves = [r() for r in refs]
+        if any(t is None or t._version != v for t, v in zip(leaves, versions)):
+            raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
+                               "torch, but one of its inputs has been freed or changed in place since the forward; "
+                               "keep the inputs as they were until this backward.")
+        named: dict[str, torch.Tensor] = {name: leaves[k] for name, k in ex.inputs}  # type: ignore[misc]
+        for name, fqn in ex.state:
+            holder, attr = self._owners.get(fqn) or self._owner(fqn)
+            t = holder._parameters.get(attr)
+            named[name] = t if t is not None else holder._buffers[attr]
+        bound = inspect.BoundArguments(self.signature, unflatten(in_spec, leaves))
+        with torch.enable_grad(), scratch_buffers(self.module):
+            out = self.module(*bound.args, **bound.kwargs)
+        return flatten(out)[0], [named[name] for name in wrt]
 
     def _other_exporter(self, error: ExportError, in_spec: Any, leaves: list[torch.Tensor]) -> Exported | None:
         """The module exported by dynamo from now on, where the legacy exporter has no translation of an operator

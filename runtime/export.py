@@ -239,13 +239,16 @@ def _fed_buffers(module: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def _plain_tensor_attributes(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     """Yields a function naming the plain attributes (neither parameters nor buffers) that the forward set to a
-    tensor so far (`self.h = h.detach()` on an attribute that is not a buffer)."""
+    tensor without grad so far (`self.h = h.detach()` on an attribute that is not a buffer): state for a later
+    call. A tensor that requires grad is a value of this call (old-style weight_norm's weight, which its pre-hook
+    computes at every call before the forward reads it)."""
     modules = list(module.named_modules())
     before = [{k: id(v) for k, v in vars(m).items() if isinstance(v, torch.Tensor)} for _, m in modules]
 
     def stored() -> list[str]:
         return [f"{prefix}.{k}" if prefix else k for (prefix, m), seen in zip(modules, before)
-                for k, v in vars(m).items() if isinstance(v, torch.Tensor) and seen.get(k) != id(v)]
+                for k, v in vars(m).items() if isinstance(v, torch.Tensor) and seen.get(k) != id(v)
+                and not v.requires_grad]
 
     yield stored
 
@@ -254,6 +257,24 @@ def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The module holding a buffer or parameter and its attribute there."""
     owner, _, attr = name.rpartition(".")
     return (module.get_submodule(owner) if owner else module), attr
+
+
+@contextlib.contextmanager
+def scratch_buffers(module: nn.Module) -> Iterator[None]:
+    """The module computes on copies of its buffers, and the RNG state is put back after: a call computed again
+    (for backward(create_graph=True)) leaves BatchNorm's statistics as the call itself left them. Copies, not
+    values put back in place: the recomputed graph saves the buffers it read (BatchNorm's running statistics),
+    and changing those in place would fail its backward."""
+    swapped = [(m, attr, b) for m in module.modules() for attr, b in m._buffers.items() if b is not None]
+    rng = torch.random.get_rng_state()
+    for m, attr, b in swapped:
+        m._buffers[attr] = b.clone()
+    try:
+        yield
+    finally:
+        for m, attr, b in swapped:
+            m._buffers[attr] = b
+        torch.random.set_rng_state(rng)
 
 
 class _DataAccess(TorchFunctionMode):

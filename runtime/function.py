@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from onnxruntime.capi import _pybind_state as C
-from torch.autograd.function import once_differentiable
 
 from . import exchange
 from .checks import GradientCheck
@@ -41,6 +40,9 @@ class Call:
     after_backward: Callable[[], None] | None = None
     """Run at each backward: what torch's backward changes besides gradients (BatchNorm statistics updated again
     in checkpointed regions: `batchnorm.second_updates`)."""
+    in_torch: Callable[[], tuple[list[Any], list[torch.Tensor]]] | None = None
+    """The same call computed again by torch's module (`Engine.in_torch`): its flat outputs and the tensors of
+    `wrt`, for a backward with create_graph=True, whose gradients must be differentiable again."""
 
 
 def _keep_graph() -> bool:
@@ -73,12 +75,8 @@ class ORTFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # create_graph=True: no double backward through onnxruntime
-            warnings.warn("backward(create_graph=True) through ORTModule: its gradients are computed by onnxruntime "
-                          "and have no grad_fn, so differentiating them again (a gradient penalty, double backward) "
-                          "fails with torch's 'does not require grad'. Compute such terms with the module in torch.",
-                          RuntimeWarning, stacklevel=2)  # shown once per process by Python's default filter
-            return _backward_once(ctx, *grads)
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+            return _backward_in_torch(ctx, *grads)
         return _backward(ctx, *grads)
 
 
@@ -103,9 +101,26 @@ def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | Non
     return (None, *out)
 
 
-_backward_once = once_differentiable(_backward)
-"""The backward under `create_graph=True`: its results do not require grad. A plain `backward()` runs with grad
-mode off already, so it skips this wrapper's no_grad context (7 Python calls a step)."""
+def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """backward(create_graph=True) (a gradient penalty, a physics-informed loss, a Hessian-vector product): the
+    call's outputs computed again by torch's own module from the same inputs and parameters, and their gradients
+    taken with create_graph=True, so that they have a graph to differentiate again (onnxruntime's have none). The
+    values are torch's, as the first-call check holds onnxruntime's to be. Random draws (dropout) are torch's
+    own, not the forward's."""
+    call: Call = ctx.call
+    warnings.warn("backward(create_graph=True) through ORTModule: the call is computed again in torch, whose "
+                  "gradients can be differentiated again (a torch forward and backward more per such step).",
+                  RuntimeWarning, stacklevel=2)  # shown once per process by Python's default filter
+    if call.in_torch is None:
+        raise RuntimeError("ORTModule cannot compute this call again in torch for backward(create_graph=True)")
+    outputs, inputs = call.in_torch()
+    pairs = [(o, g) for o, g in zip(outputs, grads[:call.n_user])
+             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    found = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], create_graph=True,
+                                allow_unused=True) if pairs else [None] * len(inputs)
+    if call.after_backward is not None:
+        call.after_backward()
+    return (None, *found)
 
 
 _APPLY = super(torch.autograd.Function, ORTFunction).apply

@@ -278,16 +278,43 @@ def test_retain_graph_like_torch() -> None:
         out.backward()
 
 
-def test_create_graph_gives_first_order_gradients_only() -> None:
-    """Under create_graph=True the first-order gradients are torch's; they do not require grad (no double
-    backward through onnxruntime), as `once_differentiable` makes them, and a RuntimeWarning says so."""
-    ref, om = pair(MLP())
-    x = torch.randn(3, 8, requires_grad=True)
-    with pytest.warns(RuntimeWarning, match="no grad_fn"):
-        got, = torch.autograd.grad(om(x).sum(), x, create_graph=True)
-    want, = torch.autograd.grad(ref(x).sum(), x)
-    torch.testing.assert_close(got, want)
-    assert not got.requires_grad
+class Critic(nn.Module):
+    """A smooth critic (Softplus, LayerNorm, a BatchNorm in training) for gradient penalties."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 16), nn.Softplus(), nn.LayerNorm(16), nn.Linear(16, 8),
+                                 nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_create_graph_gives_gradients_that_differentiate_again_as_torch_s() -> None:
+    """backward(create_graph=True) computes the call again in torch (warned once), so the gradients have a graph:
+    a WGAN-GP penalty ((|d critic / dx| - 1)^2) and a physics-informed loss (the Laplacian of u(x), through two
+    create_graph gradients) train the parameters as torch's do, in float64; the BatchNorm statistics are updated
+    once a call, as in torch; an input changed in place before such a backward is refused."""
+    torch.manual_seed(0)
+    ref = Critic().double()
+    om = ORTModule(copy.deepcopy(ref))
+    for step in range(2):
+        x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+        for m in (ref, om):
+            m.zero_grad()
+            (g,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+            penalty = (g.norm(dim=1) - 1).square().mean()
+            lap = sum(torch.autograd.grad(g[:, i].sum(), x, create_graph=True)[0][:, i] for i in range(3))
+            (penalty + lap.square().mean() + m(x).mean()).backward()
+        assert_grads_equal(om, ref, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(om.module.net[4].running_mean, ref.net[4].running_mean, rtol=1e-9, atol=1e-12)
+        assert int(om.module.net[4].num_batches_tracked) == int(ref.net[4].num_batches_tracked) == 2 * (step + 1)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    out = om(x).sum()
+    with torch.no_grad():
+        x.mul_(2)
+    with pytest.raises(RuntimeError, match="changed in place since the forward"):
+        torch.autograd.grad(out, x, create_graph=True)
 
 
 def test_in_place_change_of_a_stashed_output_is_detected() -> None:
@@ -825,7 +852,8 @@ def test_a_tensor_stored_in_a_plain_attribute_is_named_with_the_way_out() -> Non
             self.rnn, self.h, self.scale = nn.GRU(3, 5, batch_first=True), None, torch.ones(5)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out, self.h = self.rnn(x, self.h)
+            out, h = self.rnn(x, self.h)
+            self.h = h.detach()
             return out * self.scale
 
     with pytest.warns(ExportWarning, match=r"stores a tensor in h, a plain attribute.*register it in __init__ as a "
