@@ -588,6 +588,38 @@ def _trace(x: torch.Tensor) -> torch.Tensor:
     return (x * torch.eye(x.shape[0], x.shape[1], dtype=x.dtype)).sum()
 
 
+def _matrix_transpose(x: torch.Tensor) -> torch.Tensor:
+    """x.mT (and mH and adjoint() of real tensors): the last two axes swapped; the legacy exporter has neither."""
+    if x.is_complex():
+        raise TypeError("ORTModule exports mH and adjoint of real tensors only")
+    return x.transpose(-2, -1)
+
+
+def _tile(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """torch.tile as repeat, its dims padded with ones in front (the legacy exporter writes tile with an If, which
+    gradients cannot pass)."""
+    dims = tuple(dims)
+    return x.repeat((1,) * (x.dim() - len(dims)) + dims)
+
+
+def _sizes(dims: tuple[Any, ...]) -> tuple[int, ...]:
+    """Sizes given as varargs or as one sequence (`x.tile(2, 1)`, `x.tile((2, 1))`)."""
+    return tuple(dims[0]) if len(dims) == 1 and not isinstance(dims[0], int) else dims
+
+
+def _take_along_dim(x: torch.Tensor, indices: torch.Tensor, dim: int | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.take_along_dim as a gather of both broadcast to each other but along `dim` (over the flattened input
+    without one); the legacy exporter has none."""
+    if out is not None:
+        raise TypeError("ORTModule exports torch.take_along_dim without `out`")
+    if dim is None:
+        return x.reshape(-1).gather(0, indices.reshape(-1))
+    # broadcast by adding zeros one long along `dim` (sizes compared as Python numbers would bake the trace's in)
+    return (x + torch.zeros_like(indices.narrow(dim, 0, 1), dtype=x.dtype)).gather(
+        dim, indices + torch.zeros_like(x.narrow(dim, 0, 1), dtype=indices.dtype))
+
+
 def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def vdot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None or a.is_complex() or b.is_complex():
@@ -746,6 +778,11 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         *((owner, "expm1", _expm1) for owner in (torch, torch.Tensor, torch.special)),
         (torch, "addcdiv", _addcdiv), (torch.Tensor, "addcdiv", _addcdiv),
         *((owner, "sinc", _sinc) for owner in (torch, torch.Tensor, torch.special)),
+        *((torch.Tensor, name, property(_matrix_transpose)) for name in ("mT", "mH")),
+        (torch.Tensor, "adjoint", _matrix_transpose), (torch, "adjoint", _matrix_transpose),
+        (torch, "tile", _tile), (torch.Tensor, "tile", lambda x, *dims: _tile(x, _sizes(dims))),
+        (torch, "take_along_dim", _take_along_dim), (torch.Tensor, "take_along_dim", _take_along_dim),
+        (torch, "fliplr", lambda x: x.flip(1)), (torch, "flipud", lambda x: x.flip(0)),
         *((owner, name, fn) for name, fn in (("diff", _diff), ("kthvalue", _kthvalue), ("nansum", _nansum),
                                               ("nanmean", _nanmean), ("count_nonzero", _count_nonzero),
                                               ("trace", _trace))

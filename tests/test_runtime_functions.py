@@ -518,3 +518,27 @@ def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None
     (want,) = torch.autograd.grad(torch.sinc(zero).sum(), zero)
     torch.testing.assert_close(mine, torch.sinc(zero), rtol=0, atol=1e-15)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_shape_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None:
+    """x.mT, x.mH and adjoint() (real), tile (varargs, a tuple, fewer dims than the input: written as repeat, where
+    the exporter's If stopped the gradient build), take_along_dim (broadcast, and over the flattened input), fliplr
+    and flipud: the module keeps the legacy exporter."""
+    class Shapes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(6, 6, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x).view(-1, 2, 3)
+            order = h.detach().argsort(-1)
+            parts = [h.mT @ h, h.mH, h.adjoint(), h.tile(2, 1), torch.tile(h, (2,)), h[0].tile((1, 2, 1)),
+                     h.take_along_dim(order, -1), torch.take_along_dim(h, order[:1], 2),
+                     torch.take_along_dim(h, order.flatten()[:4]), torch.fliplr(h[0]), torch.flipud(h[1])]
+            return torch.cat([p.flatten() for p in parts])
+
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        check_parity(Shapes, [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(2)],
+                     lambda m, b: (m(b) * torch.linspace(-1, 1, 256, dtype=torch.float64)).sum(), rtol=1e-10)
