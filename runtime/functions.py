@@ -588,6 +588,31 @@ def _trace(x: torch.Tensor) -> torch.Tensor:
     return (x * torch.eye(x.shape[0], x.shape[1], dtype=x.dtype)).sum()
 
 
+def _cov(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.cov without weights (rows are variables, columns observations; 0-d for one variable), and corrcoef
+    from it, clipped to [-1, 1] as torch's: the legacy exporter has neither. The divisor N - correction is a
+    1-element tensor in x's type (a traced size combined with a Python number would be float32)."""
+    def cov(x: torch.Tensor, *, correction: int = 1, fweights: torch.Tensor | None = None,
+            aweights: torch.Tensor | None = None) -> torch.Tensor:
+        if fweights is not None or aweights is not None or x.dim() > 2 or not x.is_floating_point():
+            return original(x, correction=correction, fweights=fweights, aweights=aweights)
+        rows = x if x.dim() == 2 else x.reshape(1, -1)
+        centred = rows - rows.mean(1, keepdim=True)
+        divisor = (centred.new_ones(1).mul(rows.shape[1]) - correction).clamp(min=0)
+        product = centred @ centred.transpose(0, 1) / divisor
+        return product if x.dim() == 2 else product.reshape(())
+
+    return cov
+
+
+def _corrcoef(x: torch.Tensor) -> torch.Tensor:
+    c = torch.cov(x)  # the replaced cov while exporting
+    if c.dim() == 0:
+        return c / c
+    spread = torch.sqrt((c * torch.eye(c.shape[0], c.shape[1], dtype=c.dtype)).sum(-1))
+    return (c / spread[:, None] / spread[None, :]).clamp(-1, 1)
+
+
 def _matrix_transpose(x: torch.Tensor) -> torch.Tensor:
     """x.mT (and mH and adjoint() of real tensors): the last two axes swapped; the legacy exporter has neither."""
     if x.is_complex():
@@ -781,6 +806,8 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         *((torch.Tensor, name, property(_matrix_transpose)) for name in ("mT", "mH")),
         (torch.Tensor, "adjoint", _matrix_transpose), (torch, "adjoint", _matrix_transpose),
         (torch, "tile", _tile), (torch.Tensor, "tile", lambda x, *dims: _tile(x, _sizes(dims))),
+        (torch, "cov", _cov(torch.cov)), (torch.Tensor, "cov", _cov(torch.Tensor.cov)),
+        (torch, "corrcoef", _corrcoef), (torch.Tensor, "corrcoef", _corrcoef),
         (torch, "take_along_dim", _take_along_dim), (torch.Tensor, "take_along_dim", _take_along_dim),
         (torch, "fliplr", lambda x: x.flip(1)), (torch, "flipud", lambda x: x.flip(0)),
         *((owner, name, fn) for name, fn in (("diff", _diff), ("kthvalue", _kthvalue), ("nansum", _nansum),

@@ -542,3 +542,24 @@ def test_shape_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -
         warnings.simplefilter("error", ExportWarning)
         check_parity(Shapes, [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(2)],
                      lambda m, b: (m(b) * torch.linspace(-1, 1, 256, dtype=torch.float64)).sum(), rtol=1e-10)
+
+
+def test_cov_and_corrcoef_train_like_torch_under_the_legacy_exporter() -> None:
+    """torch.cov (rows are variables; one variable gives a 0-d variance; correction 0 and 1) and corrcoef,
+    which the legacy exporter lacks, as a VICReg-style loss uses them, in float64."""
+    class Redundancy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(6, 6, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = self.proj(x)
+            c = torch.cov(z.T)
+            off = (c * (1 - torch.eye(6, dtype=z.dtype))).square().sum()
+            return off + z.T.cov(correction=0).trace() + torch.cov(z[0]) + torch.corrcoef(z).square().mean()
+
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        check_parity(Redundancy, [torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(2)],
+                     lambda m, b: m(b), rtol=1e-10)
