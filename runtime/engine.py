@@ -15,7 +15,6 @@ import functools
 import inspect
 import os
 import warnings
-import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -355,8 +354,8 @@ class Engine:
             read = tuple([named[name] for name in session.read_inputs if name in named])
             sparse = tuple([i for i, w in enumerate(wrt) if w in schema.sparse]) if schema.sparse else ()
             call = function.Call(session, feeds, wrt, n, read, sparse)
-            call.in_torch = functools.partial(self.in_torch, ex, in_spec, [weakref.ref(t) for t in leaves],
-                                              [t._version for t in leaves], wrt)
+            call.in_torch = functools.partial(self.in_torch, ex, in_spec, leaves, [t._version for t in leaves],
+                                              named, wrt)
             try:
                 user, stats = function.apply(call, [named[name] for name in wrt])
             except FIRST_RUN_ERRORS as e:
@@ -474,23 +473,22 @@ class Engine:
         schema = self.schemas[key] = self._schema(exported)
         return schema
 
-    def in_torch(self, ex: Exported, in_spec: Any, refs: list[weakref.ref[torch.Tensor]], versions: list[int],
-                 wrt: list[str]) -> tuple[list[Any], list[torch.Tensor]]:
-        """One call computed again by torch's module, on the same inputs (unchanged since) and parameters, with
-        grad enabled, its buffers and RNG state put back after: its flat outputs, and the tensors behind `wrt`."""
-        leaves = [r() for r in refs]
-        if any(t is None or t._version != v for t, v in zip(leaves, versions)):
+    def in_torch(self, ex: Exported, in_spec: Any, leaves: list[torch.Tensor], versions: list[int],
+                 named: dict[str, torch.Tensor], wrt: list[str]) -> tuple[list[Any], list[torch.Tensor]]:
+        """One call computed again by torch's module with grad enabled: on the same inputs (unchanged since), the
+        parameters the forward was fed (a `torch.func.functional_call`'s fast weights too, swapped back since),
+        copies of the buffers and the RNG state put back after. Its flat outputs, and the tensors behind `wrt`.
+        The references cost no memory: the call's feeds share the tensors' storage until its backward."""
+        if any(t._version != v for t, v in zip(leaves, versions)):
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
-                               "torch, but one of its inputs has been freed or changed in place since the forward; "
-                               "keep the inputs as they were until this backward.")
-        named: dict[str, torch.Tensor] = {name: leaves[k] for name, k in ex.inputs}  # type: ignore[misc]
-        for name, fqn in ex.state:
-            holder, attr = self._owners.get(fqn) or self._owner(fqn)
-            t = holder._parameters.get(attr)
-            named[name] = t if t is not None else holder._buffers[attr]
+                               "torch, but one of its inputs has been changed in place since the forward; keep the "
+                               "inputs as they were until this backward.")
+        parameters = {fqn: named[name] for name, fqn in ex.state if self._owner(fqn)[1] in
+                      self._owner(fqn)[0]._parameters}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, leaves))
         with torch.enable_grad(), scratch_buffers(self.module):
-            out = self.module(*bound.args, **bound.kwargs)
+            out = torch.func.functional_call(self.module, parameters, tuple(bound.args), dict(bound.kwargs),
+                                             strict=False)
         return flatten(out)[0], [named[name] for name in wrt]
 
     def _other_exporter(self, error: ExportError, in_spec: Any, leaves: list[torch.Tensor]) -> Exported | None:

@@ -317,6 +317,25 @@ def test_create_graph_gives_gradients_that_differentiate_again_as_torch_s() -> N
         torch.autograd.grad(out, x, create_graph=True)
 
 
+def test_second_order_meta_gradients_through_functional_call_follow_torch() -> None:
+    """MAML: two inner steps' gradients taken with create_graph=True through torch.func.functional_call, fast
+    weights from them, and the outer loss's backward through all the calls: the meta-gradients are torch's (a
+    call is computed again with the weights it was fed, not the module's after functional_call swapped them
+    back)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    om = ORTModule(copy.deepcopy(ref))
+    x, y, x2, y2 = (torch.randn(5, k, dtype=torch.float64) for k in (3, 1, 3, 1))
+    for m in (ref, om):
+        fast = dict(m.named_parameters())
+        for _ in range(2):  # the second step differentiates a call fed the first step's fast weights
+            inner = F.mse_loss(torch.func.functional_call(m, fast, (x,)), y)
+            grads = torch.autograd.grad(inner, list(fast.values()), create_graph=True)
+            fast = {k: p - 0.1 * g for (k, p), g in zip(fast.items(), grads)}
+        F.mse_loss(torch.func.functional_call(m, fast, (x2,)), y2).backward()
+    assert_grads_equal(om, ref, rtol=1e-9, atol=1e-12)
+
+
 def test_in_place_change_of_a_stashed_output_is_detected() -> None:
     om = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()))  # Sigmoid's gradient reads its output
     out = om(torch.randn(2, 4))
