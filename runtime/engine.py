@@ -260,6 +260,7 @@ class Engine:
         self._module_list: list[nn.Module] | None = None
         self._positional: dict[int, Any] = {}
         self._warned_autocast = False
+        self._warned_transforms = False
         self.per_size = False
         """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
         self.scalar_exports = 0
@@ -283,6 +284,13 @@ class Engine:
 
     # --- the call ------------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap: tensors without storage
+            if not self._warned_transforms:
+                self._warned_transforms = True
+                warnings.warn(f"ORTModule({self.name}) runs calls under torch.func transforms (grad, vmap, jacrev) "
+                              "in PyTorch: onnxruntime cannot compute on their wrapped tensors.", FallbackWarning,
+                              stacklevel=5)
+            return self.module(*args, **kwargs)
         if torch.is_autocast_enabled("cpu") and not self._warned_autocast:
             self._warned_autocast = True
             warnings.warn(f"ORTModule({self.name}) computes in float32 under torch.autocast: the module runs as "

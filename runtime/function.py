@@ -130,7 +130,7 @@ outside functorch transforms."""
 
 
 def apply(call: Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Run `call` through autograd; returns (user outputs, BatchNorm statistics)."""
-    plain = not torch._C._are_functorch_transforms_active()
-    out = _APPLY(call, *tensors) if plain else ORTFunction.apply(call, *tensors)
+    """Run `call` through autograd; returns (user outputs, BatchNorm statistics). Calls under torch.func
+    transforms never get here (the engine runs them in torch)."""
+    out = _APPLY(call, *tensors)
     return list(out[:call.n_user]), list(out[call.n_user:])

@@ -336,6 +336,30 @@ def test_second_order_meta_gradients_through_functional_call_follow_torch() -> N
     assert_grads_equal(om, ref, rtol=1e-9, atol=1e-12)
 
 
+def test_calls_under_torch_func_transforms_run_in_torch() -> None:
+    """Per-sample gradients (vmap of grad over functional_call) and torch.func.grad: onnxruntime cannot compute on
+    functorch's wrapped tensors (they failed with "Cannot access data pointer"), so such calls run in PyTorch,
+    warned once; a plain call afterwards runs on onnxruntime again."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    om = ORTModule(copy.deepcopy(ref))
+    x = torch.randn(5, 3)
+    om(x)
+    results = []
+    for m in (ref, om):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+        loss = lambda p, xi, m=m: torch.func.functional_call(m, p, (xi[None],)).square().sum()  # noqa: E731
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results.append(torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x))
+        assert (m is om) == any(issubclass(w.category, FallbackWarning) for w in caught)
+    for name, per_sample in results[0].items():
+        torch.testing.assert_close(results[1][name], per_sample)
+    exports = om.stats["exports"]
+    om(x).sum().backward()
+    assert om.stats["exports"] == exports and om.stats["fallbacks"] == 0
+
+
 def test_in_place_change_of_a_stashed_output_is_detected() -> None:
     om = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()))  # Sigmoid's gradient reads its output
     out = om(torch.randn(2, 4))
