@@ -75,7 +75,9 @@ class ORTFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+        # create_graph=True: gradients that can be differentiated again; vmap over backward (is_grads_batched,
+        # a vectorized jacobian): incoming gradients without storage
+        if torch.is_grad_enabled() or any(g is not None and not _has_storage(g) for g in grads):
             return _backward_in_torch(ctx, *grads)
         return _backward(ctx, *grads)
 
@@ -101,15 +103,21 @@ def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | Non
     return (None, *out)
 
 
+_has_storage = torch._C._has_storage
+"""False for functorch's batch of gradients under vmap (is_grads_batched, a vectorized jacobian), which looks
+like a plain tensor in a Function's backward but has no memory onnxruntime could read."""
+
+
 def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """backward(create_graph=True) (a gradient penalty, a physics-informed loss, a Hessian-vector product): the
     call's outputs computed again by torch's own module from the same inputs and parameters, and their gradients
     taken with create_graph=True, so that they have a graph to differentiate again (onnxruntime's have none). The
     values are torch's, as the first-call check holds onnxruntime's to be. Random draws (dropout) are torch's
-    own, not the forward's."""
+    own, not the forward's. A batch of incoming gradients under vmap takes the same way."""
     call: Call = ctx.call
-    warnings.warn("backward(create_graph=True) through ORTModule: the call is computed again in torch, whose "
-                  "gradients can be differentiated again (a torch forward and backward more per such step).",
+    warnings.warn("backward(create_graph=True), or a batched backward (is_grads_batched, a vectorized jacobian), "
+                  "through ORTModule: the call is computed again in torch, whose gradients can be differentiated "
+                  "again (a torch forward and backward more per such step).",
                   RuntimeWarning, stacklevel=2)  # shown once per process by Python's default filter
     if call.in_torch is None:
         raise RuntimeError("ORTModule cannot compute this call again in torch for backward(create_graph=True)")

@@ -294,7 +294,8 @@ def test_create_graph_gives_gradients_that_differentiate_again_as_torch_s() -> N
     """backward(create_graph=True) computes the call again in torch (warned once), so the gradients have a graph:
     a WGAN-GP penalty ((|d critic / dx| - 1)^2) and a physics-informed loss (the Laplacian of u(x), through two
     create_graph gradients) train the parameters as torch's do, in float64; the BatchNorm statistics are updated
-    once a call, as in torch; an input changed in place before such a backward is refused."""
+    once a call, as in torch; jacobians (vectorized too: a batch of gradients under vmap) and hessians are
+    torch's; an input changed in place before such a backward is refused."""
     torch.manual_seed(0)
     ref = Critic().double()
     om = ORTModule(copy.deepcopy(ref))
@@ -309,6 +310,15 @@ def test_create_graph_gives_gradients_that_differentiate_again_as_torch_s() -> N
         assert_grads_equal(om, ref, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(om.module.net[4].running_mean, ref.net[4].running_mean, rtol=1e-9, atol=1e-12)
         assert int(om.module.net[4].num_batches_tracked) == int(ref.net[4].num_batches_tracked) == 2 * (step + 1)
+    om.eval()
+    ref.eval()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    for vectorize in (False, True):  # a vectorized jacobian's backward gets a batch of gradients under vmap
+        torch.testing.assert_close(torch.autograd.functional.jacobian(om, x, vectorize=vectorize),
+                                   torch.autograd.functional.jacobian(ref, x), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.functional.hessian(lambda v: om(v).square().sum(), x),
+                               torch.autograd.functional.hessian(lambda v: ref(v).square().sum(), x), rtol=1e-9,
+                               atol=1e-12)
     x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     out = om(x).sum()
     with torch.no_grad():
