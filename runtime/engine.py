@@ -486,7 +486,8 @@ class Engine:
         """One call computed again by torch's module with grad enabled: on the same inputs (unchanged since), the
         parameters the forward was fed (a `torch.func.functional_call`'s fast weights too, swapped back since),
         copies of the buffers and the RNG state put back after. Its flat outputs, and the tensors behind `wrt`.
-        The references cost no memory: the call's feeds share the tensors' storage until its backward."""
+        Holding the tensors costs no memory where the call's feeds share their storage until its backward (all
+        but non-contiguous inputs, which the feeds copy)."""
         if any(t._version != v for t, v in zip(leaves, versions)):
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "
