@@ -613,6 +613,33 @@ def _corrcoef(x: torch.Tensor) -> torch.Tensor:
     return (c / spread[:, None] / spread[None, :]).clamp(-1, 1)
 
 
+def _diagonal(x: torch.Tensor, offset: int = 0, dim1: int = 0, dim2: int = 1) -> torch.Tensor:
+    """torch.diagonal without the legacy exporter's If (which gradients cannot pass): the two axes moved last,
+    the columns from `offset` on (a negative offset is the transpose's), the rows cut to as many as columns are
+    left (Slice clamps both ends, so no sizes are compared in Python), and every (columns + 1)-th element of that
+    matrix flattened."""
+    y = x.movedim((dim1, dim2), (-2, -1))
+    if offset < 0:
+        y, offset = y.transpose(-2, -1), -offset
+    if offset:
+        y = y[..., offset:]
+    columns = y.shape[-1]
+    return y[..., :columns, :].flatten(-2)[..., ::columns + 1]
+
+
+def _diag(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.diag: a matrix's diagonal (`_diagonal`), or a vector on the diagonal of a square matrix (offset 0);
+    the legacy exporter has neither."""
+    def diag(x: torch.Tensor, diagonal: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None and x.dim() == 2:
+            return _diagonal(x, diagonal)
+        if out is None and x.dim() == 1 and diagonal == 0:
+            return x.unsqueeze(-1) * torch.eye(x.shape[0], dtype=x.dtype)
+        return original(x, diagonal, out=out)
+
+    return diag
+
+
 def _matrix_transpose(x: torch.Tensor) -> torch.Tensor:
     """x.mT (and mH and adjoint() of real tensors): the last two axes swapped; the legacy exporter has neither."""
     if x.is_complex():
@@ -807,6 +834,8 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch.Tensor, "adjoint", _matrix_transpose), (torch, "adjoint", _matrix_transpose),
         (torch, "tile", _tile), (torch.Tensor, "tile", lambda x, *dims: _tile(x, _sizes(dims))),
         (torch, "cov", _cov(torch.cov)), (torch.Tensor, "cov", _cov(torch.Tensor.cov)),
+        (torch, "diagonal", _diagonal), (torch.Tensor, "diagonal", _diagonal),
+        (torch, "diag", _diag(torch.diag)), (torch.Tensor, "diag", _diag(torch.Tensor.diag)),
         (torch, "corrcoef", _corrcoef), (torch.Tensor, "corrcoef", _corrcoef),
         (torch, "take_along_dim", _take_along_dim), (torch.Tensor, "take_along_dim", _take_along_dim),
         (torch, "fliplr", lambda x: x.flip(1)), (torch, "flipud", lambda x: x.flip(0)),

@@ -563,3 +563,28 @@ def test_cov_and_corrcoef_train_like_torch_under_the_legacy_exporter() -> None:
         warnings.simplefilter("error", ExportWarning)
         check_parity(Redundancy, [torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(2)],
                      lambda m, b: m(b), rtol=1e-10)
+
+
+def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
+    """torch.diagonal (offsets on both sides, batched axes in any order) and torch.diag: the
+    legacy exporter writes diagonal with an If that stopped the gradient build (a CLIP loss's positives, VICReg's
+    variances), and has no diag."""
+    class Diagonals(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(6, 6, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            logits = h @ h.flip(0).T
+            cube = h.view(-1, 2, 3)
+            parts = [logits.diagonal(), torch.diagonal(h, 2), h.diagonal(-1),
+                     cube.diagonal(dim1=-2, dim2=-1), torch.diagonal(cube, 1, 2, 0), torch.diag(logits),
+                     torch.diag(h[0]).sum(0), h.T.diag(-2)]
+            return torch.cat([p.flatten() for p in parts])
+
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        check_parity(Diagonals, [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(2)],
+                     lambda m, b: (m(b) * torch.linspace(-1, 1, 39, dtype=torch.float64)).sum(), rtol=1e-10)
