@@ -583,9 +583,8 @@ def _count_nonzero(x: torch.Tensor, dim: Any = None) -> torch.Tensor:
 
 
 def _trace(x: torch.Tensor) -> torch.Tensor:
-    """The sum of a matrix's diagonal, as the sum of its product with the identity (the legacy exporter has no
-    trace, and writes diagonal with an If, which gradients cannot pass)."""
-    return (x * torch.eye(x.shape[0], x.shape[1], dtype=x.dtype)).sum()
+    """The sum of a matrix's diagonal (`_diagonal`); the legacy exporter has no trace."""
+    return _diagonal(x).sum()
 
 
 def _cov(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
