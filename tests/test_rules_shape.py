@@ -233,6 +233,10 @@ def test_slice_runtime_inputs(dtype):
     check_op("Slice", inputs, lambda x, s, e: ref(x), consts=["a", "t"])  # starts, ends at run time
     check_op("Slice", inputs, lambda x, s, e, t: ref(x), consts=["a"])  # steps too
     check_op("Slice", inputs, lambda x, s, e, a, t: ref(x))  # and the axes: flat positions
+    empty = [("x", r(4, 0)), ("s", np.array([0], dtype)), ("e", np.array([2], dtype)), ("a", np.array([0], dtype)),
+             ("t", np.array([1], dtype))]  # flat positions of an input without elements (its Reshapes keep the 0)
+    grads = check_op("Slice", empty, lambda x, s, e, a, t: x[0:2], fd=False)
+    assert all(np.asarray(v).shape == (4, 0) for v in grads.values())
     step1 = [("x", x), ("s", np.array([-3], dtype)), ("e", np.array([5], dtype)), ("a", np.array([1], dtype))]
     check_dynamic({"x": [0, 1]}, "Slice", step1, lambda x, s: x[:, -3:5], consts=["e", "a"])
 

@@ -566,7 +566,7 @@ def test_cov_and_corrcoef_train_like_torch_under_the_legacy_exporter() -> None:
 
 
 def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
-    """torch.diagonal (offsets on both sides, batched axes in any order) and torch.diag: the
+    """torch.diagonal (offsets on both sides and past the matrix, batched axes in any order) and torch.diag: the
     legacy exporter writes diagonal with an If that stopped the gradient build (a CLIP loss's positives, VICReg's
     variances), and has no diag."""
     class Diagonals(nn.Module):
@@ -578,7 +578,7 @@ def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
             h = self.proj(x)
             logits = h @ h.flip(0).T
             cube = h.view(-1, 2, 3)
-            parts = [logits.diagonal(), torch.diagonal(h, 2), h.diagonal(-1),
+            parts = [logits.diagonal(), torch.diagonal(h, 2), h.diagonal(-1), h.diagonal(9),
                      cube.diagonal(dim1=-2, dim2=-1), torch.diagonal(cube, 1, 2, 0), torch.diag(logits),
                      torch.diag(h[0]).sum(0), h.T.diag(-2)]
             return torch.cat([p.flatten() for p in parts])

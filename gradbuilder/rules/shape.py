@@ -126,9 +126,9 @@ def _slice_flat(g: Grad) -> str:
     x, dy = g.I(0), g.GO(0)
     shape = g.shape_of(x)
     n = g.ReduceProd(shape, keepdims=1)
-    picked = g.Slice(g.Reshape(arange(g, n), shape), *g.node.input[1:])
+    picked = g.Slice(g.reshape_exact(arange(g, n), shape), *g.node.input[1:])  # x may hold no element
     flat = g.ScatterElements(zeros(g, n, x), g.Reshape(picked, g.ints([-1])), g.Reshape(dy, g.ints([-1])), axis=0)
-    return g.Reshape(flat, shape)
+    return g.reshape_exact(flat, shape)
 
 
 @rule("Slice", nondiff=(1, 2, 3, 4))
