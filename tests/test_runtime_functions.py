@@ -5,6 +5,7 @@ like torch (`check_parity`), the adaptive pooling for every input size from one 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -481,6 +482,31 @@ def test_expm1_and_addcdiv_train_like_torch() -> None:
         torch.testing.assert_close(torch.expm1(tiny), tiny.double().expm1().float(), rtol=2e-7, atol=0)
 
 
+class Projected(nn.Module):
+    """A float64 Linear 6 -> 6, then `body`'s tensors, flattened and joined."""
+
+    def __init__(self, body: Callable[[torch.Tensor], list[torch.Tensor]]) -> None:
+        super().__init__()
+        self.proj, self.body = nn.Linear(6, 6, dtype=torch.float64), body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.flatten() for p in self.body(self.proj(x))])
+
+
+def _trains_under_the_legacy_exporter(make: Callable[[], nn.Module], rows: int) -> None:
+    """Two Adam steps of `make()` in float64 on [rows, 6] batches, through ORTModule and torch (`check_parity`),
+    the loss a weighted sum of every output element; no ExportWarning: the module keeps the legacy exporter."""
+    def weighted(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        out = m(batch)
+        return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum()
+
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        check_parity(make, [torch.randn(rows, 6, generator=g, dtype=torch.float64) for _ in range(2)], weighted,
+                     rtol=1e-10)
+
+
 def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None:
     """The legacy exporter has none of them: written out (sinc with torch's value 1 and derivative 0 at 0, as
     SincNet's filters meet it at their centre tap; diff with prepend and append, twice; kthvalue as TopK's k-th
@@ -506,11 +532,7 @@ def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None
             return torch.cat([band.flatten(), h.diff(dim=1).flatten(), steps.flatten(), kth.flatten(), nan,
                               counted])
 
-    g = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ExportWarning)
-        check_parity(Filters, [torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(2)],
-                     lambda m, b: (m(b) * torch.linspace(-1, 1, 124, dtype=torch.float64)).sum(), rtol=1e-10)
+    _trains_under_the_legacy_exporter(Filters, rows=5)
     zero = torch.tensor([0.0, 0.5, -1.25], dtype=torch.float64, requires_grad=True)
     with functions.exportable_functions():
         mine = torch.sinc(zero)
@@ -524,67 +546,35 @@ def test_shape_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -
     """x.mT, x.mH and adjoint() (real), tile (varargs, a tuple, fewer dims than the input: written as repeat, where
     the exporter's If stopped the gradient build), take_along_dim (broadcast, and over the flattened input), fliplr
     and flipud: the module keeps the legacy exporter."""
-    class Shapes(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(6, 6, dtype=torch.float64)
+    def shapes(h: torch.Tensor) -> list[torch.Tensor]:
+        h = h.view(-1, 2, 3)
+        order = h.detach().argsort(-1)
+        return [h.mT @ h, h.mH, h.adjoint(), h.tile(2, 1), torch.tile(h, (2,)), h[0].tile((1, 2, 1)),
+                h.take_along_dim(order, -1), torch.take_along_dim(h, order[:1], 2),
+                torch.take_along_dim(h, order.flatten()[:4]), torch.fliplr(h[0]), torch.flipud(h[1])]
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.proj(x).view(-1, 2, 3)
-            order = h.detach().argsort(-1)
-            parts = [h.mT @ h, h.mH, h.adjoint(), h.tile(2, 1), torch.tile(h, (2,)), h[0].tile((1, 2, 1)),
-                     h.take_along_dim(order, -1), torch.take_along_dim(h, order[:1], 2),
-                     torch.take_along_dim(h, order.flatten()[:4]), torch.fliplr(h[0]), torch.flipud(h[1])]
-            return torch.cat([p.flatten() for p in parts])
-
-    g = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ExportWarning)
-        check_parity(Shapes, [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(2)],
-                     lambda m, b: (m(b) * torch.linspace(-1, 1, 256, dtype=torch.float64)).sum(), rtol=1e-10)
+    _trains_under_the_legacy_exporter(lambda: Projected(shapes), rows=4)
 
 
 def test_cov_and_corrcoef_train_like_torch_under_the_legacy_exporter() -> None:
     """torch.cov (rows are variables; one variable gives a 0-d variance; correction 0 and 1) and corrcoef,
     which the legacy exporter lacks, as a VICReg-style loss uses them, in float64."""
-    class Redundancy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(6, 6, dtype=torch.float64)
+    def redundancy(z: torch.Tensor) -> list[torch.Tensor]:
+        off = torch.cov(z.T) * (1 - torch.eye(6, dtype=z.dtype))
+        return [off, z.T.cov(correction=0).diagonal(), torch.cov(z[0]), torch.corrcoef(z)]
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            z = self.proj(x)
-            c = torch.cov(z.T)
-            off = (c * (1 - torch.eye(6, dtype=z.dtype))).square().sum()
-            return off + z.T.cov(correction=0).trace() + torch.cov(z[0]) + torch.corrcoef(z).square().mean()
-
-    g = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ExportWarning)
-        check_parity(Redundancy, [torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(2)],
-                     lambda m, b: m(b), rtol=1e-10)
+    _trains_under_the_legacy_exporter(lambda: Projected(redundancy), rows=5)
 
 
 def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
     """torch.diagonal (offsets on both sides and past the matrix, batched axes in any order) and torch.diag: the
     legacy exporter writes diagonal with an If that stopped the gradient build (a CLIP loss's positives, VICReg's
     variances), and has no diag."""
-    class Diagonals(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(6, 6, dtype=torch.float64)
+    def diagonals(h: torch.Tensor) -> list[torch.Tensor]:
+        logits = h @ h.flip(0).T
+        cube = h.view(-1, 2, 3)
+        return [logits.diagonal(), torch.diagonal(h, 2), h.diagonal(-1), h.diagonal(9),
+                cube.diagonal(dim1=-2, dim2=-1), torch.diagonal(cube, 1, 2, 0), torch.diag(logits),
+                torch.diag(h[0]).sum(0), h.T.diag(-2)]
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.proj(x)
-            logits = h @ h.flip(0).T
-            cube = h.view(-1, 2, 3)
-            parts = [logits.diagonal(), torch.diagonal(h, 2), h.diagonal(-1), h.diagonal(9),
-                     cube.diagonal(dim1=-2, dim2=-1), torch.diagonal(cube, 1, 2, 0), torch.diag(logits),
-                     torch.diag(h[0]).sum(0), h.T.diag(-2)]
-            return torch.cat([p.flatten() for p in parts])
-
-    g = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ExportWarning)
-        check_parity(Diagonals, [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(2)],
-                     lambda m, b: (m(b) * torch.linspace(-1, 1, 39, dtype=torch.float64)).sum(), rtol=1e-10)
+    _trains_under_the_legacy_exporter(lambda: Projected(diagonals), rows=4)
