@@ -199,11 +199,14 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
                   for b in ("running_mean", "running_var", "num_batches_tracked")}
     through_data = _DataAccess({id(p): name for name, p, _ in versions})
 
+    def replaced(name: str, b: torch.Tensor) -> bool:
+        holder, attr = slots[name]
+        now = holder._buffers[attr]
+        return isinstance(now, torch.Tensor) and now is not b
+
     def changed() -> list[str]:
         bumped = [name for name, p, version in versions if p._version != version]
-        return [*(name for name, b, v in saved if name not in statistics and
-                  (not _same(b, v) or (isinstance(slots[name][0]._buffers[slots[name][1]], torch.Tensor)
-                   and slots[name][0]._buffers[slots[name][1]] is not b))),
+        return [*(name for name, b, v in saved if name not in statistics and (not _same(b, v) or replaced(name, b))),
                 *bumped, *(name for name in through_data.changed() if name not in bumped)]
 
     try:
