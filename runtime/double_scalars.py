@@ -4,10 +4,11 @@ The legacy exporter writes a 0-d float64 tensor combined with a Python number (`
 Cast to float32, the op on a float32 constant, and a Cast back where the result meets a float64 tensor: a float64
 module's loss then carried float32 rounding (gradients 6e-8 off torch's, relative, in a module adding `3 * z.sum()`
 to its output). `in_double` computes such a stretch in float64: the first Cast kept as the identity, its elementwise
-ops on float64 copies of their constants (the decimal written, where float32 rounded it), up to the Casts back to
-float64. A graph output at the end of a stretch is kept in float64 where torch's call returned it so (`ORTModule`
-returned float32 for `linear(x).sum() * 3`); where a stretch reaches anything else (another op, a float32 tensor),
-the model is left as exported.
+ops on float64 copies of their constants (the decimal written, where float32 rounded it), and the views it runs
+through (`loss[None]`, `torch.stack` of 0-d results), up to the Casts back to float64. A graph output at the end of
+a stretch is kept in float64 where torch's call returned it so (`ORTModule` returned float32 for
+`linear(x).sum() * 3`); where a stretch reaches anything else (another op, a float32 tensor), the model is left as
+exported.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from .passes import fresh_name, names_in_use
 
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Exp", "Log", "Reciprocal",
                          "Max", "Min"})
+VIEWS = {"Unsqueeze": 1, "Squeeze": 1, "Reshape": 1, "Flatten": 1, "Identity": 1, "Expand": 1, "Concat": None}
+"""Ops a stretch passes through, with how many leading inputs carry its values (None: all); the rest are int64
+sizes or axes. A 0-d result stacked or unsqueezed (`loss[None]`, `torch.stack([a, b])`) came back float32."""
 
 
 def _cast_to(node: onnx.NodeProto) -> int | None:
@@ -56,15 +60,18 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
     inside = {n.output[0] for n in starts}
     stretch: list[onnx.NodeProto] = []
     for n in g.node:  # in graph order: inputs first
-        if n.op_type in ELEMENTWISE and not n.domain and len(n.output) == 1 and any(x in inside for x in n.input) \
-                and all(x in inside or x in floats for x in n.input):
+        if n.domain or len(n.output) != 1 or (n.op_type not in ELEMENTWISE and n.op_type not in VIEWS):
+            continue
+        values = n.input[:VIEWS[n.op_type]] if n.op_type in VIEWS else n.input
+        if any(x in inside for x in values) and all(x in inside or x in floats for x in values):
             stretch.append(n)
             inside.add(n.output[0])
     ok = {id(n) for n in stretch}
     if any(o.name in inside and o.name not in doubles for o in g.output):  # a float32 result torch returns too
         return model
     for n in g.node:
-        if id(n) not in ok and _cast_to(n) != TensorProto.DOUBLE and any(x in inside for x in n.input):
+        if id(n) not in ok and _cast_to(n) != TensorProto.DOUBLE and n.op_type not in ("Shape", "Size") and \
+                any(x in inside for x in n.input):  # (a shape read does not depend on the type)
             return model  # a float32 value the stretch makes is read by something else: left as exported
     taken = names_in_use(g)
     for n in starts:

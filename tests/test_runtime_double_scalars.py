@@ -61,3 +61,25 @@ def test_a_float32_result_the_module_makes_stays_float32() -> None:
     out = ORTModule(copy.deepcopy(reference))(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference(x))
+
+
+def test_zero_d_results_stacked_or_unsqueezed_stay_in_float64() -> None:
+    """0-d float64 arithmetic then reshaped (`loss[None]`, `torch.stack` of several, a Reshape and a Flatten): the
+    stretch runs through those views to the output, which came back float32 (4e-9 off)."""
+    class Stacked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            h = self.a(x)
+            total = h.sum() + h.square().mean()
+            return total[None], torch.stack([h.sum() * 3, h.mean() - 1]), total.reshape(1, 1).flatten()
+
+    torch.manual_seed(0)
+    reference = Stacked().double()
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    for got, want in zip(model(x), reference(x), strict=True):
+        assert got.dtype == want.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
