@@ -486,9 +486,14 @@ def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     return embedding_bag
 
 
-def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def _without_out(out: Any, name: str) -> None:
+    """The written-out functions return new tensors; an `out=` argument is refused by name."""
     if out is not None:
-        raise TypeError("ORTModule exports torch.hypot without `out`")
+        raise TypeError(f"ORTModule exports {name} without `out`")
+
+
+def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    _without_out(out, "torch.hypot")
     return torch.sqrt(a * a + b * b)
 
 
@@ -496,8 +501,7 @@ def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None)
     """torch's atan2 by quadrant, defined where x is 0 (the legacy exporter's atan(y / x) is nan at (0, 0), where
     torch's is 0): atan(y / x), plus or minus pi where x < 0; sign(y) pi / 2 - x / y where x = 0 (its
     derivatives there are torch's, x / (x^2 + y^2) = 0 and -y / (x^2 + y^2) = -1 / y), 0 at (0, 0)."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.atan2 without `out`")
+    _without_out(out, "torch.atan2")
     y, x = torch.broadcast_tensors(y, x)
     axis = x == 0
     flat = y == 0
@@ -510,23 +514,20 @@ def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None)
 def _expm1(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """exp(x) - 1 as tanh(x / 2) (exp(x) + 1), the same value without exp(x) - 1's cancellation near 0 (whose
     precision is why a module calls expm1); the legacy exporter has no expm1."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.expm1 without `out`")
+    _without_out(out, "torch.expm1")
     return torch.tanh(x / 2) * (torch.exp(x) + 1)
 
 
 def _addcdiv(input: torch.Tensor, tensor1: torch.Tensor, tensor2: torch.Tensor, *, value: float = 1,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    if out is not None:
-        raise TypeError("ORTModule exports torch.addcdiv without `out`")
+    _without_out(out, "torch.addcdiv")
     return input + value * (tensor1 / tensor2)
 
 
 def _sinc(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """sin(pi x) / (pi x), 1 at 0 with torch's derivative there, 0 (SincNet's band-pass filters evaluate it at 0);
     the legacy exporter has no sinc."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.sinc without `out`")
+    _without_out(out, "torch.sinc")
     zero = x == 0
     scaled = math.pi * torch.where(zero, torch.ones_like(x), x)  # finite in the branch not taken
     return torch.where(zero, torch.ones_like(x), torch.sin(scaled) / scaled)
@@ -536,8 +537,7 @@ def _diff(x: torch.Tensor, n: int = 1, dim: int = -1, prepend: torch.Tensor | No
           append: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The n-th forward difference along `dim` as torch's: `prepend` and `append` joined first, then n times a
     slice less its neighbour (the legacy exporter has no diff)."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.diff without `out`")
+    _without_out(out, "torch.diff")
     x = torch.cat([t for t in (prepend, x, append) if t is not None], dim) if prepend is not None or \
         append is not None else x
     for _ in range(n):
@@ -549,8 +549,7 @@ def _kthvalue(x: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *,
               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
     """The k-th smallest along `dim` and its index, as the last of TopK's k smallest (the legacy exporter has no
     kthvalue); its gradient goes to that index, as torch's does."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.kthvalue without `out`")
+    _without_out(out, "torch.kthvalue")
     values, indices = torch.topk(x, k, dim, largest=False, sorted=True)
     if keepdim:
         return torch.return_types.kthvalue((values.narrow(dim, k - 1, 1), indices.narrow(dim, k - 1, 1)))
@@ -560,8 +559,7 @@ def _kthvalue(x: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *,
 def _nansum(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """The sum with NaN taken as 0 (its gradient 0 there, as torch's); the legacy exporter has no nansum."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.nansum without `out`")
+    _without_out(out, "torch.nansum")
     kept = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     return kept.sum(dtype=dtype) if dim is None else kept.sum(dim, keepdim, dtype=dtype)
 
@@ -569,8 +567,7 @@ def _nansum(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: t
 def _nanmean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """The mean over the elements that are not NaN (NaN where all are, as torch's: 0 / 0)."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.nanmean without `out`")
+    _without_out(out, "torch.nanmean")
     present = (~torch.isnan(x)).to(dtype or x.dtype)
     count = present.sum() if dim is None else present.sum(dim, keepdim)
     return _nansum(x, dim, keepdim, dtype=dtype) / count
@@ -608,7 +605,7 @@ def _corrcoef(x: torch.Tensor) -> torch.Tensor:
     c = torch.cov(x)  # the replaced cov while exporting
     if c.dim() == 0:
         return c / c
-    spread = torch.sqrt((c * torch.eye(c.shape[0], c.shape[1], dtype=c.dtype)).sum(-1))
+    spread = torch.sqrt(_diagonal(c))
     return (c / spread[:, None] / spread[None, :]).clamp(-1, 1)
 
 
@@ -662,8 +659,7 @@ def _take_along_dim(x: torch.Tensor, indices: torch.Tensor, dim: int | None = No
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.take_along_dim as a gather of both broadcast to each other but along `dim` (over the flattened input
     without one); the legacy exporter has none."""
-    if out is not None:
-        raise TypeError("ORTModule exports torch.take_along_dim without `out`")
+    _without_out(out, "torch.take_along_dim")
     if dim is None:
         return x.reshape(-1).gather(0, indices.reshape(-1))
     # broadcast by adding zeros one long along `dim` (sizes compared as Python numbers would bake the trace's in)
