@@ -236,6 +236,10 @@ def _same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
                     for x, y in zip(a.graph.initializer, b.graph.initializer)))
 
 
+def _is_parameter(holder: nn.Module, attr: str) -> bool:
+    return attr in holder._parameters
+
+
 def _operator(error: BaseException) -> str:
     """The operator an UnsupportedOperatorError names ("Exporting the operator 'aten::diff' to ONNX ...")."""
     quoted = str(error).split("'")
@@ -492,8 +496,7 @@ class Engine:
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "
                                "inputs as they were until this backward.")
-        parameters = {fqn: named[name] for name, fqn in ex.state if self._owner(fqn)[1] in
-                      self._owner(fqn)[0]._parameters}
+        parameters = {fqn: named[name] for name, fqn in ex.state if _is_parameter(*self._owner(fqn))}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, leaves))
         with torch.enable_grad(), scratch_buffers(self.module):
             out = torch.func.functional_call(self.module, parameters, tuple(bound.args), dict(bound.kwargs),

@@ -239,9 +239,8 @@ def _fed_buffers(module: nn.Module) -> Iterator[None]:
             names.update(kept)
 
 
-@contextlib.contextmanager
-def _plain_tensor_attributes(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
-    """Yields a function naming the plain attributes (neither parameters nor buffers) that the forward set to a
+def _plain_tensor_attributes(module: nn.Module) -> Callable[[], list[str]]:
+    """A function naming the plain attributes (neither parameters nor buffers) that the forward set to a
     tensor without grad so far (`self.h = h.detach()` on an attribute that is not a buffer): state for a later
     call. A tensor that requires grad is a value of this call (old-style weight_norm's weight, which its pre-hook
     computes at every call before the forward reads it)."""
@@ -253,7 +252,7 @@ def _plain_tensor_attributes(module: nn.Module) -> Iterator[Callable[[], list[st
                 for k, v in vars(m).items() if isinstance(v, torch.Tensor) and seen.get(k) != id(v)
                 and not v.requires_grad]
 
-    yield stored
+    return stored
 
 
 def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -540,13 +539,13 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     flat = _Flat(module, signature, in_spec)
     flat._result["updates"] = list(updates)
     buffers = {name for name, _ in module.named_buffers()}
+    stored = _plain_tensor_attributes(module)  # taken before the trace
     try:
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
         # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
         with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
                 _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
-                _plain_tensor_attributes(module) as stored, \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
