@@ -15,6 +15,7 @@ import os
 import types
 from typing import Any
 
+import torch
 from torch import nn
 
 from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir, memory_pattern_pays
@@ -25,7 +26,16 @@ __all__ = ["FallbackWarning", "ORTModule", "ORTModuleError"]
 
 
 def _forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return _eager_call(self._engine, args, kwargs)
     return self._engine(args, kwargs)
+
+
+@torch.compiler.disable
+def _eager_call(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call as it runs outside `torch.compile`: a module compiled around an ORTModule breaks its graph
+    here, so dynamo never traces the export or the sessions (it failed inside the exporter)."""
+    return engine(args, kwargs)
 
 
 def _bind_forward(obj: ORTModule, module: nn.Module) -> None:
@@ -66,8 +76,6 @@ class ORTModule(nn.Module):
         if isinstance(module, ORTModule):
             raise TypeError("the module is already an ORTModule")
         super().__init__()
-        import torch
-
         options = Options(ExportOptions(exporter, opset, check_export),
                           threads if threads is not None else torch.get_num_threads(), specialise, fallback,
                           default_save_dir(save_onnx), park_torch_threads, memory_pattern_pays(module))

@@ -370,6 +370,37 @@ def test_calls_under_torch_func_transforms_run_in_torch() -> None:
     assert om.stats["exports"] == exports and om.stats["fallbacks"] == 0
 
 
+def test_a_module_compiled_around_an_ortmodule_trains_as_torch() -> None:
+    """torch.compile of a model holding an ORTModule (and of an ORTModule itself) breaks its graph at the call,
+    which runs on onnxruntime as outside a compile; dynamo used to trace into the export and fail in it."""
+
+    class Head(nn.Module):
+        def __init__(self, body: nn.Module):
+            super().__init__()
+            self.body, self.post = body, nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.post(torch.tanh(self.body(x)))
+
+    torch.manual_seed(0)
+    ref = Head(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)))
+    inner = ORTModule(copy.deepcopy(ref.body))
+    ours = Head(inner)
+    ours.post.load_state_dict(ref.post.state_dict())
+    compiled = torch.compile(ours, backend="eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    for _ in range(3):
+        x = torch.randn(5, 6)
+        for call, opt in zip((ref, compiled), opts):
+            opt.zero_grad()
+            call(x).square().sum().backward()
+            opt.step()
+        assert_grads_equal(ours, ref)
+        torch.testing.assert_close(inner[1].running_var, ref.body[1].running_var)
+    assert inner.stats == {"exports": 1, "builds": 1, "fallbacks": 0}
+    torch.testing.assert_close(torch.compile(inner, backend="eager")(x), ref.body(x))
+
+
 def test_in_place_change_of_a_stashed_output_is_detected() -> None:
     om = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()))  # Sigmoid's gradient reads its output
     out = om(torch.randn(2, 4))
