@@ -31,7 +31,8 @@ def _forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
     return self._engine(args, kwargs)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason="an ORTModule runs on onnxruntime between compiled graphs; compile without "
+                                "fullgraph=True")
 def _eager_call(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The call as it runs outside `torch.compile`: a module compiled around an ORTModule breaks its graph
     here, so dynamo never traces the export or the sessions (it failed inside the exporter)."""
