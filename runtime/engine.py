@@ -387,12 +387,14 @@ class Engine:
         stats = stats[len(ex.updates):]
         if ex.reference is not None:  # the call that exported: checked against torch (runtime/checks.py)
             reference, ex.reference = ex.reference, None
-            error = checks.outputs_error(reference, [*user, *updated])
+            error = checks.outputs_error(reference.outputs, [*user, *updated])
             if error is not None:
                 self._refuse(key, error, "export check")
                 return self.module(*args, **kwargs)
             if call is not None:
-                call.check = checks.gradient_check(reference, [named[name] for name in wrt],
+                position = dict(ex.inputs)
+                traced = [reference.leaves[position[name]] if name in position else named[name] for name in wrt]
+                call.check = checks.gradient_check(reference.outputs, traced,
                                                    lambda e: self._refuse(key, e, "gradient check"))
         if ex.updates:
             self._write_back(ex, updated, set(call.session.read_inputs) if call is not None else set())

@@ -85,6 +85,19 @@ class ExportOptions:
         return self.opset or DEFAULT_OPSET[self.exporter]
 
 
+@dataclass(frozen=True)
+class Reference:
+    """torch's own run of the call that exported, to check onnxruntime's outputs and first gradients of the same
+    call against (`runtime/checks.py`)."""
+
+    outputs: tuple[torch.Tensor, ...]
+    """torch's outputs, with their autograd graph."""
+    leaves: tuple[torch.Tensor, ...]
+    """The call's input leaves as the trace took them, those requiring grad as leaves of their own
+    (`_traced_leaf`): torch's gradients of this call alone, where the caller's tensors would also take the paths
+    that reach them outside it (an input computed from a parameter the module shares, one tensor passed twice)."""
+
+
 @dataclass
 class Exported:
     """The forward graph of one call schema and how its inputs and outputs map to torch."""
@@ -103,10 +116,9 @@ class Exported:
     updates: list[tuple[str, str]] = field(default_factory=list)
     """(graph output, qualified name of a buffer): the buffer's value after the forward, which changes it in place
     (written back by the engine after each call). These outputs follow the user's, before BatchNorm's."""
-    reference: tuple[torch.Tensor, ...] | None = None
-    """torch's outputs of the traced call, with their autograd graph, to check onnxruntime's outputs and first
-    gradients of the same call against (the engine takes them); None where they cannot match (random ops, state
-    changed in place) or are not kept."""
+    reference: Reference | None = None
+    """torch's run of the traced call (the engine takes it); None where it cannot match (random ops, state changed
+    in place) or is not kept."""
     scalars: Scalars | None = None
     """The Python numbers and strings the forward read from module attributes, which the graph holds as constants
     (`runtime/scalars.py`)."""
@@ -525,6 +537,22 @@ def _named_dims(infos: Iterable[onnx.ValueInfoProto], names: Container[str]
 
 _EXPORT_LOCK = threading.Lock()
 """torch.onnx.export keeps process-wide state (it refuses to start while another export runs): one at a time."""
+_EXPORTING = threading.local()
+
+
+def exporting() -> bool:
+    """Whether this thread is inside `export`: an ORTModule nested in the exported module then runs as its torch
+    module, which the export traces (its own export would wait for `_EXPORT_LOCK` forever)."""
+    return getattr(_EXPORTING, "active", False)
+
+
+@contextlib.contextmanager
+def _marked_exporting() -> Iterator[None]:
+    _EXPORTING.active, before = True, exporting()
+    try:
+        yield
+    finally:
+        _EXPORTING.active = before
 
 
 def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leaves: Sequence[torch.Tensor],
@@ -544,13 +572,14 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
         # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
-        with _EXPORT_LOCK, torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False), \
-                _preserved(module) as changed, _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
+        with _EXPORT_LOCK, _marked_exporting(), torch.inference_mode(False), torch.enable_grad(), \
+                torch.autocast("cpu", enabled=False), _preserved(module) as changed, \
+                _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
                 stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
                 custom_functions.applied_functions() as applied, _python_draws() as drawn:
-            leaves = [t.clone() if t.is_inference() else t for t in leaves]
+            leaves = [_traced_leaf(t) for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
             mutated = changed()
@@ -640,10 +669,18 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     _complete_ranks(model, feeds)
     reference = None
     if options.check and not lost and not draws_random(model):
-        reference = tuple(flat._result.get("outputs") or ())  # with their autograd graph: the gradient check
+        reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves))
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
                     bool(flat._result.get("baked")), flat._result.get("guards"))
+
+
+def _traced_leaf(t: torch.Tensor) -> torch.Tensor:
+    """An input as the trace takes it: a copy of an inference tensor (which autograd cannot record), and a tensor
+    requiring grad as a leaf of its own on the same memory (`Reference.leaves`)."""
+    if t.is_inference():
+        return t.clone()
+    return t.detach().requires_grad_() if t.requires_grad else t
 
 
 def _known_cause(module: nn.Module, exporter: str, error: Exception) -> str:
@@ -657,6 +694,9 @@ def _known_cause(module: nn.Module, exporter: str, error: Exception) -> str:
             return (f"the forward sets {_listed(unset)}, registered as None, which the legacy exporter cannot follow "
                     "(it takes the buffers before the call): register it holding its first value "
                     "(torch.zeros(...)). ")
+    if "leaf Variable that requires grad is being used in an in-place operation" in str(error):
+        return ("the forward changes an input that requires grad in place, which ORTModule's graph cannot do to the "
+                "caller's tensor: change a copy (x = x * 0.5 instead of x.mul_(0.5)), or run the module in torch. ")
     if exporter != "dynamo" or "data-dependent" not in str(error):
         return ""
     cumulative = [name or type(m).__name__ for name, m in module.named_modules()

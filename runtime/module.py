@@ -19,16 +19,24 @@ import torch
 from torch import nn
 
 from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir, memory_pattern_pays
-from .export import ExportOptions
+from .export import ExportOptions, exporting
 from .session import TrainingSession
 
 __all__ = ["FallbackWarning", "ORTModule", "ORTModuleError"]
 
 
 def _forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return _eager_call(self._engine, args, kwargs)
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or exporting():
+        return _traced_call(self, args, kwargs)
     return self._engine(args, kwargs)
+
+
+def _traced_call(self: ORTModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call some tracer sees. An export (torch.onnx.export of a model holding an ORTModule, an ORTModule around
+    one) traces the wrapped module, as the module it stands for; `torch.compile` runs the call on onnxruntime."""
+    if torch.jit.is_tracing() or torch.compiler.is_exporting() or exporting():
+        return self._original(*args, **kwargs)
+    return _eager_call(self._engine, args, kwargs)
 
 
 @torch.compiler.disable(reason="an ORTModule runs on onnxruntime between compiled graphs; compile without "

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import io
 import pickle
 import types
 import warnings
@@ -370,18 +371,18 @@ def test_calls_under_torch_func_transforms_run_in_torch() -> None:
     assert om.stats["exports"] == exports and om.stats["fallbacks"] == 0
 
 
+class Head(nn.Module):
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body, self.post = body, nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(torch.tanh(self.body(x)))
+
+
 def test_a_module_compiled_around_an_ortmodule_trains_as_torch() -> None:
     """torch.compile of a model holding an ORTModule (and of an ORTModule itself) breaks its graph at the call,
     which runs on onnxruntime as outside a compile; dynamo used to trace into the export and fail in it."""
-
-    class Head(nn.Module):
-        def __init__(self, body: nn.Module):
-            super().__init__()
-            self.body, self.post = body, nn.Linear(3, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.post(torch.tanh(self.body(x)))
-
     torch.manual_seed(0)
     ref = Head(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)))
     inner = ORTModule(copy.deepcopy(ref.body))
@@ -399,6 +400,69 @@ def test_a_module_compiled_around_an_ortmodule_trains_as_torch() -> None:
         torch.testing.assert_close(inner[1].running_var, ref.body[1].running_var)
     assert inner.stats == {"exports": 1, "builds": 1, "fallbacks": 0}
     torch.testing.assert_close(torch.compile(inner, backend="eager")(x), ref.body(x))
+
+
+class Product(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(y)
+
+
+def test_the_gradient_check_differentiates_the_call_alone() -> None:
+    """The first gradients' check took torch's gradients of the call with respect to the caller's tensors, which
+    also took the paths reaching them outside the call: one tensor passed twice got the sum of both paths at each
+    position, and a parameter shared by two ORTModules, the second fed the first's output, got the first's
+    gradient too. Both modules were refused; they now train as torch."""
+    torch.manual_seed(0)
+    ref, om = pair(Product())
+    x = torch.randn(3, 4)
+    grads = []
+    for m in (ref, om):
+        leaf = x.clone().requires_grad_()
+        m(leaf, leaf).square().sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+    assert_grads_equal(om, ref)
+
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    ours = [ORTModule(copy.deepcopy(m)) for m in (first, second)]
+    ours[1].weight = ours[0].weight
+    for a, b in ((first, second), ours):
+        b(torch.relu(a(x))).square().sum().backward()
+    assert_grads_equal(ours[0], first)
+    assert_grads_equal(ours[1], second)
+
+
+def test_an_ortmodule_inside_an_exported_module_is_traced_as_its_module() -> None:
+    """An ORTModule inside a module that ORTModule wraps (or that the user exports to ONNX) stands for its module:
+    the export traces the module. Its own export inside the outer one waited for the export lock forever, and a
+    user's export met an autograd Function."""
+    torch.manual_seed(0)
+    ref = Head(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+    nested = copy.deepcopy(ref)
+    nested.body = ORTModule(nested.body)
+    outer = ORTModule(nested)
+    x = torch.randn(5, 6)
+    for m in (ref, outer):
+        m(x).square().sum().backward()
+    assert_grads_equal(outer, ref)
+    assert outer.stats["exports"] == 1 and nested.body.stats["exports"] == 0
+    nested.body(x).sum().backward()  # and on its own it trains on onnxruntime
+    assert nested.body.stats["exports"] == 1
+    for dynamo in (False, True):
+        if dynamo:
+            proto = torch.onnx.export(nested, (x,), dynamo=True, optimize=False, verbose=False).model_proto
+        else:
+            buffer = io.BytesIO()
+            torch.onnx.export(nested, (x,), buffer, dynamo=False)
+            proto = onnx.load_from_string(buffer.getvalue())
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+        torch.testing.assert_close(torch.from_numpy(got), ref(x).detach())
 
 
 def test_in_place_change_of_a_stashed_output_is_detected() -> None:
