@@ -537,18 +537,24 @@ def _named_dims(infos: Iterable[onnx.ValueInfoProto], names: Container[str]
 
 _EXPORT_LOCK = threading.Lock()
 """torch.onnx.export keeps process-wide state (it refuses to start while another export runs): one at a time."""
-_EXPORTING = threading.local()
+
+
+class _Exporting(threading.local):
+    active = False  # each thread's starting value (a class attribute: no AttributeError to catch at each call)
+
+
+_EXPORTING = _Exporting()
 
 
 def exporting() -> bool:
     """Whether this thread is inside `export`: an ORTModule nested in the exported module then runs as its torch
     module, which the export traces (its own export would wait for `_EXPORT_LOCK` forever)."""
-    return getattr(_EXPORTING, "active", False)
+    return _EXPORTING.active
 
 
 @contextlib.contextmanager
 def _marked_exporting() -> Iterator[None]:
-    _EXPORTING.active, before = True, exporting()
+    _EXPORTING.active, before = True, _EXPORTING.active
     try:
         yield
     finally:

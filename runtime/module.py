@@ -26,7 +26,7 @@ __all__ = ["FallbackWarning", "ORTModule", "ORTModuleError"]
 
 
 def _forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or exporting():
+    if torch._C._is_tracing() or exporting() or torch.compiler.is_compiling():
         return _traced_call(self, args, kwargs)
     return self._engine(args, kwargs)
 
