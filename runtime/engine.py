@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import threading
 import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ class Schema:
         self.config = options.config(options.threads)
         self._infer: Runner | MaskedRunner | None = None
         self.sessions: dict[tuple[frozenset[str], Hashable], TrainingSession] = {}
+        self._building = threading.Lock()
         self.pinned: set[frozenset[str]] = set()
         """Sets of tensors whose all-dynamic build a rule refused: a pinned build per size."""
         self.first_sizes: dict[frozenset[str], tuple[tuple[int, ...], ...]] = {}
@@ -166,12 +168,24 @@ class Schema:
         if self._small is not None:
             self._fit_threads(leaves[self._small.leaf].shape[0])
         sizes = tuple([tuple(leaves[k].shape[1:]) for _, k in inputs])
+        s = self._built(w, sizes)
+        if s is not None:
+            return s, False
+        with self._building:  # threads making their first steps at once build once
+            s = self._built(w, sizes)
+            return (s, False) if s is not None else (self._new_session(w, wrt, leaves, sizes), True)
+
+    def _built(self, w: frozenset[str], sizes: tuple[tuple[int, ...], ...]) -> TrainingSession | None:
         s = self.sessions.get((w, sizes))
         if s is None and w not in self.pinned:
             s = self.sessions.get((w, None))
-        if s is not None:
-            return s, False
+        return s
+
+    def _new_session(self, w: frozenset[str], wrt: Sequence[str], leaves: Sequence[torch.Tensor],
+                     sizes: tuple[tuple[int, ...], ...]) -> TrainingSession:
+        inputs = self.exported.inputs
         self._settle_threads({name: tuple(leaves[k].shape) for name, k in inputs})
+        s: TrainingSession | None = None
         key: Hashable = sizes
         rows = _rows({name: tuple(leaves[k].shape) for name, k in inputs})
         if w in self.first_sizes and w not in self.pinned:  # a second size: the all-dynamic build
@@ -189,7 +203,7 @@ class Schema:
                 s, key = self._build(self.exported.model, wrt, rows), None  # a rule refusing static sizes: dynamic
             self.first_sizes.setdefault(w, sizes)
         self.sessions[(w, key)] = s
-        return s, True
+        return s
 
     def _build(self, model: onnx.ModelProto, wrt: Sequence[str], rows: int | None) -> TrainingSession:
         save = self.save_dir / f"grad{len(self.sessions)}" if self.save_dir is not None else None
@@ -255,6 +269,7 @@ class Engine:
         self.name = type(module).__name__
         self.signature = inspect.signature(module.forward)
         self.schemas: dict[Hashable, Any] = {}
+        self._exporting = threading.Lock()  # threads making their first calls at once export once
         self.failed: set[tuple[Hashable, frozenset[str]]] = set()
         self.version = 0
         self.stats = {"exports": 0, "builds": 0, "fallbacks": 0}
@@ -385,7 +400,8 @@ class Engine:
         schema.ran = True
         updated = stats[:len(ex.updates)]
         stats = stats[len(ex.updates):]
-        if ex.reference is not None:  # the call that exported: checked against torch (runtime/checks.py)
+        if ex.reference is not None and ex.reference.thread == threading.get_ident():
+            # the call that exported: checked against torch (runtime/checks.py)
             reference, ex.reference = ex.reference, None
             error = checks.outputs_error(reference.outputs, [*user, *updated])
             if error is not None:
@@ -467,6 +483,11 @@ class Engine:
 
     # --- caches -----------------------------------------------------------------------------------------
     def _new_schema(self, key: Hashable, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
+        with self._exporting:
+            schema = self.schemas.get(key)  # another thread's export of this schema, while this one waited
+            return schema if schema is not None else self._export_schema(key, in_spec, leaves)
+
+    def _export_schema(self, key: Hashable, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
         if self.per_size and self.unkeyed == 0:  # dynamo: an earlier export may hold for these sizes too
             base, sizes = key  # type: ignore[misc]
             for (other_base, _), schema in list(self.schemas.items()):

@@ -96,6 +96,8 @@ class Reference:
     """The call's input leaves as the trace took them, those requiring grad as leaves of their own
     (`_traced_leaf`): torch's gradients of this call alone, where the caller's tensors would also take the paths
     that reach them outside it (an input computed from a parameter the module shares, one tensor passed twice)."""
+    thread: int = field(default_factory=threading.get_ident)
+    """The thread whose call exported: another thread's call may find the schema first, with other inputs."""
 
 
 @dataclass

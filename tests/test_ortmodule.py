@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import io
 import pickle
+import threading
 import types
 import warnings
 from collections import OrderedDict, namedtuple
@@ -463,6 +464,33 @@ def test_an_ortmodule_inside_an_exported_module_is_traced_as_its_module() -> Non
         session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
         got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
         torch.testing.assert_close(torch.from_numpy(got), ref(x).detach())
+
+
+def test_threads_making_their_first_calls_at_once_export_and_build_once() -> None:
+    """Each of several threads calling a new ORTModule at once exported it (and built its backward) for itself;
+    one thread's call could also take the export check made for another's inputs, and refuse the module."""
+    torch.manual_seed(0)
+    ref, om = pair(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    xs = [torch.randn(5 + k, 8) for k in range(4)]
+    start, errors = threading.Barrier(len(xs)), []
+
+    def step(x: torch.Tensor) -> None:
+        start.wait()
+        try:
+            om(x).square().sum().backward()
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=step, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for x in xs:
+        ref(x).square().sum().backward()
+    assert_grads_equal(om, ref)
+    assert om.stats == {"exports": 1, "builds": 1, "fallbacks": 0}
 
 
 def test_in_place_change_of_a_stashed_output_is_detected() -> None:
