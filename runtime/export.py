@@ -229,6 +229,8 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     finally:
         with torch.no_grad():
             for name, b, v in saved:
+                if b.shape != v.shape:  # resized in place (a per-channel observer's first call sizes its statistics)
+                    b.resize_(v.shape)
                 b.copy_(v)
                 holder, attr = slots[name]
                 holder._buffers[attr] = b

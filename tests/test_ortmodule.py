@@ -1378,6 +1378,24 @@ def test_unsupported_op_is_a_clear_error() -> None:
         om(torch.randn(3, 3)).backward()
 
 
+def test_quantization_aware_training_is_refused_by_its_operator_with_the_buffers_put_back() -> None:
+    """torch.ao's QAT observers size their per-channel statistics at the first call (resize_ in place): putting the
+    buffers back after the failed trace failed on the new size ("size of tensor a (8) must match ... (0)"), which
+    hid the operator neither exporter translates. Now that operator is named and the buffers are as they were."""
+    from torch.ao import quantization
+
+    model = nn.Sequential(quantization.QuantStub(), nn.Linear(6, 8), quantization.DeQuantStub())
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantization.prepare_qat(model.train())
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    with pytest.raises(ORTModuleError, match="fused_moving_avg_obs_fake_quant"):
+        ORTModule(model)(torch.randn(5, 6))
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, before[name], msg=name)
+
+
 def test_fallback_warns_and_matches_torch() -> None:
     ref, om = pair(WithDet(), fallback=True)
     x = torch.randn(3, 3)
