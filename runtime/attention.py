@@ -29,8 +29,9 @@ from torch.nn import functional as F
 
 
 @contextlib.contextmanager
-def lean_attention() -> Iterator[None]:
-    """`nn.MultiheadAttention.forward` replaced by `_forward` for the duration (the export, under its lock)."""
+def lean_attention(torch_layout: bool = False) -> Iterator[None]:
+    """`nn.MultiheadAttention.forward` replaced by `_forward` for the duration (the export, under its lock);
+    `torch_layout`: its result stored as torch's is (`_forward`)."""
     original = nn.MultiheadAttention.forward
 
     def forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -38,7 +39,7 @@ def lean_attention() -> Iterator[None]:
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if _lean(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
-            return _forward(self, query, key, attn_mask, is_causal, key_padding_mask), None
+            return _forward(self, query, key, attn_mask, is_causal, key_padding_mask, torch_layout), None
         return original(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                         is_causal)
 
@@ -65,11 +66,14 @@ def _lean(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, valu
 
 
 def _forward(m: nn.MultiheadAttention, x: torch.Tensor, memory: torch.Tensor, attn_mask: torch.Tensor | None,
-             is_causal: bool, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+             is_causal: bool, key_padding_mask: torch.Tensor | None = None, torch_layout: bool = False
+             ) -> torch.Tensor:
     """Attention of x [B, T, d] to itself or to a memory [B, S, d] as `F.multi_head_attention_forward` computes it
     for these calls, with one transpose each for q, k, v and the result: self-attention projects q, k and v in one
     product, cross-attention q alone and k, v from the memory in another, as torch does. A key padding mask is
-    added to the mask as [B, 1, 1, S] (torch expands it to every head first: the same sums, broadcast)."""
+    added to the mask as [B, 1, 1, S] (torch expands it to every head first: the same sums, broadcast).
+    `torch_layout`: the result stored time-major, as torch's is (a transposed view of its [T, B, d] product), where
+    a dropout reading it must draw its mask in that order to draw torch's (`dropouts._drawn_in_memory_order`)."""
     heads, width, d = m.num_heads, m.head_dim, m.embed_dim
     batch, length, _ = x.shape
     if memory is x:
@@ -103,7 +107,10 @@ def _forward(m: nn.MultiheadAttention, x: torch.Tensor, memory: torch.Tensor, at
         if padding is not None:
             mask = padding if mask is None else mask + padding
     out = F.scaled_dot_product_attention(q, k, v, mask, m.dropout if m.training else 0.0, is_causal)
-    return F.linear(out.transpose(1, 2).reshape(batch, length, m.embed_dim), m.out_proj.weight, m.out_proj.bias)
+    if torch_layout:
+        out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, d), m.out_proj.weight, m.out_proj.bias)
+        return out.transpose(0, 1)
+    return F.linear(out.transpose(1, 2).reshape(batch, length, d), m.out_proj.weight, m.out_proj.bias)
 
 
 def _check_mask(mask: torch.Tensor, want: tuple, name: str = "attn_mask") -> None:

@@ -57,7 +57,31 @@ _REPLACED = {name: _dropout(feature, alpha) for name, feature, alpha in (
     ("feature_dropout", True, False), ("alpha_dropout", False, True), ("feature_alpha_dropout", True, True))}
 
 
-def exportable_dropouts() -> contextlib.AbstractContextManager[None]:
+def _memory_order(x: torch.Tensor) -> list[int] | None:
+    """The dims of a dense tensor stored in another order than its own (a transposed view), outermost first; None
+    where its memory order is its dims' order (or it is not dense: torch's `empty_like` then makes it so)."""
+    if x.is_contiguous():
+        return None
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.size(d)))
+    return order if x.permute(order).is_contiguous() else None
+
+
+def _drawn_in_memory_order(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """torch's dropout draws its mask in the memory order of its input (`empty_like` keeps the strides, `bernoulli_`
+    fills memory in order): a transposed view is dropped as the permutation that stores it contiguously, so the
+    exported Dropout's mask, drawn in its input's logical order, is torch's (`SessionConfig.torch_masks`)."""
+    order = _memory_order(x) if train and 0 < p < 1 else None
+    if order is None:
+        return torch._C._VariableFunctions.dropout(x, p, train)
+    inverse = sorted(range(x.dim()), key=order.__getitem__)
+    return torch._C._VariableFunctions.dropout(x.permute(order), p, train).permute(inverse)
+
+
+def exportable_dropouts(torch_masks: bool = False) -> contextlib.AbstractContextManager[None]:
     """torch's `_VF` feature and alpha dropouts (and their in-place forms, traced out of place) replaced for the
-    duration (the export, under its lock)."""
-    return replaced((torch._VF, variant, fn) for name, fn in _REPLACED.items() for variant in (name, name + "_"))
+    duration (the export, under its lock); with `torch_masks`, plain dropouts of transposed views too
+    (`_drawn_in_memory_order`)."""
+    replacements = [(torch._VF, variant, fn) for name, fn in _REPLACED.items() for variant in (name, name + "_")]
+    if torch_masks:
+        replacements += [(torch._VF, name, _drawn_in_memory_order) for name in ("dropout", "dropout_")]
+    return replaced(replacements)

@@ -75,6 +75,8 @@ class ExportOptions:
     opset: int | None = None
     check: bool = True
     """Compare onnxruntime's outputs of the call that exported with torch's (`Exported.reference`)."""
+    torch_dropout: bool = False
+    """Dropouts exported so that masks drawn as torch's are torch's (`dropouts.exportable_dropouts`)."""
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
@@ -585,7 +587,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         with _EXPORT_LOCK, _marked_exporting(), torch.inference_mode(False), torch.enable_grad(), \
                 torch.autocast("cpu", enabled=False), _preserved(module) as changed, \
                 _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
-                stand_in_statistics(module) as stand_ins, lean_attention(), exportable_dropouts(), \
+                stand_in_statistics(module) as stand_ins, lean_attention(options.torch_dropout), \
+                exportable_dropouts(options.torch_dropout), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
                 custom_functions.applied_functions() as applied, _python_draws() as drawn:

@@ -65,14 +65,15 @@ def _linear(k: int, n: onnx.NodeProto, g: onnx.GraphProto, dims: dict[str, Dims 
     return _Linear(b, 0)
 
 
-def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onnx.ModelProto:
+def feature_major_chains(model: onnx.ModelProto, rows: int | None = None, dropouts: bool = True) -> onnx.ModelProto:
     """Components of at least two Linears (2-D Gemms with transA 0 and a bias of rank at most 1) joined by
     elementwise ops, whose tensors nothing else reads, computed feature-major: `Gemm(h, B, b, transB=t)`
     becomes `Gemm(B, hᵀ, b[:, None], transA=1-t)`. What enters a component as a Linear's activations is
     transposed once; what leaves it (read elsewhere, or a graph output) is transposed back under its own
     name. Not for fewer than `MIN_ROWS` rows: those of the entering activations when the graph fixes them,
-    else `rows` (the batch the caller expects) when given. Returns a rewritten copy, or `model` itself when
-    nothing matches."""
+    else `rows` (the batch the caller expects) when given. `dropouts=False` ends components at Dropouts, whose
+    masks then keep torch's layout (`SessionConfig.torch_masks`). Returns a rewritten copy, or `model` itself
+    when nothing matches."""
     g = model.graph
     # torch's export declares few intermediate shapes; inference gives the ranks bias-free Linears need
     types = tensor_types(infer_shapes_safely(model) or g)
@@ -101,7 +102,7 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None) -> onn
     found = {k: _linear(k, n, g, dims, readers, producer) for k, n in enumerate(g.node)}
     linear = {k: lin for k, lin in found.items() if lin is not None and bias_ok(g.node[k])}
     elementwise = {k for k, n in enumerate(g.node) if n.op_type in ELEMENTWISE and n.domain in ("", "ai.onnx")
-                   and all(unread(x) for x in n.output[1:])}
+                   and all(unread(x) for x in n.output[1:]) and (dropouts or n.op_type != "Dropout")}
     member = set(linear) | elementwise
 
     def layout_free_read(k: int, pos: int) -> bool:

@@ -68,6 +68,7 @@ class Mask:
     source: str
     threshold: int
     output: str
+    ratio: float
 
 
 def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
@@ -101,7 +102,7 @@ def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
         elem, dims = types.get(x, (0, None))
         nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None)
         g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, dims))
-        masks.append(Mask(mask, x, threshold, y))
+        masks.append(Mask(mask, x, threshold, y, ratio))
     del g.node[:]
     g.node.extend(nodes)
     fed = {m.input for m in masks}
@@ -147,9 +148,9 @@ class MaskedRunner:
             probe.CopyFrom(self._model)
             self._model = None
             masked_outputs = {m.output for m in self.masks}
-            for n in probe.graph.node:
+            for n in probe.graph.node:  # with torch_masks this run only tells shapes: torch's generator untouched
                 if n.op_type == "Dropout" and n.output[0] in masked_outputs:
-                    n.attribute.append(helper.make_attribute("seed", _seed()))
+                    n.attribute.append(helper.make_attribute("seed", 0 if self._config.torch_masks else _seed()))
             taken = names_in_use(probe.graph)
             for x in self._sources:
                 name = fresh_name(f"{x}/host_mask_shape", taken)
@@ -181,10 +182,12 @@ class MaskedRunner:
             values = self.plain.run(feeds, [*names, *self._shape_names])
             if len(self.shapes) < MAX_SIZES:
                 found = [tuple(exchange.to_numpy(v).tolist()) for v in values[len(names):]]
-                self.shapes[key] = dict(zip(self._sources, found))
-            return values[:len(names)], None
-        seed = _seed()
-        drawn = self.draw(shapes, seed)
+                shapes = self.shapes[key] = dict(zip(self._sources, found))
+            if shapes is None or not self._config.torch_masks:
+                return values[:len(names)], None
+            # torch's masks from the first call on: this run only told their shapes (a forward more per new size)
+        seed: int | torch.Tensor = torch.default_generator.get_state() if self._config.torch_masks else _seed()
+        drawn = self.draw(shapes, seed, fresh=True)
         if self._masked is None:
             assert self._masked_model is not None
             self._masked = Runner(self._masked_model, self._config, self._what, self._disabled)
@@ -201,10 +204,14 @@ class MaskedRunner:
         values.update(drawn)
         return [values[n] for n in names], functools.partial(self.draw, shapes, seed)
 
-    def draw(self, shapes: Mapping[str, tuple[int, ...]], seed: int, only: Collection[str] | None = None
-             ) -> dict[str, C.OrtValue]:
+    def draw(self, shapes: Mapping[str, tuple[int, ...]], seed: int | torch.Tensor,
+             only: Collection[str] | None = None, fresh: bool = False) -> dict[str, C.OrtValue]:
         """The masks of one call (`only` those named), from one stream of 32-bit draws seeded by `seed` (taken from
-        torch's default generator); each mask its own buffer, so that one dropped frees its bytes."""
+        torch's default generator); each mask its own buffer, so that one dropped frees its bytes. With
+        `torch_masks`, `seed` is torch's generator state at the call: `fresh` draws advance the default generator
+        as torch's dropouts do, a redraw reads a copy."""
+        if isinstance(seed, torch.Tensor):
+            return self._draw_as_torch(shapes, seed, only, fresh)
         sizes = [int(np.prod(shapes[m.source])) for m in self.masks]
         bits = np.random.SFC64(seed).random_raw((sum(sizes) + 1) // 2).view(np.uint32)
         drawn: dict[str, C.OrtValue] = {}
@@ -216,10 +223,34 @@ class MaskedRunner:
             start += size
         return drawn
 
+    def _draw_as_torch(self, shapes: Mapping[str, tuple[int, ...]], state: torch.Tensor,
+                       only: Collection[str] | None, fresh: bool) -> dict[str, C.OrtValue]:
+        """torch's dropout masks (`_dropout_impl`: `empty_like(x).bernoulli_(1 - p)`), in the forward's order, which
+        is the trace's and so torch's: the same generator state gives the same masks, and leaves the generator
+        where torch's forward leaves it."""
+        generator = torch.default_generator
+        if not fresh:
+            generator = torch.Generator()
+            generator.set_state(state)
+        drawn: dict[str, C.OrtValue] = {}
+        for m in self.masks:
+            kept = torch.empty(shapes[m.source], dtype=torch.bool).bernoulli_(1.0 - m.ratio, generator=generator)
+            if only is None or m.input in only:
+                drawn[m.input] = exchange.to_ortvalue(kept)
+        return drawn
 
-def _seed() -> int:
-    """A seed from torch's default CPU generator (consuming it as torch's own random ops do)."""
-    return int(torch.empty((), dtype=torch.int64).random_())
+
+def _seed(generator: torch.Generator | None = None) -> int:
+    """A seed from torch's default CPU generator (consuming it as torch's own random ops do), or from `generator`."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+
+
+def _copy_of_default() -> torch.Generator:
+    """A generator in the default one's state: seeds drawn from it follow `torch.manual_seed` without moving the
+    default generator, whose draws torch's own masks need (`SessionConfig.torch_masks`)."""
+    generator = torch.Generator()
+    generator.set_state(torch.default_generator.get_state())
+    return generator
 
 
 def _static(value: onnx.ValueInfoProto) -> bool:
@@ -227,12 +258,14 @@ def _static(value: onnx.ValueInfoProto) -> bool:
     return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
 
 
-def seeded_random_ops(model: onnx.ModelProto, masked: frozenset[str] = frozenset()) -> onnx.ModelProto:
+def seeded_random_ops(model: onnx.ModelProto, masked: frozenset[str] = frozenset(),
+                      generator: torch.Generator | None = None) -> onnx.ModelProto:
     """`model`, or a copy whose random ops and Dropouts without a `seed`, bodies included, take one from torch's
     default generator (randn_like, rand, bernoulli in a forward; Dropouts the host does not mask: in graphs with
     bodies, or of a non-constant ratio): onnxruntime seeds each op's generator once, when the session is made, and
     advances it run by run, so after `torch.manual_seed` a run draws the same values as the last. `masked`: the
-    outputs of the Dropouts the host masks, left unseeded (`mask_dropouts` takes only those)."""
+    outputs of the Dropouts the host masks, left unseeded (`mask_dropouts` takes only those). `generator`: where the
+    seeds come from instead of the default generator."""
     dropouts = default_opset(model) >= 12  # Dropout's `seed` attribute
 
     def unseeded(n: onnx.NodeProto) -> bool:
@@ -245,7 +278,7 @@ def seeded_random_ops(model: onnx.ModelProto, masked: frozenset[str] = frozenset
     out.CopyFrom(model)
     for n in graph_nodes(out.graph):
         if unseeded(n):  # RandomNormal's seed is a float, Dropout's an int
-            seed = float(_seed() % (1 << 24)) if n.op_type in RANDOM_OPS else _seed()
+            seed = float(_seed(generator) % (1 << 24)) if n.op_type in RANDOM_OPS else _seed(generator)
             n.attribute.append(helper.make_attribute("seed", seed))
     return out
 
@@ -258,7 +291,8 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str,
     one. `like`: a runner of the same forward whose mask shapes this one starts from (a fused forward and backward
     after the split forward's first call: the same masks from the same seeds, no probe session)."""
     masked, masks = mask_dropouts(model) if config.lower else (model, [])
-    seeded = seeded_random_ops(model, frozenset(m.output for m in masks))
+    seeded = seeded_random_ops(model, frozenset(m.output for m in masks),
+                               _copy_of_default() if config.torch_masks else None)
     if not masks:
         return Runner(seeded, config, what, disabled)
     if seeded is not model:  # the same Dropouts masked (still unseeded), the seeds of the rest kept

@@ -29,7 +29,8 @@ def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = Non
     model = passes.canonical_forms(model)
     if not config.lower:
         return model
-    return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)), rows)
+    return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)), rows,
+                                              dropouts=not config.torch_masks)
 
 
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:

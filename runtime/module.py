@@ -71,6 +71,11 @@ class ORTModule(nn.Module):
         schema (default: the GRADBUILDER_SAVE_ONNX environment variable).
     park_torch_threads: while an onnxruntime run on 2+ threads lasts, torch's OpenMP workers that are spinning
         after its last parallel op sleep instead of sharing the cores (`runtime.openmp`); False leaves them be.
+    torch_dropout: draw training Dropouts' masks with torch's own generator and kernel, as torch's dropout does: the
+        same masks as the module run in torch from the same generator state, so a training run with dropout
+        tracks torch's (from `torch.manual_seed`) instead of drawing other masks of the same law; the masks then
+        cost ~3x the default draws, and a forward more runs at each new set of input sizes (to learn the masks'
+        shapes). Other random ops (randn_like, rand) keep onnxruntime's draws.
     check_export: compare onnxruntime's outputs of each call that exports, and its first gradients, with
         torch's for the same call (torchscript exporter; skipped where the graph draws random numbers or the
         forward changes state in place), and fail as a failed export does where they differ (`runtime/checks.py`:
@@ -81,13 +86,13 @@ class ORTModule(nn.Module):
     def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,
                  fallback: bool = False, threads: int | None = None, specialise: bool = True,
                  save_onnx: str | os.PathLike | None = None, park_torch_threads: bool = True,
-                 check_export: bool = True):
+                 check_export: bool = True, torch_dropout: bool = False):
         if isinstance(module, ORTModule):
             raise TypeError("the module is already an ORTModule")
         super().__init__()
-        options = Options(ExportOptions(exporter, opset, check_export),
+        options = Options(ExportOptions(exporter, opset, check_export, torch_dropout),
                           threads if threads is not None else torch.get_num_threads(), specialise, fallback,
-                          default_save_dir(save_onnx), park_torch_threads, memory_pattern_pays(module))
+                          default_save_dir(save_onnx), park_torch_threads, memory_pattern_pays(module), torch_dropout)
         object.__setattr__(self, "_options", options)
         self._share(module)
         _bind_forward(self, module)

@@ -87,6 +87,10 @@ class SessionConfig:
     every checkpointed region's recomputation first (`recompute`: 588 MB at the peak of a backward against 196).
     Only backward runs that recompute such regions: elsewhere neither order wins (GPT-2's backward peaked 100 MB
     higher in graph order, a stack of MLP blocks 250 MB lower)."""
+    torch_masks: bool = False
+    """Draw host-masked Dropouts' masks with torch's own generator and kernel, as torch's dropout does
+    (`host_dropout`): the same masks as torch's forward from the same generator state, at ~3x the cost of the
+    default draws."""
     narrow_when_crowded: bool = True
     """A run on more than one thread that finds the machine crowded (more threads running than cores, `openmp.room`)
     runs on a one-thread session of the same graph instead, made when first needed; not for graphs drawing random

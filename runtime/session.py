@@ -505,6 +505,8 @@ class TrainingSession:
         if model is None:
             return None
         runner = lowering.fused_runner(model, backward, self._backward_config(), self._fwd)
+        if self.config.torch_masks and runner.draws_random:  # Dropouts onnxruntime draws (the joined graph has an If)
+            return None
         self._fused = _Fused(runner, [o.name for o in model.graph.output], list(grads), runner.draws_random)
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")

@@ -231,8 +231,8 @@ def test_ortmodule_inference_runs_feature_major_too(monkeypatch):
 
     seen = []
 
-    def spy(model, rows):
-        out = feature_major_chains(model, rows)
+    def spy(model, rows, dropouts=True):
+        out = feature_major_chains(model, rows, dropouts)
         seen.append([n.input[0] for n in out.graph.node if n.op_type == "Gemm"])
         return out
 

@@ -280,3 +280,80 @@ def test_training_session_masks_from_its_second_step() -> None:
         grads = session.backward(state, [None])
         np.testing.assert_allclose(grads["w"], x.T @ (mask / np.float32(0.75)), rtol=1e-5, atol=1e-6)
     assert session._fwd._masked is not None
+
+
+class ConvDrops(nn.Module):
+    """Dropout2d after a ReLU and a cross-entropy inside: the fused run's graph has an If, so onnxruntime would draw."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.drop, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Dropout2d(0.3), nn.Linear(8 * 36, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.max_pool2d(self.drop(torch.relu(self.conv(x))), 2)
+        return torch.nn.functional.cross_entropy(self.fc(h.flatten(1)), y)
+
+
+class Checkpointed(nn.Module):
+    """A dropout inside a checkpointed region (its mask drawn again for backward) and one after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 16))
+        self.out = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x + torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def _encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.2, batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+TRACKED = {  # (module, inputs of each step: batch sizes change, loss)
+    "mlp": (lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Tanh(),
+                                  nn.Dropout(0.1), nn.Linear(32, 4)),
+            lambda g, k: (torch.randn((16, 9, 16, 16)[k], 16, generator=g),)),
+    "encoder": (_encoder, lambda g, k: (torch.randn((4, 3, 4, 4)[k], 6, 16, generator=g),)),
+    "conv, loss inside": (ConvDrops, lambda g, k: (torch.randn(6, 3, 12, 12, generator=g),
+                                                   torch.randint(0, 5, (6,), generator=g))),
+    "checkpointed": (Checkpointed, lambda g, k: (torch.randn(12, 16, generator=g),)),
+}
+
+
+def _training_run(name: str, engine: str) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+    make, inputs = TRACKED[name]
+    torch.manual_seed(0)
+    model = make()
+    if engine != "torch":
+        model = ORTModule(model, torch_dropout=engine == "torch masks")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(1)
+    torch.manual_seed(42)
+    losses = []
+    for k in range(4):
+        opt.zero_grad()
+        out = model(*inputs(data, k))
+        loss = out if out.dim() == 0 else out.square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, [p.detach().clone() for p in model.parameters()], torch.rand(4)
+
+
+@pytest.mark.parametrize("name", list(TRACKED))
+def test_torch_dropout_masks_track_torch_s_training_run(name: str) -> None:
+    """ORTModule(torch_dropout=True) draws torch's own masks (`bernoulli_` from the default generator, in the memory
+    order of each dropout's input, as torch's dropout does), from the first call at each size: a training run with
+    dropout follows torch's step for step, and leaves torch's generator where torch's run does. The default masks
+    (another stream of the same law) do not follow it."""
+    losses, params, after = _training_run(name, "torch")
+    ours, our_params, our_after = _training_run(name, "torch masks")
+    np.testing.assert_allclose(ours, losses, rtol=1e-5, atol=1e-7)
+    for p, q in zip(our_params, params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert torch.equal(our_after, after)
+    if name == "mlp":
+        default, _, _ = _training_run(name, "default")
+        assert not np.allclose(default, losses, rtol=1e-3)

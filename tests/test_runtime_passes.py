@@ -525,8 +525,8 @@ def _record_masks(runner, drawn: dict) -> None:
     """Make a MaskedRunner keep in `drawn` the masks it draws (backward does not read them: the stash lacks them)."""
     draw = runner.draw
 
-    def recorded(shapes, seed, only=None):
-        out = draw(shapes, seed, only)
+    def recorded(shapes, seed, only=None, fresh=False):
+        out = draw(shapes, seed, only, fresh)
         drawn.update(out)
         return out
 
