@@ -35,7 +35,7 @@ from .export import Exported, ExportError, ExportOptions, ExportWarning, export,
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
-from .structure import flatten, unflatten
+from .structure import flatten, numbers, unflatten
 
 SAVE_ENV = "GRADBUILDER_SAVE_ONNX"
 
@@ -611,6 +611,16 @@ class Engine:
                 exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError:
             return schema
+        now, then = numbers(exported.out_spec), numbers(schema.exported.out_spec)
+        if now != then:
+            changed = [f"output {path} ({then.get(path)} at the first call, {now.get(path)} at this one)"
+                       for path in dict.fromkeys([*then, *now]) if then.get(path) != now.get(path)]
+            self._refuse(key, ExportError(
+                f"the forward returns Python numbers that differ from call to call ({', '.join(changed)}): the "
+                "export keeps the first call's (a number read from a tensor, a count kept in a Python attribute), so "
+                "every call would return those. Return tensors (`acc` instead of `acc.item()`) and read them after "
+                "the call, or run the module in torch."), "export check")
+            return _FALLBACK
         if _same_graph(exported.model, schema.exported.model):
             return schema
         self._refuse(key, ExportError(

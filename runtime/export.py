@@ -55,7 +55,7 @@ from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .patching import replaced
 from .scalars import Scalars
 from .size_guards import SizeGuards
-from .structure import Const, Node, Spec, flatten, tensor_paths, unflatten
+from .structure import Const, Node, Spec, constants, flatten, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
 DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
@@ -183,11 +183,12 @@ class _Flat(nn.Module):
         reads = _PythonReads(dict(self._target.named_buffers())) if legacy else contextlib.nullcontext()
         with reads, stop_gradients.WithoutGrad() if legacy else contextlib.nullcontext() as mode:
             out = self._target(*bound.args, **bound.kwargs)
+        flat, self._result["spec"] = flatten(out)
         if isinstance(reads, _PythonReads):
             self._result["python_reads"] = reads.read
+            self._result["returned_numbers"] = reads.returned(self._result["spec"])
         if mode is not None:
             self._result["tensor_hooks"] = mode.tensor_hooks
-        flat, self._result["spec"] = flatten(out)
         updated = [self._target.get_buffer(name) for name in self._result.get("updates", ())]
         tracing = torch._C._get_tracing_state()
         torch._C._set_tracing_state(None)  # copies of the changed buffers' values, not part of the trace
@@ -356,13 +357,32 @@ class _PythonReads(TorchFunctionMode):
         # storages, not sizes: a size read while tracing is itself traced (and warned about as a conversion)
         self.storages = {ptr: name for name, b in buffers.items() if (ptr := b.untyped_storage().data_ptr())}
         self.read: set[str] = set()
+        self.converted: list[Any] = []
+        """Every number a conversion returned (held, so that identities stay theirs)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
         if func in _CONVERSIONS and args and isinstance(args[0], torch.Tensor):
             name = self.storages.get(args[0].untyped_storage().data_ptr())
             if name is not None:
                 self.read.add(name)
-        return func(*args, **(kwargs or {}))
+            self.converted.extend(_flat_list(result) if isinstance(result, list) else [result])
+        return result
+
+    def returned(self, spec: Spec) -> list[str]:
+        """Paths of the forward's result holding a number a conversion made (`loss.item()`, `float(acc)`): the
+        trace keeps this call's. By identity, so a literal equal to one is not taken for it; ints and bools are
+        interned where small, so floats and large ints only."""
+        made = {id(v) for v in self.converted if _own_object(v)}
+        return [path for path, v in constants(spec) if id(v) in made]
+
+
+def _flat_list(values: list[Any]) -> list[Any]:
+    return [x for v in values for x in (_flat_list(v) if isinstance(v, list) else [v])]
+
+
+def _own_object(value: Any) -> bool:
+    return isinstance(value, float) or (type(value) is int and not -5 <= value <= 256)
 
 
 _PYTHON_RANDOM = (("random", random, ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
@@ -618,6 +638,12 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                           "the module in torch.")
     if changed_buffers and not updates and options.exporter == "torchscript":
         return export(module, signature, in_spec, leaves, options, changed_buffers)
+    returned = flat._result.get("returned_numbers")
+    if returned:
+        raise ExportError(f"{type(module).__name__}'s forward returns Python numbers computed from tensors (output "
+                          f"{_listed(returned)}: `.item()`, `float()` of a tensor): the export keeps this call's, so "
+                          "every call would return those. Return the tensors (`acc` instead of `acc.item()`) and "
+                          "read them after the call, or run the module in torch.")
     refused = custom_functions.refusal(type(module).__name__, applied)
     if refused:
         raise ExportError(refused)

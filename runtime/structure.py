@@ -9,7 +9,7 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,22 +110,33 @@ def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:
     return kind(items)
 
 
+def _walk(spec: Spec, path: str = "") -> Iterator[tuple[str, Leaf | Const]]:
+    """(readable path, spec) for each tensor and constant, depth first."""
+    if isinstance(spec, Node):
+        keys = spec.keys if spec.keys is not None else range(len(spec.children))
+        if spec.keys is None and _is_namedtuple_type(spec.kind):
+            keys = spec.kind._fields  # type: ignore[attr-defined]
+        for k, c in zip(keys, spec.children):
+            yield from _walk(c, f"{path}.{k}" if path else str(k))
+    else:
+        yield path, spec
+
+
 def tensor_paths(spec: Spec, prefix: str = "") -> list[str]:
     """A readable name per leaf (`x`, `inputs.1`, `out.logits`), in leaf order, for ONNX names and messages."""
-    names: list[tuple[int, str]] = []
-
-    def walk(s: Spec, path: str) -> None:
-        if isinstance(s, Leaf):
-            names.append((s.index, path))
-        elif isinstance(s, Node):
-            keys = s.keys if s.keys is not None else range(len(s.children))
-            if s.keys is None and _is_namedtuple_type(s.kind):
-                keys = s.kind._fields  # type: ignore[attr-defined]
-            for k, c in zip(keys, s.children):
-                walk(c, f"{path}.{k}" if path else str(k))
-
-    walk(spec, prefix)
+    names = [(s.index, path) for path, s in _walk(spec, prefix) if isinstance(s, Leaf)]
     return [p for _, p in sorted(names)]
+
+
+def constants(spec: Spec) -> list[tuple[str, Any]]:
+    """(readable path, value) of each non-tensor value of a spec, depth first."""
+    return [(path, s.value) for path, s in _walk(spec) if isinstance(s, Const)]
+
+
+def numbers(spec: Spec) -> dict[str, int | float | str]:
+    """The Python numbers among a spec's constants by path (NaN as "nan", so that it equals itself): a forward's
+    result holds them as the call that exported computed them (`.item()`), where torch's are each call's."""
+    return {path: "nan" if v != v else v for path, v in constants(spec) if isinstance(v, int | float)}
 
 
 def _is_namedtuple_type(kind: type) -> bool:

@@ -1396,6 +1396,41 @@ def test_quantization_aware_training_is_refused_by_its_operator_with_the_buffers
         torch.testing.assert_close(b, before[name], msg=name)
 
 
+class Scored(nn.Module):
+    """A loss with its accuracy (`how` it is returned), a literal and the count of calls so far."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc, self.how, self.calls = nn.Linear(4, 3), how, 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        logits = self.fc(x)
+        accuracy = (logits.argmax(1) == y).float().mean()
+        if self.how == "counted":
+            self.calls += 1
+        returned = {"item": accuracy.item(), "tensor": accuracy, "counted": self.calls}[self.how]
+        return F.cross_entropy(logits, y), returned, 0.5
+
+
+@pytest.mark.parametrize("how", ["item", "tensor", "counted"])
+def test_python_numbers_a_forward_returns_are_each_call_s(how: str) -> None:
+    """`loss, acc.item()` returned the first call's accuracy at every step, silently (the trace keeps the number).
+    A number a conversion made is now refused at the export, and one that differs at the second call (a count kept
+    in a Python attribute) when that call exports again; a tensor and a literal are returned as torch's."""
+    torch.manual_seed(0)
+    ref, om = pair(Scored(how))
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(4)]
+    if how != "tensor":
+        with pytest.raises(ORTModuleError, match=r"returns Python numbers (computed from tensors|that differ)"):
+            for x, y in batches:
+                om(x, y)
+        return
+    for x, y in batches:
+        want, got = ref(x, y), om(x, y)
+        torch.testing.assert_close(got[:2], want[:2])
+        assert got[2] == 0.5
+
+
 def test_fallback_warns_and_matches_torch() -> None:
     ref, om = pair(WithDet(), fallback=True)
     x = torch.randn(3, 3)
