@@ -119,13 +119,16 @@ def compare(model: nn.Module, reference: nn.Module, got: Run, want: Run, rtol: f
 def check_parity(make: Callable[[], nn.Module], batches: Sequence[Batch], loss_fn: LossFn,
                  optimizer: OptimizerFn = adam, rtol: float = RTOL, seed: int = 0,
                  **options: Any) -> tuple[ORTModule, nn.Module, Report]:
-    """Train `make()` through ORTModule(**options) and a deep copy of it in torch on `batches`; assert parity
-    and that one export served every step without falling back."""
+    """Train `make()` through ORTModule(**options) and a deep copy of it in torch on `batches`, each run from the
+    same generator state (their random draws can be the same); assert parity and that one export served every
+    step without falling back."""
     torch.manual_seed(seed)
     module = make()
     reference = copy.deepcopy(module)
     ort_model = ORTModule(module, **options)
+    start = torch.random.get_rng_state()
     got = train(ort_model, batches, loss_fn, optimizer)
+    torch.random.set_rng_state(start)
     want = train(reference, batches, loss_fn, optimizer)
     report = compare(module, reference, got, want, rtol)
     assert ort_model.stats["exports"] == 1 and ort_model.stats["fallbacks"] == 0, ort_model.stats

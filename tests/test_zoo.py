@@ -12,7 +12,7 @@ import os
 
 import pytest
 from parity import check_parity, sgd
-from zoo_models import CASES
+from zoo_models import CASES, dropouts_on
 
 STEPS = 3
 SLOW = [pytest.mark.slow,
@@ -55,3 +55,21 @@ def test_zoo_parity(name: str) -> None:
 @pytest.mark.parametrize("name", cases("dynamo"))
 def test_zoo_parity_dynamo(name: str) -> None:
     run_case(name, "dynamo")
+
+
+WITH_DROPOUT = ["transformer-encoder", "transformer-seq2seq", "vit", "hf-bert", "hf-gpt2", "hf-t5", "hf-bart",
+                "hf-llama"]
+"""nn.MultiheadAttention (its result a transposed view), Hugging Face's attentions, T5's many dropouts, and
+functional dropouts at rates kept in float attributes (BART, LLaMA's attention)."""
+
+
+@pytest.mark.parametrize("name", WITH_DROPOUT)
+def test_zoo_parity_with_dropout_on(name: str) -> None:
+    """With every dropout at 0.1 and ORTModule(torch_dropout=True), training follows torch's step for step (its
+    masks are torch's own); the default masks, another stream of the same law, would not."""
+    case = CASES[name]
+    if case.needs:
+        pytest.importorskip(case.needs)
+    _, _, report = check_parity(lambda: dropouts_on(case.make()), case.batches(STEPS), case.loss, sgd,
+                                torch_dropout=True)
+    print(f"{name} (dropout 0.1): {report}")

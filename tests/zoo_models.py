@@ -448,6 +448,21 @@ def clip_batch(g: torch.Generator) -> Batch:
             "pixel_values": torch.randn(4, 3, 16, 16, generator=g), "return_loss": True}
 
 
+DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "dropout_p")
+"""Float attributes that models built on functional dropout read their rate from (Hugging Face's BART, LLaMA)."""
+
+
+def dropouts_on(module: nn.Module, p: float = 0.1) -> nn.Module:
+    """`module` with every dropout it has at rate `p`: its `nn.Dropout`s and the float rates of functional ones."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout | nn.Dropout1d | nn.Dropout2d):
+            m.p = p
+        for attr in DROPOUT_ATTRIBUTES:
+            if type(getattr(m, attr, None)) is float:
+                setattr(m, attr, p)
+    return module
+
+
 # --- the cases -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
