@@ -21,24 +21,27 @@ from .module import ORTModule
 
 
 class DigitsCNN(nn.Module):
-    """8x8 grey digits: two conv + BatchNorm blocks, then a small classifier."""
+    """8x8 grey digits: two conv + BatchNorm blocks, then a small classifier (with a dropout before its last layer
+    at rate `dropout`, if any)."""
 
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+        drop = [nn.Dropout(dropout)] if dropout else []
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), *drop, nn.Linear(64, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
 
 
 class DigitsMLP(nn.Module):
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
-                                 nn.Linear(64, 10))
+        drop = [nn.Dropout(dropout)] if dropout else []
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), *drop, nn.Linear(128, 64), nn.ReLU(),
+                                 *drop, nn.Linear(64, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -100,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout rate in the classifier; ORTModule then draws torch's own masks "
+                             "(torch_dropout=True), so both runs still agree step for step")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads of both torch and onnxruntime (models this small gain nothing from "
                              "more, and spinning thread pools fight over the cores of a busy machine)")
@@ -108,13 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = load_digits()
-    model = MODELS[args.model]()
+    model = MODELS[args.model](args.dropout)
     reference = copy.deepcopy(model)
-    ort_model = ORTModule(model, threads=args.threads)
+    ort_model = ORTModule(model, threads=args.threads, torch_dropout=args.dropout > 0)
     runs = [Run("onnxruntime", ort_model, torch.optim.Adam(ort_model.parameters(), lr=args.lr)),
             Run("torch eager", reference, torch.optim.Adam(reference.parameters(), lr=args.lr))]
     print(f"digits: {len(x_train)} train / {len(x_test)} test images, {type(model).__name__} with "
-          f"{sum(p.numel() for p in model.parameters())} parameters, Adam lr={args.lr}, batch {args.batch}, "
+          f"{sum(p.numel() for p in model.parameters())} parameters, dropout {args.dropout}, Adam lr={args.lr}, "
+          f"batch {args.batch}, "
           f"{torch.get_num_threads()} threads\n")
 
     worst_abs, worst_rel = 0.0, 0.0
@@ -125,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         order = torch.randperm(len(x_train), generator=shuffle)
         for k in range(steps_per_epoch):
             idx = order[k * args.batch:(k + 1) * args.batch]
+            start = torch.random.get_rng_state()  # each run's dropout masks from the same generator state
             for run in runs:
+                torch.random.set_rng_state(start)
                 run.step(x_train[idx], y_train[idx])
             d_abs, d_rel = grad_difference(ort_model, reference)
             worst_abs, worst_rel = max(worst_abs, d_abs), max(worst_rel, d_rel)

@@ -71,7 +71,7 @@ class Mask:
     ratio: float
 
 
-def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
+def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.ModelProto, list[Mask]]:
     """A copy of `model` whose training Dropouts (main graph, opset 12+, constant ratio strictly between 0 and
     1, no `seed` attribute) take their mask as a new boolean graph input (named as the Dropout's mask output,
     which leaves the graph outputs); returns `model` itself and no masks when none qualifies."""
@@ -100,7 +100,7 @@ def mask_dropouts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Mask]]:
         x, y = n.input[0], n.output[0]
         mask = n.output[1] if len(n.output) > 1 and n.output[1] else fresh_name(f"{y}/host_mask", taken)
         elem, dims = types.get(x, (0, None))
-        nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None)
+        nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None, as_torch)
         g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, dims))
         masks.append(Mask(mask, x, threshold, y, ratio))
     del g.node[:]
@@ -290,13 +290,13 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str,
     generator): a `MaskedRunner` where it has training Dropouts to mask (and `config.lower` is on), else a plain
     one. `like`: a runner of the same forward whose mask shapes this one starts from (a fused forward and backward
     after the split forward's first call: the same masks from the same seeds, no probe session)."""
-    masked, masks = mask_dropouts(model) if config.lower else (model, [])
+    masked, masks = mask_dropouts(model, config.torch_masks) if config.lower else (model, [])
     seeded = seeded_random_ops(model, frozenset(m.output for m in masks),
                                _copy_of_default() if config.torch_masks else None)
     if not masks:
         return Runner(seeded, config, what, disabled)
     if seeded is not model:  # the same Dropouts masked (still unseeded), the seeds of the rest kept
         model = seeded
-        masked, masks = mask_dropouts(model)
+        masked, masks = mask_dropouts(model, config.torch_masks)
     shapes = like.shapes if isinstance(like, MaskedRunner) else None
     return MaskedRunner(model, masked, masks, config, what, disabled, shapes)

@@ -465,11 +465,22 @@ def training_ratio(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> fl
 
 
 def dropout_output(x: str, mask: str, ratio: float, out: str, g: onnx.GraphProto, taken: set[str],
-                   elem: int | None = None) -> list[onnx.NodeProto]:
+                   elem: int | None = None, as_torch: bool = False) -> list[onnx.NodeProto]:
     """Nodes computing Dropout's output from its input and its boolean mask, bit for bit what onnxruntime's
     Dropout returns: `mask * x / (1 - ratio)`, the divisor taken in float32 (then in x's type). `elem`: x's
-    element type when known (plain Casts, a typed divisor), else CastLikes to x."""
+    element type when known (plain Casts, a typed divisor), else CastLikes to x. `as_torch`: bit for bit what
+    torch's dropout returns instead, `x * (mask * s)` with s = 1 / (1 - ratio) in float32 (its noise, `div_`)."""
     nodes = Nodes(out, taken)
+    if as_torch:
+        scale = fresh_name(f"{out}/scale", taken)
+        value = float(np.float32(1) / np.float32(1 - ratio))
+        g.initializer.append(helper.make_tensor(scale, elem or TensorProto.FLOAT, [], [value]))
+        if elem is None:
+            noise = nodes("Mul", nodes("CastLike", mask, x), nodes("CastLike", scale, x))
+        else:
+            noise = nodes("Mul", nodes("Cast", mask, to=elem), scale)
+        nodes("Mul", x, noise, out=out)
+        return nodes.nodes
     keep = fresh_name(f"{out}/keep", taken)
     value = float(np.float32(1) - np.float32(ratio))
     if elem is not None:
