@@ -96,6 +96,8 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     nodes = list(g.node)
     masks: list[Mask] = []
     for k, ratio, threshold in reversed(chosen):
+        if as_torch:  # the rate as written (0.1, not float32's 0.10000000149): torch's dropout draws with it
+            ratio = float(str(np.float32(ratio)))
         n = nodes[k]
         x, y = n.input[0], n.output[0]
         mask = n.output[1] if len(n.output) > 1 and n.output[1] else fresh_name(f"{y}/host_mask", taken)
