@@ -69,12 +69,22 @@ class Mask:
     threshold: int
     output: str
     ratio: float
+    draw: tuple[str, float, float, int] | None = None
+    """A random op drawn by the host instead (`SessionConfig.torch_masks`): torch's fill ("normal_" or
+    "uniform_"), its two parameters and the ONNX element type; its values are fed as the op's output."""
+
+
+LIKE_DRAWS = {"RandomNormalLike": ("normal_", "mean", 0.0, "scale", 1.0),
+              "RandomUniformLike": ("uniform_", "low", 0.0, "high", 1.0)}
+"""randn_like and rand_like as exported, and torch's fill for each (`torch.empty_like(x).normal_()`)."""
 
 
 def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.ModelProto, list[Mask]]:
     """A copy of `model` whose training Dropouts (main graph, opset 12+, constant ratio strictly between 0 and
     1, no `seed` attribute) take their mask as a new boolean graph input (named as the Dropout's mask output,
-    which leaves the graph outputs); returns `model` itself and no masks when none qualifies."""
+    which leaves the graph outputs); returns `model` itself and no masks when none qualifies. `as_torch`: torch's
+    arithmetic for the kept values, and randn_like and rand_like (main graph, unseeded) fed by the host too, their
+    outputs becoming graph inputs (`Mask.draw`); the masks in graph order."""
     if default_opset(model) < 12 or any(has_subgraph(n) for n in model.graph.node):
         return model, []
     consts = constant_values(model.graph, lambda t: not t.dims)
@@ -86,7 +96,9 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
         threshold = round(ratio * 2.0 ** 32) if ratio is not None else 0
         if ratio is not None and 0 < threshold < 2 ** 32:
             chosen.append((k, ratio, threshold))
-    if not chosen:
+    likes = [k for k, n in enumerate(model.graph.node) if as_torch and n.op_type in LIKE_DRAWS
+             and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)]
+    if not chosen and not likes:
         return model, []
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -94,8 +106,12 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     taken = names_in_use(g)
     types = tensor_types(g)
     nodes = list(g.node)
-    masks: list[Mask] = []
+    masks: list[Mask] = [_fed_draw(nodes, k, g, types) for k in likes]
+    for k in reversed(likes):
+        del nodes[k]
+    masks = masks[::-1]  # reversed below, with the Dropouts', into graph order
     for k, ratio, threshold in reversed(chosen):
+        k -= sum(1 for like in likes if like < k)
         if as_torch:  # the rate as written (0.1, not float32's 0.10000000149): torch's dropout draws with it
             ratio = float(str(np.float32(ratio)))
         n = nodes[k]
@@ -111,7 +127,20 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     kept = [o for o in g.output if o.name not in fed]
     del g.output[:]
     g.output.extend(kept)
-    return out, masks[::-1]
+    order = {n.output[0]: k for k, n in enumerate(model.graph.node) if n.output}
+    return out, sorted(masks, key=lambda m: order.get(m.output, -1))
+
+
+def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Mapping) -> Mask:
+    """A randn_like or rand_like whose values the host draws as torch does: its output becomes a graph input."""
+    n = nodes[k]
+    fill, first, first_default, second, second_default = LIKE_DRAWS[n.op_type]
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    elem, dims = types.get(n.input[0], (0, None))
+    elem = int(attrs.get("dtype", elem or TensorProto.FLOAT))
+    g.input.append(helper.make_tensor_value_info(n.output[0], elem, dims))
+    return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0,
+                (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem))
 
 
 class MaskedRunner:
@@ -236,9 +265,14 @@ class MaskedRunner:
             generator.set_state(state)
         drawn: dict[str, C.OrtValue] = {}
         for m in self.masks:
-            kept = torch.empty(shapes[m.source], dtype=torch.bool).bernoulli_(1.0 - m.ratio, generator=generator)
+            if m.draw is None:
+                values = torch.empty(shapes[m.source], dtype=torch.bool).bernoulli_(1.0 - m.ratio, generator=generator)
+            else:
+                fill, a, b, elem = m.draw
+                values = getattr(torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]), fill)(
+                    a, b, generator=generator)
             if only is None or m.input in only:
-                drawn[m.input] = exchange.to_ortvalue(kept)
+                drawn[m.input] = exchange.to_ortvalue(values)
         return drawn
 
 
@@ -266,13 +300,13 @@ def seeded_random_ops(model: onnx.ModelProto, masked: frozenset[str] = frozenset
     default generator (randn_like, rand, bernoulli in a forward; Dropouts the host does not mask: in graphs with
     bodies, or of a non-constant ratio): onnxruntime seeds each op's generator once, when the session is made, and
     advances it run by run, so after `torch.manual_seed` a run draws the same values as the last. `masked`: the
-    outputs of the Dropouts the host masks, left unseeded (`mask_dropouts` takes only those). `generator`: where the
-    seeds come from instead of the default generator."""
+    outputs of the Dropouts (and random ops) the host draws, left unseeded (`mask_dropouts` takes only those).
+    `generator`: where the seeds come from instead of the default generator."""
     dropouts = default_opset(model) >= 12  # Dropout's `seed` attribute
 
     def unseeded(n: onnx.NodeProto) -> bool:
         return (n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
-                and (n.op_type in RANDOM_OPS or (dropouts and n.op_type == "Dropout" and n.output[0] not in masked)))
+                and n.output[0] not in masked and (n.op_type in RANDOM_OPS or (dropouts and n.op_type == "Dropout")))
 
     if not any(unseeded(n) for n in graph_nodes(model.graph)):
         return model
@@ -294,7 +328,7 @@ def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str,
     after the split forward's first call: the same masks from the same seeds, no probe session)."""
     masked, masks = mask_dropouts(model, config.torch_masks) if config.lower else (model, [])
     seeded = seeded_random_ops(model, frozenset(m.output for m in masks),
-                               _copy_of_default() if config.torch_masks else None)
+                               _copy_of_default() if config.torch_masks else None)  # host-drawn ones left as they are
     if not masks:
         return Runner(seeded, config, what, disabled)
     if seeded is not model:  # the same Dropouts masked (still unseeded), the seeds of the rest kept

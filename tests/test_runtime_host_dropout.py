@@ -306,6 +306,23 @@ class Checkpointed(nn.Module):
         return self.out(x + torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
 
 
+class Reparameterized(nn.Module):
+    """A VAE's loss: randn_like for the sample, rand_like for input noise, a functional and a module dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.mu, self.log_var = nn.Linear(10, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.dec = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(torch.relu(self.enc(x)), 0.1, self.training)
+        mu, log_var = self.mu(h), self.log_var(h)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * log_var)
+        target = x + torch.rand_like(x) * 0.01
+        kl = -0.5 * torch.sum(1 + log_var - mu.pow(2) - log_var.exp())
+        return torch.nn.functional.mse_loss(self.dec(z), target, reduction="sum") + kl
+
+
 def _encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.2, batch_first=True, norm_first=True)
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
@@ -319,6 +336,7 @@ TRACKED = {  # (module, inputs of each step: batch sizes change, loss)
     "conv, loss inside": (ConvDrops, lambda g, k: (torch.randn(6, 3, 12, 12, generator=g),
                                                    torch.randint(0, 5, (6,), generator=g))),
     "checkpointed": (Checkpointed, lambda g, k: (torch.randn(12, 16, generator=g),)),
+    "randn_like and rand_like": (Reparameterized, lambda g, k: (torch.randn((7, 5, 7, 7)[k], 10, generator=g),)),
 }
 
 
@@ -345,9 +363,9 @@ def _training_run(name: str, engine: str) -> tuple[list[float], list[torch.Tenso
 @pytest.mark.parametrize("name", list(TRACKED))
 def test_torch_dropout_masks_track_torch_s_training_run(name: str) -> None:
     """ORTModule(torch_dropout=True) draws torch's own masks (`bernoulli_` from the default generator, in the memory
-    order of each dropout's input, as torch's dropout does), from the first call at each size: a training run with
-    dropout follows torch's step for step, and leaves torch's generator where torch's run does. The default masks
-    (another stream of the same law) do not follow it."""
+    order of each dropout's input, as torch's dropout does) and randn_like / rand_like values, from the first call
+    at each size: a training run with dropout follows torch's step for step, and leaves torch's generator where
+    torch's run does. The default masks (another stream of the same law) do not follow it."""
     losses, params, after = _training_run(name, "torch")
     ours, our_params, our_after = _training_run(name, "torch masks")
     np.testing.assert_allclose(ours, losses, rtol=1e-5, atol=1e-7)
