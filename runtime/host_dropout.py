@@ -70,8 +70,9 @@ class Mask:
     output: str
     ratio: float
     draw: tuple[str, float, float, int] | None = None
-    """A random op drawn by the host instead (`SessionConfig.torch_masks`): torch's fill ("normal_" or
-    "uniform_"), its two parameters and the ONNX element type; its values are fed as the op's output."""
+    """A random op drawn by the host instead (`SessionConfig.torch_masks`): torch's fill ("normal_", "uniform_",
+    or "bernoulli_" for a rand_like compared with p), its two parameters and the ONNX element type; its values
+    are fed as the op's output."""
 
 
 LIKE_DRAWS = {"RandomNormalLike": ("normal_", "mean", 0.0, "scale", 1.0),
@@ -106,7 +107,7 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     taken = names_in_use(g)
     types = tensor_types(g)
     nodes = list(g.node)
-    masks: list[Mask] = [_fed_draw(nodes, k, g, types) for k in likes]
+    masks: list[Mask] = [_fed_draw(nodes, k, g, types, consts) for k in likes]
     for k in reversed(likes):
         del nodes[k]
     masks = masks[::-1]  # reversed below, with the Dropouts', into graph order
@@ -131,16 +132,25 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     return out, sorted(masks, key=lambda m: order.get(m.output, -1))
 
 
-def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Mapping) -> Mask:
-    """A randn_like or rand_like whose values the host draws as torch does: its output becomes a graph input."""
+def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Mapping,
+              consts: Mapping[str, np.ndarray]) -> Mask:
+    """A randn_like or rand_like whose values the host draws as torch does: its output becomes a graph input.
+    A rand_like read only by `Less(u, p)` is torch's `bernoulli_(p)` as exported (timm's drop_path): torch draws
+    that mask with its Bernoulli kernel, not as uniforms, so the host draws it so and feeds u = 1 - mask."""
     n = nodes[k]
     fill, first, first_default, second, second_default = LIKE_DRAWS[n.op_type]
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
     elem, dims = types.get(n.input[0], (0, None))
     elem = int(attrs.get("dtype", elem or TensorProto.FLOAT))
     g.input.append(helper.make_tensor_value_info(n.output[0], elem, dims))
-    return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0,
-                (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem))
+    draw = (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem)
+    readers = [r for r in nodes if n.output[0] in r.input]
+    if fill == "uniform_" and len(readers) == 1 and readers[0].op_type == "Less" and not readers[0].domain \
+            and list(readers[0].input).index(n.output[0]) == 0 and readers[0].input[1] in consts:
+        p = float(str(np.float32(consts[readers[0].input[1]])))  # as written, as torch draws with it
+        if 0 < p <= 1 and draw[1:3] == (0.0, 1.0):
+            draw = ("bernoulli_", p, 0.0, elem)
+    return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0, draw)
 
 
 class MaskedRunner:
@@ -267,6 +277,10 @@ class MaskedRunner:
         for m in self.masks:
             if m.draw is None:
                 values = torch.empty(shapes[m.source], dtype=torch.bool).bernoulli_(1.0 - m.ratio, generator=generator)
+            elif m.draw[0] == "bernoulli_":  # fed to `Less(u, p)`: u = 1 - mask
+                _, p, _, elem = m.draw
+                values = 1 - torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]).bernoulli_(
+                    p, generator=generator)
             else:
                 fill, a, b, elem = m.draw
                 values = getattr(torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]), fill)(

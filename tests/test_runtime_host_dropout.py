@@ -323,6 +323,21 @@ class Reparameterized(nn.Module):
         return torch.nn.functional.mse_loss(self.dec(z), target, reduction="sum") + kl
 
 
+class StochasticDepth(nn.Module):
+    """Residual branches dropped per sample as timm's drop_path does (`new_empty(...).bernoulli_(keep)`), which
+    exports as a rand_like compared with keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for branch, keep in zip(self.branches, (0.7, 0.8)):
+            kept = x.new_empty((x.shape[0], 1)).bernoulli_(keep).div_(keep)
+            x = x + torch.relu(branch(x)) * kept
+        return x
+
+
 def _encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.2, batch_first=True, norm_first=True)
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
@@ -336,6 +351,7 @@ TRACKED = {  # (module, inputs of each step: batch sizes change, loss)
     "conv, loss inside": (ConvDrops, lambda g, k: (torch.randn(6, 3, 12, 12, generator=g),
                                                    torch.randint(0, 5, (6,), generator=g))),
     "checkpointed": (Checkpointed, lambda g, k: (torch.randn(12, 16, generator=g),)),
+    "drop_path": (StochasticDepth, lambda g, k: (torch.randn((12, 7, 12, 12)[k], 16, generator=g),)),
     "randn_like and rand_like": (Reparameterized, lambda g, k: (torch.randn((7, 5, 7, 7)[k], 10, generator=g),)),
 }
 
