@@ -512,7 +512,8 @@ class Engine:
         return schema
 
     def in_torch(self, ex: Exported, in_spec: Any, leaves: list[torch.Tensor], versions: list[int],
-                 named: dict[str, torch.Tensor], wrt: list[str]) -> tuple[list[Any], list[torch.Tensor]]:
+                 named: dict[str, torch.Tensor], wrt: list[str], aliased: bool = True
+                 ) -> tuple[list[Any], list[torch.Tensor]]:
         """One call computed again by torch's module with grad enabled: on the same inputs (unchanged since), the
         parameters the forward was fed (a `torch.func.functional_call`'s fast weights too, swapped back since),
         copies of the buffers and the RNG state put back after. Its flat outputs, and the tensors behind `wrt`.
@@ -522,12 +523,23 @@ class Engine:
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "
                                "inputs as they were until this backward.")
-        parameters = {fqn: named[name] for name, fqn in ex.state if _is_parameter(*self._owner(fqn))}
-        bound = inspect.BoundArguments(self.signature, unflatten(in_spec, leaves))
+        # each tensor differentiated through an alias of its own (an input per position): torch's gradients of this
+        # call alone, as the first-call check takes them (`export.Reference.leaves`), still connected to the
+        # caller's graph for the next differentiation. Not under vmap (a batched backward), where functorch's
+        # gradients with respect to such views came out wrong: there the caller's tensors themselves.
+        position = dict(ex.inputs)
+        aliases = [t.view_as(t) if t.requires_grad and aliased else t for t in leaves]
+        fed: dict[int, torch.Tensor] = {}
+        for name in wrt:
+            if name not in position:
+                fed.setdefault(id(named[name]), named[name].view_as(named[name]) if aliased else named[name])
+        tensors = {fqn: fed.get(id(named[name]), named[name]) for name, fqn in ex.state
+                   if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
+        bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
         with torch.enable_grad(), scratch_buffers(self.module):
-            out = torch.func.functional_call(self.module, parameters, tuple(bound.args), dict(bound.kwargs),
+            out = torch.func.functional_call(self.module, tensors, tuple(bound.args), dict(bound.kwargs),
                                              strict=False)
-        return flatten(out)[0], [named[name] for name in wrt]
+        return flatten(out)[0], [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]
 
     def _other_exporter(self, error: ExportError, in_spec: Any, leaves: list[torch.Tensor]) -> Exported | None:
         """The module exported by dynamo from now on, where the legacy exporter has no translation of an operator

@@ -40,7 +40,7 @@ class Call:
     after_backward: Callable[[], None] | None = None
     """Run at each backward: what torch's backward changes besides gradients (BatchNorm statistics updated again
     in checkpointed regions: `batchnorm.second_updates`)."""
-    in_torch: Callable[[], tuple[list[Any], list[torch.Tensor]]] | None = None
+    in_torch: Callable[[bool], tuple[list[Any], list[torch.Tensor]]] | None = None
     """The same call computed again by torch's module (`Engine.in_torch`): its flat outputs and the tensors of
     `wrt`, for a backward with create_graph=True, whose gradients must be differentiable again."""
 
@@ -121,7 +121,7 @@ def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Ten
                   RuntimeWarning, stacklevel=2)  # shown once per process by Python's default filter
     if call.in_torch is None:
         raise RuntimeError("ORTModule cannot compute this call again in torch for backward(create_graph=True)")
-    outputs, inputs = call.in_torch()
+    outputs, inputs = call.in_torch(all(g is None or _has_storage(g) for g in grads))  # aliases: not under vmap
     pairs = [(o, g) for o, g in zip(outputs, grads[:call.n_user])
              if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
     found = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], create_graph=True,

@@ -372,6 +372,35 @@ def test_calls_under_torch_func_transforms_run_in_torch() -> None:
     assert om.stats["exports"] == exports and om.stats["fallbacks"] == 0
 
 
+def test_create_graph_gradients_are_the_call_s_alone() -> None:
+    """backward(create_graph=True) recomputes the call in torch and took its gradients with respect to the caller's
+    tensors, which also took the paths reaching them outside the call, as the first-call check once did: `m(x, x)`
+    got both positions' sum at each (a gradient penalty 15 off), and a parameter shared by two ORTModules got the
+    first one's gradient twice. Each tensor is now differentiated through an alias of its own."""
+    torch.manual_seed(0)
+    ref, om = pair(Product())
+    x = torch.randn(3, 4)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for m in (ref, om):
+            leaf = x.clone().requires_grad_()
+            (g,) = torch.autograd.grad(m(leaf, leaf).tanh().square().sum(), leaf, create_graph=True)
+            g.square().sum().backward()
+            results.append((g.detach(), leaf.grad))
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+        second.weight = first.weight
+        ours = [ORTModule(copy.deepcopy(m)) for m in (first, second)]
+        ours[1].weight = ours[0].weight
+        for a, b in ((first, second), ours):
+            (g,) = torch.autograd.grad(b(torch.tanh(a(x))).square().sum(), a.weight, create_graph=True)
+            results.append((g.detach(), torch.autograd.grad(g.sum(), a.bias)[0]))
+    for got, want in ((results[1], results[0]), (results[3], results[2])):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_grads_equal(om, ref)
+
+
 class Head(nn.Module):
     def __init__(self, body: nn.Module):
         super().__init__()
