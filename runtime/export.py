@@ -724,8 +724,9 @@ def _traced_leaf(t: torch.Tensor) -> torch.Tensor:
 
 def _known_cause(module: nn.Module, exporter: str, error: Exception) -> str:
     """What to do, where an export failure has a cause known to be the model's and not the exporter's bug: a
-    BatchNorm averaging its statistics over all batches (momentum=None) computes its factor from
-    num_batches_tracked as a Python number, a value torch.export cannot trace ("data-dependent")."""
+    buffer registered as None that the forward sets, an input requiring grad changed in place, a BatchNorm
+    averaging its statistics over all batches (momentum=None: its factor from num_batches_tracked as a Python
+    number, a value torch.export cannot trace, "data-dependent")."""
     if "state_dict changed after running the tracer" in str(error):
         unset = [f"{prefix}.{attr}" if prefix else attr for prefix, m in module.named_modules()
                  for attr, b in m._buffers.items() if b is None]
