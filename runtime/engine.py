@@ -59,12 +59,11 @@ class Options:
     """`SessionConfig.park_openmp` of every session."""
     mem_pattern: bool = False
     """`SessionConfig.mem_pattern` of every session (`memory_pattern_pays`)."""
-    torch_dropout: bool = False
-    """`SessionConfig.torch_masks` of every session."""
 
     def config(self, threads: int | None) -> SessionConfig:
+        """Every session's; torch's dropout masks where the export made them drawable (`ExportOptions`)."""
         return SessionConfig(threads=threads, park_openmp=self.park_torch_threads, mem_pattern=self.mem_pattern,
-                             torch_masks=self.torch_dropout)
+                             torch_masks=self.export.torch_dropout)
 
 
 MEM_PATTERN_MAX_BYTES = 64 * 2**20

@@ -110,7 +110,6 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     masks: list[Mask] = [_fed_draw(nodes, k, g, types, consts) for k in likes]
     for k in reversed(likes):
         del nodes[k]
-    masks = masks[::-1]  # reversed below, with the Dropouts', into graph order
     for k, ratio, threshold in reversed(chosen):
         k -= sum(1 for like in likes if like < k)
         if as_torch:  # the rate as written (0.1, not float32's 0.10000000149): torch's dropout draws with it

@@ -93,7 +93,7 @@ class ORTModule(nn.Module):
         super().__init__()
         options = Options(ExportOptions(exporter, opset, check_export, torch_dropout),
                           threads if threads is not None else torch.get_num_threads(), specialise, fallback,
-                          default_save_dir(save_onnx), park_torch_threads, memory_pattern_pays(module), torch_dropout)
+                          default_save_dir(save_onnx), park_torch_threads, memory_pattern_pays(module))
         object.__setattr__(self, "_options", options)
         self._share(module)
         _bind_forward(self, module)
