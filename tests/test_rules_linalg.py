@@ -173,6 +173,7 @@ def test_opset_range_ends(opset):
              transA=1, transB=1, alpha=0.5, beta=2.0)
     check_op("Einsum", [("x0", r(2, 3, 3)), ("x1", r(3, 4))], lambda a, b: torch.einsum("bii,ij->bj", a, b),
              opset=opset, equation="bii,ij->bj")
+    check_op("Det", [("a", r(2, 3, 3).astype(np.float32))], torch.linalg.det, opset=opset)
 
 
 def test_einsum_symbolic_diagonal():
@@ -185,3 +186,55 @@ def test_matmul_float16():
     half = np.float16
     check_op("MatMul", [("a", r(2, 3, 4).astype(half)), ("b", r(4, 5).astype(half))], torch.matmul, fd=False,
              rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("shape,dims", [
+    ((1, 1), None),
+    ((2, 2), None),
+    ((3, 3), None),
+    ((5, 5), None),
+    ((2, 3, 4, 4), None),
+    ((4, 3, 3), {"a": [0]}),  # a symbolic batch dim
+    ((2, 3, 3), {"a": [1, 2]}),  # matrices of run-time size: the minors' indices computed
+    ((1, 1), {"a": [0, 1]}),
+], ids=str)
+def test_det(shape, dims):
+    """float32: onnxruntime's Det has no double kernel."""
+    check_op("Det", [("a", r(*shape).astype(np.float32))], torch.linalg.det, symbolic=dims)
+
+
+class _SingularSafeDet(torch.autograd.Function):
+    """torch.linalg.det with the backward torch takes under create_graph (through an SVD where A is singular): its
+    first-order backward returns 0 where det(A) is exactly 0, not the cofactor matrix (pytorch#104675)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return torch.linalg.det(a)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (a,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = a.detach().requires_grad_()
+            return torch.autograd.grad(torch.linalg.det(x), x, dy, create_graph=True)[0].detach()
+
+
+def test_det_singular():
+    """Rank n-1 (two equal rows): det is 0 but its gradient, the cofactor matrix, is not; rank n-2: it is 0."""
+    a = np.random.default_rng(1).standard_normal((2, 4, 4)).astype(np.float32)  # not the shared draws: fixed values
+    a[0, 2] = a[0, 0]
+    a[1, 2:] = a[1, :2]
+    grads = check_op("Det", [("a", a)], _SingularSafeDet.apply)
+    assert np.abs(grads["a"][0]).max() > 1e-2  # 100 times check_op's atol
+    np.testing.assert_allclose(grads["a"][1], 0, atol=1e-5)
+
+
+def test_det_of_large_matrices_fails_clearly():
+    """Its cost grows as n^5: refused above 32 where n is static, naming the size."""
+    import gradbuilder
+    from gradbuilder.errors import RuleError
+
+    model = harness.single_op_model("Det", [("a", r(33, 33).astype(np.float32))])
+    with pytest.raises(RuleError, match=r"33x33 matrices are too large .* n <= 32"):
+        gradbuilder.build_gradient_graph(model, wrt=["a"], outputs=["y0"])
