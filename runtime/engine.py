@@ -427,12 +427,15 @@ class Engine:
     def _write_back(self, ex: Exported, values: Sequence[torch.Tensor], read: set[str]) -> None:
         """Buffers the forward changes in place get its new values, as torch's forward leaves them: copied in,
         or, where this call's backward reads the buffer (its old value, from the buffer's own memory), the new
-        value put in its place."""
+        value put in its place. A parameter (an embedding's max_norm rows) is copied into: the optimizer holds it,
+        and a backward reading its old value fails as torch's does (a saved tensor changed in place)."""
         feeding = {fqn: name for name, fqn in ex.state}
         with torch.no_grad():
             for (_, fqn), value in zip(ex.updates, values):
                 holder, attr = self._owners.get(fqn) or self._owner(fqn)
-                if feeding.get(fqn) in read:
+                if attr in holder._parameters:
+                    holder._parameters[attr].copy_(value)
+                elif feeding.get(fqn) in read:
                     holder._buffers[attr] = value
                 else:
                     holder._buffers[attr].copy_(value)

@@ -38,6 +38,7 @@ import torch
 from onnx import helper
 from onnxruntime.capi import _pybind_state as C
 from torch import nn
+from torch.onnx._internal.torchscript_exporter import utils as torchscript_utils
 from torch.overrides import TorchFunctionMode
 
 from gradbuilder.inference import infer_shapes
@@ -189,7 +190,10 @@ class _Flat(nn.Module):
             self._result["returned_numbers"] = reads.returned(self._result["spec"])
         if mode is not None:
             self._result["tensor_hooks"] = mode.tensor_hooks
-        updated = [self._target.get_buffer(name) for name in self._result.get("updates", ())]
+            self._result["changed_parameters"] = mode.changed_parameters
+        params = dict(self._target.named_parameters())  # a parameter changed in place: its value, no gradient
+        updated = [params[name].detach() if name in params else self._target.get_buffer(name)
+                   for name in self._result.get("updates", ())]
         tracing = torch._C._get_tracing_state()
         torch._C._set_tracing_state(None)  # copies of the changed buffers' values, not part of the trace
         try:
@@ -483,10 +487,25 @@ def _shape_inference_without_weights() -> Iterator[None]:
             whole, node
 
 
+@contextlib.contextmanager
+def _onnx_log_off() -> Iterator[None]:
+    """torch's legacy export turns its ONNX log on and leaves it on (`setup_onnx_logging` tests the function
+    `_jit_is_onnx_log_enabled`, always true, not its result): a failed export printed its whole TorchScript graph
+    to stdout ("Torch IR graph at exception"), thousands of lines for a large model, and the log stayed on in the
+    caller's process. Off while the export runs, then as it was."""
+    was = torch._C._jit_is_onnx_log_enabled()
+    torch._C._jit_set_onnx_log_enabled(False)
+    try:
+        with replaced([(torchscript_utils, "setup_onnx_logging", lambda verbose: contextlib.nullcontext())]):
+            yield
+    finally:
+        torch._C._jit_set_onnx_log_enabled(was)
+
+
 def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
     buf = io.BytesIO()
     flat._result["without_grad"] = True  # a forward's no_grad results detached: both kept as StopGradient
-    with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), \
+    with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), _onnx_log_off(), \
             stop_gradients.exported_detach(), accumulation.exported_accumulation(), symbolics.exported_symbolics():
         warnings.simplefilter("always")
         with scalars.reads() as read:  # the trace is the forward's one eager run
@@ -623,12 +642,19 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}") from e
+    finally:
+        changed_parameters = flat._result.pop("changed_parameters", [])
+        with torch.no_grad():  # changed by the trace's run: the graph's run changes them, once, as torch's call
+            for p, before in reversed(changed_parameters):
+                p.copy_(before)
     if inputs_changed:
         raise ExportError(f"{type(module).__name__}'s forward changes its input {_listed(inputs_changed)} in place: "
                           "ORTModule's graph computes with the changed value but cannot change the caller's tensor, "
                           "as torch does (its value is put back as it was before the export). Change a copy "
                           "(x = x * 0.5 instead of x.mul_(0.5)), or run the module in torch.")
-    changed_buffers = tuple(name for name in mutated if name in buffers)
+    carried = {id(p) for p, _ in changed_parameters}  # other changes of parameters are warned about, below
+    parameters = {name for name, p in module.named_parameters() if id(p) in carried}
+    changed_buffers = tuple(name for name in mutated if name in buffers or name in parameters)
     frozen_reads = sorted(set(changed_buffers) & flat._result.get("python_reads", set()))
     if frozen_reads:
         raise ExportError(f"{type(module).__name__}'s forward changes {_listed(frozen_reads)} in place and reads "

@@ -36,6 +36,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
   constant row: the exporter's sqrt made it NaN);
 - an embedding with `scale_grad_by_freq` (refused in training): the rows' gradient divided by their index's
   count in the input;
+- an embedding (or bag) with `max_norm`: torch renorms the looked-up rows of a detached alias of the weight, which
+  the trace drops as dead code (the rows kept their norms); here the weight itself, in place without grad, which
+  the export carries back to the parameter (`stop_gradients.WithoutGrad`);
 - layer norm over a shape read from the input's sizes: the sizes as Python ints;
 - fold (Col2Im, from opset 18 only): a ConvTranspose of the patches with a one-hot kernel per channel and tap;
 - lgamma and digamma (no ONNX ops): Stirling's and the asymptotic series past 8, the recurrences below, the
@@ -306,14 +309,33 @@ def _normalize(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return normalize
 
 
+def _renorm_(ids: torch.Tensor, weight: torch.Tensor, max_norm: float, norm_type: float) -> None:
+    """torch's `embedding_renorm_`: each looked-up row whose norm exceeds max_norm scaled in place by
+    max_norm / (norm + 1e-7) (the norm in the weight's type, the factor from float64, as its kernel), without
+    grad. torch renorms a detached alias of the weight, which the trace reads as dead code (the rows kept their
+    norms, silently); here the weight itself, an in-place change of a parameter the export carries back
+    (`stop_gradients.WithoutGrad`)."""
+    with torch.no_grad():
+        flat = ids.reshape(-1)
+        rows = weight.index_select(0, flat)
+        norms = torch.linalg.vector_norm(rows, norm_type, dim=-1, keepdim=True)
+        scaled = rows * (max_norm / (norms.double() + 1e-7)).to(rows.dtype)
+        weight.index_copy_(0, flat, torch.where(norms > max_norm, scaled, rows))
+
+
 def _embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """An embedding with `scale_grad_by_freq` (which the exporter refuses in training): each row's gradient divided
     by how often its index occurs in the input, as torch's, by the looked-up rows' values taken without a gradient
-    plus their gradient path times 1 / count (counts scatter-added over the vocabulary)."""
+    plus their gradient path times 1 / count (counts scatter-added over the vocabulary). With `max_norm`, the rows
+    renormed in the weight first (`_renorm_`)."""
     def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
                   max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                   sparse: bool = False) -> torch.Tensor:
-        rows = original(ids, weight, padding_idx, max_norm, norm_type, False, sparse)
+        if max_norm is not None:
+            _renorm_(ids, weight, max_norm, norm_type)
+        rows = original(ids, weight, padding_idx, None, norm_type, False, sparse)
+        if max_norm is not None and padding_idx is not None:  # `_embedding_padding` finds Gathers of the weight
+            rows = torch.where((ids == padding_idx % weight.shape[0]).unsqueeze(-1), rows.detach(), rows)
         if not scale_grad_by_freq:
             return rows
         flat = ids.reshape(-1)
@@ -461,6 +483,9 @@ def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch
                       include_last_offset: bool = False, padding_idx: int | None = None) -> torch.Tensor:
         variable = input.dim() == 1 and offsets is not None and mode in ("sum", "mean", "max")
         fixed = input.dim() == 2 and offsets is None and mode in ("sum", "mean", "max")
+        if max_norm is not None and (variable or fixed):
+            _renorm_(input, weight, max_norm, norm_type)
+            max_norm = None
         if not (variable or fixed) or max_norm is not None or (per_sample_weights is not None and mode != "sum"):
             return original(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
                             per_sample_weights, include_last_offset, padding_idx)  # which checks and raises

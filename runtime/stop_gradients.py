@@ -4,7 +4,8 @@ The exporter erases `detach` (ONNX is inference-only to it) and records what run
 any other op, so a detached tensor, or one computed without grad (a teacher's or a momentum encoder's output), would
 pass gradients on to what made it. While exporting, `detach` becomes a StopGradient (the identity without a
 gradient: gradbuilder/stop_gradient.py), and `WithoutGrad` detaches every float tensor a torch function returns
-while grad is disabled in the module's forward, so both reach the gradient builder as stop edges.
+while grad is disabled in the module's forward, so both reach the gradient builder as stop edges. A parameter
+changed in place while grad is disabled takes its new value with the identity as gradient, as in torch.
 """
 
 from __future__ import annotations
@@ -62,10 +63,16 @@ class WithoutGrad(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.tensor_hooks = 0
+        self.changed_parameters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Parameters an in-place op changed while grad was disabled (`_changed_parameter`), each with a copy of
+        its value before, in call order."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is torch.Tensor.register_hook:
             self.tensor_hooks += 1
+        if not torch.is_grad_enabled() and not _IN_FUNCTIONS[0] and args and _in_place(func) and \
+                isinstance(args[0], torch.Tensor) and args[0].requires_grad and args[0].is_leaf:
+            return self._changed_parameter(func, args, kwargs or {})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = func(*args, **(kwargs or {}))
@@ -79,6 +86,33 @@ class WithoutGrad(TorchFunctionMode):
         if _changed_in_place(func, out, given):
             out.copy_(out.detach())  # traced: later reads of the buffer go through a StopGradient
         return _detached(out, given)
+
+
+    def _changed_parameter(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """An in-place op on a parameter while grad is disabled (an embedding's max_norm renorm, a weight clipped or
+        normalized in forward): torch changes its value, and its gradient is still the parameter's own. The trace
+        would record the op's arithmetic of the weight, which the gradient builder differentiates. Here the op
+        runs on a detached copy and the parameter takes copy + (itself - itself detached): its new value exactly,
+        and the identity as gradient. Later reads in the forward see the new value; the export carries it back
+        to the parameter (`export.Exported.updates`)."""
+        target = args[0]
+        scratch = target.detach().clone()
+        self.changed_parameters.append((target, scratch.clone()))
+        func(scratch, *args[1:], **kwargs)
+        with torch.enable_grad():
+            now = scratch.detach() + (target - target.detach())  # no gradient to what the op read (copy_'s source)
+        target.copy_(now)
+        return target
+
+
+_IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
+
+
+def _in_place(func: Any) -> bool:
+    """torch's naming: `clamp_`, `index_copy_`, `embedding_renorm_`, and Python's `+=` and item assignment."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
 
 
 def _changed_in_place(func: Any, out: Any, given: set[int]) -> bool:

@@ -2,9 +2,10 @@
 
 torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
 `addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc`, `mH` (spectral norm's parametrization), `copy` (a buffer's
-`copy_` whose result is used), `median` and interpolate's nearest-exact ("Exporting the operator ... is not
-supported"), though ONNX and gradbuilder's rules have what they compute: each is one op (Sinh, Resize, ...) or a
-few (median: a TopK of the smaller half).
+`copy_` whose result is used), `median`, `cumprod`, `cummax`, `cummin` and interpolate's nearest-exact ("Exporting
+the operator ... is not supported"), though ONNX and gradbuilder's rules have what they compute: each is one op
+(Sinh, Resize, ...) or a few (median: a TopK of the smaller half; the running ones: a reduction over a triangle).
+torch's own `tensor_split` writes a tensor sequence (no gradient rule) or a Split failing at run time: ours slices.
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
@@ -12,15 +13,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.onnx._internal.torchscript_exporter import jit_utils, registration, symbolic_helper
+from torch.onnx._internal.torchscript_exporter import (
+    _type_utils,
+    jit_utils,
+    registration,
+    symbolic_helper,
+    symbolic_opset13,
+)
 
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
+
+TORCH_OWN = {"aten::tensor_split": 13}
+"""The opset of torch's own conversion of a name in `MISSING`: ours is registered from there too, or torch's would
+win (the registry picks the latest opset at or below the export's)."""
+
+_END = torch.iinfo(torch.int64).max
+"""A Slice end past any size: Slice clamps it to the size, as Python's slicing does."""
 
 
 @contextlib.contextmanager
@@ -165,6 +180,149 @@ def _trunc(g: Any, x: Any) -> Any:
     return g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Abs", x)))
 
 
+def _rank_and_axis(g: Any, x: Any, dim: Any, op: str) -> tuple[int, int] | None:
+    """x's rank and `dim` made non-negative; None (the export stops) for an unknown rank."""
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None:
+        return symbolic_helper._unimplemented(op, "a tensor of unknown rank", x)
+    return rank, symbolic_helper._get_const(dim, "i", "dim") % max(rank, 1)
+
+
+def _slices(g: Any, x: Any, axis: int, bounds: list[Any]) -> Any:
+    """x[bounds[k]:bounds[k + 1]] along axis for each k (1-D int64 bounds), as the list the exporter unpacks."""
+    axes = g.op("Constant", value_t=torch.tensor([axis]))
+    chunks = [g.op("Slice", x, start, end, axes) for start, end in itertools.pairwise(bounds)]
+    return g.op("prim::ListConstruct", *chunks)
+
+
+def _section_bounds(g: Any, x: Any, axis: int, sections: int) -> list[Any]:
+    """Where the sections of torch.tensor_split start: the first n % s of size n // s + 1, the rest n // s, so
+    bound k is k * (n // s) + min(k, n % s); constants where n is known at export, computed from Shape if not."""
+    n = symbolic_helper._get_tensor_dim_size(x, axis)
+    if n is not None:
+        q, r = divmod(n, sections)
+        return [g.op("Constant", value_t=torch.tensor([k * q + min(k, r)])) for k in range(sections + 1)]
+    size = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+    s = g.op("Constant", value_t=torch.tensor([sections]))
+    q, r = g.op("Div", size, s), g.op("Mod", size, s)
+    ks = [g.op("Constant", value_t=torch.tensor([k])) for k in range(1, sections)]
+    inner = [g.op("Add", g.op("Mul", q, k), g.op("Min", r, k)) for k in ks]
+    return [g.op("Constant", value_t=torch.tensor([0])), *inner, g.op("Constant", value_t=torch.tensor([_END]))]
+
+
+def _tensor_split(g: Any, x: Any, indices_or_sections: Any, dim: Any, _outputs: Any = None) -> Any:
+    """torch.tensor_split as Slices, which gradbuilder differentiates. Indices idx (a 1-D constant): chunk k is
+    x[idx[k-1]:idx[k]], Slice clamping negative, past-the-end and decreasing bounds as Python's slicing does;
+    sections (a 0-D constant): `_section_bounds`. Either computed at run time: torch's own (a tensor sequence)."""
+    value = symbolic_helper._maybe_get_const(indices_or_sections, "t")
+    if not isinstance(value, torch.Tensor):
+        return symbolic_opset13.tensor_split(g, x, indices_or_sections, dim, _outputs)
+    got = _rank_and_axis(g, x, dim, "tensor_split")
+    if got is None:
+        return None
+    axis = got[1]
+    if value.dim() == 0:
+        return _slices(g, x, axis, _section_bounds(g, x, axis, int(value)))
+    bounds = [0, *value.tolist(), _END]
+    return _slices(g, x, axis, [g.op("Constant", value_t=torch.tensor([b])) for b in bounds])
+
+
+def _triangle(g: Any, x: Any, axis: int, rank: int) -> tuple[Any, Any]:
+    """A running reduction along axis (length n) as a reduction over a triangle, O(n^2) in memory: with x
+    unsqueezed at axis (output position i there, input position j after it), `below` (j <= i, [n, n, 1...]) and the
+    positions j ([n, 1...]) broadcast against it. Constants where n is known at export, from Range if not."""
+    ones = [1] * (rank - axis - 1)
+    n = symbolic_helper._get_tensor_dim_size(x, axis)
+    if n is not None:
+        below = torch.ones(n, n, dtype=torch.bool).tril().reshape(n, n, *ones)
+        return g.op("Constant", value_t=below), g.op("Constant", value_t=torch.arange(n).reshape(n, *ones))
+    size = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor(axis)))
+    j = g.op("Range", g.op("Constant", value_t=torch.tensor(0)), size, g.op("Constant", value_t=torch.tensor(1)))
+    unsqueeze = symbolic_helper._unsqueeze_helper
+    below = g.op("LessOrEqual", unsqueeze(g, j, [0]), unsqueeze(g, j, [1]))
+    trailing = range(len(ones))
+    return unsqueeze(g, below, [2 + k for k in trailing]), unsqueeze(g, j, [1 + k for k in trailing])
+
+
+def _reduce(g: Any, op: str, x: Any, axis: int) -> Any:
+    """`op` over axis, dropped, its axes an attribute or (from opset 18) an input."""
+    if g.opset >= 18:
+        return g.op(op, x, g.op("Constant", value_t=torch.tensor([axis])), keepdims_i=0)
+    return g.op(op, x, axes_i=[axis], keepdims_i=0)
+
+
+def _floating(x: Any) -> bool:
+    """Whether x is of a floating type, or of one the export does not know (most likely floating)."""
+    scalar_type = _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.UNDEFINED)
+    return scalar_type == _type_utils.JitScalarType.UNDEFINED or scalar_type.dtype().is_floating_point
+
+
+def _cumprod(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
+    """torch.cumprod as y_i = prod_j (x_j where j <= i, else 1) over `_triangle`: gradbuilder's ReduceProd rule is
+    exact where x holds zeros, as torch's cumprod backward (ONNX's CumProd comes at opset 26). In `dtype` if given;
+    an integer or boolean x in int64, as torch's."""
+    if not symbolic_helper._is_none(dtype):
+        x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
+    elif not _floating(x):
+        x = g.op("Cast", x, to_i=_type_utils.JitScalarType.INT64.onnx_type())
+    got = _rank_and_axis(g, x, dim, "cumprod")
+    if got is None or got[0] == 0:
+        return None if got is None else x
+    rank, axis = got
+    below, _ = _triangle(g, x, axis, rank)
+    spread = g.op("Where", below, symbolic_helper._unsqueeze_helper(g, x, [axis]), const_like(g, 1, x))
+    return _reduce(g, "ReduceProd", spread, axis + 1)
+
+
+def _never_best(g: Any, x: Any, largest: bool) -> Any:
+    """A value no running max (min, `largest` False) prefers to any of x's: -inf (inf), an integer type's least
+    (greatest)."""
+    if _floating(x):
+        return const_like(g, -math.inf if largest else math.inf, x)
+    dtype = _type_utils.JitScalarType.from_value(x).dtype()
+    if dtype == torch.bool:
+        return symbolic_helper._unimplemented("cummax" if largest else "cummin", "a boolean tensor", x)
+    info = torch.iinfo(dtype)
+    return g.op("Constant", value_t=torch.tensor(info.min if largest else info.max, dtype=dtype))
+
+
+def _running_extremum(largest: bool) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """torch.cummax (cummin): the index is the last j <= i holding the running max, the last NaN once one is met
+    (its value then NaN), as torch's; the value is x gathered there, so the gradient goes where torch's backward
+    scatters it. Over `_triangle` (O(n^2) memory)."""
+    op = "cummax" if largest else "cummin"
+
+    def convert(g: Any, x: Any, dim: Any) -> tuple[Any, Any]:
+        got = _rank_and_axis(g, x, dim, op)
+        if got is None:
+            return None, None
+        if got[0] == 0:
+            return x, g.op("Constant", value_t=torch.tensor(0))
+        rank, axis = got
+        below, j = _triangle(g, x, axis, rank)
+        fill, none = _never_best(g, x, largest), g.op("Constant", value_t=torch.tensor(-1))
+        nan = g.op("IsNaN", x) if _floating(x) else None
+        key = x if nan is None else g.op("Where", nan, fill, x)  # NaNs aside: the running extremum of the rest
+        spread = symbolic_helper._unsqueeze_helper(g, key, [axis])
+        best = _reduce(g, "ReduceMax" if largest else "ReduceMin", g.op("Where", below, spread, fill), axis + 1)
+        hit = g.op("And", below, g.op("Equal", spread, symbolic_helper._unsqueeze_helper(g, best, [axis + 1])))
+        index = _reduce(g, "ReduceMax", g.op("Where", hit, j, none), axis + 1)
+        if nan is not None:
+            at_nan = g.op("And", below, symbolic_helper._unsqueeze_helper(g, nan, [axis]))
+            last_nan = _reduce(g, "ReduceMax", g.op("Where", at_nan, j, none), axis + 1)
+            index = g.op("Where", g.op("Equal", last_nan, none), index, last_nan)
+        return g.op("GatherElements", x, index, axis_i=axis), index
+    return convert
+
+
+def _slogdet(g: Any, x: Any) -> tuple[Any, Any]:
+    """torch.linalg.slogdet as the sign and the log of the magnitude of ONNX's Det (the legacy exporter writes Det
+    for det and logdet only). torch sums the logs of its LU factors instead: a determinant beyond float's range
+    (large matrices) is inf or 0 here; the gradient is the Det rule's cofactors over the determinant."""
+    det = g.op("Det", x)
+    return g.op("Sign", det), g.op("Log", g.op("Abs", det))
+
+
 MISSING: dict[str, Callable[..., Any]] = {
     **{f"aten::{name}": _unary(op) for name, op in [
         ("sinh", "Sinh"), ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"),
@@ -180,9 +338,17 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::trunc": _trunc, "aten::fix": _trunc, "aten::copy": _copy, "aten::matrix_H": _matrix_h,
     **{f"aten::_upsample_nearest_exact{d}d": _nearest_exact(d) for d in (1, 2, 3)},
     "aten::median": lambda g, x, *args: _median(g, x) if not args else _median_dim(g, x, *args),
+    "aten::tensor_split": _tensor_split, "aten::cumprod": _cumprod,
+    "aten::cummax": _running_extremum(True), "aten::cummin": _running_extremum(False),
+    "aten::linalg_slogdet": _slogdet, "aten::slogdet": _slogdet,
 }
 
 
-def exported_symbolics() -> contextlib.AbstractContextManager[None]:
-    """`MISSING` registered while the block lasts."""
-    return registered(MISSING, OPSET)
+@contextlib.contextmanager
+def exported_symbolics() -> Iterator[None]:
+    """`MISSING` registered while the block lasts, from `OPSET` and from the opsets of `TORCH_OWN`."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(registered(MISSING, OPSET))
+        for name, opset in TORCH_OWN.items():
+            stack.enter_context(registered({name: MISSING[name]}, opset))
+        yield

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from parity import check_parity
+from parity import check_parity, sgd
 from torch import nn
 from torch.nn import functional as F
 
@@ -358,6 +358,50 @@ def test_embedding_scaled_by_frequency_trains_like_torch(padding_idx: int | None
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 5, (4, 7), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
     check_parity(Tokens, batches, lambda m, b: m(*b), threads=1)
+
+
+class ChangedInForward(nn.Module):
+    """Parameters changed in place without grad inside forward: an embedding's max_norm renorm (a padding row, a
+    head tied to the weight) and an embedding bag's, a weight clipped, one scaled (not idempotent: once a call),
+    a bias normalized, a weight copied from another."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 6, padding_idx=1, max_norm=1.0)
+        self.bag = nn.EmbeddingBag(20, 6, mode="mean", max_norm=0.8)
+        self.fc, self.scaled, self.copied = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.3, 0.3)
+            self.scaled.weight.mul_(0.9)
+            self.scaled.bias.div_(self.scaled.bias.norm())
+            self.copied.weight.copy_(self.fc.weight * 0.5)
+        h = self.embed(ids) + self.bag(ids)[:, None]
+        h = self.copied(torch.tanh(self.scaled(torch.tanh(self.fc(h)))))
+        return (h @ self.embed.weight.T).logsumexp(-1).mean()
+
+
+def test_parameters_changed_in_place_in_forward_train_like_torch() -> None:
+    """The new values reach the parameters after each call, once, as torch's forward leaves them, and later reads
+    in the forward see them; gradients are the parameters' own (torch's in-place change without grad is not on
+    the gradient path). torch's max_norm renorm changes a detached alias of the weight, which the trace had read
+    as dead code: the rows kept their norms, and the training drifted from torch's with a warning."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 20, (4, 5), generator=g) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        model, reference, _ = check_parity(ChangedInForward, batches, lambda m, b: m(b), optimizer=sgd, threads=1)
+    torch.manual_seed(1)
+    model, reference = ORTModule(ChangedInForward(), threads=1), ChangedInForward()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():  # inference calls change them too (norms summed in another order: an ulp apart)
+        for ids in (torch.arange(10).reshape(2, 5), torch.arange(5, 15).reshape(5, 2)):
+            torch.testing.assert_close(model(ids), reference(ids), rtol=1e-6, atol=0)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=0, msg=name)
+    norms = model.embed.weight.norm(dim=1)
+    assert norms[:15].max() <= 1.0 < norms[15:].max()
 
 
 class CountModel(nn.Module):

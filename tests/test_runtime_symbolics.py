@@ -1,6 +1,6 @@
 """runtime/symbolics.py: ops torch's legacy exporter has no conversion for ("Exporting the operator ... is not
 supported") train through ORTModule like torch, in-place forms and torch.special aliases included, and
-interpolate's nearest-exact."""
+interpolate's nearest-exact; so does tensor_split, which it converts into a tensor sequence (no gradient rule)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,27 @@ import pytest
 import torch
 from parity import check_parity
 from torch import nn
+from torch.onnx import _constants
+from torch.onnx._internal.torchscript_exporter import registration, utils
+
+from runtime import symbolics
 
 MATRIX = torch.randn(6, 6, generator=torch.Generator().manual_seed(5))
+ZEROS = torch.tensor([[1.0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0], [0, 1, 0, 1, 1, 1], [1, 1, 1, 0, 1, 1]])
+"""Exact zeros for cumprod, one or two per row, one per column (its gradient before a zero, at it, past it)."""
+
+
+def _tied(h: torch.Tensor) -> torch.Tensor:
+    """h rounded, ties between its elements, with h's gradient (straight through): a tie broken the other way sends
+    it to another element."""
+    return h.round() + (h - h.detach())
+
+
+def _with_indices(result: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """cummax / cummin's values, shifted by their indices: a tie broken the other way changes the loss."""
+    values, indices = result
+    return values * (1 + indices.float() / 10) + indices.float()
+
 
 OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sinh, cosh, asinh": lambda h: torch.sinh(h) + torch.cosh(h) + torch.asinh(h) + h.clone().sinh_(),
@@ -27,6 +46,23 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "fmax, fmin": lambda h: torch.fmax(h, h.flip(1)) + torch.fmin(h, h.flip(0)),
     "trunc, fix": lambda h: (torch.trunc(3 * h) + torch.fix(h)) * h,
     "median": lambda h: h.median(1, keepdim=True).values * h + torch.median(h) + h[:, :4].median(1).values[:, None],
+    # chunks h[:, :2], h[:, 2:-1], h[:, -1:5] (empty), h[:, 5:]; h[:, :-9] (empty), h[:, -9:3], h[:, 3:30], h[:, 30:]
+    # (empty); 4 sections of 6: 2, 2, 1, 1; 3 of the batch's 4 (read at run time): 2, 1, 1
+    "tensor_split indices": lambda h: torch.cat([c * (k + 1) for k, c in enumerate(h.tensor_split([2, -1, 5], 1))], 1),
+    "tensor_split past the end": lambda h: torch.cat(torch.tensor_split(h, (-9, 3, 30), dim=-1)[::-1], 1).exp(),
+    "tensor_split sections": lambda h: torch.cat([c.exp() * (k + 1) for k, c in enumerate(h.T.tensor_split(4))], 0).T,
+    "tensor_split sections, batch axis": lambda h: sum(c.sum(0) * (k + 1) for k, c in enumerate(h.tensor_split(3))),
+    "cumprod with zeros": lambda h: (h * ZEROS).cumprod(0) + (h * ZEROS).cumprod(1),
+    "cumprod in double": lambda h: torch.cumprod(h, -1, dtype=torch.float64).float(),
+    "cummax, cummin with ties": lambda h: _with_indices(_tied(h).cummax(1)) + _with_indices(_tied(h).cummin(0)),
+    "cummax, cummin of repeats": lambda h: (_with_indices(torch.cat([h, h], 1).cummax(-1))[:, 3:9]
+                                            + _with_indices(torch.cat([h, h], 0).cummin(-2))[2:6]),
+    # negative determinants too (sign -1), and logdet, det (ONNX's Det, gradbuilder's cofactor rule); matrices of
+    # static sizes (the rule needs them), the batch axis contracted or leading
+    "slogdet, logdet, det": lambda h: (torch.slogdet(h.reshape(-1, 2, 2) - torch.eye(2)).logabsdet.sum()
+                                       + torch.linalg.slogdet(h[:, :4].T @ h[:, 2:]).sign
+                                       * torch.logdet(h.T @ h + torch.eye(6))
+                                       + torch.linalg.det(h[:, :4].T @ h[:, 2:])),
 }
 
 
@@ -45,6 +81,17 @@ def test_converted_ops_train_like_torch(op: str) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 6, generator=g), torch.randn(1, 6, generator=g)) for _ in range(3)]
     check_parity(lambda: Op(OPS[op]), batches, lambda m, b: m(*b), threads=1)
+
+
+def test_ours_win_at_every_opset() -> None:
+    """Each conversion is the one the registry picks at every opset the legacy exporter writes, tensor_split's too
+    (torch converts it itself from opset 13, into a tensor sequence)."""
+    utils._trigger_symbolic_function_registration()
+    with symbolics.exported_symbolics():
+        for name, fn in symbolics.MISSING.items():
+            group = registration.registry.get_function_group(name)
+            for opset in range(symbolics.OPSET, _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET + 1):
+                assert group is not None and group.get(opset) is fn, (name, opset)
 
 
 @pytest.mark.parametrize("dims, resize", [(2, {"size": (7, 5)}), (2, {"size": (3, 2)}), (2, {"scale_factor": 1.5}),
