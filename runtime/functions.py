@@ -5,7 +5,8 @@ then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x
 VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle`
 (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models), `bilinear` (nn.Bilinear),
 `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw), `Tensor.unfold` (sliding windows:
-"input size not accessible"), `layer_norm` over a shape read from the input's sizes, `scatter_reduce` by "mean" or
+"input size not accessible"), `layer_norm` over a shape read from the input's sizes, `instance_norm` in training with
+running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
 on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`;
@@ -55,6 +56,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
+- instance norm in training with running statistics (refused for a run-time batch): each sample's channels
+  normalized by their own statistics, the running ones moved towards the batch's mean of them, as torch's;
 - bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
   vdot of real vectors: the sum of their product; gumbel softmax: Gumbel noise as -log(-log(U)) for U uniform
   (torch's -log of an exponential draw, in distribution), hard as torch's straight-through one-hot;
@@ -428,6 +431,35 @@ def _local_response_norm(original: Callable[..., torch.Tensor]) -> Callable[...,
         return x / (total / size * alpha + k) ** beta
 
     return local_response_norm
+
+
+def _instance_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Instance norm with running statistics (`track_running_stats=True`), which the legacy exporter refuses for a
+    run-time batch. In training: each sample and channel normalized by its own mean and biased variance, and the
+    running statistics moved towards the batch's mean of them (the variance unbiased), as torch's, which runs a
+    batch norm of the samples' channels side by side and averages its statistics over the batch. The buffers change
+    in place without grad, so the export carries them back (`export.Exported.updates`)."""
+    def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
+                      running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, use_input_stats: bool = True, momentum: float = 0.1,
+                      eps: float = 1e-5) -> torch.Tensor:
+        if running_mean is None or running_var is None:
+            return original(x, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+        axes = list(range(2, x.dim()))
+        per_channel = [1, -1] + [1] * len(axes)
+        if use_input_stats:
+            mean = x.mean(axes, keepdim=True)
+            y = (x - mean) * torch.rsqrt(x.var(axes, unbiased=False, keepdim=True) + eps)
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(mean.flatten(1).mean(0), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(x.var(axes, unbiased=True).mean(0), alpha=momentum)
+        else:  # evaluation: by the running statistics (refused by the exporter alike)
+            y = (x - running_mean.reshape(per_channel)) * torch.rsqrt(running_var.reshape(per_channel) + eps)
+        if weight is not None:
+            y = y * weight.reshape(per_channel)
+        return y if bias is None else y + bias.reshape(per_channel)
+
+    return instance_norm
 
 
 def _rms_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None = None,
@@ -866,4 +898,5 @@ def exportable_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
-        (F, "local_response_norm", _local_response_norm(F.local_response_norm))])
+        (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
+        (F, "instance_norm", _instance_norm(F.instance_norm))])

@@ -404,6 +404,30 @@ def test_parameters_changed_in_place_in_forward_train_like_torch() -> None:
     assert norms[:15].max() <= 1.0 < norms[15:].max()
 
 
+class RunningInstanceNorms(nn.Module):
+    """Instance norms keeping running statistics (style transfer's), 2-D with affine weights and 1-D without."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm2d = nn.Conv2d(3, 6, 3), nn.InstanceNorm2d(6, affine=True, track_running_stats=True)
+        self.norm1d = nn.InstanceNorm1d(6, track_running_stats=True, momentum=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1d(torch.relu(self.norm2d(self.conv(x))).flatten(2))
+        return (h * torch.linspace(-1, 2, h.shape[-1])).sum(-1).pow(2).mean()  # a normalized row's mean square: 1
+
+
+def test_instance_norms_with_running_statistics_train_like_torch() -> None:
+    """The legacy exporter refuses instance_norm with running statistics for a run-time batch, in training and in
+    evaluation: per-sample statistics, the running ones updated as torch's, then evaluation by them."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, 3, 9, 8, generator=g) for n in (4, 2, 4)]
+    model, reference, _ = check_parity(RunningInstanceNorms, batches, lambda m, b: m(b), optimizer=sgd, threads=1)
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(batches[0]), reference(batches[0]))
+
+
 class CountModel(nn.Module):
     """A negative binomial likelihood of counts and a Gamma one of rates (torch.distributions: lgamma), a Beta's
     entropy (digamma), each with parameters from a Linear."""
