@@ -10,6 +10,7 @@ such as attention's 1/sqrt(head size)), and a Reshape target unknown in one entr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,9 +33,11 @@ def _is_constant(n: onnx.NodeProto) -> bool:
         and n.attribute[0].name == "value"
 
 
-def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+def _known_dims(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None = None
+                ) -> dict[str, list[int | None]]:
     """Dims of every tensor shape inference types, None for symbolic or unknown ones. Constant nodes are read as
-    initializers: inference then sizes what they parametrize (a Slice's starts and ends, as torch exports them)."""
+    initializers: inference then sizes what they parametrize (a Slice's starts and ends, as torch exports them).
+    `hints`: dims of tensors found otherwise (`_evaluated`), declared for inference to carry them on."""
     constants = [n for n in model.graph.node if _is_constant(n)]
     if constants:
         copy = onnx.ModelProto()
@@ -49,10 +52,25 @@ def _known_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         copy.graph.node.extend(kept)
         model = copy
     try:
-        graph = infer_shapes(model).graph
+        inferred = infer_shapes(model)
     except Exception:  # a model inference cannot follow keeps its shape arithmetic
         return {}
-    return static_dims(graph)
+    if hints:
+        for vi in inferred.graph.value_info:
+            if vi.name in hints and vi.type.HasField("tensor_type"):
+                _declare(vi, hints[vi.name])
+        with contextlib.suppress(Exception):  # inconsistent hints: what inference found alone
+            inferred = infer_shapes(inferred)
+    return static_dims(inferred.graph)
+
+
+def _declare(vi: onnx.ValueInfoProto, dims: list[int | None]) -> None:
+    shape = vi.type.tensor_type.shape
+    shape.ClearField("dim")
+    for d in dims:
+        dim = shape.dim.add()
+        if d is not None:
+            dim.dim_value = d
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
@@ -125,6 +143,9 @@ def _evaluate(node: onnx.NodeProto, values: dict[str, Value], dims: dict[str, li
     return None
 
 
+MAX_HINTS = 256
+"""Most dims found by evaluation fed back to inference while an If is undecided (a round of inference each)."""
+
 ROUNDS = 4
 """Rounds of inference and folding: a Reshape whose target was computed at run time hides the shape of
 everything after it from inference until its target is folded."""
@@ -145,7 +166,7 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     if not any(n.op_type in ("Shape", "Size") for n in graph.node):
         return model
-    values, constant, _ = _evaluated(model)
+    values, constant, _, _ = _evaluated(model)
     outputs = {o.name for o in graph.output}
     folded = {name: v for name, v in values.items()
               if name not in constant and name not in outputs and None not in v[1]}
@@ -180,23 +201,28 @@ COMPARISONS = {"Equal": lambda a, b: a == b, "Greater": lambda a, b: a > b, "Les
                "GreaterOrEqual": lambda a, b: a >= b, "LessOrEqual": lambda a, b: a <= b}
 
 
-def _evaluated(model: onnx.ModelProto) -> tuple[dict[str, Value], set[str], dict[str, bool]]:
-    """One pass over the graph with the dims shape inference knows: the int64 shape arithmetic's values
-    (`_evaluate`), the names already constant before it (initializers, Constants), and the one-element booleans the
-    dims decide (comparisons of that arithmetic, their negations); Slices the inference left unsized are sized
-    from their computed starts and ends on the way (torch exports them computed)."""
+def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None = None
+               ) -> tuple[dict[str, Value], set[str], dict[str, bool], dict[str, list[int | None]]]:
+    """One pass over the graph with the dims shape inference knows (and `hints`): the int64 shape arithmetic's
+    values (`_evaluate`), the names already constant before it (initializers, Constants), the one-element booleans
+    the dims decide (comparisons of that arithmetic, their negations), and the dims found on the way where
+    inference left them unknown: Slices sized from their computed starts and ends (torch exports them computed),
+    Expands from their computed targets (torch's broadcast_tensors)."""
     graph = model.graph
-    dims = _known_dims(model)
+    dims = _known_dims(model, hints)
     values = _constant_values(graph)
     constant = set(values)
     truth: dict[str, bool] = {}
+    sized: dict[str, list[int | None]] = {}
     for n in graph.node:
         if len(n.output) != 1 or n.domain not in ("", "ai.onnx") or n.output[0] in constant:
             continue
-        if n.op_type == "Slice" and None in dims.get(n.output[0], [None]):
-            sliced = _sliced_dims(dims.get(n.input[0]), [values.get(i) for i in n.input[1:]])
-            if sliced is not None:
-                dims[n.output[0]] = sliced
+        if n.op_type in ("Slice", "Expand") and len(n.input) > 1 and None in dims.get(n.output[0], [None]):
+            args = [values.get(i) for i in n.input[1:]]
+            found = _sliced_dims(dims.get(n.input[0]), args) if n.op_type == "Slice" else \
+                _expanded_dims(dims.get(n.input[0]), args[0])
+            if found is not None and found != dims.get(n.output[0]):
+                dims[n.output[0]] = sized[n.output[0]] = found
         if n.op_type in COMPARISONS and len(n.input) == 2:
             a, b = values.get(n.input[0]), values.get(n.input[1])
             if a is not None and b is not None and len(a[1]) == len(b[1]) == 1 and None not in a[1] + b[1]:
@@ -207,7 +233,19 @@ def _evaluated(model: onnx.ModelProto) -> tuple[dict[str, Value], set[str], dict
             v = _evaluate(n, values, dims)
             if v is not None and len(v[1]) <= MAX_ELEMENTS:
                 values[n.output[0]] = v
-    return values, constant, truth
+    return values, constant, truth, sized
+
+
+def _expanded_dims(shape: list[int | None] | None, target: Value | None) -> list[int | None] | None:
+    """An Expand's output dims from its input's and its computed target (numpy broadcasting, from the right): a
+    target dim of 1 or unknown gives the input's where that is not 1."""
+    if shape is None or target is None or target[0]:
+        return None
+    rank = max(len(shape), len(target[1]))
+    ins = [1] * (rank - len(shape)) + list(shape)
+    outs = [1] * (rank - len(target[1])) + list(target[1])
+    return [d if t == 1 or t is None else t if d is None or d == 1 or d == t else None
+            for d, t in zip(ins, outs)]
 
 
 def _sliced_dims(shape: list[int | None] | None, args: list[Value | None]) -> list[int | None] | None:
@@ -275,7 +313,12 @@ def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
         ifs = [n for n in graph.node if n.op_type == "If" and n.domain in ("", "ai.onnx")]
         if not ifs:
             return model
-        truth = _evaluated(model)[2]
+        hints: dict[str, list[int | None]] = {}
+        while True:  # the dims evaluation found, fed back to inference, size what follows them
+            _, _, truth, sized = _evaluated(model, hints)
+            if all(n.input[0] in truth for n in ifs) or not sized.keys() - hints.keys() or len(hints) > MAX_HINTS:
+                break
+            hints.update(sized)
         taken = names_in_use(graph)
         replaced: dict[int, list[onnx.NodeProto]] = {}
         for n in ifs:

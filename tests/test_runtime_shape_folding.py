@@ -8,7 +8,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import TensorProto, helper
+from parity import check_parity, sgd
+from torch import nn
 
 from runtime import shape_folding
 
@@ -135,3 +138,50 @@ def test_ifs_the_known_sizes_decide_are_replaced_by_their_branch(length, kept):
 def test_ifs_left_open_stay():
     model = _squeeze_if("length")  # the size is only known at run time
     assert shape_folding.inline_constant_ifs(model) is model
+
+
+def test_ifs_decided_through_sizes_inference_learns_from_the_evaluation():
+    """torch.distributions.Categorical's log_prob: its index is broadcast to the logits by an Expand to a computed
+    shape, then sliced to one column, gathered and squeezed (an If). Inference alone sizes neither the Expand nor
+    what follows; the dims the evaluation finds, declared back, decide the If."""
+    n = helper.make_node
+    then = helper.make_graph([n("Squeeze", ["picked", "axes"], ["s"])], "then", [],
+                             [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)], [_ints("axes", [-1])])
+    other = helper.make_graph([n("Identity", ["picked"], ["i"])], "else", [],
+                              [helper.make_tensor_value_info("i", TensorProto.FLOAT, None)])
+    nodes = [n("Unsqueeze", ["a", "last"], ["column"]), n("Shape", ["x"], ["target"]),
+             n("Expand", ["column", "target"], ["wide"]), n("Slice", ["wide", "zero", "one", "one"], ["index"]),
+             n("GatherElements", ["x", "index"], ["picked"], axis=1), n("Shape", ["picked"], ["shape"]),
+             n("Gather", ["shape", "last"], ["size"], axis=0), n("Equal", ["size", "one"], ["is_one"]),
+             n("If", ["is_one"], ["y"], then_branch=then, else_branch=other)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+                                           helper.make_tensor_value_info("a", TensorProto.INT64, ["rows"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [_ints("last", [-1]), _ints("zero", [0]), _ints("one", [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inlined = shape_folding.inline_constant_ifs(model)
+    assert "If" not in [node.op_type for node in inlined.graph.node]
+    x, a = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32), np.array([2, 0, 3])
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x, "a": a})[0]
+    got = ort.InferenceSession(inlined.SerializeToString()).run(None, {"x": x, "a": a})[0]
+    assert got.shape == want.shape == (3,)
+    np.testing.assert_array_equal(got, want)
+
+
+class Policy(nn.Module):
+    """A policy gradient's loss (REINFORCE with an entropy bonus) from torch.distributions.Categorical."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        policy = torch.distributions.Categorical(logits=self.net(obs))
+        return -(policy.log_prob(actions) * advantages).mean() - 0.01 * policy.entropy().mean()
+
+
+def test_a_categorical_policy_trains_like_torch():
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g), torch.randn(n, generator=g))
+               for n in (8, 5, 8)]
+    check_parity(Policy, batches, lambda m, b: m(*b), optimizer=sgd, threads=1)
