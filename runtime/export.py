@@ -21,6 +21,7 @@ import contextlib
 import functools
 import inspect
 import io
+import logging
 import os
 import random
 import sys
@@ -545,7 +546,8 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
                           f"({finder.found}): its gradients would flow where torch's do not. Use "
                           "exporter='torchscript' (the default), which keeps them.")
     dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in leaves)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()), _quiet(_DYNAMO_LOGGERS):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
                                     input_names=names, dynamic_shapes=(dims,), verbose=False,
@@ -555,6 +557,27 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model
+
+
+_DYNAMO_LOGGERS = ("torch.onnx._internal.exporter._registration", "torch.fx.experimental.symbolic_shapes")
+"""torch's loggers that write to stderr while dynamo exports: the registry's missing torchvision ops, and a failing
+export's sizes without user code ("Unable to find user code corresponding to {u0}"). torch.export prints the
+partial FX graph of a failure to sys.stderr itself (redirected): dynamo is tried after the legacy exporter fails,
+whose error names both exporters' causes."""
+
+
+@contextlib.contextmanager
+def _quiet(names: Iterable[str]) -> Iterator[None]:
+    """The named loggers at ERROR while the block lasts, then as they were."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _pin_single_values(model: onnx.ModelProto, ranges: dict[Any, Any]) -> None:
