@@ -27,6 +27,8 @@ from torch.onnx._internal.torchscript_exporter import (
     symbolic_opset13,
 )
 
+from gradbuilder.rules.linalg import MICROSOFT
+
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
 
@@ -323,6 +325,68 @@ def _slogdet(g: Any, x: Any) -> tuple[Any, Any]:
     return g.op("Sign", det), g.op("Log", g.op("Abs", det))
 
 
+def _inverse(g: Any, a: Any) -> Any:
+    """torch.linalg.inv (torch.inverse and Tensor.inverse trace as it, scripted or not) as onnxruntime's contrib
+    Inverse: standard ONNX has no inverse. Typed as A, which onnx's shape inference cannot do for an op it does not
+    know; the exporter imports com.microsoft at version 1, and gradbuilder's Inverse rule differentiates it. A
+    singular matrix gives infs and NaNs where torch raises."""
+    out = g.op(f"{MICROSOFT}::Inverse", a)
+    out.setType(a.type())
+    return out
+
+
+def _no_errors(g: Any, a: Any) -> Any:
+    """The `info` of linalg's `_ex` functions, int32 of A's batch shape: zeros, as for invertible matrices (the
+    Inverse reports no singular one: its result holds infs and NaNs instead)."""
+    batch = g.op("Slice", g.op("Shape", a), g.op("Constant", value_t=torch.tensor([0])),
+                 g.op("Constant", value_t=torch.tensor([-2])))
+    return g.op("ConstantOfShape", batch, value_t=torch.tensor([0], dtype=torch.int32))
+
+
+def _inverse_ex(g: Any, a: Any, check_errors: Any = None) -> tuple[Any, Any]:
+    return _inverse(g, a), _no_errors(g, a)
+
+
+def _sizes(g: Any, i: int, value: Any) -> list[int] | None:
+    """Input i's sizes as traced (symbols, negative, where the export made them dynamic: the module's inputs), else
+    as converted; None where its rank is unknown."""
+    for v in (g.original_node.inputsAt(i), value):
+        t = v.type()
+        sizes = t.symbolic_sizes() if isinstance(t, torch._C.TensorType) else None
+        if sizes is not None:
+            return sizes
+    return None
+
+
+def _vector_rhs(a: list[int], b: list[int]) -> bool:
+    """torch's reading of B (linalg_solve_is_vector_rhs): a batch of vectors where it is 1-D or of A's shape without
+    its last size, else of matrices; from the sizes torch traced. Where symbols keep the export from telling (A and
+    B both module inputs, exported with dynamic sizes), vectors: a batch of matrices read so fails in onnxruntime
+    (sizes that do not multiply) or in the first call's check against torch (values)."""
+    return len(b) == 1 or (len(b) == len(a) - 1 and not any(p >= 0 and q >= 0 and p != q for p, q in zip(a, b)))
+
+
+def _solve(g: Any, a: Any, b: Any, left: Any = None) -> Any:
+    """torch.linalg.solve as A^{-1} B (B A^{-1} where not `left`), with `_inverse`: B broadcast as torch's, its
+    vectors (`_vector_rhs`) as columns. Less accurate than torch's LU solve where A is ill-conditioned (a product
+    with an explicit inverse is not backward stable: its residual grows with cond(A); float32, 16x16, cond 1e5: 2.3
+    times torch's error); for well-conditioned A, float32 agrees with torch to ~1e-5 relative or better."""
+    sizes_a, sizes_b = _sizes(g, 0, a), _sizes(g, 1, b)
+    if sizes_a is None or sizes_b is None:
+        return symbolic_helper._unimplemented("linalg_solve", "an operand of unknown rank", a)
+    inverse = _inverse(g, a)
+    if not symbolic_helper._is_none(left) and not symbolic_helper._get_const(left, "b", "left"):
+        return g.op("MatMul", b, inverse)  # X A = B (torch refuses a batch of vectors there)
+    if not _vector_rhs(sizes_a, sizes_b):
+        return g.op("MatMul", inverse, b)
+    column = symbolic_helper._unsqueeze_helper(g, b, [len(sizes_b)])  # [..., n, 1] (from [n]: broadcast)
+    return symbolic_helper._squeeze_helper(g, g.op("MatMul", inverse, column), [len(sizes_a) - 1])
+
+
+def _solve_ex(g: Any, a: Any, b: Any, left: Any = None, check_errors: Any = None) -> tuple[Any, Any]:
+    return _solve(g, a, b, left), _no_errors(g, a)
+
+
 MISSING: dict[str, Callable[..., Any]] = {
     **{f"aten::{name}": _unary(op) for name, op in [
         ("sinh", "Sinh"), ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"),
@@ -341,6 +405,8 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::tensor_split": _tensor_split, "aten::cumprod": _cumprod,
     "aten::cummax": _running_extremum(True), "aten::cummin": _running_extremum(False),
     "aten::linalg_slogdet": _slogdet, "aten::slogdet": _slogdet,
+    "aten::linalg_inv": _inverse, "aten::linalg_inv_ex": _inverse_ex,
+    "aten::linalg_solve": _solve, "aten::linalg_solve_ex": _solve_ex,
 }
 
 

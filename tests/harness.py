@@ -90,7 +90,9 @@ def single_op_model(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]
     """One node; `consts` inputs become initializers (axes, shapes), the others graph inputs.
 
     `symbolic` names, per input, the axes declared with a symbolic dim (as a dynamic batch would be);
-    `out_ranks` gives outputs whose shape inference fails a rank, which the full checker needs.
+    `out_ranks` gives outputs whose shape inference fails a rank, which the full checker needs (and the first
+    input's element type where it fails that too: an op onnx does not know, in a `domain`, imported at version 1,
+    such as onnxruntime's com.microsoft).
     """
     symbolic = symbolic or {}
     graph_inputs, inits, names = [], [], []
@@ -108,7 +110,8 @@ def single_op_model(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]
     node = helper.make_node(op_type, names, outs, domain=domain or None, **attrs)
     graph = helper.make_graph([node], op_type.lower(), graph_inputs,
                               [helper.make_empty_tensor_value_info(o) for o in outs], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=imports)
     model = onnx.shape_inference.infer_shapes(model)
     del model.graph.output[:]
     for o in outs:  # typed outputs from inference
@@ -116,7 +119,8 @@ def single_op_model(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]
         vi = vi if vi is not None else helper.make_empty_tensor_value_info(o)
         if o in (out_ranks or {}) and not vi.type.tensor_type.HasField("shape"):
             dims = [f"{o}_{k}" for k in range(out_ranks[o])]
-            vi = helper.make_tensor_value_info(o, vi.type.tensor_type.elem_type, dims)
+            elem_type = vi.type.tensor_type.elem_type or graph_inputs[0].type.tensor_type.elem_type
+            vi = helper.make_tensor_value_info(o, elem_type, dims)
         model.graph.output.append(vi)
     return model
 
@@ -134,7 +138,7 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
              atol: float | None = None, fd: bool = True, fd_eps: float | None = None, fd_rtol: float | None = None,
              seed: int = 0, fd_mask: dict[str, np.ndarray] | None = None,
              symbolic: dict[str, Sequence[int]] | None = None, out_ranks: dict[str, int] | None = None,
-             **attrs: Any) -> dict[str, np.ndarray]:
+             domain: str = "", **attrs: Any) -> dict[str, np.ndarray]:
     """Check one op's gradients against torch.autograd and finite differences; return ORT's gradients.
 
     `torch_fn` takes the torch versions (float64, requires_grad for `wrt`) of all non-const inputs, in order,
@@ -147,7 +151,7 @@ def check_op(op_type: str, inputs: Sequence[tuple[str, np.ndarray | None]], torc
     atol = atol if atol is not None else (1e-4 if low else 1e-8)
     fd_eps = fd_eps if fd_eps is not None else (1e-2 if low else 1e-6)
     fd_rtol = fd_rtol if fd_rtol is not None else (2e-2 if low else 1e-5)
-    model = single_op_model(op_type, inputs, n_out, opset=opset, consts=consts, symbolic=symbolic,
+    model = single_op_model(op_type, inputs, n_out, opset=opset, consts=consts, domain=domain, symbolic=symbolic,
                             out_ranks=out_ranks, **attrs)
     feeds = {n: np.asarray(v) for n, v in inputs if v is not None and n not in consts}
     if wrt is None:

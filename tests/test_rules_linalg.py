@@ -5,6 +5,8 @@ import pytest
 import torch
 from harness import check_op
 
+from gradbuilder.rules.linalg import MICROSOFT
+
 rng = np.random.default_rng(0)
 
 
@@ -238,3 +240,28 @@ def test_det_of_large_matrices_fails_clearly():
     model = harness.single_op_model("Det", [("a", r(33, 33).astype(np.float32))])
     with pytest.raises(RuleError, match=r"33x33 matrices are too large .* n <= 32"):
         gradbuilder.build_gradient_graph(model, wrt=["a"], outputs=["y0"])
+
+
+def _invertible(*shape: int, dtype: type = np.float64) -> np.ndarray:
+    """Well-conditioned [..., n, n] matrices (fixed draws): a random perturbation of 3 I."""
+    n = shape[-1]
+    return (np.random.default_rng(2).standard_normal(shape) + 3 * np.eye(n)).astype(dtype)
+
+
+@pytest.mark.parametrize("shape,dims", [
+    ((1, 1), None),
+    ((3, 3), None),
+    ((2, 4, 4), None),
+    ((3, 2, 3, 3), {"a": [0]}),  # a symbolic batch dim
+    ((2, 3, 3), {"a": [0, 1, 2]}),  # every dim symbolic (as the runtime exports them)
+], ids=str)
+def test_inverse(shape, dims):
+    """onnxruntime's contrib Inverse (what the runtime exports torch.linalg.inv as); onnx does not know it, so the
+    output's rank is declared."""
+    check_op("Inverse", [("a", _invertible(*shape))], torch.linalg.inv, domain=MICROSOFT, symbolic=dims,
+             out_ranks={"y0": len(shape)})
+
+
+def test_inverse_float32():
+    check_op("Inverse", [("a", _invertible(2, 3, 3, dtype=np.float32))], torch.linalg.inv, domain=MICROSOFT,
+             out_ranks={"y0": 3})

@@ -32,6 +32,22 @@ def _with_indices(result: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return values * (1 + indices.float() / 10) + indices.float()
 
 
+def _gram(h: torch.Tensor) -> torch.Tensor:
+    """A well-conditioned 6x6 matrix of h (its eigenvalues 1 and up): static sizes, the batch axis contracted."""
+    return h.T @ h + torch.eye(6)
+
+
+def _blocks(h: torch.Tensor) -> torch.Tensor:
+    """Well-conditioned 2x2 matrices of h: near 2 I, a batch of 6 (the batch axis's 4 rows of 6, regrouped)."""
+    return h.reshape(-1, 2, 2) + 2 * torch.eye(2)
+
+
+def _with_info(result: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """inv_ex's inverse scaled by 1 + info (int32 zeros of the batch shape): info's type and shape must hold."""
+    inverse, info = result
+    return inverse * (1 + info).float()[..., None, None]
+
+
 OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sinh, cosh, asinh": lambda h: torch.sinh(h) + torch.cosh(h) + torch.asinh(h) + h.clone().sinh_(),
     "acosh, atanh": lambda h: torch.acosh(h.abs() + 1.1) + torch.atanh(torch.tanh(h) * 0.9),
@@ -63,6 +79,24 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
                                        + torch.linalg.slogdet(h[:, :4].T @ h[:, 2:]).sign
                                        * torch.logdet(h.T @ h + torch.eye(6))
                                        + torch.linalg.det(h[:, :4].T @ h[:, 2:])),
+    # onnxruntime's contrib Inverse (gradbuilder's rule), and solve through it
+    "inv": lambda h: h @ torch.linalg.inv(_gram(h)) + torch.linalg.inv(_blocks(h)).reshape(-1, 6),
+    "inverse": lambda h: h @ torch.inverse(_gram(h)) + _blocks(h).inverse().reshape(-1, 6),
+    "inv_ex": lambda h: h @ _with_info(torch.linalg.inv_ex(_gram(h))) + _with_info(torch.linalg.inv_ex(_blocks(h)))
+                        .reshape(-1, 6),
+    # [6, 4] (the batch axis in B's columns); [6, 2, 2] by [6, 2, 2]; [6, 2, 2] by [2, 3]: B broadcast (of A's rank
+    # less one, but not its shape less one: torch's matrices, not vectors)
+    "solve, matrix right side": lambda h: (torch.linalg.solve(_gram(h), h.T).T
+                                           + torch.linalg.solve(_blocks(h), h.reshape(-1, 2, 2)).reshape(-1, 6)
+                                           + torch.linalg.solve(_blocks(h), h[:2, :3]).reshape(-1, 6).sum(0)),
+    # [6] (1-D); [6, 2] (A's shape less one: a batch of vectors); [2] (1-D, broadcast to A's batch); solve_ex's too
+    "solve, vector right side": lambda h: (torch.linalg.solve(_gram(h), h[0]) * h
+                                           + torch.linalg.solve(_blocks(h), h.reshape(-1, 2, 2)[:, 0]).sum(0).repeat(3)
+                                           + torch.linalg.solve_ex(_blocks(h), h[1, :2]).result.reshape(-1, 6).sum(0)),
+    # X A = B: [4, 6] by [6, 6]; [6, 1, 2] by [6, 2, 2]
+    "solve, left=False": lambda h: (torch.linalg.solve(_gram(h), h, left=False)
+                                    + torch.linalg.solve(_blocks(h), h.reshape(-1, 2, 2)[:, :1], left=False)
+                                    .reshape(-1, 6).sum(0)),
 }
 
 

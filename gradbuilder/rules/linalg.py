@@ -1,4 +1,4 @@
-"""Matrix products: MatMul (numpy semantics), Gemm, Einsum; determinants (Det)."""
+"""Matrix products: MatMul (numpy semantics), Gemm, Einsum; determinants (Det); inverses (com.microsoft Inverse)."""
 
 from __future__ import annotations
 
@@ -247,3 +247,16 @@ def det(g: Grad):
     cut = g.Gather(g.Gather(a, others, axis=batch), others, axis=batch + 2)  # [..., i, n-1, j, n-1]
     minors = g.Det(g.Transpose(cut, perm=[*range(batch), batch, batch + 2, batch + 1, batch + 3]))  # [..., i, j]
     return (g.Mul(minors, g.Mul(signs, g.unsqueeze(dy, [batch, batch + 1]))),)
+
+
+MICROSOFT = "com.microsoft"
+"""onnxruntime's contrib domain: its Inverse (opset 1) is the only matrix inverse stock onnxruntime runs (what
+runtime/symbolics.py writes for torch.linalg.inv and solve)."""
+
+
+@rule("Inverse", domain=MICROSOFT)
+def inverse(g: Grad):
+    """Y = A^{-1}: dA = -Y^T dY Y^T (each matrix of the batch), from the forward output Y, so backward inverts
+    nothing again, and in standard ops (MatMul, Transpose, Neg): the backward half needs no contrib kernel."""
+    y_t = _swap_last(g, g.O(0), g.require_rank(g.I(0)))
+    return (g.Neg(g.MatMul(g.MatMul(y_t, g.GO(0)), y_t)),)
