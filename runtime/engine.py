@@ -31,7 +31,7 @@ from gradbuilder.errors import InvalidModelError, RuleError
 
 from . import checks, exchange, function, lowering, workload
 from .batchnorm import second_updates, update_running_stats
-from .export import Exported, ExportError, ExportOptions, ExportWarning, export, pin_dims, scratch_buffers
+from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
@@ -539,7 +539,7 @@ class Engine:
                    if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
         with torch.enable_grad(), scratch_buffers(self.module):
-            out = torch.func.functional_call(self.module, tensors, tuple(bound.args), dict(bound.kwargs),
+            out = torch.func.functional_call(self.module, tensors, *as_called(bound),
                                              strict=False)
         return flatten(out)[0], [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]
 

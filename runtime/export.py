@@ -155,6 +155,28 @@ class _Shared(dict):
         return self
 
 
+def as_called(bound: inspect.BoundArguments) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The forward's arguments as a caller passes them: by keyword wherever the signature allows (positionally only
+    the positional-only ones, and those before a non-empty *args). `BoundArguments.args` puts every argument it can
+    in position, defaults included: a decorator filling a default into **kwargs when it does not see the argument
+    among the positionals (transformers' merge_with_config_defaults: XGLM, M2M100, Llava) then met it twice."""
+    params = bound.signature.parameters
+    varargs = next((name for name, p in params.items() if p.kind is p.VAR_POSITIONAL), None)
+    if varargs is not None and bound.arguments.get(varargs):
+        return tuple(bound.args), dict(bound.kwargs)
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = params[name].kind
+        if kind is inspect.Parameter.POSITIONAL_ONLY:
+            args.append(value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            kwargs.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
 class _Flat(nn.Module):
     """The module as a function of flat tensors returning a flat tuple of tensors.
 
@@ -184,7 +206,8 @@ class _Flat(nn.Module):
         legacy = self._result.get("without_grad")  # the legacy exporter's trace (dynamo's tensors are fake)
         reads = _PythonReads(dict(self._target.named_buffers())) if legacy else contextlib.nullcontext()
         with reads, stop_gradients.WithoutGrad() if legacy else contextlib.nullcontext() as mode:
-            out = self._target(*bound.args, **bound.kwargs)
+            args, kwargs = as_called(bound)
+            out = self._target(*args, **kwargs)
         flat, self._result["spec"] = flatten(out)
         if isinstance(reads, _PythonReads):
             self._result["python_reads"] = reads.read

@@ -32,7 +32,7 @@ from gradbuilder.rules.linalg import MICROSOFT
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
 
-TORCH_OWN = {"aten::tensor_split": 13}
+TORCH_OWN = {"aten::tensor_split": 13, "aten::cumsum": 11}
 """The opset of torch's own conversion of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -387,6 +387,17 @@ def _solve_ex(g: Any, a: Any, b: Any, left: Any = None, check_errors: Any = None
     return _solve(g, a, b, left), _no_errors(g, a)
 
 
+def _cumsum(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
+    """torch.cumsum in torch's type: `dtype` where given (torch's conversion drops a constant one), int64 for an
+    integer or boolean x (torch's conversion wrote CumSum of BOOL, which ONNX has not: transformers' packed-sequence
+    check, `(position_diff != 1).cumsum(-1)`, in every decoder called without a mask or cache)."""
+    if not symbolic_helper._is_none(dtype):
+        x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
+    elif not _floating(x):
+        x = g.op("Cast", x, to_i=_type_utils.JitScalarType.INT64.onnx_type())
+    return g.op("CumSum", x, g.op("Constant", value_t=torch.tensor(symbolic_helper._get_const(dim, "i", "dim"))))
+
+
 MISSING: dict[str, Callable[..., Any]] = {
     **{f"aten::{name}": _unary(op) for name, op in [
         ("sinh", "Sinh"), ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"),
@@ -404,7 +415,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::median": lambda g, x, *args: _median(g, x) if not args else _median_dim(g, x, *args),
     "aten::tensor_split": _tensor_split, "aten::cumprod": _cumprod,
     "aten::cummax": _running_extremum(True), "aten::cummin": _running_extremum(False),
-    "aten::linalg_slogdet": _slogdet, "aten::slogdet": _slogdet,
+    "aten::linalg_slogdet": _slogdet, "aten::slogdet": _slogdet, "aten::cumsum": _cumsum,
     "aten::linalg_inv": _inverse, "aten::linalg_inv_ex": _inverse_ex,
     "aten::linalg_solve": _solve, "aten::linalg_solve_ex": _solve_ex,
 }

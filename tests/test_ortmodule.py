@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import io
 import pickle
@@ -2006,3 +2007,51 @@ def test_a_python_attribute_changing_at_every_call_fails_as_an_export_does() -> 
             om.module.tau = 1.0 + step
             om(x)
     assert om.stats["exports"] == 9
+
+
+def _default_from_kwargs(forward):
+    """transformers' merge_with_config_defaults, reduced: an argument not among the positionals it sees (behind
+    another decorator's *args) gets its default put in **kwargs."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if kwargs.get("scale") is None:
+            kwargs["scale"] = self.default_scale
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+def _passed_through(forward):
+    @functools.wraps(forward)
+    def inner(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return inner
+
+
+class Decorated(nn.Module):
+    default_scale = 2.0
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    @_default_from_kwargs
+    @_passed_through
+    def forward(self, x, scale=None, shift=0.0):
+        return (self.fc(x) * scale + shift).sum()
+
+
+def test_keyword_arguments_reach_forward_as_keywords() -> None:
+    """The export and the create_graph recomputation called forward with every argument positional, defaults
+    included: such a decorator then met `scale` twice ("got multiple values for argument"), where torch's call works
+    (XGLM, M2M100 and Llava in transformers)."""
+    ref, om = pair(Decorated())
+    for kwargs in ({"x": torch.randn(5, 4)}, {"x": torch.randn(5, 4), "shift": 1.0}):
+        for m in (ref, om):
+            m.zero_grad()
+            m(**kwargs).backward()
+        torch.testing.assert_close(om(**kwargs), ref(**kwargs))
+        assert_grads_equal(om, ref)
+    x = torch.randn(5, 4, requires_grad=True)  # backward(create_graph=True) computes the call again in torch
+    with pytest.warns(RuntimeWarning, match="create_graph"):
+        (grad,) = torch.autograd.grad(om(x=x), x, create_graph=True)
+    torch.testing.assert_close(grad, torch.autograd.grad(ref(x=x), x)[0])

@@ -69,6 +69,8 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tensor_split sections": lambda h: torch.cat([c.exp() * (k + 1) for k, c in enumerate(h.T.tensor_split(4))], 0).T,
     "tensor_split sections, batch axis": lambda h: sum(c.sum(0) * (k + 1) for k, c in enumerate(h.tensor_split(3))),
     "cumprod with zeros": lambda h: (h * ZEROS).cumprod(0) + (h * ZEROS).cumprod(1),
+    "cumsum of bools, ints, in double": lambda h: (h * (h > 0).cumsum(1) + h.round().int().cumsum(0)
+                                                   + torch.cumsum(h, -1, dtype=torch.float64).float()),
     "cumprod in double": lambda h: torch.cumprod(h, -1, dtype=torch.float64).float(),
     "cummax, cummin with ties": lambda h: _with_indices(_tied(h).cummax(1)) + _with_indices(_tied(h).cummin(0)),
     "cummax, cummin of repeats": lambda h: (_with_indices(torch.cat([h, h], 1).cummax(-1))[:, 3:9]
