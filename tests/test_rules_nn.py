@@ -607,6 +607,28 @@ def test_average_pool_symbolic_spatial(xs, kernel, strides, dilations, pads, cei
     assert ("ConstantOfShape" in ops) != every_window_counts_all  # run-time divisors only when they vary
 
 
+@pytest.mark.parametrize("xs,kernel,strides,pads,ceil,symbolic", [
+    ((2, 3, 9, 10), [2, 3], [3, 4], [0, 1, 0, 0], 0, True),  # gaps between the windows
+    ((2, 3, 7, 8), [3, 3], [3, 3], [1, 0, 1, 1], 1, True),  # tiles with pads, the last one cut
+    ((2, 3, 5, 6), [16, 16], [16, 16], [0, 0, 0, 0], 1, True),  # one window past the whole input (EfficientNet's)
+    ((2, 3, 5, 6), [16, 16], [16, 16], [0, 0, 0, 0], 1, False),
+    ((2, 2, 11), [2], [5], [1, 0], 0, True),
+])
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_average_pool_disjoint_windows_spread_by_gathers(xs, kernel, strides, pads, ceil, symbolic, include_pad):
+    """Windows sharing no position, over run-time sizes or larger than the input: each input position takes its
+    window's gradient by a Gather along each axis, zero outside every window. The ones-kernel ConvTranspose made the
+    windows' whole extent first (N*C*1280*1280 floats for EfficientNet's 1280-wide pooler over 8x8 maps)."""
+    nd = len(kernel)
+    other = tuple(n + 2 + i for i, n in enumerate(xs[2:]))
+    cases = [[("x", f32(*xs[:2], *s))] for s in ((xs[2:], other) if symbolic else (xs[2:],))]
+    ops = check_sizes("AveragePool", cases,
+                      pool_ref("avg", kernel, strides, [1] * nd, pads[:nd], pads[nd:], ceil, include_pad),
+                      {"x": [0, *range(2, 2 + nd)]} if symbolic else {}, kernel_shape=kernel, strides=strides,
+                      pads=pads, ceil_mode=ceil, count_include_pad=include_pad)
+    assert "ConvTranspose" not in ops and "Gather" in ops
+
+
 @pytest.mark.parametrize("include_pad", [0, 1])
 def test_average_pool_symbolic_dilations(include_pad):
     kernel, strides, dilations, pads = [2, 3], [2, 1], [2, 2], [1, 2, 1, 1]

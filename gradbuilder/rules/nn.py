@@ -749,6 +749,36 @@ def _tile_spread_by_resize(g: Grad, t: str, x: str, kernel: Sequence[int], tails
     return g.Pad(out, _pads(g, [0] * nd, deficit)) if any(deficit) else out
 
 
+def _disjoint(win: Window) -> bool:
+    """Whether no two windows share a position: no dilation, a stride of at least the kernel."""
+    return all(d == 1 for d in win.dilations) and all(s >= k for s, k in zip(win.strides, win.kernel))
+
+
+def _disjoint_spread_by_gather(g: Grad, t: str, x: str, win: Window, scale: float) -> str:
+    """Disjoint windows: input position i of a spatial dim lies in window (i + begin) // s where (i + begin) % s <
+    k and that window exists, in none otherwise; t is gathered so along each dim and zeroed outside every window.
+    Sized like x from the start, where the ones-kernel ConvTranspose over run-time sizes makes the windows' whole
+    extent before cropping it: EfficientNet's pooler, a 1280-wide kernel with ceil_mode over 8x8 maps, asked for
+    N*C*1280*1280 floats."""
+    nd = len(win.kernel)
+    shape, pooled = g.shape_of(x), g.shape_of(g.O(0))  # t is shaped like the pool's output
+    zero, one = g.ints(0), g.ints(1)
+    out, inside = t, None
+    for i in range(2, 2 + nd):
+        k, s = win.kernel[i - 2], win.strides[i - 2]
+        begin = g.Gather(win.begin, g.ints(i - 2)) if isinstance(win.begin, str) else g.ints(win.begin[i - 2])
+        pos = g.Add(g.Range(zero, g.Gather(shape, g.ints(i)), one), begin)
+        window, last = g.Div(pos, g.ints(s)), g.Sub(g.Gather(pooled, g.ints(i)), one)
+        out = g.Gather(out, g.Min(window, last), axis=i)
+        hit = g.LessOrEqual(window, last)
+        if s > k:
+            hit = g.And(hit, g.Less(g.Mod(pos, g.ints(s)), g.ints(k)))
+        hit = g.Reshape(hit, g.ints([1, 1, *[-1 if a == i else 1 for a in range(2, 2 + nd)]]))
+        inside = hit if inside is None else g.And(inside, hit)
+    kept = g.Where(inside, out, g.const(0.0, like=x))
+    return g.Mul(kept, g.const(scale, like=x)) if scale != 1.0 else kept
+
+
 def spread_windows(g: Grad, t: str, x: str, win: Window, tails: Sizes, scale: float = 1.0) -> str:
     """Adjoint of summing each window of x (times `scale`): t (shaped like the pool's output) added onto every
     position of its window. Tiling windows copy t over each tile by a MatMul or a Resize
@@ -762,6 +792,9 @@ def spread_windows(g: Grad, t: str, x: str, win: Window, tails: Sizes, scale: fl
             or _tile_spread_by_resize(g, t, x, win.kernel, ends, scale)
         if out is not None:
             return out
+    if _disjoint(win) and (isinstance(tails, str) or any(
+            n is not None and k > n for n, k in zip(_dims(g, x, nd), win.kernel))):
+        return _disjoint_spread_by_gather(g, t, x, win, scale)
     flat = g.Reshape(t, g.ints([-1, 1, *[0] * nd]))  # 0: the output's spatial sizes, whatever they are
     ones = g.const(np.full([1, 1, *win.kernel], scale), like=x)
     return g.reshape_like(_onto_input(g, flat, ones, win, tails, kernel_shape=list(win.kernel)), x)
