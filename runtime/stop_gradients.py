@@ -87,7 +87,6 @@ class WithoutGrad(TorchFunctionMode):
             out.copy_(out.detach())  # traced: later reads of the buffer go through a StopGradient
         return _detached(out, given)
 
-
     def _changed_parameter(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """An in-place op on a parameter while grad is disabled (an embedding's max_norm renorm, a weight clipped or
         normalized in forward): torch changes its value, and its gradient is still the parameter's own. The trace
@@ -109,10 +108,16 @@ _IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
 
 
+_NOT_VALUES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad_", "resize_", "set_"})
+"""In-place by name, but changing no value (flags, storage): left to torch."""
+
+
 def _in_place(func: Any) -> bool:
-    """torch's naming: `clamp_`, `index_copy_`, `embedding_renorm_`, and Python's `+=` and item assignment."""
+    """An op changing its first argument's values, by torch's naming (`clamp_`, `index_copy_`, `embedding_renorm_`)
+    and Python's (`+=`, item assignment)."""
     name = getattr(func, "__name__", "")
-    return name == "__setitem__" or name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
+    return name == "__setitem__" or name in _IN_PLACE_OPERATORS or (
+        name.endswith("_") and not name.startswith("_") and name not in _NOT_VALUES)
 
 
 def _changed_in_place(func: Any, out: Any, given: set[int]) -> bool:
