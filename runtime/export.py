@@ -42,6 +42,7 @@ from torch import nn
 from torch.onnx._internal.torchscript_exporter import utils as torchscript_utils
 from torch.overrides import TorchFunctionMode
 
+from gradbuilder.graph import graph_nodes
 from gradbuilder.inference import infer_shapes
 
 from . import accumulation, checkpoints, custom_functions, double_scalars, exchange, scalars, stop_gradients, symbolics
@@ -526,6 +527,18 @@ def _onnx_log_off() -> Iterator[None]:
         torch._C._jit_set_onnx_log_enabled(was)
 
 
+def _refuse_bfloat16_casts(model: onnx.ModelProto) -> None:
+    """The legacy exporter writes a type promotion to bfloat16 (`x.bfloat16() * ints`: Falcon's alibi) as Cast to
+    torch's number for it, 15, which is ONNX's COMPLEX128 (its own writes no complex types), and onnxruntime's CPU
+    kernels compute no bfloat16 arithmetic anyway: named here, where the first run failed on "COMPLEX128"."""
+    for n in graph_nodes(model.graph):
+        if n.op_type == "Cast" and int_attr(n, "to", 0) == onnx.TensorProto.COMPLEX128:
+            raise ExportError(f"the forward computes in bfloat16 (node {n.name or n.output[0]!r}: torch's legacy "
+                              "exporter writes the cast as ONNX's COMPLEX128), which onnxruntime's CPU kernels do not "
+                              "compute: compute it in float32 (Falcon: alibi=False, or its slopes in float32), or run "
+                              "the module in torch.")
+
+
 def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
     buf = io.BytesIO()
     flat._result["without_grad"] = True  # a forward's no_grad results detached: both kept as StopGradient
@@ -552,6 +565,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
                           "again at new input sizes, the batch's too, and compares", ExportWarning, stacklevel=2)
     flat._result["baked"] = bool(seen)
     model = onnx.load_from_string(buf.getvalue())
+    _refuse_bfloat16_casts(model)
     traced = flat._result.get("outputs") or ()
     doubles = [o.name for o, t in zip(model.graph.output, traced)
                if isinstance(t, torch.Tensor) and t.dtype == torch.float64]

@@ -1489,6 +1489,22 @@ def test_fallback_warns_and_matches_torch() -> None:
         torch.testing.assert_close(om(x), ref(x))
 
 
+def test_a_bfloat16_computation_is_refused_by_name() -> None:
+    """Falcon's alibi (`slopes.bfloat16() * positions`): the legacy exporter wrote the cast to ONNX's COMPLEX128 and
+    the first run failed naming that type, pointing the wrong way."""
+    class Alibi(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            alibi = (torch.tensor([0.5, 0.25])[:, None].bfloat16() * ids[:, None, :]).float()
+            return (self.fc(x) * alibi.sum(1)[..., None]).sum()
+
+    with pytest.raises(ORTModuleError, match=r"computes in bfloat16 \(node .*COMPLEX128\).*compute it in float32"):
+        ORTModule(Alibi())(torch.randn(2, 5, 4), torch.arange(5).expand(2, 5))
+
+
 def test_export_failure_is_a_clear_error() -> None:
     class Cholesky(nn.Module):
         def forward(self, x):
