@@ -156,10 +156,10 @@ def _nearest_exact(dims: int) -> Callable[..., Any]:
 def _median_dim(g: Any, x: Any, dim: Any, keepdim: Any = None) -> tuple[Any, Any]:
     """torch.median along dim: the lower median, the ((n - 1) // 2)-th smallest, and its index, by a TopK of the
     k = (n - 1) // 2 + 1 smallest (n read at run time) and its last entry."""
-    rank = symbolic_helper._get_tensor_rank(x)
-    if rank is None:
-        return symbolic_helper._unimplemented("median", "a tensor of unknown rank", x)
-    axis = symbolic_helper._get_const(dim, "i", "dim") % max(rank, 1)
+    got = _rank_and_axis(g, x, dim, "median")
+    if got is None:
+        return None, None
+    axis = got[1]
     keep = bool(symbolic_helper._get_const(keepdim, "i", "keepdim")) if keepdim is not None else False
     one = g.op("Constant", value_t=torch.tensor([1]))
     n = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
@@ -259,14 +259,21 @@ def _floating(x: Any) -> bool:
     return scalar_type == _type_utils.JitScalarType.UNDEFINED or scalar_type.dtype().is_floating_point
 
 
+def _accumulated(g: Any, x: Any, dtype: Any) -> Any:
+    """x in the type torch's running sums and products give: `dtype` where given, int64 for integers and booleans."""
+    if not symbolic_helper._is_none(dtype):
+        to = _type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype"))
+        return g.op("Cast", x, to_i=to.onnx_type())
+    if not _floating(x):
+        return g.op("Cast", x, to_i=_type_utils.JitScalarType.INT64.onnx_type())
+    return x
+
+
 def _cumprod(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
     """torch.cumprod as y_i = prod_j (x_j where j <= i, else 1) over `_triangle`: gradbuilder's ReduceProd rule is
     exact where x holds zeros, as torch's cumprod backward (ONNX's CumProd comes at opset 26). In `dtype` if given;
-    an integer or boolean x in int64, as torch's."""
-    if not symbolic_helper._is_none(dtype):
-        x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
-    elif not _floating(x):
-        x = g.op("Cast", x, to_i=_type_utils.JitScalarType.INT64.onnx_type())
+    an integer or boolean x in int64, as torch's (`_accumulated`)."""
+    x = _accumulated(g, x, dtype)
     got = _rank_and_axis(g, x, dim, "cumprod")
     if got is None or got[0] == 0:
         return None if got is None else x
@@ -391,10 +398,7 @@ def _cumsum(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
     """torch.cumsum in torch's type: `dtype` where given (torch's conversion drops a constant one), int64 for an
     integer or boolean x (torch's conversion wrote CumSum of BOOL, which ONNX has not: transformers' packed-sequence
     check, `(position_diff != 1).cumsum(-1)`, in every decoder called without a mask or cache)."""
-    if not symbolic_helper._is_none(dtype):
-        x = g.op("Cast", x, to_i=_type_utils.JitScalarType(symbolic_helper._get_const(dtype, "i", "dtype")).onnx_type())
-    elif not _floating(x):
-        x = g.op("Cast", x, to_i=_type_utils.JitScalarType.INT64.onnx_type())
+    x = _accumulated(g, x, dtype)
     return g.op("CumSum", x, g.op("Constant", value_t=torch.tensor(symbolic_helper._get_const(dim, "i", "dim"))))
 
 
