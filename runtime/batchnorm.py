@@ -47,6 +47,39 @@ def _attr(node: onnx.NodeProto, name: str, value: float | int) -> None:
     node.attribute.append(helper.make_attribute(name, value))
 
 
+def batch_statistics_only(mod: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether the module normalizes with its batch's statistics and updates none, as torch's forward decides:
+    track_running_stats=False in training, or without running statistics at all (in evaluation too); with them,
+    evaluation reads them whatever the flag (frozen statistics: the flag turned off to fine-tune)."""
+    return not mod.track_running_stats and (mod.training or mod.running_mean is None)
+
+
+def _constant_statistics(g: onnx.GraphProto, node: onnx.NodeProto, p: str, channels: int, types: Mapping[str, int]
+                         ) -> int:
+    """Constants in place of a training node's running-statistic inputs; returns their element type. onnxruntime
+    may write the batch statistics in place into those inputs, which share memory with the module's buffers (a
+    BatchNorm with track_running_stats=False but buffers, frozen statistics, had them overwritten at every step);
+    with momentum 0 or the statistics unused their values do not matter (and stand-in statistics, which the trace
+    changed, made each export another graph)."""
+    initializers = {t.name: t.data_type for t in g.initializer}
+    elem = types.get(node.input[3]) or initializers.get(node.input[3], onnx.TensorProto.FLOAT)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+    g.initializer.extend([onnx.numpy_helper.from_array(np.zeros(channels, dtype), f"{p}.zeros"),
+                          onnx.numpy_helper.from_array(np.ones(channels, dtype), f"{p}.ones")])
+    node.input[3], node.input[4] = f"{p}.zeros", f"{p}.ones"
+    return elem
+
+
+def _drop_unread_constants(g: onnx.GraphProto, names: set[str]) -> None:
+    """Stand-in statistics (`stand_in_statistics`: constants of the export, which its trace changed) once no node
+    reads them: left in, they made each export of the same module another graph."""
+    read = {name for n in g.node for name in n.input}
+    unread = {t.name for t in g.initializer if t.name in names and t.name not in read}
+    for values in (g.initializer, g.input):
+        for v in [v for v in values if v.name in unread]:
+            values.remove(v)
+
+
 def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules: Mapping[str, nn.Module]
                        ) -> list[BatchStats]:
     """Rewrite the BatchNormalization nodes of BatchNorm modules in training mode (see module doc).
@@ -58,6 +91,7 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
     stats: list[BatchStats] = []
     nodes: list[onnx.NodeProto] = []
     calls: dict[str, int] = {}
+    replaced: set[str] = set()
     # the dynamo exporter feeds a module's second call the running mean through an Identity of the first's input
     alias = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Identity" and n.input and n.output}
     for node in g.node:
@@ -75,22 +109,18 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         calls[p] = calls.get(p, 0) + 1
         if calls[p] > 1:  # a module called again in the same forward (a Siamese encoder): its own names
             p = f"{p}.call{calls[p]}"
-        if not mod.track_running_stats:  # batch statistics in train and eval, nothing to update
+        if batch_statistics_only(mod):
             _attr(node, "training_mode", 1)
+            replaced.update(node.input[3:5])
+            _constant_statistics(g, node, p, int(mod.num_features), types)
             for k, what in ((1, "unused_mean"), (2, "unused_var")):
                 if len(node.output) <= k:
                     node.output.append(f"{p}.{what}")
             continue
         if not mod.training:
             continue
-        # onnxruntime may write the batch statistics in place into the running-stat inputs, which share
-        # memory with the module's buffers; with momentum 0 their values are unused: feed constants instead
+        elem = _constant_statistics(g, node, p, int(mod.num_features), types)
         channels = int(mod.num_features)
-        elem = types.get(node.input[3], onnx.TensorProto.FLOAT)  # the running statistics' type, before the swap
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
-        g.initializer.extend([onnx.numpy_helper.from_array(np.zeros(channels, dtype), f"{p}.zeros"),
-                              onnx.numpy_helper.from_array(np.ones(channels, dtype), f"{p}.ones")])
-        node.input[3], node.input[4] = f"{p}.zeros", f"{p}.ones"
         _attr(node, "training_mode", 1)
         _attr(node, "momentum", 0.0)
         while len(node.output) < 3:
@@ -113,6 +143,7 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         g.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, dtype=np.float32), _ONE))
     del g.node[:]
     g.node.extend(nodes)
+    _drop_unread_constants(g, replaced)
     return stats
 
 
@@ -124,7 +155,7 @@ def stand_in_statistics(module: nn.Module) -> Iterator[dict[str, str]]:
     Yields {stand-in running_mean name: module name} for `training_batchnorm`."""
     patched = []
     for name, mod in module.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and not mod.track_running_stats:
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and batch_statistics_only(mod):
             patched.append((name, mod, mod.training, dict(mod._buffers)))
             like = mod.weight if mod.weight is not None else torch.zeros(())
             mod._buffers["running_mean"] = torch.zeros(mod.num_features, dtype=like.dtype)
@@ -143,7 +174,14 @@ def stand_in_statistics(module: nn.Module) -> Iterator[dict[str, str]]:
 def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[BatchStats],
                          values: Sequence[torch.Tensor]) -> None:
     """torch's update: num_batches_tracked += 1; running = (1-t)*running + t*batch; a module called twice in a
-    forward is counted and updated once a call, in order, as torch does."""
+    forward is counted and updated once a call, in order, as torch does. A batch of one value per channel
+    raises torch's error, before any update: its unbiased variance, 0 * n / (n - 1), is NaN in every channel
+    (where the mean is finite), which poisoned the running variance and every evaluation after it."""
+    for s, mean, var in zip(stats, values[0::2], values[1::2]):
+        if var.numel() and bool(var.isnan().all()) and bool(mean.isfinite().all()):
+            raise ValueError(f"Expected more than 1 value per channel when training (BatchNorm {s.module or 'module'}"
+                             " got one, as torch's raises): drop the last incomplete batch "
+                             "(DataLoader(drop_last=True)), or call the module in eval mode for it.")
     for s, mean, var in zip(stats, values[0::2], values[1::2]):
         mod = modules[s.module]
         if mod.num_batches_tracked is not None:

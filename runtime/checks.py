@@ -56,11 +56,22 @@ GRADIENT_FLOOR = 1e-3
 gradients zero by the math are rounding noise of the others, up to 3e-5 of the largest here (a bias before
 cdist's product form, |a|^2 + |b|^2 - 2ab cancelling)."""
 
+OUTPUT_FLOOR = 1e-5
+"""The output check's absolute tolerance, as a fraction of the largest output element of the call: an output zero
+by the math (the mean of a normalized activation, returned as a statistic next to the logits) is rounding noise
+(~1e-9 here), which its own largest magnitude cannot scale."""
+
+
+def _largest(tensors: Sequence[torch.Tensor]) -> float:
+    """The largest finite magnitude of the float tensors."""
+    return max((float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) for t in tensors
+                if t.is_floating_point() and t.numel()), default=0.0)
+
+
 def gradients_mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str | None:
     """`mismatch` for gradients: gradients zero by the math (a bias before a normalization) are rounding noise of
     the others, so the absolute tolerance is `GRADIENT_FLOOR` of the largest gradient of all."""
-    largest = max((float(t.abs().max()) for t in want if t.numel()), default=0.0)
-    return mismatch(got, want, "gradient", GRADIENT_FLOOR * largest)
+    return mismatch(got, want, "gradient", GRADIENT_FLOOR * _largest(want))
 
 
 GradientCheck = Callable[[Sequence[torch.Tensor | None], list[torch.Tensor | None]], list[torch.Tensor | None]]
@@ -70,7 +81,7 @@ GradientCheck = Callable[[Sequence[torch.Tensor | None], list[torch.Tensor | Non
 def outputs_error(reference: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> ExportError | None:
     """The export's error where onnxruntime's outputs of the call that exported differ from torch's."""
     with torch.no_grad():
-        problem = mismatch(outputs, reference)
+        problem = mismatch(outputs, reference, floor=OUTPUT_FLOOR * _largest(reference))
     if problem is None:
         return None
     return ExportError(
@@ -91,12 +102,13 @@ def _vjp(outputs: list[torch.Tensor], inputs: list[torch.Tensor], grads: list[to
 
 
 def gradient_check(reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor],
-                   refuse: Callable[[ExportError], None]) -> GradientCheck:
+                   refuse: Callable[[ExportError], None], hooks: Sequence[str] = ()) -> GradientCheck:
     """The first backward's check: torch's gradients of the traced outputs for the same incoming gradients against
     onnxruntime's. Where they differ, `refuse` (raises, or with fallback lets this step hand torch's gradients).
     Skipped where torch cannot differentiate its trace any more (a tensor it saved changed in place since), and
     where a tensor receiving gradients has hooks (`register_hook`): torch's gradients of the trace would pass
-    through them, so they would run twice and differ from onnxruntime's by what they do."""
+    through them, so they would run twice and differ from onnxruntime's by what they do. `hooks`: the module's
+    backward hooks, which torch's gradients pass through and onnxruntime's cannot (named as the cause)."""
     def check(incoming: Sequence[torch.Tensor | None], ours: list[torch.Tensor | None]
               ) -> list[torch.Tensor | None]:
         pairs = [(r, g) for r, g in zip(reference, incoming) if g is not None and r.requires_grad]
@@ -113,10 +125,16 @@ def gradient_check(reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor
             problem = gradients_mismatch([o if o is not None else z for o, z in zip(ours, zeros)], want)
         if problem is None:
             return ours
+        if hooks:
+            cause = (f"The module has {', '.join(hooks)}, which changed torch's gradients: onnxruntime computes them "
+                     "in one graph, where no hook can run. Put such a hook on the ORTModule's inputs or outputs or "
+                     "on a parameter (param.register_hook), where it runs, or run the module in torch.")
+        else:
+            cause = ("Where float rounding alone moves this module's gradients that much (torch's own differ so "
+                     "between two runs of slightly different weights), ORTModule(module, check_export=False) skips "
+                     "the comparison; otherwise please report it with the module.")
         refuse(ExportError(f"onnxruntime's gradients of the call that exported the module differ from torch's: "
-                           f"{problem}. Where float rounding alone moves this module's gradients that much (torch's "
-                           "own differ so between two runs of slightly different weights), ORTModule(module, "
-                           "check_export=False) skips the comparison; otherwise please report it with the module."))
+                           f"{problem}. {cause}"))
         return list(theirs)
 
     return check

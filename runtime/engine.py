@@ -31,11 +31,12 @@ from gradbuilder.errors import InvalidModelError, RuleError
 
 from . import checks, exchange, function, lowering, workload
 from .batchnorm import second_updates, update_running_stats
+from .edits import Watch
 from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
-from .structure import flatten, numbers, unflatten
+from .structure import Const, constants, flatten, numbers, unflatten, without_numbers
 
 SAVE_ENV = "GRADBUILDER_SAVE_ONNX"
 
@@ -231,6 +232,17 @@ def _rows(shapes: dict[str, tuple[int, ...]]) -> int | None:
 _FALLBACK = object()
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """A schema that failed without fallback: every later call of it raises the same error (the call after a
+    refusal by the first-call checks ran the refused graph, its wrong values and all)."""
+
+    error: ORTModuleError
+
+    def again(self) -> ORTModuleError:
+        return ORTModuleError(*self.error.args)
+
+
 FIRST_RUN_ERRORS = (RuntimeError, InvalidModelError)
 """What a run of an export raises where the export is wrong: onnxruntime's errors, and its outputs of other shapes
 than the graph declares (`declared`)."""
@@ -272,14 +284,18 @@ class Engine:
         self.signature = inspect.signature(module.forward)
         self.schemas: dict[Hashable, Any] = {}
         self._exporting = threading.Lock()  # threads making their first calls at once export once
-        self.failed: set[tuple[Hashable, frozenset[str]]] = set()
+        self.failed: dict[tuple[Hashable, frozenset[str]], _Refused | None] = {}
+        """Gradient builds that failed, by schema and tensors differentiated: raised again (None: with fallback)."""
         self.version = 0
         self.stats = {"exports": 0, "builds": 0, "fallbacks": 0}
         self._ortvalues: dict[str, tuple[torch.Tensor, int, tuple[int, ...], C.OrtValue]] = {}
         self._owners: dict[str, tuple[nn.Module, str]] = {}
         self._by_name: dict[str, nn.Module] | None = None
         self._module_list: list[nn.Module] | None = None
+        self._watch = Watch(module)
         self._positional: dict[int, Any] = {}
+        self._argument_values: dict[Hashable, list[Any]] = {}
+        """The argument specs exported, by the spec without its Python numbers (`_new_argument_values`)."""
         self._warned_autocast = False
         self._warned_transforms = False
         self.per_size = False
@@ -296,12 +312,15 @@ class Engine:
         return [s for schema in schemas.values() for s in schema.sessions.values()]
 
     def invalidate(self) -> None:
-        """Parameters changed dtype or device (`.to()`): re-export on the next call."""
+        """Parameters changed dtype or device (`.to()`), or the module what its exports hold (`edits`): export again at
+        the next call."""
         self.version += 1
+        self.schemas.clear()
         self._ortvalues.clear()
         self._owners.clear()
         self._by_name = None
         self._module_list = None
+        self._watch.retake()
 
     # --- the call ------------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -312,6 +331,8 @@ class Engine:
                               "in PyTorch: onnxruntime cannot compute on their wrapped tensors.", FallbackWarning,
                               stacklevel=5)
             return self.module(*args, **kwargs)
+        if self._watch.changed():  # a hook, submodule, parameter or buffer added, removed or replaced
+            self.invalidate()
         if torch.is_autocast_enabled("cpu") and not self._warned_autocast:
             self._warned_autocast = True
             warnings.warn(f"ORTModule({self.name}) computes in float32 under torch.autocast: the module runs as "
@@ -338,6 +359,8 @@ class Engine:
         if schema is None:
             schema = self._new_schema(key, in_spec, leaves)
             sizes = tuple([tuple(t.shape[self.unkeyed:]) for t in leaves])  # an export baking values in: batch too
+        elif type(schema) is _Refused:
+            raise schema.again()
         elif schema is not _FALLBACK and schema.exported.scalars is not None and schema.exported.scalars.held:
             changed = schema.exported.scalars.changed()
             if changed is not None:
@@ -365,13 +388,16 @@ class Engine:
             where = owners.get(fqn) or self._owner(fqn)
             t = where[0]._parameters.get(where[1])
             if t is None:
-                t = where[0]._buffers[where[1]]
-            named[name] = t
+                t = where[0]._buffers.get(where[1])
             hit = cached.get(name)
             if hit is not None and hit[0] is t and hit[1] == t.data_ptr() and hit[2] == t.shape:
                 feeds[name] = hit[3]
+            elif t is None or self._watch.kind_changed(fqn, t):  # gone, or resized: `weight.data = bigger`
+                self.invalidate()
+                return self(args, kwargs)
             else:
                 feeds[name] = self._ortvalue(name, t)
+            named[name] = t
             if grad and t.requires_grad and name not in frozen:
                 wrt.append(name)
         n = len(ex.outputs)
@@ -393,7 +419,7 @@ class Engine:
             try:
                 outs = schema.infer(feeds)
             except SessionLoadError as e:
-                self.schemas[key] = self._fail(e, "onnxruntime session creation")
+                self._refuse(key, e, "onnxruntime session creation")
                 return self.module(*args, **kwargs)
             except FIRST_RUN_ERRORS as e:
                 return self._first_run_failed(key, schema, e, args, kwargs)
@@ -413,7 +439,8 @@ class Engine:
                 position = dict(ex.inputs)
                 traced = [reference.leaves[position[name]] if name in position else named[name] for name in wrt]
                 call.check = checks.gradient_check(reference.outputs, traced,
-                                                   lambda e: self._refuse(key, e, "gradient check"))
+                                                   lambda e: self._refuse(key, e, "gradient check"),
+                                                   reference.backward_hooks)
         if ex.updates:
             self._write_back(ex, updated, set(call.session.read_inputs) if call is not None else set())
         if ex.batch_stats:
@@ -450,8 +477,7 @@ class Engine:
             error = ExportError(f"the forward reads {changed}, which changed again after {SCALAR_EXPORTS} exports "
                                 "for such changes: the graph holds it as a constant. Keep a value that changes in a "
                                 "tensor (register_buffer('tau', torch.tensor(1.0)), updated with .fill_()).")
-            self.schemas[key] = self._fail(error, "export for a changed attribute")
-            return self.schemas[key]
+            return self._refuse(key, error, "export for a changed attribute")
         if self.scalar_exports == 1:
             warnings.warn(f"ORTModule({self.name}): the forward reads {changed}, a Python value the exported graph "
                           "holds as a constant: exported again. Keep a value that changes in a tensor buffer to "
@@ -464,12 +490,18 @@ class Engine:
         (torch ran the same call, so only the export explains it): raised, or with fallback torch's result."""
         if schema.ran:
             raise error
-        self.schemas[key] = self._fail(error, "first onnxruntime run of the export")
+        self._refuse(key, error, "first onnxruntime run of the export")
         return self.module(*args, **kwargs)
 
-    def _refuse(self, key: Hashable, error: ExportError, stage: str) -> None:
-        """The schema fails as a failed export does: raised, or with fallback its calls run in torch from now."""
-        self.schemas[key] = self._fail(error, stage)
+    def _refuse(self, key: Hashable, error: Exception, stage: str) -> Any:
+        """The schema fails as a failed export does, for good: raised at this call and every later one, or with
+        fallback its calls run in torch from now."""
+        try:
+            self.schemas[key] = self._fail(error, stage)
+        except ORTModuleError as refused:
+            self.schemas[key] = _Refused(refused)
+            raise
+        return self.schemas[key]
 
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], Any]:
         """The call's tensors and spec. A call of tensors only, filling the signature positionally, has the
@@ -490,7 +522,37 @@ class Engine:
     def _new_schema(self, key: Hashable, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
         with self._exporting:
             schema = self.schemas.get(key)  # another thread's export of this schema, while this one waited
-            return schema if schema is not None else self._export_schema(key, in_spec, leaves)
+            if schema is not None:
+                return schema
+            refused = self._new_argument_values(in_spec, leaves)
+            if refused is not None:
+                return self._refuse(key, refused, "export for new argument values")
+            return self._export_schema(key, in_spec, leaves)
+
+    def _new_argument_values(self, in_spec: Any, leaves: list[torch.Tensor]) -> ExportError | None:
+        """Python arguments are constants of the export, one per set of values: a number changing at every call (a
+        diffusion timestep, a schedule passed as a float) exported at every call, with sessions piling up and
+        nothing said. Warned at the first change of a number, and refused after `SCALAR_EXPORTS` values, as changed
+        attributes are (`_scalar_changed`); flags and strings pick among a few graphs."""
+        variant = (without_numbers(in_spec), tuple([(t.dtype, t.dim()) for t in leaves]))
+        seen = self._argument_values.setdefault(variant, [])  # the specs exported, by the spec without its numbers
+        if in_spec in seen:
+            return None
+        seen.append(in_spec)
+        if len(seen) == 1:
+            return None
+        before = dict(constants(seen[-2]))
+        changed = next((f"{path} ({before.get(path)!r} -> {value!r})" for path, value in constants(in_spec)
+                        if Const(value) != Const(before.get(path))), "an argument")
+        if len(seen) > SCALAR_EXPORTS:
+            return ExportError(f"the forward's Python argument {changed} took {len(seen)} values, each a constant "
+                               f"of a graph of its own. Pass a value that changes from call to call as a tensor "
+                               "(torch.tensor(t)), which the graph reads as an input.")
+        if len(seen) == 2:
+            warnings.warn(f"ORTModule({self.name}): the forward's Python argument {changed} is a constant of the "
+                          "exported graph: exported again, for each new value. Pass a value that changes from call "
+                          "to call as a tensor to train without exporting again.", RuntimeWarning, stacklevel=5)
+        return None
 
     def _export_schema(self, key: Hashable, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
         if self.per_size and self.unkeyed == 0:  # dynamo: an earlier export may hold for these sizes too
@@ -508,8 +570,9 @@ class Engine:
         except ExportError as e:
             exported = self._other_exporter(e, in_spec, leaves)
             if exported is None:
-                self.schemas[key] = self._fail(e, "export")
-                return self.schemas[key]
+                return self._refuse(key, e, "export")
+        finally:
+            self._watch.rebase()
         schema = self.schemas[key] = self._schema(exported)
         return schema
 
@@ -659,12 +722,19 @@ class Engine:
     def _session(self, key: Hashable, schema: Schema, wrt: list[str], leaves: list[torch.Tensor]
                  ) -> TrainingSession | None:
         if self.failed and (key, frozenset(wrt)) in self.failed:
+            refused = self.failed[key, frozenset(wrt)]
+            if refused is not None:
+                raise refused.again()
             return None
         try:
             session, built = schema.session(wrt, leaves)
         except (gradbuilder.GradBuilderError, RuntimeError) as e:
-            self.failed.add((key, frozenset(wrt)))
-            self._fail(e, "gradient build")
+            self.failed[key, frozenset(wrt)] = None
+            try:
+                self._fail(e, "gradient build")
+            except ORTModuleError as refused:
+                self.failed[key, frozenset(wrt)] = _Refused(refused)
+                raise
             return None
         self.stats["builds"] += built
         return session

@@ -49,6 +49,7 @@ from . import accumulation, checkpoints, custom_functions, double_scalars, excha
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
+from .edits import BACKWARD_HOOKS, FORWARD_HOOKS, MODULE_HOOKS
 from .functions import exportable_functions
 from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
@@ -101,6 +102,9 @@ class Reference:
     """The call's input leaves as the trace took them, those requiring grad as leaves of their own
     (`_traced_leaf`): torch's gradients of this call alone, where the caller's tensors would also take the paths
     that reach them outside it (an input computed from a parameter the module shares, one tensor passed twice)."""
+    backward_hooks: tuple[str, ...] = ()
+    """The module's backward hooks and its forward's tensor hooks, which torch's gradients pass through and
+    onnxruntime's backward cannot run (named where the gradients differ)."""
     thread: int = field(default_factory=threading.get_ident)
     """The thread whose call exported: another thread's call may find the schema first, with other inputs."""
 
@@ -450,11 +454,10 @@ def _listed(items: Sequence[str], most: int = 4) -> str:
     return ", ".join(items[:most]) + (" and more" if len(items) > most else "")
 
 
-def _hooked(module: nn.Module) -> list[str]:
-    """The module hooks of `module` and its children, and the global ones, that the user's own code defines:
-    libraries' hooks serve the forward itself (torch's weight and spectral norms compute a weight in a pre-hook,
-    Hugging Face's record the outputs it returns), which the graph then holds."""
-    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+def _hooked(module: nn.Module, kinds: Sequence[str] = MODULE_HOOKS) -> list[str]:
+    """The module hooks of these kinds on `module` and its children, and the global ones, that the user's own code
+    defines: libraries' hooks serve the forward itself (torch's weight and spectral norms compute a weight in a
+    pre-hook, Hugging Face's record the outputs it returns), which the graph then holds."""
     found = []
     for name, mod in module.named_modules():
         for kind in kinds:
@@ -738,9 +741,11 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "while it is exported: the graph keeps this call's draws, so every step repeats them (a layer "
                       "dropped or kept, a size). Draw them as torch tensors the computation uses as tensors "
                       "(torch.rand with torch.where), or run the module in torch.", ExportWarning, stacklevel=4)
-    hooked = _hooked(module)
+    hooked = _hooked(module, FORWARD_HOOKS)
+    unrun = _hooked(module, BACKWARD_HOOKS)
     if flat._result.get("tensor_hooks"):
-        hooked.append("a gradient hook on a tensor inside forward (register_hook)")
+        unrun.append("a gradient hook on a tensor inside forward (register_hook)")
+    hooked += unrun
     if hooked:
         warnings.warn(f"ORTModule({type(module).__name__}): {_listed(hooked)} will not run at each step: the "
                       "module runs as one onnxruntime graph; what a forward hook returns is part of it, but its side "
@@ -794,7 +799,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     _complete_ranks(model, feeds)
     reference = None
     if options.check and not lost and not draws_random(model):
-        reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves))
+        reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves), tuple(unrun))
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
                     bool(flat._result.get("baked")), flat._result.get("guards"))

@@ -133,6 +133,20 @@ class ORTModule(nn.Module):
                 raise
             return getattr(original, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """The wrapped module's attributes are set on it (`model.tau = 0.5`: its forward reads its own), as its
+        parameters, buffers and submodules already are (their dicts are shared); the wrapper's own state stays."""
+        if "_original" not in self.__dict__ or name in self.__dict__ or hasattr(type(self), name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._original, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__ or "_original" not in self.__dict__:
+            super().__delattr__(name)
+        else:
+            delattr(self._original, name)
+
     # containers (nn.Sequential, nn.ModuleList) keep their indexing; dunders bypass __getattr__
     def __getitem__(self, index: Any) -> Any:
         return self._original[index]

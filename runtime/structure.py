@@ -69,23 +69,26 @@ def _is_namedtuple(x: Any) -> bool:
 def flatten(value: Any) -> tuple[list[torch.Tensor], Spec]:
     """Tensors of `value` in depth-first order, and the spec to rebuild it."""
     leaves: list[torch.Tensor] = []
+    return leaves, _spec(value, leaves)
 
-    def walk(x: Any) -> Spec:
-        if isinstance(x, torch.Tensor):
-            leaves.append(x)
-            return Leaf(len(leaves) - 1)
-        if isinstance(x, Mapping):
-            keys = tuple(x.keys())
-            return Node(type(x), keys, tuple(walk(x[k]) for k in keys))
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            keys = tuple(f.name for f in dataclasses.fields(x))
-            return Node(type(x), keys, tuple(walk(getattr(x, k)) for k in keys))
-        if isinstance(x, (tuple, list)):
-            return Node(type(x), None, tuple(walk(v) for v in x))
-        return Const(x)
 
-    spec = walk(value)
-    return leaves, spec
+def _spec(x: Any, leaves: list[torch.Tensor]) -> Spec:
+    """`x`'s spec, its tensors appended to `leaves`. A function of its own, not a closure calling itself: that
+    closure and its cell made a cycle holding `leaves` until Python's cyclic collector ran, so the outputs of the
+    export's torch run, with their autograd graph and its saved activations, outlived the call (and a parameter's
+    gradient accumulator with its old sizes: `weight.data = bigger` then failed at the next backward)."""
+    if isinstance(x, torch.Tensor):
+        leaves.append(x)
+        return Leaf(len(leaves) - 1)
+    if isinstance(x, Mapping):
+        keys = tuple(x.keys())
+        return Node(type(x), keys, tuple(_spec(x[k], leaves) for k in keys))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        keys = tuple(f.name for f in dataclasses.fields(x))
+        return Node(type(x), keys, tuple(_spec(getattr(x, k), leaves) for k in keys))
+    if isinstance(x, (tuple, list)):
+        return Node(type(x), None, tuple(_spec(v, leaves) for v in x))
+    return Const(x)
 
 
 def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:
@@ -131,6 +134,16 @@ def tensor_paths(spec: Spec, prefix: str = "") -> list[str]:
 def constants(spec: Spec) -> list[tuple[str, Any]]:
     """(readable path, value) of each non-tensor value of a spec, depth first."""
     return [(path, s.value) for path, s in _walk(spec) if isinstance(s, Const)]
+
+
+def without_numbers(spec: Spec) -> Spec:
+    """The spec with each Python number (int or float, not bool) replaced by its type: calls that only a changed
+    number tells apart (flags and strings pick modes; numbers may change at every call)."""
+    if isinstance(spec, Const) and isinstance(spec.value, int | float) and not isinstance(spec.value, bool):
+        return Const(type(spec.value))
+    if isinstance(spec, Node):
+        return Node(spec.kind, spec.keys, tuple(without_numbers(c) for c in spec.children))
+    return spec
 
 
 def numbers(spec: Spec) -> dict[str, int | float | str]:

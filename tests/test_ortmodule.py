@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import inspect
 import io
 import pickle
@@ -25,6 +26,7 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import prune
 
 from runtime import ExportWarning, FallbackWarning, ORTModule, ORTModuleError
 from runtime import export as export_module
@@ -1159,6 +1161,146 @@ def test_gradient_hooks_on_parameters_and_inputs_run_as_in_torch() -> None:
         torch.testing.assert_close(g, w)
 
 
+class Editable(nn.Module):
+    """A forward reading what later edits change: a submodule, a bias, a buffer it may not have yet."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.fc = nn.Linear(6, 6)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(self.emb(ids).mean(1)))
+        if hasattr(self, "shift"):
+            h = h + self.shift
+        return self.head(h)
+
+
+def test_module_edited_after_export_is_exported_again() -> None:
+    """What torch reads at every call and an export holds: hooks registered or removed, submodules replaced, a
+    buffer registered, a bias removed, a vocabulary grown (a new Parameter, or `.data` as Hugging Face's
+    resize_token_embeddings does), pruning, attributes set on the ORTModule. Each edit, made to both modules after
+    two steps, gives torch's outputs and gradients from the next call on (the old graph ran without a word, or
+    failed naming a parameter)."""
+    def grow(m: nn.Module) -> None:
+        m.emb.weight = nn.Parameter(torch.cat([m.emb.weight.detach(), torch.ones(5, 6)]))
+
+    hooks: list = []
+    edits = {
+        "forward hook": lambda m: m.fc.register_forward_hook(lambda mod, args, out: out * 2),
+        "forward pre-hook": lambda m: m.head.register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,)),
+        "global forward hook": lambda m: hooks.append(nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: out + 1 if mod is m.head else None)),
+        "submodule": lambda m: setattr(m, "act", nn.Tanh()),
+        "buffer": lambda m: m.register_buffer("shift", torch.full((6,), 0.25)),
+        "bias removed": lambda m: setattr(m.fc, "bias", None),
+        "vocabulary grown": grow,
+        "pruned": lambda m: prune.l1_unstructured(m.fc, "weight", amount=0.5),
+    }
+    ids = torch.randint(0, 10, (4, 5))
+    for what, edit in edits.items():
+        torch.manual_seed(0)
+        ref = Editable()
+        model = ORTModule(copy.deepcopy(ref))
+        for step in range(4):
+            if step == 2:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ExportWarning)  # hooks run at export only: warned
+                    edit(model.module)
+                    edit(ref)
+            for m in (model, ref):
+                m.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ExportWarning)
+                got = model(ids)
+            want = ref(ids)
+            got.square().sum().backward()
+            want.square().sum().backward()
+            torch.testing.assert_close(got, want, msg=f"{what}, step {step}")
+            assert_grads_equal(model, ref)
+        for h in hooks:
+            h.remove()
+        assert model.stats["exports"] == 2, (what, model.stats)
+
+    torch.manual_seed(0)
+    ref = Editable()
+    model = ORTModule(copy.deepcopy(ref))
+    with torch.no_grad():
+        model(ids)  # torch's own backward fails after `.data` resizes a parameter it differentiated before
+    for m in (model.module, ref):
+        m.emb.weight.data = torch.cat([m.emb.weight.detach(), torch.full((5, 6), 0.5)])
+    model(ids + 5).sum().backward()
+    ref(ids + 5).sum().backward()
+    assert_grads_equal(model, ref)
+
+    torch.manual_seed(0)
+    ref = Editable()
+    model = ORTModule(copy.deepcopy(ref))
+    handle = model.module.fc.register_forward_hook(lambda mod, args, out: out * 2)
+    ref.fc.register_forward_hook(lambda mod, args, out: out * 2).remove()
+    with pytest.warns(ExportWarning, match="a forward hook on fc"):
+        model(ids)
+    handle.remove()  # removed after the export that held it
+    torch.testing.assert_close(model(ids), ref(ids))
+
+    class Annealed(Editable):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) / self.tau
+
+    model = ORTModule(Annealed())
+    model.tau = 1.0
+    model(ids)
+    model.tau = 0.25  # set through the wrapper: the wrapped forward reads its own attribute
+    assert model.module.tau == 0.25 and "tau" not in model.__dict__
+    with pytest.warns(RuntimeWarning, match=r"tau \(1.0 -> 0.25\)"):
+        torch.testing.assert_close(model(ids), model.module(ids))
+    del model.tau
+    assert not hasattr(model.module, "tau")
+
+
+def test_calls_leave_no_reference_cycles() -> None:
+    """Nothing a call makes waits for Python's cyclic collector: the export's torch run leaves no autograd graph
+    alive (its outputs, with their saved activations, were held by a cycle in `structure.flatten`, as was every
+    call's input list), and training and inference steps make no garbage cycles."""
+    class Keyed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn, self.head = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+            h = self.head(torch.relu(self.bn(self.fc(x))))
+            return {"loss": F.cross_entropy(h, y), "scores": h}
+
+    model = ORTModule(Keyed())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    def graphs() -> list[torch.Tensor]:
+        return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = {id(t) for t in graphs()}  # other tests' (one process runs many)
+        model(x, y=y)  # exports
+        assert not [t for t in graphs() if id(t) not in before]
+        for mode in (True, False, True, False):  # the second round: sessions made
+            model.train(mode)
+            gc.collect()
+            for _ in range(10):
+                with torch.set_grad_enabled(mode):
+                    out = model(x, y=y)
+                if mode:
+                    out["loss"].backward()
+                    opt.step()
+                    opt.zero_grad()
+            found = gc.collect()
+        assert found == 0
+    finally:
+        gc.enable()
+
+
 def test_module_hooks_are_named() -> None:
     """Module hooks run only while exporting: warned, naming each; torch's own weight-norm pre-hook (a weight
     computed in the graph) is not."""
@@ -1180,6 +1322,13 @@ def test_module_hooks_are_named() -> None:
 
     with pytest.warns(ExportWarning, match=r"a gradient hook on a tensor inside forward \(register_hook\) will not"):
         ORTModule(Clipped())(torch.randn(3, 4))
+
+    # one changing the gradients fails the first backward's check, naming it as the cause
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    module[2].register_full_backward_hook(lambda mod, grad_in, grad_out: (grad_in[0] * 3,))
+    with pytest.warns(ExportWarning), \
+            pytest.raises(ORTModuleError, match="has a backward hook on 2, which changed torch's gradients"):
+        ORTModule(module)(torch.randn(3, 4)).sum().backward()
 
     def normed() -> nn.Module:  # weight_norm's modules refuse deepcopy: made twice from one seed
         with torch.random.fork_rng():
@@ -1344,19 +1493,55 @@ def test_embedding_padding_row_gets_no_gradient_from_lookups(dtype) -> None:
         torch.testing.assert_close(om(ids), ref(ids))
 
 
-def test_batchnorm_without_running_stats() -> None:
-    """Batch statistics in train and eval; the legacy exporter cannot export it with a dynamic batch."""
-    ref, om = pair(nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4, track_running_stats=False)))
-    for mode in (True, False):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_batchnorm_without_running_stats(frozen: bool) -> None:
+    """track_running_stats=False: batch statistics in training, and in evaluation too where the module has no
+    running statistics; with them (`frozen`: the flag turned off to fine-tune with frozen statistics) evaluation
+    reads them and training leaves them alone. The legacy exporter cannot export batch statistics with a dynamic
+    batch. Every call of each mode is checked: the second refused the export ("another graph": the stand-in
+    statistics the trace changed were constants of the graph), and onnxruntime wrote batch statistics into the
+    frozen buffers at every training step."""
+    module = nn.Sequential(nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4, track_running_stats=frozen), nn.ReLU(),
+                           nn.Linear(4, 2))
+    if frozen:
+        module[1].running_mean.uniform_(-1, 1)
+        module[1].running_var.uniform_(0.5, 2)
+        module[1].track_running_stats = False
+    ref, om = pair(module)
+    for mode in (True, False, True):
         om.train(mode)
         ref.train(mode)
-        om.zero_grad()
-        ref.zero_grad()
-        x, w = torch.randn(6, 3), torch.randn(6, 4)
-        (om(x) * w).sum().backward()
-        (ref(x) * w).sum().backward()
-        assert_grads_equal(om, ref)
-    assert om[1].running_mean is None and list(om.state_dict()) == list(ref.state_dict())
+        for rows in (6, 5, 6):
+            om.zero_grad()
+            ref.zero_grad()
+            x, w = torch.randn(rows, 3), torch.randn(rows, 2)
+            got, want = om(x), ref(x)
+            torch.testing.assert_close(got, want)
+            (got * w).sum().backward()
+            (want * w).sum().backward()
+            assert_grads_equal(om, ref)
+    assert list(om.state_dict()) == list(ref.state_dict())
+    if frozen:
+        for b, c in zip(om.buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c, rtol=0, atol=0)
+    else:
+        assert om[1].running_mean is None
+    assert om.stats["exports"] == 2, om.stats
+
+
+def test_batchnorm_on_one_value_per_channel_raises_as_torch() -> None:
+    """A last batch of one in training: torch raises; the graph computed its unbiased variance as NaN (0 * n / (n -
+    1)) and wrote it into the running variance, so every evaluation after it was NaN."""
+    ref, om = pair(nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)))
+    om(torch.randn(8, 5)).sum().backward()
+    ref(torch.randn(8, 5))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        ref(torch.randn(1, 5))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        om(torch.randn(1, 5))
+    assert torch.isfinite(om[1].running_var).all()
+    om.eval()
+    assert torch.isfinite(om(torch.randn(3, 5))).all()
 
 
 # --- nn.Module behaviour ---------------------------------------------------------------------------------------
@@ -1418,9 +1603,12 @@ class WithSTFT(nn.Module):
 
 
 def test_unsupported_op_is_a_clear_error() -> None:
+    """At every call: the one after the failed build ran in torch without a word."""
     om = ORTModule(WithSTFT())
-    with pytest.raises(ORTModuleError, match=r"ORTModule\(WithSTFT\).*\bSTFT\b.*no gradient rule"):
-        om(torch.randn(2, 16)).backward()
+    for _ in range(2):
+        with pytest.raises(ORTModuleError, match=r"ORTModule\(WithSTFT\).*\bSTFT\b.*no gradient rule"):
+            om(torch.randn(2, 16)).backward()
+    assert om.stats["fallbacks"] == 0
 
 
 def test_quantization_aware_training_is_refused_by_its_operator_with_the_buffers_put_back() -> None:
@@ -1748,6 +1936,33 @@ def test_export_check_passes_rounding_tipped_the_other_way() -> None:
     assert_grads_equal(om, ref, rtol=1e-3, atol=1e-5)
 
 
+def test_export_check_passes_outputs_zero_by_the_math() -> None:
+    """An output zero by the math (a normalized activation's mean, returned as a statistic next to the logits) is
+    rounding noise in torch and onnxruntime alike: checked against the call's largest output, not its own (which
+    refused such modules for most seeds), while an output that is wrong still fails."""
+    class Monitored(nn.Module):
+        def __init__(self, norm: nn.Module, wrong: bool = False):
+            super().__init__()
+            self.fc, self.norm, self.head, self.wrong = nn.Linear(16, 32), norm, nn.Linear(32, 4), wrong
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.norm(self.fc(x))
+            means = h.mean(-1)
+            if self.wrong:  # an in-place change through a view, which the tracer misses
+                means.view(-1)[:1].add_(1e-3)
+            return self.head(torch.relu(h)), means.mean()
+
+    for seed in range(5):
+        for norm in (lambda: nn.LayerNorm(32, elementwise_affine=False), lambda: nn.BatchNorm1d(32)):
+            torch.manual_seed(seed)
+            ref, om = pair(Monitored(norm()))
+            x = torch.randn(8, 16)
+            for got, want in zip(om(x), ref(x)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ORTModuleError, match="output 1 of 2"):
+        ORTModule(Monitored(nn.LayerNorm(32, elementwise_affine=False), wrong=True))(torch.randn(8, 16))
+
+
 @contextlib.contextmanager
 def wrong_tanh_rule() -> Iterator[None]:
     """Tanh's gradient rule without its 1 - y^2 while the block runs (the rule table and its lookup cache)."""
@@ -1766,8 +1981,9 @@ def wrong_tanh_rule() -> Iterator[None]:
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_first_gradients_checked_against_torch(exporter: str) -> None:
     """The first backward of an export is compared with torch's gradients of the traced call (dynamo's: the call
-    torch ran before exporting): a wrong gradient rule fails it from backward, named; with fallback that step gets
-    torch's gradients and later calls run in torch; check_export=False leaves onnxruntime's."""
+    torch ran before exporting): a wrong gradient rule fails it from backward, named, and every later call of the
+    refused graph fails too (the next one ran it); with fallback that step gets torch's gradients and later calls
+    run in torch; check_export=False leaves onnxruntime's."""
     x = torch.randn(5, 4)
 
     def net() -> nn.Module:
@@ -1776,9 +1992,11 @@ def test_first_gradients_checked_against_torch(exporter: str) -> None:
 
     ref = net()
     with wrong_tanh_rule():
-        with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradients of the call that exported the "
-                                                 r"module differ from torch's: gradient \d+ of 4 \(8, 4\)"):
-            ORTModule(net(), exporter=exporter)(x).sum().backward()
+        refused = ORTModule(net(), exporter=exporter)
+        for _ in range(2):
+            with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradients of the call that exported "
+                                                     r"the module differ from torch's: gradient \d+ of 4 \(8, 4\)"):
+                refused(x).sum().backward()
         om = ORTModule(net(), fallback=True, exporter=exporter)
         with pytest.warns(FallbackWarning, match="gradient check"):
             om(x).sum().backward()
@@ -2022,6 +2240,39 @@ def test_a_python_attribute_changing_at_every_call_fails_as_an_export_does() -> 
         for step in range(12):
             om.module.tau = 1.0 + step
             om(x)
+    assert om.stats["exports"] == 9
+
+
+def test_a_python_number_argument_changing_at_every_call_is_warned_then_refused() -> None:
+    """A float argument (a diffusion timestep) is a constant of the export: each new value exported again, with
+    nothing said and sessions piling up (30 exports in 30 steps). Now warned at its first change, naming it, and
+    refused after `SCALAR_EXPORTS` values; values seen before reuse their graphs, and flags pick among graphs
+    without a word."""
+    class Timed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, t: float, gelu: bool = False) -> torch.Tensor:
+            h = self.fc(x) * t
+            return F.gelu(h) if gelu else torch.tanh(h)
+
+    ref, om = pair(Timed())
+    x = torch.randn(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for gelu in (False, True, False):
+            torch.testing.assert_close(om(x, 0.5, gelu=gelu), ref(x, 0.5, gelu=gelu))
+    with pytest.warns(RuntimeWarning, match=r"argument t \(0.5 -> 0.75\) is a constant") as caught:
+        for t in (0.75, 0.5, 0.75, 1.0):
+            torch.testing.assert_close(om(x, t), ref(x, t))
+    assert sum("argument" in str(w.message) for w in caught) == 1
+    assert om.stats["exports"] == 4
+    with pytest.raises(ORTModuleError, match=r"argument t \(.*\) took 9 values.*as a tensor"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(10):
+            om(x, 2.0 + step)
     assert om.stats["exports"] == 9
 
 
