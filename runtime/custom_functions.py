@@ -8,10 +8,11 @@ forward, the gradient passed on unchanged) would get zero gradients, a gradient 
 one, silently. (Reentrant activation checkpointing, torch's CheckpointFunction, which the exporter fails in with
 "unordered_map::at", runs its function directly, its outputs detached where no input requires grad as torch's
 are: Hugging Face's `gradient_checkpointing_enable()`.) So the export
-records the first call of every Function applied to a tensor that requires grad
-(not torch's own), and after it compares the Function's backward with autograd's gradient of its forward's ops
+records the first call of every Function applied to a float tensor (not torch's own), and for those applied to a
+tensor that requires grad compares the Function's backward with autograd's gradient of its forward's ops
 on that call's inputs (one random cotangent); a Function whose two differ, or that cannot be checked, refuses the
-module (`refusal`).
+module (`refusal`). An export whose call differentiated nothing (every parameter frozen) cannot tell which
+Functions matter, and is not used for gradients (`unchecked`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class Applied:
     cls: type
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    differentiated: bool = True
+    """Whether a tensor it was applied to required grad (a first call with the parameters frozen, or under no_grad
+    with only buffers and inputs, applies it to none: its backward matters once they require grad)."""
 
 
 def _own(cls: type) -> bool:
@@ -49,8 +53,8 @@ _APPLY = vars(torch.autograd.Function)["apply"].__func__
 
 @contextlib.contextmanager
 def applied_functions() -> Iterator[list[Applied]]:
-    """The Functions applied to tensors requiring grad while the block runs, in call order, each with its first
-    call (not torch's own). Holds under the export lock (`Function.apply` is replaced process-wide)."""
+    """The Functions applied to float tensors while the block runs, in call order, each with its first call (not
+    torch's own). Holds under the export lock (`Function.apply` is replaced process-wide)."""
     applied: list[Applied] = []
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -60,9 +64,9 @@ def applied_functions() -> Iterator[list[Applied]]:
                 return out
             # as torch's: with no input requiring grad, its outputs do not, and what it reads gets no gradient
             return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-        if not _own(cls) and all(a.cls is not cls for a in applied) and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
-            applied.append(Applied(cls, args, kwargs))
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not _own(cls) and all(a.cls is not cls for a in applied) and any(t.is_floating_point() for t in tensors):
+            applied.append(Applied(cls, args, kwargs, any(t.requires_grad for t in tensors)))
         with stop_gradients.in_function():
             return _APPLY(cls, *args, **kwargs)
 
@@ -131,9 +135,9 @@ def derivative_consistent(call: Applied, rtol: float = 1e-3) -> bool:
 
 
 def refusal(module: str, applied: Sequence[Applied]) -> str | None:
-    """The export error for a module that applied Functions whose backward is not their forward's derivative,
-    or None."""
-    wrong = [a.cls for a in applied if not derivative_consistent(a)]
+    """The export error for a module that applied Functions to tensors requiring grad whose backward is not their
+    forward's derivative, or None."""
+    wrong = [a.cls for a in applied if a.differentiated and not derivative_consistent(a)]
     if not wrong:
         return None
     names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in wrong)
@@ -144,3 +148,9 @@ def refusal(module: str, applied: Sequence[Applied]) -> str | None:
             "Run the module in torch (ORTModule(module, fallback=True) does so for such calls, with a warning), or "
             "write the gradient with detach(), which the export keeps: `x + (f(x) - x).detach()` computes f(x) and "
             "passes x's gradient straight through; `(c + 1) * x.detach() - c * x` for a gradient scaled by -c.")
+
+
+def unchecked(applied: Sequence[Applied]) -> bool:
+    """Whether Functions were applied to tensors none of which required grad: unchecked (`refusal`), so an export
+    made with every parameter frozen (a warm-up) cannot serve a gradient build once they require grad."""
+    return any(not a.differentiated for a in applied)

@@ -403,6 +403,9 @@ class Engine:
         n = len(ex.outputs)
         call = None
         if wrt:
+            if ex.functions_unchecked:  # exported with nothing requiring grad: again, checking its Functions
+                self.schemas.pop(key, None)
+                return self(args, kwargs)
             session = self._session(key, schema, wrt, leaves)
             if session is None:
                 return self.module(*args, **kwargs)
@@ -462,8 +465,8 @@ class Engine:
                 holder, attr = self._owners.get(fqn) or self._owner(fqn)
                 if attr in holder._parameters:
                     holder._parameters[attr].copy_(value)
-                elif feeding.get(fqn) in read:
-                    holder._buffers[attr] = value
+                elif feeding.get(fqn) in read or holder._buffers[attr].shape != value.shape:  # or resized: a bank
+                    holder._buffers[attr] = value  # grown by torch.cat, as the forward put a new tensor in its slot
                 else:
                     holder._buffers[attr].copy_(value)
 

@@ -136,6 +136,9 @@ class Exported:
     baked: bool = False
     """Whether the legacy trace turned a traced value into a Python one (its TracerWarning): a branch on a size,
     the batch's too, may be kept as the branch taken."""
+    functions_unchecked: bool = False
+    """Exported with nothing requiring grad, the Functions it applied went unchecked (`custom_functions.unchecked`):
+    a gradient build exports again first, as the module requires grad then."""
     guards: SizeGuards | None = None
     """The input sizes a dynamo export holds for; None for the legacy exporter, whose other sizes are checked by
     exporting them again (`Engine._new_sizes`)."""
@@ -161,9 +164,10 @@ class _Shared(dict):
 
 
 def as_called(bound: inspect.BoundArguments) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The forward's arguments as a caller passes them: by keyword wherever the signature allows (positionally only
-    the positional-only ones, and those before a non-empty *args). `BoundArguments.args` puts every argument it can
-    in position, defaults included: a decorator filling a default into **kwargs when it does not see the argument
+    """The forward's arguments as a caller passes them: in position the positional-only ones, those before a
+    non-empty *args, and the leading ones without a default (`model(x)`: the module's own forward pre-hooks read
+    `args[0]`, and failed to find it), the rest by keyword. `BoundArguments.args` puts every argument it can in
+    position, defaults included: a decorator filling a default into **kwargs when it does not see the argument
     among the positionals (transformers' merge_with_config_defaults: XGLM, M2M100, Llava) then met it twice."""
     params = bound.signature.parameters
     varargs = next((name for name, p in params.items() if p.kind is p.VAR_POSITIONAL), None)
@@ -172,12 +176,12 @@ def as_called(bound: inspect.BoundArguments) -> tuple[tuple[Any, ...], dict[str,
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     for name, value in bound.arguments.items():
-        kind = params[name].kind
-        if kind is inspect.Parameter.POSITIONAL_ONLY:
+        p = params[name]
+        if p.kind is p.POSITIONAL_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty and not kwargs):
             args.append(value)
-        elif kind is inspect.Parameter.VAR_KEYWORD:
+        elif p.kind is p.VAR_KEYWORD:
             kwargs.update(value)
-        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+        elif p.kind is not p.VAR_POSITIONAL:
             kwargs[name] = value
     return tuple(args), kwargs
 
@@ -240,6 +244,7 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     out: the runtime updates those; a parameter by its version counter, so nothing is copied), or replaced (a
     recurrent state kept from call to call, `self.h = h.detach()`: its slot holds another tensor)."""
     saved = [(name, b, b.detach().clone()) for name, b in module.named_buffers()]
+    buffer_versions = {id(b): b._version for _, b, _ in saved}
     slots = {name: _holder(module, name) for name, _, _ in saved}
     empty = [(m, attr) for m in module.modules() for attr, b in m._buffers.items() if b is None]
     versions = [(name, p, p._version) for name, p in module.named_parameters()]
@@ -256,7 +261,10 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
 
     def changed() -> list[str]:
         bumped = [name for name, p, version in versions if p._version != version]
-        return [*(name for name, b, v in saved if name not in statistics and (not _same(b, v) or replaced(name, b))),
+        # a buffer by its version counter too: a change that leaves this call's value as it was (a running maximum
+        # not exceeded yet, an EMA teacher equal to its student at the start) is still a change of every call
+        return [*(name for name, b, v in saved if name not in statistics and
+                  (b._version != buffer_versions[id(b)] or not _same(b, v) or replaced(name, b))),
                 *bumped, *(name for name in through_data.changed() if name not in bumped)]
 
     try:
@@ -734,6 +742,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                           "every call would return those. Return the tensors (`acc` instead of `acc.item()`) and "
                           "read them after the call, or run the module in torch.")
     refused = custom_functions.refusal(type(module).__name__, applied)
+    differentiable = any(t.requires_grad for t in leaves) or any(p.requires_grad for p in module.parameters())
     if refused:
         raise ExportError(refused)
     if drawn:
@@ -802,7 +811,9 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves), tuple(unrun))
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
-                    bool(flat._result.get("baked")), flat._result.get("guards"))
+                    bool(flat._result.get("baked")),
+                    not differentiable and custom_functions.unchecked(applied),
+                    flat._result.get("guards"))
 
 
 def _traced_leaf(t: torch.Tensor) -> torch.Tensor:

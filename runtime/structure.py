@@ -102,7 +102,7 @@ def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:
     if spec.keys is not None:
         pairs = dict(zip(spec.keys, items))
         if dataclasses.is_dataclass(kind):  # dataclasses, including ModelOutput (an OrderedDict subclass)
-            return kind(**pairs)
+            return _dataclass(kind, pairs)
         if kind is dict:
             return pairs
         return kind(pairs)
@@ -111,6 +111,15 @@ def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:
     if issubclass(kind, tuple) and hasattr(kind, "_fields"):
         return kind(*items)
     return kind(items)
+
+
+def _dataclass(kind: type, values: dict[str, Any]) -> Any:
+    """An instance with these field values: fields with init=False (computed in __post_init__) set after."""
+    later = {f.name for f in dataclasses.fields(kind) if not f.init}
+    made = kind(**{k: v for k, v in values.items() if k not in later})
+    for k in later:
+        object.__setattr__(made, k, values[k])
+    return made
 
 
 def _walk(spec: Spec, path: str = "") -> Iterator[tuple[str, Leaf | Const]]:

@@ -200,6 +200,36 @@ def test_nested_outputs_keep_their_structure() -> None:
     assert_grads_equal(om, ref)
 
 
+@dataclass
+class Scores:
+    """A field computed in __post_init__ (init=False): rebuilding passed it to the constructor (a TypeError)."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.probs = self.logits.softmax(-1)
+
+
+def test_dataclass_outputs_with_fields_outside_init() -> None:
+    class WithScores(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor) -> Scores:
+            return Scores(self.fc(x))
+
+    ref, om = pair(WithScores())
+    x = torch.randn(5, 3)
+    out, want = om(x), ref(x)
+    assert type(out) is Scores
+    torch.testing.assert_close(out.probs, want.probs)
+    out.probs[:, 0].sum().backward()
+    want.probs[:, 0].sum().backward()
+    assert_grads_equal(om, ref)
+
+
 class WithMasks(nn.Module):
     """Float, bool, int and float outputs: non-differentiable ones in the middle."""
 
@@ -1023,6 +1053,69 @@ def test_buffers_changed_in_forward_follow_torch() -> None:
         ORTModule(quiet)(torch.randn(3, 4)).sum().backward()
 
 
+class RunningPeak(nn.Module):
+    """A running maximum the forward keeps in place, and a mean teacher starting as an exact copy of its student
+    (0.9 t + 0.1 s == t bitwise at the first call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Linear(4, 3)
+        self.register_buffer("peak", torch.tensor(10.0))
+        self.register_buffer("teacher", self.student.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.peak.copy_(torch.maximum(self.peak, x.abs().max()))
+            self.teacher.mul_(0.9).add_(0.1 * self.student.weight)
+            target = F.linear(x, self.teacher).softmax(-1)
+        return -(target * self.student(x / self.peak).log_softmax(-1)).sum(-1).mean()
+
+
+def test_buffers_changed_in_place_to_the_same_value_at_the_export_follow_torch() -> None:
+    """Changes found by value only: a change leaving the exporting call's value as it was (the maximum not
+    exceeded yet, the teacher equal to its student) was dropped from the graph for good, silently (the peak then
+    never moved) or refused at the second call."""
+    ref, om = pair(RunningPeak())
+    opt, ref_opt = torch.optim.SGD(om.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    for scale in (1.0, 1.0, 50.0, 1.0):
+        x = torch.randn(5, 4) * scale
+        for model, o in ((om, opt), (ref, ref_opt)):
+            o.zero_grad()
+            model(x).backward()
+            o.step()
+        torch.testing.assert_close(om.module.peak, ref.peak)
+        torch.testing.assert_close(om.module.teacher, ref.teacher)
+        assert_grads_equal(om, ref)
+    assert om.stats["exports"] == 1
+
+
+class Bank(nn.Module):
+    """A memory bank of negatives the forward grows to a cap by putting a new tensor in the buffer's slot."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.f = nn.Linear(6, 4)
+        self.register_buffer("bank", torch.randn(start, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = F.normalize(self.f(x), dim=-1)
+        self.bank = torch.cat([z.detach(), self.bank], 0)[:10]
+        return -z.sum()
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_a_buffer_replaced_by_a_larger_one_follows_torch(start: int) -> None:
+    """The new value was copied into the old tensor where the call's backward does not read the buffer: "The size
+    of tensor a (0) must match the size of tensor b (4)" at the first call."""
+    ref, om = pair(Bank(start))
+    for _ in range(4):
+        x = torch.randn(4, 6)
+        om(x).backward()
+        ref(x).backward()
+        torch.testing.assert_close(om.module.bank, ref.bank)
+        assert_grads_equal(om, ref)
+
+
 class Truncated(nn.Module):
     """Truncated backpropagation through time: the GRU's last state kept in a buffer from call to call
     (`self.h = h.detach()`, a new tensor in the buffer's slot), and a non-persistent scale the training loop sets
@@ -1826,6 +1919,25 @@ def test_custom_autograd_functions_are_refused() -> None:
         assert_grads_equal(om, ref)
         assert ref.fc.weight.grad.abs().sum() > 0
 
+    # exported with every parameter frozen (a warm-up), the Function was applied to nothing requiring grad and
+    # went unchecked: unfrozen, the same export trained with zero gradients through the round, silently. A
+    # gradient build exports again first, checking it
+    om = ORTModule(Quantized())
+    om.requires_grad_(False)
+    om(x)
+    om.requires_grad_(True)
+    for _ in range(2):
+        with pytest.raises(ORTModuleError, match=r"export failed.*RoundStraightThrough to tensors that require"):
+            om(x).backward()
+    ref, frozen = pair(Quantized("input"))  # on the input: never differentiated, trains as above
+    frozen.requires_grad_(False)
+    frozen(x)
+    frozen.requires_grad_(True)
+    frozen(x).backward()
+    ref(x).backward()
+    assert_grads_equal(frozen, ref)
+    assert frozen.stats["exports"] == 2
+
 
 class ThroughView(nn.Module):
     """ReLU applied in place through a view of the features, the features returned: torch's tracer records the
@@ -2322,3 +2434,23 @@ def test_keyword_arguments_reach_forward_as_keywords() -> None:
     with pytest.warns(RuntimeWarning, match="create_graph"):
         (grad,) = torch.autograd.grad(om(x=x), x, create_graph=True)
     torch.testing.assert_close(grad, torch.autograd.grad(ref(x=x), x)[0])
+
+
+def test_the_module_s_own_forward_pre_hooks_see_its_positional_inputs() -> None:
+    """Passed by keyword to the module's forward, `model(x)`'s input was not in the `args` of its own forward
+    pre-hooks ("tuple index out of range" at the export); required arguments go in position again, those with
+    defaults by keyword (as the test above needs)."""
+    def halved(mod: nn.Module, args: tuple) -> tuple:
+        return (args[0] * 0.5, *args[1:])
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+        model.register_forward_pre_hook(halved)
+        models.append(model)
+    ref, om = models[0], ORTModule(models[1])
+    x = torch.randn(4, 5)
+    with pytest.warns(ExportWarning, match="a forward pre hook on the module"):
+        got = om(x)
+    torch.testing.assert_close(got, ref(x))
