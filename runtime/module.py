@@ -25,6 +25,10 @@ from .session import TrainingSession
 __all__ = ["FallbackWarning", "ORTModule", "ORTModuleError"]
 
 
+_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
+
+
 def _forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
     if torch._C._is_tracing() or exporting() or torch.compiler.is_compiling():
         return _traced_call(self, args, kwargs)
@@ -103,6 +107,9 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_engine", Engine(module, self._options))
         self.__dict__.update(_parameters=module._parameters, _buffers=module._buffers, _modules=module._modules,
                              _non_persistent_buffers_set=module._non_persistent_buffers_set)
+        # the module's own state_dict hooks run for the wrapper, which stands for it (a key-renaming shim, metadata
+        # added, unexpected keys cleared on load): torch runs those of each module object it walks
+        self.__dict__.update({name: getattr(module, name) for name in _STATE_DICT_HOOKS})
         self.training = module.training
 
     # --- the wrapped module ----------------------------------------------------------------------

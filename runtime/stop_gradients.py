@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from gradbuilder.stop_gradient import OP_TYPE
@@ -66,13 +67,20 @@ class WithoutGrad(TorchFunctionMode):
         self.changed_parameters: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Parameters an in-place op changed while grad was disabled (`_changed_parameter`), each with a copy of
         its value before, in call order."""
+        self._aliases: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}
+        """A parameter's `.data` as read in the forward, by id (the alias kept: ids are not reused meanwhile)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is torch.Tensor.register_hook:
             self.tensor_hooks += 1
-        if not torch.is_grad_enabled() and not _IN_FUNCTIONS[0] and args and _in_place(func) and \
-                isinstance(args[0], torch.Tensor) and args[0].requires_grad and args[0].is_leaf:
-            return self._changed_parameter(func, args, kwargs or {})
+        if args and not _IN_FUNCTIONS[0]:
+            if getattr(func, "__self__", None) is _DATA:
+                return self._data(func, args)
+            target = self._parameter(args[0])  # changed in place without grad, or through `.data` with it too
+            if target is not None and _in_place(func) and (
+                    args[0] is not target or not torch.is_grad_enabled() or not target.requires_grad):
+                with torch.no_grad():
+                    return self._changed_parameter(func, (target, *args[1:]), kwargs or {})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = func(*args, **(kwargs or {}))
@@ -86,6 +94,31 @@ class WithoutGrad(TorchFunctionMode):
         if _changed_in_place(func, out, given):
             out.copy_(out.detach())  # traced: later reads of the buffer go through a StopGradient
         return _detached(out, given)
+
+    def _parameter(self, t: Any) -> nn.Parameter | None:
+        """The parameter `t` is, or whose `.data` it is."""
+        if isinstance(t, nn.Parameter):
+            return t
+        alias = self._aliases.get(id(t))
+        return alias[1] if alias is not None and alias[0] is t else None
+
+    def _data(self, func: Any, args: tuple) -> Any:
+        """A parameter's `.data`, read or assigned in the forward (a momentum encoder's `pk.data.mul_(m).add_(pq.data,
+        alpha=1 - m)` or `pk.data = pk.data * m + ...`, as in MoCo's code). The trace took a read as a constant,
+        the value at the export; here it is the parameter's detach(), whose in-place ops are the parameter's own
+        (`_changed_parameter`), and an assignment of a value of its shape a copy_ into it. The parameter then
+        changes at each call, as torch's does (the key encoder stopped moving after the export)."""
+        param = args[0]
+        if func.__name__ == "__get__" and isinstance(param, nn.Parameter):
+            alias = param.detach()  # traced from the parameter's graph input (`.data` was traced as a constant)
+            self._aliases[id(alias)] = (alias, param)
+            return alias
+        if func.__name__ == "__set__" and isinstance(param, nn.Parameter) and isinstance(args[1], torch.Tensor) and \
+                _untraced_sizes(args[1]) == _untraced_sizes(param) and args[1].dtype == param.dtype:
+            with torch.no_grad():
+                self._changed_parameter(torch.Tensor.copy_, (param, args[1]), {})
+            return None
+        return func(*args)
 
     def _changed_parameter(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """An in-place op on a parameter while grad is disabled (an embedding's max_norm renorm, a weight clipped or
@@ -118,6 +151,20 @@ def _in_place(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     return name == "__setitem__" or name in _IN_PLACE_OPERATORS or (
         name.endswith("_") and not name.startswith("_") and name not in _NOT_VALUES)
+
+
+def _untraced_sizes(t: torch.Tensor) -> tuple[int, ...]:
+    """`t`'s sizes as numbers, not recorded by the legacy tracer (whose sizes compare as tensors: a TracerWarning)."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return tuple(int(d) for d in t.shape)
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]
+"""The `data` descriptor, whose `__get__` and `__set__` reach a TorchFunctionMode as method wrappers."""
 
 
 def _changed_in_place(func: Any, out: Any, given: set[int]) -> bool:
