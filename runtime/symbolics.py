@@ -2,10 +2,13 @@
 
 torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
 `addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc`, `mH` (spectral norm's parametrization), `copy` (a buffer's
-`copy_` whose result is used), `median`, `cumprod`, `cummax`, `cummin` and interpolate's nearest-exact ("Exporting
-the operator ... is not supported"), though ONNX and gradbuilder's rules have what they compute: each is one op
-(Sinh, Resize, ...) or a few (median: a TopK of the smaller half; the running ones: a reduction over a triangle).
-torch's own `tensor_split` writes a tensor sequence (no gradient rule) or a Split failing at run time: ours slices.
+`copy_` whose result is used), `median`, `cumprod`, `cummax`, `cummin`, `logcumsumexp` and interpolate's
+nearest-exact ("Exporting the operator ... is not supported"), though ONNX and gradbuilder's rules have what they
+compute: each is one op (Sinh, Resize, ...) or a few (median: a TopK of the smaller half; the running ones: a
+reduction over a triangle). torch's own `tensor_split` writes a tensor sequence (no gradient rule) or a Split failing
+at run time: ours slices. Some of torch's own compute something else than torch, and ours replace them:
+`floor_divide` truncates, `index` with two or more index tensors reads negative ones wrongly, and `max` / `min` along
+a dim split the gradient of a tie (torch gives it to the index returned) and drop NaNs.
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
@@ -24,6 +27,8 @@ from torch.onnx._internal.torchscript_exporter import (
     jit_utils,
     registration,
     symbolic_helper,
+    symbolic_opset9,
+    symbolic_opset11,
     symbolic_opset13,
 )
 
@@ -32,7 +37,7 @@ from gradbuilder.rules.linalg import MICROSOFT
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
 
-TORCH_OWN = {"aten::tensor_split": 13, "aten::cumsum": 11}
+TORCH_OWN = {"aten::tensor_split": 13, "aten::cumsum": 11, "aten::index": 11, "aten::max": 18, "aten::min": 18}
 """The opset of torch's own conversion of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -68,12 +73,92 @@ def _unary(op: str) -> Callable[[Any, Any], Any]:
 
 
 def _logaddexp(g: Any, a: Any, b: Any, base: float = 1.0) -> Any:
-    """max(a, b) + log(1 + exp(-|a - b|)), in base e or 2 (`base` = ln 2)."""
+    """max(a, b) + log(1 + exp(-|a - b|)), in base e or 2 (`base` = ln 2); a where a and b are the same infinity,
+    as torch's (-inf for two -infs, the log of two zero probabilities: a - b there is NaN). The gradient there is
+    NaN, as torch's (1 / (1 + exp(b - a))): a `where` masking those inputs keeps it out of a parameter's."""
     if base != 1.0:
         a, b = g.op("Mul", a, const_like(g, base, a)), g.op("Mul", b, const_like(g, base, b))
     gap = g.op("Neg", g.op("Abs", g.op("Sub", a, b)))
     out = g.op("Add", g.op("Max", a, b), g.op("Log", g.op("Add", const_like(g, 1.0, a), g.op("Exp", gap))))
+    out = g.op("Where", g.op("And", g.op("IsInf", a), g.op("Equal", a, b)), a, out)
     return out if base == 1.0 else g.op("Div", out, const_like(g, base, out))
+
+
+def _common_type(g: Any, a: Any, b: Any) -> tuple[Any, Any, bool]:
+    """a and b in the type torch computes their binary op in, the traced result's (a's floating type, or a's, where
+    the trace does not say), and whether it is floating."""
+    result = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.UNDEFINED)
+    if result == _type_utils.JitScalarType.UNDEFINED:
+        result = _type_utils.JitScalarType.from_value(
+            b if symbolic_helper._is_fp(b) and not symbolic_helper._is_fp(a) else a, _type_utils.JitScalarType.FLOAT)
+    a, b = (v if _type_utils.JitScalarType.from_value(v, _type_utils.JitScalarType.UNDEFINED) == result
+            else g.op("Cast", v, to_i=result.onnx_type()) for v in (a, b))
+    return a, b, result.dtype().is_floating_point
+
+
+def _floor_divide(g: Any, a: Any, b: Any) -> Any:
+    """torch.floor_divide (`//`) rounding down, as torch's since 1.13 (torch's conversion truncates, its old
+    behaviour). Integers: the truncated quotient less one where the signs differ and the division is not exact, as
+    torch's integer kernel (exact, no float round trip; the one subtracted as a cast flag: onnxruntime has no int16
+    Where). Floats: `_floor_quotient`. No gradient in torch."""
+    a, b, floating = _common_type(g, a, b)
+    if floating:
+        return _floor_quotient(g, a, b)
+    zero = const_like(g, 0, a)
+    inexact = g.op("Not", g.op("Equal", g.op("Mod", a, b, fmod_i=1), zero))
+    opposite = g.op("Xor", g.op("Less", a, zero), g.op("Less", b, zero))
+    return g.op("Sub", g.op("Div", a, b), g.op("CastLike", g.op("And", inexact, opposite), a))
+
+
+def _floor_quotient(g: Any, a: Any, b: Any) -> Any:
+    """torch's floating floor division (c10::div_floor_floating), not floor(a / b), which differs where a / b rounds
+    up to an integer (1 // 0.1: torch and Python 9, floor(a / b) 10): d = (a - fmod(a, b)) / b, less one where the
+    remainder's sign is not b's, floored and rounded to the nearest integer; a zero with a / b's sign; a / b where b
+    is 0. The signed zero comes through Where's second branch (onnxruntime's Where gives +0 for a -0 it picks from
+    its first), under a condition without Not (which onnxruntime fuses into Where by swapping its branches)."""
+    zero, one = const_like(g, 0.0, a), const_like(g, 1.0, a)
+    remainder = g.op("Mod", a, b, fmod_i=1)
+    d = g.op("Div", g.op("Sub", a, remainder), b)
+    down = g.op("And", g.op("Not", g.op("Equal", remainder, zero)),
+                g.op("Xor", g.op("Less", b, zero), g.op("Less", remainder, zero)))
+    d = g.op("Where", down, g.op("Sub", d, one), d)
+    floor = g.op("Floor", d)
+    floor = g.op("Where", g.op("Greater", g.op("Sub", d, floor), const_like(g, 0.5, a)), g.op("Add", floor, one), floor)
+    ratio = g.op("Div", a, b)
+    nonzero = g.op("Greater", g.op("Abs", d), zero)
+    floor = g.op("Where", nonzero, floor, g.op("Mul", ratio, zero))  # copysign(0, a / b) where d is 0
+    return g.op("Where", g.op("Equal", b, zero), ratio, floor)
+
+
+def _index(g: Any, x: Any, index: Any) -> Any:
+    """x[i, j, ...] with two or more index tensors: torch's conversion, its indices wrapped first (`_wrapped`), as it
+    combines them into one flat index, i * stride + j, where a negative one picks another element or none (a
+    Gather out of bounds). A single index (a Gather, which wraps negatives itself) goes to torch's as it is, and so
+    do masks (torch's turns them into the non-negative positions of their true entries)."""
+    own = symbolic_opset11.index if g.opset >= 11 else symbolic_opset9.index
+    indices = symbolic_helper._unpack_list(index) if symbolic_helper._is_packed_list(index) else [index]
+    if sum(not symbolic_helper._is_none(i) for i in indices) < 2:
+        return own(g, x, index)
+    wrapped = [i if symbolic_helper._is_none(i) or _is_mask(i) else _wrapped(g, x, k, i) for k, i in enumerate(indices)]
+    return own(g, x, g.op("prim::ListConstruct", *wrapped))
+
+
+def _is_mask(index: Any) -> bool:
+    """Whether an index is a boolean (or uint8, torch's old) mask."""
+    scalar_type = _type_utils.JitScalarType.from_value(index, _type_utils.JitScalarType.UNDEFINED)
+    return scalar_type in (_type_utils.JitScalarType.BOOL, _type_utils.JitScalarType.UINT8)
+
+
+def _wrapped(g: Any, x: Any, axis: int, index: Any) -> Any:
+    """index into x's axis, its negative entries plus the axis's size (a constant where known at export, read from
+    Shape at run time if not)."""
+    n = symbolic_helper._get_tensor_dim_size(x, axis)
+    if n is None:
+        n = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor(axis)))
+    else:
+        n = g.op("Constant", value_t=torch.tensor(n))
+    n = g.op("CastLike", n, index)
+    return g.op("Where", g.op("Less", index, const_like(g, 0, index)), g.op("Add", index, n), index)
 
 
 def _xlogy(g: Any, x: Any, y: Any) -> Any:
@@ -283,6 +368,20 @@ def _cumprod(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
     return _reduce(g, "ReduceProd", spread, axis + 1)
 
 
+def _logcumsumexp(g: Any, x: Any, dim: Any) -> Any:
+    """torch.logcumsumexp as y_i = logsumexp_j (x_j where j <= i, else -inf), a ReduceLogSumExp over `_triangle`
+    (the legacy exporter has none; dynamo's, log(cumsum(exp(x - max))), gives NaN gradients everywhere once an
+    output is -inf, and underflows to -inf below max - 104 in float32). An output of -inf (all x_j so far -inf)
+    gives its x_j NaN gradients, as torch's; the rest stay finite."""
+    got = _rank_and_axis(g, x, dim, "logcumsumexp")
+    if got is None or got[0] == 0:
+        return None if got is None else x
+    rank, axis = got
+    below, _ = _triangle(g, x, axis, rank)
+    spread = g.op("Where", below, symbolic_helper._unsqueeze_helper(g, x, [axis]), const_like(g, -math.inf, x))
+    return _reduce(g, "ReduceLogSumExp", spread, axis + 1)
+
+
 def _never_best(g: Any, x: Any, largest: bool) -> Any:
     """A value no running max (min, `largest` False) prefers to any of x's: -inf (inf), an integer type's least
     (greatest)."""
@@ -321,6 +420,39 @@ def _running_extremum(largest: bool) -> Callable[[Any, Any, Any], tuple[Any, Any
             last_nan = _reduce(g, "ReduceMax", g.op("Where", at_nan, j, none), axis + 1)
             index = g.op("Where", g.op("Equal", last_nan, none), index, last_nan)
         return g.op("GatherElements", x, index, axis_i=axis), index
+    return convert
+
+
+def _extremum(largest: bool) -> Callable[..., Any]:
+    """torch.max (min) along a dim: the index the first occurrence of the max (ArgMax, as torch's CPU kernel), the
+    first NaN where there is one (torch's max and min propagate NaN), and the value x gathered there, so that the
+    gradient goes wholly to that index, as torch's backward scatters it (torch's conversion writes the value as a
+    ReduceMax, whose rule splits a tie evenly: amax's gradient, not max's). Booleans as uint8 (onnxruntime has no
+    boolean ReduceMax or ArgMax). onnxruntime's ArgMax skips NaNs: the first NaN is found by an ArgMax of their mask,
+    which doubles the op's time (a row max of [256, 32000] float32, one thread: 16 ms, 7 without, torch's conversion
+    8). max(x) and max(x, y): torch's."""
+    own = symbolic_helper._max_helper if largest else symbolic_helper._min_helper
+    op = "ArgMax" if largest else "ArgMin"
+    uint8 = _type_utils.JitScalarType.UINT8.onnx_type()
+
+    def convert(g: Any, x: Any, dim_or_y: Any = None, keepdim: Any = None) -> Any:
+        rank = symbolic_helper._get_tensor_rank(x)
+        if keepdim is None or rank is None:
+            return own(g, x, dim_or_y, keepdim)
+        keep = bool(symbolic_helper._get_const(keepdim, "i", "keepdim"))
+        if rank == 0:
+            return x, g.op("Constant", value_t=torch.tensor(0))
+        axis = symbolic_helper._get_const(dim_or_y, "i", "dim") % rank
+        key = g.op("Cast", x, to_i=uint8) if symbolic_helper._is_bool(x) else x
+        index = g.op(op, key, axis_i=axis, keepdims_i=1)
+        if _floating(x):
+            nan = g.op("IsNaN", x)
+            first_nan = g.op("ArgMax", g.op("Cast", nan, to_i=uint8), axis_i=axis, keepdims_i=1)
+            index = g.op("Where", g.op("GatherElements", nan, first_nan, axis_i=axis), first_nan, index)
+        value = g.op("GatherElements", x, index, axis_i=axis)
+        if not keep:
+            return tuple(symbolic_helper._squeeze_helper(g, t, [axis]) for t in (value, index))
+        return value, index
     return convert
 
 
@@ -419,6 +551,8 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::median": lambda g, x, *args: _median(g, x) if not args else _median_dim(g, x, *args),
     "aten::tensor_split": _tensor_split, "aten::cumprod": _cumprod,
     "aten::cummax": _running_extremum(True), "aten::cummin": _running_extremum(False),
+    "aten::logcumsumexp": _logcumsumexp, "aten::floor_divide": _floor_divide,
+    "aten::index": _index, "aten::max": _extremum(True), "aten::min": _extremum(False),
     "aten::linalg_slogdet": _slogdet, "aten::slogdet": _slogdet, "aten::cumsum": _cumsum,
     "aten::linalg_inv": _inverse, "aten::linalg_inv_ex": _inverse_ex,
     "aten::linalg_solve": _solve, "aten::linalg_solve_ex": _solve_ex,

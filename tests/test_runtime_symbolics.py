@@ -1,6 +1,8 @@
 """runtime/symbolics.py: ops torch's legacy exporter has no conversion for ("Exporting the operator ... is not
 supported") train through ORTModule like torch, in-place forms and torch.special aliases included, and
-interpolate's nearest-exact; so does tensor_split, which it converts into a tensor sequence (no gradient rule)."""
+interpolate's nearest-exact; so does tensor_split, which it converts into a tensor sequence (no gradient rule), and
+so do the ops it converts into something else than torch computes: floor_divide (truncated), index with two or more
+index tensors (negative ones read wrongly), max / min along a dim (ties' gradient split, NaNs dropped)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,37 @@ from runtime import symbolics
 MATRIX = torch.randn(6, 6, generator=torch.Generator().manual_seed(5))
 ZEROS = torch.tensor([[1.0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0], [0, 1, 0, 1, 1, 1], [1, 1, 1, 0, 1, 1]])
 """Exact zeros for cumprod, one or two per row, one per column (its gradient before a zero, at it, past it)."""
+
+
+INF = float("inf")
+NAN = float("nan")
+NO_PROBABILITY = torch.tensor([[1, 0, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 1, 0]]).bool()
+"""Where `_log_masked` puts -inf: leading runs (logcumsumexp's outputs -inf), and pairs both -inf under flip(1) (row 0,
+positions 0 and 5) and flip(0) (rows 0 and 3, position 0)."""
+NANS = torch.tensor([[0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0]]).bool()
+INFS = torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0]]).bool()
+"""Where `_with_nans` puts NaN (two in a row: the first is max's and min's) and inf (a row with NaNs too; a tie)."""
+
+
+def _log_masked(h: torch.Tensor) -> torch.Tensor:
+    """h with -inf (log-probabilities of 0) where `NO_PROBABILITY`: its gradient there (NaN in torch's logaddexp and
+    logcumsumexp of two -infs) never reaches a parameter, masked_fill's backward selects."""
+    return h.masked_fill(NO_PROBABILITY, -INF)
+
+
+def _with_nans(h: torch.Tensor) -> torch.Tensor:
+    return h.masked_fill(NANS, NAN).masked_fill(INFS, INF)
+
+
+def _finite(result: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """max / min's values (NaN and inf as 0, no gradient there) shifted by their indices."""
+    values, indices = result
+    return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0) * (1 + indices / 10) + indices
+
+
+def _ints(h: torch.Tensor) -> torch.Tensor:
+    """h rounded to int64, without a gradient (torch's floor_divide has none)."""
+    return h.detach().round().long()
 
 
 def _tied(h: torch.Tensor) -> torch.Tensor:
@@ -99,7 +132,33 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "solve, left=False": lambda h: (torch.linalg.solve(_gram(h), h, left=False)
                                     + torch.linalg.solve(_blocks(h), h.reshape(-1, 2, 2)[:, :1], left=False)
                                     .reshape(-1, 6).sum(0)),
+    # floor division rounds down (torch's conversion truncates): floats, tenths by a tenth (0.3 // 0.1 is 2, floor of
+    # the rounded quotient 3), ints by a negative scalar and by ints of both signs; no gradient in torch (detached)
+    "floor_divide": lambda h: h * ((3 * h.detach()) // 0.7 + (h.detach() * 10).round() / 10 // 0.1
+                                   + torch.floor_divide(-h.detach(), h.detach().flip(1))),
+    "floor_divide of ints": lambda h: h * (_ints(7 * h) // -3 + _ints(5 * h) // _ints(3 * h.flip(0)).masked_fill(
+        _ints(3 * h.flip(0)) == 0, -2)),
+    # -inf and -inf: -inf, as torch's (NaN before); the output through exp (0 at -inf, no gradient)
+    "logaddexp of -infs": lambda h: (torch.logaddexp(_log_masked(h), _log_masked(h).flip(1)).exp()
+                                     + torch.logaddexp2(_log_masked(h), _log_masked(h).flip(0)).exp2()
+                                     + torch.logaddexp(_log_masked(h), torch.full_like(h, -INF)).exp()),
+    # along the 6 and the batch axis (its length read at run time), leading -infs; spread out values (dynamo's
+    # max-shifted conversion underflows them)
+    "logcumsumexp": lambda h: (_log_masked(h).logcumsumexp(1).exp() + _log_masked(h).logcumsumexp(0).exp()
+                               + torch.logcumsumexp(30 * h, -1) / 30 + torch.logcumsumexp(h.T, 1).T),
+    # ties: the whole gradient to the first occurrence, as torch's (ReduceMax splits it)
+    "max, min along a dim with ties": lambda h: (_with_indices(_tied(h).max(1)).unsqueeze(1)
+                                                 + _with_indices(_tied(h).min(0, keepdim=True))
+                                                 + _with_indices(torch.max(_tied(h), -2))
+                                                 + _with_indices(_tied(h).min(-1, True))),
+    # NaN propagates: its value, the first NaN's index; inf ties a NaN-free row's max
+    "max, min along a dim with NaN": lambda h: (_finite(_with_nans(h).max(1)).unsqueeze(1)
+                                                + _finite(_with_nans(h).min(1, keepdim=True))
+                                                + _finite(_with_nans(h).max(0)) + _finite(_with_nans(-h).min(0))),
 }
+DOUBLE = ["floor_divide", "floor_divide of ints", "logaddexp of -infs", "logcumsumexp",
+          "max, min along a dim with ties", "max, min along a dim with NaN"]
+"""The entries also run in float64."""
 
 
 class Op(nn.Module):
@@ -112,11 +171,53 @@ class Op(nn.Module):
         return (self.op(self.fc(x)) * r).sum()
 
 
-@pytest.mark.parametrize("op", list(OPS))
-def test_converted_ops_train_like_torch(op: str) -> None:
+@pytest.mark.parametrize("op, dtype", [pytest.param(op, torch.float32, id=op) for op in OPS]
+                         + [pytest.param(op, torch.float64, id=f"{op}, float64") for op in DOUBLE])
+def test_converted_ops_train_like_torch(op: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(4, 6, generator=g), torch.randn(1, 6, generator=g)) for _ in range(3)]
-    check_parity(lambda: Op(OPS[op]), batches, lambda m, b: m(*b), threads=1)
+    batches = [(torch.randn(4, 6, generator=g, dtype=dtype), torch.randn(1, 6, generator=g, dtype=dtype))
+               for _ in range(3)]
+    check_parity(lambda: Op(OPS[op]).to(dtype), batches, lambda m, b: m(*b), threads=1)
+
+
+MASK = torch.tensor([True, False, True, True])
+"""Three of axis 1's four."""
+
+INDEXING: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "w[i, j]": lambda w, i, j: w[i, j],
+    "w[:, i, j]": lambda w, i, j: w[:, i, j],
+    "w[i, :, j]": lambda w, i, j: w[i, :, j],
+    "w[i, j, i]": lambda w, i, j: w[i, j, i],
+    "w[i[:, None], j] (broadcast)": lambda w, i, j: w[i[:, None], j],
+    "w[:, mask, j]": lambda w, i, j: w[:, MASK, j[:3]],
+    "w[i] (one index)": lambda w, i, j: w[:, i],
+}
+
+
+class Indexed(nn.Module):
+    """An index of h = fc(x), [2, 4, 6] (sizes read at run time), and of a parameter of the same static sizes."""
+
+    def __init__(self, index: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(2, 4, 6))
+        self.index = index
+
+    def forward(self, x: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return (self.index(h, i, j).exp() * (1 + self.index(self.w, i, j))).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("index", list(INDEXING))
+def test_advanced_indexing_with_negative_indices_trains_like_torch(index: str, dtype: torch.dtype) -> None:
+    """Two or more index tensors with negative entries: torch's conversion combines them as i * stride + j without
+    wrapping them (wrong elements, or a Gather out of bounds). i indexes axes of 2 (and 4), j of 4 (and 6): every
+    value from -2 (-4) on; more indices at each call."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 4, 6, generator=g, dtype=dtype), torch.randint(-2, 2, (n,), generator=g),
+                torch.randint(-4, 4, (n,), generator=g)) for n in (5, 7, 9)]
+    check_parity(lambda: Indexed(INDEXING[index]).to(dtype), batches, lambda m, b: m(*b), threads=1)
 
 
 def test_ours_win_at_every_opset() -> None:
