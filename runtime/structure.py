@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -55,6 +56,11 @@ Spec = Leaf | Const | Node
 
 
 def _hashable(value: Any) -> Any:
+    """The value as a cache key: numpy arrays by their contents (keyed by identity, an array changed in place kept
+    its export's values, and each fresh array of the same values exported again), other unhashable values by
+    identity."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
     try:
         hash(value)
         return value
@@ -88,7 +94,7 @@ def _spec(x: Any, leaves: list[torch.Tensor]) -> Spec:
         return Node(type(x), keys, tuple(_spec(getattr(x, k), leaves) for k in keys))
     if isinstance(x, (tuple, list)):
         return Node(type(x), None, tuple(_spec(v, leaves) for v in x))
-    return Const(x)
+    return Const(x.copy() if isinstance(x, np.ndarray) else x)  # as it is now: a key compares contents
 
 
 def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:

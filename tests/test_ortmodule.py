@@ -2511,6 +2511,26 @@ def test_a_python_number_argument_changing_at_every_call_is_warned_then_refused(
     assert om.stats["exports"] == 9
 
 
+def test_numpy_arguments_are_constants_by_their_values() -> None:
+    """A numpy array argument (turned into a tensor inside forward) was keyed by identity: the same array changed
+    in place kept its export's values, and each fresh array of equal values exported again."""
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+            return self.fc(x) * torch.as_tensor(w, dtype=torch.float32)
+
+    ref, om = pair(Weighted())
+    x, w = torch.randn(4, 3), np.array([1.0, 2.0, 3.0])
+    for values in ([1.0, 2.0, 3.0], [5.0, -1.0, 0.5], [1.0, 2.0, 3.0]):
+        w[:] = values
+        torch.testing.assert_close(om(x, w), ref(x, w))
+        torch.testing.assert_close(om(x, np.array(values)), ref(x, w))
+    assert om.stats["exports"] == 2
+
+
 def _default_from_kwargs(forward):
     """transformers' merge_with_config_defaults, reduced: an argument not among the positionals it sees (behind
     another decorator's *args) gets its default put in **kwargs."""
