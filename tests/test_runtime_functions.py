@@ -4,8 +4,10 @@ like torch (`check_parity`), the adaptive pooling for every input size from one 
 
 from __future__ import annotations
 
+import copy
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from parity import check_parity, sgd
 from torch import nn
 from torch.nn import functional as F
 
-from runtime import ExportWarning, ORTModule, functions
+from runtime import ExportWarning, ORTModule, ORTModuleError, functions
 
 
 class Net(nn.Module):
@@ -646,3 +648,165 @@ def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
                 torch.diag(h[0]).sum(0), h.T.diag(-2)]
 
     _trains_under_the_legacy_exporter(lambda: Projected(diagonals), rows=4)
+
+
+def _as_torch(make: Callable[[], nn.Module], inputs: Sequence[torch.Tensor], **tolerance: float) -> None:
+    """Each input through one ORTModule of `make()` and through a copy in torch: outputs, and the parameters'
+    gradients of a weighted sum of them, as torch's (NaN where torch's are, nowhere else; a gradient's absolute
+    tolerance scaled by its largest element); then no ExportWarning (the module kept the legacy exporter)."""
+    ref = make()
+    om = ORTModule(copy.deepcopy(ref))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        for x in inputs:
+            got, want = om(x), ref(x)
+            torch.testing.assert_close(got, want, **tolerance)
+            weights = torch.linspace(-1, 1, want.numel(), dtype=want.dtype).view(want.shape)
+            got_grads = torch.autograd.grad((got * weights).sum(), list(om.parameters()))
+            want_grads = torch.autograd.grad((want * weights).sum(), list(ref.parameters()))
+            for name, a, b in zip([n for n, _ in ref.named_parameters()], got_grads, want_grads):
+                # a sum of many terms near 0 (a bias's) is rounding noise of the largest terms' size
+                atol = tolerance["atol"] * max(1.0, float(b.abs().max()))
+                torch.testing.assert_close(a, b, rtol=tolerance["rtol"], atol=atol,
+                                           msg=lambda m, name=name: f"{name}: {m}")
+    assert not [w for w in caught if issubclass(w.category, ExportWarning)], [str(w.message) for w in caught]
+
+
+TOLERANCE = {torch.float32: {"rtol": 1e-4, "atol": 1e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-12}}
+
+
+class Norms(nn.Module):
+    """Norms of w * x whose orders the exporter wrote as a power of a sum (torch.linalg.vector_norm, torch.norm and
+    Tensor.norm of 3, 0.5, 1.5 and 4, and torch.linalg.norm of a row), the Frobenius norm (matrix_norm), torch.dist
+    with p = 3, and as controls the orders the exporter reduces itself (2, 1, inf)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 12, dtype=dtype).view(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w * x
+        return torch.cat([
+            torch.linalg.vector_norm(h, 3, dim=1), torch.linalg.vector_norm(h, 0.5, dim=-1, keepdim=True).flatten(),
+            h.norm(p=1.5, dim=1), torch.norm(h, 4, dim=(0, 1)).reshape(1), torch.linalg.norm(h, 3, dim=1),
+            torch.linalg.matrix_norm(h[:2]).reshape(1), torch.linalg.matrix_norm(h[:2], keepdim=True).flatten(),
+            torch.dist(h[0], h[1], p=3).reshape(1), h[1].dist(h[2] * 0, 0.5).reshape(1),
+            torch.linalg.vector_norm(h, 2, dim=1), h.norm(p=1, dim=1), torch.linalg.vector_norm(h, math.inf, dim=1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_norms_have_torch_s_zero_gradient_at_zero(dtype: torch.dtype) -> None:
+    """torch's norm backward is 0 where the norm is 0 (and, below order 1, at a zero element): an all-zero row under
+    orders 3, 0.5, 1.5 and 4, an all-zero matrix under the Frobenius norm, torch.dist at zero distance, and a zero
+    element of a non-zero row under order 0.5 got NaN gradients (which poison the parameter at the next step)."""
+    g = torch.Generator().manual_seed(0)
+    zeros = torch.randn(3, 4, generator=g, dtype=dtype)
+    zeros[:2] = 0  # rows 0 and 1 zero: their norms, their matrix's, and their distance
+    zeros[2, 1] = 0
+    _as_torch(lambda: Norms(dtype), [zeros, torch.randn(3, 4, generator=g, dtype=dtype), zeros * 2],
+              **TOLERANCE[dtype])
+
+
+class Clipped(nn.Module):
+    """w * x through relu6, nn.ReLU6, nn.Hardtanh, hardtanh(-0.5, 2), and the in-place forms (read again after),
+    with clamp(-1, 1), whose gradient passes at its bounds, as a control."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8, dtype=dtype))
+        self.relu6, self.hardtanh, self.in_place = nn.ReLU6(), nn.Hardtanh(), nn.ReLU6(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w * x
+        copied = h * 1.0
+        self.in_place(copied)
+        again = h * 1.0
+        F.hardtanh(again, -0.5, 2.0, inplace=True)
+        return torch.cat([F.relu6(h), self.relu6(h), self.hardtanh(h), F.hardtanh(h, -0.5, 2.0), copied * 2, again,
+                          h.clamp(-1, 1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hardtanh_and_relu6_pass_no_gradient_at_their_bounds(dtype: torch.dtype) -> None:
+    """torch's hardtanh (relu6, nn.ReLU6, nn.Hardtanh) backward compares strictly: 0 at x = min or max, where the
+    exported Clip's rule (clamp's, inclusive) passed the gradient. Values unchanged; clamp keeps its own rule."""
+    bounds = torch.tensor([0.0, 6.0, -1.0, 1.0, -0.5, 2.0, 3.0, -7.0], dtype=dtype)
+    inside = torch.tensor([0.25, 5.5, -0.75, 0.5, 1.5, -0.25, 7.0, 0.0], dtype=dtype)
+    _as_torch(lambda: Clipped(dtype), [bounds, inside, bounds.flip(0)], **TOLERANCE[dtype])
+
+
+def test_diagonal_is_a_view_as_torch_s() -> None:
+    """The patched diagonal is a view of its input where the two axes flatten without a copy, as torch's is (a
+    copy there, at offsets other than 0, lost `u.diagonal(1).copy_(v)` in torch's run as in the export, which the
+    first call's check compared with): the same elements, and writes through it reach the input."""
+    g = torch.Generator().manual_seed(0)
+    for shape, offset, dims in [((4, 5), 1, (0, 1)), ((4, 5), -2, (0, 1)), ((5, 3), 2, (0, 1)), ((3, 4), 7, (0, 1)),
+                                ((4, 4), -5, (0, 1)), ((2, 4, 5), -1, (1, 2)), ((2, 3, 4), 1, (-2, -1))]:
+        x = torch.randn(shape, generator=g)
+        want, written = x.clone(), x.clone()
+        torch.diagonal(want, offset, *dims).mul_(3)
+        with functions.exportable_functions():
+            view = torch.diagonal(written, offset, *dims)
+            torch.testing.assert_close(view, torch.diagonal(x, offset, *dims), rtol=0, atol=0)
+            view.mul_(3)
+        torch.testing.assert_close(written, want, rtol=0, atol=0, msg=f"{shape}, offset {offset}, dims {dims}")
+
+
+class WrittenDiagonal(nn.Module):
+    def __init__(self, offset: int, transposed: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4, 5))
+        self.offset, self.transposed = offset, transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.w * x
+        u = t * 1.0
+        diagonal = (u.T if self.transposed else u).diagonal(self.offset)
+        diagonal.copy_(t[0, :diagonal.shape[0]] * 3)
+        return u
+
+
+@pytest.mark.parametrize("offset, transposed", [(1, False), (-1, False), (0, False), (1, True)])
+def test_writes_through_a_diagonal_are_torch_s_or_refused(offset: int, transposed: bool) -> None:
+    """`u.diagonal(offset).copy_(v)`: onnxruntime's output is torch's, or the module is refused (the export's first
+    check, or a write into a diagonal the export had to copy), never silently u unchanged."""
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    want = WrittenDiagonal(offset, transposed)(x)
+    try:
+        got = ORTModule(WrittenDiagonal(offset, transposed))(x)
+    except ORTModuleError as e:
+        assert "export" in str(e)
+        return
+    torch.testing.assert_close(got, want)
+
+
+class Antialiased(nn.Module):
+    """Each pixel scaled and shifted by its own parameters (a conv has no float64 kernel in onnxruntime), then
+    F.interpolate with antialias by a scale factor (the legacy exporter has no antialiasing; dynamo's Resize took
+    the output size, so sampled by in / out)."""
+
+    def __init__(self, mode: str, factor: float | tuple[float, float], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 2 * 20 * 13, dtype=dtype).view(2, 20, 13))
+        self.shift = nn.Parameter(torch.linspace(-1, 1, 2 * 20 * 13, dtype=dtype).view(2, 20, 13).cos())
+        self.mode, self.factor = mode, factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        height, width = x.shape[-2:]
+        h = x * self.scale[:, :height, :width] + self.shift[:, :height, :width]
+        return F.interpolate(h, scale_factor=self.factor, mode=self.mode, antialias=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode, factor", [("bilinear", 0.5), ("bicubic", 0.5), ("bilinear", 1.5),
+                                          ("bicubic", (0.3, 0.75))])
+def test_antialiased_interpolation_by_a_factor_follows_every_size(mode: str, factor: float | tuple[float, float],
+                                                                   dtype: torch.dtype) -> None:
+    """torch samples by the given factor (not by in / out) and sizes the output floor(size * factor): from one
+    export, a first call at a square size that is a multiple of the factor, then sizes that are not (7 x 0.5 -> 3),
+    values and gradients as torch's, float64 too (onnxruntime has no float64 Resize). (torch's own kernel repeats
+    the first row where the resampled width is 1: no such size here.)"""
+    g = torch.Generator().manual_seed(0)
+    sizes = [(8, 8), (7, 5), (9, 13), (4, 9), (20, 6)]  # square first: one export for both axes' sizes
+    _as_torch(lambda: Antialiased(mode, factor, dtype),
+              [torch.randn(2, 2, h, w, generator=g, dtype=dtype) for h, w in sizes], **TOLERANCE[dtype])
