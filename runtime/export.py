@@ -17,6 +17,7 @@ Every tensor argument gets all dimensions dynamic; non-tensor arguments are bake
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
@@ -24,6 +25,7 @@ import io
 import logging
 import os
 import random
+import re
 import sys
 import threading
 import warnings
@@ -816,6 +818,26 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                     flat._result.get("guards"))
 
 
+def _called_elsewhere(node: onnx.NodeProto, paths: Sequence[str]) -> bool:
+    """Whether the exporter names `node` as computed in a module other than those at `paths`: dynamo by its
+    `name_scopes` metadata (`['', 'blocks.0', 'blocks.0.emb', 'embedding']`: the innermost module's path before
+    the op's name), the legacy exporter by the scope in the node's name (`/blocks.0/emb/Gather`,
+    `/seq/seq.0/Gather`: its last part ends the module's path). A node neither names is not known to be
+    elsewhere."""
+    scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+    if scopes is not None:
+        parts = [str(x) for x in ast.literal_eval(scopes)]
+        return len(parts) >= 2 and parts[-2] not in paths
+    if not node.name.startswith("/"):
+        return False
+    scope = node.name.split("/")[1:-1]
+    if not scope:
+        return "" not in paths
+    # a second module of the same attribute name is scoped `emb_1`
+    names = {scope[-1], re.sub(r"_\d+$", "", scope[-1])}
+    return not any(path == name or path.endswith("." + name) for path in paths for name in names)
+
+
 def _traced_leaf(t: torch.Tensor) -> torch.Tensor:
     """An input as the trace takes it: a copy of an inference tensor (which autograd cannot record), and a tensor
     requiring grad as a leaf of its own on the same memory (`Reference.leaves`)."""
@@ -888,10 +910,16 @@ def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[st
                        ) -> list[tuple[str, str]]:
     """nn.Embedding(padding_idx=p) gives row p no gradient, but both exporters emit a plain Gather. Each Gather
     of such a weight takes the rows of padding ids from a second graph input fed the same tensor and never
-    differentiated: Where(ids == p, Gather(weight_no_grad, ids), Gather(weight, ids)).
+    differentiated: Where(ids == p, Gather(weight_no_grad, ids), Gather(weight, ids)). Not the Gathers the
+    exporter names as another module's (`weight[ids]`, `F.embedding` without padding_idx: torch gives their row p
+    its gradient; all were cut).
     Returns the added inputs as (graph input, qualified name of the weight)."""
     padding = {id(m.weight): m.padding_idx for m in module.modules()
                if isinstance(m, nn.Embedding) and m.padding_idx is not None}
+    owners: dict[int, list[str]] = {}  # the embeddings' paths, by weight
+    for path, m in module.named_modules():
+        if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+            owners.setdefault(id(m.weight), []).append(path)
     g = model.graph
     weights = {i.name: i for i in g.input if i.name in state and id(state[i.name]) in padding}
     if not weights:
@@ -902,7 +930,8 @@ def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[st
     nodes: list[onnx.NodeProto] = []
     for node in g.node:
         axis = int_attr(node, "axis", 0)
-        if node.op_type != "Gather" or node.input[0] not in weights or axis != 0:
+        if node.op_type != "Gather" or node.input[0] not in weights or axis != 0 or \
+                _called_elsewhere(node, owners[id(state[node.input[0]])]):
             nodes.append(node)
             continue
         w, ids, out = node.input[0], node.input[1], node.output[0]
