@@ -4,7 +4,8 @@ The legacy exporter writes a 0-d float64 tensor combined with a Python number (`
 Cast to float32, the op on a float32 constant, and a Cast back where the result meets a float64 tensor: a float64
 module's loss then carried float32 rounding (gradients 6e-8 off torch's, relative, in a module adding `3 * z.sum()`
 to its output). `in_double` computes such a stretch in float64: the first Cast kept as the identity, its elementwise
-ops on float64 copies of their constants (the decimal written, where float32 rounded it), and the views it runs
+ops on float64 copies of their constants (the decimal written, where float32 rounded it) and of sizes the trace
+read (`label_smoothing / classes`, a sum over `x.shape[0]`: an integer Cast to float32), and the views it runs
 through (`loss[None]`, `torch.stack` of 0-d results), up to the Casts back to float64. A graph output at the end of
 a stretch is kept in float64 where torch's call returned it so (`ORTModule` returned float32 for
 `linear(x).sum() * 3`); where a stretch reaches anything else (another op, a float32 tensor), the model is left as
@@ -37,19 +38,22 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
     return next((a.i for a in node.attribute if a.name == "to"), None)
 
 
+INTEGERS = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8, TensorProto.UINT64,
+                      TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8})
+
+
 def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.ModelProto:
     """`model` with those stretches in float64, in place (see the module docstring): all of them, or, where one
     reaches anything but elementwise ops, Casts back and the graph outputs in `doubles` (those torch's call
-    returned in float64), none."""
+    returned in float64), none. A stretch takes in float32 constants and what the graph computes from them and from
+    integers cast to float32 (`_sizes`: `label_smoothing / x.shape[1]`, a mean over a size), copied in float64."""
     g = model.graph
     if not doubles and not any(_cast_to(n) == TensorProto.DOUBLE for n in g.node):  # no way back to float64
         return model
     types = tensor_types(g)
-    if not any(_cast_to(n) == TensorProto.FLOAT and n.input[0] in types for n in g.node):
+    if not all(n.input[0] in types for n in g.node if _cast_to(n) == TensorProto.FLOAT):
         inferred = infer_shapes_safely(model)
-        if inferred is None:
-            return model
-        types = tensor_types(inferred)
+        types = types if inferred is None else tensor_types(inferred)
     constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output}
     floats = {name for name, n in constants.items()
               if any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
@@ -57,13 +61,14 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
               and types.get(n.input[0], (0,))[0] == TensorProto.DOUBLE]
     if not starts:
         return model
+    sizes = _sizes(g, types, floats)
     inside = {n.output[0] for n in starts}
     stretch: list[onnx.NodeProto] = []
     for n in g.node:  # in graph order: inputs first
         if n.domain or len(n.output) != 1 or (n.op_type not in ELEMENTWISE and n.op_type not in VIEWS):
             continue
         values = n.input[:VIEWS[n.op_type]] if n.op_type in VIEWS else n.input
-        if any(x in inside for x in values) and all(x in inside or x in floats for x in values):
+        if any(x in inside for x in values) and all(x in inside or x in floats or x in sizes for x in values):
             stretch.append(n)
             inside.add(n.output[0])
     ok = {id(n) for n in stretch}
@@ -77,21 +82,65 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
     for n in starts:
         next(a for a in n.attribute if a.name == "to").i = TensorProto.DOUBLE
     nodes: list[onnx.NodeProto] = []
+    copies: dict[str, str] = {}
+
+    def in_float64(x: str) -> str:
+        """x's float64 copy (made once, its nodes appended to `nodes`): a constant at the decimal written, an
+        integer cast to float64, an elementwise op of such copies."""
+        if x not in copies:
+            name = fresh_name(f"{x}/double", taken)
+            if x in floats:
+                value = _as_written(numpy_helper.to_array(constants[x].attribute[0].t))
+                nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+            elif _cast_to(sizes[x]) == TensorProto.FLOAT:
+                nodes.append(helper.make_node("Cast", [sizes[x].input[0]], [name], to=TensorProto.DOUBLE))
+            else:
+                n = sizes[x]
+                inputs = [in_float64(i) for i in n.input]
+                nodes.append(helper.make_node(n.op_type, inputs, [name], domain=n.domain))
+                nodes[-1].attribute.extend(n.attribute)
+            copies[x] = name
+        return copies[x]
+
     for n in g.node:
         if id(n) in ok:
             for k, x in enumerate(n.input):
-                if x in floats:
-                    name = fresh_name(f"{x}/double", taken)
-                    value = _as_written(numpy_helper.to_array(constants[x].attribute[0].t))
-                    nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
-                    n.input[k] = name
+                if x in floats or x in sizes:
+                    n.input[k] = in_float64(x)
         nodes.append(n)
     del g.node[:]
-    g.node.extend(nodes)
+    g.node.extend(_live(nodes, g, set(sizes)))
     for vi in (*g.value_info, *g.output):
         if vi.name in inside:
             vi.type.tensor_type.elem_type = TensorProto.DOUBLE
     return model
+
+
+def _sizes(g: onnx.GraphProto, types: dict, floats: set[str]) -> dict[str, onnx.NodeProto]:
+    """The nodes (by output) of float32 values made of integers cast to float32 (sizes the trace read) and float
+    constants through elementwise ops, which a stretch may take in as it takes constants: the exporter writes
+    `label_smoothing / classes` as a Reciprocal of the Cast of a Gather of the Shape, times a float32 constant."""
+    made: dict[str, onnx.NodeProto] = {}
+    for n in g.node:
+        if n.domain or len(n.output) != 1:
+            continue
+        cast = _cast_to(n) == TensorProto.FLOAT and types.get(n.input[0], (0,))[0] in INTEGERS
+        if cast or (n.op_type in ELEMENTWISE and any(x in made for x in n.input)
+                     and all(x in made or x in floats for x in n.input)):
+            made[n.output[0]] = n
+    return made
+
+
+def _live(nodes: list[onnx.NodeProto], g: onnx.GraphProto, made: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` without those of `made` (`_sizes`' float32 originals) whose results nothing reads any more."""
+    read = {o.name for o in g.output}
+    keep: list[onnx.NodeProto] = []
+    for n in reversed(nodes):
+        if n.output and n.output[0] in made and n.output[0] not in read:
+            continue
+        read.update(n.input)
+        keep.append(n)
+    return keep[::-1]
 
 
 def _as_written(value: np.ndarray) -> np.ndarray:

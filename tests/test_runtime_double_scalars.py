@@ -83,3 +83,37 @@ def test_zero_d_results_stacked_or_unsqueezed_stay_in_float64() -> None:
     for got, want in zip(model(x), reference(x), strict=True):
         assert got.dtype == want.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+
+
+def test_sizes_cast_to_float_join_the_stretch() -> None:
+    """0-d float64 arithmetic with a size the trace reads (`label_smoothing / classes` in cross_entropy's
+    smoothing, a sum over the batch's size): the exporter casts the size to float32 and computes on it in float32
+    (the loss came back float32, 4e-8 off). Batches of 3 and 5 rows: the size is read at run time."""
+    class Smoothed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.a(x)
+            loss = nn.functional.cross_entropy(h, y, label_smoothing=0.1)
+            return loss, h.square().sum() / x.shape[0] * 0.3
+
+    torch.manual_seed(0)
+    reference = Smoothed().double()
+    model = ORTModule(copy.deepcopy(reference))
+    for n in (3, 5):
+        x, y = torch.randn(n, 6, dtype=torch.float64), torch.randint(0, 4, (n,))
+        results = []
+        for m in (reference, model):
+            for p in m.parameters():
+                p.grad = None
+            outs = m(x, y)
+            sum(outs).backward()
+            results.append((outs, [p.grad for p in m.parameters()]))
+        (want, want_grads), (got, got_grads) = results
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype == torch.float64
+            torch.testing.assert_close(g, w, rtol=1e-13, atol=0)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=0)

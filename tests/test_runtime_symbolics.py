@@ -2,7 +2,9 @@
 supported") train through ORTModule like torch, in-place forms and torch.special aliases included, and
 interpolate's nearest-exact; so does tensor_split, which it converts into a tensor sequence (no gradient rule), and
 so do the ops it converts into something else than torch computes: floor_divide (truncated), index with two or more
-index tensors (negative ones read wrongly), max / min along a dim (ties' gradient split, NaNs dropped)."""
+index tensors (negative ones read wrongly), max / min along a dim (ties' gradient split, NaNs dropped), var / std
+over every axis (float32 in float64), float32 constants in float64 (log2, elu, ...), roll, chunk, unique's
+inverse, fmax / fmin and median's ties, div's floor mode. The float64 entries hold to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from parity import check_parity
 from torch import nn
+from torch.nn import functional as F
 from torch.onnx import _constants
 from torch.onnx._internal.torchscript_exporter import registration, utils
 
@@ -155,10 +158,51 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "max, min along a dim with NaN": lambda h: (_finite(_with_nans(h).max(1)).unsqueeze(1)
                                                 + _finite(_with_nans(h).min(1, keepdim=True))
                                                 + _finite(_with_nans(h).max(0)) + _finite(_with_nans(-h).min(0))),
+    # every axis (torch's conversion: float32 in float64, shape () for keepdim's (1, 1)), some, with corrections
+    "var, std over every axis": lambda h: (h.var() * h + h.std() + torch.var_mean(h)[0] + h.var(dim=(0, 1))
+                                           + torch.cat([h.var(None, keepdim=True), h[:, :1]]).mean()
+                                           + torch.std_mean(h, correction=0)[0]),
+    "var, std along dims": lambda h: (h.var(1, keepdim=True) * h + h.std(0, unbiased=False)
+                                      + torch.var_mean(h, -1, correction=2)[1][:, None]
+                                      + h.var([0, 1], keepdim=True)),
+    # torch's log2, log10, addcmul, elu, selu, leaky_relu and rrelu constants were float32 (1e-8 off in float64)
+    "log2, log10, addcmul": lambda h: (torch.log2(h.abs() + 0.1) + torch.log10(h.abs() + 0.1)
+                                       + torch.addcmul(h, h, h.flip(1), value=0.1) + torch.addcmul(h, h, h)),
+    "elu, selu, leaky_relu, rrelu": lambda h: (F.elu(h, 0.3) + F.selu(h) + F.leaky_relu(h, 0.1)
+                                               + F.rrelu(h, training=False) + F.elu(800 * h) / 800
+                                               + F.elu(h.clone(), 1.5, inplace=True)),
+    "celu": lambda h: F.celu(h, 0.3) + F.celu(2 * h),
+    # |shift| >= size wraps (torch's conversion sliced at -shift); no dims: the flattened tensor's
+    "roll": lambda h: (h.roll(13, 1) + 2 * h.roll(-7, 1) + 3 * h.roll(1, 1) + 4 * h.roll(7)
+                       + 5 * h.roll((-9, 2), (1, 0)) + 6 * h.roll(6, -1)),
+    # fewer chunks than asked where torch gives fewer: 6 into 4 and 5 is 3 of 2; the batch's 4 into 3: 2 of 2
+    "chunk": lambda h: (torch.cat([c * (k + 1) for k, c in enumerate(h.chunk(4, 1))], 1)
+                        + torch.cat([c.exp() * (k + 1) for k, c in enumerate(h.chunk(5, -1))], 1)
+                        + torch.cat([c * (k + 1) for k, c in enumerate(h.chunk(3, 0))], 0)),
+    # the inverse in the input's shape (torch's conversion returned it flat)
+    "unique": lambda h: h * torch.unique(_ints(2 * h), return_inverse=True)[1] + h * torch.unique(
+        _ints(h), sorted=True, return_inverse=True, return_counts=True)[2].sum(),
+    # ties: the whole gradient to the first argument, as torch's (Max / Min split it); NaNs: the other one's
+    "fmax, fmin with ties": lambda h: (torch.fmax(_tied(h), _tied(h).flip(1)) + torch.fmin(_tied(h), _tied(h).flip(0))
+                                       + 2 * torch.fmax(_tied(h).flip(1), _tied(h))
+                                       + torch.fmin(_tied(h), torch.zeros(()))),
+    "fmax, fmin with NaN": lambda h: (torch.fmax(_with_nans(h), _with_nans(h).flip(1)).nan_to_num(0.0, 0.0, 0.0)
+                                      + torch.fmin(_with_nans(h), h.flip(0)).nan_to_num(0.0, 0.0, 0.0)),
+    # div(rounding_mode="floor") rounds as floor_divide (torch's conversion floors a / b: 0.3 / 0.1 to 3); trunc
+    "div floor": lambda h: h * (torch.div(3 * h.detach(), 0.7, rounding_mode="floor")
+                                + torch.div((h.detach() * 10).round() / 10, 0.1, rounding_mode="floor")
+                                + torch.div(_ints(7 * h), -3, rounding_mode="floor")
+                                + torch.div(h.detach(), 0.3, rounding_mode="trunc")),
+    # ties: the gradient split evenly among the elements equal to the median, as torch's (along a dim: one)
+    "median with ties": lambda h: torch.median(_tied(h)) * h + torch.median(_tied(h)[:, :3]),
 }
 DOUBLE = ["floor_divide", "floor_divide of ints", "logaddexp of -infs", "logcumsumexp",
-          "max, min along a dim with ties", "max, min along a dim with NaN"]
-"""The entries also run in float64."""
+          "max, min along a dim with ties", "max, min along a dim with NaN", "logaddexp2",
+          "var, std over every axis", "var, std along dims", "log2, log10, addcmul", "elu, selu, leaky_relu, rrelu",
+          "roll", "chunk", "unique", "fmax, fmin with ties", "fmax, fmin with NaN", "div floor", "median with ties"]
+"""The entries also run in float64, to `DOUBLE_RTOL`."""
+DOUBLE_RTOL = 1e-10
+"""float64's tolerance: a float32 constant or step puts ~1e-8 into it."""
 
 
 class Op(nn.Module):
@@ -177,7 +221,29 @@ def test_converted_ops_train_like_torch(op: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 6, generator=g, dtype=dtype), torch.randn(1, 6, generator=g, dtype=dtype))
                for _ in range(3)]
-    check_parity(lambda: Op(OPS[op]).to(dtype), batches, lambda m, b: m(*b), threads=1)
+    rtol = {"rtol": DOUBLE_RTOL} if dtype == torch.float64 else {}
+    check_parity(lambda: Op(OPS[op]).to(dtype), batches, lambda m, b: m(*b), threads=1, **rtol)
+
+
+RUN_TIME: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "roll along the batch axis": lambda h: h.roll(5, 0) + 2 * h.roll(-3, 0) + 3 * h.roll((2, 7), (0, 1)),
+    "var over the batch axis": lambda h: (h.var(0) + h.var() * h + h.var(None, keepdim=True)
+                                          + h.std(1, keepdim=True) * h + torch.var_mean(h, 1)[0][:, None]
+                                          + torch.median(h)),
+    "unique of the batch": lambda h: h * torch.unique(_ints(2 * h), return_inverse=True)[1],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("op", list(RUN_TIME))
+def test_sizes_read_at_run_time(op: str, dtype: torch.dtype) -> None:
+    """Batches of 4, 5 and 7 rows through one export: the batch axis's size read at run time (a shift of 5 wraps
+    to 1, 0 and 5)."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(n, 6, generator=g, dtype=dtype), torch.randn(1, 6, generator=g, dtype=dtype))
+               for n in (4, 5, 7)]
+    rtol = {"rtol": DOUBLE_RTOL} if dtype == torch.float64 else {}
+    check_parity(lambda: Op(RUN_TIME[op]).to(dtype), batches, lambda m, b: m(*b), threads=1, **rtol)
 
 
 MASK = torch.tensor([True, False, True, True])
