@@ -116,6 +116,7 @@ class Scalars:
         ordered = sorted((paths.get(id(m), "?"), name, m) for m, name in found if id(m) in paths)
         held: list[tuple[Any, Any, Any]] = []
         names: list[str] = []
+        seen: set[tuple[int, Any]] = set()  # a config that every layer holds: its fields once
         for path, name, m in ordered:
             qualified = f"{path}.{name}" if path else name
             value = m.__dict__.get(name)
@@ -126,7 +127,8 @@ class Scalars:
                 names.append(qualified)
                 continue
             for field, v in (fields.items() if isinstance(fields, dict) else enumerate(fields)):
-                if _tracked(v):
+                if _tracked(v) and (id(fields), field) not in seen:
+                    seen.add((id(fields), field))
                     held.append((fields, field, v))
                     names.append(f"{qualified}.{field}" if isinstance(fields, dict) and isinstance(field, str)
                                  and fields is not value else f"{qualified}[{field!r}]")
@@ -135,7 +137,7 @@ class Scalars:
     def changed(self) -> str | None:
         """The first attribute whose value is not the export's, with both values, or None."""
         for k, (held, name, value) in enumerate(self.held):
-            now = _read(held, name)
+            now = held.get(name, _MISSING) if type(held) is dict else _read(held, name)
             if now is value:
                 continue
             if isinstance(value, _Seen):
