@@ -27,13 +27,14 @@ While exporting, `exportable_functions` computes them as torch defines them:
   first maximum of each window row (ArgMax over a masked copy, one a column window) then the first among the
   window's rows;
 - average pooling by a divisor: the input framed by its padding and zeros where torch's last ceil-mode window
-  overhangs (sizes taken at the export, so the size check re-exports other sizes), pooled, times the kernel's
+  overhangs (computed in the graph from the run-time sizes: one export for every size), pooled, times the kernel's
   size over the divisor;
 - scatter_reduce by mean, or by sum without self: sums and counts scattered by `scatter_add` (self added and
   counted once where included), the mean their quotient, self kept where nothing was scattered to;
 - pairwise_distance and cdist: the p-norm of the difference (plus eps for pairwise_distance, which torch's
   exporter wrote into the exponent) with torch's zero gradient at zero distance, and cdist's product form past
-  25 rows for p = 2, as torch's;
+  25 rows for p = 2, as torch's, chosen in the graph from the run-time row counts (the difference form over the
+  first 25 rows of each side, the whole result where neither has more): one export for every size;
 - vector norms of other orders (`torch.linalg.vector_norm`, through which torch.norm and Tensor.norm go, and
   `torch.linalg.norm` of one axis), `dist` and the Frobenius norm: `vector_norm`'s, 2 as a ReduceL2;
 - hardtanh and relu6 (nn.Hardtanh, nn.ReLU6, in place too) where a gradient reaches them: the bound x reached, else
@@ -63,7 +64,12 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - max unpooling: each value scattered to its flat index in a zero map of the output's size (given, or the pool's
   input size computed from the run-time input), as torch's kernel;
 - attention with fewer key/value heads than query heads (`enable_gqa`, Mistral's and LLaMA 3's grouped-query
-  attention): each key and value head repeated for the query heads it serves, as torch's own fallback does;
+  attention): each key and value head repeated for the query heads it serves, as torch's own fallback does (the
+  head counts, the weights', read as numbers outside the trace: no traced comparison baked in);
+- max, average and lp pools (1-d and 2-d, indices too), F.unfold and pixel (un)shuffling of an unbatched input
+  ((C, L), (C, H, W)), which torch accepts: a batch axis of 1 around the call (the exporter wrote ONNX pools and
+  im2col's Pad on the unbatched tensor, which ONNX does not allow, and refuses pixel_shuffle but of 4-d inputs;
+  pixel shuffling's several batch axes, (B, T, C, H, W), flattened into one);
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
@@ -158,10 +164,14 @@ def _adaptive_max_pool1d(pool2d: Callable[..., tuple[torch.Tensor, torch.Tensor]
     return pool
 
 
-def _ceil_overhang(size: int, kernel: int, stride: int, pad: int) -> int:
+def _ceil_overhang(size: Any, kernel: int, stride: int, pad: int) -> Any:
     """How far torch's last ceil-mode window reaches past the padded input (its windows start inside the input
-    or the left padding)."""
-    out = -(-(size + 2 * pad - kernel) // stride) + 1
+    or the left padding): from a traced size (a tensor) as a tensor, computed in the graph (a Python comparison
+    of it would be baked into the export, exported again at every new size), else as an int."""
+    out = (size + 2 * pad - kernel + stride - 1) // stride + 1
+    if isinstance(size, torch.Tensor):
+        out = out - ((out - 1) * stride >= size + pad).to(out.dtype)
+        return ((out - 1) * stride + kernel - (size + 2 * pad)).clamp(min=0)
     if (out - 1) * stride >= size + pad:
         out -= 1
     return max(0, (out - 1) * stride + kernel - (size + 2 * pad))
@@ -175,7 +185,7 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
             return original(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
         kernel, pads = _per_axis(kernel_size, dims), _per_axis(padding, dims)
         strides = _per_axis(stride, dims) if stride else kernel
-        overhang = [_ceil_overhang(int(x.shape[x.dim() - dims + i]), kernel[i], strides[i], pads[i]) if ceil_mode
+        overhang = [_ceil_overhang(x.shape[x.dim() - dims + i], kernel[i], strides[i], pads[i]) if ceil_mode
                     else 0 for i in range(dims)]
         framed = F.pad(x, [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])])
         # every window now lies inside the zero-framed input: its mean times its size is the sum torch divides
@@ -288,16 +298,49 @@ MM_ROWS = 25
 `use_mm_for_euclid_dist_if_necessary`)."""
 
 
+def _size_tensor(n: Any) -> torch.Tensor:
+    """A size as a 0-d tensor: the trace's own (so comparisons of it are traced ops, not Python booleans baked in)
+    or a number's."""
+    return n if isinstance(n, torch.Tensor) else torch.tensor(n)
+
+
+def _untraced_ints(*sizes: Any) -> list[int]:
+    """Sizes as Python ints read outside the legacy tracer (no TracerWarning, nothing recorded): only for choices
+    that hold at every size the export serves (head counts, fixed by the weights)."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return [int(n) for n in sizes]
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def _euclidean_dist(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """torch's _euclidean_dist: |a|^2 + |b|^2 - 2 a.b in one product, clamped to 1e-30 before the root."""
+    n1, n2 = (x1 * x1).sum(-1, keepdim=True), (x2 * x2).sum(-1, keepdim=True)
+    a = torch.cat([x1 * -2, n1, torch.ones_like(n1)], -1)
+    b = torch.cat([x2, torch.ones_like(n2), n2], -1)
+    return torch.matmul(a, b.transpose(-1, -2)).clamp_min(1e-30).sqrt()
+
+
 def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode: str | None = None) -> torch.Tensor:
+    """torch's cdist: for p = 2 its product form past `MM_ROWS` rows on either side (or always, by
+    `compute_mode`), else the p-norm of the differences. Past-25 is not branched on in Python (the trace would bake
+    the traced sizes' comparison in, and export again at every size across it): the product form is computed at
+    every size, the difference form over the first 25 rows of each side only (its cost bounded), and the result's
+    top-left corner taken from it where both sides have at most 25 rows (then it is the whole result)."""
     mode = compute_mode or "use_mm_for_euclid_dist_if_necessary"
-    if p == 2 and (mode == "use_mm_for_euclid_dist" or (mode == "use_mm_for_euclid_dist_if_necessary"
-                   and max(x1.shape[-2], x2.shape[-2]) > MM_ROWS)):
-        # torch's _euclidean_dist: |a|^2 + |b|^2 - 2 a.b in one product, clamped to 1e-30 before the root
-        n1, n2 = (x1 * x1).sum(-1, keepdim=True), (x2 * x2).sum(-1, keepdim=True)
-        a = torch.cat([x1 * -2, n1, torch.ones_like(n1)], -1)
-        b = torch.cat([x2, torch.ones_like(n2), n2], -1)
-        return torch.matmul(a, b.transpose(-1, -2)).clamp_min(1e-30).sqrt()
-    return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p)
+    if p != 2 or mode == "donot_use_mm_for_euclid_dist":
+        return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p)
+    product = _euclidean_dist(x1, x2)
+    if mode == "use_mm_for_euclid_dist":
+        return product
+    head1, head2 = x1[..., :MM_ROWS, :], x2[..., :MM_ROWS, :]
+    direct = vector_norm(head1.unsqueeze(-2) - head2.unsqueeze(-3), p)
+    small = (_size_tensor(x1.shape[-2]) <= MM_ROWS) & (_size_tensor(x2.shape[-2]) <= MM_ROWS)
+    corner = torch.where(small, direct, product[..., :MM_ROWS, :MM_ROWS])
+    top = torch.cat([corner, product[..., :MM_ROWS, MM_ROWS:]], -1)
+    return torch.cat([top, product[..., MM_ROWS:, :]], -2)
 
 
 def _scatter_reduce(original: Callable[..., torch.Tensor], in_place: bool = False) -> Callable[..., torch.Tensor]:
@@ -607,7 +650,8 @@ def _variable_bags(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
             rows = torch.where(kept[:, None] > 0, rows, torch.full((), -math.inf, dtype=rows.dtype))
         peak = torch.zeros(bags, weight.shape[1], dtype=weight.dtype).scatter_reduce(
             0, bag[:, None].expand_as(rows), rows, "amax", include_self=False)
-        return peak if padding_idx is None else torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak)
+        # == -inf, not isneginf: the legacy exporter has no isneginf (the module went to dynamo)
+        return peak if padding_idx is None else torch.where(peak == -math.inf, torch.zeros_like(peak), peak)
     total = torch.zeros(bags, weight.shape[1], dtype=weight.dtype).scatter_add(0, bag[:, None].expand_as(rows), rows)
     if mode == "sum":
         return total
@@ -983,8 +1027,11 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     nn.TransformerEncoderLayer with a padding mask failed to export)."""
     def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                                      enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
-        if enable_gqa and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-            groups = query.shape[-3] // key.shape[-3]  # each key/value head serves that many query heads in a row
+        # head counts as numbers read outside the trace: fixed by the weights, so the choice holds at every size
+        # the export serves (a traced comparison would be baked in with a warning, and export again at new sizes)
+        heads, kv_heads = _untraced_ints(query.shape[-3], key.shape[-3]) if enable_gqa and key.dim() >= 3 else (0, 0)
+        if heads != kv_heads:
+            groups = heads // kv_heads  # each key/value head serves that many query heads in a row
             key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
         if query.dtype == torch.float64:
             return _attention_math(query, key, value, *args, **kwargs)
@@ -1055,6 +1102,26 @@ def _antialiased(original: Callable[..., torch.Tensor], interp: int, kernel: Cal
     return resample
 
 
+def _batched(original: Callable[..., Any], rank: int, leading: bool = False) -> Callable[..., Any]:
+    """`original` of an unbatched input (`rank` axes: (C, L) for a 1-d pool, (C, H, W) for a 2-d one, F.unfold and
+    pixel shuffling) with a batch axis of 1 added around the call, as torch's kernels treat it: the legacy exporter
+    wrote MaxPool / AveragePool / im2col's Pad on the unbatched tensor, which ONNX does not allow (the gradient
+    build failed), and refused pixel_shuffle ("only support 4d input"). Every output (a pool's indices too) loses
+    the axis again (each has two or more). With `leading` (pixel shuffling, which torch takes with any number of
+    batch axes), more than one batch axis flattened into one around the call."""
+    def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if leading and x.dim() > rank + 1:
+            out = original(x.reshape(-1, *x.shape[-rank:]), *args, **kwargs)
+            return out.reshape(*x.shape[:-rank], *out.shape[1:])
+        if x.dim() != rank:
+            return original(x, *args, **kwargs)
+        out = original(x.unsqueeze(0), *args, **kwargs)
+        # the axis merged into the next (a Reshape): squeeze(0) is an If where the export lost the size 1 (unfold's)
+        return tuple(o.flatten(0, 1) for o in out) if isinstance(out, tuple) else out.flatten(0, 1)
+
+    return call
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -1073,8 +1140,14 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
     nn_ops = torch._C._nn
     return replaced([
         (nn_ops, "adaptive_avg_pool2d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool2d, 2)),
-        *((owner, f"avg_pool{d}d", _divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d)) for d in (2, 3)
-          for owner in (nn_ops, F)),
+        *((owner, f"avg_pool{d}d", _batched(_divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d), d + 1))
+          for d in (2, 3) for owner in (nn_ops, F)),
+        *((owner, "avg_pool1d", _batched(torch.avg_pool1d, 2)) for owner in (torch, F)),
+        *((owner, name, _batched(getattr(owner, name), rank)) for owner, name, rank in (
+            (torch, "max_pool1d", 2), (torch, "max_pool1d_with_indices", 2), (torch, "max_pool2d", 3),
+            (nn_ops, "max_pool2d_with_indices", 3), (nn_ops, "im2col", 3))),
+        *((owner, name, _batched(getattr(torch, name), 3, leading=True)) for owner in (torch, F)
+          for name in ("pixel_shuffle", "pixel_unshuffle")),
         (nn_ops, "adaptive_max_pool2d", _adaptive_max_pool2d(nn_ops.adaptive_max_pool2d)),
         (torch, "adaptive_max_pool1d", _adaptive_max_pool1d(_adaptive_max_pool2d(nn_ops.adaptive_max_pool2d))),
         (F, "adaptive_avg_pool1d", _adaptive_avg_pool(F.adaptive_avg_pool1d, 1)),

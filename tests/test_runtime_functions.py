@@ -199,8 +199,10 @@ def test_embedding_bag_with_offsets_trains_like_torch(mode: str, padding_idx: in
     for starts in ([0, 3, 3, 7, 9], [0, 1, 5, 5, 8], [0, 2, 4, 6, 12]):  # empty bags, the last one too
         offsets = torch.tensor([*starts, 12] if include_last else starts)
         batches.append((torch.randint(0, 12, (12,), generator=g), offsets, torch.randint(0, 3, (5,), generator=g)))
-    check_parity(lambda: VariableBags(mode, padding_idx, weighted, include_last), batches, lambda m, b: m(*b),
-                 threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)  # the legacy exporter's (its max's isneginf went to dynamo)
+        check_parity(lambda: VariableBags(mode, padding_idx, weighted, include_last), batches, lambda m, b: m(*b),
+                     threads=1)
 
 
 def test_adaptive_pooling_follows_the_input_size() -> None:
@@ -650,10 +652,11 @@ def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
     _trains_under_the_legacy_exporter(lambda: Projected(diagonals), rows=4)
 
 
-def _as_torch(make: Callable[[], nn.Module], inputs: Sequence[torch.Tensor], **tolerance: float) -> None:
+def _as_torch(make: Callable[[], nn.Module], inputs: Sequence[torch.Tensor], **tolerance: float) -> ORTModule:
     """Each input through one ORTModule of `make()` and through a copy in torch: outputs, and the parameters'
     gradients of a weighted sum of them, as torch's (NaN where torch's are, nowhere else; a gradient's absolute
-    tolerance scaled by its largest element); then no ExportWarning (the module kept the legacy exporter)."""
+    tolerance scaled by its largest element); then no ExportWarning (the module kept the legacy exporter, and no
+    traced value was baked in). Returns the ORTModule."""
     ref = make()
     om = ORTModule(copy.deepcopy(ref))
     with warnings.catch_warnings(record=True) as caught:
@@ -670,6 +673,7 @@ def _as_torch(make: Callable[[], nn.Module], inputs: Sequence[torch.Tensor], **t
                 torch.testing.assert_close(a, b, rtol=tolerance["rtol"], atol=atol,
                                            msg=lambda m, name=name: f"{name}: {m}")
     assert not [w for w in caught if issubclass(w.category, ExportWarning)], [str(w.message) for w in caught]
+    return om
 
 
 TOLERANCE = {torch.float32: {"rtol": 1e-4, "atol": 1e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-12}}
@@ -810,3 +814,110 @@ def test_antialiased_interpolation_by_a_factor_follows_every_size(mode: str, fac
     sizes = [(8, 8), (7, 5), (9, 13), (4, 9), (20, 6)]  # square first: one export for both axes' sizes
     _as_torch(lambda: Antialiased(mode, factor, dtype),
               [torch.randn(2, 2, h, w, generator=g, dtype=dtype) for h, w in sizes], **TOLERANCE[dtype])
+
+
+class Distances(nn.Module):
+    """torch.cdist (p = 2) of projected rows: n rows to every other one, and 4 rows to all n, so that one side or
+    both pass torch's 25 rows of its product form, or neither."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        other = h.flip(-1) + 0.25  # no zero distances: the product form's value there is its rounding's
+        return torch.cat([torch.cdist(h, other[::2]).flatten(), torch.cdist(h[:4], other).flatten(),
+                          torch.cdist(h[None], other[None, 1::3], compute_mode="use_mm_for_euclid_dist").flatten(),
+                          torch.cdist(h, h[:3], p=3).flatten()])
+
+
+def test_cdist_follows_the_row_count_from_one_export() -> None:
+    """torch's cdist takes its product form past 25 rows on either side: the export chooses by the run-time row
+    counts (no Python comparison of traced sizes, which warned of a baked value and exported again at every size
+    across 25), torch's values and gradients on either side of it from one export."""
+    g = torch.Generator().manual_seed(0)
+    rows = [5, 30, 7, 26, 25, 52, 9]
+    om = _as_torch(Distances, [torch.randn(n, 6, generator=g, dtype=torch.float64) for n in rows],
+                   **TOLERANCE[torch.float64])
+    assert om.stats["exports"] == 1, om.stats
+
+
+class GroupedAttention(nn.Module):
+    """Causal attention with 4 query heads over 2 key/value heads (`enable_gqa`), on [batch, time, 8] inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split([8, 4, 4], -1)
+        q = q.view(b, t, 4, 2).transpose(1, 2)
+        k, v = (z.view(b, t, 2, 2).transpose(1, 2) for z in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_grouped_query_attention_follows_every_length_from_one_export() -> None:
+    """The head counts (the weights') decide the repetition of key and value heads without a traced comparison:
+    no baked-value warning, one export for every batch and sequence length, torch's values and gradients."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 5), (2, 7), (3, 9), (1, 4)]
+    om = _as_torch(GroupedAttention, [torch.randn(b, t, 8, generator=g) for b, t in shapes],
+                   **TOLERANCE[torch.float32])
+    assert om.stats["exports"] == 1, om.stats
+
+
+class Unbatched(nn.Module):
+    """Pools (max with and without indices, put back by max_unpool; average, by a divisor too, ceil mode; lp),
+    F.unfold and pixel (un)shuffling of one unbatched map: (C, H, W), or (C, H * W) for the 1-d ones; and pixel
+    shuffling with two batch axes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4).view(4, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h2 = x * self.w
+        h1 = h2.flatten(1)
+        v1, i1 = F.max_pool1d(h1, 2, return_indices=True)
+        v2, i2 = nn.MaxPool2d(2, return_indices=True)(h2)
+        outs = [nn.MaxPool1d(3, 2, 1)(h1), v1, F.max_unpool1d(v1, i1, 2), F.avg_pool1d(h1, 3, 2, 1),
+                nn.AvgPool1d(2, ceil_mode=True)(h1), F.lp_pool1d(h1, 2, 2), F.max_pool2d(h2, 3, 2, 1), v2,
+                F.max_unpool2d(v2, i2, 2), F.avg_pool2d(h2, 2), nn.AvgPool2d(3, 2, 1, ceil_mode=True)(h2),
+                F.avg_pool2d(h2, 3, 2, 1, divisor_override=2), F.lp_pool2d(h2, 2, 2), F.unfold(h2, 2),
+                nn.Unfold(3, padding=1, stride=2)(h2), F.pixel_shuffle(h2, 2), nn.PixelUnshuffle(2)(h2),
+                F.pixel_shuffle(torch.stack([h2, h2.flip(0)])[None], 2)]  # two batch axes
+        return torch.cat([o.flatten() for o in outs])
+
+
+def test_unbatched_pools_unfold_and_pixel_shuffle_train_like_torch() -> None:
+    """torch takes them on unbatched inputs; the legacy exporter wrote ONNX pools and im2col's Pad on them, which
+    ONNX does not allow (the gradient build failed), and refused pixel_shuffle: each with a batch axis of 1 around
+    it, torch's values (indices too, through max_unpool) and gradients, from one export for other sizes."""
+    g = torch.Generator().manual_seed(0)
+    om = _as_torch(Unbatched, [torch.randn(4, h, w, generator=g) for h, w in ((6, 6), (8, 10))],
+                   **TOLERANCE[torch.float32])
+    assert om.stats["exports"] == 1, om.stats
+
+
+class DividedCeilPool(nn.Module):
+    """Average pooling by a divisor in ceil mode, padded: torch's last windows overhang the padded input by an
+    amount that depends on the size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2).view(2, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(x * self.w, 3, 2, 1, ceil_mode=True, divisor_override=4)
+
+
+def test_divided_ceil_mode_pool_follows_every_size_from_one_export() -> None:
+    """The ceil-mode overhang is computed in the graph from the run-time sizes (it was read as a Python int: a
+    baked-value warning and an export per size), torch's values and gradients at each."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [(6, 6), (7, 8), (9, 5), (10, 11)]
+    om = _as_torch(DividedCeilPool, [torch.randn(3, 2, h, w, generator=g) for h, w in sizes],
+                   **TOLERANCE[torch.float32])
+    assert om.stats["exports"] == 1, om.stats
