@@ -12,9 +12,12 @@ a dim split the gradient of a tie (torch gives it to the index returned) and dro
 axis compute in float32 (a float64 module's came back float32) and drop keepdim's axes; `log2`, `log10`,
 `addcmul`, `elu`, `selu`, `celu`, `leaky_relu` and eval's `rrelu` use float32 constants (1e-8 off in float64);
 `roll` slices at -shift unwrapped (wrong for |shift| >= size) and fails without dims; `chunk` writes too many
-chunks where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b. Ties as
-torch's backward breaks them: `fmax` / `fmin` give a tie's gradient to the first operand, `median` of every element
-splits it evenly. `const_like` writes float constants in float64.
+chunks where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b;
+`scatter_reduce` wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it),
+and `repeat_interleave` by a tensor of repeats is a Loop (no gradient): ours are one ScatterElements and a Gather.
+Ties as torch's backward breaks them: `fmax` / `fmin` give a tie's gradient to the first operand, `median` of every
+element splits it evenly, `clamp` with tensor bounds gives it to x (torch's Max / Min split it with the bound).
+`const_like` writes float constants in float64.
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
@@ -38,15 +41,20 @@ from torch.onnx._internal.torchscript_exporter import (
     symbolic_opset11,
     symbolic_opset12,
     symbolic_opset13,
+    symbolic_opset16,
 )
 
 from gradbuilder.rules.linalg import MICROSOFT
+from gradbuilder.stop_gradient import OP_TYPE as STOP_GRADIENT
+from gradbuilder.yield_op import DOMAIN
 
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
 
 TORCH_OWN = {"aten::tensor_split": 13, "aten::cumsum": 11, "aten::index": 11, "aten::max": 18, "aten::min": 18,
-             "aten::var_mean": 18, "aten::celu": 12, "aten::chunk": 11, "aten::_unique2": 11, "aten::div": 10}
+             "aten::var_mean": 18, "aten::celu": 12, "aten::chunk": 11, "aten::_unique2": 11, "aten::div": 10,
+             "aten::clamp": 11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16,
+             "aten::repeat_interleave": 13}
 """The opset of torch's own conversion of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -224,6 +232,103 @@ def _nan_ignoring(op: str) -> Callable[[Any, Any, Any], Any]:
         picked = g.op("Where", g.op(op, b, a), b, a)  # b only where strictly better
         return g.op("Where", g.op("IsNaN", b), a, g.op("Where", g.op("IsNaN", a), b, picked))
     return convert
+
+
+def _clamp(name: str) -> Callable[..., Any]:
+    """torch.clamp (clip; `name` also clamp_min, clamp_max) with a tensor bound: the value x, the bound or NaN as
+    torch's, and the gradient where torch's backward puts it (torch's conversion writes Max / Min, whose rules split
+    a tie's): x's where min <= x <= max, min's where x < min < max, max's where x > max or max < min (none where x <
+    min == max: the value then min through a StopGradient), by Wheres on those comparisons. NaN in any of them
+    (torch's value then NaN, the gradient still by the comparisons): a term added to the value picked, NaN there
+    and -0 elsewhere (x + -0 is x, -0 too), without a gradient. Constant bounds, and integers: torch's (a Clip,
+    whose rule passes the gradient at the bounds, as clamp's)."""
+    def convert(g: Any, x: Any, *bounds: Any) -> Any:
+        if all(_none(b) or symbolic_helper._is_constant(b) for b in bounds) or not _floating(x):
+            return getattr(symbolic_opset11 if g.opset >= 11 else symbolic_opset9, name)(g, x, *bounds)
+
+        def where(c: Any, a: Any, b: Any) -> Any:  # typed: a 0-d Where of no known type is computed in float32
+            return _as_traced(g, g.op("Where", c, a, b))
+
+        low, high = (bounds[0], None) if name == "clamp_min" else (None, bounds[0]) if name == "clamp_max" else bounds
+        x, low, high = (None if _none(v) else _in_traced_type(g, v) for v in (x, low, high))
+        nan = g.op("IsNaN", x)
+        for b in (low, high):
+            nan = nan if b is None else g.op("Or", nan, g.op("IsNaN", b))
+        if high is None:
+            picked = where(g.op("GreaterOrEqual", x, low), x,
+                           where(g.op("Less", x, low), low, const_like(g, 0.0, x)))
+        elif low is None:
+            picked = where(g.op("LessOrEqual", x, high), x,
+                           where(g.op("Greater", x, high), high, const_like(g, 0.0, x)))
+        else:
+            inside = g.op("And", g.op("GreaterOrEqual", x, low), g.op("LessOrEqual", x, high))
+            above = g.op("Or", g.op("Greater", x, high), g.op("Less", high, low))
+            below = g.op("And", g.op("Less", x, low), g.op("Less", low, high))
+            tied = g.op(f"{DOMAIN}::{STOP_GRADIENT}", low)
+            tied.setType(low.type())
+            picked = where(inside, x, where(above, high, where(below, low, tied)))
+        poison = where(nan, const_like(g, math.nan, x), const_like(g, -0.0, x))
+        return _as_traced(g, g.op("Add", picked, poison))
+    return convert
+
+
+def _scatter_reduce(g: Any, x: Any, dim: Any, index: Any, src: Any, reduce: Any, include_self: Any) -> Any:
+    """Tensor.scatter_reduce by sum, prod, amax or amin including self, of x of known rank > 0: one ScatterElements
+    of that reduction, as torch's conversion computes it without its two Ifs on x being 0-d, whose branches declare
+    sizes that are not the tensors' (a [3, 3] one's Identity declared [9]: gradbuilder's shape inference failed at
+    the next node). A 0-d or unknown-rank x, mean, and include_self=False: torch's (which refuses the last two;
+    ORTModule computes those from scatter_add and include_self=True while tracing: runtime/functions.py)."""
+    rank = symbolic_helper._get_tensor_rank(x)
+    how = symbolic_helper._get_const(reduce, "s", "reduce")
+    own = symbolic_opset16.scatter_reduce if g.opset >= 16 else None
+    if own is None:
+        return symbolic_helper._unimplemented("scatter_reduce", "opset below 16", x)
+    if not rank or how not in _SCATTER_REDUCTIONS or not symbolic_helper._get_const(include_self, "b", "include_self"):
+        return own(g, x, dim, index, src, reduce, include_self)
+    return g.op("ScatterElements", x, index, src, axis_i=symbolic_helper._get_const(dim, "i", "dim"),
+                reduction_s=_SCATTER_REDUCTIONS[how])
+
+
+_SCATTER_REDUCTIONS = {"sum": "add", "prod": "mul", "amax": "max", "amin": "min"}
+"""torch's reductions and ScatterElements' (torch's conversion writes max and min from opset 16 too)."""
+
+
+def _repeat_interleave(g: Any, x: Any, repeats: Any = None, dim: Any = None, output_size: Any = None) -> Any:
+    """x.repeat_interleave(repeats, dim) with a 1-D tensor of repeats: x gathered along dim (every axis flattened
+    where None) at each output position's source position, the number of cumulative repeats (CumSum) at or below
+    it, counted over [total, n] (O(total n) memory); gradbuilder's Gather rule sums the copies' gradients back, as
+    torch's backward. torch's conversion writes a Loop (no gradient: the gradient build failed) where the repeats
+    or the axis's size are known at run time only (every export's here). A repeat count (an int, a 0-d tensor),
+    and torch.repeat_interleave(repeats): torch's."""
+    own = symbolic_opset13.repeat_interleave if g.opset >= 13 else symbolic_opset9.repeat_interleave
+    if g.original_node.inputsSize() != 4 or symbolic_helper._get_tensor_rank(repeats) != 1 or g.opset < 11:
+        return own(g, x, repeats, dim, output_size)
+    if _none(dim):
+        x, axis = g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([-1]))), 0
+    else:
+        got = _rank_and_axis(g, x, dim, "repeat_interleave")
+        if got is None:
+            return None
+        axis = got[1]
+    n = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+    int64 = _type_utils.JitScalarType.INT64.onnx_type()
+    counts = g.op("Expand", g.op("Cast", repeats, to_i=int64), n)  # one count for every position, as torch's
+    ends = g.op("CumSum", counts, g.op("Constant", value_t=torch.tensor(0)))
+    total = _reduced(g, "ReduceSum", counts, [0], False)
+    zero, one = g.op("Constant", value_t=torch.tensor(0)), g.op("Constant", value_t=torch.tensor(1))
+    passed = g.op("GreaterOrEqual", symbolic_helper._unsqueeze_helper(g, g.op("Range", zero, total, one), [1]),
+                  symbolic_helper._unsqueeze_helper(g, ends, [0]))
+    source = _reduced(g, "ReduceSum", g.op("Cast", passed, to_i=int64), [1], False)
+    return g.op("Gather", x, source, axis_i=axis)
+
+
+def _in_traced_type(g: Any, v: Any) -> Any:
+    """v in the element type of the traced node's output: as it is where it has it, else cast."""
+    result = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.UNDEFINED)
+    if result == _type_utils.JitScalarType.UNDEFINED or \
+            _type_utils.JitScalarType.from_value(v, _type_utils.JitScalarType.UNDEFINED) == result:
+        return v
+    return g.op("Cast", v, to_i=result.onnx_type())
 
 
 def _copy(g: Any, self: Any, src: Any, non_blocking: Any = None) -> Any:
@@ -790,7 +895,8 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::log2": _log_base(2.0), "aten::log10": _log_base(10.0), "aten::addcmul": _addcmul,
     "aten::elu": _elu, "aten::selu": _selu, "aten::celu": _celu, "aten::leaky_relu": _leaky_relu,
     "aten::rrelu": _rrelu, "aten::roll": _roll, "aten::chunk": _chunk, "aten::_unique2": _unique2,
-    "aten::div": _div,
+    "aten::div": _div, **{f"aten::{name}": _clamp(name) for name in ("clamp", "clamp_min", "clamp_max")},
+    "aten::scatter_reduce": _scatter_reduce, "aten::repeat_interleave": _repeat_interleave,
 }
 
 

@@ -4,7 +4,8 @@ interpolate's nearest-exact; so does tensor_split, which it converts into a tens
 so do the ops it converts into something else than torch computes: floor_divide (truncated), index with two or more
 index tensors (negative ones read wrongly), max / min along a dim (ties' gradient split, NaNs dropped), var / std
 over every axis (float32 in float64), float32 constants in float64 (log2, elu, ...), roll, chunk, unique's
-inverse, fmax / fmin and median's ties, div's floor mode. The float64 entries hold to `DOUBLE_RTOL`."""
+inverse, fmax / fmin, median's and clamp's ties (tensor bounds), div's floor mode, scatter_reduce (Ifs declaring wrong
+sizes) and repeat_interleave by a tensor (a Loop). The float64 entries hold to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -195,11 +196,24 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
                                 + torch.div(h.detach(), 0.3, rounding_mode="trunc")),
     # ties: the gradient split evenly among the elements equal to the median, as torch's (along a dim: one)
     "median with ties": lambda h: torch.median(_tied(h)) * h + torch.median(_tied(h)[:, :3]),
+    # tensor bounds (broadcast, a 0-d one, min above max, min == max): the gradient of a tie wholly to x, as torch's
+    # (Max / Min split it); past them the bound's, none where x < min == max
+    "clamp with tensor bounds, ties": lambda h: (torch.clamp(_tied(h), _tied(h)[:, :1], _tied(h)[:, 1:2])
+                                                 + 2 * torch.clip(_tied(h), min=_tied(h).flip(1))
+                                                 + 3 * _tied(h).clamp_max(_tied(h).flip(0))
+                                                 + 4 * torch.clamp(_tied(h), _tied(h).flip(1), _tied(h).flip(0))
+                                                 + 5 * _tied(h).clamp(max=_tied(h).mean())
+                                                 + 6 * _tied(h).clamp_min(_tied(h)[:1]).clone().clamp_(max=h)),
+    # NaN in x or in a bound: NaN, as torch's
+    "clamp with tensor bounds, NaN": lambda h: (torch.clamp(_with_nans(h), _with_nans(h).flip(1), h.flip(0))
+                                                + torch.clamp(h, min=_with_nans(h).flip(0))
+                                                + torch.clamp(h.flip(1), max=_with_nans(h))).nan_to_num(0.0, 0.0, 0.0),
 }
 DOUBLE = ["floor_divide", "floor_divide of ints", "logaddexp of -infs", "logcumsumexp",
           "max, min along a dim with ties", "max, min along a dim with NaN", "logaddexp2",
           "var, std over every axis", "var, std along dims", "log2, log10, addcmul", "elu, selu, leaky_relu, rrelu",
-          "roll", "chunk", "unique", "fmax, fmin with ties", "fmax, fmin with NaN", "div floor", "median with ties"]
+          "roll", "chunk", "unique", "fmax, fmin with ties", "fmax, fmin with NaN", "div floor", "median with ties",
+          "clamp with tensor bounds, ties", "clamp with tensor bounds, NaN"]
 """The entries also run in float64, to `DOUBLE_RTOL`."""
 DOUBLE_RTOL = 1e-10
 """float64's tolerance: a float32 constant or step puts ~1e-8 into it."""
@@ -284,6 +298,63 @@ def test_advanced_indexing_with_negative_indices_trains_like_torch(index: str, d
     batches = [(torch.randn(2, 4, 6, generator=g, dtype=dtype), torch.randint(-2, 2, (n,), generator=g),
                 torch.randint(-4, 4, (n,), generator=g)) for n in (5, 7, 9)]
     check_parity(lambda: Indexed(INDEXING[index]).to(dtype), batches, lambda m, b: m(*b), threads=1)
+
+
+class Scattered(nn.Module):
+    """h = fc(x) rounded (ties, `_tied`) scattered into its first 3 columns at positions i (a module input) by
+    `reduce`, then one op, whose result the module returns. Without self, into values no element of h ties."""
+
+    def __init__(self, reduce: str, include_self: bool):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.reduce, self.include_self = reduce, include_self
+
+    def forward(self, x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        h = _tied(self.fc(x))
+        into = h[:, :3] if self.include_self else h[:, :3] * 2 + 0.5
+        return into.scatter_reduce(1, i, h, self.reduce, include_self=self.include_self).clamp_min(-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("include_self", [True, False], ids=["self", "without self"])
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax", "amin"])
+def test_scatter_reduce_with_index_input_trains_like_torch(reduce: str, include_self: bool, dtype: torch.dtype) -> None:
+    """torch's conversion wraps the scatter in Ifs on self being 0-d, whose branches declare sizes that are not the
+    tensors' ([12] for [4, 3]): the gradient build failed at the next node. Batches of 4, 5 and 7 rows; ties among
+    self and the values scattered (amax, amin: the gradient shared)."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n, 6), generator=g),
+                torch.randn(1, 3, generator=g, dtype=dtype)) for n in (4, 5, 7)]
+    check_parity(lambda: Scattered(reduce, include_self).to(dtype), batches, lambda m, b: (m(*b[:2]) * b[2]).sum(),
+                 threads=1)
+
+
+class Repeated(nn.Module):
+    """h = fc(x) repeated along its batch axis (`rows` repeats, a module input, zeros among them), along its axis of
+    6 (a buffer's, and a single repeat broadcast), flattened (`flat` repeats) and by an int (torch's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("columns", torch.tensor([1, 0, 2, 3, 1, 1]))
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, flat: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return ((h.repeat_interleave(rows, dim=0).exp() * torch.arange(6)).sum()
+                + (h.repeat_interleave(self.columns, dim=1) ** 2).sum()
+                + 2 * torch.repeat_interleave(h, flat).tanh().cumsum(0).sum()
+                + 3 * h.repeat_interleave(one, dim=-1).sin().sum() + h.repeat_interleave(2, dim=0).square().sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_repeat_interleave_by_tensor_trains_like_torch(dtype: torch.dtype) -> None:
+    """A tensor of repeats: a gather (torch's conversion writes a Loop, which has no gradient, where the repeats or
+    the axis's size are read at run time). Batches of 4, 5 and 7 rows, repeats 0 to 3."""
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 4, (n,), generator=g),
+                torch.randint(0, 4, (n * 6,), generator=g), torch.randint(1, 4, (1,), generator=g)) for n in (4, 5, 7)]
+    check_parity(lambda: Repeated().to(dtype), batches, lambda m, b: m(*b), threads=1,
+                 **({"rtol": DOUBLE_RTOL} if dtype == torch.float64 else {}))
 
 
 def test_ours_win_at_every_opset() -> None:
