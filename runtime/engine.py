@@ -403,7 +403,7 @@ class Engine:
         n = len(ex.outputs)
         call = None
         if wrt:
-            if ex.functions_unchecked:  # exported with nothing requiring grad: again, checking its Functions
+            if ex.unchecked:  # its custom Functions or backward hooks went unchecked: exported again, checked
                 self.schemas.pop(key, None)
                 return self(args, kwargs)
             session = self._session(key, schema, wrt, leaves)
@@ -434,6 +434,8 @@ class Engine:
         if ex.reference is not None and ex.reference.thread == threading.get_ident():
             # the call that exported: checked against torch (runtime/checks.py)
             reference, ex.reference = ex.reference, None
+            if call is None and reference.backward_hooks:  # no backward to check them at: at the next export's
+                ex.unchecked = True
             error = checks.outputs_error(reference.outputs, [*user, *updated])
             if error is not None:
                 self._refuse(key, error, "export check")

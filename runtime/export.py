@@ -138,9 +138,11 @@ class Exported:
     baked: bool = False
     """Whether the legacy trace turned a traced value into a Python one (its TracerWarning): a branch on a size,
     the batch's too, may be kept as the branch taken."""
-    functions_unchecked: bool = False
-    """Exported with nothing requiring grad, the Functions it applied went unchecked (`custom_functions.unchecked`):
-    a gradient build exports again first, as the module requires grad then."""
+    unchecked: bool = False
+    """What the gradient checks are for went unchecked: exported with nothing requiring grad, the Functions it
+    applied (`custom_functions.unchecked`), or, the exporting call run without a backward, the backward hooks that
+    torch's gradients pass through (`Reference.backward_hooks`). A gradient build exports again first, and that
+    call is checked."""
     guards: SizeGuards | None = None
     """The input sizes a dynamo export holds for; None for the legacy exporter, whose other sizes are checked by
     exporting them again (`Engine._new_sizes`)."""

@@ -1454,6 +1454,26 @@ def test_module_hooks_are_named() -> None:
     with pytest.warns(ExportWarning, match=r"a gradient hook on a tensor inside forward \(register_hook\) will not"):
         ORTModule(Clipped())(torch.randn(3, 4))
 
+    class Reversed(nn.Module):  # a gradient reversal written as a hook
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if h.requires_grad:
+                h.register_hook(lambda g: -g)
+            return self.head(h)
+
+    # exported by an evaluation call (no backward to check at), it trained unreversed without a word: the first
+    # call with a backward exports again and is checked
+    om = ORTModule(Reversed())
+    with pytest.warns(ExportWarning, match="gradient hook"), torch.no_grad():
+        om(torch.randn(3, 4))
+    with pytest.warns(ExportWarning, match="gradient hook"), \
+            pytest.raises(ORTModuleError, match="has a gradient hook on a tensor inside forward"):
+        om(torch.randn(3, 4)).sum().backward()
+
     # one changing the gradients fails the first backward's check, naming it as the cause
     module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     module[2].register_full_backward_hook(lambda mod, grad_in, grad_out: (grad_in[0] * 3,))
