@@ -482,7 +482,7 @@ class Engine:
             error = ExportError(f"the forward reads {changed}, which changed again after {SCALAR_EXPORTS} exports "
                                 "for such changes: the graph holds it as a constant. Keep a value that changes in a "
                                 "tensor (register_buffer('tau', torch.tensor(1.0)), updated with .fill_()).")
-            return self._refuse(key, error, "export for a changed attribute")
+            return self._refuse(key, error, "export for a changed attribute", held=False)
         if self.scalar_exports == 1:
             warnings.warn(f"ORTModule({self.name}): the forward reads {changed}, a Python value the exported graph "
                           "holds as a constant: exported again. Keep a value that changes in a tensor buffer to "
@@ -498,13 +498,16 @@ class Engine:
         self._refuse(key, error, "first onnxruntime run of the export")
         return self.module(*args, **kwargs)
 
-    def _refuse(self, key: Hashable, error: Exception, stage: str) -> Any:
-        """The schema fails as a failed export does, for good: raised at this call and every later one, or with
-        fallback its calls run in torch from now."""
+    def _refuse(self, key: Hashable, error: Exception, stage: str, held: bool = True) -> Any:
+        """The schema fails as a failed export does: raised, or with fallback its calls run in torch from now.
+        `held`: raised again at every later call of it, without trying again (an export that exists and was refused
+        by a check; a failed export is tried again at the next call, which an attribute set since may let
+        through)."""
         try:
             self.schemas[key] = self._fail(error, stage)
         except ORTModuleError as refused:
-            self.schemas[key] = _Refused(refused)
+            if held:
+                self.schemas[key] = _Refused(refused)
             raise
         return self.schemas[key]
 
@@ -531,7 +534,7 @@ class Engine:
                 return schema
             refused = self._new_argument_values(in_spec, leaves)
             if refused is not None:
-                return self._refuse(key, refused, "export for new argument values")
+                return self._refuse(key, refused, "export for new argument values", held=False)
             return self._export_schema(key, in_spec, leaves)
 
     def _new_argument_values(self, in_spec: Any, leaves: list[torch.Tensor]) -> ExportError | None:
@@ -575,7 +578,7 @@ class Engine:
         except ExportError as e:
             exported = self._other_exporter(e, in_spec, leaves)
             if exported is None:
-                return self._refuse(key, e, "export")
+                return self._refuse(key, e, "export", held=False)
         finally:
             self._watch.rebase()
         schema = self.schemas[key] = self._schema(exported)

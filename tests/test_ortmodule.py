@@ -1824,6 +1824,27 @@ def test_unsupported_op_is_a_clear_error() -> None:
     assert om.stats["fallbacks"] == 0
 
 
+def test_a_failed_export_is_tried_again_at_the_next_call() -> None:
+    """Refusals by the checks hold for the schema; a failed export does not: the module may be fixed in between (an
+    attribute turning off what has no export)."""
+    class Switched(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.exotic = nn.Linear(4, 4), True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return torch.linalg.matrix_exp(h.reshape(-1, 2, 2)).sum() if self.exotic else h.sum()
+
+    om = ORTModule(Switched())
+    with pytest.raises(ORTModuleError, match="export failed"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        om(torch.randn(2, 4))
+    om.exotic = False
+    om(torch.randn(2, 4)).backward()
+    assert om.module.fc.weight.grad is not None
+
+
 def test_quantization_aware_training_is_refused_by_its_operator_with_the_buffers_put_back() -> None:
     """torch.ao's QAT observers size their per-channel statistics at the first call (resize_ in place): putting the
     buffers back after the failed trace failed on the new size ("size of tensor a (8) must match ... (0)"), which
