@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
-_edits = itertools.count()
+_edits = itertools.count(1)  # next() is atomic: edits in several threads each count
 _count = [0]
 
 
