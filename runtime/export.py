@@ -58,7 +58,7 @@ from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
 from .packed import exportable_packing
 from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
-from .patching import replaced
+from .patching import replaced, untraced
 from .scalars import Scalars
 from .size_guards import SizeGuards
 from .structure import Const, Node, Spec, constants, flatten, tensor_paths, unflatten
@@ -231,12 +231,8 @@ class _Flat(nn.Module):
         params = dict(self._target.named_parameters())  # a parameter changed in place: its value, no gradient
         updated = [params[name].detach() if name in params else self._target.get_buffer(name)
                    for name in self._result.get("updates", ())]
-        tracing = torch._C._get_tracing_state()
-        torch._C._set_tracing_state(None)  # copies of the changed buffers' values, not part of the trace
-        try:
+        with untraced():  # copies of the changed buffers' values, not part of the trace
             copies = [b.detach().clone() for b in updated]
-        finally:
-            torch._C._set_tracing_state(tracing)
         self._result["outputs"] = [*flat, *copies]  # the values torch computed (the tracer runs the module eagerly)
         return (*flat, *updated)
 
@@ -354,7 +350,7 @@ class _DataAccess(TorchFunctionMode):
         self.before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if getattr(func, "__self__", None) is _DATA and args and id(args[0]) in self.names:
+        if getattr(func, "__self__", None) is stop_gradients.DATA and args and id(args[0]) in self.names:
             name = self.names[id(args[0])]
             if name not in self.before:
                 self.before[name] = (args[0], args[0].detach().clone())
@@ -364,8 +360,6 @@ class _DataAccess(TorchFunctionMode):
         return [name for name, (p, value) in self.before.items() if not _same(p.detach(), value)]
 
 
-_DATA = torch._C.TensorBase.__dict__["data"]
-"""The `data` descriptor, whose `__get__` and `__set__` reach a TorchFunctionMode as method wrappers."""
 
 
 @contextlib.contextmanager

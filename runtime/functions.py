@@ -99,7 +99,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.utils import spectral_norm as spectral_norm_module
 
-from .patching import replaced
+from .patching import replaced, untraced_ints
 
 
 def _windows(n: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,17 +302,6 @@ def _size_tensor(n: Any) -> torch.Tensor:
     """A size as a 0-d tensor: the trace's own (so comparisons of it are traced ops, not Python booleans baked in)
     or a number's."""
     return n if isinstance(n, torch.Tensor) else torch.tensor(n)
-
-
-def _untraced_ints(*sizes: Any) -> list[int]:
-    """Sizes as Python ints read outside the legacy tracer (no TracerWarning, nothing recorded): only for choices
-    that hold at every size the export serves (head counts, fixed by the weights)."""
-    state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
-        return [int(n) for n in sizes]
-    finally:
-        torch._C._set_tracing_state(state)
 
 
 def _euclidean_dist(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -1029,7 +1018,7 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
                                      enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
         # head counts as numbers read outside the trace: fixed by the weights, so the choice holds at every size
         # the export serves (a traced comparison would be baked in with a warning, and export again at new sizes)
-        heads, kv_heads = _untraced_ints(query.shape[-3], key.shape[-3]) if enable_gqa and key.dim() >= 3 else (0, 0)
+        heads, kv_heads = untraced_ints(query.shape[-3], key.shape[-3]) if enable_gqa and key.dim() >= 3 else (0, 0)
         if heads != kv_heads:
             groups = heads // kv_heads  # each key/value head serves that many query heads in a row
             key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)

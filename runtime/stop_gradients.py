@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from gradbuilder.stop_gradient import OP_TYPE
 from gradbuilder.yield_op import DOMAIN
 
+from .patching import untraced_ints
 from .symbolics import registered
 
 OPSET = 9
@@ -74,7 +75,7 @@ class WithoutGrad(TorchFunctionMode):
         if func is torch.Tensor.register_hook:
             self.tensor_hooks += 1
         if args and not _IN_FUNCTIONS[0]:
-            if getattr(func, "__self__", None) is _DATA:
+            if getattr(func, "__self__", None) is DATA:
                 return self._data(func, args)
             target = self._parameter(args[0])  # changed in place without grad, or through `.data` with it too
             if target is not None and _in_place(func) and (
@@ -114,7 +115,7 @@ class WithoutGrad(TorchFunctionMode):
             self._aliases[id(alias)] = (alias, param)
             return alias
         if func.__name__ == "__set__" and isinstance(param, nn.Parameter) and isinstance(args[1], torch.Tensor) and \
-                _untraced_sizes(args[1]) == _untraced_sizes(param) and args[1].dtype == param.dtype:
+                untraced_ints(*args[1].shape) == untraced_ints(*param.shape) and args[1].dtype == param.dtype:
             with torch.no_grad():
                 self._changed_parameter(torch.Tensor.copy_, (param, args[1]), {})
             return None
@@ -153,17 +154,7 @@ def _in_place(func: Any) -> bool:
         name.endswith("_") and not name.startswith("_") and name not in _NOT_VALUES)
 
 
-def _untraced_sizes(t: torch.Tensor) -> tuple[int, ...]:
-    """`t`'s sizes as numbers, not recorded by the legacy tracer (whose sizes compare as tensors: a TracerWarning)."""
-    state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
-        return tuple(int(d) for d in t.shape)
-    finally:
-        torch._C._set_tracing_state(state)
-
-
-_DATA = torch._C.TensorBase.__dict__["data"]
+DATA = torch._C.TensorBase.__dict__["data"]
 """The `data` descriptor, whose `__get__` and `__set__` reach a TorchFunctionMode as method wrappers."""
 
 
