@@ -192,13 +192,15 @@ def _is_mask(index: Any) -> bool:
 def _wrapped(g: Any, x: Any, axis: int, index: Any) -> Any:
     """index into x's axis, its negative entries plus the axis's size (a constant where known at export, read from
     Shape at run time if not)."""
-    n = symbolic_helper._get_tensor_dim_size(x, axis)
-    if n is None:
-        n = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor(axis)))
-    else:
-        n = g.op("Constant", value_t=torch.tensor(n))
+    known = symbolic_helper._get_tensor_dim_size(x, axis)
+    n = _run_time_size(g, x, axis, vector=False) if known is None else g.op("Constant", value_t=torch.tensor(known))
     n = cast_like(g, n, index)
     return g.op("Where", g.op("Less", index, const_like(g, 0, index)), g.op("Add", index, n), index)
+
+
+def _run_time_size(g: Any, x: Any, axis: int, vector: bool = True) -> Any:
+    """The size of x's axis read from Shape at run time, as a [1] tensor (or 0-d), where the export does not know it."""
+    return g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis] if vector else axis)))
 
 
 def _xlogy(g: Any, x: Any, y: Any) -> Any:
@@ -310,7 +312,7 @@ def _repeat_interleave(g: Any, x: Any, repeats: Any = None, dim: Any = None, out
         if got is None:
             return None
         axis = got[1]
-    n = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+    n = _run_time_size(g, x, axis)
     int64 = _type_utils.JitScalarType.INT64.onnx_type()
     counts = g.op("Expand", g.op("Cast", repeats, to_i=int64), n)  # one count for every position, as torch's
     ends = g.op("CumSum", counts, g.op("Constant", value_t=torch.tensor(0)))
@@ -385,7 +387,7 @@ def _median_dim(g: Any, x: Any, dim: Any, keepdim: Any = None) -> tuple[Any, Any
     axis = got[1]
     keep = bool(symbolic_helper._get_const(keepdim, "i", "keepdim")) if keepdim is not None else False
     one = g.op("Constant", value_t=torch.tensor([1]))
-    n = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+    n = _run_time_size(g, x, axis)
     k = g.op("Add", g.op("Div", g.op("Sub", n, one), g.op("Constant", value_t=torch.tensor([2]))), one)
     values, indices = g.op("TopK", x, k, axis_i=axis, largest_i=0, sorted_i=1, outputs=2)
     last = g.op("Sub", k, one)
@@ -434,7 +436,7 @@ def _section_bounds(g: Any, x: Any, axis: int, sections: int) -> list[Any]:
     if n is not None:
         q, r = divmod(n, sections)
         return [g.op("Constant", value_t=torch.tensor([k * q + min(k, r)])) for k in range(sections + 1)]
-    size = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+    size = _run_time_size(g, x, axis)
     s = g.op("Constant", value_t=torch.tensor([sections]))
     q, r = g.op("Div", size, s), g.op("Mod", size, s)
     ks = [g.op("Constant", value_t=torch.tensor([k])) for k in range(1, sections)]
@@ -468,7 +470,7 @@ def _triangle(g: Any, x: Any, axis: int, rank: int) -> tuple[Any, Any]:
     if n is not None:
         below = torch.ones(n, n, dtype=torch.bool).tril().reshape(n, n, *ones)
         return g.op("Constant", value_t=below), g.op("Constant", value_t=torch.arange(n).reshape(n, *ones))
-    size = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor(axis)))
+    size = _run_time_size(g, x, axis, vector=False)
     j = g.op("Range", g.op("Constant", value_t=torch.tensor(0)), size, g.op("Constant", value_t=torch.tensor(1)))
     unsqueeze = symbolic_helper._unsqueeze_helper
     below = g.op("LessOrEqual", unsqueeze(g, j, [0]), unsqueeze(g, j, [1]))
@@ -796,7 +798,7 @@ def _rolled(g: Any, x: Any, shift: int, axis: int) -> Any:
             return x
         start = [g.op("Constant", value_t=torch.tensor([n - s]))]
     else:
-        size = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+        size = _run_time_size(g, x, axis)
         start = [g.op("Sub", size, g.op("Mod", g.op("Constant", value_t=torch.tensor([shift])), size))]
     zero, end = g.op("Constant", value_t=torch.tensor([0])), g.op("Constant", value_t=torch.tensor([_END]))
     axes = g.op("Constant", value_t=torch.tensor([axis]))
@@ -843,7 +845,7 @@ def _chunk(g: Any, x: Any, chunks: Any, dim: Any) -> Any:
         size = -(-n // c)
         bounds = [g.op("Constant", value_t=torch.tensor([min(k * size, n)])) for k in range(count)]
     else:
-        length = g.op("Gather", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([axis])))
+        length = _run_time_size(g, x, axis)
         ck = g.op("Constant", value_t=torch.tensor([c]))
         size = g.op("Div", g.op("Add", length, g.op("Constant", value_t=torch.tensor([c - 1]))), ck)
         bounds = [g.op("Mul", size, g.op("Constant", value_t=torch.tensor([k]))) for k in range(count)]
