@@ -16,6 +16,7 @@ import inspect
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from . import checks, exchange, function, lowering, workload
 from .batchnorm import second_updates, update_running_stats
 from .edits import Watch
 from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
+from .forward_hooks import HookError, forget, recorded
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
@@ -454,6 +456,22 @@ class Engine:
             if call is not None and ex.recomputed_stats:
                 again = second_updates(ex.batch_stats, stats)
                 call.after_backward = functools.partial(update_running_stats, modules, *again)
+        if ex.hooks is not None:  # the user's forward hooks, on this call's values of what they received
+            k = len(user) - len(ex.hooks.names)
+            result, received = unflatten(ex.out_spec, user[:k]), user[k:]
+            try:
+                ex.hooks(received)
+            except HookError as e:
+                self._refuse(key, e, "run of its forward hooks")
+                return self.module(*args, **kwargs)
+            error = ex.hooks.gradient_hooks(received)
+            if error is not None:
+                self._refuse(key, error, "run of its forward hooks")
+                return self.module(*args, **kwargs)
+            if call is not None:  # retain_grad() may come after the call
+                refs, hooks = [weakref.ref(t) for t in received], ex.hooks
+                call.hooked = lambda: hooks.gradient_hooks([r() for r in refs])
+            return result
         return unflatten(ex.out_spec, user)
 
     def _write_back(self, ex: Exported, values: Sequence[torch.Tensor], read: set[str]) -> None:
@@ -609,10 +627,15 @@ class Engine:
         tensors = {fqn: fed.get(id(named[name]), named[name]) for name, fqn in ex.state
                    if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
-        with torch.enable_grad(), scratch_buffers(self.module):
+        with torch.enable_grad(), scratch_buffers(self.module), recorded(self.module) as hooks:
             out = torch.func.functional_call(self.module, tensors, *as_called(bound),
                                              strict=False)
-        return flatten(out)[0], [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]
+        differentiated = [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]
+        outputs = [*flatten(out)[0], *hooks.tensors]
+        # the hooks ran at the call already
+        forget([*hooks.tensors, *hooks.made], [outputs, hooks.tensors, hooks.made, aliases, differentiated, leaves],
+               [*leaves, *named.values(), *tensors.values()])
+        return outputs, differentiated
 
     def _other_exporter(self, error: ExportError, in_spec: Any, leaves: list[torch.Tensor]) -> Exported | None:
         """The module exported by dynamo from now on, where the legacy exporter has no translation of an operator

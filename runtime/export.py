@@ -26,12 +26,10 @@ import logging
 import os
 import random
 import re
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,7 +49,8 @@ from . import accumulation, checkpoints, custom_functions, double_scalars, excha
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
-from .edits import BACKWARD_HOOKS, FORWARD_HOOKS, MODULE_HOOKS
+from .edits import BACKWARD_HOOKS
+from .forward_hooks import Replay, forget, recorded, user_hooks
 from .functions import exportable_functions
 from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
@@ -146,6 +145,9 @@ class Exported:
     guards: SizeGuards | None = None
     """The input sizes a dynamo export holds for; None for the legacy exporter, whose other sizes are checked by
     exporting them again (`Engine._new_sizes`)."""
+    hooks: Replay | None = None
+    """The user's forward hook calls, run again after each call on the last `len(hooks.names)` of `outputs`
+    (`runtime/forward_hooks.py`)."""
 
     @functools.cached_property
     def state_names(self) -> frozenset[str]:
@@ -218,10 +220,14 @@ class _Flat(nn.Module):
         bound = inspect.BoundArguments(self._signature, arguments)
         legacy = self._result.get("without_grad")  # the legacy exporter's trace (dynamo's tensors are fake)
         reads = _PythonReads(dict(self._target.named_buffers())) if legacy else contextlib.nullcontext()
-        with reads, stop_gradients.WithoutGrad() if legacy else contextlib.nullcontext() as mode:
+        with reads, stop_gradients.WithoutGrad() if legacy else contextlib.nullcontext() as mode, \
+                recorded(self._target) as hooks:
             args, kwargs = as_called(bound)
             out = self._target(*args, **kwargs)
         flat, self._result["spec"] = flatten(out)
+        flat += hooks.tensors  # as they are at the end of the forward, as torch's hooks hold them by then
+        self._result["hooks"] = hooks.replay()
+        self._result.setdefault("hook_tensors", []).extend([*hooks.tensors, *hooks.made])
         if isinstance(reads, _PythonReads):
             self._result["python_reads"] = reads.read
             self._result["returned_numbers"] = reads.returned(self._result["spec"])
@@ -460,31 +466,9 @@ def _listed(items: Sequence[str], most: int = 4) -> str:
     return ", ".join(items[:most]) + (" and more" if len(items) > most else "")
 
 
-def _hooked(module: nn.Module, kinds: Sequence[str] = MODULE_HOOKS) -> list[str]:
-    """The module hooks of these kinds on `module` and its children, and the global ones, that the user's own code
-    defines: libraries' hooks serve the forward itself (torch's weight and spectral norms compute a weight in a
-    pre-hook, Hugging Face's record the outputs it returns), which the graph then holds."""
-    found = []
-    for name, mod in module.named_modules():
-        for kind in kinds:
-            if any(not _from_a_library(h) for h in getattr(mod, kind, {}).values()):
-                found.append(f"a {kind[1:-1].replace('_', ' ')} on {name or 'the module'}")
-    for kind in kinds:
-        if any(not _from_a_library(h) for h in getattr(nn.modules.module, f"_global{kind}", {}).values()):
-            found.append(f"a global {kind[1:-1].replace('_', ' ')}")
-    return found
-
-
-def _from_a_library(hook: Any) -> bool:
-    """Whether `hook` (a function, method, partial or callable object) is defined in an installed package."""
-    while isinstance(hook, functools.partial):
-        hook = hook.func
-    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
-    if code is not None:
-        path = code.co_filename
-    else:
-        path = getattr(sys.modules.get(type(hook).__module__), "__file__", None) or ""
-    return any(part in ("site-packages", "dist-packages") for part in Path(path).parts)
+def _hooked(module: nn.Module, kinds: Sequence[str]) -> list[str]:
+    """Where the user's hooks of these kinds are, each place once."""
+    return list(dict.fromkeys(where for where, *_ in user_hooks(module, kinds)))
 
 
 def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
@@ -700,7 +684,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
                 custom_functions.applied_functions() as applied, _python_draws() as drawn:
-            leaves = [_traced_leaf(t) for t in leaves]
+            original, leaves = leaves, [_traced_leaf(t) for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
             mutated = changed()
@@ -708,6 +692,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
             inputs_changed = changed_inputs()
             # tensors that exist only while exporting (stand-in statistics) are constants of the export
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
+        hooked = flat._result.pop("hook_tensors", [])
+        forget(hooked, [hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()])
     except Exception as e:
         raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                           f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}") from e
@@ -748,17 +734,14 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "while it is exported: the graph keeps this call's draws, so every step repeats them (a layer "
                       "dropped or kept, a size). Draw them as torch tensors the computation uses as tensors "
                       "(torch.rand with torch.where), or run the module in torch.", ExportWarning, stacklevel=4)
-    hooked = _hooked(module, FORWARD_HOOKS)
     unrun = _hooked(module, BACKWARD_HOOKS)
     if flat._result.get("tensor_hooks"):
         unrun.append("a gradient hook on a tensor inside forward (register_hook)")
-    hooked += unrun
-    if hooked:
-        warnings.warn(f"ORTModule({type(module).__name__}): {_listed(hooked)} will not run at each step: the "
-                      "module runs as one onnxruntime graph; what a forward hook returns is part of it, but its side "
-                      "effects (activations it records, counters) happened once, while exporting, and backward hooks "
-                      "on its modules or tensors never run (hooks on its inputs and outputs do).", ExportWarning,
-                      stacklevel=4)
+    if unrun:
+        warnings.warn(f"ORTModule({type(module).__name__}): {_listed(unrun)} will not run at each step: the "
+                      "module runs as one onnxruntime graph, whose backward cannot run the hooks of its modules or "
+                      "tensors (hooks on its inputs and outputs and on parameters do run; forward hooks run at "
+                      "each call).", ExportWarning, stacklevel=4)
     out_spec = flat.out_spec
     assert out_spec is not None
     if not model.graph.output:
@@ -776,10 +759,13 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     _split_sequences_to_slices(model.graph)
     if options.exporter == "torchscript":  # dynamo's inputs are dynamic where its graph is (`_pin_single_values`)
         _dynamic_inputs(model, set(names))
-    outputs = _name_outputs(model, out_spec)
+    hooks: Replay | None = flat._result.get("hooks")
+    wanted = ["output" + (f".{p}" if p else "") for p in tensor_paths(out_spec)]
+    wanted += hooks.names if hooks is not None else []
+    outputs = _name_outputs(model, wanted)
     _unshared_symbols(model, outputs, flat._result.get("outputs") or ())
-    carried = _updates(model, outputs[len(tensor_paths(out_spec)):], updates)
-    outputs = outputs[:len(tensor_paths(out_spec))]
+    carried = _updates(model, outputs[len(wanted):], updates)
+    outputs = outputs[:len(wanted)]
     lost = [name for name in mutated if name not in {fqn for _, fqn in carried}]
     if lost:
         warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(lost)} in place, "
@@ -811,7 +797,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
                     bool(flat._result.get("baked")),
                     not differentiable and custom_functions.unchecked(applied),
-                    flat._result.get("guards"))
+                    flat._result.get("guards"), hooks)
 
 
 def _called_elsewhere(node: onnx.NodeProto, paths: Sequence[str]) -> bool:
@@ -1122,12 +1108,10 @@ def pin_dims(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], batch: 
     return pinned
 
 
-def _name_outputs(model: onnx.ModelProto, out_spec: Spec) -> list[str]:
-    """Readable, distinct output names (`output`, `output.logits`, ...); an output that is a graph input or
-    repeats another output gets an Identity, so each output is its own tensor."""
+def _name_outputs(model: onnx.ModelProto, wanted: Sequence[str]) -> list[str]:
+    """The first outputs named as `wanted` (`output`, `output.logits`, ..., made distinct); an output that is a
+    graph input or repeats another output gets an Identity, so each output is its own tensor."""
     g = model.graph
-    paths = tensor_paths(out_spec)
-    wanted = ["output" + (f".{p}" if p else "") for p in paths]
     taken = names_in_use(g)
     inputs = {i.name for i in g.input} | {t.name for t in g.initializer}
     seen: set[str] = set()

@@ -40,6 +40,9 @@ class Call:
     after_backward: Callable[[], None] | None = None
     """Run at each backward: what torch's backward changes besides gradients (BatchNorm statistics updated again
     in checkpointed regions: `batchnorm.second_updates`)."""
+    hooked: Callable[[], Exception | None] | None = None
+    """Whether gradient hooks are on tensors the user's forward hooks received (`forward_hooks.Replay`), which
+    the backward cannot give their whole gradient: checked at backward, as retain_grad() may come after the call."""
     in_torch: Callable[[bool], tuple[list[Any], list[torch.Tensor]]] | None = None
     """The same call computed again by torch's module (`Engine.in_torch`): its flat outputs and the tensors of
     `wrt`, for a backward with create_graph=True, whose gradients must be differentiable again."""
@@ -84,6 +87,9 @@ class ORTFunction(torch.autograd.Function):
 
 def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     call: Call = ctx.call
+    error = call.hooked() if call.hooked is not None else None
+    if error is not None:
+        raise error
     ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
     n_out = len(call.session.output_names)
     ort_grads: list[C.OrtValue | None] = [None] * n_out

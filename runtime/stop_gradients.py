@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from gradbuilder.stop_gradient import OP_TYPE
 from gradbuilder.yield_op import DOMAIN
 
+from .forward_hooks import in_a_hook
 from .patching import untraced_ints
 from .symbolics import registered
 
@@ -191,7 +192,8 @@ class Finder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.found is None and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if self.found is None and not in_a_hook() and \
+                any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             name = getattr(func, "__name__", str(func))
             if name == "detach":
                 self.found = "a detach() of a tensor that requires grad"

@@ -1,0 +1,237 @@
+"""The user's forward hooks run at each call, on onnxruntime's values.
+
+An export traces the forward once. What a forward hook returns (a changed input or output) is part of the graph,
+but what it does besides happened only while exporting, on the export's tensors: the activation a feature-matching,
+perceptual or distillation loss reads, a Grad-CAM map, a running statistic, a counter. torch runs it at every call.
+
+So each call of a user's forward hook (or forward pre-hook) while exporting is recorded: the hook, its module, and
+the tensors it received, which become extra outputs of the graph. They are taken at the end of the forward, so a
+tensor changed in place after the hook ran (a hooked convolution followed by an in-place ReLU) is what torch's
+stored reference to it reads by then. After each call the hooks are called again, in order, with onnxruntime's
+values of those tensors (`Replay`); their return values are dropped, since the graph holds them. A loss on a
+recorded tensor sends its gradient back through the graph, summed with the graph's own where the graph uses the
+tensor too.
+
+Hooks defined in installed packages serve the forward itself (torch's weight norm computes a weight in a pre-hook,
+Hugging Face's collect the hidden states it returns): the graph holds them, and they are not run again.
+
+While exporting, the hooks also run on the export's own tensors: their return value is needed, and what they
+store may feed the same forward (a U-Net reading its encoder's hooked features). What they left behind is undone
+where it can be: the export's tensors they received or computed are taken out of the lists and deques holding them
+(`forget`), and the tensor attributes they set on their modules are put back (`recorded`); dict entries are set
+again by the call's replay. A counter still counts the export's runs.
+
+A gradient hook or retain_grad() on a received tensor (Grad-CAM) and an in-place change of one cannot be followed
+(`HookError`): the engine refuses the call's schema, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import gc
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+from torch.overrides import TorchFunctionMode
+
+from .edits import FORWARD_HOOKS
+from .structure import Spec, flatten, unflatten
+
+
+def from_a_library(hook: Any) -> bool:
+    """Whether `hook` (a function, method, partial or callable object) is defined in an installed package."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    if code is not None:
+        path = code.co_filename
+    else:
+        path = getattr(sys.modules.get(type(hook).__module__), "__file__", None) or ""
+    return any(part in ("site-packages", "dist-packages") for part in Path(path).parts)
+
+
+def user_hooks(module: nn.Module, kinds: Sequence[str]) -> Iterator[tuple[str, nn.Module | None, dict[int, Any], int]]:
+    """(where, owner, hook dict, handle id) of the hooks of these kinds (`edits.MODULE_HOOKS` attribute names)
+    that the user's code defines: on `module` and its submodules (owner: the submodule), then torch's global ones
+    (owner None)."""
+    for name, mod in module.named_modules():
+        for kind in kinds:
+            hooks = getattr(mod, kind, {})
+            for hid, hook in list(hooks.items()):
+                if not from_a_library(hook):
+                    yield f"a {kind[1:-1].replace('_', ' ')} on {name or 'the module'}", mod, hooks, hid
+    for kind in kinds:
+        hooks = getattr(nn_module, f"_global{kind}", {})
+        for hid, hook in list(hooks.items()):
+            if not from_a_library(hook):
+                yield f"a global {kind[1:-1].replace('_', ' ')}", None, hooks, hid
+
+
+@dataclass(frozen=True)
+class HookCall:
+    """One call of a hook while exporting: `hook(module, *arguments)`, the arguments' tensors being
+    `start:stop` of the recorded tensors."""
+
+    hook: Callable[..., Any]
+    module: nn.Module
+    arguments: Spec
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The hook calls of one export, to run again after each of its calls."""
+
+    calls: tuple[HookCall, ...]
+    names: tuple[str, ...]
+    """A name per recorded tensor (`hooked.<module path>`), for the graph's extra outputs."""
+
+    def __call__(self, values: Sequence[torch.Tensor]) -> None:
+        versions = [t._version for t in values]
+        for c in self.calls:
+            c.hook(c.module, *unflatten(c.arguments, values[c.start:c.stop]))
+        changed = [self.names[i] for i, (t, v) in enumerate(zip(values, versions)) if t._version != v]
+        if changed:  # the export's run of the hook changed it already: the graph's values hold the change
+            raise HookError(f"a forward hook changed a tensor it received in place ({changed[0]}), which the graph "
+                            "holds as changed already; run again on onnxruntime's values, it would change them "
+                            "twice. Return the changed value from the hook instead of changing it in place.")
+
+    def gradient_hooks(self, values: Sequence[torch.Tensor | None]) -> HookError | None:
+        """Whether gradient hooks or retain_grad() were put on the tensors the hooks received (Grad-CAM): torch
+        gives them the tensor's whole gradient, but onnxruntime's backward computes the part from inside the
+        module within one run, so they would see only the part from outside it."""
+        for name, t in zip(self.names, values):
+            if t is not None and (t.retains_grad or t._backward_hooks):
+                return HookError(f"a gradient hook or retain_grad() is on {name}, a tensor a forward hook received "
+                                 "(as Grad-CAM takes an activation's gradient): onnxruntime's backward computes the "
+                                 "gradient inside the module in one run, so the hook would see only the gradient from "
+                                 "outside it. Take the gradient of the module's output instead, or run the module in "
+                                 "torch.")
+        return None
+
+
+class HookError(RuntimeError):
+    """A forward hook does what its run again on onnxruntime's values cannot follow."""
+
+
+@dataclass
+class Recorder:
+    """The hook calls of one run of the forward, and the tensors they received."""
+
+    paths: dict[int, str]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    calls: list[HookCall] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    made: list[torch.Tensor] = field(default_factory=list)
+    """The tensors the hooks computed (`output.detach()`, a statistic), which they may have stored too."""
+    stored: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
+    """Tensor attributes of hooked modules that the hooks set (`module.features = output`), with their values before:
+    put back after the run (dynamo fails on a module holding its fake tensors; the legacy exporter's would be taken
+    for state kept from call to call), as each call's replay sets them."""
+
+    def wrapped(self, hook: Callable[..., Any], owner: nn.Module | None) -> Callable[..., Any]:
+        def recording(module: nn.Module, *arguments: Any) -> Any:
+            path = self.paths.get(id(owner if owner is not None else module))
+            if path is None:  # a global hook on torch's own modules (the exporter's subgraphs of a GRU's loop)
+                return hook(module, *arguments)
+            leaves, spec = flatten(arguments)
+            start = len(self.tensors)
+            self.tensors.extend(leaves)
+            self.names.extend([f"hooked.{path}" if path else "hooked"] * len(leaves))
+            # the module as the user holds it: torch.export may run a copy of the module it traces
+            self.calls.append(HookCall(hook, owner if owner is not None else module, spec, start, len(self.tensors)))
+            before = dict(vars(module))
+            _running.depth += 1
+            try:
+                with _Made(self.made):
+                    result = hook(module, *arguments)
+            finally:
+                _running.depth -= 1
+            for k, v in vars(module).items():
+                if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v:
+                    self.stored.setdefault((id(module), k), (module, k, before.get(k, _MISSING)))
+            return result
+        return recording
+
+    def replay(self) -> Replay | None:
+        return Replay(tuple(self.calls), tuple(self.names)) if self.calls else None
+
+
+class _Running(threading.local):
+    depth = 0
+
+
+_running = _Running()
+
+
+def in_a_hook() -> bool:
+    """Whether a user's forward hook is running in an export (its `output.detach()` is no stop-gradient of the
+    forward's: the dynamo exporter's check of those skips it)."""
+    return _running.depth > 0
+
+
+class _Made(TorchFunctionMode):
+    """Collects the tensors torch functions return."""
+
+    def __init__(self, into: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.into = into
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.into.extend(flatten(out)[0])
+        return out
+
+
+def forget(tensors: Sequence[torch.Tensor], ours: Iterable[object], kept: Iterable[torch.Tensor]) -> None:
+    """Take `tensors` (the export's, which its runs of the hooks received or made) out of the lists and deques
+    holding them but `ours`: a hook appending to a list, which the user clears before each call, would otherwise
+    hold the export's tensors besides the call's own (their autograd graph freed by then: "backward through the
+    graph a second time"). Dicts and attributes the hooks set are set again by the call's replay. `kept`: the
+    call's inputs, parameters and buffers, which the caller's own lists may hold."""
+    kept_ids = {id(t) for t in kept}
+    tensors = [t for t in tensors if id(t) not in kept_ids]
+    if not tensors:
+        return
+    gone = {id(t) for t in tensors}
+    skip = {id(x) for x in ours}
+    for holder in gc.get_referrers(*tensors):
+        if isinstance(holder, (list, collections.deque)) and id(holder) not in skip:
+            kept = [x for x in holder if id(x) not in gone]
+            if len(kept) != len(holder):
+                holder.clear()
+                holder.extend(kept)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def recorded(module: nn.Module) -> Iterator[Recorder]:
+    """The user's forward hooks on `module`, its submodules and torch's global ones record their calls while the
+    block runs."""
+    recorder = Recorder({id(m): name for name, m in module.named_modules()})
+    swapped = [(hooks, hid, hooks[hid], owner) for _, owner, hooks, hid in user_hooks(module, FORWARD_HOOKS)]
+    for hooks, hid, hook, owner in swapped:
+        hooks[hid] = recorder.wrapped(hook, owner)
+    try:
+        yield recorder
+    finally:
+        for hooks, hid, hook, _ in swapped:
+            if hid in hooks:
+                hooks[hid] = hook
+        for module, name, value in reversed(recorder.stored.values()):
+            if value is _MISSING:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)

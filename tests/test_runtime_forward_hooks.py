@@ -1,0 +1,149 @@
+"""runtime/forward_hooks.py: the user's forward hooks run at each call on onnxruntime's values, as torch runs them
+(they ran only while exporting, on the export's tensors: a feature-matching loss read stale activations, or failed
+with "backward through the graph a second time"); what they cannot follow is refused, naming the hook's tensor."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime import ExportWarning, FallbackWarning, ORTModule, ORTModuleError
+
+
+class Hooked(nn.Module):
+    """A conv followed by an in-place ReLU (a hook's stored reference to the conv's output reads the ReLU's values
+    by the end of the forward), a layer called twice, a GRU (a tuple output), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3)
+        self.act = nn.ReLU(inplace=True)
+        self.a, self.shared, self.head = nn.Linear(12, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.rnn = nn.GRU(6, 6, batch_first=True)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        h = self.act(self.conv(x)).flatten(1)
+        h = self.shared(self.shared(torch.tanh(self.a(h)))) * scale
+        r, _ = self.rnn(h.unsqueeze(1).repeat(1, 2, 1))
+        return self.head(r[:, -1])
+
+
+def _hook_everything(model: nn.Module, store: dict[str, Any], seen: list[torch.Tensor]) -> None:
+    """Hooks as users write them: recording into a dict, a list, a module attribute; a pre-hook on the input; one
+    with keyword arguments; one changing the output besides recording; a global one."""
+    model.conv.register_forward_hook(lambda m, args, out: store.__setitem__("conv", out))
+    model.conv.register_forward_pre_hook(lambda m, args: store.__setitem__("x", args[0]))
+    model.shared.register_forward_hook(lambda m, args, out: seen.append(out))
+    model.head.register_forward_hook(lambda m, args, kwargs, out: store.__setitem__("head", (args[0], out)),
+                                     with_kwargs=True)
+    model.rnn.register_forward_hook(lambda m, args, out: store.__setitem__("state", out[1]))
+
+    def doubled(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        store["a"] = out
+        return out * 2
+
+    def kept(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        m.features = out.detach()
+
+    model.a.register_forward_hook(doubled)
+    model.head.register_forward_hook(kept)
+
+
+def _loss(y: torch.Tensor, store: dict[str, Any], seen: list[torch.Tensor]) -> torch.Tensor:
+    return (y.square().sum() + store["conv"].square().mean() + store["x"].sin().sum() + store["head"][0].cos().sum()
+            + store["state"].sum() + store["a"].pow(2).sum() + sum(t.square().mean() for t in seen))
+
+
+def _train(model: Hooked, exporter: str | None) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, list]]:
+    """An evaluation call, then three training steps of `model` (through ORTModule with `exporter` unless None):
+    what the hooks recorded, the input's and the parameters' gradients at each."""
+    store: dict[str, Any] = {}
+    seen: list[torch.Tensor] = []
+    by_module: dict[str, torch.Tensor] = {}
+    names = {m: n for n, m in model.named_modules()}
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: by_module.__setitem__(names[m], out) if m in names else None)
+    try:
+        run = ORTModule(model, exporter=exporter) if exporter else model
+        _hook_everything(model, store, seen)
+        opt = torch.optim.SGD(run.parameters(), lr=0.05)
+        results = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ExportWarning)  # nothing warned: no hook is left out
+            with torch.no_grad():
+                run(torch.ones(4, 1, 4, 4), scale=0.5)  # exported, then again for training
+            for step in range(3):
+                seen.clear()
+                opt.zero_grad()
+                x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(step)).requires_grad_()
+                y = run(x, scale=0.5)
+                _loss(y, store, seen).backward()
+                values = {"conv": store["conv"], "a": store["a"], "features": model.head.features,
+                          "shared": by_module["shared"], "head": by_module["head"], "seen": torch.stack(seen)}
+                results.append(({k: v.detach().clone() for k, v in values.items()}, x.grad.clone(),
+                                [p.grad.clone() for p in model.parameters()]))
+                opt.step()
+    finally:
+        handle.remove()
+    return results
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_forward_hooks_run_at_each_call_on_onnxruntime_s_values(exporter: str) -> None:
+    torch.manual_seed(0)
+    model = Hooked()
+    want = _train(copy.deepcopy(model), None)
+    for step, (got, expected) in enumerate(zip(_train(model, exporter), want)):
+        for name in expected[0]:
+            torch.testing.assert_close(got[0][name], expected[0][name], msg=f"step {step}: {name}")
+        torch.testing.assert_close(got[1], expected[1], msg=f"step {step}: input gradient")
+        for g, w in zip(got[2], expected[2]):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=f"step {step}: parameter gradient")
+
+
+def test_forward_hooks_whose_tensors_cannot_be_followed_are_refused() -> None:
+    """A gradient hook put on a hooked tensor (Grad-CAM) would see only the gradient from outside the module, and
+    a tensor changed in place by the hook would be changed twice: refused, naming them; with fallback, torch's."""
+    def grad_cam(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        grads["conv"] = None
+        out.register_hook(lambda g: grads.__setitem__("conv", g))
+
+    grads: dict[str, torch.Tensor | None] = {}
+    torch.manual_seed(0)
+    model = Hooked()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.conv.register_forward_hook(grad_cam)
+    x = torch.randn(2, 1, 4, 4)
+    with pytest.raises(ORTModuleError, match=r"gradient hook or retain_grad\(\) is on hooked.conv"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        ORTModule(copy.deepcopy(model))(x)
+    om = ORTModule(model, fallback=True)
+    with pytest.warns(FallbackWarning, match="forward hooks"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        om(x).sum().backward()
+    got = grads["conv"]
+    ref(x).sum().backward()
+    torch.testing.assert_close(got, grads["conv"])
+
+    store: dict[str, torch.Tensor] = {}  # retain_grad() after the call: the backward refuses
+    model = Hooked()
+    model.conv.register_forward_hook(lambda m, args, out: store.__setitem__("conv", out))
+    y = ORTModule(model)(x)
+    store["conv"].retain_grad()
+    with pytest.raises(RuntimeError, match=r"gradient hook or retain_grad\(\) is on hooked.conv"):
+        (y.sum() + store["conv"].sum()).backward()
+
+    def clamped(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.clamp_(-0.1, 0.1)
+
+    model = Hooked()
+    model.a.register_forward_hook(clamped)
+    with pytest.raises(ORTModuleError, match="changed a tensor it received in place"):
+        ORTModule(model)(x)
