@@ -26,6 +26,7 @@ import onnx
 import torch
 from onnxruntime.capi import _pybind_state as C
 from torch import nn
+from torch.autograd import forward_ad
 
 import gradbuilder
 from gradbuilder.errors import InvalidModelError, RuleError
@@ -35,6 +36,7 @@ from .batchnorm import second_updates, update_running_stats
 from .edits import Watch
 from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
 from .forward_hooks import HookError, forget, recorded
+from .function import partial_gradient, reads_its_gradient
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
@@ -304,10 +306,6 @@ class Engine:
         """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
         self.scalar_exports = 0
         """Exports made because a Python attribute the forward reads changed (`_scalar_changed`)."""
-        self.unkeyed = 0 if options.export.exporter == "dynamo" else 1
-        """The leading axes a schema's sizes leave out: the legacy exporter's batch (dynamic, its graphs read it
-        at run time) until an export of it bakes a traced value in (`Exported.baked`); none for dynamo, whose
-        exports may assume anything of any size (`size_guards`)."""
 
     def sessions(self) -> list[TrainingSession]:
         schemas = {id(schema): schema for schema in self.schemas.values() if isinstance(schema, Schema)}
@@ -326,12 +324,13 @@ class Engine:
 
     # --- the call ------------------------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap: tensors without storage
+        # torch.func.grad, vmap: tensors without storage; forward-mode AD: tangents, which onnxruntime would drop
+        if torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
             if not self._warned_transforms:
                 self._warned_transforms = True
                 warnings.warn(f"ORTModule({self.name}) runs calls under torch.func transforms (grad, vmap, jacrev) "
-                              "in PyTorch: onnxruntime cannot compute on their wrapped tensors.", FallbackWarning,
-                              stacklevel=5)
+                              "and forward-mode AD (dual tensors) in PyTorch: onnxruntime cannot compute on their "
+                              "wrapped tensors or carry tangents.", FallbackWarning, stacklevel=5)
             return self.module(*args, **kwargs)
         if self._watch.changed():  # a hook, submodule, parameter or buffer added, removed or replaced
             self.invalidate()
@@ -354,13 +353,12 @@ class Engine:
         if self._module_list is None:
             self._module_list = list(self.module.modules())
         key: Hashable = (in_spec, tuple(kinds), tuple([m.training for m in self._module_list]), self.version)
-        sizes = tuple([tuple(t.shape[self.unkeyed:]) for t in leaves])
+        sizes = tuple([tuple(t.shape) for t in leaves])
         if self.per_size:
             key = (key, sizes)
         schema = self.schemas.get(key)
         if schema is None:
             schema = self._new_schema(key, in_spec, leaves)
-            sizes = tuple([tuple(t.shape[self.unkeyed:]) for t in leaves])  # an export baking values in: batch too
         elif type(schema) is _Refused:
             raise schema.again()
         elif schema is not _FALLBACK and schema.exported.scalars is not None and schema.exported.scalars.held:
@@ -456,21 +454,20 @@ class Engine:
             if call is not None and ex.recomputed_stats:
                 again = second_updates(ex.batch_stats, stats)
                 call.after_backward = functools.partial(update_running_stats, modules, *again)
+        if call is not None and ex.internal:  # checked at backward: retain_grad() may come after the call
+            call.watched = tuple([(ex.outputs[i], weakref.ref(user[i])) for i in ex.internal])
         if ex.hooks is not None:  # the user's forward hooks, on this call's values of what they received
             k = len(user) - len(ex.hooks.names)
             result, received = unflatten(ex.out_spec, user[:k]), user[k:]
             try:
                 ex.hooks(received)
+                read = next((k + i for i, t in enumerate(received) if k + i in ex.internal and reads_its_gradient(t)),
+                            None)
+                if read is not None:  # a hook registered on a hooked tensor (Grad-CAM): refused before its backward
+                    raise HookError(partial_gradient(ex.outputs[read]))
             except HookError as e:
                 self._refuse(key, e, "run of its forward hooks")
                 return self.module(*args, **kwargs)
-            error = ex.hooks.gradient_hooks(received)
-            if error is not None:
-                self._refuse(key, error, "run of its forward hooks")
-                return self.module(*args, **kwargs)
-            if call is not None:  # retain_grad() may come after the call
-                refs, hooks = [weakref.ref(t) for t in received], ex.hooks
-                call.hooked = lambda: hooks.gradient_hooks([r() for r in refs])
             return result
         return unflatten(ex.out_spec, user)
 
@@ -581,7 +578,7 @@ class Engine:
         return None
 
     def _export_schema(self, key: Hashable, in_spec: Any, leaves: list[torch.Tensor]) -> Any:
-        if self.per_size and self.unkeyed == 0:  # dynamo: an earlier export may hold for these sizes too
+        if self.per_size:  # dynamo: an earlier export may hold for these sizes too
             base, sizes = key  # type: ignore[misc]
             for (other_base, _), schema in list(self.schemas.items()):
                 ex = schema.exported if isinstance(schema, Schema) else None
@@ -655,12 +652,10 @@ class Engine:
         warnings.warn(f"ORTModule({self.name}): torch's legacy exporter has no ONNX translation of "
                       f"{_operator(error.__cause__)}, so this module is exported by dynamo (exporter='dynamo') from "
                       "now on.", ExportWarning, stacklevel=7)
-        self.options, self.unkeyed = options, 0
+        self.options = options
         return exported
 
     def _schema(self, exported: Exported) -> Schema:
-        if exported.baked:  # its batch may be one of the sizes it kept: new batches are exported again too
-            self.unkeyed = 0
         save = self.options.save_dir
         schema = Schema(exported, self.options, save / f"{self.name}_{len(self.schemas)}" if save else None)
         schema.sparse = self._sparse_names(exported)
@@ -668,11 +663,12 @@ class Engine:
 
     def _new_sizes(self, key: Hashable, schema: Schema, in_spec: Any, leaves: list[torch.Tensor],
                    sizes: tuple[tuple[int, ...], ...]) -> Any:
-        """A call of input sizes (the batch aside) the schema's export has not seen: exported again at them, the
+        """A call of input sizes the schema's export has not seen, the batch's too: exported again at them, the
         same graph serves them (its sizes are run-time ones, as exported). Another graph means the module's code
         turned its input sizes into constants the trace kept (a pool's kernel from `x.shape[-1]`, a branch on a
-        size), which would silently compute something else at these sizes: from then on every size gets an export
-        of its own (warned once). After `SIZE_CHECKS` sizes all the same graph, the export serves every size."""
+        size, a mean by `len(x)` or a loop over the batch, which no trace warning names), which would silently
+        compute something else at these sizes: from then on every size gets an export of its own (warned once).
+        After `SIZE_CHECKS` sizes all the same graph, the export serves every size."""
         guards = schema.exported.guards  # dynamo's: what its graph assumes of the sizes
         if not schema.sizes_seen or (guards.refusal(sizes) is None if guards is not None else
                                      len(schema.sizes_seen) > SIZE_CHECKS):
@@ -682,6 +678,8 @@ class Engine:
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:
+            if e.in_forward and e.__cause__ is not None:  # the module raises at these sizes, as in torch
+                raise e.__cause__ from None
             return self._fail(e, f"export at new input sizes {list(sizes)}")
         if not dynamo and _same_graph(exported.model, schema.exported.model):
             schema.sizes_seen.add(sizes)

@@ -39,6 +39,7 @@ import torch
 from onnx import helper
 from onnxruntime.capi import _pybind_state as C
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.onnx._internal.torchscript_exporter import utils as torchscript_utils
 from torch.overrides import TorchFunctionMode
 
@@ -68,6 +69,10 @@ DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
 
 class ExportError(RuntimeError):
     """torch could not export the module, or the export is unusable for training."""
+
+    in_forward = False
+    """Raised by the module's forward itself, run by the export on the call's inputs (`__cause__`): torch's own
+    call raises it too (BatchNorm given one value per channel in training)."""
 
 
 class ExportWarning(UserWarning):
@@ -134,9 +139,6 @@ class Exported:
     scalars: Scalars | None = None
     """The Python numbers and strings the forward read from module attributes, which the graph holds as constants
     (`runtime/scalars.py`)."""
-    baked: bool = False
-    """Whether the legacy trace turned a traced value into a Python one (its TracerWarning): a branch on a size,
-    the batch's too, may be kept as the branch taken."""
     unchecked: bool = False
     """What the gradient checks are for went unchecked: exported with nothing requiring grad, the Functions it
     applied (`custom_functions.unchecked`), or, the exporting call run without a backward, the backward hooks that
@@ -145,6 +147,9 @@ class Exported:
     guards: SizeGuards | None = None
     """The input sizes a dynamo export holds for; None for the legacy exporter, whose other sizes are checked by
     exporting them again (`Engine._new_sizes`)."""
+    internal: frozenset[int] = frozenset()
+    """The positions in `outputs` of those other outputs are computed from (a feature returned beside the logits, a
+    hooked activation): their gradient from the caller is only part of torch's (`function.partial_gradient`)."""
     hooks: Replay | None = None
     """The user's forward hook calls, run again after each call on the last `len(hooks.names)` of `outputs`
     (`runtime/forward_hooks.py`)."""
@@ -223,7 +228,11 @@ class _Flat(nn.Module):
         with reads, stop_gradients.WithoutGrad() if legacy else contextlib.nullcontext() as mode, \
                 recorded(self._target) as hooks:
             args, kwargs = as_called(bound)
-            out = self._target(*args, **kwargs)
+            try:
+                out = self._target(*args, **kwargs)
+            except Exception as e:
+                self._result["raised"] = e  # the forward's own error, which torch's call raises too
+                raise
         flat, self._result["spec"] = flatten(out)
         flat += hooks.tensors  # as they are at the end of the forward, as torch's hooks hold them by then
         self._result["hooks"] = hooks.replay()
@@ -374,11 +383,11 @@ def _inputs_kept(leaves: Sequence[torch.Tensor], names: Sequence[str]) -> Iterat
     changed the caller's tensor once per run of the export, and the graph then applied the change again to it.
     Yields a function naming the inputs changed so far (by their version counters); puts back the values of those
     that do not require grad (the rest torch itself lets change only when they are not leaves)."""
-    versions = [t._version for t in leaves]
+    versions = [None if t.is_inference() else t._version for t in leaves]  # inference tensors have none
     kept = [None if t.requires_grad or t.is_inference() else t.detach().clone() for t in leaves]
 
     def changed() -> list[str]:
-        return [name for name, t, v in zip(names, leaves, versions) if t._version != v]
+        return [name for name, t, v in zip(names, leaves, versions) if v is not None and t._version != v]
 
     try:
         yield changed
@@ -506,6 +515,18 @@ def _shape_inference_without_weights() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _parametrizations_uncached() -> Iterator[None]:
+    """The export outside `torch.nn.utils.parametrize.cached()`, which the trace refuses ("Cannot trace a model
+    while caching parametrizations"): the graph computes the parametrized weight from its originals anyway."""
+    enabled, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = enabled, cache
+
+
+@contextlib.contextmanager
 def _onnx_log_off() -> Iterator[None]:
     """torch's legacy export turns its ONNX log on and leaves it on (`setup_onnx_logging` tests the function
     `_jit_is_onnx_log_enabled`, always true, not its result): a failed export printed its whole TorchScript graph
@@ -556,7 +577,6 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
             warnings.warn(f"ORTModule({type(flat._target).__name__}): the export baked a traced value in and may be "
                           f"wrong for other inputs: {w.message} ({w.filename}:{w.lineno}). ORTModule exports it "
                           "again at new input sizes, the batch's too, and compares", ExportWarning, stacklevel=2)
-    flat._result["baked"] = bool(seen)
     model = onnx.load_from_string(buf.getvalue())
     _refuse_bfloat16_casts(model)
     traced = flat._result.get("outputs") or ()
@@ -677,6 +697,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
         # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
         with _EXPORT_LOCK, _marked_exporting(), torch.inference_mode(False), torch.enable_grad(), \
+                _parametrizations_uncached(), \
                 torch.autocast("cpu", enabled=False), _preserved(module) as changed, \
                 _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
                 stand_in_statistics(module) as stand_ins, lean_attention(options.torch_dropout), \
@@ -695,8 +716,10 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         hooked = flat._result.pop("hook_tensors", [])
         forget(hooked, [hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()])
     except Exception as e:
-        raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
-                          f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}") from e
+        error = ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
+                            f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}")
+        error.in_forward = flat._result.get("raised") is e
+        raise error from e
     finally:
         changed_parameters = flat._result.pop("changed_parameters", [])
         with torch.no_grad():  # changed by the trace's run: the graph's run changes them, once, as torch's call
@@ -789,15 +812,19 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     state_inputs += frozen
     feeds = {name: leaves[k] for name, k in inputs}
     feeds.update({name: state[fqn] for name, fqn in state_inputs})
-    _complete_ranks(model, feeds)
+    _complete_ranks(model, feeds, inferred_outputs=options.exporter == "torchscript")
     reference = None
     if options.check and not lost and not draws_random(model):
         reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves), tuple(unrun))
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
-                    bool(flat._result.get("baked")),
                     not differentiable and custom_functions.unchecked(applied),
-                    flat._result.get("guards"), hooks)
+                    flat._result.get("guards"), _consumed(model, outputs), hooks)
+
+
+def _consumed(model: onnx.ModelProto, outputs: Sequence[str]) -> frozenset[int]:
+    read = {name for node in graph_nodes(model.graph) for name in node.input}
+    return frozenset(k for k, name in enumerate(outputs) if name in read)
 
 
 def _called_elsewhere(node: onnx.NodeProto, paths: Sequence[str]) -> bool:
@@ -964,15 +991,26 @@ def _unshared_symbols(model: onnx.ModelProto, outputs: Sequence[str], values: Se
         d.Clear()
 
 
-def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> None:
+def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], inferred_outputs: bool = False) -> None:
     """Give every tensor whose rank ONNX shape inference cannot derive (Reshape to a computed shape, as
     in torch's unflatten) a rank, taken from one run of the graph on the call's own inputs: gradient rules
-    need ranks. Dimensions stay unknown, so no size is baked in."""
+    need ranks. Dimensions stay unknown, so no size is baked in. `inferred_outputs`: the outputs are declared as
+    inference derives them from the inputs' dynamic sizes, not as traced (the legacy exporter declares the sizes
+    of the call it traced where its own inference found none: a Squeeze without axes of a (batch, 1) tensor as
+    [8], on which the backward was built, failing at the next batch)."""
     g = model.graph
+    if inferred_outputs:
+        for vi in g.output:
+            vi.type.tensor_type.ClearField("shape")
     try:
         inferred = infer_shapes(model, data_prop=True).graph
     except Exception:
         inferred = g
+    if inferred_outputs:
+        shapes = {vi.name: vi.type.tensor_type for vi in inferred.output if vi.type.tensor_type.HasField("shape")}
+        for vi in g.output:
+            if vi.name in shapes:
+                vi.type.tensor_type.shape.CopyFrom(shapes[vi.name].shape)
     typed = [*inferred.value_info, *inferred.input, *inferred.output]
     known = {v.name for v in typed if v.type.tensor_type.HasField("shape")} | {t.name for t in g.initializer}
     elem = {v.name: v.type.tensor_type.elem_type for v in typed}
@@ -996,9 +1034,12 @@ def _complete_ranks(model: onnx.ModelProto, feeds: dict[str, torch.Tensor]) -> N
     except RuntimeError:
         _runs_as_exported(model, config, values_of)
         return  # the probe's own outputs failed (a tensor inside a branch): the gradient build names what it misses
+    outputs = {vi.name: vi for vi in g.output}
     for name, v in zip(unknown, values):
         if v.is_tensor():
             g.value_info.append(helper.make_tensor_value_info(name, v.element_type(), [None] * len(v.shape())))
+            if name in outputs and not outputs[name].type.tensor_type.HasField("shape"):
+                outputs[name].type.tensor_type.shape.dim.extend([onnx.TensorShapeProto.Dimension()] * len(v.shape()))
 
 
 def _runs_as_exported(model: onnx.ModelProto, config: SessionConfig, feeds: dict[str, C.OrtValue]) -> None:

@@ -106,19 +106,6 @@ class Replay:
                             "holds as changed already; run again on onnxruntime's values, it would change them "
                             "twice. Return the changed value from the hook instead of changing it in place.")
 
-    def gradient_hooks(self, values: Sequence[torch.Tensor | None]) -> HookError | None:
-        """Whether gradient hooks or retain_grad() were put on the tensors the hooks received (Grad-CAM): torch
-        gives them the tensor's whole gradient, but onnxruntime's backward computes the part from inside the
-        module within one run, so they would see only the part from outside it."""
-        for name, t in zip(self.names, values):
-            if t is not None and (t.retains_grad or t._backward_hooks):
-                return HookError(f"a gradient hook or retain_grad() is on {name}, a tensor a forward hook received "
-                                 "(as Grad-CAM takes an activation's gradient): onnxruntime's backward computes the "
-                                 "gradient inside the module in one run, so the hook would see only the gradient from "
-                                 "outside it. Take the gradient of the module's output instead, or run the module in "
-                                 "torch.")
-        return None
-
 
 class HookError(RuntimeError):
     """A forward hook does what its run again on onnxruntime's values cannot follow."""

@@ -9,6 +9,7 @@ backward specialised to the outputs that do get gradients.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,24 @@ class Call:
     after_backward: Callable[[], None] | None = None
     """Run at each backward: what torch's backward changes besides gradients (BatchNorm statistics updated again
     in checkpointed regions: `batchnorm.second_updates`)."""
-    hooked: Callable[[], Exception | None] | None = None
-    """Whether gradient hooks are on tensors the user's forward hooks received (`forward_hooks.Replay`), which
-    the backward cannot give their whole gradient: checked at backward, as retain_grad() may come after the call."""
+    watched: tuple[tuple[str, weakref.ref], ...] = ()
+    """The outputs that other outputs are computed from (`Exported.internal`), by name: checked at backward for
+    gradient hooks and retain_grad() (`reads_its_gradient`), which the backward cannot give their whole gradient."""
     in_torch: Callable[[bool], tuple[list[Any], list[torch.Tensor]]] | None = None
     """The same call computed again by torch's module (`Engine.in_torch`): its flat outputs and the tensors of
     `wrt`, for a backward with create_graph=True, whose gradients must be differentiable again."""
+
+
+def reads_its_gradient(t: torch.Tensor | None) -> bool:
+    """Whether a gradient hook or retain_grad() is on `t`."""
+    return t is not None and (t.retains_grad or bool(t._backward_hooks))
+
+
+def partial_gradient(name: str) -> str:
+    return (f"a gradient hook or retain_grad() is on {name}, which other outputs of the graph are computed from (as "
+            "Grad-CAM takes an activation's gradient): torch gives it the gradient through them too, but onnxruntime's "
+            "backward computes that part inside the module in one run, so it would see only the gradient reaching it "
+            "directly. Take the gradient with respect to an input or parameter instead, or run the module in torch.")
 
 
 def _keep_graph() -> bool:
@@ -87,9 +100,9 @@ class ORTFunction(torch.autograd.Function):
 
 def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     call: Call = ctx.call
-    error = call.hooked() if call.hooked is not None else None
-    if error is not None:
-        raise error
+    for name, ref in call.watched:
+        if reads_its_gradient(ref()):
+            raise RuntimeError(f"ORTModule: {partial_gradient(name)}")
     ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
     n_out = len(call.session.output_names)
     ort_grads: list[C.OrtValue | None] = [None] * n_out

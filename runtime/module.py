@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -145,6 +146,8 @@ class ORTModule(nn.Module):
         parameters, buffers and submodules already are (their dicts are shared); the wrapper's own state stays."""
         if "_original" not in self.__dict__ or name in self.__dict__ or hasattr(type(self), name):
             super().__setattr__(name, value)
+            if name == "training":  # `model.training = False`, as `train()` does: the forward reads its own
+                self._original.training = value
         else:
             setattr(self._original, name, value)
 
@@ -166,6 +169,12 @@ class ORTModule(nn.Module):
 
     def __bool__(self) -> bool:
         return True
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> ORTModule:
+        """`fn` on the wrapped module and its submodules, as torch's walks a module: an initializer matching the
+        module's own class (`isinstance(m, Net)`, a wrapped nn.Linear) never met it behind the wrapper."""
+        self._original.apply(fn)
+        return self
 
     def train(self, mode: bool = True) -> ORTModule:
         super().train(mode)

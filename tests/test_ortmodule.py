@@ -26,6 +26,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 from torch import nn
+from torch.autograd import forward_ad as fwAD
 from torch.nn import functional as F
 from torch.nn.utils import prune
 
@@ -406,6 +407,23 @@ def test_calls_under_torch_func_transforms_run_in_torch() -> None:
     assert om.stats["exports"] == exports and om.stats["fallbacks"] == 0
 
 
+def test_forward_mode_ad_runs_in_torch() -> None:
+    """Dual tensors (torch.autograd.forward_ad) went to onnxruntime through DLPack, which dropped their tangents:
+    the output's tangent was None, silently. Such calls run in PyTorch, warned once."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    om = ORTModule(copy.deepcopy(ref))
+    x, v = torch.randn(5, 3), torch.randn(5, 3)
+    om(x)
+    tangents = []
+    for m in (ref, om):
+        with fwAD.dual_level(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tangents.append(fwAD.unpack_dual(m(fwAD.make_dual(x, v))).tangent)
+        assert (m is om) == any(issubclass(w.category, FallbackWarning) for w in caught)
+    torch.testing.assert_close(tangents[1], tangents[0])
+
+
 def test_create_graph_gradients_are_the_call_s_alone() -> None:
     """backward(create_graph=True) recomputes the call in torch and took its gradients with respect to the caller's
     tensors, which also took the paths reaching them outside the call, as the first-call check once did: `m(x, x)`
@@ -704,6 +722,50 @@ def test_no_grad_and_inference_mode_stash_nothing() -> None:
     assert om.training_sessions() == [] and om.stats["builds"] == 0
     torch.testing.assert_close(out, ref(x).detach())
     torch.testing.assert_close(out2, out)
+
+
+def test_an_export_under_inference_mode_runs_as_torch() -> None:
+    """A validation batch made under inference_mode, on a schema not exported yet (eval after training): reading
+    the inference tensor's version counter failed the export ("Inference tensors do not track version counter")."""
+    ref, om = pair(MLP())
+    om(torch.randn(4, 8)).sum().backward()
+    om.eval()
+    ref.eval()
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(om(x), ref(x))
+
+
+def test_apply_and_the_training_flag_reach_the_wrapped_module() -> None:
+    """`model.apply(init)` called `init` on the wrapper, never on the wrapped module itself (an init matching the
+    module's own class did nothing), and `model.training = False` set on the wrapper only (its forward read True)."""
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.shift = nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return self.fc(x) + (self.shift if self.training else -self.shift)
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, Shifted):
+            nn.init.zeros_(m.shift)
+        if isinstance(m, nn.Linear):
+            nn.init.constant_(m.weight, 0.5)
+
+    om = ORTModule(Shifted())
+    assert om.apply(init) is om
+    assert not om.module.shift.any() and (om.module.fc.weight == 0.5).all()
+    lone = ORTModule(nn.Linear(3, 2))
+    lone.apply(init)
+    assert (lone.module.weight == 0.5).all()
+    om.shift.data.fill_(1.0)
+    x = torch.randn(4, 3)
+    om(x)
+    om.training = False
+    assert not om.module.training
+    torch.testing.assert_close(om(x), om.module.fc(x) - 1)
 
 
 def test_train_and_eval_modes() -> None:
@@ -1614,6 +1676,47 @@ def test_spectral_norm_in_eval() -> None:
     x = torch.randn(5, 6)
     om(x).square().sum().backward()
     ref(x).square().sum().backward()
+    assert_grads_equal(om, ref)
+
+
+def test_gradients_read_on_outputs_other_outputs_depend_on_are_refused() -> None:
+    """`feats.retain_grad()` or a gradient hook on an output the module's other outputs are computed from: torch
+    gives it the gradient through them too, onnxruntime's backward only the part reaching it directly (None or 0
+    here, silently). The backward refuses, naming the output; outputs nothing else reads are left alone."""
+    class Featured(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 3), nn.Linear(3, 2)
+
+        def forward(self, x):
+            feats = torch.tanh(self.body(x))
+            return feats, self.head(feats)
+
+    om, x = ORTModule(Featured()), torch.randn(5, 4)
+    for read in ("retain_grad", "hook"):
+        feats, logits = om(x)
+        if read == "retain_grad":
+            feats.retain_grad()
+        else:
+            feats.register_hook(lambda g: None)
+        with pytest.raises(RuntimeError, match=r"retain_grad\(\) is on output.0, which other outputs"):
+            logits.sum().backward()
+    feats, logits = om(x)
+    logits.retain_grad()  # nothing in the graph reads the logits: their gradient is the caller's alone
+    (feats.sum() + logits.square().sum()).backward()
+    torch.testing.assert_close(logits.grad, 2 * logits.detach())
+
+
+def test_calls_under_cached_parametrizations_train_like_torch() -> None:
+    """`with parametrize.cached():` around a step (a parametrized weight computed once for two calls): the trace
+    refused to run under it ("Cannot trace a model while caching parametrizations"); the export runs outside it."""
+    module = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch.nn.utils.parametrizations.weight_norm(module[0])
+    ref, om = pair(module)
+    x = torch.randn(5, 6)
+    for m in (ref, om):
+        with torch.nn.utils.parametrize.cached():
+            (m(x) + m(2 * x)).square().sum().backward()
     assert_grads_equal(om, ref)
 
 

@@ -221,6 +221,55 @@ def test_sizes_the_trace_turned_into_constants_get_an_export_each() -> None:
     assert om.stats["exports"] == 4
 
 
+class BatchAsNumber(nn.Module):
+    """What the legacy trace keeps of the batch without a warning: `len(x)` and `numel()` as Python numbers, a
+    per-sample loop over `x.size(0)`, a squeeze of (batch, 1) declared at the traced batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        h = self.fc(x).squeeze()
+        per_sample = torch.stack([x[i].sum() * (i + 1) for i in range(x.size(0))]) * self.fc.bias
+        return ((h - y) ** 2).sum() / len(x) + per_sample.sum() / torch.numel(y), h
+
+
+def test_the_batch_the_trace_turned_into_a_number_gets_an_export_each() -> None:
+    """The batch was left out of the sizes exported again and compared, unless a trace warning named a baked value
+    (`len()`'s came from torch's own file and was dropped): a mean by len(x) was the first batch's at every batch,
+    a loop over the batch ran the first batch's rows, and a squeezed output declared at the first batch failed the
+    backward at the next. Each new batch is now compared as the other sizes are."""
+    model = BatchAsNumber()
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    with pytest.warns(RuntimeWarning, match="turns input sizes into constants"):
+        for batch in (4, 4, 8, 1, 4):
+            x, y = torch.randn(batch, 4), torch.randn(batch)
+            for m in (om, ref):
+                m.zero_grad()
+                loss, h = m(x, y)
+                (loss + h.sum()).backward()
+            torch.testing.assert_close(om(x, y), ref(x, y), rtol=1e-5, atol=1e-6, msg=f"outputs at {batch}")
+            for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {batch}")
+    assert om.stats["exports"] == 3
+
+
+def test_a_mean_over_the_batch_exports_once_for_every_batch() -> None:
+    """A module computing with run-time sizes only: each new batch is exported again and compared, the one export
+    serves them all."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    for batch in (4, 8, 1, 5):
+        x = torch.randn(batch, 4)
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).mean().backward()
+        for p, q in zip(om.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert om.stats["exports"] == 1
+
+
 class RNNSteps(nn.Module):
     """An RNN's outputs at every step: the dynamo exporter unrolls its loop over the traced sequence's length (and
     splits the steps with SplitToSequence, no gradient rule, written as Gathers) but declared that length dynamic."""
