@@ -8,8 +8,14 @@ ops on float64 copies of their constants (the decimal written, where float32 rou
 read (`label_smoothing / classes`, a sum over `x.shape[0]`: an integer Cast to float32), and the views it runs
 through (`loss[None]`, `torch.stack` of 0-d results), up to the Casts back to float64. A graph output at the end of
 a stretch is kept in float64 where torch's call returned it so (`ORTModule` returned float32 for
-`linear(x).sum() * 3`); where a stretch reaches anything else (another op, a float32 tensor), the model is left as
-exported.
+`linear(x).sum() * 3`). Only 0-d values (or of unknown rank) start a stretch: a tensor's Cast to float32 is the
+module's own (`x.float() * 0.3`, which torch computes in float32). A stretch runs through Where's branches and ends
+at comparisons (`torch.where(loss > 0, loss, 0.3)`, read in float64), whose results cast to float32 it takes in,
+cast to float64, where it meets them (`(loss > 0) * loss`); where it reaches anything else (another op, a float32
+tensor), the model is left as exported.
+
+`constants_in_double` does the same for the dynamo exporter's float32 Constants cast to float64 (a float64 module's
+`x * 2.7`, 2e-8 off).
 """
 
 from __future__ import annotations
@@ -26,10 +32,27 @@ from gradbuilder.inference import tensor_types
 from .passes import fresh_name, names_in_use
 
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Exp", "Log", "Reciprocal",
-                         "Max", "Min"})
+                         "Max", "Min", "Floor", "Ceil", "Round", "Sign", "Mod"})
 VIEWS = {"Unsqueeze": 1, "Squeeze": 1, "Reshape": 1, "Flatten": 1, "Identity": 1, "Expand": 1, "Concat": None}
 """Ops a stretch passes through, with how many leading inputs carry its values (None: all); the rest are int64
 sizes or axes. A 0-d result stacked or unsqueezed (`loss[None]`, `torch.stack([a, b])`) came back float32."""
+COMPARISONS = frozenset({"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"})
+"""Ops that read a stretch's values, compared in float64, and end it (their results are booleans): `torch.where(loss
+> 0, loss, 0.3)` on a 0-d loss came back float32, and so did our conversions' Wheres (clamp's, logaddexp's)."""
+
+
+def _values(node: onnx.NodeProto) -> list[str] | None:
+    """The inputs of a node a stretch passes through (or ends at, `COMPARISONS`) that carry its values: Where's
+    branches (its condition is a boolean), a view's leading ones; None for a node no stretch takes in."""
+    if node.domain or len(node.output) != 1:
+        return None
+    if node.op_type in ELEMENTWISE or node.op_type in COMPARISONS:
+        return list(node.input)
+    if node.op_type == "Where":
+        return list(node.input[1:])
+    if node.op_type in VIEWS:
+        return list(node.input[:VIEWS[node.op_type]])
+    return None
 
 
 def _cast_to(node: onnx.NodeProto) -> int | None:
@@ -58,19 +81,22 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
     floats = {name for name, n in constants.items()
               if any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
     starts = [n for n in g.node if _cast_to(n) == TensorProto.FLOAT
-              and types.get(n.input[0], (0,))[0] == TensorProto.DOUBLE]
+              and types.get(n.input[0], (0,))[0] == TensorProto.DOUBLE and not types[n.input[0]][1]]
     if not starts:
         return model
     sizes = _sizes(g, types, floats)
     inside = {n.output[0] for n in starts}
     stretch: list[onnx.NodeProto] = []
+    compared: set[str] = set()
+    masks: dict[str, onnx.NodeProto] = {}  # a comparison's result cast to float32: `(loss > 0) * loss`
     for n in g.node:  # in graph order: inputs first
-        if n.domain or len(n.output) != 1 or (n.op_type not in ELEMENTWISE and n.op_type not in VIEWS):
-            continue
-        values = n.input[:VIEWS[n.op_type]] if n.op_type in VIEWS else n.input
-        if any(x in inside for x in values) and all(x in inside or x in floats or x in sizes for x in values):
+        values = _values(n)
+        if _cast_to(n) == TensorProto.FLOAT and n.input[0] in compared:
+            masks[n.output[0]] = n
+        elif values and any(x in inside for x in values) and all(x in inside or x in floats or x in sizes
+                                                                or x in masks for x in values):
             stretch.append(n)
-            inside.add(n.output[0])
+            (compared if n.op_type in COMPARISONS else inside).add(n.output[0])
     ok = {id(n) for n in stretch}
     if any(o.name in inside and o.name not in doubles for o in g.output):  # a float32 result torch returns too
         return model
@@ -92,8 +118,9 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
             if x in floats:
                 value = _as_written(numpy_helper.to_array(constants[x].attribute[0].t))
                 nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
-            elif _cast_to(sizes[x]) == TensorProto.FLOAT:
-                nodes.append(helper.make_node("Cast", [sizes[x].input[0]], [name], to=TensorProto.DOUBLE))
+            elif x in masks or _cast_to(sizes[x]) == TensorProto.FLOAT:
+                source = (masks.get(x) or sizes[x]).input[0]
+                nodes.append(helper.make_node("Cast", [source], [name], to=TensorProto.DOUBLE))
             else:
                 n = sizes[x]
                 inputs = [in_float64(i) for i in n.input]
@@ -105,11 +132,11 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
     for n in g.node:
         if id(n) in ok:
             for k, x in enumerate(n.input):
-                if x in floats or x in sizes:
+                if x in (_values(n) or ()) and (x in floats or x in sizes or x in masks):
                     n.input[k] = in_float64(x)
         nodes.append(n)
     del g.node[:]
-    g.node.extend(_live(nodes, g, set(sizes)))
+    g.node.extend(_live(nodes, g, {*sizes, *masks}))
     for vi in (*g.value_info, *g.output):
         if vi.name in inside:
             vi.type.tensor_type.elem_type = TensorProto.DOUBLE
@@ -132,7 +159,8 @@ def _sizes(g: onnx.GraphProto, types: dict, floats: set[str]) -> dict[str, onnx.
 
 
 def _live(nodes: list[onnx.NodeProto], g: onnx.GraphProto, made: set[str]) -> list[onnx.NodeProto]:
-    """`nodes` without those of `made` (`_sizes`' float32 originals) whose results nothing reads any more."""
+    """`nodes` without those of `made` (`_sizes`' float32 originals, masks' Casts) whose results nothing reads any
+    more."""
     read = {o.name for o in g.output}
     keep: list[onnx.NodeProto] = []
     for n in reversed(nodes):
@@ -148,3 +176,37 @@ def _as_written(value: np.ndarray) -> np.ndarray:
     wrote, where it was one (0.01, not 0.009999999776482582)."""
     return np.array([float(np.format_float_scientific(v, unique=True)) for v in value.ravel()],
                     dtype=np.float64).reshape(value.shape)
+
+
+def constants_in_double(model: onnx.ModelProto) -> onnx.ModelProto:
+    """After a dynamo export, in place: the Python numbers of float64 arithmetic read at the decimal written in
+    float64. onnxscript writes `x * 2.7` of a float64 x as Mul(x, Cast(Constant(float32 2.7), to=DOUBLE)) (clamp's
+    bounds, lerp's and where's scalars as CastLike of a float32 Constant to x): 1e-8 off torch's, relative. Each such
+    Cast or CastLike to float64 becomes the Identity of a float64 copy of the Constant (`_as_written`)."""
+    g = model.graph
+    constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output
+                 and any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
+    if not constants:
+        return model
+    types = tensor_types(g)
+    if any(n.op_type == "CastLike" and n.input[0] in constants and n.input[1] not in types for n in g.node):
+        inferred = infer_shapes_safely(model)
+        types = types if inferred is None else tensor_types(inferred)
+    taken = names_in_use(g)
+    copies: dict[str, str] = {}
+    nodes: list[onnx.NodeProto] = []
+    for n in g.node:
+        to_double = _cast_to(n) == TensorProto.DOUBLE or (
+            n.op_type == "CastLike" and not n.domain and types.get(n.input[1], (0,))[0] == TensorProto.DOUBLE)
+        if to_double and n.input[0] in constants:
+            if n.input[0] not in copies:
+                copies[n.input[0]] = name = fresh_name(f"{n.input[0]}/double", taken)
+                value = _as_written(numpy_helper.to_array(constants[n.input[0]].attribute[0].t))
+                nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+            n.input[0] = copies[n.input[0]]
+            del n.input[1:], n.attribute[:]
+            n.op_type = "Identity"  # (a CastLike from float64 to float64: onnxruntime warns it cannot fold it)
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(_live(nodes, g, set(copies)))
+    return model

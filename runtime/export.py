@@ -25,7 +25,6 @@ import io
 import logging
 import os
 import random
-import re
 import threading
 import warnings
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
@@ -603,7 +602,8 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
                                     input_names=names, dynamic_shapes=(dims,), verbose=False,
                                     custom_translation_table=checkpoints.translations())
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
-    model = checkpoints.tag_regions(program.model_proto)  # type: ignore[union-attr]
+    # float64 arithmetic's Python numbers read as written (onnxscript casts float32 Constants: 1e-8 off)
+    model = checkpoints.tag_regions(double_scalars.constants_in_double(program.model_proto))  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model
@@ -808,7 +808,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     owner = {n: n.rsplit(".", 1)[0] if "." in n else "" for n, _ in state_inputs if n.endswith("running_mean")}
     owner.update(stand_ins)
     stats = training_batchnorm(model, owner, dict(module.named_modules()))
-    frozen = _embedding_padding(model, module, state)
+    # the legacy exporter's lookups with a padding_idx are written to cut row p's gradient (`symbolics._embedding`)
+    frozen = _embedding_padding(model, module, state) if options.exporter == "dynamo" else []
     state_inputs += frozen
     feeds = {name: leaves[k] for name, k in inputs}
     feeds.update({name: state[fqn] for name, fqn in state_inputs})
@@ -828,23 +829,14 @@ def _consumed(model: onnx.ModelProto, outputs: Sequence[str]) -> frozenset[int]:
 
 
 def _called_elsewhere(node: onnx.NodeProto, paths: Sequence[str]) -> bool:
-    """Whether the exporter names `node` as computed in a module other than those at `paths`: dynamo by its
-    `name_scopes` metadata (`['', 'blocks.0', 'blocks.0.emb', 'embedding']`: the innermost module's path before
-    the op's name), the legacy exporter by the scope in the node's name (`/blocks.0/emb/Gather`,
-    `/seq/seq.0/Gather`: its last part ends the module's path). A node neither names is not known to be
-    elsewhere."""
+    """Whether dynamo names `node` as computed in a module other than those at `paths`, by its `name_scopes`
+    metadata (`['', 'blocks.0', 'blocks.0.emb', 'embedding']`: the innermost module's path before the op's name).
+    A node it does not name is not known to be elsewhere."""
     scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
-    if scopes is not None:
-        parts = [str(x) for x in ast.literal_eval(scopes)]
-        return len(parts) >= 2 and parts[-2] not in paths
-    if not node.name.startswith("/"):
+    if scopes is None:
         return False
-    scope = node.name.split("/")[1:-1]
-    if not scope:
-        return "" not in paths
-    # a second module of the same attribute name is scoped `emb_1`
-    names = {scope[-1], re.sub(r"_\d+$", "", scope[-1])}
-    return not any(path == name or path.endswith("." + name) for path in paths for name in names)
+    parts = [str(x) for x in ast.literal_eval(scopes)]
+    return len(parts) >= 2 and parts[-2] not in paths
 
 
 def _traced_leaf(t: torch.Tensor) -> torch.Tensor:
@@ -917,7 +909,7 @@ def draws_random(model: onnx.ModelProto) -> bool:
 
 def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[str, torch.Tensor]
                        ) -> list[tuple[str, str]]:
-    """nn.Embedding(padding_idx=p) gives row p no gradient, but both exporters emit a plain Gather. Each Gather
+    """nn.Embedding(padding_idx=p) gives row p no gradient, but dynamo emits a plain Gather. Each Gather
     of such a weight takes the rows of padding ids from a second graph input fed the same tensor and never
     differentiated: Where(ids == p, Gather(weight_no_grad, ids), Gather(weight, ids)). Not the Gathers the
     exporter names as another module's (`weight[ids]`, `F.embedding` without padding_idx: torch gives their row p

@@ -1,8 +1,8 @@
 """Conversions the legacy exporter lacks, written in the ONNX ops they are, registered while exporting.
 
 torch's legacy exporter stops at `sinh`, `cosh`, their inverses, `exp2`, `erfc`, `logaddexp`, `xlogy`,
-`addmv`, `addr`, `sgn`, `fmax`, `fmin`, `trunc`, `mH` (spectral norm's parametrization), `copy` (a buffer's
-`copy_` whose result is used), `median`, `cumprod`, `cummax`, `cummin`, `logcumsumexp` and interpolate's
+`addmv`, `addr`, `addbmm`, `sgn`, `fmax`, `fmin`, `trunc`, `frac`, `mH` (spectral norm's parametrization), `copy` (a
+buffer's `copy_` whose result is used), `median`, `cumprod`, `cummax`, `cummin`, `logcumsumexp` and interpolate's
 nearest-exact ("Exporting the operator ... is not supported"), though ONNX and gradbuilder's rules have what they
 compute: each is one op (Sinh, Resize, ...) or a few (median: a TopK of the smaller half; the running ones: a
 reduction over a triangle). torch's own `tensor_split` writes a tensor sequence (no gradient rule) or a Split failing
@@ -10,11 +10,15 @@ at run time: ours slices. Some of torch's own compute something else than torch,
 `floor_divide` truncates, `index` with two or more index tensors reads negative ones wrongly, and `max` / `min` along
 a dim split the gradient of a tie (torch gives it to the index returned) and drop NaNs; `var` / `std` over every
 axis compute in float32 (a float64 module's came back float32) and drop keepdim's axes; `log2`, `log10`,
-`addcmul`, `elu`, `selu`, `celu`, `leaky_relu` and eval's `rrelu` use float32 constants (1e-8 off in float64);
-`roll` slices at -shift unwrapped (wrong for |shift| >= size) and fails without dims; `chunk` writes too many
-chunks where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b;
-`scatter_reduce` wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it),
-and `repeat_interleave` by a tensor of repeats is a Loop (no gradient): ours are one ScatterElements and a Gather.
+`addcmul`, `elu`, `selu`, `celu`, `leaky_relu`, eval's `rrelu`, `round` to decimals and `addmm`'s beta and alpha
+use float32 constants (1e-8 off in float64; `layer_norm`'s eps is LayerNormalization's float32 attribute too, kept:
+written out in float64 its backward stashed more than torch saves); `amax`, `amin`, `aminmax` and `max` / `min` of every
+element drop a NaN that does not come first (onnxruntime's ReduceMax), `argmax` / `argmin` skip NaNs; `movedim` writes a
+negative source dim into perm; `embedding` ignores padding_idx (`F.embedding` of a weight no nn.Embedding owns);
+`roll` slices at -shift unwrapped (wrong for |shift| >= size) and fails without dims; `chunk` writes too many chunks
+where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b; `scatter_reduce`
+wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it), and
+`repeat_interleave` by a tensor of repeats is a Loop (no gradient): ours are one ScatterElements and a Gather.
 Ties as torch's backward breaks them: `fmax` / `fmin` give a tie's gradient to the first operand, `median` of every
 element splits it evenly, `clamp` with tensor bounds gives it to x (torch's Max / Min split it with the bound).
 `const_like` writes float constants in float64.
@@ -42,6 +46,7 @@ from torch.onnx._internal.torchscript_exporter import (
     symbolic_opset12,
     symbolic_opset13,
     symbolic_opset16,
+    symbolic_opset18,
 )
 
 from gradbuilder.rules.linalg import MICROSOFT
@@ -54,7 +59,9 @@ OPSET = 9
 TORCH_OWN = {"aten::tensor_split": 13, "aten::cumsum": 11, "aten::index": 11, "aten::max": 18, "aten::min": 18,
              "aten::var_mean": 18, "aten::celu": 12, "aten::chunk": 11, "aten::_unique2": 11, "aten::div": 10,
              "aten::clamp": 11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16,
-             "aten::repeat_interleave": 13}
+             "aten::repeat_interleave": 13, "aten::amax": 18, "aten::amin": 18,
+             "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12,
+             "aten::aminmax": 18}
 """The opset of torch's own conversion of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -243,8 +250,11 @@ def _clamp(name: str) -> Callable[..., Any]:
     min == max: the value then min through a StopGradient), by Wheres on those comparisons. NaN in any of them
     (torch's value then NaN, the gradient still by the comparisons): a term added to the value picked, NaN there
     and -0 elsewhere (x + -0 is x, -0 too), without a gradient. Constant bounds, and integers: torch's (a Clip,
-    whose rule passes the gradient at the bounds, as clamp's)."""
+    whose rule passes the gradient at the bounds, as clamp's), integers clamped by floats in the float type torch
+    gives (torch's Clip of the integers cast its bounds to them: clamp(-2.5, 3.5) of -4 was -2, torch's -2.5)."""
     def convert(g: Any, x: Any, *bounds: Any) -> Any:
+        if not _floating(x):
+            x = _in_traced_type(g, x)
         if all(_none(b) or symbolic_helper._is_constant(b) for b in bounds) or not _floating(x):
             return getattr(symbolic_opset11 if g.opset >= 11 else symbolic_opset9, name)(g, x, *bounds)
 
@@ -578,37 +588,179 @@ def _running_extremum(largest: bool) -> Callable[[Any, Any, Any], tuple[Any, Any
     return convert
 
 
+_UINT8, _BOOL = _type_utils.JitScalarType.UINT8.onnx_type(), _type_utils.JitScalarType.BOOL.onnx_type()
+
+
+def _first_index(g: Any, x: Any, axis: int, largest: bool) -> Any:
+    """The index along axis (kept, size 1) of the first max (min) of x, as torch's CPU kernel, or of the first NaN
+    where there is one (torch's max and min propagate NaN; onnxruntime's ArgMax skips them: an ArgMax of their
+    mask finds it). Booleans as uint8 (onnxruntime has no boolean ArgMax)."""
+    key = g.op("Cast", x, to_i=_UINT8) if symbolic_helper._is_bool(x) else x
+    index = g.op("ArgMax" if largest else "ArgMin", key, axis_i=axis, keepdims_i=1)
+    if not _floating(x):
+        return index
+    nan = g.op("IsNaN", x)
+    first_nan = g.op("ArgMax", g.op("Cast", nan, to_i=_UINT8), axis_i=axis, keepdims_i=1)
+    return g.op("Where", g.op("GatherElements", nan, first_nan, axis_i=axis), first_nan, index)
+
+
+def _arg_extremum(largest: bool) -> Callable[..., Any]:
+    """torch.argmax (argmin): `_first_index` (torch's conversion, a bare ArgMax, skipped NaNs: 2 for argmax([1, nan,
+    2]), torch's 1), along dim or of the flattened x (dim None; keepdim then gives sizes 1 of x's rank)."""
+    def convert(g: Any, x: Any, dim: Any = None, keepdim: Any = None) -> Any:
+        keep = not _none(keepdim) and bool(symbolic_helper._get_const(keepdim, "b", "keepdim"))
+        rank = symbolic_helper._get_tensor_rank(x)
+        if not _none(dim) and not rank:
+            own = symbolic_opset12 if g.opset >= 12 else symbolic_opset9
+            return getattr(own, "argmax" if largest else "argmin")(g, x, dim, keepdim)
+        if _none(dim):
+            index = _first_index(g, g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([-1]))), 0, largest)
+            if not keep:
+                return symbolic_helper._squeeze_helper(g, index, [0])
+            ones = g.op("ConstantOfShape", g.op("Shape", g.op("Shape", x)), value_t=torch.tensor([1]))
+            return g.op("Reshape", index, ones)
+        axis = symbolic_helper._get_const(dim, "i", "dim") % rank
+        index = _first_index(g, x, axis, largest)
+        return index if keep else symbolic_helper._squeeze_helper(g, index, [axis])
+    return convert
+
+
 def _extremum(largest: bool) -> Callable[..., Any]:
     """torch.max (min) along a dim: the index the first occurrence of the max (ArgMax, as torch's CPU kernel), the
     first NaN where there is one (torch's max and min propagate NaN), and the value x gathered there, so that the
     gradient goes wholly to that index, as torch's backward scatters it (torch's conversion writes the value as a
-    ReduceMax, whose rule splits a tie evenly: amax's gradient, not max's). Booleans as uint8 (onnxruntime has no
-    boolean ReduceMax or ArgMax). onnxruntime's ArgMax skips NaNs: the first NaN is found by an ArgMax of their mask,
-    which doubles the op's time (a row max of [256, 32000] float32, one thread: 16 ms, 7 without, torch's conversion
-    8). max(x) and max(x, y): torch's."""
+    ReduceMax, whose rule splits a tie evenly: amax's gradient, not max's). `_first_index`'s NaN search doubles the
+    op's time (a row max of [256, 32000] float32, one thread: 16 ms, 7 without, torch's conversion 8). max(x):
+    `_every_extremum`; max(x, y): torch's."""
     own = symbolic_helper._max_helper if largest else symbolic_helper._min_helper
-    op = "ArgMax" if largest else "ArgMin"
-    uint8 = _type_utils.JitScalarType.UINT8.onnx_type()
 
     def convert(g: Any, x: Any, dim_or_y: Any = None, keepdim: Any = None) -> Any:
         rank = symbolic_helper._get_tensor_rank(x)
+        if _none(dim_or_y) and keepdim is None and _floating(x):
+            return _every_extremum(g, x, largest)
         if keepdim is None or rank is None:
             return own(g, x, dim_or_y, keepdim)
         keep = bool(symbolic_helper._get_const(keepdim, "i", "keepdim"))
         if rank == 0:
             return x, g.op("Constant", value_t=torch.tensor(0))
         axis = symbolic_helper._get_const(dim_or_y, "i", "dim") % rank
-        key = g.op("Cast", x, to_i=uint8) if symbolic_helper._is_bool(x) else x
-        index = g.op(op, key, axis_i=axis, keepdims_i=1)
-        if _floating(x):
-            nan = g.op("IsNaN", x)
-            first_nan = g.op("ArgMax", g.op("Cast", nan, to_i=uint8), axis_i=axis, keepdims_i=1)
-            index = g.op("Where", g.op("GatherElements", nan, first_nan, axis_i=axis), first_nan, index)
+        index = _first_index(g, x, axis, largest)
         value = g.op("GatherElements", x, index, axis_i=axis)
         if not keep:
             return tuple(symbolic_helper._squeeze_helper(g, t, [axis]) for t in (value, index))
         return value, index
     return convert
+
+
+def _every_extremum(g: Any, x: Any, largest: bool) -> Any:
+    """torch.max (min) of every element: NaN where x holds one, its gradient split evenly among the NaNs, else the
+    max of x, its gradient split evenly among the ties, as torch's backward (evenly_distribute_backward).
+    onnxruntime's ReduceMax keeps a NaN only where it comes first (torch's conversion, a bare ReduceMax, gave 5 for
+    max([1, nan, 5])): the max is taken with NaNs as -inf (+inf), and the NaNs' mean chosen where there are any."""
+    def every(op: str, v: Any) -> Any:  # 0-d, typed (`_as_traced`)
+        return _as_traced(g, _reduced(g, op, v, None, False))
+
+    nan = g.op("IsNaN", x)
+    best = every("ReduceMax" if largest else "ReduceMin",
+                 g.op("Where", nan, const_like(g, -math.inf if largest else math.inf, x), x))
+    count = every("ReduceSum", cast_like(g, nan, x))
+    nans = every("ReduceSum", g.op("Where", nan, x, const_like(g, 0.0, x)))
+    mean = _as_traced(g, g.op("Div", nans, _as_traced(g, g.op("Max", count, const_like(g, 1.0, x)))))
+    any_nan = g.op("Cast", count, to_i=_BOOL)  # not a 0-d Greater, which the exporter computes in float32
+    return _as_traced(g, g.op("Where", any_nan, mean, best))
+
+
+def _nan_kept(g: Any, x: Any, largest: bool, axes: list[int] | None, keep: bool) -> Any:
+    """ReduceMax (ReduceMin) of x plus a term that is NaN over a group holding a NaN and -0 elsewhere (x + -0 is x),
+    without a gradient: onnxruntime's reduction keeps a NaN only where it comes first (torch's conversion gave 2 for
+    amax([1, nan, 2])). The rule's share over the elements equal to a NaN result, none, is NaN for the whole group,
+    as torch's amax backward (grad / count, count 0)."""
+    nans = _reduced(g, "ReduceMax", cast_like(g, g.op("IsNaN", x), x), axes, True)
+    any_nan = g.op("Cast", nans, to_i=_BOOL)  # not a 0-d Greater, which the exporter computes in float32
+    poison = _as_traced(g, g.op("Where", any_nan, const_like(g, math.nan, x), const_like(g, -0.0, x)))
+    return _as_traced(g, _reduced(g, "ReduceMax" if largest else "ReduceMin", g.op("Add", x, poison), axes, keep))
+
+
+def _amax(largest: bool) -> Callable[..., Any]:
+    """torch.amax (amin): `_nan_kept`. Integers: torch's."""
+    def convert(g: Any, x: Any, dim: Any = None, keepdim: Any = None) -> Any:
+        if not _floating(x):
+            own = symbolic_opset18 if g.opset >= 18 else symbolic_opset9
+            return getattr(own, "amax" if largest else "amin")(g, x, dim, keepdim)
+        axes = None if _none(dim) else list(symbolic_helper._get_const(dim, "is", "dim")) or None
+        keep = not _none(keepdim) and bool(symbolic_helper._get_const(keepdim, "i", "keepdim"))
+        return _nan_kept(g, x, largest, axes, keep)
+    return convert
+
+
+def _aminmax(g: Any, x: Any, dim: Any = None, keepdim: Any = None) -> tuple[Any, Any]:
+    """torch.aminmax: `_nan_kept` both ways, along dim or over every axis. Integers: torch's."""
+    if not _floating(x):
+        return (symbolic_opset18 if g.opset >= 18 else symbolic_opset9).aminmax(g, x, dim, keepdim)
+    axes = None if _none(dim) else [symbolic_helper._get_const(dim, "i", "dim")]
+    keep = not _none(keepdim) and bool(symbolic_helper._get_const(keepdim, "i", "keepdim"))
+    return _nan_kept(g, x, False, axes, keep), _nan_kept(g, x, True, axes, keep)
+
+
+def _round(g: Any, x: Any, decimals: Any = None) -> Any:
+    """torch.round to `decimals` as torch's kernel: Round(x * 10^d) / 10^d, or Round(x / 10^-d) * 10^-d for d < 0,
+    10^d a constant of x's type (torch's conversion multiplies by a float32 10^-d: 0.9000000357 for torch's 0.9,
+    float32 in float64). No gradient in torch (zeros)."""
+    d = 0 if _none(decimals) else symbolic_helper._get_const(decimals, "i", "decimals")
+    if not symbolic_helper._is_fp(x):
+        return x
+    if d == 0:
+        return g.op("Round", x)
+    scale = const_like(g, 10.0 ** abs(d), x)
+    if d > 0:
+        return g.op("Div", g.op("Round", g.op("Mul", x, scale)), scale)
+    return g.op("Mul", g.op("Round", g.op("Div", x, scale)), scale)
+
+
+def _addmm(g: Any, base: Any, m1: Any, m2: Any, beta: Any, alpha: Any) -> Any:
+    """torch.addmm: in float64, beta and alpha not 1, `_added` (torch's conversion writes them as Gemm's float32
+    attributes: 1e-7 off); else torch's (a Gemm)."""
+    if _is_double(m1) and (_scalar(beta) != 1.0 or _scalar(alpha) != 1.0):
+        return _added(g, base, g.op("MatMul", m1, m2), beta, alpha)
+    return symbolic_opset9.addmm(g, base, m1, m2, beta, alpha)
+
+
+def _addbmm(g: Any, base: Any, b1: Any, b2: Any, beta: Any = None, alpha: Any = None) -> Any:
+    """torch.addbmm: beta base + alpha times the sum over the batch of b1 @ b2 (`_added`)."""
+    return _added(g, base, _reduced(g, "ReduceSum", g.op("MatMul", b1, b2), [0], False), beta, alpha)
+
+
+def _movedim(g: Any, x: Any, source: Any, destination: Any) -> Any:
+    """torch.movedim (moveaxis) as one Transpose, its dims wrapped first (torch's conversion wrote a negative source
+    into perm: `x.movedim(-1, 1)`, channels last to first, failed). Source dims to their destinations, the others
+    in their order into the places left, as torch's."""
+    rank = symbolic_helper._get_tensor_rank(x)
+    if rank is None:
+        return symbolic_helper._unimplemented("movedim", "a tensor of unknown rank", x)
+    dims = [[int(d) % max(rank, 1) for d in symbolic_helper._get_const(v, "t", name).view(-1).tolist()]
+            for v, name in ((source, "source"), (destination, "destination"))]
+    perm: list[int | None] = [None] * rank
+    for src, dst in zip(*dims, strict=True):
+        perm[dst] = src
+    rest = iter(d for d in range(rank) if d not in dims[0])
+    order = [next(rest) if p is None else p for p in perm]
+    return x if order == list(range(rank)) else g.op("Transpose", x, perm_i=order)
+
+
+def _embedding(g: Any, weight: Any, ids: Any, padding_idx: Any, *rest: Any) -> Any:
+    """torch.embedding with a padding_idx p: the rows looked up through a StopGradient where ids == p, so that row p
+    gets no gradient, as torch's (torch's conversion, a plain Gather, ignores p: `F.embedding(ids, w, padding_idx=p)`
+    of a weight no nn.Embedding owns, a computed one, gave row p its lookups' gradient; nn.Embedding's too, which
+    the legacy exporter's Gathers do not name apart from other reads of its weight: dynamo's are cut after the
+    export, `export._embedding_padding`). Without one (p < 0), torch's."""
+    rows = symbolic_opset9.embedding(g, weight, ids, padding_idx, *rest)
+    p = symbolic_helper._get_const(padding_idx, "i", "padding_idx")
+    if p < 0:
+        return rows
+    frozen = g.op(f"{DOMAIN}::{STOP_GRADIENT}", rows)
+    frozen.setType(rows.type())
+    is_padding = symbolic_helper._unsqueeze_helper(g, g.op("Equal", ids, const_like(g, p, ids)), [-1])
+    return g.op("Where", is_padding, frozen, rows)
 
 
 def _slogdet(g: Any, x: Any) -> tuple[Any, Any]:
@@ -684,8 +836,11 @@ def _solve_ex(g: Any, a: Any, b: Any, left: Any = None, check_errors: Any = None
 def _cumsum(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
     """torch.cumsum in torch's type: `dtype` where given (torch's conversion drops a constant one), int64 for an
     integer or boolean x (torch's conversion wrote CumSum of BOOL, which ONNX has not: transformers' packed-sequence
-    check, `(position_diff != 1).cumsum(-1)`, in every decoder called without a mask or cache)."""
+    check, `(position_diff != 1).cumsum(-1)`, in every decoder called without a mask or cache). A 0-d x: x, as torch's
+    (onnxruntime's CumSum refuses a scalar)."""
     x = _accumulated(g, x, dtype)
+    if symbolic_helper._get_tensor_rank(x) == 0:
+        return x
     return g.op("CumSum", x, g.op("Constant", value_t=torch.tensor(symbolic_helper._get_const(dim, "i", "dim"))))
 
 
@@ -880,7 +1035,8 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::xlogy": _xlogy, "aten::special_xlogy": _xlogy,
     "aten::addmv": _addmv, "aten::addr": _addr,
     "aten::fmax": _nan_ignoring("Greater"), "aten::fmin": _nan_ignoring("Less"),
-    "aten::trunc": _trunc, "aten::fix": _trunc, "aten::copy": _copy, "aten::matrix_H": _matrix_h,
+    "aten::trunc": _trunc, "aten::fix": _trunc, "aten::frac": lambda g, x: g.op("Sub", x, _trunc(g, x)),
+    "aten::copy": _copy, "aten::matrix_H": _matrix_h,
     **{f"aten::_upsample_nearest_exact{d}d": _nearest_exact(d) for d in (1, 2, 3)},
     "aten::median": lambda g, x, *args: _median(g, x) if not args else _median_dim(g, x, *args),
     "aten::tensor_split": _tensor_split, "aten::cumprod": _cumprod,
@@ -899,6 +1055,10 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::rrelu": _rrelu, "aten::roll": _roll, "aten::chunk": _chunk, "aten::_unique2": _unique2,
     "aten::div": _div, **{f"aten::{name}": _clamp(name) for name in ("clamp", "clamp_min", "clamp_max")},
     "aten::scatter_reduce": _scatter_reduce, "aten::repeat_interleave": _repeat_interleave,
+    "aten::amax": _amax(True), "aten::amin": _amax(False), "aten::round": _round, "aten::addmm": _addmm,
+    "aten::addbmm": _addbmm, "aten::movedim": _movedim,
+    "aten::argmax": _arg_extremum(True), "aten::argmin": _arg_extremum(False), "aten::embedding": _embedding,
+    "aten::aminmax": _aminmax,
 }
 
 

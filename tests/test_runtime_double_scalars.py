@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import copy
+import warnings
+from collections.abc import Callable
 
+import onnxruntime as ort
+import pytest
 import torch
 from torch import nn
 
-from runtime import ORTModule
+from runtime import ORTModule, double_scalars
 
 
 class Weighted(nn.Module):
@@ -61,6 +65,27 @@ def test_a_float32_result_the_module_makes_stays_float32() -> None:
     out = ORTModule(copy.deepcopy(reference))(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference(x))
+
+
+def test_a_tensor_cast_to_float32_is_computed_in_float32() -> None:
+    """A float64 module's own `x.float() * 0.3`, promoted back where it meets float64 tensors: torch computes the
+    product in float32, and so must the graph (a stretch started at that Cast computed it in float64, 3e-8 off)."""
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return torch.where(h > 0, h, h.float() * 0.3) + h + h.float() * 0.7
+
+    torch.manual_seed(0)
+    reference = Mixed().double()
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    got, want = model(x), reference(x)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
 
 
 def test_zero_d_results_stacked_or_unsqueezed_stay_in_float64() -> None:
@@ -117,3 +142,80 @@ def test_sizes_cast_to_float_join_the_stretch() -> None:
             torch.testing.assert_close(g, w, rtol=1e-13, atol=0)
         for g, w in zip(got_grads, want_grads, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+
+
+SELECTED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "where of a comparison": lambda h: torch.where(h.sum() > 0.3, h.sum(), 0.3 * h.mean()),
+    "a comparison cast to float": lambda h: (h.sum() > 0.3) * h.sum() * 2 + h.mean() * (h.mean() <= 0),
+    # our conversions' Wheres (runtime/symbolics.py) on 0-d operands
+    "logaddexp, clamp": lambda h: torch.logaddexp(h.sum(), h.mean()) + torch.clamp(h.sum(), h.mean(), h.abs().sum()),
+    "max of every element": lambda h: h.amax() + h.max() * 2 - h.min(),
+    "floor division, rounding": lambda h: (h.sum() * (h.sum().detach() // 0.3) + h.sum().floor() * 0.3
+                                           + torch.remainder(h.sum(), 0.7) + h.mean().round() * h.sum().sign()),
+}
+
+
+@pytest.mark.parametrize("select", list(SELECTED))
+def test_zero_d_results_compared_and_selected_stay_in_float64(select: str) -> None:
+    """0-d float64 results compared and selected (Where, a comparison's mask cast to float): the stretch runs
+    through Where's branches and compares in float64; it stopped there, and the result came back float32 (3e-8
+    off). Two calls: the comparisons go both ways."""
+    class Selected(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return SELECTED[select](self.a(x))
+
+    torch.manual_seed(0)
+    reference = Selected().double()
+    model = ORTModule(copy.deepcopy(reference))
+    for sign in (1.0, -1.0):
+        x = sign * (torch.randn(4, 6, dtype=torch.float64) + 1)
+        results = []
+        for m in (reference, model):
+            for p in m.parameters():
+                p.grad = None
+            out = m(x)
+            out.backward()
+            results.append((out, [p.grad for p in m.parameters()]))
+        (want, want_grads), (got, got_grads) = results
+        assert got.dtype == want.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+
+
+def test_dynamo_constants_read_in_float64() -> None:
+    """onnxscript writes a float64 module's Python numbers (`x * 2.7`, clamp's bounds, lerp's weight, where's
+    scalar) as float32 Constants cast to float64 (2e-8 off torch's, relative): `constants_in_double` reads them at
+    the decimal written. onnxruntime against torch on the dynamo export."""
+    class Scaled(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * 2.7 + torch.where(x > 0.1, x, 0.3) + x.clamp(0.1, 0.7) + torch.lerp(x, x.flip(0), 0.3)
+                    + x / 0.3 + (0.3 - x))
+
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(Scaled(), (x,), dynamo=True, optimize=False, verbose=False)
+    model = double_scalars.constants_in_double(program.model_proto)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), Scaled()(x), rtol=1e-15, atol=0)
+
+    class Weighted(Scaled):  # through ORTModule's dynamo export: outputs and gradients
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x * self.w)
+
+    ref = Weighted()
+    om = ORTModule(copy.deepcopy(ref), exporter="dynamo")
+    for m in (om, ref):
+        m(x).square().sum().backward()
+    torch.testing.assert_close(om(x), ref(x), rtol=1e-13, atol=0)
+    torch.testing.assert_close(om.w.grad, ref.w.grad, rtol=1e-12, atol=0)

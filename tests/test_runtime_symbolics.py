@@ -5,7 +5,9 @@ so do the ops it converts into something else than torch computes: floor_divide 
 index tensors (negative ones read wrongly), max / min along a dim (ties' gradient split, NaNs dropped), var / std
 over every axis (float32 in float64), float32 constants in float64 (log2, elu, ...), roll, chunk, unique's
 inverse, fmax / fmin, median's and clamp's ties (tensor bounds), div's floor mode, scatter_reduce (Ifs declaring wrong
-sizes) and repeat_interleave by a tensor (a Loop). The float64 entries hold to `DOUBLE_RTOL`."""
+sizes), repeat_interleave by a tensor (a Loop), amax / amin, max of every element and argmax (NaN dropped), round
+to decimals and addmm (float32 constants in float64), addbmm, frac, movedim (negative dims), embedding's
+padding_idx, integers clamped by floats and cumsum of a 0-d tensor. The float64 entries hold to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -79,6 +81,18 @@ def _blocks(h: torch.Tensor) -> torch.Tensor:
     return h.reshape(-1, 2, 2) + 2 * torch.eye(2)
 
 
+IDS = torch.tensor([[0, 1, 5], [1, 2, 1]])
+"""Rows of a [6, 4] weight, the padding rows 0 and 1 among them."""
+ROWS = torch.tensor([True, False, True, False])
+"""The rows of `NANS` that hold NaNs."""
+
+
+def _nan_rows(h: torch.Tensor) -> torch.Tensor:
+    """h with `NANS`' NaNs, its rows holding them detached: torch's amax gives each element of a group whose result
+    is NaN a NaN gradient (0 / 0), which must not reach a parameter."""
+    return torch.where(ROWS[:, None], h.detach().masked_fill(NANS, NAN), h)
+
+
 def _with_info(result: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """inv_ex's inverse scaled by 1 + info (int32 zeros of the batch shape): info's type and shape must hold."""
     inverse, info = result
@@ -98,6 +112,8 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sgn": lambda h: torch.sgn(h) * h,
     "fmax, fmin": lambda h: torch.fmax(h, h.flip(1)) + torch.fmin(h, h.flip(0)),
     "trunc, fix": lambda h: (torch.trunc(3 * h) + torch.fix(h)) * h,
+    # no conversion: dynamo's export, whose Python numbers are float32 in float64 (2.7 * h)
+    "frac": lambda h: torch.frac(2.7 * h) * h + h.frac(),
     "median": lambda h: h.median(1, keepdim=True).values * h + torch.median(h) + h[:, :4].median(1).values[:, None],
     # chunks h[:, :2], h[:, 2:-1], h[:, -1:5] (empty), h[:, 5:]; h[:, :-9] (empty), h[:, -9:3], h[:, 3:30], h[:, 30:]
     # (empty); 4 sections of 6: 2, 2, 1, 1; 3 of the batch's 4 (read at run time): 2, 1, 1
@@ -106,8 +122,10 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tensor_split sections": lambda h: torch.cat([c.exp() * (k + 1) for k, c in enumerate(h.T.tensor_split(4))], 0).T,
     "tensor_split sections, batch axis": lambda h: sum(c.sum(0) * (k + 1) for k, c in enumerate(h.tensor_split(3))),
     "cumprod with zeros": lambda h: (h * ZEROS).cumprod(0) + (h * ZEROS).cumprod(1),
+    # and of a 0-d tensor (onnxruntime's CumSum refuses a scalar)
     "cumsum of bools, ints, in double": lambda h: (h * (h > 0).cumsum(1) + h.round().int().cumsum(0)
-                                                   + torch.cumsum(h, -1, dtype=torch.float64).float()),
+                                                   + torch.cumsum(h, -1, dtype=torch.float64).float()
+                                                   + h * h.sum().cumsum(0)),
     "cumprod in double": lambda h: torch.cumprod(h, -1, dtype=torch.float64).float(),
     "cummax, cummin with ties": lambda h: _with_indices(_tied(h).cummax(1)) + _with_indices(_tied(h).cummin(0)),
     "cummax, cummin of repeats": lambda h: (_with_indices(torch.cat([h, h], 1).cummax(-1))[:, 3:9]
@@ -204,16 +222,44 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
                                                  + 4 * torch.clamp(_tied(h), _tied(h).flip(1), _tied(h).flip(0))
                                                  + 5 * _tied(h).clamp(max=_tied(h).mean())
                                                  + 6 * _tied(h).clamp_min(_tied(h)[:1]).clone().clamp_(max=h)),
+    # integers clamped by floats: in floats, as torch's (torch's Clip cast the bounds to the integers' type)
+    "clamp of integers by floats": lambda h: h * (_ints(3 * h).clamp(-2.5, 3.5) + _ints(h).clamp(min=0.5)
+                                                  + torch.clamp(_ints(2 * h), max=h.detach().flip(0))),
     # NaN in x or in a bound: NaN, as torch's
     "clamp with tensor bounds, NaN": lambda h: (torch.clamp(_with_nans(h), _with_nans(h).flip(1), h.flip(0))
                                                 + torch.clamp(h, min=_with_nans(h).flip(0))
                                                 + torch.clamp(h.flip(1), max=_with_nans(h))).nan_to_num(0.0, 0.0, 0.0),
+    # NaN propagates (onnxruntime's ReduceMax keeps one only where it comes first: row 0's [x, nan, ...]); every
+    # element's max: NaN's gradient split among the NaNs, masked_fill's backward drops it; ties split evenly
+    "amax, amin, aminmax, max of every element with NaN": lambda h: (
+        sum(t.nan_to_num(0.0) for t in (_nan_rows(h).amax(1, keepdim=True), _nan_rows(h).amin(-1)[:, None],
+                                         sum(torch.aminmax(_nan_rows(h), dim=1))[:, None],
+                                         h.detach().masked_fill(NANS, NAN).amax((0, 1)))) * h
+        + _with_nans(h).max().nan_to_num(0.0) + _with_nans(-h).min().nan_to_num(0.0) * h
+        + _tied(h).amax() * h + _tied(h).min() + _tied(h).amin(0)),
+    # the first NaN's index (onnxruntime's ArgMax skips NaNs), along a dim and of the flattened tensor
+    "argmax, argmin with NaN": lambda h: h * (_with_nans(h).argmax(1, keepdim=True) + _with_nans(h).argmin(0)
+                                              + _with_nans(h).argmax() / 10 + h.argmin(keepdim=True)),
+    # row p of a weight no nn.Embedding owns (computed here) gets no gradient (torch's conversion ignored p)
+    "embedding with padding_idx": lambda h: (F.embedding(IDS, h.T, padding_idx=1) + F.embedding(IDS, h.T.exp(), 0)
+                                             + F.embedding(IDS, h.T)).reshape(-1, 6),
+    # torch's kernel divides by 10^d (torch's conversion multiplied by a float32 0.1); no gradient in torch
+    "round with decimals": lambda h: h * (torch.round(h.detach() * 3, decimals=1)
+                                          + torch.round(h.detach() * 300, decimals=-2) + h.detach().round()),
+    # float64: beta and alpha were Gemm's float32 attributes; addbmm: no conversion (dynamo's: float32 constants)
+    "addmm, addbmm": lambda h: (torch.addmm(h, h, h.T @ h, beta=0.3, alpha=1.7) + torch.addmm(h, h, h.T @ h)
+                                + torch.addbmm(h[:2, :2], h.reshape(-1, 2, 6), h.reshape(-1, 6, 2).flip(0), beta=0.7,
+                                               alpha=0.1).sum()),
+    # a negative source dim (torch's conversion wrote it into Transpose's perm: onnxruntime refused the model)
+    "movedim with negative dims": lambda h: (h.reshape(-1, 2, 3).movedim(-1, 1).reshape(-1, 6)
+                                             + torch.moveaxis(h.reshape(-1, 2, 3), (0, -1), (-1, 1)).reshape(6, -1).T),
 }
-DOUBLE = ["floor_divide", "floor_divide of ints", "logaddexp of -infs", "logcumsumexp",
-          "max, min along a dim with ties", "max, min along a dim with NaN", "logaddexp2",
-          "var, std over every axis", "var, std along dims", "log2, log10, addcmul", "elu, selu, leaky_relu, rrelu",
-          "roll", "chunk", "unique", "fmax, fmin with ties", "fmax, fmin with NaN", "div floor", "median with ties",
-          "clamp with tensor bounds, ties", "clamp with tensor bounds, NaN"]
+DOUBLE = ["frac", "clamp of integers by floats", "amax, amin, aminmax, max of every element with NaN",
+          "round with decimals", "addmm, addbmm", "floor_divide", "floor_divide of ints",
+          "logaddexp of -infs", "logcumsumexp", "max, min along a dim with ties", "max, min along a dim with NaN",
+          "logaddexp2", "var, std over every axis", "var, std along dims", "log2, log10, addcmul",
+          "elu, selu, leaky_relu, rrelu", "roll", "chunk", "unique", "fmax, fmin with ties", "fmax, fmin with NaN",
+          "div floor", "median with ties", "clamp with tensor bounds, ties", "clamp with tensor bounds, NaN"]
 """The entries also run in float64, to `DOUBLE_RTOL`."""
 DOUBLE_RTOL = 1e-10
 """float64's tolerance: a float32 constant or step puts ~1e-8 into it."""
