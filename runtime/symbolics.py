@@ -56,13 +56,13 @@ from gradbuilder.yield_op import DOMAIN
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
 
-TORCH_OWN = {"aten::tensor_split": 13, "aten::cumsum": 11, "aten::index": 11, "aten::max": 18, "aten::min": 18,
-             "aten::var_mean": 18, "aten::celu": 12, "aten::chunk": 11, "aten::_unique2": 11, "aten::div": 10,
-             "aten::clamp": 11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16,
-             "aten::repeat_interleave": 13, "aten::amax": 18, "aten::amin": 18,
-             "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12,
-             "aten::aminmax": 18}
-"""The opset of torch's own conversion of a name in `MISSING`: ours is registered from there too, or torch's would
+TORCH_OWN: dict[str, int | tuple[int, ...]] = {
+    "aten::tensor_split": 13, "aten::cumsum": 11, "aten::index": 11, "aten::max": 18, "aten::min": 18,
+    "aten::var_mean": 18, "aten::celu": 12, "aten::chunk": 11, "aten::_unique2": 11, "aten::div": 10, "aten::clamp":
+    11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16, "aten::repeat_interleave": 13,
+    "aten::amax": 18, "aten::amin": 18, "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12, "aten::aminmax":
+    18, "aten::split": (11, 13)}
+"""The opsets of torch's own conversions of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
 _END = torch.iinfo(torch.int64).max
@@ -747,6 +747,28 @@ def _movedim(g: Any, x: Any, source: Any, destination: Any) -> Any:
     return x if order == list(range(rank)) else g.op("Transpose", x, perm_i=order)
 
 
+def _split(g: Any, x: Any, split_size_or_sizes: Any, dim: Any, _outputs: int | None = None) -> Any:
+    """x.split(k, dim) along an axis the export sizes at run time: torch's conversion took the axis for k times
+    the traced chunk count (7 in chunks of 3 written as 3, 3, 3: refused at the first run). The last chunk is
+    the rest of the axis, read at run time (the count is the trace's: another count is another graph, which the
+    engine's export at new sizes finds)."""
+    own = symbolic_opset13.split if g.opset >= 13 else symbolic_opset11.split if g.opset >= 11 else \
+        symbolic_opset9.split
+    if g.opset < 13 or not symbolic_helper._is_split_static(split_size_or_sizes, _outputs) or _outputs is None or \
+            symbolic_helper._node_get(split_size_or_sizes.node(), "value").dim() > 0:
+        return own(g, x, split_size_or_sizes, dim, _outputs)
+    axis = symbolic_helper._get_const(dim, "i", "dim")
+    rank = symbolic_helper._get_tensor_rank(x)
+    axis = axis + rank if axis < 0 and rank is not None else axis
+    if axis < 0 or symbolic_helper._get_tensor_dim_size(x, axis) is not None:
+        return own(g, x, split_size_or_sizes, dim, _outputs)
+    k = symbolic_helper._get_const(split_size_or_sizes, "i", "split_size")
+    rest = g.op("Sub", _run_time_size(g, x, axis), g.op("Constant", value_t=torch.tensor([k * (_outputs - 1)])))
+    sizes = g.op("Concat", g.op("Constant", value_t=torch.tensor([k] * (_outputs - 1), dtype=torch.long)), rest,
+                 axis_i=0)
+    return g.op("Split", x, sizes, axis_i=axis, outputs=_outputs)
+
+
 def _embedding(g: Any, weight: Any, ids: Any, padding_idx: Any, *rest: Any) -> Any:
     """torch.embedding with a padding_idx p: the rows looked up through a StopGradient where ids == p, so that row p
     gets no gradient, as torch's (torch's conversion, a plain Gather, ignores p: `F.embedding(ids, w, padding_idx=p)`
@@ -1058,7 +1080,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::amax": _amax(True), "aten::amin": _amax(False), "aten::round": _round, "aten::addmm": _addmm,
     "aten::addbmm": _addbmm, "aten::movedim": _movedim,
     "aten::argmax": _arg_extremum(True), "aten::argmin": _arg_extremum(False), "aten::embedding": _embedding,
-    "aten::aminmax": _aminmax,
+    "aten::aminmax": _aminmax, "aten::split": _split,
 }
 
 
@@ -1067,6 +1089,7 @@ def exported_symbolics() -> Iterator[None]:
     """`MISSING` registered while the block lasts, from `OPSET` and from the opsets of `TORCH_OWN`."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(registered(MISSING, OPSET))
-        for name, opset in TORCH_OWN.items():
-            stack.enter_context(registered({name: MISSING[name]}, opset))
+        for name, opsets in TORCH_OWN.items():
+            for opset in opsets if isinstance(opsets, tuple) else (opsets,):
+                stack.enter_context(registered({name: MISSING[name]}, opset))
         yield

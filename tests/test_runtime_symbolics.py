@@ -291,6 +291,8 @@ RUN_TIME: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
                                           + h.std(1, keepdim=True) * h + torch.var_mean(h, 1)[0][:, None]
                                           + torch.median(h)),
     "unique of the batch": lambda h: h * torch.unique(_ints(2 * h), return_inverse=True)[1],
+    # 6 in chunks of 4 along an axis the graph sizes at run time (torch's conversion: 4 and 4)
+    "split unevenly": lambda h: torch.cat([c.sin() * (i + 1) for i, c in enumerate(h.split(4, 1))], 1),
 }
 
 
