@@ -9,15 +9,18 @@ VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold")
 running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
-on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`;
+on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`,
+and writes a convolution padded "same" with a dilation as an auto_pad onnxruntime refuses at the first run;
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder does
 not differentiate; and some exports compute something else, without an error: `avg_pool2d` and `avg_pool3d` ignore a
 constant `divisor_override`, `pairwise_distance` adds eps to the exponent, `softplus` ignores its threshold,
-`logsigmoid` is -inf below -17, the gradients of `cdist` at zero distances, of `cosine_similarity` at zero
-vectors, of `std` over constant values and of norms of orders other than 1, 2 and inf (and the Frobenius norm, and
-`dist`, which it lacks) at zero are NaN, `hardtanh` and `relu6` pass the gradient at their bounds (Clip's rule,
-clamp's), and `interpolate(antialias=True)` (which it lacks; dynamo's Resize) samples by the output size where torch
-samples by a given `scale_factor`.
+`logsigmoid` is -inf below -17, `gaussian_nll_loss` and `cosine_similarity` pass no gradient to a variance or norm
+below eps (torch clamps them in place under no_grad, which keeps it), the gradients of `cdist` at zero distances, of
+`cosine_similarity` at zero vectors, of `std` over constant values and of norms of orders other than 1, 2 and inf
+(and the Frobenius norm, and `dist`, which it lacks) at zero are NaN, `hardtanh` and `relu6` pass the gradient at
+their bounds (Clip's rule, clamp's), and `interpolate(antialias=True)` (which it lacks; dynamo's Resize) samples by
+the output size where torch samples by a given `scale_factor`, and dynamo's float64 1-D linear interpolation weighs
+in float32 (and onnxruntime's Resize, the other linear modes, has no double kernel).
 While exporting, `exportable_functions` computes them as torch defines them:
 
 - adaptive average pooling to k cells along an axis of n: window i covers [floor(i n / k), ceil((i + 1) n / k)),
@@ -31,10 +34,11 @@ While exporting, `exportable_functions` computes them as torch defines them:
   size over the divisor;
 - scatter_reduce by mean, or by sum without self: sums and counts scattered by `scatter_add` (self added and
   counted once where included), the mean their quotient, self kept where nothing was scattered to;
-- pairwise_distance and cdist: the p-norm of the difference (plus eps for pairwise_distance, which torch's
-  exporter wrote into the exponent) with torch's zero gradient at zero distance, and cdist's product form past
-  25 rows for p = 2, as torch's, chosen in the graph from the run-time row counts (the difference form over the
-  first 25 rows of each side, the whole result where neither has more): one export for every size;
+- pairwise_distance, cdist and pdist (which neither exporter has; its pairs i < j by a mask of the row count): the
+  p-norm of the difference (plus eps for pairwise_distance, which torch's exporter wrote into the exponent) with
+  torch's zero gradient at zero distance, and cdist's product form past 25 rows for p = 2, as torch's, chosen in the
+  graph from the run-time row counts (the difference form over the first 25 rows of each side, the whole result
+  where neither has more): one export for every size;
 - vector norms of other orders (`torch.linalg.vector_norm`, through which torch.norm and Tensor.norm go, and
   `torch.linalg.norm` of one axis), `dist` and the Frobenius norm: `vector_norm`'s, 2 as a ReduceL2;
 - hardtanh and relu6 (nn.Hardtanh, nn.ReLU6, in place too) where a gradient reaches them: the bound x reached, else
@@ -43,8 +47,10 @@ While exporting, `exportable_functions` computes them as torch defines them:
   run, and the first call's check sees the export's), else copies that refuse the export if written to;
 - antialiased interpolation by a scale factor (bilinear, bicubic): a product with a [n, out] matrix of torch's
   weights per axis, built from the run-time n;
-- cosine similarity: each input over its norm clamped to eps, the products summed (torch's; the exporter's
-  sqrt of the product of squared norms has a NaN gradient at a zero vector);
+- linear interpolation (linear, bilinear, trilinear) in float64, which onnxruntime's Resize lacks (and dynamo's 1-D
+  form weighted in float32): the same products with torch's linear weights;
+- cosine similarity: each input over its norm clamped to eps (the gradient kept below it, as in gaussian NLL), the
+  products summed (torch's; the exporter's sqrt of the product of squared norms has a NaN gradient at a zero vector);
 - std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
   constant row: the exporter's sqrt made it NaN);
 - an embedding with `scale_grad_by_freq` (refused in training): the rows' gradient divided by their index's
@@ -61,6 +67,10 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
 - log-sigmoid as -softplus(-x) (the exporter's log of a sigmoid is -inf below x ~ -17);
 - threshold(x, t, v): x where x > t, else v;
+- convolutions padded "same" with a dilation: torch's pads, dilation * (kernel - 1) per axis, half before and the
+  rest after, explicit (the odd one a zero Pad);
+- gaussian NLL: variances below eps given as eps plus a zero carrying their gradient (a StopGradient; the dynamo
+  exporter, which holds none, keeps clamp_min's), torch's clamp then a no-op;
 - max unpooling: each value scattered to its flat index in a zero map of the output's size (given, or the pool's
   input size computed from the run-time input), as torch's kernel;
 - attention with fewer key/value heads than query heads (`enable_gqa`, Mistral's and LLaMA 3's grouped-query
@@ -70,12 +80,15 @@ While exporting, `exportable_functions` computes them as torch defines them:
   ((C, L), (C, H, W)), which torch accepts: a batch axis of 1 around the call (the exporter wrote ONNX pools and
   im2col's Pad on the unbatched tensor, which ONNX does not allow, and refuses pixel_shuffle but of 4-d inputs;
   pixel shuffling's several batch axes, (B, T, C, H, W), flattened into one);
+- cross-entropy and NLL of one sample (1-D scores): a batch axis of 1 around the call, the result 0-d;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
 - RMS norm: x * rsqrt(mean of x^2 over the normalized axes + eps) (eps: the dtype's when None) times the weight;
+- group norm, and instance norm without running statistics, in float64 (written as an InstanceNormalization, which
+  onnxruntime runs in float32 only): each sample's channel groups normalized by their mean and biased variance;
 - instance norm in training with running statistics (refused for a run-time batch): each sample's channels
   normalized by their own statistics, the running ones moved towards the batch's mean of them, as torch's;
-- bilinear: the einsum of x1, the weight and x2 over their features, plus the bias; hypot: sqrt(a^2 + b^2);
+- bilinear: x1 times the weight, then times x2, summed over their features, plus the bias; hypot: sqrt(a^2 + b^2);
   vdot of real vectors: the sum of their product; gumbel softmax: Gumbel noise as -log(-log(U)) for U uniform
   (torch's -log of an exponential draw, in distribution), hard as torch's straight-through one-hot;
 - Tensor.unfold(d, size, step): the windows' elements gathered along d by one index ([windows, size] from the
@@ -197,6 +210,25 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
 
 def _per_axis(value: Sequence[int] | int, dims: int) -> list[int]:
     return [value] * dims if isinstance(value, int) else list(value) * (dims if len(value) == 1 else 1)
+
+
+def _same_padding_conv(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
+    """A convolution with padding="same" and a dilation, which the legacy exporter writes as auto_pad SAME_UPPER
+    with dilations, which onnxruntime refuses at the first run ("Dilation not supported for AutoPadType"): torch's
+    own padding, dilation * (kernel - 1) per axis, half before (rounded down) and the rest after (a zero Pad of the
+    odd one), as explicit pads. Undilated "same" keeps the exporter's auto_pad, which onnxruntime computes alike."""
+    def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             stride: Sequence[int] | int = 1, padding: Any = 0, dilation: Sequence[int] | int = 1,
+             groups: int = 1) -> torch.Tensor:
+        dilations = _per_axis(dilation, dims)
+        if not (isinstance(padding, str) and padding == "same") or all(d == 1 for d in dilations):
+            return original(input, weight, bias, stride, padding, dilation, groups)
+        totals = [d * (k - 1) for d, k in zip(dilations, untraced_ints(*weight.shape[2:]))]
+        odd = [p for total in reversed(totals) for p in (0, total % 2)]  # F.pad's order: last axis first
+        padded = F.pad(input, odd) if any(odd) else input
+        return original(padded, weight, bias, stride, [total // 2 for total in totals], dilation, groups)
+
+    return conv
 
 
 EXPORTED_ORDERS = (1, 2, math.inf, -math.inf)
@@ -332,6 +364,15 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode: str
     return torch.cat([top, product[..., MM_ROWS:, :]], -2)
 
 
+def _pdist(input: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """torch.pdist (which neither exporter has): the p-norms of the rows' differences over the pairs i < j in row-major
+    order, with torch's zero gradient at a zero distance (`vector_norm`); the pairs picked by a mask of the run-time
+    row count, not by indices from it (which the trace would keep)."""
+    rows = torch.arange(input.shape[0])
+    above = rows[:, None] < rows[None, :]
+    return vector_norm(input.unsqueeze(1) - input.unsqueeze(0), p)[above]
+
+
 def _scatter_reduce(original: Callable[..., torch.Tensor], in_place: bool = False) -> Callable[..., torch.Tensor]:
     """`scatter_reduce` by "mean", or by "sum", "amax" or "amin" without self (`include_self=False`: graph
     networks' aggregations), which the exporter refuses: sums and counts scattered with `scatter_add` (positions
@@ -374,12 +415,35 @@ def _softplus(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     return softplus
 
 
+def _floored(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """max(x, eps) with the gradient 1 below eps too, as torch's clamp in place under no_grad of a clone (which changes
+    the values and not the gradient; the exported Clip passes none there): eps plus a zero that carries it. Under
+    the dynamo exporter, which holds no stop-gradient (`stop_gradients.py` refuses one), clamp_min's."""
+    if not torch.jit.is_tracing():
+        return x.clamp_min(eps)
+    return torch.where(x < eps, x - x.detach() + eps, x)
+
+
+def _gaussian_nll_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """gaussian_nll_loss with torch's gradient where the variance is below eps: torch clamps a clone of it in place
+    under no_grad, so the clamped entries keep the gradient 1 (as if unclamped), where the exported Clip passes none
+    (silently, from the first step a variance falls below eps). Here it comes `_floored` already (torch's clamp then
+    changes nothing)."""
+    def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: torch.Tensor | float, full: bool = False,
+                          eps: float = 1e-6, reduction: str = "mean") -> torch.Tensor:
+        if isinstance(var, torch.Tensor) and var.requires_grad:
+            var = _floored(var, eps)
+        return original(input, target, var, full, eps, reduction)
+
+    return gaussian_nll_loss
+
+
 def _cosine_similarity(x1: torch.Tensor, x2: torch.Tensor, dim: int = 1, eps: float = 1e-8) -> torch.Tensor:
-    """torch's: each input over its norm (at least eps), the products summed. The exporter divides by
-    sqrt(|x1|^2 |x2|^2), whose gradient at a zero vector (a padding embedding) is NaN; the norms here are
-    ReduceL2s, whose rule gives 0 there, as torch's norm does."""
-    n1 = torch.linalg.vector_norm(x1, 2, dim=dim, keepdim=True).clamp_min(eps)
-    n2 = torch.linalg.vector_norm(x2, 2, dim=dim, keepdim=True).clamp_min(eps)
+    """torch's: each input over its norm (at least eps, `_floored` as torch's: a norm below eps keeps its
+    gradient), the products summed. The exporter divides by sqrt(|x1|^2 |x2|^2), whose gradient at a zero vector (a
+    padding embedding) is NaN; the norms here are ReduceL2s, whose rule gives 0 there, as torch's norm does."""
+    n1 = _floored(torch.linalg.vector_norm(x1, 2, dim=dim, keepdim=True), eps)
+    n2 = _floored(torch.linalg.vector_norm(x2, 2, dim=dim, keepdim=True), eps)
     return ((x1 / n1) * (x2 / n2)).sum(dim)
 
 
@@ -582,6 +646,8 @@ def _instance_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch
                       running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None, use_input_stats: bool = True, momentum: float = 0.1,
                       eps: float = 1e-5) -> torch.Tensor:
+        if (running_mean is None or running_var is None) and x.dtype == torch.float64 and use_input_stats:
+            return _normalized_groups(x, x.shape[1], weight, bias, eps)  # as `_group_norm`'s, a group a channel
         if running_mean is None or running_var is None:
             return original(x, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
         axes = list(range(2, x.dim()))
@@ -601,6 +667,31 @@ def _instance_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     return instance_norm
 
 
+def _normalized_groups(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       eps: float) -> torch.Tensor:
+    """Each sample's channel groups normalized by their mean and biased variance, then the per-channel affine."""
+    grouped = x.reshape(x.shape[0], groups, -1)
+    mean, var = grouped.mean(-1, keepdim=True), grouped.var(-1, unbiased=False, keepdim=True)
+    y = ((grouped - mean) * torch.rsqrt(var + eps)).reshape(x.shape)
+    per_channel = [1, -1] + [1] * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.reshape(per_channel)
+    return y if bias is None else y + bias.reshape(per_channel)
+
+
+def _group_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Group norm (and instance norm without running statistics, a group a channel) in float64 as
+    `_normalized_groups`: the exporters write it as an InstanceNormalization, which onnxruntime runs in float32 only
+    (the module was refused at its session's load)."""
+    def group_norm(input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+        if input.dtype != torch.float64:
+            return original(input, num_groups, weight, bias, eps)
+        return _normalized_groups(input, num_groups, weight, bias, eps)
+
+    return group_norm
+
+
 def _rms_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None = None,
               eps: float | None = None) -> torch.Tensor:
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
@@ -609,9 +700,13 @@ def _rms_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Te
     return y if weight is None else y * weight
 
 
-def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+def _bilinear(input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
-    y = torch.einsum("...i,kij,...j->...k", x1, weight, x2)
+    """input1 times the weight as [in1, out * in2], then each output's row times input2, summed: an einsum over the
+    inputs' leading axes stopped the gradient build where their sizes had different names (slices of one tensor)."""
+    out, in1, in2 = untraced_ints(*weight.shape)
+    rows = torch.matmul(input1, weight.transpose(0, 1).reshape(in1, out * in2)).unflatten(-1, (out, in2))
+    y = (rows * input2.unsqueeze(-2)).sum(-1)
     return y if bias is None else y + bias
 
 
@@ -1091,6 +1186,48 @@ def _antialiased(original: Callable[..., torch.Tensor], interp: int, kernel: Cal
     return resample
 
 
+def _linear_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) -> torch.Tensor:
+    """[n, out] float64: the weights of input j in output i of torch's linear resampling of an axis of n (its
+    `compute_source_index_and_lambda`): the source position i (n - 1) / (out - 1) with align_corners, else
+    (i + 1/2) / factor - 1/2 (n / out for the factor where none is given) clamped at 0; the two inputs around it
+    weighted by their distance, the upper one at the last input the lower one; the identity where out is n."""
+    size, cells = _size_tensor(n).to(torch.float64), _size_tensor(out).to(torch.float64)
+    i = torch.arange(out, dtype=torch.float64)
+    if align_corners:
+        source = i * torch.where(cells > 1, (size - 1) / (cells - 1).clamp(min=1), torch.zeros_like(size))
+    else:
+        # the factor's reciprocal as a float64 tensor: dynamo writes a Python number as a float32 constant
+        scale = torch.tensor(1 / factor, dtype=torch.float64) if factor else size / cells
+        source = ((i + 0.5) * scale - 0.5).clamp(min=0)
+    lower = torch.minimum(torch.floor(source), size - 1)
+    upper_weight = (source - lower).clamp(0, 1)
+    upper = torch.where(lower < size - 1, lower + 1, lower)
+    position = torch.arange(n, dtype=torch.float64)[:, None]
+    weights = (position == lower) * (1 - upper_weight) + (position == upper) * upper_weight
+    return torch.where(cells == size, (position == i).to(torch.float64), weights)
+
+
+def _float64_linear(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
+    """interpolate(mode="linear", "bilinear", "trilinear") in float64: a product with each axis's `_linear_matrix`
+    (the exporters' Resize has no double kernel in onnxruntime, and dynamo's 1-D form computed its weights in
+    float32, 2e-7 off). Other types keep torch's function."""
+    def resample(x: torch.Tensor, output_size: Sequence[Any] | None, align_corners: bool,
+                 scale_factors: Sequence[float] | None = None, *scales: float | None) -> torch.Tensor:
+        # the overload of per-axis scales (scales_h, scales_w), which F.interpolate does not call, is torch's
+        per_axis = bool(scales) or not (scale_factors is None or isinstance(scale_factors, (list, tuple)))
+        if x.dtype != torch.float64 or x.dim() != dims + 2 or per_axis:
+            return original(x, output_size, align_corners, scale_factors, *scales)
+        for k in range(dims):
+            axis = x.dim() - dims + k
+            factor = None if scale_factors is None else scale_factors[k]
+            out = output_size[k] if output_size is not None else _scaled_size(x.shape[axis], factor)
+            matrix = _linear_matrix(x.shape[axis], out, None if output_size is not None else factor, align_corners)
+            x = torch.matmul(x.movedim(axis, -1), matrix).movedim(-1, axis)
+        return x
+
+    return resample
+
+
 def _batched(original: Callable[..., Any], rank: int, leading: bool = False) -> Callable[..., Any]:
     """`original` of an unbatched input (`rank` axes: (C, L) for a 1-d pool, (C, H, W) for a 2-d one, F.unfold and
     pixel shuffling) with a batch axis of 1 added around the call, as torch's kernels treat it: the legacy exporter
@@ -1111,6 +1248,18 @@ def _batched(original: Callable[..., Any], rank: int, leading: bool = False) -> 
     return call
 
 
+def _unbatched_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """cross_entropy and nll_loss of one sample ((C,) scores, a 0-d class or (C,) probabilities), which torch takes:
+    a batch axis of 1 around the call, the result 0-d (as torch's for every reduction). The exporters wrote their
+    loss ops on the 1-D input, which ONNX does not allow (the session's load failed at LogSoftmax's axis)."""
+    def loss(input: torch.Tensor, target: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if input.dim() != 1:
+            return original(input, target, *args, **kwargs)
+        return original(input.unsqueeze(0), target.unsqueeze(0), *args, **kwargs).reshape(())
+
+    return loss
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -1129,6 +1278,8 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
     nn_ops = torch._C._nn
     return replaced([
         (nn_ops, "adaptive_avg_pool2d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool2d, 2)),
+        *((owner, f"conv{d}d", _same_padding_conv(getattr(torch, f"conv{d}d"), d)) for d in (1, 2, 3)
+          for owner in (torch, F)),
         *((owner, f"avg_pool{d}d", _batched(_divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d), d + 1))
           for d in (2, 3) for owner in (nn_ops, F)),
         *((owner, "avg_pool1d", _batched(torch.avg_pool1d, 2)) for owner in (torch, F)),
@@ -1152,14 +1303,17 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
           for name in names),
         (nn_ops, "_upsample_bilinear2d_aa", _antialiased(nn_ops._upsample_bilinear2d_aa, 2, _bilinear_filter)),
         (nn_ops, "_upsample_bicubic2d_aa", _antialiased(nn_ops._upsample_bicubic2d_aa, 4, _bicubic_filter)),
+        *((nn_ops, name, _float64_linear(getattr(nn_ops, name), d))
+          for d, name in enumerate(("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"), 1)),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity), (nn_ops, "col2im", _col2im),
+        *((owner, "pdist", _pdist) for owner in (torch, F)),
         *((owner, name, fn) for fn, names in ((_lgamma, ("lgamma", "gammaln")), (_digamma, ("digamma", "psi")))
           for owner in (torch, torch.Tensor, torch.special) for name in names if hasattr(owner, name)),
         (F, "embedding", _embedding(F.embedding)),
         *((owner, "normalize", _normalize(F.normalize)) for owner in (F, spectral_norm_module)),
         (torch, "layer_norm", _layer_norm(torch.layer_norm)),
         (torch, "std", _std), (torch.Tensor, "std", _std), (torch, "std_mean", _std_mean),
-        (F, "cosine_similarity", _cosine_similarity),
+        (F, "cosine_similarity", _cosine_similarity), (F, "gaussian_nll_loss", _gaussian_nll_loss(F.gaussian_nll_loss)),
         (nn_ops, "log_sigmoid", _log_sigmoid), (F, "logsigmoid", _log_sigmoid),
         *((owner, "softplus", _softplus(nn_ops.softplus)) for owner in (nn_ops, F)),
         (torch, "scatter_reduce", _scatter_reduce(torch.scatter_reduce)),
@@ -1167,6 +1321,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch.Tensor, "scatter_reduce_", _scatter_reduce(torch.Tensor.scatter_reduce_, in_place=True)),
         *((F, f"max_unpool{d}d", _max_unpool(d)) for d in (1, 2, 3)),
         (F, "scaled_dot_product_attention", _attention(F.scaled_dot_product_attention)),
+        *((F, name, _unbatched_loss(getattr(F, name))) for name in ("cross_entropy", "nll_loss")),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         *((owner, name, _atan2) for owner in (torch, torch.Tensor) for name in ("atan2", "arctan2")),
@@ -1190,4 +1345,4 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
-        (F, "instance_norm", _instance_norm(F.instance_norm))])
+        (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))])

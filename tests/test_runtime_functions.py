@@ -133,16 +133,20 @@ class Pair(nn.Module):
         super().__init__()
         self.proj = nn.Linear(6, 8)
         self.norm = nn.RMSNorm(8) if layer == "rms" else nn.RMSNorm([4, 8], eps=1e-3) if layer == "rms2" else None
-        self.bilinear = nn.Bilinear(8, 8, 8) if layer == "bilinear" else None
+        self.bilinear = None if self.norm is not None else nn.Bilinear(*(8, 8) if layer == "bilinear" else (4, 4), 8)
         self.head = nn.Linear(8, 3)
+        self.layer = layer
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.proj(x))
-        h = self.norm(h) if self.norm is not None else self.bilinear(h, h.flip(1))
+        if self.norm is not None:
+            h = self.norm(h)
+        else:  # "halves": two slices of one tensor, whose sizes the exported graph names apart
+            h = self.bilinear(h, h.flip(1)) if self.layer == "bilinear" else self.bilinear(h[..., :4], h[..., 4:])
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
-@pytest.mark.parametrize("layer", ["rms", "rms2", "bilinear"])
+@pytest.mark.parametrize("layer", ["rms", "rms2", "bilinear", "bilinear halves"])
 def test_token_layer_trains_like_torch(layer: str) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(5, 4, 6, generator=g), torch.randint(0, 3, (5, 4), generator=g)) for _ in range(3)]
@@ -652,13 +656,14 @@ def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
     _trains_under_the_legacy_exporter(lambda: Projected(diagonals), rows=4)
 
 
-def _as_torch(make: Callable[[], nn.Module], inputs: Sequence[torch.Tensor], **tolerance: float) -> ORTModule:
+def _as_torch(make: Callable[[], nn.Module], inputs: Sequence[torch.Tensor], exporter: str = "torchscript",
+              **tolerance: float) -> ORTModule:
     """Each input through one ORTModule of `make()` and through a copy in torch: outputs, and the parameters'
     gradients of a weighted sum of them, as torch's (NaN where torch's are, nowhere else; a gradient's absolute
-    tolerance scaled by its largest element); then no ExportWarning (the module kept the legacy exporter, and no
+    tolerance scaled by its largest element); then no ExportWarning (the module kept its exporter, and no
     traced value was baked in). Returns the ORTModule."""
     ref = make()
-    om = ORTModule(copy.deepcopy(ref))
+    om = ORTModule(copy.deepcopy(ref), exporter=exporter)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
         for x in inputs:
@@ -921,3 +926,135 @@ def test_divided_ceil_mode_pool_follows_every_size_from_one_export() -> None:
     om = _as_torch(DividedCeilPool, [torch.randn(3, 2, h, w, generator=g) for h, w in sizes],
                    **TOLERANCE[torch.float32])
     assert om.stats["exports"] == 1, om.stats
+
+
+class DilatedSame(nn.Module):
+    """A convolution padded "same" with a dilation (WaveNet's, TCN's), its total padding odd on some axes (an even
+    kernel, or an even dilation), which torch puts the extra of after, and a scale before it."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        self.conv = conv(2, 3, (4, 3, 2)[:dims], padding="same", dilation=(3, 2, 1)[:dims])
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2).view(2, *[1] * dims))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x * self.w)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_dilated_same_padding_convolutions_train_like_torch(dims: int) -> None:
+    """The exporter wrote padding="same" as auto_pad with dilations, which onnxruntime refused at the first run
+    ("Dilation not supported for AutoPadType::SAME_UPPER"): torch's pads instead, its values and gradients at
+    every size from one export."""
+    g = torch.Generator().manual_seed(dims)
+    sizes = [(7, 9, 5), (8, 6, 4)]
+    om = _as_torch(lambda: DilatedSame(dims), [torch.randn(2, 2, *size[:dims], generator=g) for size in sizes],
+                   **TOLERANCE[torch.float32])
+    assert om.stats["exports"] == 1, om.stats
+
+
+class Floored(nn.Module):
+    """Values torch clamps to eps in place under no_grad, from a Linear of the batch and a scale the batch gives
+    (above eps at the first step, below it for some rows at the next ones): a Gaussian NLL's variance (one a
+    target, or one shared by a row's targets) and the norms of cosine similarity's inputs."""
+
+    def __init__(self, dtype: torch.dtype, case: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3 if case == "shared variance" else 4, dtype=dtype)
+        self.case = case
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.case == "cosine":
+            return nn.CosineSimilarity(eps=0.3)(h[:, :2] * scale, h[:, 2:]).sum()
+        return nn.GaussianNLLLoss(full=True, eps=0.05)(h[:, :2], y, h[:, 2:] ** 2 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["variance", "shared variance", "cosine"])
+def test_values_clamped_under_no_grad_keep_their_gradient(dtype: torch.dtype, case: str) -> None:
+    """torch clamps gaussian_nll_loss's variance and cosine_similarity's norms in place under no_grad, so the
+    gradient reaches the clamped entries as if unclamped; the exported Clip (and clamp_min) passed none there,
+    silently from the first step that had values below eps."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g, dtype=dtype), torch.randn(8, 2, generator=g, dtype=dtype),
+                torch.full((1,), scale, dtype=dtype)) for scale in (10.0, 0.1, 0.1)]
+    check_parity(lambda: Floored(dtype, case), batches, lambda m, b: m(*b), sgd, rtol=TOLERANCE[dtype]["rtol"])
+
+
+class PairDistances(nn.Module):
+    """torch.pdist of scaled rows, two of them equal (a zero distance), at several orders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([x, x[:1]]) * self.w
+        return torch.cat([F.pdist(h), torch.pdist(h, 1), F.pdist(h, 3), F.pdist(h, 0.5), F.pdist(h, math.inf)])
+
+
+def test_pdist_follows_the_row_count_from_one_export() -> None:
+    """Neither exporter has pdist: the norms of the differences over the pairs i < j, picked by a mask of the
+    run-time row count; torch's values, and its zero gradient at a zero distance, at every row count."""
+    g = torch.Generator().manual_seed(0)
+    om = _as_torch(PairDistances, [torch.randn(n, 3, generator=g, dtype=torch.float64) for n in (4, 6, 1)],
+                   **TOLERANCE[torch.float64])
+    assert om.stats["exports"] == 1, om.stats
+
+
+def test_float64_group_and_instance_norms_train_like_torch() -> None:
+    """The exporters write group norm and instance norm without running statistics as InstanceNormalization, which
+    onnxruntime runs in float32 only (the module was refused at its session's load): written out in float64, one
+    group and three, with and without the per-channel affine, unbatched instance norm too."""
+    def norms(h: torch.Tensor) -> list[torch.Tensor]:
+        scale = torch.linspace(0.5, 1.5, 2, dtype=h.dtype)
+        return [F.group_norm(h.view(-1, 2, 3), 1), F.group_norm(h.view(-1, 6, 1, 1).repeat(1, 1, 2, 2), 3, eps=0.1),
+                F.instance_norm(h.view(-1, 2, 3), weight=scale, bias=-scale), nn.InstanceNorm1d(2)(h[0].view(2, 3))]
+
+    _trains_under_the_legacy_exporter(lambda: Projected(norms), rows=5)
+
+
+class Resampled(nn.Module):
+    """float64 linear resampling: 1-D by a factor, 2-D by a factor, to a size and with align_corners, 3-D by a
+    factor (1 along an axis of 1: torch's identity there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2, dtype=torch.float64).view(2, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.w
+        return torch.cat([F.interpolate(h.flatten(2), scale_factor=1.3, mode="linear").flatten(),
+                          F.interpolate(h, scale_factor=0.6, mode="bilinear").flatten(),
+                          F.interpolate(h, size=(5, 3), mode="bilinear", align_corners=True).flatten(),
+                          F.interpolate(h[:, :, None], scale_factor=(1, 1.5, 0.7), mode="trilinear").flatten()])
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float64_linear_interpolation_follows_every_size(exporter: str) -> None:
+    """onnxruntime has no double Resize (the legacy export was refused at its session's load) and dynamo's 1-D form
+    computed its weights in float32 (2e-7 off, silently): products with torch's weights per axis, in float64, at
+    every size (a square one first) from one legacy export."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 2, h, w, generator=g, dtype=torch.float64) for h, w in ((4, 4), (7, 5), (3, 8))]
+    om = _as_torch(Resampled, inputs if exporter == "torchscript" else inputs[:1], exporter,
+                   **TOLERANCE[torch.float64])
+    assert om.stats["exports"] == 1, om.stats
+
+
+def test_unbatched_cross_entropy_and_nll_train_like_torch() -> None:
+    """Losses of one sample ((C,) scores; a 0-d class, or (C,) probabilities), which torch takes: the exporters wrote
+    their loss ops on the 1-D scores, which onnxruntime refused at the session's load (LogSoftmax's axis); now
+    with a batch axis of 1 around them, every reduction, weights and label smoothing included (by a mean: float64
+    smoothing without one is 1e-9 off in `losses.py`, `label_smoothing / classes` of a traced size)."""
+    def unbatched(h: torch.Tensor) -> list[torch.Tensor]:
+        weight, target = torch.linspace(0.5, 1.5, 6, dtype=h.dtype), h[1].argmax()
+        return [F.cross_entropy(h[0], target), nn.CrossEntropyLoss()(h[4], target),
+                F.cross_entropy(h[0], target, weight=weight, label_smoothing=0.2),
+                F.cross_entropy(h[0], h[2].softmax(0), reduction="sum"),
+                F.cross_entropy(h[3], target, reduction="none"),
+                F.nll_loss(h[3].log_softmax(0), target, weight=weight, reduction="none")]
+
+    _trains_under_the_legacy_exporter(lambda: Projected(unbatched), rows=5)
