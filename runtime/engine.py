@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import os
 import threading
 import warnings
@@ -83,7 +84,13 @@ def memory_pattern_pays(module: nn.Module) -> bool:
     (0.96-1.02 of the step without); earlier measured level on the AVX-512 machine. Large models keep it off:
     the plan holds more than a run needs at once (GPT-2-width with 4 layers: a backward's peak 614 MB above its
     start with it, 451 without)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters()) <= MEM_PATTERN_MAX_BYTES
+    return sum(p.numel() * p.element_size() for p in module.parameters()
+               if not isinstance(p, nn.parameter.UninitializedParameter)) <= MEM_PATTERN_MAX_BYTES
+
+
+def _uninitialized(module: nn.Module) -> bool:
+    return any(isinstance(t, nn.parameter.UninitializedTensorMixin)
+               for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 class _Small(NamedTuple):
@@ -302,6 +309,8 @@ class Engine:
         """The argument specs exported, by the spec without its Python numbers (`_new_argument_values`)."""
         self._warned_autocast = False
         self._warned_transforms = False
+        self._lazy = _uninitialized(module)
+        """Lazy modules' parameters not yet sized (nn.LazyLinear): calls run in torch until its first sizes them."""
         self.per_size = False
         """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
         self.scalar_exports = 0
@@ -332,6 +341,10 @@ class Engine:
                               "and forward-mode AD (dual tensors) in PyTorch: onnxruntime cannot compute on their "
                               "wrapped tensors or carry tangents.", FallbackWarning, stacklevel=5)
             return self.module(*args, **kwargs)
+        if self._lazy:
+            self._lazy = _uninitialized(self.module)
+            if self._lazy:  # the call sizes them, as torch's first: then exported from the next
+                return self.module(*args, **kwargs)
         if self._watch.changed():  # a hook, submodule, parameter or buffer added, removed or replaced
             self.invalidate()
         if torch.is_autocast_enabled("cpu") and not self._warned_autocast:

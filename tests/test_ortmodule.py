@@ -1707,6 +1707,22 @@ def test_gradients_read_on_outputs_other_outputs_depend_on_are_refused() -> None
     torch.testing.assert_close(logits.grad, 2 * logits.detach())
 
 
+def test_lazy_modules_train_like_torch() -> None:
+    """nn.LazyLinear's parameters are sized by its first call: ORTModule(lazy) failed at construction (reading their
+    sizes). The first call runs in torch, as it must to size them; the next are exported."""
+    torch.manual_seed(0)
+    om = ORTModule(nn.Sequential(nn.LazyLinear(5), nn.ReLU(), nn.LazyLinear(2)))
+    x = torch.randn(4, 3)
+    om(x).sum().backward()
+    assert om.stats["exports"] == 0 and [tuple(p.shape) for p in om.parameters()] == [(5, 3), (5,), (2, 5), (2,)]
+    ref = copy.deepcopy(om.module)
+    for m in (om, ref):
+        m.zero_grad()
+        m(x).square().sum().backward()
+    assert_grads_equal(om, ref)
+    assert om.stats["exports"] == 1
+
+
 def test_calls_under_cached_parametrizations_train_like_torch() -> None:
     """`with parametrize.cached():` around a step (a parametrized weight computed once for two calls): the trace
     refused to run under it ("Cannot trace a model while caching parametrizations"); the export runs outside it."""
