@@ -13,6 +13,7 @@ modules in training mode are switched to training mode here as well.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -154,12 +155,15 @@ def stand_in_statistics(module: nn.Module) -> Iterator[dict[str, str]]:
     running buffers (constants of the export) and training mode, so they export as training-mode nodes.
     Yields {stand-in running_mean name: module name} for `training_batchnorm`."""
     patched = []
+    # without affine parameters, the module's floats' type (torch.zeros' float32 in a float64 module: "mixed dtype")
+    floats = next((t.dtype for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()),
+                  torch.get_default_dtype())
     for name, mod in module.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm) and batch_statistics_only(mod):
             patched.append((name, mod, mod.training, dict(mod._buffers)))
-            like = mod.weight if mod.weight is not None else torch.zeros(())
-            mod._buffers["running_mean"] = torch.zeros(mod.num_features, dtype=like.dtype)
-            mod._buffers["running_var"] = torch.ones(mod.num_features, dtype=like.dtype)
+            dtype = mod.weight.dtype if mod.weight is not None else floats
+            mod._buffers["running_mean"] = torch.zeros(mod.num_features, dtype=dtype)
+            mod._buffers["running_var"] = torch.ones(mod.num_features, dtype=dtype)
             mod.track_running_stats, mod.training = True, True
     try:
         yield {f"{name}.running_mean" if name else "running_mean": name for name, *_ in patched}

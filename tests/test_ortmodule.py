@@ -1828,6 +1828,17 @@ def test_batchnorm_without_running_stats(frozen: bool) -> None:
     assert om.stats["exports"] == 2, om.stats
 
 
+def test_batchnorm_without_affine_or_running_stats_in_float64() -> None:
+    """Its stand-in statistics were torch.zeros' float32 (no weight to take the type from): the float64 module's
+    export failed ("mixed dtype")."""
+    ref, om = pair(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False, track_running_stats=False),
+                                 nn.Tanh(), nn.Linear(4, 2)).double())
+    x = torch.randn(6, 3, dtype=torch.float64)
+    for m in (om, ref):
+        m(x).square().sum().backward()
+    assert_grads_equal(om, ref, rtol=1e-9, atol=1e-12)
+
+
 def test_batchnorm_on_one_value_per_channel_raises_as_torch() -> None:
     """A last batch of one in training: torch raises; the graph computed its unbiased variance as NaN (0 * n / (n -
     1)) and wrote it into the running variance, so every evaluation after it was NaN."""
