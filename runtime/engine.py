@@ -36,7 +36,7 @@ from . import checks, exchange, function, lowering, workload
 from .batchnorm import second_updates, update_running_stats
 from .edits import Watch
 from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
-from .forward_hooks import HookError, forget, recorded
+from .forward_hooks import HookChanged, HookError, forget, recorded
 from .function import partial_gradient, reads_its_gradient
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
@@ -470,17 +470,20 @@ class Engine:
         if call is not None and ex.internal:  # checked at backward: retain_grad() may come after the call
             call.watched = tuple([(ex.outputs[i], weakref.ref(user[i])) for i in ex.internal])
         if ex.hooks is not None:  # the user's forward hooks, on this call's values of what they received
-            k = len(user) - len(ex.hooks.names)
-            result, received = unflatten(ex.out_spec, user[:k]), user[k:]
+            result = unflatten(ex.out_spec, user[:len(user) - len(ex.hooks.names)])
             try:
-                ex.hooks(received)
-                read = next((k + i for i, t in enumerate(received) if k + i in ex.internal and reads_its_gradient(t)),
-                            None)
+                ex.hooks(user)
+                read = next((i for i in ex.hooks.received if i in ex.internal and reads_its_gradient(user[i])), None)
                 if read is not None:  # a hook registered on a hooked tensor (Grad-CAM): refused before its backward
                     raise HookError(partial_gradient(ex.outputs[read]))
             except HookError as e:
                 self._refuse(key, e, "run of its forward hooks")
                 return self.module(*args, **kwargs)
+            except HookChanged as e:  # what it returns depends on state outside the module: exported again
+                warnings.warn(f"ORTModule({self.name}): {e}, so the module is exported again.", ExportWarning,
+                              stacklevel=3)
+                self.invalidate()
+                return self(args, kwargs)
             return result
         return unflatten(ex.out_spec, user)
 
@@ -604,6 +607,8 @@ class Engine:
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:
+            if e.in_forward and e.__cause__ is not None:  # the forward (or its hooks) raises on this call, as torch's
+                raise e.__cause__ from None
             exported = self._other_exporter(e, in_spec, leaves)
             if exported is None:
                 return self._refuse(key, e, "export", held=False)
@@ -641,7 +646,8 @@ class Engine:
             out = torch.func.functional_call(self.module, tensors, *as_called(bound),
                                              strict=False)
         differentiated = [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]
-        outputs = [*flatten(out)[0], *hooks.tensors]
+        result = flatten(out)[0]
+        outputs = [*result, *hooks.replay(result)[1]]  # as the graph's: the result's, then what hooks received
         # the hooks ran at the call already
         forget([*hooks.tensors, *hooks.made], [outputs, hooks.tensors, hooks.made, aliases, differentiated, leaves],
                [*leaves, *named.values(), *tensors.values()])

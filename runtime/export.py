@@ -233,8 +233,8 @@ class _Flat(nn.Module):
                 self._result["raised"] = e  # the forward's own error, which torch's call raises too
                 raise
         flat, self._result["spec"] = flatten(out)
-        flat += hooks.tensors  # as they are at the end of the forward, as torch's hooks hold them by then
-        self._result["hooks"] = hooks.replay()
+        self._result["hooks"], extra = hooks.replay(flat)
+        flat += extra  # as they are at the end of the forward, as torch's hooks hold them by then
         self._result.setdefault("hook_tensors", []).extend([*hooks.tensors, *hooks.made])
         if isinstance(reads, _PythonReads):
             self._result["python_reads"] = reads.read
@@ -718,7 +718,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     except Exception as e:
         error = ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
                             f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}")
-        error.in_forward = flat._result.get("raised") is e
+        error.in_forward = flat._result.get("raised") is e and not isinstance(e, ExportError)
         raise error from e
     finally:
         changed_parameters = flat._result.pop("changed_parameters", [])

@@ -78,37 +78,56 @@ def user_hooks(module: nn.Module, kinds: Sequence[str]) -> Iterator[tuple[str, n
 
 @dataclass(frozen=True)
 class HookCall:
-    """One call of a hook while exporting: `hook(module, *arguments)`, the arguments' tensors being
-    `start:stop` of the recorded tensors."""
+    """One call of a hook while exporting: `hook(module, *arguments)`, the arguments' tensors being the call's
+    outputs at `indices` (a tensor received twice, by two hooks or as the module's result too, is one output, as in
+    torch it is one tensor)."""
 
     hook: Callable[..., Any]
     module: nn.Module
     arguments: Spec
-    start: int
-    stop: int
+    indices: tuple[int, ...]
+    returned: bool
+    """Whether the export's run of the hook returned a value (which the graph then holds)."""
+    path: str
+    """The module's path in the ORTModule's module ('' for itself)."""
 
 
 @dataclass(frozen=True)
 class Replay:
-    """The hook calls of one export, to run again after each of its calls."""
+    """The hook calls of one export, to run again after each of its calls on the call's outputs."""
 
     calls: tuple[HookCall, ...]
     names: tuple[str, ...]
-    """A name per recorded tensor (`hooked.<module path>`), for the graph's extra outputs."""
+    """A name per extra graph output (`hooked.<module path>`): the received tensors that are not the result's."""
+
+    @functools.cached_property
+    def received(self) -> tuple[int, ...]:
+        return tuple(sorted({i for c in self.calls for i in c.indices}))
 
     def __call__(self, values: Sequence[torch.Tensor]) -> None:
-        versions = [t._version for t in values]
+        """Run the hooks on `values`, the call's outputs (the result's tensors, then the extra ones)."""
+        versions = [values[i]._version for i in self.received]
         for c in self.calls:
-            c.hook(c.module, *unflatten(c.arguments, values[c.start:c.stop]))
-        changed = [self.names[i] for i, (t, v) in enumerate(zip(values, versions)) if t._version != v]
+            returned = c.hook(c.module, *unflatten(c.arguments, [values[i] for i in c.indices]))
+            if (returned is not None) != c.returned:
+                raise HookChanged(f"a forward hook on {c.path or 'the module'} returned "
+                                  f"{'a value' if returned is not None else 'None'} where it returned "
+                                  f"{'a value' if c.returned else 'None'} while exporting")
+        changed = {i for i, v in zip(self.received, versions) if values[i]._version != v}
         if changed:  # the export's run of the hook changed it already: the graph's values hold the change
-            raise HookError(f"a forward hook changed a tensor it received in place ({changed[0]}), which the graph "
-                            "holds as changed already; run again on onnxruntime's values, it would change them "
-                            "twice. Return the changed value from the hook instead of changing it in place.")
+            path = next(c.path for c in self.calls if changed & set(c.indices))
+            raise HookError(f"a forward hook on {path or 'the module'} changed a tensor it received in place, which "
+                            "the graph holds as changed already; run again on onnxruntime's values, it would change "
+                            "them twice. Return the changed value from the hook instead of changing it in place.")
 
 
 class HookError(RuntimeError):
     """A forward hook does what its run again on onnxruntime's values cannot follow."""
+
+
+class HookChanged(RuntimeError):
+    """A forward hook returns a value where its export's run returned none, or none where it returned one (an
+    ablation switched on in its closure): the graph holds what it returned while exporting."""
 
 
 @dataclass
@@ -117,8 +136,10 @@ class Recorder:
 
     paths: dict[int, str]
     tensors: list[torch.Tensor] = field(default_factory=list)
-    calls: list[HookCall] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
+    """The tensors the hooks received, each once."""
+    calls: list[tuple[Callable[..., Any], nn.Module, Spec, tuple[int, ...], str]] = field(default_factory=list)
+    """(hook, module, arguments, positions in `tensors`, module path), per call."""
+    returned: list[bool] = field(default_factory=list)
     made: list[torch.Tensor] = field(default_factory=list)
     """The tensors the hooks computed (`output.detach()`, a statistic), which they may have stored too."""
     stored: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
@@ -132,11 +153,14 @@ class Recorder:
             if path is None:  # a global hook on torch's own modules (the exporter's subgraphs of a GRU's loop)
                 return hook(module, *arguments)
             leaves, spec = flatten(arguments)
-            start = len(self.tensors)
-            self.tensors.extend(leaves)
-            self.names.extend([f"hooked.{path}" if path else "hooked"] * len(leaves))
+            seen = {id(t): i for i, t in enumerate(self.tensors)}
+            for t in leaves:
+                if id(t) not in seen:
+                    seen[id(t)] = len(self.tensors)
+                    self.tensors.append(t)
             # the module as the user holds it: torch.export may run a copy of the module it traces
-            self.calls.append(HookCall(hook, owner if owner is not None else module, spec, start, len(self.tensors)))
+            self.calls.append((hook, owner if owner is not None else module, spec,
+                               tuple(seen[id(t)] for t in leaves), path))
             before = dict(vars(module))
             _running.depth += 1
             try:
@@ -144,14 +168,32 @@ class Recorder:
                     result = hook(module, *arguments)
             finally:
                 _running.depth -= 1
+            self.returned.append(result is not None)
             for k, v in vars(module).items():
                 if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v:
                     self.stored.setdefault((id(module), k), (module, k, before.get(k, _MISSING)))
             return result
         return recording
 
-    def replay(self) -> Replay | None:
-        return Replay(tuple(self.calls), tuple(self.names)) if self.calls else None
+    def replay(self, result: Sequence[torch.Tensor]) -> tuple[Replay | None, list[torch.Tensor]]:
+        """The replay of these calls on outputs `result` + the extra tensors it returns: the received tensors that
+        are not among the result's."""
+        if not self.calls:
+            return None, []
+        position = {id(t): i for i, t in enumerate(result)}
+        extra: list[torch.Tensor] = []
+        where: list[int] = []
+        names: list[str] = []
+        owner_path = {j: path for *_, indices, path in self.calls for j in indices}
+        for j, t in enumerate(self.tensors):
+            if id(t) not in position:
+                position[id(t)] = len(result) + len(extra)
+                extra.append(t)
+                names.append(f"hooked.{owner_path[j]}" if owner_path[j] else "hooked")
+            where.append(position[id(t)])
+        calls = tuple(HookCall(hook, module, spec, tuple(where[j] for j in indices), returned, path)
+                      for (hook, module, spec, indices, path), returned in zip(self.calls, self.returned))
+        return Replay(calls, tuple(names)), extra
 
 
 class _Running(threading.local):
@@ -181,18 +223,24 @@ class _Made(TorchFunctionMode):
 
 
 def forget(tensors: Sequence[torch.Tensor], ours: Iterable[object], kept: Iterable[torch.Tensor]) -> None:
-    """Take `tensors` (the export's, which its runs of the hooks received or made) out of the lists and deques
-    holding them but `ours`: a hook appending to a list, which the user clears before each call, would otherwise
-    hold the export's tensors besides the call's own (their autograd graph freed by then: "backward through the
-    graph a second time"). Dicts and attributes the hooks set are set again by the call's replay. `kept`: the
-    call's inputs, parameters and buffers, which the caller's own lists may hold."""
+    """Take `tensors` (the export's, which its runs of the hooks received or made), and the tuples holding them, out
+    of the lists and deques holding them but `ours`: a hook appending to a list, which the user clears before each
+    call, would otherwise hold the export's tensors besides the call's own (their autograd graph freed by then:
+    "backward through the graph a second time"). Dicts and attributes the hooks set are set again by the call's
+    replay. `kept`: the call's inputs, parameters and buffers, which the caller's own lists may hold."""
     kept_ids = {id(t) for t in kept}
     tensors = [t for t in tensors if id(t) not in kept_ids]
     if not tensors:
         return
     gone = {id(t) for t in tensors}
     skip = {id(x) for x in ours}
-    for holder in gc.get_referrers(*tensors):
+    holders = gc.get_referrers(*tensors)
+    pairs = [h for h in holders if type(h) is tuple]  # `feats.append((name, out))`: the tuples holding them too
+    gone.update(id(h) for h in pairs)
+    if pairs:
+        holders += gc.get_referrers(*pairs)
+    skip.update((id(holders), id(pairs)))
+    for holder in holders:
         if isinstance(holder, (list, collections.deque)) and id(holder) not in skip:
             kept = [x for x in holder if id(x) not in gone]
             if len(kept) != len(holder):

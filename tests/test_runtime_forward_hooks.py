@@ -33,12 +33,12 @@ class Hooked(nn.Module):
         return self.head(r[:, -1])
 
 
-def _hook_everything(model: nn.Module, store: dict[str, Any], seen: list[torch.Tensor]) -> None:
+def _hook_everything(model: nn.Module, store: dict[str, Any], seen: list[tuple[str, torch.Tensor]]) -> None:
     """Hooks as users write them: recording into a dict, a list, a module attribute; a pre-hook on the input; one
     with keyword arguments; one changing the output besides recording; a global one."""
     model.conv.register_forward_hook(lambda m, args, out: store.__setitem__("conv", out))
     model.conv.register_forward_pre_hook(lambda m, args: store.__setitem__("x", args[0]))
-    model.shared.register_forward_hook(lambda m, args, out: seen.append(out))
+    model.shared.register_forward_hook(lambda m, args, out: seen.append(("shared", out)))  # pairs, as feature lists
     model.head.register_forward_hook(lambda m, args, kwargs, out: store.__setitem__("head", (args[0], out)),
                                      with_kwargs=True)
     model.rnn.register_forward_hook(lambda m, args, out: store.__setitem__("state", out[1]))
@@ -54,16 +54,16 @@ def _hook_everything(model: nn.Module, store: dict[str, Any], seen: list[torch.T
     model.head.register_forward_hook(kept)
 
 
-def _loss(y: torch.Tensor, store: dict[str, Any], seen: list[torch.Tensor]) -> torch.Tensor:
+def _loss(y: torch.Tensor, store: dict[str, Any], seen: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return (y.square().sum() + store["conv"].square().mean() + store["x"].sin().sum() + store["head"][0].cos().sum()
-            + store["state"].sum() + store["a"].pow(2).sum() + sum(t.square().mean() for t in seen))
+            + store["state"].sum() + store["a"].pow(2).sum() + sum(t.square().mean() for _, t in seen))
 
 
 def _train(model: Hooked, exporter: str | None) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, list]]:
     """An evaluation call, then three training steps of `model` (through ORTModule with `exporter` unless None):
     what the hooks recorded, the input's and the parameters' gradients at each."""
     store: dict[str, Any] = {}
-    seen: list[torch.Tensor] = []
+    seen: list[tuple[str, torch.Tensor]] = []
     by_module: dict[str, torch.Tensor] = {}
     names = {m: n for n, m in model.named_modules()}
     handle = nn.modules.module.register_module_forward_hook(
@@ -84,7 +84,8 @@ def _train(model: Hooked, exporter: str | None) -> list[tuple[dict[str, torch.Te
                 y = run(x, scale=0.5)
                 _loss(y, store, seen).backward()
                 values = {"conv": store["conv"], "a": store["a"], "features": model.head.features,
-                          "shared": by_module["shared"], "head": by_module["head"], "seen": torch.stack(seen)}
+                          "shared": by_module["shared"], "head": by_module["head"],
+                          "seen": torch.stack([t for _, t in seen])}
                 results.append(({k: v.detach().clone() for k, v in values.items()}, x.grad.clone(),
                                 [p.grad.clone() for p in model.parameters()]))
                 opt.step()
@@ -117,7 +118,8 @@ def test_forward_hooks_whose_tensors_cannot_be_followed_are_refused() -> None:
     torch.manual_seed(0)
     model = Hooked()
     ref = copy.deepcopy(model)
-    for m in (model, ref):
+    for m in (model, ref):  # as pytorch-grad-cam: the activation kept by one hook, its gradient by another
+        m.conv.register_forward_hook(lambda mod, args, out: grads.__setitem__("activation", out))
         m.conv.register_forward_hook(grad_cam)
     x = torch.randn(2, 1, 4, 4)
     with pytest.raises(ORTModuleError, match=r"gradient hook or retain_grad\(\) is on hooked.conv"), \
@@ -147,3 +149,45 @@ def test_forward_hooks_whose_tensors_cannot_be_followed_are_refused() -> None:
     model.a.register_forward_hook(clamped)
     with pytest.raises(ORTModuleError, match="changed a tensor it received in place"):
         ORTModule(model)(x)
+
+
+def test_a_forward_hook_returning_a_value_where_it_did_not_exports_again() -> None:
+    """An ablation switched on in the hook's closure after the export: the graph held the export's None (the replay
+    drops what hooks return), so the ablation never took effect. The replay sees the change and exports again."""
+    switch = {"on": False}
+
+    def ablated(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        return out * 0 if switch["on"] else None
+
+    torch.manual_seed(0)
+    model = Hooked()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.a.register_forward_hook(ablated)
+    om, x = ORTModule(model), torch.randn(2, 1, 4, 4)
+    for _ in range(2):  # the export, and the second call's (exported again, the same graph)
+        torch.testing.assert_close(om(x), ref(x))
+    switch["on"] = True
+    with pytest.warns(ExportWarning, match=r"a forward hook on a returned a value where it returned None"):
+        got = om(x)
+    torch.testing.assert_close(got, ref(x))
+    torch.testing.assert_close(om(x), ref(x))
+
+
+def test_an_error_the_forward_raises_at_its_export_is_torch_s() -> None:
+    """A pre-hook refusing a batch (an input-range check) at the call that exports: torch raises its ValueError for
+    that batch only, and a training loop catching it goes on. The export wrapped it as a failed export: the error
+    is now the forward's own, and the next call exports."""
+    def in_range(m: nn.Module, args: tuple) -> None:
+        if args[0].abs().max() > 10:
+            raise ValueError("input out of range")
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model.register_forward_pre_hook(in_range)
+    om = ORTModule(model)
+    with pytest.raises(ValueError, match="input out of range"):
+        om(torch.full((3, 4), 100.0))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(om(x), model(x))
+    with pytest.raises(ValueError, match="input out of range"):  # run again at each call, on onnxruntime's values
+        om(torch.full((3, 4), 100.0))
