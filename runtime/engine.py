@@ -275,6 +275,10 @@ def _same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
                     for x, y in zip(a.graph.initializer, b.graph.initializer)))
 
 
+def _hook_calls(exported: Exported) -> list[tuple[int, int]]:
+    return [(id(c.registry), c.hid) for c in exported.hooks.calls] if exported.hooks is not None else []
+
+
 def _is_parameter(holder: nn.Module, attr: str) -> bool:
     return attr in holder._parameters
 
@@ -748,6 +752,12 @@ class Engine:
             return _FALLBACK
         if _same_graph(exported.model, schema.exported.model):
             return schema
+        if _hook_calls(exported) != _hook_calls(schema.exported):  # a hook removed (by itself) or added while exporting
+            self.stats["exports"] += 1
+            self.schemas[key] = fresh = self._schema(exported)
+            fresh.values_checked = True
+            fresh.sizes_seen.update(schema.sizes_seen)
+            return fresh
         self._refuse(key, ExportError(
             "exported again at its second call, the module gives another graph: its trace kept values of the first "
             "call as constants (a Python branch on a tensor's value, a number read from a tensor or kept in a "

@@ -90,6 +90,9 @@ class HookCall:
     """Whether the export's run of the hook returned a value (which the graph then holds)."""
     path: str
     """The module's path in the ORTModule's module ('' for itself)."""
+    registry: dict[int, Any]
+    hid: int
+    """Where the hook is registered: a hook removed since (by itself, as a one-shot hook does) is not run again."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class Replay:
     names: tuple[str, ...]
     """A name per extra graph output (`hooked.<module path>`): the received tensors that are not the result's."""
 
+    ran: list[bool] = field(default_factory=lambda: [False])
+    """Whether the exporting call's replay ran: it runs every hook its call met, one that removed itself since too."""
+
     @functools.cached_property
     def received(self) -> tuple[int, ...]:
         return tuple(sorted({i for c in self.calls for i in c.indices}))
@@ -107,7 +113,10 @@ class Replay:
     def __call__(self, values: Sequence[torch.Tensor]) -> None:
         """Run the hooks on `values`, the call's outputs (the result's tensors, then the extra ones)."""
         versions = [values[i]._version for i in self.received]
+        first, self.ran[0] = not self.ran[0], True
         for c in self.calls:
+            if not first and c.hid not in c.registry:
+                continue
             returned = c.hook(c.module, *unflatten(c.arguments, [values[i] for i in c.indices]))
             if (returned is not None) != c.returned:
                 raise HookChanged(f"a forward hook on {c.path or 'the module'} returned "
@@ -137,8 +146,9 @@ class Recorder:
     paths: dict[int, str]
     tensors: list[torch.Tensor] = field(default_factory=list)
     """The tensors the hooks received, each once."""
-    calls: list[tuple[Callable[..., Any], nn.Module, Spec, tuple[int, ...], str]] = field(default_factory=list)
-    """(hook, module, arguments, positions in `tensors`, module path), per call."""
+    calls: list[tuple[Callable[..., Any], nn.Module, Spec, tuple[int, ...], str, dict[int, Any], int]] = field(
+        default_factory=list)
+    """(hook, module, arguments, positions in `tensors`, module path, hook dict, handle id), per call."""
     returned: list[bool] = field(default_factory=list)
     made: list[torch.Tensor] = field(default_factory=list)
     """The tensors the hooks computed (`output.detach()`, a statistic), which they may have stored too."""
@@ -147,7 +157,8 @@ class Recorder:
     put back after the run (dynamo fails on a module holding its fake tensors; the legacy exporter's would be taken
     for state kept from call to call), as each call's replay sets them."""
 
-    def wrapped(self, hook: Callable[..., Any], owner: nn.Module | None) -> Callable[..., Any]:
+    def wrapped(self, hook: Callable[..., Any], owner: nn.Module | None, registry: dict[int, Any], hid: int
+                ) -> Callable[..., Any]:
         def recording(module: nn.Module, *arguments: Any) -> Any:
             path = self.paths.get(id(owner if owner is not None else module))
             if path is None:  # a global hook on torch's own modules (the exporter's subgraphs of a GRU's loop)
@@ -160,7 +171,7 @@ class Recorder:
                     self.tensors.append(t)
             # the module as the user holds it: torch.export may run a copy of the module it traces
             self.calls.append((hook, owner if owner is not None else module, spec,
-                               tuple(seen[id(t)] for t in leaves), path))
+                               tuple(seen[id(t)] for t in leaves), path, registry, hid))
             before = dict(vars(module))
             _running.depth += 1
             try:
@@ -184,15 +195,16 @@ class Recorder:
         extra: list[torch.Tensor] = []
         where: list[int] = []
         names: list[str] = []
-        owner_path = {j: path for *_, indices, path in self.calls for j in indices}
+        owner_path = {j: path for _, _, _, indices, path, _, _ in self.calls for j in indices}
         for j, t in enumerate(self.tensors):
             if id(t) not in position:
                 position[id(t)] = len(result) + len(extra)
                 extra.append(t)
                 names.append(f"hooked.{owner_path[j]}" if owner_path[j] else "hooked")
             where.append(position[id(t)])
-        calls = tuple(HookCall(hook, module, spec, tuple(where[j] for j in indices), returned, path)
-                      for (hook, module, spec, indices, path), returned in zip(self.calls, self.returned))
+        calls = tuple(HookCall(hook, module, spec, tuple(where[j] for j in indices), returned, path, registry, hid)
+                      for (hook, module, spec, indices, path, registry, hid), returned
+                      in zip(self.calls, self.returned))
         return Replay(calls, tuple(names)), extra
 
 
@@ -258,7 +270,7 @@ def recorded(module: nn.Module) -> Iterator[Recorder]:
     recorder = Recorder({id(m): name for name, m in module.named_modules()})
     swapped = [(hooks, hid, hooks[hid], owner) for _, owner, hooks, hid in user_hooks(module, FORWARD_HOOKS)]
     for hooks, hid, hook, owner in swapped:
-        hooks[hid] = recorder.wrapped(hook, owner)
+        hooks[hid] = recorder.wrapped(hook, owner, hooks, hid)
     try:
         yield recorder
     finally:

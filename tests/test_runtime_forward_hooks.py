@@ -191,3 +191,26 @@ def test_an_error_the_forward_raises_at_its_export_is_torch_s() -> None:
     torch.testing.assert_close(om(x), model(x))
     with pytest.raises(ValueError, match="input out of range"):  # run again at each call, on onnxruntime's values
         om(torch.full((3, 4), 100.0))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_hook_removing_itself_runs_once(exporter: str) -> None:
+    """A one-shot hook (log a shape, then remove its handle) removed itself during the export: the second call's
+    re-export lacked its output and was refused as a trace keeping values, and the replay would have run it at every
+    call. It runs at the call that met it, as torch's, and the module is exported again without it."""
+    def run(wrap: bool) -> list:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        shapes: list = []
+
+        def once(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            shapes.append(tuple(out.shape))
+            handle.remove()
+
+        handle = net[0].register_forward_hook(once)
+        model = ORTModule(net, exporter=exporter) if wrap else net
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+        return shapes
+
+    assert run(True) == run(False) == [(3, 8)]
