@@ -268,11 +268,19 @@ and an export costs 0.1-0.3 s (a 2-layer encoder, a 4-layer GPT-2)."""
 
 
 def _same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
-    """The same nodes (attributes and subgraphs included) and initializers, whatever the declared sizes."""
+    """The same nodes (attributes and subgraphs included) and initializers, and outputs of the same ranks, whatever
+    the declared sizes (a squeeze() without a dim of a (batch, 1) output: rank 0 at a batch of 1, whose backward
+    takes a gradient of that rank)."""
     return (len(a.graph.node) == len(b.graph.node) and len(a.graph.initializer) == len(b.graph.initializer)
+            and _output_ranks(a) == _output_ranks(b)
             and all(x.SerializeToString() == y.SerializeToString() for x, y in zip(a.graph.node, b.graph.node))
             and all(x.SerializeToString() == y.SerializeToString()
                     for x, y in zip(a.graph.initializer, b.graph.initializer)))
+
+
+def _output_ranks(model: onnx.ModelProto) -> list[int | None]:
+    return [len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape") else None
+            for o in model.graph.output]
 
 
 def _hook_calls(exported: Exported) -> list[tuple[int, int]]:

@@ -255,6 +255,23 @@ def test_the_batch_the_trace_turned_into_a_number_gets_an_export_each() -> None:
     assert om.stats["exports"] == 3
 
 
+def test_a_squeezed_output_of_a_batch_of_one_trains() -> None:
+    """`fc(x).squeeze()` of a (batch, 1) output is 0-d at a batch of one: the same nodes as at a batch of 8, but an
+    output of another rank, whose backward reused the one built for rank 1 ("Invalid rank for input")."""
+    class Score(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).squeeze()
+
+    model = Score(4, 1)
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    for batch in (8, 8, 1, 5):
+        x = torch.randn(batch, 4)
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        torch.testing.assert_close(om.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-6, msg=f"at {batch}")
+
+
 def test_a_mean_over_the_batch_exports_once_for_every_batch() -> None:
     """A module computing with run-time sizes only: each new batch is exported again and compared, the one export
     serves them all."""
