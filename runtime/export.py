@@ -231,6 +231,7 @@ class _Flat(nn.Module):
                 out = self._target(*args, **kwargs)
             except Exception as e:
                 self._result["raised"] = e  # the forward's own error, which torch's call raises too
+                self._result["hook_failed"] = hooks.failed
                 raise
         flat, self._result["spec"] = flatten(out)
         self._result["hooks"], extra = hooks.replay(flat)
@@ -716,7 +717,11 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         hooked = flat._result.pop("hook_tensors", [])
         forget(hooked, [hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()])
     except Exception as e:
-        error = ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: "
+        hook = flat._result.get("hook_failed")
+        cause = (f"a forward hook on {hook} failed while exporting, run on the export's tensors (dynamo's are fake: "
+                 "it cannot read their values, as .item(), float() or a branch on them do; the legacy exporter "
+                 "runs hooks on real ones). " if hook else "")
+        error = ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: {cause}"
                             f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}")
         error.in_forward = flat._result.get("raised") is e and not isinstance(e, ExportError)
         raise error from e

@@ -152,6 +152,8 @@ class Recorder:
     returned: list[bool] = field(default_factory=list)
     made: list[torch.Tensor] = field(default_factory=list)
     """The tensors the hooks computed (`output.detach()`, a statistic), which they may have stored too."""
+    failed: str = ""
+    """The path of the module whose hook raised."""
     stored: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
     """Tensor attributes of hooked modules that the hooks set (`module.features = output`), with their values before:
     put back after the run (dynamo fails on a module holding its fake tensors; the legacy exporter's would be taken
@@ -177,6 +179,9 @@ class Recorder:
             try:
                 with _Made(self.made):
                     result = hook(module, *arguments)
+            except Exception:
+                self.failed = self.failed or (path or "the module")
+                raise
             finally:
                 _running.depth -= 1
             self.returned.append(result is not None)

@@ -214,3 +214,16 @@ def test_a_hook_removing_itself_runs_once(exporter: str) -> None:
         return shapes
 
     assert run(True) == run(False) == [(3, 8)]
+
+
+def test_a_hook_failing_on_dynamo_s_fake_tensors_is_named() -> None:
+    """A hook branching on its tensor's values runs on dynamo's fake tensors while exporting, and fails there: the
+    export's error named neither the hook nor why."""
+    def guarded(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if out.abs().max() > 10:
+            raise ValueError("activations out of range")
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].register_forward_hook(guarded)
+    with pytest.raises(ORTModuleError, match=r"a forward hook on 0 failed while exporting.*dynamo's are fake"):
+        ORTModule(model, exporter="dynamo")(torch.randn(3, 4))
