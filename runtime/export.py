@@ -236,7 +236,7 @@ class _Flat(nn.Module):
         flat, self._result["spec"] = flatten(out)
         self._result["hooks"], extra = hooks.replay(flat)
         flat += extra  # as they are at the end of the forward, as torch's hooks hold them by then
-        self._result.setdefault("hook_tensors", []).extend([*hooks.tensors, *hooks.made])
+        self._result.setdefault("hook_runs", []).append([*hooks.tensors, *hooks.made])
         if isinstance(reads, _PythonReads):
             self._result["python_reads"] = reads.read
             self._result["returned_numbers"] = reads.returned(self._result["spec"])
@@ -714,8 +714,12 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
             inputs_changed = changed_inputs()
             # tensors that exist only while exporting (stand-in statistics) are constants of the export
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
-        hooked = flat._result.pop("hook_tensors", [])
-        forget(hooked, [hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()])
+        runs = flat._result.pop("hook_runs", [])
+        hooked = [t for run in runs for t in run]
+        # dynamo's second run is on fake tensors: those a hook left in a dict become the torch run's, at the same place
+        real = dict(zip(map(id, runs[-1]), runs[0])) if len(runs) > 1 and len(runs[0]) == len(runs[-1]) else {}
+        forget(hooked, [runs, hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()],
+               real)
     except Exception as e:
         hook = flat._result.get("hook_failed")
         cause = (f"a forward hook on {hook} failed while exporting, run on the export's tensors (dynamo's are fake: "

@@ -227,3 +227,22 @@ def test_a_hook_failing_on_dynamo_s_fake_tensors_is_named() -> None:
     model[0].register_forward_hook(guarded)
     with pytest.raises(ORTModuleError, match=r"a forward hook on 0 failed while exporting.*dynamo's are fake"):
         ORTModule(model, exporter="dynamo")(torch.randn(3, 4))
+
+
+def test_a_statistic_a_hook_rebinds_is_no_fake_tensor_under_dynamo() -> None:
+    """`st["dead"] = st["dead"] + ...` ran on dynamo's fake tensors while exporting: the dict kept a FakeTensor,
+    which every replay built on (no values; `.tolist()` failed). It holds the torch run's tensor instead, and each
+    later call adds torch's count (the export's runs count too, as for any statistic a hook keeps)."""
+    st = {"dead": torch.zeros(8)}
+
+    def count(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        st["dead"] = st["dead"] + (out <= 0).float().sum(0)
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[1].register_forward_hook(count)
+    om, x = ORTModule(model, exporter="dynamo"), torch.randn(5, 4)
+    om(x)
+    assert type(st["dead"]) is torch.Tensor
+    before = st["dead"].clone()
+    om(x)
+    torch.testing.assert_close(st["dead"] - before, (model[:2](x) <= 0).float().sum(0))
