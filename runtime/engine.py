@@ -619,8 +619,6 @@ class Engine:
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:
-            if e.in_forward and e.__cause__ is not None:  # the forward (or its hooks) raises on this call, as torch's
-                raise e.__cause__ from None
             exported = self._other_exporter(e, in_spec, leaves)
             if exported is None:
                 return self._refuse(key, e, "export", held=False)
@@ -709,8 +707,6 @@ class Engine:
         try:
             exported = export(self.module, self.signature, in_spec, leaves, self.options.export)
         except ExportError as e:
-            if e.in_forward and e.__cause__ is not None:  # the module raises at these sizes, as in torch
-                raise e.__cause__ from None
             return self._fail(e, f"export at new input sizes {list(sizes)}")
         if not dynamo and _same_graph(exported.model, schema.exported.model):
             schema.sizes_seen.add(sizes)

@@ -67,11 +67,8 @@ DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
 
 
 class ExportError(RuntimeError):
-    """torch could not export the module, or the export is unusable for training."""
-
-    in_forward = False
-    """Raised by the module's forward itself, run by the export on the call's inputs (`__cause__`): torch's own
-    call raises it too (BatchNorm given one value per channel in training)."""
+    """torch could not export the module, or the export is unusable for training. (An error the module's forward
+    itself raises on the call's inputs is raised as it is: torch's own call raises it too.)"""
 
 
 class ExportWarning(UserWarning):
@@ -721,14 +718,14 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         forget(hooked, [runs, hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()],
                real)
     except Exception as e:
+        if flat._result.get("raised") is e and not isinstance(e, ExportError):
+            raise  # the forward's own error (or its hooks'), on the call's inputs: torch's call raises it too
         hook = flat._result.get("hook_failed")
         cause = (f"a forward hook on {hook} failed while exporting, run on the export's tensors (dynamo's are fake: "
                  "it cannot read their values, as .item(), float() or a branch on them do; the legacy exporter "
                  "runs hooks on real ones). " if hook else "")
-        error = ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: {cause}"
-                            f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}")
-        error.in_forward = flat._result.get("raised") is e and not isinstance(e, ExportError)
-        raise error from e
+        raise ExportError(f"torch.onnx.export ({options.exporter}) failed for {type(module).__name__}: {cause}"
+                          f"{_known_cause(module, options.exporter, e)}{type(e).__name__}: {e}") from e
     finally:
         changed_parameters = flat._result.pop("changed_parameters", [])
         with torch.no_grad():  # changed by the trace's run: the graph's run changes them, once, as torch's call

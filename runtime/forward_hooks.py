@@ -34,7 +34,7 @@ import gc
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ class HookCall:
     """Where the hook is registered: a hook removed since (by itself, as a one-shot hook does) is not run again."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Replay:
     """The hook calls of one export, to run again after each of its calls on the call's outputs."""
 
@@ -103,7 +103,7 @@ class Replay:
     names: tuple[str, ...]
     """A name per extra graph output (`hooked.<module path>`): the received tensors that are not the result's."""
 
-    ran: list[bool] = field(default_factory=lambda: [False])
+    ran: bool = False
     """Whether the exporting call's replay ran: it runs every hook its call met, one that removed itself since too."""
 
     @functools.cached_property
@@ -113,7 +113,7 @@ class Replay:
     def __call__(self, values: Sequence[torch.Tensor]) -> None:
         """Run the hooks on `values`, the call's outputs (the result's tensors, then the extra ones)."""
         versions = [values[i]._version for i in self.received]
-        first, self.ran[0] = not self.ran[0], True
+        first, self.ran = not self.ran, True
         for c in self.calls:
             if not first and c.hid not in c.registry:
                 continue
@@ -146,10 +146,8 @@ class Recorder:
     paths: dict[int, str]
     tensors: list[torch.Tensor] = field(default_factory=list)
     """The tensors the hooks received, each once."""
-    calls: list[tuple[Callable[..., Any], nn.Module, Spec, tuple[int, ...], str, dict[int, Any], int]] = field(
-        default_factory=list)
-    """(hook, module, arguments, positions in `tensors`, module path, hook dict, handle id), per call."""
-    returned: list[bool] = field(default_factory=list)
+    calls: list[HookCall] = field(default_factory=list)
+    """The calls in the order they began, their `indices` positions in `tensors`."""
     made: list[torch.Tensor] = field(default_factory=list)
     """The tensors the hooks computed (`output.detach()`, a statistic), which they may have stored too."""
     failed: str = ""
@@ -171,9 +169,8 @@ class Recorder:
                 if id(t) not in seen:
                     seen[id(t)] = len(self.tensors)
                     self.tensors.append(t)
-            # the module as the user holds it: torch.export may run a copy of the module it traces
-            self.calls.append((hook, owner if owner is not None else module, spec,
-                               tuple(seen[id(t)] for t in leaves), path, registry, hid))
+            slot = len(self.calls)
+            self.calls.append(None)  # type: ignore[arg-type]  # in the order the calls begin: a hook's own calls after
             before = dict(vars(module))
             _running.depth += 1
             try:
@@ -184,7 +181,9 @@ class Recorder:
                 raise
             finally:
                 _running.depth -= 1
-            self.returned.append(result is not None)
+            # the module as the user holds it: torch.export may run a copy of the module it traces
+            self.calls[slot] = HookCall(hook, owner if owner is not None else module, spec,
+                                        tuple(seen[id(t)] for t in leaves), result is not None, path, registry, hid)
             for k, v in vars(module).items():
                 if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v:
                     self.stored.setdefault((id(module), k), (module, k, before.get(k, _MISSING)))
@@ -200,16 +199,14 @@ class Recorder:
         extra: list[torch.Tensor] = []
         where: list[int] = []
         names: list[str] = []
-        owner_path = {j: path for _, _, _, indices, path, _, _ in self.calls for j in indices}
+        owner_path = {j: c.path for c in self.calls for j in c.indices}
         for j, t in enumerate(self.tensors):
             if id(t) not in position:
                 position[id(t)] = len(result) + len(extra)
                 extra.append(t)
                 names.append(f"hooked.{owner_path[j]}" if owner_path[j] else "hooked")
             where.append(position[id(t)])
-        calls = tuple(HookCall(hook, module, spec, tuple(where[j] for j in indices), returned, path, registry, hid)
-                      for (hook, module, spec, indices, path, registry, hid), returned
-                      in zip(self.calls, self.returned))
+        calls = tuple(replace(c, indices=tuple(where[j] for j in c.indices)) for c in self.calls)
         return Replay(calls, tuple(names)), extra
 
 
@@ -266,10 +263,10 @@ def forget(tensors: Sequence[torch.Tensor], ours: Iterable[object], kept: Iterab
                 if id(v) in real:
                     holder[k] = real[id(v)]
         if isinstance(holder, (list, collections.deque)) and id(holder) not in skip:
-            kept = [x for x in holder if id(x) not in gone]
-            if len(kept) != len(holder):
+            left = [x for x in holder if id(x) not in gone]
+            if len(left) != len(holder):
                 holder.clear()
-                holder.extend(kept)
+                holder.extend(left)
 
 
 _MISSING = object()
