@@ -38,6 +38,7 @@ from .edits import Watch
 from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
 from .forward_hooks import HookChanged, HookError, forget, recorded
 from .function import partial_gradient, reads_its_gradient
+from .hook_state import kept_hook_state
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
@@ -652,7 +653,8 @@ class Engine:
         tensors = {fqn: fed.get(id(named[name]), named[name]) for name, fqn in ex.state
                    if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
-        with torch.enable_grad(), scratch_buffers(self.module), recorded(self.module) as hooks:
+        with torch.enable_grad(), scratch_buffers(self.module), kept_hook_state(self.module), \
+                recorded(self.module) as hooks:
             out = torch.func.functional_call(self.module, tensors, *as_called(bound),
                                              strict=False)
         differentiated = [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]

@@ -52,6 +52,7 @@ from .dropouts import exportable_dropouts
 from .edits import BACKWARD_HOOKS
 from .forward_hooks import Replay, forget, recorded, user_hooks
 from .functions import exportable_functions
+from .hook_state import kept_hook_state
 from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
@@ -251,7 +252,8 @@ class _Flat(nn.Module):
 
 @contextlib.contextmanager
 def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
-    """Tracing runs the module: put back its buffers (BatchNorm statistics) and the RNG state after. Yields a
+    """Tracing runs the module: put back its buffers (BatchNorm statistics), the RNG state and what its forward
+    hooks keep (`hook_state`: a count or running sum counts each call once, as torch's) after. Yields a
     function naming the buffers and parameters the forward changed in place so far (BatchNorm's statistics left
     out: the runtime updates those; a parameter by its version counter, so nothing is copied), or replaced (a
     recurrent state kept from call to call, `self.h = h.detach()`: its slot holds another tensor)."""
@@ -280,7 +282,7 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
                 *bumped, *(name for name in through_data.changed() if name not in bumped)]
 
     try:
-        with through_data:
+        with through_data, kept_hook_state(module):
             yield changed
     finally:
         with torch.no_grad():

@@ -17,9 +17,10 @@ Hugging Face's collect the hidden states it returns): the graph holds them, and 
 
 While exporting, the hooks also run on the export's own tensors: their return value is needed, and what they
 store may feed the same forward (a U-Net reading its encoder's hooked features). What they left behind is undone
-where it can be: the export's tensors they received or computed are taken out of the lists and deques holding them
-(`forget`), and the tensor attributes they set on their modules are put back (`recorded`); dict entries are set
-again by the call's replay. A counter still counts the export's runs.
+where it can be: the state a hook can reach (its closure, the globals it names, its object's attributes and what
+they hold) is put back after the export (`hook_state`), the attributes the hooks set on their modules after each run
+(`recorded`), and the export's tensors they received or computed are taken out of any other list or deque holding
+them (`forget`). So a counter or a running sum counts each call once, as torch's.
 
 A gradient hook or retain_grad() on a received tensor (Grad-CAM) and an in-place change of one cannot be followed
 (`HookError`): the engine refuses the call's schema, naming the tensor.
@@ -33,6 +34,7 @@ import functools
 import gc
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -103,9 +105,6 @@ class Replay:
     names: tuple[str, ...]
     """A name per extra graph output (`hooked.<module path>`): the received tensors that are not the result's."""
 
-    ran: bool = False
-    """Whether the exporting call's replay ran: it runs every hook its call met, one that removed itself since too."""
-
     @functools.cached_property
     def received(self) -> tuple[int, ...]:
         return tuple(sorted({i for c in self.calls for i in c.indices}))
@@ -113,9 +112,8 @@ class Replay:
     def __call__(self, values: Sequence[torch.Tensor]) -> None:
         """Run the hooks on `values`, the call's outputs (the result's tensors, then the extra ones)."""
         versions = [values[i]._version for i in self.received]
-        first, self.ran = not self.ran, True
         for c in self.calls:
-            if not first and c.hid not in c.registry:
+            if c.hid not in c.registry:  # removed since (a one-shot hook, by its run at an earlier call)
                 continue
             returned = c.hook(c.module, *unflatten(c.arguments, [values[i] for i in c.indices]))
             if (returned is not None) != c.returned:
@@ -153,9 +151,9 @@ class Recorder:
     failed: str = ""
     """The path of the module whose hook raised."""
     stored: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
-    """Tensor attributes of hooked modules that the hooks set (`module.features = output`), with their values before:
-    put back after the run (dynamo fails on a module holding its fake tensors; the legacy exporter's would be taken
-    for state kept from call to call), as each call's replay sets them."""
+    """Attributes of hooked modules that the hooks set (`module.features = output`, `module.calls += 1`), with their
+    values before: put back after the run, as each call's replay sets them (dynamo fails on a module holding its fake
+    tensors; the legacy exporter's would be taken for state kept from call to call; a count would count the run)."""
 
     def wrapped(self, hook: Callable[..., Any], owner: nn.Module | None, registry: dict[int, Any], hid: int
                 ) -> Callable[..., Any]:
@@ -174,18 +172,22 @@ class Recorder:
             before = dict(vars(module))
             _running.depth += 1
             try:
-                with _Made(self.made):
+                with _Made(self.made), warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
                     result = hook(module, *arguments)
             except Exception:
                 self.failed = self.failed or (path or "the module")
                 raise
             finally:
                 _running.depth -= 1
+            for w in caught:  # a value the hook reads from its tensor (a statistic) is in the graph only if returned
+                if result is not None or not issubclass(w.category, torch.jit.TracerWarning):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
             # the module as the user holds it: torch.export may run a copy of the module it traces
             self.calls[slot] = HookCall(hook, owner if owner is not None else module, spec,
                                         tuple(seen[id(t)] for t in leaves), result is not None, path, registry, hid)
             for k, v in vars(module).items():
-                if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v:
+                if before.get(k, _MISSING) is not v:
                     self.stored.setdefault((id(module), k), (module, k, before.get(k, _MISSING)))
             return result
         return recording
@@ -272,20 +274,33 @@ def forget(tensors: Sequence[torch.Tensor], ours: Iterable[object], kept: Iterab
 _MISSING = object()
 
 
+_REGISTRIES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+"""Where torch keeps a module's forward hooks and their flags (`_global` before them: torch's global ones)."""
+
+
+def _registries(module: nn.Module) -> list[dict[int, Any]]:
+    where: list[Any] = [nn_module, *module.modules()]
+    return [d for owner in where for name in _REGISTRIES
+            if isinstance(d := getattr(owner, f"_global{name}" if owner is nn_module else name, None), dict)]
+
+
 @contextlib.contextmanager
 def recorded(module: nn.Module) -> Iterator[Recorder]:
     """The user's forward hooks on `module`, its submodules and torch's global ones record their calls while the
-    block runs."""
+    block runs. The hooks registered are put back after it, as before it: a one-shot hook that removed itself (or a
+    hook registering another) does so again at the call's replay, and the export's next run meets it too."""
     recorder = Recorder({id(m): name for name, m in module.named_modules()})
-    swapped = [(hooks, hid, hooks[hid], owner) for _, owner, hooks, hid in user_hooks(module, FORWARD_HOOKS)]
-    for hooks, hid, hook, owner in swapped:
-        hooks[hid] = recorder.wrapped(hook, owner, hooks, hid)
+    registries = [(d, dict(d)) for d in _registries(module)]
+    for _, owner, hooks, hid in user_hooks(module, FORWARD_HOOKS):
+        hooks[hid] = recorder.wrapped(hooks[hid], owner, hooks, hid)
     try:
         yield recorder
     finally:
-        for hooks, hid, hook, _ in swapped:
-            if hid in hooks:
-                hooks[hid] = hook
+        for d, before in registries:
+            if d.keys() != before.keys() or any(d[k] is not v for k, v in before.items()):
+                d.clear()
+                d.update(before)
         for module, name, value in reversed(recorder.stored.values()):
             if value is _MISSING:
                 delattr(module, name)

@@ -4,7 +4,9 @@ with "backward through the graph a second time"); what they cannot follow is ref
 
 from __future__ import annotations
 
+import collections
 import copy
+import types
 import warnings
 from typing import Any
 
@@ -246,3 +248,81 @@ def test_a_statistic_a_hook_rebinds_is_no_fake_tensor_under_dynamo() -> None:
     before = st["dead"].clone()
     om(x)
     torch.testing.assert_close(st["dead"] - before, (model[:2](x) <= 0).float().sum(0))
+
+
+_CALLS = 0
+"""A module-level counter a hook bumps through `global`."""
+
+
+class _Monitor(nn.Module):
+    """A feature extractor holding its statistics, its hook a bound method (no submodules of the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.means: list[float] = []
+        self.calls = 0
+
+    def hook(self, m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        self.calls += 1
+        self.means.append(float(out.detach().mean()) if not _fake(out) else 0.0)
+
+
+def _fake(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "FakeTensor"
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_what_hooks_keep_counts_each_call_once(exporter: str) -> None:
+    """Hooks counting calls and summing statistics (monitoring dead units, activation means) also counted the
+    export's runs of the forward, which happen at the first call, at the second (checked on its values) and at each
+    new batch size: 5 counts for 3 calls. The state they reach is put back after those runs: a nonlocal and a global
+    counter, a dict, a defaultdict of lists, a plain object, a module's attribute, a bound method's object, a
+    one-shot hook and a running sum changed in place."""
+    def run(wrap: bool) -> list[Any]:
+        global _CALLS
+        _CALLS = 0
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        count = 0
+        store: dict[str, Any] = {"n": 0, "sum": torch.zeros(())}
+        per = collections.defaultdict(list)
+        stats = types.SimpleNamespace(dead=0)
+        monitor = _Monitor()
+
+        def counting(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            nonlocal count
+            global _CALLS
+            count += 1
+            _CALLS += 1
+            store["n"] += 1
+            per["relu"].append(tuple(out.shape))
+            if not _fake(out):
+                stats.dead += int((out == 0).all(0).sum())
+                if exporter == "torchscript":  # dynamo: a real tensor cannot take a fake one in place
+                    store["sum"] += out.detach().sum()
+
+        def tagged(m: nn.Module, args: tuple) -> None:
+            m.seen = getattr(m, "seen", 0) + 1
+
+        def once(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            per["once"].append(tuple(out.shape))
+            handle.remove()
+
+        net[1].register_forward_hook(counting)
+        net[2].register_forward_pre_hook(tagged)
+        net[2].register_forward_hook(monitor.hook)
+        handle = net[0].register_forward_hook(once)
+        model = ORTModule(net, exporter=exporter) if wrap else net
+        for batch in (5, 5, 3, 3):
+            model(torch.randn(batch, 4)).sum().backward()
+        with torch.no_grad():
+            model.eval()(torch.randn(2, 4))
+        return [count, _CALLS, store["n"], dict(per), stats.dead, net[2].seen, monitor.calls,
+                [float(store["sum"]), *monitor.means]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(True)
+    want = run(False)
+    assert got[:-1] == want[:-1] and got[-1] == pytest.approx(want[-1], rel=1e-5)
+    assert got[0] == 5 and got[3]["once"] == [(5, 8)]
