@@ -267,6 +267,11 @@ SIZE_CHECKS = 8
 all of them serves every size unchecked: a model padding each batch to its longest sequence meets many lengths,
 and an export costs 0.1-0.3 s (a 2-layer encoder, a 4-layer GPT-2)."""
 
+PER_SIZE_SCHEMAS = 32
+"""Exports kept at most for a module exported per input size (`Engine.per_size`): past that the least recently used
+is dropped, and its sessions' memory with it (a character RNN meeting every length up to 500 held 500 pairs of
+sessions), to be exported again if its sizes come back."""
+
 
 def _same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
     """The same nodes (attributes and subgraphs included) and initializers, and outputs of the same ranks, whatever
@@ -322,6 +327,7 @@ class Engine:
         """The argument specs exported, by the spec without its Python numbers (`_new_argument_values`)."""
         self._warned_autocast = False
         self._warned_transforms = False
+        self._warned_sizes = False
         self._lazy = _uninitialized(module)
         """Lazy modules' parameters not yet sized (nn.LazyLinear): calls run in torch until its first sizes them."""
         self.per_size = False
@@ -383,8 +389,12 @@ class Engine:
         if self.per_size:
             key = (key, sizes)
         schema = self.schemas.get(key)
+        if self.per_size and schema is not None:  # the most recently used last
+            self.schemas[key] = self.schemas.pop(key, schema)
         if schema is None:
             schema = self._new_schema(key, in_spec, leaves)
+            if self.per_size and len(self.schemas) > PER_SIZE_SCHEMAS:
+                self._drop_least_recent()
         elif type(schema) is _Refused:
             raise schema.again()
         elif schema is not _FALLBACK and schema.exported.scalars is not None and schema.exported.scalars.held:
@@ -580,6 +590,16 @@ class Engine:
             if refused is not None:
                 return self._refuse(key, refused, "export for new argument values", held=False)
             return self._export_schema(key, in_spec, leaves)
+
+    def _drop_least_recent(self) -> None:
+        if not self._warned_sizes:
+            self._warned_sizes = True
+            warnings.warn(f"ORTModule({self.name}) is exported for each input size, and has met {len(self.schemas)}: "
+                          f"only the {PER_SIZE_SCHEMAS} used last are kept, the others exported again if they come "
+                          "back. Pad inputs to a few fixed sizes (bucketing) to train without exporting again.",
+                          RuntimeWarning, stacklevel=4)
+        while len(self.schemas) > PER_SIZE_SCHEMAS:
+            del self.schemas[next(iter(self.schemas))]
 
     def _new_argument_values(self, in_spec: Any, leaves: list[torch.Tensor]) -> ExportError | None:
         """Python arguments are constants of the export, one per set of values: a number changing at every call (a

@@ -5,6 +5,7 @@ on the sizes at run time)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -253,6 +254,31 @@ def test_the_batch_the_trace_turned_into_a_number_gets_an_export_each() -> None:
             for (name, p), q in zip(om.named_parameters(), ref.parameters()):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {batch}")
     assert om.stats["exports"] == 3
+
+
+def test_a_module_exported_per_size_keeps_the_exports_used_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module exported for each input size kept every export and its sessions: memory grew with each new size
+    (a character RNN meeting every length). Past `PER_SIZE_SCHEMAS` the least recently used is dropped, and a size
+    coming back is exported again, warned once."""
+    monkeypatch.setattr(engine, "PER_SIZE_SCHEMAS", 3)
+    model = BatchAsNumber()
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    exports = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (2, 2, 3, 4, 2, 5, 6, 2, 3):
+            x, y = torch.randn(batch, 4), torch.randn(batch)
+            for m in (om, ref):
+                m.zero_grad()
+                loss, h = m(x, y)
+                (loss + h.sum()).backward()
+            for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {batch}")
+            assert len(om._engine.schemas) <= 3
+            exports.append(om.stats["exports"])
+    # 2 is used again before 5 and 6 arrive, so it stays; 3 and 4 are dropped, and 3 comes back
+    assert exports == [1, 1, 2, 3, 3, 4, 5, 5, 6]
+    assert sum("only the 3 used last are kept" in str(w.message) for w in caught) == 1
 
 
 def test_a_squeezed_output_of_a_batch_of_one_trains() -> None:
