@@ -63,6 +63,20 @@ def _bind_forward(obj: ORTModule, module: nn.Module) -> None:
     object.__setattr__(obj, "forward", types.MethodType(fn, obj))
 
 
+_DISTRIBUTED = ("DistributedDataParallel", "FullyShardedDataParallel")
+
+
+def _refuse_distributed_wrappers(module: nn.Module) -> None:
+    """DistributedDataParallel's forward broadcasts buffers and prepares the gradients' reduction at each call,
+    in Python: no graph can hold that (the trace failed, "Tried to trace ... ProcessGroup"). Wrapped the other way,
+    DDP(ORTModule(model)), it reduces the gradients ORTModule leaves in param.grad, as torch's."""
+    for name, m in module.named_modules():
+        if type(m).__name__ in _DISTRIBUTED:
+            raise TypeError(f"ORTModule cannot export {name or 'the module'}, a {type(m).__name__}: its forward "
+                            "synchronises buffers and prepares the gradients' reduction at each call, which a graph "
+                            f"cannot do. Wrap it the other way: {type(m).__name__}(ORTModule(model)).")
+
+
 class ORTModule(nn.Module):
     """Train `module` on onnxruntime with PyTorch semantics (autograd, optimizers, state_dict).
 
@@ -95,6 +109,7 @@ class ORTModule(nn.Module):
                  check_export: bool = True, torch_dropout: bool = False):
         if isinstance(module, ORTModule):
             raise TypeError("the module is already an ORTModule")
+        _refuse_distributed_wrappers(module)
         super().__init__()
         options = Options(ExportOptions(exporter, opset, check_export, torch_dropout),
                           threads if threads is not None else torch.get_num_threads(), specialise, fallback,

@@ -1,0 +1,74 @@
+"""ORTModule under DistributedDataParallel (gloo, two processes on this machine): DDP(ORTModule(model)) reduces the
+gradients ORTModule leaves in param.grad and broadcasts its buffers, as for the module itself; ORTModule(DDP(model))
+failed deep in the trace ("Tried to trace ... ProcessGroup") and is refused, naming the way round that works."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from runtime import ORTModule
+
+
+def _make() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _worker(rank: int, port: int, results: mp.Queue) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        warnings.simplefilter("ignore")
+        ours, theirs = _make(), _make()
+        models = [DistributedDataParallel(ORTModule(ours)), DistributedDataParallel(theirs)]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+        for step in range(3):  # each rank its own batch: different BatchNorm statistics, gradients averaged
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            for model, opt in zip(models, opts):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        diff = max(float((a - b).abs().max()) for a, b in
+                   zip([*ours.parameters(), *ours.buffers()], [*theirs.parameters(), *theirs.buffers()]))
+        try:
+            ORTModule(nn.Sequential(DistributedDataParallel(_make())))
+            refused = ""
+        except TypeError as e:
+            refused = str(e)
+        results.put((rank, diff, refused))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+def test_distributed_data_parallel_around_an_ortmodule_trains_as_around_the_module() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    workers = [ctx.Process(target=_worker, args=(rank, port, results)) for rank in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        got = sorted(results.get(timeout=240) for _ in workers)
+    finally:
+        for w in workers:
+            w.join(timeout=60)
+            if w.is_alive():
+                w.kill()
+    for rank, diff, refused in got:
+        assert diff < 1e-5, f"rank {rank}: parameters and buffers differ from DDP's over the module by {diff}"
+        assert "0, a DistributedDataParallel" in refused and "DistributedDataParallel(ORTModule(model))" in refused
