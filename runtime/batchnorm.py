@@ -191,8 +191,10 @@ def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[Batch
         if mod.num_batches_tracked is not None:
             mod.num_batches_tracked.add_(1)
         t = mod.momentum if mod.momentum is not None else 1.0 / float(mod.num_batches_tracked)
-        mod.running_mean.mul_(1 - t).add_(mean.to(mod.running_mean.dtype), alpha=t)
-        mod.running_var.mul_(1 - t).add_(var.to(mod.running_var.dtype), alpha=t)
+        # through .data, as torch's kernel updates them: their version counters left as they were, so a graph that
+        # saved them (an eval-mode call's, before this call's backward) stays differentiable
+        mod.running_mean.data.mul_(1 - t).add_(mean.to(mod.running_mean.dtype), alpha=t)
+        mod.running_var.data.mul_(1 - t).add_(var.to(mod.running_var.dtype), alpha=t)
 
 
 def second_updates(stats: Sequence[BatchStats], values: Sequence[torch.Tensor]

@@ -235,6 +235,7 @@ class _Flat(nn.Module):
         self._result["hooks"], extra = hooks.replay(flat)
         flat += extra  # as they are at the end of the forward, as torch's hooks hold them by then
         self._result.setdefault("hook_runs", []).append([*hooks.tensors, *hooks.made])
+        self._result["kept_in_attributes"] = hooks.replaced
         if isinstance(reads, _PythonReads):
             self._result["python_reads"] = reads.read
             self._result["returned_numbers"] = reads.returned(self._result["spec"])
@@ -289,7 +290,11 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
             for name, b, v in saved:
                 if b.shape != v.shape:  # resized in place (a per-channel observer's first call sizes its statistics)
                     b.resize_(v.shape)
-                b.copy_(v)
+                if b._version != buffer_versions[id(b)] or not _same(b, v):
+                    # through .data, the version counter left as is: the trace's autograd graph (the first-call
+                    # check's reference) saved BatchNorm's statistics and the buffers it reads, which a bumped
+                    # version makes torch refuse to differentiate (its BatchNorm kernel updates them unbumped)
+                    b.data.copy_(v)
                 holder, attr = slots[name]
                 holder._buffers[attr] = b
             for holder, attr in empty:  # set by the trace: no traced tensor left in the module
@@ -311,22 +316,6 @@ def _fed_buffers(module: nn.Module) -> Iterator[None]:
     finally:
         for names, kept in sets:
             names.update(kept)
-
-
-def _plain_tensor_attributes(module: nn.Module) -> Callable[[], list[str]]:
-    """A function naming the plain attributes (neither parameters nor buffers) that the forward set to a
-    tensor without grad so far (`self.h = h.detach()` on an attribute that is not a buffer): state for a later
-    call. A tensor that requires grad is a value of this call (old-style weight_norm's weight, which its pre-hook
-    computes at every call before the forward reads it)."""
-    modules = list(module.named_modules())
-    before = [{k: id(v) for k, v in vars(m).items() if isinstance(v, torch.Tensor)} for _, m in modules]
-
-    def stored() -> list[str]:
-        return [f"{prefix}.{k}" if prefix else k for (prefix, m), seen in zip(modules, before)
-                for k, v in vars(m).items() if isinstance(v, torch.Tensor) and seen.get(k) != id(v)
-                and not v.requires_grad]
-
-    return stored
 
 
 def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -691,7 +680,6 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     flat = _Flat(module, signature, in_spec)
     flat._result["updates"] = list(updates)
     buffers = {name for name, _ in module.named_buffers()}
-    stored = _plain_tensor_attributes(module)  # taken before the trace
     try:
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
@@ -709,7 +697,6 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
             mutated = changed()
-            kept_in_attributes = stored()
             inputs_changed = changed_inputs()
             # tensors that exist only while exporting (stand-in statistics) are constants of the export
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
@@ -803,13 +790,15 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "which the exported graph does not carry back to the module (buffers are, with the legacy "
                       "exporter; parameters are not): each step reads its value as it is, where torch's changes. "
                       "Update it outside forward(), or run the module in torch.", ExportWarning, stacklevel=4)
+    kept_in_attributes = flat._result.get("kept_in_attributes")
     if kept_in_attributes:
-        warnings.warn(f"ORTModule({type(module).__name__}): the forward stores a tensor in "
-                      f"{_listed(kept_in_attributes)}, a plain attribute, which the exported graph does not: it keeps "
-                      "the tensor of the call that exported, where torch's holds each call's. Where a later call reads "
-                      "it (a recurrent state carried from call to call), register it in __init__ as a buffer holding "
-                      "its first value (self.register_buffer('h', torch.zeros(...), persistent=False)): ORTModule "
-                      "carries buffers from call to call as torch does.", ExportWarning, stacklevel=4)
+        warnings.warn(f"ORTModule({type(module).__name__}): the forward replaces the tensor in "
+                      f"{_listed(kept_in_attributes)}, a plain attribute, which ORTModule sets after each call to the "
+                      "call's value, as torch's; but where a later call reads it (a recurrent state carried from call "
+                      "to call), the graph holds the value of the call that exported. Register it in __init__ as a "
+                      "buffer holding its first value (self.register_buffer('h', torch.zeros(...), "
+                      "persistent=False)): ORTModule carries buffers from call to call as torch does.",
+                      ExportWarning, stacklevel=4)
     graph_inputs = {i.name for i in model.graph.input}
     inputs = [(n, k) for k, n in enumerate(names) if n in graph_inputs]
     state_inputs = [(i.name, i.name) for i in model.graph.input if i.name in state]

@@ -35,6 +35,7 @@ import gc
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -99,11 +100,16 @@ class HookCall:
 
 @dataclass
 class Replay:
-    """The hook calls of one export, to run again after each of its calls on the call's outputs."""
+    """The hook calls of one export, to run again after each of its calls on the call's outputs, and the tensors its
+    forward stored in plain attributes, set again before them."""
 
     calls: tuple[HookCall, ...]
     names: tuple[str, ...]
-    """A name per extra graph output (`hooked.<module path>`): the received tensors that are not the result's."""
+    """A name per extra graph output (`attribute.<module path>.<name>`, `hooked.<module path>`): the stored and
+    received tensors that are not the result's."""
+    stores: tuple[tuple[nn.Module, str, int], ...] = ()
+    """(module, attribute, output index): tensors the forward stored in a module's plain attribute (an MoE layer's
+    `self.aux_loss`, attention kept for plotting), which torch's module holds from each call: the graph's values."""
 
     @functools.cached_property
     def received(self) -> tuple[int, ...]:
@@ -111,6 +117,9 @@ class Replay:
 
     def __call__(self, values: Sequence[torch.Tensor]) -> None:
         """Run the hooks on `values`, the call's outputs (the result's tensors, then the extra ones)."""
+        for module, name, i in self.stores:  # first: a hook may read them (`aux.append(m.aux_loss)`)
+            setattr(module, name, values[i])
+            _stored_by_replays[id(values[i])] = values[i]
         versions = [values[i]._version for i in self.received]
         for c in self.calls:
             if c.hid not in c.registry:  # removed since (a one-shot hook, by its run at an earlier call)
@@ -150,6 +159,12 @@ class Recorder:
     """The tensors the hooks computed (`output.detach()`, a statistic), which they may have stored too."""
     failed: str = ""
     """The path of the module whose hook raised."""
+    attributes: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    """Tensors the forward itself stored in modules' plain attributes (not its hooks: `stored`), put back after the
+    run and set by each call's replay."""
+    replaced: list[str] = field(default_factory=list)
+    """The paths of those without grad that replaced a value no replay had set (`self.h = h.detach()` over the
+    `self.h = None` of `__init__`): state, if the forward reads it, which the graph holds as a constant."""
     stored: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
     """Attributes of hooked modules that the hooks set (`module.features = output`, `module.calls += 1`), with their
     values before: put back after the run, as each call's replay sets them (dynamo fails on a module holding its fake
@@ -193,23 +208,31 @@ class Recorder:
         return recording
 
     def replay(self, result: Sequence[torch.Tensor]) -> tuple[Replay | None, list[torch.Tensor]]:
-        """The replay of these calls on outputs `result` + the extra tensors it returns: the received tensors that
-        are not among the result's."""
-        if not self.calls:
+        """The replay of these calls and stores on outputs `result` + the extra tensors it returns: the stored and
+        received tensors that are not among the result's."""
+        if not self.calls and not self.attributes:
             return None, []
         position = {id(t): i for i, t in enumerate(result)}
         extra: list[torch.Tensor] = []
-        where: list[int] = []
         names: list[str] = []
-        owner_path = {j: c.path for c in self.calls for j in c.indices}
-        for j, t in enumerate(self.tensors):
+
+        def placed(t: torch.Tensor, name: str) -> int:
             if id(t) not in position:
                 position[id(t)] = len(result) + len(extra)
                 extra.append(t)
-                names.append(f"hooked.{owner_path[j]}" if owner_path[j] else "hooked")
-            where.append(position[id(t)])
+                names.append(name)
+            return position[id(t)]
+
+        stores = tuple((m, k, placed(t, ".".join(filter(None, ("attribute", self.paths.get(id(m)), k)))))
+                       for m, k, t in self.attributes)
+        owner_path = {j: c.path for c in self.calls for j in c.indices}
+        where = [placed(t, ".".join(filter(None, ("hooked", owner_path[j])))) for j, t in enumerate(self.tensors)]
         calls = tuple(replace(c, indices=tuple(where[j] for j in c.indices)) for c in self.calls)
-        return Replay(calls, tuple(names)), extra
+        return Replay(calls, tuple(names), stores), extra
+
+
+_stored_by_replays: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""The tensors replays stored in attributes: an export finding one there finds a value of the previous call."""
 
 
 class _Running(threading.local):
@@ -288,21 +311,34 @@ def _registries(module: nn.Module) -> list[dict[int, Any]]:
 @contextlib.contextmanager
 def recorded(module: nn.Module) -> Iterator[Recorder]:
     """The user's forward hooks on `module`, its submodules and torch's global ones record their calls while the
-    block runs. The hooks registered are put back after it, as before it: a one-shot hook that removed itself (or a
-    hook registering another) does so again at the call's replay, and the export's next run meets it too."""
+    block runs. The hooks removed while it ran are put back after it: a one-shot hook that removed itself does so
+    again at the call's replay, and the export's next run meets it too."""
     recorder = Recorder({id(m): name for name, m in module.named_modules()})
     registries = [(d, dict(d)) for d in _registries(module)]
+    attributes = [(m, dict(vars(m))) for m in module.modules()]
     for _, owner, hooks, hid in user_hooks(module, FORWARD_HOOKS):
         hooks[hid] = recorder.wrapped(hooks[hid], owner, hooks, hid)
     try:
         yield recorder
     finally:
-        for d, before in registries:
+        for d, before in registries:  # the hooks of before, in their order; those added since kept (a library's
+            # installed at a model's first call: Hugging Face's output recorders)
             if d.keys() != before.keys() or any(d[k] is not v for k, v in before.items()):
+                after = {**before, **{k: v for k, v in d.items() if k not in before}}
                 d.clear()
-                d.update(before)
+                d.update(after)
         for module, name, value in reversed(recorder.stored.values()):
             if value is _MISSING:
                 delattr(module, name)
             else:
                 setattr(module, name, value)
+        for m, before in attributes:  # the forward's own stores: dynamo's fake tensors, the trace's, left nowhere
+            for k, v in list(vars(m).items()):
+                if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v and not isinstance(v, nn.Parameter):
+                    recorder.attributes.append((m, k, v))
+                    if k in before:
+                        if not v.requires_grad and _stored_by_replays.get(id(before[k]), _MISSING) is not before[k]:
+                            recorder.replaced.append(".".join(filter(None, (recorder.paths.get(id(m)), k))))
+                        vars(m)[k] = before[k]
+                    else:
+                        del vars(m)[k]

@@ -1210,6 +1210,51 @@ def test_state_carried_in_buffers_from_call_to_call_follows_torch(persistent: bo
     assert ("h" in om.state_dict()) == persistent and "scale" not in om.state_dict()
 
 
+class _MoE(nn.Module):
+    """A gated layer keeping its load-balancing loss and its routing (for plotting) in plain attributes, as MoE and
+    VQ layers do: the training loop reads them after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.experts = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        self.aux_loss = probs.mean(0).pow(2).sum() * 4
+        self.routing = probs.argmax(-1)  # the expert each token went to
+        return self.experts(x) * probs.max(-1, keepdim=True).values
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_tensors_the_forward_stores_in_attributes_are_each_call_s(exporter: str) -> None:
+    """`self.aux_loss = ...` in a forward kept the export's tensor (dynamo's a FakeTensor): stale from the third call,
+    and a loss adding it failed with "backward through the graph a second time". Such tensors are now outputs of the
+    graph, set after each call before the hooks run (one collecting every layer's aux loss reads them), and their
+    gradients join the graph's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_MoE(), nn.ReLU(), _MoE())
+    ref, om = copy.deepcopy(net), ORTModule(copy.deepcopy(net), exporter=exporter)
+    collected: dict[str, list[torch.Tensor]] = {"ours": [], "torch": []}
+    for who, model in (("ours", om.module), ("torch", ref)):
+        model[2].register_forward_hook(lambda m, args, out, who=who: collected[who].append(m.aux_loss))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        for batch in (16, 16, 16, 9):
+            x = torch.randn(batch, 8)
+            for m in (om, ref):
+                m.zero_grad()
+                layers = m.module if m is om else m
+                out = m(x)
+                (out.square().mean() + 0.1 * (layers[0].aux_loss + layers[2].aux_loss)).backward()
+                assert not layers[0].routing.requires_grad
+            assert_grads_equal(om, ref, rtol=1e-4, atol=1e-6)
+            for ours, theirs in zip(om.module, ref):
+                if isinstance(ours, _MoE):
+                    torch.testing.assert_close(ours.aux_loss, theirs.aux_loss)
+                    torch.testing.assert_close(ours.routing, theirs.routing)
+    torch.testing.assert_close(torch.stack(collected["ours"]), torch.stack(collected["torch"]))
+
+
 def test_a_tensor_stored_in_a_plain_attribute_is_named_with_the_way_out() -> None:
     """The same state in a plain attribute: the graph cannot carry it, and the warning says to make it a buffer;
     an attribute the forward only reads stays quiet. A buffer registered as None fails the legacy trace, which
@@ -1224,7 +1269,7 @@ def test_a_tensor_stored_in_a_plain_attribute_is_named_with_the_way_out() -> Non
             self.h = h.detach()
             return out * self.scale
 
-    with pytest.warns(ExportWarning, match=r"stores a tensor in h, a plain attribute.*register it in __init__ as a "
+    with pytest.warns(ExportWarning, match=r"replaces the tensor in h, a plain attribute.*Register it in __init__ as a "
                       r"buffer"):
         ORTModule(Plain())(torch.randn(2, 4, 3))
     with warnings.catch_warnings():
@@ -2359,6 +2404,51 @@ def wrong_tanh_rule() -> Iterator[None]:
     finally:
         registry._RULES["", "Tanh"] = [tanh]
         registry.lookup.cache_clear()
+
+
+class _Scaled(nn.Module):
+    """A read-only buffer multiplied in (a scale, a mask, RoPE's cos/sin cache): the trace's graph saves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("layer", ["batchnorm", "batchnorm-eval", "buffer"])
+def test_the_first_gradients_are_checked_where_the_backward_reads_a_buffer(exporter: str, layer: str) -> None:
+    """The export put every buffer back with an in-place copy (and the running statistics were updated in place),
+    bumping version counters the trace's graph had saved: torch refused to differentiate it, and the first-gradient
+    check was skipped without a word for most CNNs and many transformers (a wrong rule passed). Buffers are put back
+    and updated as torch's BatchNorm kernel updates them, their versions left as they were."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        middle = nn.BatchNorm1d(8) if layer.startswith("batchnorm") else _Scaled()
+        return nn.Sequential(nn.Linear(4, 8), middle, nn.Tanh(), nn.Linear(8, 2)).train(layer != "batchnorm-eval")
+
+    with wrong_tanh_rule(), pytest.raises(ORTModuleError, match="gradient check failed"):
+        ORTModule(net(), exporter=exporter)(torch.randn(5, 4)).sum().backward()
+
+
+def test_an_eval_call_and_a_training_call_share_one_backward() -> None:
+    """A consistency loss between an eval-mode and a training-mode call of one BatchNorm network: the training
+    call's running-statistics update bumped the version of the statistics the eval call's graph had saved, and the
+    backward raised torch's "modified by an inplace operation" on a tensor the user never touched."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    ref, om = copy.deepcopy(net), ORTModule(net)
+    for _ in range(3):
+        x = torch.randn(32, 8)
+        for m in (om, ref):
+            m.zero_grad()
+            teacher = m.eval()(x)
+            student = m.train()(x)
+            (student - teacher).pow(2).mean().backward()
+        assert_grads_equal(om, ref)
+        torch.testing.assert_close(om.module[1].running_var, ref[1].running_var)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
