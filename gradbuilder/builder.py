@@ -29,7 +29,7 @@ from .errors import (
     UnknownNameError,
     UnsupportedOpError,
 )
-from .graph import ForwardGraph, NameAllocator, add_value_info, describe, load_model, type_name
+from .graph import ForwardGraph, NameAllocator, add_value_info, describe, inline_functions, load_model, type_name
 from .reachability import Reachability, analyze, is_control_flow
 from .rules import registry
 from .rules.context import Emitter, Grad, Node
@@ -61,9 +61,21 @@ def _dedupe(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _not_tensors(fg: ForwardGraph) -> dict[str, str]:
+    """Graph outputs declared as another kind of value than a tensor (sequence, map, optional, sparse tensor), by
+    kind: no gradient flows through them, and their untyped info must not pass for a float tensor's."""
+    kinds: dict[str, str] = {}
+    for vi in fg.graph.output:
+        kind = vi.type.WhichOneof("value")
+        if kind not in (None, "tensor_type"):
+            kinds[vi.name] = kind.removesuffix("_type").replace("_", " ")
+    return kinds
+
+
 def resolve_request(fg: ForwardGraph, wrt: Sequence[str] | None, outputs: Sequence[str] | None, loss: str | None,
              freeze: Sequence[str]) -> BuildRequest:
     known = fg.all_names()
+    kinds = _not_tensors(fg)
     for name in freeze:
         if name not in known:
             raise _unknown("frozen tensor", name, known)
@@ -83,15 +95,20 @@ def resolve_request(fg: ForwardGraph, wrt: Sequence[str] | None, outputs: Sequen
             raise _unknown("loss output", loss, fg.outputs) if loss not in known else LossError(
                 f"loss '{loss}' is a tensor of the graph but not a graph output; add it to the outputs.")
         info = fg.tensor_info(loss)
+        if loss in kinds:
+            raise LossError(f"loss '{loss}' is a {kinds[loss]}, not a tensor; a loss must be a float tensor.")
         if info.elem_type and not info.is_float:
             raise LossError(f"loss '{loss}' is {type_name(info.elem_type)}; a loss must be a float tensor.")
         if info.shape is not None and info.numel() != 1:
             raise LossError(f"loss '{loss}' has shape {list(info.shape)}; a loss must be a scalar "
                             "(reduce it with ReduceMean or ReduceSum first).")
     if outputs is None:
-        outs = () if loss is not None else tuple(o for o in fg.outputs if fg.tensor_info(o).is_float)
+        outs = () if loss is not None else tuple(o for o in fg.outputs if fg.tensor_info(o).is_float and o not in kinds)
     else:
         for name in outputs:
+            if name in kinds:
+                raise UnknownNameError(f"output '{name}' is a {kinds[name]}, not a tensor: gradients flow only "
+                                       "through tensors. Leave it out of the outputs to differentiate.")
             if name not in fg.outputs:
                 if name in known:
                     raise UnknownNameError(f"'{name}' is a tensor of the graph but not a graph output; outputs "
@@ -173,7 +190,7 @@ def _no_gc() -> Iterator[None]:
 
 def _build(model: onnx.ModelProto | str | os.PathLike | bytes, wrt: Sequence[str] | None,
            outputs: Sequence[str] | None, loss: str | None, freeze: Sequence[str]) -> onnx.ModelProto:
-    m = load_model(model)
+    m = inline_functions(load_model(model))
     if any(is_yield(n) for n in m.graph.node):
         raise InvalidModelError("the model already contains a Yield node: it is a training graph, not a forward "
                                 "graph. Build from the forward model instead.")
@@ -318,6 +335,27 @@ def _add_nodes(graph: onnx.GraphProto, nodes: list[Node]) -> None:
             p.attribute.extend(n.attribute)
 
 
+def _unique_node_names(forward: Sequence[onnx.NodeProto], added: Sequence[Node | onnx.NodeProto]) -> None:
+    """onnxruntime refuses a model in which two nodes share a name ("two nodes with same node name"), which ONNX
+    forbids but its checker lets through: a forward node's name used twice, or the name a backward node is given
+    (after its output) already a forward node's, gets a suffix. Empty names are no one's."""
+    seen: set[str] = set()
+    repeated: list[onnx.NodeProto] = []
+    for n in forward:
+        name = n.name
+        if name in seen and name:
+            repeated.append(n)
+        seen.add(name)
+    if not repeated and seen.isdisjoint(n.name for n in added):
+        return
+    names = NameAllocator(seen | {n.name for n in added})
+    for n in repeated:
+        n.name = names.fresh(n.name)
+    for n in added:
+        if n.name in seen:
+            n.name = names.fresh(n.name)
+
+
 def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
               sig: YieldSignature, grads: dict[str, str], renames: dict[str, str], seeds: list[str]
               ) -> onnx.ModelProto:
@@ -328,6 +366,7 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
     yield_node = make_yield(sig, em.names.fresh("gradbuilder_yield"))
 
     graph = m.graph  # its nodes are fg.nodes, in order, with the outputs rules added (Grad.output)
+    _unique_node_names(fg.nodes, [*extra, yield_node, *backward])
     _add_nodes(graph, extra)
     graph.node.append(yield_node)
     _add_nodes(graph, backward)

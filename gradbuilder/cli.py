@@ -16,10 +16,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import onnx
+
 from .builder import build_gradient_graph
 from .draw import DEFAULT_MAX_NODES, render_svg, to_dot
 from .errors import GradBuilderError
-from .graph import UMASK, save_model_atomic, save_text_atomic
+from .graph import FLOAT_TYPES, UMASK, entry, external_data_files, save_model_atomic, save_text_atomic
 from .inspect_model import (
     gradient_table,
     inspect_model,
@@ -75,12 +77,28 @@ def _check_writable(out: Path, what: str) -> None:
         raise CliError(f"cannot write {what} {out}: directory {parent} is not writable.")
 
 
+def _check_keeps_input_data(out: Path, inp: Path) -> None:
+    """The input's external data files are part of the input: the output must neither be one (a build written
+    over it loads as the input's weights, silently wrong) nor a directory holding one (split replaces it)."""
+    if not out.exists() or not inp.is_file():
+        return
+    target, base = entry(out), inp.parent.resolve()  # data files are read beside the path given, a link or not
+    if not (target.is_relative_to(base) or base.is_relative_to(target)):
+        return  # data files lie under the model's directory: no need to read the model
+    for data in sorted(external_data_files(inp)):
+        if data.is_relative_to(target):
+            raise CliError(f"output {out} {'is' if data == target else 'holds'} the external data file {data.name} of "
+                           f"the input {inp}, which holds the input's weights; gradbuilder never overwrites its "
+                           "input. Give another output path.")
+
+
 def _check_output_file(out: Path, inp: Path, kind: str = ".onnx") -> None:
     if out.is_dir():
         raise CliError(f"output {out} is a directory; give the path of the {kind} file to write.")
     if _same_file(out, inp):
         raise CliError(f"output {out} is the input file; gradbuilder never overwrites its input. "
                        "Give another output path.")
+    _check_keeps_input_data(out, inp)
     _check_writable(out, "output")
 
 
@@ -91,6 +109,7 @@ def _check_output_dir(out: Path, inp: Path) -> None:
     if inp.resolve().is_relative_to(out.resolve()):
         raise CliError(f"the input {inp} lies inside the output directory {out}, which split replaces as a whole; "
                        "give another output directory.")
+    _check_keeps_input_data(out, inp)
     if out.is_dir():
         others = sorted(p.name for p in out.iterdir() if p.name not in SPLIT_FILES
                         and p.name.removesuffix(".data") not in SPLIT_FILES)
@@ -150,9 +169,22 @@ def cmd_build(args: argparse.Namespace) -> int:
     except OSError as e:
         raise _write_error("output", out, e) from e
     fwd, bwd = node_counts(training)
-    _say(args, render_gradients(gradient_table(training)))
+    rows = gradient_table(training)
+    _say(args, render_gradients(rows) if rows else _nothing_differentiated(training))
     _say(args, f"wrote {out}: {fwd} forward nodes, {bwd} backward nodes")
     return 0
+
+
+def _nothing_differentiated(training: onnx.ModelProto) -> str:
+    """Why a build lists no parameter: the model has no float initializer (the default --wrt), as when an exporter
+    wrote its weights as Constant nodes, which are then named."""
+    consts = [n.output[0] for n in training.graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+              and any(a.name in ("value_float", "value_floats") or a.t.data_type in FLOAT_TYPES for a in n.attribute)]
+    held = (f"; {plural(len(consts), 'Constant node')} {'holds' if len(consts) == 1 else 'hold'} float values "
+            f"({', '.join(consts[:5])}"
+            f"{', ...' if len(consts) > 5 else ''}), perhaps its weights") if consts else ""
+    return (f"note: nothing was differentiated: the model has no float initializer, which is what gets a gradient "
+            f"unless --wrt names tensors{held}. Name the tensors to differentiate with --wrt.")
 
 
 def cmd_split(args: argparse.Namespace) -> int:
@@ -171,6 +203,9 @@ def cmd_split(args: argparse.Namespace) -> int:
         raise _write_error("output directory", out, e) from e
     _say(args, f"wrote {out}/: forward.onnx ({len(forward.graph.node)} nodes), backward.onnx "
                f"({len(backward.graph.node)} nodes), manifest.json ({plural(len(manifest.stashed), 'stashed tensor')})")
+    if not manifest.backward_outputs:  # onnxruntime refuses a graph without outputs, with an obscure message
+        _say(args, "note: no tensor gets a gradient (manifest.json's no_gradient says why), so backward.onnx computes "
+                   "nothing and onnxruntime will not load it: run forward.onnx alone.")
     return 0
 
 
@@ -223,7 +258,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 
 def _dim(text: str) -> tuple[str, int]:
-    name, sep, value = text.partition("=")
+    name, sep, value = text.rpartition("=")  # the last '=': a symbolic dim's name may hold one (exporters keep any)
     try:
         n = int(value)
     except ValueError:

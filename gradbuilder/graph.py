@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx.inliner
 from google.protobuf.message import Message
 from onnx import TensorProto
 
@@ -235,6 +236,25 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
         del data
         t.data_location = TensorProto.DEFAULT
         del t.external_data[:]
+
+
+def external_data_files(path: str | os.PathLike) -> set[Path]:
+    """The directory entries of the external data files the model at `path` reads (their directories resolved, as a
+    save replaces the entry, not what a link names): part of the model, so never an output. Empty when the file is
+    no readable model (loading it says why)."""
+    path = Path(path)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return set()
+    locations = {e.value for t in _all_tensors(model.graph) if t.data_location == TensorProto.EXTERNAL
+                 for e in t.external_data if e.key == "location" and e.value}
+    return {entry(path.parent / loc) for loc in locations}
+
+
+def entry(path: Path) -> Path:
+    """`path` with its directory resolved but not its last part: what a save or a rename replaces."""
+    return path.parent.resolve() / path.name
 
 
 def _first_line(e: BaseException) -> str:
@@ -716,7 +736,10 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
             check_node((_without_bodies(node) if nested else node).SerializeToString(), ctx, scope)
         except Exception as e:  # ValidationError, or whatever else a broken node makes the checker raise
             why = _first_line(e)
-            if why.startswith("No Op registered") and node.domain in ("", "ai.onnx"):
+            if why.startswith("No Op registered") and node.domain == "ai.onnx" and onnx.defs.has(node.op_type):
+                todo = ("The domain is the default one spelled out, which onnx's checker and shape inference know only "
+                        "as '': set the node's domain to ''")
+            elif why.startswith("No Op registered") and node.domain in ("", "ai.onnx"):
                 todo = ("If it is a custom op, give it a domain of its own (and an opset_import for that domain); "
                         "otherwise re-export the model")
             elif why.startswith("No opset import for domain"):
@@ -732,10 +755,20 @@ def _check_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto],
                 _check_inference_hazards(n)
 
 
+UNNAMED_OUTPUT_CRASHES = frozenset({"BatchNormalization"})
+"""Default-domain ops onnxruntime (1.32) crashes on, a segmentation fault, when an output ONNX makes optional is
+left out with an empty name (a training BatchNormalization's running mean, before its running variance or not)."""
+
+
 def _check_unnamed_outputs(node: onnx.NodeProto, opsets: Mapping[str, int]) -> None:
     """An empty name stands for an optional output left out; onnx's checker lets it stand for any output, and
     onnxruntime crashed (a segmentation fault) running a Split whose second output had none."""
     domain = node.domain or ""
+    if node.op_type in UNNAMED_OUTPUT_CRASHES and domain in ("", "ai.onnx"):
+        i = list(node.output).index("")
+        raise InvalidModelError(f"node {describe(node)} leaves its output {i} unnamed: onnxruntime crashes (a "
+                                f"segmentation fault) running a {node.op_type} with an output left out that way. Give "
+                                "every output a name (graph outputs need not list them).")
     try:
         schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, 1), domain)
     except onnx.defs.SchemaError:
@@ -1163,6 +1196,49 @@ def without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
         elif t.name not in inputs:
             out.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return out
+
+
+def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with its model-local functions (onnxscript's, some exporters') expanded where they are called, or
+    `model` itself when it has none: rules differentiate the ops of their bodies, and the halves of a split, which
+    hold no function definitions, run. Big weights do not go through the inliner (it serializes the model)."""
+    if not model.functions:
+        return model
+    inlined = _inlined(without_weights(model), convert=False)
+    if _local_call(inlined) is not None:  # bodies at another opset than the model's: converted, which needs the
+        typed = infer_shapes_safely(inlined)  # types of the calls' inputs
+        if typed is not None:
+            inlined.graph.CopyFrom(typed)
+            inlined = _inlined(inlined, convert=True)
+    left = _local_call(inlined)
+    if left is not None:
+        raise InvalidModelError(f"node {describe(left)} calls the model-local function {left.domain}.{left.op_type}, "
+                                "which onnx's inliner left in place (its opsets cannot be converted to the model's). "
+                                f"{INLINE_TODO}.")
+    out = onnx.ModelProto()
+    _copy_fields(inlined, out, frozenset({"graph"}))
+    _copy_fields(inlined.graph, out.graph, frozenset({"initializer", "input"}))
+    out.graph.input.extend(model.graph.input)  # without_weights' stand-ins for the weights go again
+    out.graph.initializer.extend(model.graph.initializer)
+    return out
+
+
+INLINE_TODO = "Fix them, or inline them yourself (onnx.inliner.inline_local_functions)"
+
+
+def _inlined(model: onnx.ModelProto, convert: bool) -> onnx.ModelProto:
+    try:
+        return onnx.inliner.inline_local_functions(model, convert_version=convert)
+    except Exception as e:  # whatever a malformed function (or one inference could not type) makes the inliner raise
+        names = ", ".join(f"{f.domain}.{f.name}" for f in model.functions)
+        raise InvalidModelError(f"the model's local functions ({names}) cannot be inlined: {_first_line(e)}. "
+                                f"{INLINE_TODO}.") from None
+
+
+def _local_call(model: onnx.ModelProto) -> onnx.NodeProto | None:
+    """A node, at any depth, that calls one of the model's local functions."""
+    local = {(f.domain, f.name) for f in model.functions}
+    return next((n for n in graph_nodes(model.graph) if (n.domain, n.op_type) in local), None) if local else None
 
 
 DATA_PROP_MAX_LENGTH = 2**16

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 
 from .builder import read_metadata, resolve_request
 from .coverage import FLOAT_TYPES, ORT_TRAINING_OPS
-from .graph import ForwardGraph, TensorInfo, default_opset, info_from_type, load_model, type_name
+from .graph import ForwardGraph, TensorInfo, default_opset, info_from_type, inline_functions, load_model, type_name
 from .reachability import analyze, is_control_flow
 from .rules import registry
 from .split import split
@@ -223,7 +223,7 @@ def _rule_status(fg: ForwardGraph, k: int) -> str:
 
 
 def forward_report(m: onnx.ModelProto, dims: Mapping[str, int] = NO_DIMS) -> ForwardReport:
-    fg = ForwardGraph(m)
+    fg = ForwardGraph(inline_functions(m))
     # the request a plain `gradbuilder build` makes: every float parameter, every float output
     req = resolve_request(fg, None, None, None, ())
     seeds = list(req.outputs)

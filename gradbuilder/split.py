@@ -114,6 +114,8 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
                 bwd_inputs.append(Entry(x, "output_grad", output_index=i, full_shape=i in sig.full_shape))
             elif x in graph_input_set:
                 bwd_inputs.append(Entry(x, "input"))
+                if x in inits:  # an input with a default (IR < 4 style): what forward read when it was not fed
+                    bwd_inits.append(inits[x])
             elif x in inits:
                 if x in fwd_reads:
                     bwd_inputs.append(Entry(x, "initializer"))
@@ -135,8 +137,8 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
 
     typed: dict[str, onnx.ValueInfoProto] = {}  # the first typed declaration of each name, outputs first
     for cand in (*g.output, *g.input, *g.value_info):
-        if cand.type.tensor_type.elem_type:
-            typed.setdefault(cand.name, cand)
+        if cand.type.tensor_type.elem_type or cand.type.WhichOneof("value") not in (None, "tensor_type"):
+            typed.setdefault(cand.name, cand)  # a sequence, map or optional keeps its kind
 
     def vi(name: str) -> onnx.ValueInfoProto:
         cand = typed.get(name)

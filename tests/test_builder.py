@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from harness import Trainer
@@ -198,6 +199,104 @@ def test_unsupported_op_on_the_path_names_op_and_node():
     # off the gradient path it is fine: nothing is differentiated through it
     training = gradbuilder.build_gradient_graph(m, freeze=["W1"])
     assert gradbuilder.read_metadata(training)["gradients"] == {}
+
+
+def _with_local_functions(big: bool) -> onnx.ModelProto:
+    """y = Scaled(x, W1; alpha=0.5) with Scaled(a, b) = alpha * Act(a * b) and Act = Tanh: model-local functions
+    (as onnxscript writes them), one calling the other and reading an attribute, Act's body at opset 13 (the
+    model's is 17); z = Act(x) is off the gradient path. `big`: an unused 1 MB parameter U, which the inliner is
+    not given."""
+    local = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    act = helper.make_function("local", "Act", ["a"], ["c"], [helper.make_node("Tanh", ["a"], ["c"])],
+                               [helper.make_opsetid("", 13)])
+    alpha = helper.make_attribute_ref("value_float", onnx.AttributeProto.FLOAT)
+    alpha.ref_attr_name = "alpha"
+    scale = helper.make_node("Constant", [], ["s"])
+    scale.attribute.append(alpha)
+    scaled = helper.make_function("local", "Scaled", ["a", "b"], ["c"], [
+        helper.make_node("Mul", ["a", "b"], ["t"]), helper.make_node("Act", ["t"], ["u"], domain="local"), scale,
+        helper.make_node("Cast", ["s"], ["sd"], to=D), helper.make_node("Mul", ["u", "sd"], ["c"])], local, ["alpha"])
+    nodes = [helper.make_node("Scaled", ["x", "W1"], ["y"], domain="local", alpha=0.5),
+             helper.make_node("Act", ["x"], ["z"], domain="local")]
+    inits = {"W1": W1, **({"U": np.ones(2**17)} if big else {})}
+    m = model(nodes, [("x", D, [3, 4])], [("y", D, [3, 4]), ("z", D, [3, 4])], inits)
+    m.opset_import.append(helper.make_opsetid("local", 1))
+    m.functions.extend([act, scaled])
+    return m
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_local_functions_are_inlined(big):
+    """Model-local functions were taken for ops without a gradient rule on the path, and split's halves lost their
+    definitions (onnxruntime: "local:Act(-1) is not a registered function/op") off it."""
+    training = gradbuilder.build_gradient_graph(_with_local_functions(big))
+    assert not training.functions
+    assert gradbuilder.read_metadata(training)["gradients"] == {"W1": "W1_grad"}
+    cy, cz = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    outs, grads = Trainer(training).step({"x": X}, [cy, cz])
+    ref = grads_torch(lambda W1, x: (0.5 * torch.tanh(x * W1),), {"W1": W1}, {"x": X}, [cy])
+    np.testing.assert_allclose(outs[0], 0.5 * np.tanh(X * W1), rtol=1e-10)
+    np.testing.assert_allclose(outs[1], np.tanh(X), rtol=1e-10)
+    assert_grads(grads, ref)
+    assert {t.name for t in training.graph.initializer} >= ({"W1", "U"} if big else {"W1"})
+    assert "U" not in {i.name for i in training.graph.input}
+
+
+@pytest.mark.parametrize("names,kept", [(["twin", "twin"], ["twin", "twin_1"]),
+                                        (["grad/y2/Mul_node", "gradbuilder_yield"], None)])
+def test_node_names_are_made_unique(names, kept):
+    """onnxruntime refuses a model in which two nodes share a name: forward nodes named alike (which ONNX forbids
+    and its checker lets through), or named as the builder names the Yield and backward nodes, were kept so and
+    neither half of the split loaded."""
+    m = two_layer()
+    for n, name in zip(m.graph.node, names):
+        n.name = name
+    training = gradbuilder.build_gradient_graph(m)
+    given = [n.name for n in training.graph.node if n.name]
+    assert len(given) == len(set(given)) and given[:2] == (kept or names)
+    c = rng.standard_normal((3, 4))
+    _, grads = Trainer(training).step({"x": X}, [c])
+    assert_grads(grads, grads_torch(lambda W1, W2, x: (x * W1 * W2,), {"W1": W1, "W2": W2}, {"x": X}, [c]))
+
+
+def test_input_with_a_default_keeps_it_in_backward():
+    """W is an initializer also listed as a graph input (an overridable default, as keep_initializers_as_inputs
+    writes it): backward declared it a required input, so a host that fed forward nothing for W had nothing to give
+    backward either. It keeps the default, and a value fed to both halves still wins."""
+    nodes = [helper.make_node("Mul", ["x", "W"], ["h"]), helper.make_node("Tanh", ["h"], ["y"])]
+    m = model(nodes, [("x", D, [3, 4]), ("W", D, [3, 4])], [("y", D, [3, 4])], {"W": W1})
+    forward, backward, manifest = gradbuilder.split(gradbuilder.build_gradient_graph(m, wrt=["x"]))
+    assert ("W", "input") in [(e.name, e.role) for e in manifest.backward_inputs]
+    fwd, bwd = (ort.InferenceSession(h.SerializeToString(), providers=["CPUExecutionProvider"])
+                for h in (forward, backward))
+    c = rng.standard_normal((3, 4))
+    for w in (None, W2):
+        feeds = {"x": X} if w is None else {"x": X, "W": w}
+        env = dict(zip([e.name for e in manifest.forward_outputs], fwd.run(None, feeds)))
+        bfeeds = {e.name: c if e.role == "output_grad" else env.get(e.name, feeds.get(e.name))
+                  for e in manifest.backward_inputs}
+        (dx,) = bwd.run(None, {k: v for k, v in bfeeds.items() if v is not None})
+        ref = grads_torch(lambda x, W: (torch.tanh(x * W),), {"x": X}, {"W": W1 if w is None else w}, [c])
+        assert_grads({"x": dx}, ref)
+
+
+def test_sequence_output_gets_no_gradient():
+    """A sequence output (SequenceConstruct of y and x): taken for a float tensor of unknown type, the default build
+    refused it ("its element type is unknown... Declare the output's type", which it was), and split declared it a
+    tensor of type 0 in forward.onnx, which onnxruntime refuses to load."""
+    nodes = [helper.make_node("Mul", ["x", "W1"], ["y"]), helper.make_node("SequenceConstruct", ["y", "x"], ["seq"])]
+    m = model(nodes, [("x", D, [3, 4])], [("y", D, [3, 4])], {"W1": W1})
+    m.graph.output.append(helper.make_tensor_sequence_value_info("seq", D, [3, 4]))
+    training = gradbuilder.build_gradient_graph(m)
+    assert yield_sig(training).non_differentiable == (1,)
+    c = rng.standard_normal((3, 4))
+    outs, grads = Trainer(training).step({"x": X}, [c, None])
+    np.testing.assert_allclose(outs[1][1], X, rtol=1e-15)
+    assert_grads(grads, grads_torch(lambda W1, x: (x * W1,), {"W1": W1}, {"x": X}, [c]))
+    with pytest.raises(UnknownNameError, match="'seq' is a sequence, not a tensor"):
+        gradbuilder.build_gradient_graph(m, outputs=["y", "seq"])
+    with pytest.raises(LossError, match="'seq' is a sequence, not a tensor"):
+        gradbuilder.build_gradient_graph(m, loss="seq")
 
 
 def test_build_is_deterministic():

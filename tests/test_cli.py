@@ -180,6 +180,34 @@ def test_build_split_run_on_onnxruntime(capsys, files, tmp_path):
     assert json.loads((parts / "manifest.json").read_text()) == manifest
 
 
+def test_split_without_gradients_says_backward_is_empty(capsys, files, tmp_path):
+    """Everything frozen: backward.onnx has no outputs, which onnxruntime refuses to load with an obscure message
+    ("OrtValue indexes should have been populated"); split says so."""
+    training = tmp_path / "training.onnx"
+    assert run(capsys, ["-q", "build", files["tiny"], "-o", training, "--freeze", "W", "b", "F", "U"])[0] == 0
+    rc, out, err = run(capsys, ["split", training, "-o", tmp_path / "parts"])
+    assert rc == 0, err
+    assert "note: no tensor gets a gradient" in out and "run forward.onnx alone" in out
+    rc, out, err = run(capsys, ["split", files["training"], "-o", tmp_path / "other"])
+    assert rc == 0 and "note" not in out, err
+
+
+def test_build_of_weights_in_constant_nodes_says_why_nothing_is_differentiated(capsys, tmp_path):
+    """Weights written as Constant nodes (some exporters'): the default build differentiates float initializers, so
+    it made no gradient and printed only "wrote ...: 0 backward nodes"."""
+    x = helper.make_tensor_value_info("x", TP.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TP.FLOAT, [2, 4])
+    nodes = [helper.make_node("Constant", [], ["W"], value=_f32("w", np.ones((3, 4)))),
+             helper.make_node("MatMul", ["x", "W"], ["y"])]
+    path = _save(_model(nodes, [x], [y]), tmp_path / "m.onnx")
+    rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "t.onnx"])
+    assert rc == 0, err
+    assert out.startswith("note: nothing was differentiated: the model has no float initializer") and (
+        "1 Constant node holds float values (W), perhaps its weights" in out and "--wrt" in out), out
+    rc, out, err = run(capsys, ["build", path, "-o", tmp_path / "t.onnx", "--wrt", "W"])
+    assert rc == 0 and out.startswith("W: gradient W_grad"), err
+
+
 def test_loss_and_outputs(capsys, files, tmp_path):
     rc, out, err = run(capsys, ["build", files["loss"], "-o", tmp_path / "l.onnx", "--loss", "loss",
                                 "--outputs", "y"])
@@ -252,6 +280,16 @@ def test_inspect_training(capsys, files):
 
     rc, out, _ = run(capsys, ["inspect", files["training"], "--dim", "batch=1000"])
     assert "stashed for backward (1 tensor, 12,000 B (11.7 KiB) at batch=1000):" in out
+
+
+def test_inspect_dim_named_with_an_equals_sign(capsys, tmp_path):
+    """`--dim NAME=N` splits at the last '=': symbolic dims may be named anything, 'a=b' too."""
+    x = helper.make_tensor_value_info("x", TP.FLOAT, ["a=b", 3])
+    m = _model([helper.make_node("Mul", ["x", "W"], ["y"])], [x], [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+               [_f32("W", [1, 2, 3])])
+    rc, out, err = run(capsys, ["inspect", _save(m, tmp_path / "m.onnx"), "--dim", "a=b=10"])
+    assert rc == 0, err
+    assert "  x  FLOAT  [a=b, 3]  120 B" in out
 
 
 def test_inspect_json(capsys, files):
