@@ -35,7 +35,6 @@ import gc
 import sys
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,6 +46,7 @@ from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
 from .edits import FORWARD_HOOKS
+from .stores import Store, Taken, Watching
 from .structure import Spec, flatten, unflatten
 
 
@@ -101,15 +101,13 @@ class HookCall:
 @dataclass
 class Replay:
     """The hook calls of one export, to run again after each of its calls on the call's outputs, and the tensors its
-    forward stored in plain attributes, set again before them."""
+    forward stored in its modules' attributes, lists and dicts, done again before them (`stores.py`)."""
 
     calls: tuple[HookCall, ...]
     names: tuple[str, ...]
-    """A name per extra graph output (`attribute.<module path>.<name>`, `hooked.<module path>`): the stored and
+    """A name per extra graph output (`stored.<module path>.<attribute>`, `hooked.<module path>`): the stored and
     received tensors that are not the result's."""
-    stores: tuple[tuple[nn.Module, str, int], ...] = ()
-    """(module, attribute, output index): tensors the forward stored in a module's plain attribute (an MoE layer's
-    `self.aux_loss`, attention kept for plotting), which torch's module holds from each call: the graph's values."""
+    stores: tuple[Store, ...] = ()
 
     @functools.cached_property
     def received(self) -> tuple[int, ...]:
@@ -117,9 +115,8 @@ class Replay:
 
     def __call__(self, values: Sequence[torch.Tensor]) -> None:
         """Run the hooks on `values`, the call's outputs (the result's tensors, then the extra ones)."""
-        for module, name, i in self.stores:  # first: a hook may read them (`aux.append(m.aux_loss)`)
-            setattr(module, name, values[i])
-            _stored_by_replays[id(values[i])] = values[i]
+        for store in self.stores:  # first: a hook may read them (`aux.append(m.aux_loss)`)
+            store.apply(values)
         versions = [values[i]._version for i in self.received]
         for c in self.calls:
             if c.hid not in c.registry:  # removed since (a one-shot hook, by its run at an earlier call)
@@ -159,12 +156,14 @@ class Recorder:
     """The tensors the hooks computed (`output.detach()`, a statistic), which they may have stored too."""
     failed: str = ""
     """The path of the module whose hook raised."""
-    attributes: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
-    """Tensors the forward itself stored in modules' plain attributes (not its hooks: `stored`), put back after the
-    run and set by each call's replay."""
+    taken: list[Taken] = field(default_factory=list)
+    """What the forward itself stored in its modules' attributes, lists and dicts (its hooks': `stored`), taken back
+    after the run and done again by each call's replay."""
     replaced: list[str] = field(default_factory=list)
     """The paths of those without grad that replaced a value no replay had set (`self.h = h.detach()` over the
     `self.h = None` of `__init__`): state, if the forward reads it, which the graph holds as a constant."""
+    watching: Watching | None = None
+    """The modules' attributes, lists and dicts before the run: what the hooks put there is theirs."""
     stored: dict[tuple[int, str], tuple[nn.Module, str, Any]] = field(default_factory=dict)
     """Attributes of hooked modules that the hooks set (`module.features = output`, `module.calls += 1`), with their
     values before: put back after the run, as each call's replay sets them (dynamo fails on a module holding its fake
@@ -187,7 +186,8 @@ class Recorder:
             before = dict(vars(module))
             _running.depth += 1
             try:
-                with _Made(self.made), warnings.catch_warnings(record=True) as caught:
+                with _Made(self.made), warnings.catch_warnings(record=True) as caught, \
+                        self.watching.hook_running() if self.watching is not None else contextlib.nullcontext():
                     warnings.simplefilter("always")
                     result = hook(module, *arguments)
             except Exception:
@@ -210,7 +210,7 @@ class Recorder:
     def replay(self, result: Sequence[torch.Tensor]) -> tuple[Replay | None, list[torch.Tensor]]:
         """The replay of these calls and stores on outputs `result` + the extra tensors it returns: the stored and
         received tensors that are not among the result's."""
-        if not self.calls and not self.attributes:
+        if not self.calls and not self.taken:
             return None, []
         position = {id(t): i for i, t in enumerate(result)}
         extra: list[torch.Tensor] = []
@@ -223,16 +223,15 @@ class Recorder:
                 names.append(name)
             return position[id(t)]
 
-        stores = tuple((m, k, placed(t, ".".join(filter(None, ("attribute", self.paths.get(id(m)), k)))))
-                       for m, k, t in self.attributes)
+        stores = []
+        for t in self.taken:
+            leaves, spec = flatten(t.value)
+            name = f"stored.{t.where(self.paths.get(id(t.module), ''))}"
+            stores.append(Store(t.module, t.name, t.key, spec, tuple(placed(x, name) for x in leaves)))
         owner_path = {j: c.path for c in self.calls for j in c.indices}
         where = [placed(t, ".".join(filter(None, ("hooked", owner_path[j])))) for j, t in enumerate(self.tensors)]
         calls = tuple(replace(c, indices=tuple(where[j] for j in c.indices)) for c in self.calls)
-        return Replay(calls, tuple(names), stores), extra
-
-
-_stored_by_replays: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-"""The tensors replays stored in attributes: an export finding one there finds a value of the previous call."""
+        return Replay(calls, tuple(names), tuple(stores)), extra
 
 
 class _Running(threading.local):
@@ -313,9 +312,9 @@ def recorded(module: nn.Module) -> Iterator[Recorder]:
     """The user's forward hooks on `module`, its submodules and torch's global ones record their calls while the
     block runs. The hooks removed while it ran are put back after it: a one-shot hook that removed itself does so
     again at the call's replay, and the export's next run meets it too."""
-    recorder = Recorder({id(m): name for name, m in module.named_modules()})
+    watching = Watching(module)
+    recorder = Recorder({id(m): name for name, m in module.named_modules()}, watching=watching)
     registries = [(d, dict(d)) for d in _registries(module)]
-    attributes = [(m, dict(vars(m))) for m in module.modules()]
     for _, owner, hooks, hid in user_hooks(module, FORWARD_HOOKS):
         hooks[hid] = recorder.wrapped(hooks[hid], owner, hooks, hid)
     try:
@@ -332,13 +331,7 @@ def recorded(module: nn.Module) -> Iterator[Recorder]:
                 delattr(module, name)
             else:
                 setattr(module, name, value)
-        for m, before in attributes:  # the forward's own stores: dynamo's fake tensors, the trace's, left nowhere
-            for k, v in list(vars(m).items()):
-                if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v and not isinstance(v, nn.Parameter):
-                    recorder.attributes.append((m, k, v))
-                    if k in before:
-                        if not v.requires_grad and _stored_by_replays.get(id(before[k]), _MISSING) is not before[k]:
-                            recorder.replaced.append(".".join(filter(None, (recorder.paths.get(id(m)), k))))
-                        vars(m)[k] = before[k]
-                    else:
-                        del vars(m)[k]
+        for taken in watching.taken():  # the forward's own stores: dynamo's fake tensors, the trace's, left nowhere
+            recorder.taken.append(taken)
+            if watching.replaced(taken):
+                recorder.replaced.append(taken.where(recorder.paths.get(id(taken.module), "")))

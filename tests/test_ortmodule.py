@@ -1217,26 +1217,33 @@ class _MoE(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.gate, self.experts = nn.Linear(8, 4), nn.Linear(8, 8)
+        self.maps: list[tuple[str, torch.Tensor]] = []
+        self.load: dict[str, torch.Tensor] = {}
+        self.outs: list[torch.Tensor] = []  # a hook's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = self.gate(x).softmax(-1)
         self.aux_loss = probs.mean(0).pow(2).sum() * 4
         self.routing = probs.argmax(-1)  # the expert each token went to
+        self.maps.append(("probs", probs))
+        self.load["mean"] = probs.mean(0)
         return self.experts(x) * probs.max(-1, keepdim=True).values
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_tensors_the_forward_stores_in_attributes_are_each_call_s(exporter: str) -> None:
     """`self.aux_loss = ...` in a forward kept the export's tensor (dynamo's a FakeTensor): stale from the third call,
-    and a loss adding it failed with "backward through the graph a second time". Such tensors are now outputs of the
-    graph, set after each call before the hooks run (one collecting every layer's aux loss reads them), and their
-    gradients join the graph's."""
+    and a loss adding it failed with "backward through the graph a second time"; a list it appended to grew once.
+    Tensors stored in attributes, appended to lists and set in dicts the modules hold are now outputs of the graph,
+    stored after each call before the hooks run (one collecting every layer's aux loss reads them; one appending to
+    a module's list does it itself), and their gradients join the graph's."""
     torch.manual_seed(0)
     net = nn.Sequential(_MoE(), nn.ReLU(), _MoE())
     ref, om = copy.deepcopy(net), ORTModule(copy.deepcopy(net), exporter=exporter)
     collected: dict[str, list[torch.Tensor]] = {"ours": [], "torch": []}
     for who, model in (("ours", om.module), ("torch", ref)):
         model[2].register_forward_hook(lambda m, args, out, who=who: collected[who].append(m.aux_loss))
+        model[0].register_forward_hook(lambda m, args, out: m.outs.append(out))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ExportWarning)
         for batch in (16, 16, 16, 9):
@@ -1245,13 +1252,18 @@ def test_tensors_the_forward_stores_in_attributes_are_each_call_s(exporter: str)
                 m.zero_grad()
                 layers = m.module if m is om else m
                 out = m(x)
-                (out.square().mean() + 0.1 * (layers[0].aux_loss + layers[2].aux_loss)).backward()
+                (out.square().mean() + 0.1 * (layers[0].aux_loss + layers[2].aux_loss)
+                 + layers[0].maps[-1][1].std() + layers[2].load["mean"].max() + layers[0].outs[-1].mean()).backward()
                 assert not layers[0].routing.requires_grad
             assert_grads_equal(om, ref, rtol=1e-4, atol=1e-6)
             for ours, theirs in zip(om.module, ref):
                 if isinstance(ours, _MoE):
                     torch.testing.assert_close(ours.aux_loss, theirs.aux_loss)
                     torch.testing.assert_close(ours.routing, theirs.routing)
+                    assert [name for name, _ in ours.maps] == [name for name, _ in theirs.maps]
+                    torch.testing.assert_close([t for _, t in ours.maps], [t for _, t in theirs.maps])
+                    torch.testing.assert_close(ours.load, theirs.load)
+                    torch.testing.assert_close(ours.outs, theirs.outs)
     torch.testing.assert_close(torch.stack(collected["ours"]), torch.stack(collected["torch"]))
 
 
