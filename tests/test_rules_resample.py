@@ -416,6 +416,26 @@ def test_grid_sample(mode: str, align: int, padding: str) -> None:
 
 
 @pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("padding", ["border", "reflection"])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_grid_sample_on_the_borders(rank: int, align: int, padding: str) -> None:
+    """Grid points exactly on the first and last centres (an identity transform's edges) and reflected onto them
+    get no grid gradient from border or reflection padding along that axis: torch counts the borders as outside
+    (clip_coordinates_set_grad); interior integral points keep theirs."""
+    size = 4
+    first, last = (-1.0, 1.0) if align else (-1 + 1 / size, 1 - 1 / size)  # the centres of positions 0 and 3
+    step = (last - first) / (size - 1)
+    beyond = 3.0 if align else 1.25  # positions 6 and -3 (align) or 4 and -1: reflected onto a centre on the border
+    values = np.array([first, first + step, last, beyond, -beyond, 0.3], np.float32)
+    rng = np.random.default_rng(5)
+    grid = rng.choice(values, (2, 3) + (4,) * (rank - 1) + (rank,)).astype(np.float32)
+    x = rng.standard_normal((2, 2) + (size,) * rank).astype(np.float32)
+    check_op("GridSample", [("x", x), ("grid", grid)],
+             lambda a, b: F.grid_sample(a, b, mode="bilinear", padding_mode=padding, align_corners=bool(align)),
+             fd=False, opset=20, mode="linear", padding_mode=padding, align_corners=align)
+
+
+@pytest.mark.parametrize("align", [0, 1])
 @pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
 @pytest.mark.parametrize("mode", ["linear", "nearest"])
 def test_grid_sample_volumetric(mode: str, align: int, padding: str) -> None:

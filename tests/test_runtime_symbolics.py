@@ -7,7 +7,8 @@ over every axis (float32 in float64), float32 constants in float64 (log2, elu, .
 inverse, fmax / fmin, median's and clamp's ties (tensor bounds), div's floor mode, scatter_reduce (Ifs declaring wrong
 sizes), repeat_interleave by a tensor (a Loop), amax / amin, max of every element and argmax (NaN dropped), round
 to decimals and addmm (float32 constants in float64), addbmm, frac, movedim (negative dims), embedding's
-padding_idx, integers clamped by floats and cumsum of a 0-d tensor. The float64 entries hold to `DOUBLE_RTOL`."""
+padding_idx, integers clamped by floats, cumsum of a 0-d tensor, attention with a query masked out and xlogy's
+gradient at x = 0. The float64 entries hold to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from parity import check_parity
+from parity import check_parity, sgd
 from torch import nn
 from torch.nn import functional as F
 from torch.onnx import _constants
@@ -93,6 +94,19 @@ def _nan_rows(h: torch.Tensor) -> torch.Tensor:
     return torch.where(ROWS[:, None], h.detach().masked_fill(NANS, NAN), h)
 
 
+ATTEND = torch.tensor([[True, False, True, False], [False] * 4, [True] * 4, [False, False, False, True]])
+"""Which keys each of 4 queries attends to: the second none (torch's attention gives it zeros, and no gradient)."""
+
+
+def _attended(h: torch.Tensor) -> torch.Tensor:
+    """Attention of h's 4 rows (queries and keys from halves of them) under `ATTEND`, as a boolean and as a float
+    mask (-inf)."""
+    q, k, v = h[None, :, :3], h[None, :, 3:], h[None]
+    blocked = torch.zeros(4, 4, dtype=h.dtype).masked_fill(~ATTEND, -INF)
+    return (F.scaled_dot_product_attention(q, k, v, attn_mask=ATTEND)
+            + F.scaled_dot_product_attention(q, k, v, attn_mask=blocked, scale=0.7))[0]
+
+
 def _with_info(result: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """inv_ex's inverse scaled by 1 + info (int32 zeros of the batch shape): info's type and shape must hold."""
     inverse, info = result
@@ -107,6 +121,9 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "logaddexp": lambda h: torch.logaddexp(h, h.flip(1)) + torch.logaddexp(h, h.clone()),  # ties: half each
     "logaddexp2": lambda h: torch.logaddexp2(h, 3 * h.flip(1)),
     "xlogy": lambda h: torch.special.xlogy(h * (h > 0), h.abs() + 0.1) + torch.xlogy(h, 2.0),
+    # x = 0 with a gradient (straight through): x's is log(y) there, 0 where also y <= 0
+    "xlogy at x = 0": lambda h: torch.xlogy(h - h.detach(), h.abs() + 0.1) + torch.xlogy(h - h.detach(), h),
+    "attention with a query masked out": _attended,
     "addmv": lambda h: torch.addmv(h[0], MATRIX, h[1], beta=0.5, alpha=3) + torch.addmv(h[2], MATRIX, h[3], beta=0),
     "addr": lambda h: torch.addr(MATRIX, h[0], h[1], beta=2, alpha=0.5),
     "sgn": lambda h: torch.sgn(h) * h,
@@ -254,7 +271,7 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "movedim with negative dims": lambda h: (h.reshape(-1, 2, 3).movedim(-1, 1).reshape(-1, 6)
                                              + torch.moveaxis(h.reshape(-1, 2, 3), (0, -1), (-1, 1)).reshape(6, -1).T),
 }
-DOUBLE = ["frac", "clamp of integers by floats", "amax, amin, aminmax, max of every element with NaN",
+DOUBLE = ["frac", "xlogy at x = 0", "clamp of integers by floats", "amax, amin, aminmax, max of every element with NaN",
           "round with decimals", "addmm, addbmm", "floor_divide", "floor_divide of ints",
           "logaddexp of -infs", "logcumsumexp", "max, min along a dim with ties", "max, min along a dim with NaN",
           "logaddexp2", "var, std over every axis", "var, std along dims", "log2, log10, addcmul",
@@ -433,3 +450,23 @@ def test_nearest_exact_trains_like_torch(dims: int, resize: dict) -> None:
     g = torch.Generator().manual_seed(dims)
     batches = [(torch.randn(2, 2, *[9, 8, 6][:dims], generator=g),) for _ in range(3)]
     check_parity(Net, batches, lambda m, b: m(*b), threads=1)
+
+
+def test_encoder_layer_with_a_padded_out_sequence_trains_like_torch() -> None:
+    """A batch with a sequence all padding (nn.MultiheadAttention's float -inf mask empties its rows): torch's
+    attention gives its queries zeros (no NaN), and so must ours, at the first call (the export's check) and at
+    later ones with other lengths. SGD: Adam's first step turns rounding noise into full-size steps."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+        def forward(self, x: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+            return self.layer(x, src_key_padding_mask=padded).square().mean()
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [(3, 0), (0, 5), (2, 0)]
+    batches = [(torch.randn(2, 5, 8, generator=g), torch.arange(5)[None, :] >= torch.tensor(n)[:, None])
+               for n in lengths]
+    check_parity(Net, batches, lambda m, b: m(*b), sgd, threads=1)

@@ -307,10 +307,13 @@ def _unnormalize(g: Grad, coord: str, size: str, align: bool, like: str) -> tupl
     return g.Mul(g.Sub(g.Mul(g.Add(coord, one), size), one), half), scale
 
 
-def _clip(g: Grad, pos: str, size: str, like: str) -> tuple[str, str]:
-    """(pos clipped into [0, size - 1], whether it was inside (bool); `like`: a forward tensor of pos' type)."""
+def _clip(g: Grad, pos: str, size: str, like: str, strict: bool = False) -> tuple[str, str]:
+    """(pos clipped into [0, size - 1], whether it was inside (bool); `like`: a forward tensor of pos' type).
+    `strict` counts the borders themselves as outside, as torch's clip_coordinates_set_grad does for the
+    gradient of padding (a grid point exactly on the first or last centre gets none)."""
     zero, last = g.const(0.0, like=like), g.Sub(size, g.const(1.0, like=like))
-    inside = g.And(g.GreaterOrEqual(pos, zero), g.LessOrEqual(pos, last))
+    above, below = ("Greater", "Less") if strict else ("GreaterOrEqual", "LessOrEqual")
+    inside = g.And(g.op(above, pos, zero), g.op(below, pos, last))
     return g.Min(g.Max(pos, zero), last), inside
 
 
@@ -340,7 +343,7 @@ def _padded(g: Grad, pos: str, size: str, padding: str, align: bool, like: str) 
     mult = None
     if padding == "reflection":
         pos, mult = _reflect(g, pos, size, align, like)
-    pos, inside = _clip(g, pos, size, like)
+    pos, inside = _clip(g, pos, size, like, strict=True)
     inside = g.Cast(inside, to=g.dtype(like))
     return pos, inside if mult is None else g.Mul(mult, inside)
 
