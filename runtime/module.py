@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -190,6 +190,12 @@ class ORTModule(nn.Module):
         module's own class (`isinstance(m, Net)`, a wrapped nn.Linear) never met it behind the wrapper."""
         self._original.apply(fn)
         return self
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+                      ) -> Iterator[tuple[str, nn.Module]]:
+        """The wrapped module's, which stands in the wrapper's place: `for m in model.modules(): if isinstance(m,
+        nn.Linear): init(m)` never met a wrapped nn.Linear. The parameters and buffers are the same."""
+        return self._original.named_modules(memo, prefix, remove_duplicate)
 
     def train(self, mode: bool = True) -> ORTModule:
         super().train(mode)

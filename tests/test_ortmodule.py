@@ -766,6 +766,15 @@ def test_apply_and_the_training_flag_reach_the_wrapped_module() -> None:
     om.training = False
     assert not om.module.training
     torch.testing.assert_close(om(x), om.module.fc(x) - 1)
+    # an init loop over modules() (a wrapped nn.Linear was never among them) and a module nested in torch's
+    for m in lone.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.constant_(m.weight, -1.0)
+    assert (lone.module.weight == -1).all()
+    outer = nn.Sequential(om, nn.ReLU())
+    assert [(name, type(m).__name__) for name, m in outer.named_modules()] == [
+        ("", "Sequential"), ("0", "Shifted"), ("0.fc", "Linear"), ("1", "ReLU")]
+    assert [name for name, _ in outer.named_parameters()] == ["0.shift", "0.fc.weight", "0.fc.bias"]
 
 
 def test_train_and_eval_modes() -> None:
