@@ -61,7 +61,7 @@ from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .patching import replaced, untraced
 from .scalars import Scalars
 from .size_guards import SizeGuards
-from .structure import Const, Node, Spec, constants, flatten, tensor_paths, unflatten
+from .structure import Const, Node, Spec, constants, flatten, numbers_marked, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
 DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
@@ -231,7 +231,9 @@ class _Flat(nn.Module):
                 self._result["raised"] = e  # the forward's own error, which torch's call raises too
                 self._result["hook_failed"] = hooks.failed
                 raise
-        flat, self._result["spec"] = flatten(out)
+        flat, spec = flatten(out)
+        numbers = {i: _python_type(t) for i, t in enumerate(flat) if legacy and _traced_number(t)}
+        self._result["spec"] = numbers_marked(spec, numbers) if numbers else spec
         self._result["hooks"], extra = hooks.replay(flat)
         flat += extra  # as they are at the end of the forward, as torch's hooks hold them by then
         self._result.setdefault("hook_runs", []).append([*hooks.tensors, *hooks.made])
@@ -249,6 +251,28 @@ class _Flat(nn.Module):
             copies = [b.detach().clone() for b in updated]
         self._result["outputs"] = [*flat, *copies]  # the values torch computed (the tracer runs the module eagerly)
         return (*flat, *updated)
+
+
+def _traced_number(t: torch.Tensor) -> bool:
+    """Whether the legacy exporter's trace made `t` of a Python number: sizes (`x.shape[0]`, which tracing returns
+    as a tensor) and what arithmetic on them and constants computes. Stops at the first input that is neither."""
+    try:
+        stack = [torch._C._get_value_trace(t).node()]
+    except RuntimeError:  # not traced
+        return False
+    while stack:
+        node = stack.pop()
+        if node.kind() == "prim::NumToTensor":
+            continue
+        computed = [i.node() for i in node.inputs() if i.node().kind() != "prim::Constant"]
+        if not node.kind().startswith("aten::") or not computed:
+            return False
+        stack += computed
+    return True
+
+
+def _python_type(t: torch.Tensor) -> type:
+    return bool if t.dtype == torch.bool else float if t.is_floating_point() else int
 
 
 @contextlib.contextmanager

@@ -25,6 +25,14 @@ class Leaf:
 
 
 @dataclass(frozen=True)
+class Number(Leaf):
+    """A Python number the legacy exporter's trace made a 0-d tensor of (`x.shape[0]`, arithmetic on sizes): given
+    back as the `kind` (int, float or bool) eager torch returns."""
+
+    kind: type
+
+
+@dataclass(frozen=True)
 class Const:
     value: Any
 
@@ -100,7 +108,8 @@ def _spec(x: Any, leaves: list[torch.Tensor]) -> Spec:
 def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:
     """Rebuild the value `flatten` took apart, with `leaves` in place of its tensors."""
     if isinstance(spec, Leaf):
-        return leaves[spec.index]
+        value = leaves[spec.index]
+        return spec.kind(value) if isinstance(spec, Number) and isinstance(value, torch.Tensor) else value
     if isinstance(spec, Const):
         return spec.value
     items = [unflatten(c, leaves) for c in spec.children]
@@ -117,6 +126,15 @@ def unflatten(spec: Spec, leaves: Sequence[Any]) -> Any:
     if issubclass(kind, tuple) and hasattr(kind, "_fields"):
         return kind(*items)
     return kind(items)
+
+
+def numbers_marked(spec: Spec, numbers: Mapping[int, type]) -> Spec:
+    """`spec` with the leaves at these positions `Number`s of these kinds."""
+    if isinstance(spec, Leaf):
+        return Number(spec.index, numbers[spec.index]) if spec.index in numbers else spec
+    if isinstance(spec, Const):
+        return spec
+    return Node(spec.kind, spec.keys, tuple(numbers_marked(c, numbers) for c in spec.children))
 
 
 def _dataclass(kind: type, values: dict[str, Any]) -> Any:

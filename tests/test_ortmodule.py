@@ -2906,3 +2906,22 @@ def test_the_module_s_own_forward_pre_hooks_see_its_positional_inputs() -> None:
     ref, om = models[0], ORTModule(models[1])
     x = torch.randn(4, 5)
     torch.testing.assert_close(om(x), ref(x))
+
+
+def test_python_numbers_from_sizes_are_returned_as_numbers() -> None:
+    """`return y, x.shape[0]` (a token count beside the output): the legacy trace made the size a tensor, and every
+    call returned a 0-d tensor where torch returns an int (json.dumps failed, `total += n` became a tensor). Numbers
+    computed from sizes come back as the int, float or bool torch returns; a 0-d tensor stays one."""
+    class Counted(nn.Linear):
+        def forward(self, x: torch.Tensor) -> tuple:
+            y = super().forward(x)
+            return y, x.shape[0], x.shape[1] * 2 + 1, x.shape[0] / 4, x.shape[0] > 3, (y.argmax(-1) == 0).sum()
+
+    model = Counted(4, 2)
+    ref, om = copy.deepcopy(model), ORTModule(model)
+    for batch in (3, 3, 5):
+        x = torch.randn(batch, 4)
+        got, want = om(x), ref(x)
+        assert [type(v) for v in got] == [type(v) for v in want] == [torch.Tensor, int, int, float, bool, torch.Tensor]
+        assert got[1:5] == want[1:5]
+        torch.testing.assert_close(got[0], want[0])
