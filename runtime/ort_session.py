@@ -143,6 +143,13 @@ RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifor
 """onnxruntime's random ops besides Dropout: each session draws from its own generators."""
 
 
+def _half_precision(model: onnx.ModelProto) -> bool:
+    """Whether the graph casts to bfloat16 or float16 somewhere."""
+    half = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
+    return any(n.op_type == "Cast" and any(a.name == "to" and a.i in half for a in n.attribute)
+               for n in model.graph.node)
+
+
 class Runner:
     """A created-once onnxruntime session plus its input and output names."""
 
@@ -153,6 +160,12 @@ class Runner:
         try:
             self.session = _session(data, config, disabled)
         except Exception as e:  # onnxruntime raises its own zoo of types
+            if "Could not find an implementation" in str(e) and _half_precision(model):
+                raise SessionLoadError(
+                    f"onnxruntime cannot load the {what} model: {e} The graph computes in bfloat16 or float16 "
+                    "(a torch.autocast or .bfloat16()/.half() inside the forward), which onnxruntime's CPU kernels "
+                    "mostly do not: compute in float32 (ORTModule runs autocast around the call in float32 already), "
+                    "or run the module in torch.") from e
             config = self._unoptimized(data, config, disabled, e)
         self._c = self.session._sess
         self._run_options = C.RunOptions()

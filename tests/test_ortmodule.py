@@ -1643,6 +1643,14 @@ def test_autocast_runs_in_float32() -> None:
     ref(x).sum().backward()
     assert_grads_equal(om, ref)
 
+    class Inside(nn.Linear):  # an autocast inside the forward: onnxruntime's kernels refused "Gemm(13)", nothing more
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return super().forward(x).float()
+
+    with pytest.raises(ORTModuleError, match=r"Gemm.*computes in bfloat16 or float16 \(a torch.autocast"):
+        ORTModule(Inside(6, 2))(x).sum().backward()
+
 
 def test_sparse_embedding_gradients_as_torch() -> None:
     """nn.Embedding(sparse=True) and EmbeddingBag(sparse=True): sparse gradients, as torch's, so SparseAdam
