@@ -33,6 +33,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 import gradbuilder
+from gradbuilder.errors import InvalidModelError
 
 from . import checks, declared, exchange, fused, lowering, passes
 from .exchange import Tensor
@@ -227,6 +228,12 @@ class TrainingSession:
 
     def _setup(self, source: onnx.ModelProto, spec: BuildSpec, full: Program, config: SessionConfig,
                specialise: bool, save_dir: str | os.PathLike | None, rows: int | None = None) -> None:
+        other = next((o for o in source.graph.output if o.type.WhichOneof("value") not in (None, "tensor_type")), None)
+        if other is not None:  # DLPack and torch exchange tensors only
+            raise InvalidModelError(
+                f"graph output '{other.name}' is a {other.type.WhichOneof('value').removesuffix('_type')}, not a "
+                "tensor: TrainingSession exchanges tensors only. Leave it out of the graph outputs (or take its "
+                "elements out as tensors, SequenceAt), or run the split halves with onnxruntime itself.")
         self.source = source
         self.spec = spec
         self.full = full

@@ -435,3 +435,16 @@ def test_a_graph_onnxruntime_optimizes_wrong_runs_unoptimized() -> None:
     with pytest.raises(SessionLoadError, match=r"cannot load the test model: .*Frobnicate"):  # unoptimized neither
         Runner(helper.make_model(unknown, opset_imports=[helper.make_opsetid("", 18)]), SessionConfig(threads=1),
                "test")
+
+
+def test_a_sequence_output_is_refused_by_name() -> None:
+    """The builder now leaves a sequence output out of the gradients; the session's forward then failed in DLPack
+    ("Only tensor type OrtValues are supported") at its first run. Refused when the session is made, named."""
+    nodes = [helper.make_node("Mul", ["x", "w"], ["y"]), helper.make_node("SplitToSequence", ["y"], ["parts"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+                               helper.make_tensor_sequence_value_info("parts", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("w", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(InvalidModelError, match="graph output 'parts' is a sequence, not a tensor"):
+        TrainingSession.from_forward(model)
