@@ -67,10 +67,12 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - softplus with a threshold below 20 (the exporter drops it): x where beta x exceeds it, else softplus;
 - log-sigmoid as -softplus(-x) (the exporter's log of a sigmoid is -inf below x ~ -17);
 - threshold(x, t, v): x where x > t, else v;
+- nan_to_num of a 0-d tensor (a loss kept finite): on one element, then 0-d (the legacy exporter's is 1-D);
 - convolutions padded "same" with a dilation: torch's pads, dilation * (kernel - 1) per axis, half before and the
   rest after, explicit (the odd one a zero Pad);
-- gaussian NLL: variances below eps given as eps plus a zero carrying their gradient (a StopGradient; the dynamo
-  exporter, which holds none, keeps clamp_min's), torch's clamp then a no-op;
+- gaussian NLL: torch's formula, variances below eps given as eps plus a zero carrying their gradient (a
+  StopGradient; the dynamo exporter, which holds none, keeps clamp_min's), without torch's check of negative
+  variances (a branch on values, which dynamo cannot export; torch's run before the export makes it);
 - max unpooling: each value scattered to its flat index in a zero map of the output's size (given, or the pool's
   input size computed from the run-time input), as torch's kernel;
 - attention with fewer key/value heads than query heads (`enable_gqa`, Mistral's and LLaMA 3's grouped-query
@@ -424,18 +426,42 @@ def _floored(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(x < eps, x - x.detach() + eps, x)
 
 
-def _gaussian_nll_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """gaussian_nll_loss with torch's gradient where the variance is below eps: torch clamps a clone of it in place
-    under no_grad, so the clamped entries keep the gradient 1 (as if unclamped), where the exported Clip passes none
-    (silently, from the first step a variance falls below eps). Here it comes `_floored` already (torch's clamp then
-    changes nothing)."""
-    def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: torch.Tensor | float, full: bool = False,
-                          eps: float = 1e-6, reduction: str = "mean") -> torch.Tensor:
-        if isinstance(var, torch.Tensor) and var.requires_grad:
-            var = _floored(var, eps)
-        return original(input, target, var, full, eps, reduction)
+def exact(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A Python number as a tensor of `like`'s dtype and rank (one element) that both exporters keep at its value:
+    the legacy exporter writes a number, or a 0-d tensor, met with a traced size in float32, and dynamo's float64
+    constants are read back from float32 at their shortest decimal (2 pi becomes 6.2831855): ~1e-8 off in a
+    float64 loss. A 1-element `torch.tensor` keeps both (quietly: torch.full's number is float32 too)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return torch.tensor([value], dtype=like.dtype).reshape([1] * like.dim())
 
-    return gaussian_nll_loss
+
+def _checked_sizes(x: torch.Tensor) -> list[Any]:
+    """x's sizes for a check of shapes: Python ints under the legacy trace (quietly), dynamo's symbols else."""
+    return [_python_int(n) for n in x.shape] if torch.jit.is_tracing() else list(x.shape)
+
+
+def _gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: torch.Tensor | float, full: bool = False,
+                       eps: float = 1e-6, reduction: str = "mean") -> torch.Tensor:
+    """torch's gaussian_nll_loss written out: torch's checks `torch.any(var < 0)`, a branch on values that dynamo
+    cannot export (the eager run before its export raises torch's error), and clamps a clone of the variance in
+    place under no_grad, so the entries below eps keep the gradient 1 (as if unclamped), where the exported Clip
+    passes none (silently, from the first step a variance falls below eps): here `_floored`."""
+    if not isinstance(var, torch.Tensor):
+        var = var * torch.ones_like(input)
+    sizes, var_sizes = _checked_sizes(input), _checked_sizes(var)
+    if sizes[:-1] == var_sizes:  # one variance per row
+        var = var.unsqueeze(-1)
+    elif var_sizes != sizes and (len(var_sizes) != len(sizes) or
+                                 sum(v for n, v in zip(sizes, var_sizes) if n != v) != 1):
+        raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    var = _floored(var, eps) if var.requires_grad else var.clamp_min(eps)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + exact(0.5 * math.log(2 * math.pi), loss)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
 def _cosine_similarity(x1: torch.Tensor, x2: torch.Tensor, dim: int = 1, eps: float = 1e-8) -> torch.Tensor:
@@ -1260,6 +1286,17 @@ def _unbatched_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torc
     return loss
 
 
+def _nan_to_num(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """nan_to_num of a 0-d tensor (a loss kept finite over a batch of ignored targets): the legacy exporter's is
+    1-D, which the first call's check refuses; computed on one element and given torch's 0-d shape back."""
+    def nan_to_num(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if x.dim() != 0 or not torch.jit.is_tracing():
+            return original(x, *args, **kwargs)
+        return original(x.reshape(1), *args, **kwargs).reshape(())
+
+    return nan_to_num
+
+
 def _channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -1313,7 +1350,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         *((owner, "normalize", _normalize(F.normalize)) for owner in (F, spectral_norm_module)),
         (torch, "layer_norm", _layer_norm(torch.layer_norm)),
         (torch, "std", _std), (torch.Tensor, "std", _std), (torch, "std_mean", _std_mean),
-        (F, "cosine_similarity", _cosine_similarity), (F, "gaussian_nll_loss", _gaussian_nll_loss(F.gaussian_nll_loss)),
+        (F, "cosine_similarity", _cosine_similarity), (F, "gaussian_nll_loss", _gaussian_nll_loss),
         (nn_ops, "log_sigmoid", _log_sigmoid), (F, "logsigmoid", _log_sigmoid),
         *((owner, "softplus", _softplus(nn_ops.softplus)) for owner in (nn_ops, F)),
         (torch, "scatter_reduce", _scatter_reduce(torch.scatter_reduce)),
@@ -1322,6 +1359,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         *((F, f"max_unpool{d}d", _max_unpool(d)) for d in (1, 2, 3)),
         (F, "scaled_dot_product_attention", _attention(F.scaled_dot_product_attention)),
         *((F, name, _unbatched_loss(getattr(F, name))) for name in ("cross_entropy", "nll_loss")),
+        *((owner, "nan_to_num", _nan_to_num(owner.nan_to_num)) for owner in (torch, torch.Tensor)),
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         *((owner, name, _atan2) for owner in (torch, torch.Tensor) for name in ("atan2", "arctan2")),

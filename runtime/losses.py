@@ -27,7 +27,13 @@ its own argument checks and broadcasting) by torch's own formulas (aten's) in ex
   summed negative log-probabilities (weighted, ignored targets left out), normalised as torch does;
 - cross-entropy with probability targets (smoothed first, `target (1 - e) + e / C`), with or without label
   smoothing: the exporter writes a SoftmaxCrossEntropyLoss with float labels, which ONNX refuses; written here
-  as torch computes it, -sum(target * log_softmax(x)) (weighted), the mean over the samples and positions.
+  as torch computes it, -sum(target * log_softmax(x)) (weighted), the mean over the samples and positions;
+- cross-entropy and NLL with reduction "none", under dynamo: -logp[target] * weight[target], 0 at ignore_index
+  (dynamo declares torch's per-sample loss of (N, C) scores 0-d, an inconsistent model the gradient build refuses;
+  the legacy exporter's SoftmaxCrossEntropyLoss is right, and cheaper).
+
+Constants that are not float32 numbers (e / C of a traced C, the Stirling term's 2 pi) are `functions.exact`, so
+that a float64 loss is torch's to rounding under either exporter.
 
 Each then reduces as asked (none, mean, sum). Gradients are the exported graph's, equal to torch's up to rounding.
 """
@@ -42,7 +48,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .functions import pairwise_distance
+from .functions import exact, pairwise_distance
 from .patching import replaced
 
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -123,7 +129,7 @@ def _poisson_nll(x: torch.Tensor, y: torch.Tensor, log_input: bool, full: bool, 
                  ) -> torch.Tensor:
     loss = torch.exp(x) - y * x if log_input else x - y * torch.log(x + eps)
     if full:
-        stirling = y * torch.log(y) - y + 0.5 * torch.log(2 * math.pi * y)
+        stirling = y * torch.log(y) - y + 0.5 * torch.log(exact(2 * math.pi, y) * y)  # 2 pi exact in float64
         loss = loss + torch.where(y <= 1, torch.zeros_like(stirling), stirling)
     return _reduce(loss, reduction)
 
@@ -161,6 +167,34 @@ def _multi_margin(original: Callable[..., torch.Tensor]) -> Callable[..., torch.
     return multi_margin
 
 
+def _picked_nll(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int
+                ) -> torch.Tensor:
+    """nll_loss's reduction "none" (scores on dim 1): -logp[target] * weight[target], 0 at ignore_index. The dynamo
+    exporter declares torch's own 0-d on (N, C) scores, and the gradient build refuses the inconsistent model."""
+    ignored = target == ignore_index
+    index = torch.where(ignored, torch.zeros_like(target), target)
+    loss = -logp.gather(1, index.unsqueeze(1)).squeeze(1)
+    loss = loss if weight is None else loss * weight[index]
+    return torch.where(ignored, torch.zeros_like(loss), loss)
+
+
+def _nll_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def nll_loss(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+                 ignore_index: int) -> torch.Tensor:
+        if reduction != _NONE or logp.dim() < 2 or torch.jit.is_tracing():  # the legacy exporter's is right
+            return original(logp, target, weight, reduction, ignore_index)
+        return _picked_nll(logp, target, weight, ignore_index)
+
+    return nll_loss
+
+
+def _smoothing_share(label_smoothing: float, classes: Any, like: torch.Tensor) -> torch.Tensor:
+    """label_smoothing / classes in the scores' dtype and rank: the class count is traced (a tensor), and the legacy
+    exporter writes its quotient with a Python number, or a 0-d tensor (folded to a 0-d constant where the count is
+    known), in float32: 1e-8 off in a float64 loss."""
+    return exact(label_smoothing, like) / classes
+
+
 def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def cross_entropy(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
                       ignore_index: int, label_smoothing: float) -> torch.Tensor:
@@ -170,11 +204,13 @@ def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch
         shape[dim] = classes
         if target.is_floating_point():  # probabilities
             if label_smoothing > 0:
-                target = target * (1 - label_smoothing) + label_smoothing / classes
+                target = target * (1 - label_smoothing) + _smoothing_share(label_smoothing, classes, x)
             terms = torch.log_softmax(x, dim) * target
             terms = terms if weight is None else terms * weight.reshape(shape)
             return _reduce(-terms.sum(dim), reduction)  # a mean over the samples, as torch
         if label_smoothing <= 0:
+            if reduction == _NONE and dim == 1 and not torch.jit.is_tracing():  # legacy: its fused loss op
+                return _picked_nll(torch.log_softmax(x, 1), target, weight, ignore_index)
             return original(x, target, weight, reduction, ignore_index, label_smoothing)
         logp = torch.log_softmax(x, dim)
         nll = torch.nn.functional.nll_loss(logp, target, weight, ignore_index=ignore_index,
@@ -189,7 +225,7 @@ def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch
             smooth = smooth.sum() / kept.sum()
         elif reduction == _SUM:
             smooth = smooth.sum()
-        return (1 - label_smoothing) * nll + smooth * (label_smoothing / classes)
+        return ((1 - label_smoothing) * nll + smooth * _smoothing_share(label_smoothing, classes, x)).reshape_as(nll)
 
     return cross_entropy
 
@@ -206,5 +242,6 @@ def exportable_losses() -> contextlib.AbstractContextManager[None]:
         (torch, "poisson_nll_loss", _poisson_nll), (torch, "cosine_embedding_loss", _cosine_embedding),
         (torch, "triplet_margin_loss", _triplet_margin),
         (nn_ops, "multi_margin_loss", _multi_margin(nn_ops.multi_margin_loss)),
+        (nn_ops, "nll_loss_nd", _nll_loss(nn_ops.nll_loss_nd)),
         (nn_ops, "multilabel_margin_loss", _multilabel_margin)]
     return replaced(replacements)

@@ -171,3 +171,49 @@ def test_binary_cross_entropy_of_saturated_probabilities_keeps_torch_s_finite_gr
     batches = [(torch.randn(8, 6, generator=g), _binary(g)) for _ in range(3)]
     om, _, _ = check_parity(Confident, batches, lambda m, b: m(*b), optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
     assert all(p.isfinite().all() for p in om.parameters())
+
+
+FLOAT64: dict[str, tuple[Loss, Callable[[torch.Generator], torch.Tensor]]] = {
+    "label smoothing, probability targets, mean": (lambda a, b: F.cross_entropy(a, b, label_smoothing=0.2),
+                                                   _probabilities),
+    "label smoothing, probability targets, weighted, sum": (
+        lambda a, b: F.cross_entropy(a, b, weight=WEIGHT.double(), label_smoothing=0.3, reduction="sum"),
+        _probabilities),
+    "label smoothing, class indices, weighted, ignored": (
+        lambda a, b: F.cross_entropy(a, b, weight=WEIGHT.double(), label_smoothing=0.1), _classes),
+    "poisson nll, full": (lambda a, b: F.poisson_nll_loss(a, b, full=True),
+                          lambda g: torch.randint(0, 5, (8, 5), generator=g).double()),
+}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("case", list(FLOAT64))
+def test_float64_losses_keep_double_precision(case: str, exporter: str) -> None:
+    """Constants that are not float32 numbers, 1e-8 off in float64 before: label_smoothing / classes with the
+    class count traced, which the legacy exporter wrote as a float32 constant (probability targets: every step's
+    loss and gradients), and the Stirling term's 2 pi, which dynamo's float64 constants read back as 6.2831855."""
+    loss, target = FLOAT64[case]
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g, dtype=torch.float64), target(g)) for _ in range(3)]
+    batches = [(x, y.double() if y.is_floating_point() else y) for x, y in batches]
+    check_parity(lambda: WithLoss(loss).double(), batches, lambda m, b: m(*b), rtol=1e-10, exporter=exporter)
+
+
+PER_SAMPLE: dict[str, Loss] = {
+    "cross-entropy": lambda a, b: F.cross_entropy(a, b, reduction="none"),
+    "cross-entropy, weighted, ignored": lambda a, b: F.cross_entropy(a, b, weight=WEIGHT, reduction="none"),
+    "cross-entropy, label smoothing, weighted": lambda a, b: F.cross_entropy(a, b, weight=WEIGHT, label_smoothing=0.1,
+                                                                             reduction="none"),
+    "nll, weighted, ignored": lambda a, b: F.nll_loss(F.log_softmax(a, 1), b, weight=WEIGHT, reduction="none"),
+}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("case", list(PER_SAMPLE))
+def test_per_sample_losses_of_score_rows(case: str, exporter: str) -> None:
+    """reduction="none" on (N, C) scores (a third of the targets ignored), weighted by position: dynamo declared
+    torch's loss 0-d, and the gradient build refused the model ("Inferred shape and existing shape differ in rank")."""
+    loss = PER_SAMPLE[case]
+    position = torch.arange(8.0) + 1
+    check_parity(lambda: WithLoss(lambda a, b: (loss(a, b) * position).sum()), _batches(_classes), lambda m, b: m(*b),
+                 exporter=exporter, threads=1)
