@@ -717,7 +717,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
                 custom_functions.applied_functions() as applied, _python_draws() as drawn:
-            original, leaves = leaves, [_traced_leaf(t) for t in leaves]
+            original, leaves = leaves, [_traced_leaf(t, options.exporter == "dynamo") for t in leaves]
             run = _torchscript if options.exporter == "torchscript" else _dynamo
             model = run(flat, leaves, names, options.opset_version)
             mutated = changed()
@@ -860,11 +860,15 @@ def _called_elsewhere(node: onnx.NodeProto, paths: Sequence[str]) -> bool:
     return len(parts) >= 2 and parts[-2] not in paths
 
 
-def _traced_leaf(t: torch.Tensor) -> torch.Tensor:
+def _traced_leaf(t: torch.Tensor, dynamo: bool) -> torch.Tensor:
     """An input as the trace takes it: a copy of an inference tensor (which autograd cannot record), and a tensor
-    requiring grad as a leaf of its own on the same memory (`Reference.leaves`)."""
+    requiring grad as a leaf of its own on the same memory (`Reference.leaves`). Dynamo's a contiguous copy of a
+    non-contiguous one: torch.export read its strides as symbols ("aten.sym_stride" then has no ONNX function),
+    and onnxruntime is fed a contiguous copy of it anyway."""
     if t.is_inference():
         return t.clone()
+    if dynamo and not t.is_contiguous():
+        return t.detach().contiguous().requires_grad_(t.requires_grad)
     return t.detach().requires_grad_() if t.requires_grad else t
 
 

@@ -102,7 +102,7 @@ class Watching:
                 then = attributes.get(k, _MISSING)
                 if then is v and k in contents:
                     yield from _taken_from(m, k, v, contents[k], self.by_hooks)
-                elif then is not v and isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+                elif then is not v and _holds_tensors(v):
                     yield Taken(m, k, None, v)
                     if then is _MISSING:
                         del vars(m)[k]
@@ -111,10 +111,20 @@ class Watching:
 
     def replaced(self, taken: Taken) -> bool:
         """Whether `taken`, an attribute without grad, replaced a value no call stored (`self.h = h.detach()` over
-        `__init__`'s `self.h = None`): state, if a later call reads it, which the graph holds as a constant."""
+        `__init__`'s `self.h = None`, `self.state = (h, c)`): state, if a later call reads it, which the graph holds
+        as a constant."""
         then = next(a for m, a, _ in self.before if m is taken.module).get(taken.name, _MISSING)
-        return (taken.key is None and then is not _MISSING and not taken.value.requires_grad
-                and _stored_by_calls.get(id(then), _MISSING) is not then)
+        return (taken.key is None and then is not _MISSING
+                and not any(t.requires_grad for t in flatten(taken.value)[0])
+                and not any(_stored_by_calls.get(id(t), _MISSING) is t for t in flatten(then)[0]))
+
+
+def _holds_tensors(v: Any) -> bool:
+    """A tensor (not a parameter), or a list, tuple or dict of them (`self.maps = []` then appended to, a
+    recurrent `(h, c)`)."""
+    if isinstance(v, torch.Tensor):
+        return not isinstance(v, nn.Parameter)
+    return type(v) in (list, tuple, dict) and any(not isinstance(t, nn.Parameter) for t in flatten(v)[0])
 
 
 def _items(v: list | dict) -> Iterable[Any]:

@@ -1236,6 +1236,7 @@ class _MoE(nn.Module):
         self.routing = probs.argmax(-1)  # the expert each token went to
         self.maps.append(("probs", probs))
         self.load["mean"] = probs.mean(0)
+        self.top = [probs.max(-1).values]  # a list made afresh at each call
         return self.experts(x) * probs.max(-1, keepdim=True).values
 
 
@@ -1272,6 +1273,7 @@ def test_tensors_the_forward_stores_in_attributes_are_each_call_s(exporter: str)
                     assert [name for name, _ in ours.maps] == [name for name, _ in theirs.maps]
                     torch.testing.assert_close([t for _, t in ours.maps], [t for _, t in theirs.maps])
                     torch.testing.assert_close(ours.load, theirs.load)
+                    torch.testing.assert_close(ours.top, theirs.top)
                     torch.testing.assert_close(ours.outs, theirs.outs)
     torch.testing.assert_close(torch.stack(collected["ours"]), torch.stack(collected["torch"]))
 
@@ -2933,3 +2935,23 @@ def test_python_numbers_from_sizes_are_returned_as_numbers() -> None:
         assert [type(v) for v in got] == [type(v) for v in want] == [torch.Tensor, int, int, float, bool, torch.Tensor]
         assert got[1:5] == want[1:5]
         torch.testing.assert_close(got[0], want[0])
+
+
+def test_dynamo_exports_a_call_with_non_contiguous_inputs() -> None:
+    """A non-contiguous input (a slice of a bigger batch) made torch.export read its strides as symbols, which the
+    ONNX translation has no function for ("aten.sym_stride"): the export failed. Traced on a contiguous copy, as
+    onnxruntime is fed one; the input's own gradient is torch's."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 5, 1)
+    ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
+    for _ in range(2):
+        x = torch.randn(2, 3, 4, 4)[:, :, 0, 0].reshape(2, 3, 1, 1).requires_grad_()
+        assert not x.is_contiguous()
+        grads = []
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).square().sum().backward()
+            grads.append(x.grad)
+            x.grad = None
+        torch.testing.assert_close(grads[0], grads[1])
+        assert_grads_equal(om, ref)
