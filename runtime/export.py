@@ -49,6 +49,7 @@ from . import accumulation, checkpoints, custom_functions, double_scalars, excha
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
+from .dynamo_translations import translations as dynamo_translations
 from .edits import BACKWARD_HOOKS
 from .forward_hooks import Replay, forget, recorded, user_hooks
 from .functions import exportable_functions
@@ -613,7 +614,8 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
         warnings.simplefilter("ignore")
         program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
                                     input_names=names, dynamic_shapes=(dims,), verbose=False,
-                                    custom_translation_table=checkpoints.translations())
+                                    custom_translation_table={**checkpoints.translations(),
+                                                              **dynamo_translations()})
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     # float64 arithmetic's Python numbers read as written (onnxscript casts float32 Constants: 1e-8 off)
     model = checkpoints.tag_regions(double_scalars.constants_in_double(program.model_proto))  # type: ignore[union-attr]

@@ -1,0 +1,265 @@
+"""The dynamo exporter's translations (its `custom_translation_table`) where onnxscript's compute something else than
+torch, written in standard ONNX ops that gradbuilder's rules differentiate as torch's backward does.
+
+onnxscript writes `max` / `min` along a dim as ReduceMax, whose rule splits a tie's gradient evenly (amax's; torch's
+max gives it to the index it returns) and which keeps a NaN only where it comes first (torch's propagates it; so
+for `amax` / `amin`), and `clamp` with tensor bounds (float64 clamps' bounds are 0-d tensors, `clamp_min` in torch's
+margin losses) as Max / Min, which split a gradient at a bound reached (torch's gives it to x, bounds inclusive).
+`xlogy` cut x's gradient at x = 0, attention under a boolean mask leaving a query no key gave it the values' mean
+(torch's zeros), `detach` was an Identity, and float64 `elu`, `selu`, `celu`, `leaky_relu` and `log2` computed with
+float32 constants (or in float32). The legacy exporter's conversions of the same ops (`symbolics.py`) follow torch:
+these follow the same conventions. Where onnxscript's are right (scalar bounds: a Clip; float32 activations) they
+are kept."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradbuilder.stop_gradient import OP_TYPE as STOP_GRADIENT
+from gradbuilder.yield_op import DOMAIN
+
+
+@functools.cache
+def _op() -> Any:
+    """onnxscript's opset 18 (the dynamo exporter's least), imported when a dynamo export first needs it."""
+    from onnxscript import opset18
+    return opset18
+
+
+def _tensor(array: np.ndarray) -> Any:
+    from onnxscript import ir
+    return _op().Constant(value=ir.tensor(array))
+
+
+def _const(value: Any, like: Any) -> Any:
+    """A constant of like's element type, written in it (not a float32 constant cast: 1e-8 off in float64)."""
+    return _tensor(np.array(value, dtype=like.dtype.numpy()))
+
+
+def _axes(*axes: int) -> Any:
+    return _tensor(np.array(axes, dtype=np.int64))
+
+
+def _floating(x: Any) -> bool:
+    return x.dtype is not None and x.dtype.is_floating_point()
+
+
+def _stop_gradient(x: Any) -> Any:
+    """x without a gradient (gradbuilder's StopGradient, which the session removes)."""
+    from onnxscript import values
+    return getattr(values.Opset(DOMAIN, 1), STOP_GRADIENT)(x)
+
+
+def _first_index(x: Any, axis: int, largest: bool) -> Any:
+    """The index along axis (kept, size 1) of the first max (min) of x, as torch's CPU kernel, or of the first NaN
+    where there is one (torch's max and min propagate NaN; ArgMax skips them: an ArgMax of their mask finds it)."""
+    op = _op()
+    key = op.Cast(x, to=2) if x.dtype is not None and x.dtype.name == "BOOL" else x  # uint8: no boolean ArgMax
+    index = (op.ArgMax if largest else op.ArgMin)(key, axis=axis, keepdims=1)
+    if not _floating(x):
+        return index
+    nan = op.IsNaN(x)
+    first_nan = op.ArgMax(op.Cast(nan, to=2), axis=axis, keepdims=1)
+    return op.Where(op.GatherElements(nan, first_nan, axis=axis), first_nan, index)
+
+
+def _extremum(largest: bool) -> Callable[..., Any]:
+    """aten max.dim (min.dim): the index of `_first_index` and the value x gathered there, so that the gradient goes
+    wholly to that index, as torch's backward scatters it (onnxscript's ReduceMax splits a tie's, and drops NaNs)."""
+    def translate(x: Any, dim: int, keepdim: bool = False) -> tuple[Any, Any]:
+        op = _op()
+        rank = len(x.shape)
+        if rank == 0:
+            return op.Identity(x), _tensor(np.array(0, dtype=np.int64))
+        axis = dim % rank
+        index = _first_index(x, axis, largest)
+        value = op.GatherElements(x, index, axis=axis)
+        if keepdim:
+            return value, index
+        return op.Squeeze(value, _axes(axis)), op.Squeeze(index, _axes(axis))
+    return translate
+
+
+def _adaptive_max_pool2d(x: Any, output_size: Any) -> tuple[Any, Any]:
+    """aten adaptive_max_pool2d. To one value per channel: the max of the flattened plane at `_first_index` (its
+    flat index, as torch's), where torch's decomposition writes amax, whose rule splits a tie's gradient (torch's
+    kernel gives it to the index returned). To sizes dividing the input's: a max pool of that kernel, as torch's
+    decomposition (which refuses other sizes)."""
+    op = _op()
+    h_out, w_out = output_size
+    if (h_out, w_out) == (1, 1):
+        axis = len(x.shape) - 2
+        flat = op.Reshape(x, _axes(*[0] * axis, -1))
+        index = _first_index(flat, axis, True)
+        value = op.GatherElements(flat, index, axis=axis)
+        return op.Unsqueeze(value, _axes(-1)), op.Unsqueeze(index, _axes(-1))
+    h_in, w_in = x.shape[-2], x.shape[-1]
+    if not (isinstance(h_in, int) and isinstance(w_in, int) and h_in % h_out == 0 and w_in % w_out == 0):
+        raise NotImplementedError(f"adaptive_max_pool2d of a {x.shape} input to {list(output_size)}: only to sizes "
+                                  "dividing the input's known sizes; use exporter='torchscript'")
+    return _torchlib_nn().aten_max_pool2d_with_indices(x, [h_in // h_out, w_in // w_out])
+
+
+def _clamp(x: Any, low: Any = None, high: Any = None) -> Any:
+    """aten clamp.Tensor (clamp_min.Tensor, clamp_max.Tensor): the value x, the bound or NaN as torch's, and the
+    gradient where torch's backward puts it: x's where low <= x <= high, low's where x < low < high, high's where x
+    > high or high < low (none where x < low == high: the value low through a StopGradient), by Wheres on those
+    comparisons (onnxscript's Max / Min split a tie's). NaN in any of them: a term added to the value picked, NaN
+    there and -0 elsewhere (x + -0 is x), without a gradient. Integers: onnxscript's Max / Min."""
+    op = _op()
+    low, high = (None if b is None else op.CastLike(b, x) for b in (low, high))
+    if not _floating(x):
+        clamped = x if low is None else op.Max(x, low)
+        return clamped if high is None else op.Min(clamped, high)
+    if high is None:
+        picked = op.Where(op.GreaterOrEqual(x, low), x, op.Where(op.Less(x, low), low, _const(0.0, x)))
+    elif low is None:
+        picked = op.Where(op.LessOrEqual(x, high), x, op.Where(op.Greater(x, high), high, _const(0.0, x)))
+    else:
+        inside = op.And(op.GreaterOrEqual(x, low), op.LessOrEqual(x, high))
+        above = op.Or(op.Greater(x, high), op.Less(high, low))
+        below = op.And(op.Less(x, low), op.Less(low, high))
+        picked = op.Where(inside, x, op.Where(above, high, op.Where(below, low, _stop_gradient(low))))
+    nan = op.IsNaN(x)
+    for b in (low, high):
+        nan = nan if b is None else op.Or(nan, op.IsNaN(b))
+    return op.Add(picked, op.Where(nan, _const(math.nan, x), _const(-0.0, x)))
+
+
+def _clamp_min(x: Any, low: Any) -> Any:
+    return _clamp(x, low, None)
+
+
+def _clamp_max(x: Any, high: Any) -> Any:
+    return _clamp(x, None, high)
+
+
+def _reduce_nan_kept(largest: bool) -> Callable[..., Any]:
+    """aten amax (amin): ReduceMax (ReduceMin) of x plus a term that is NaN over a group holding a NaN and -0
+    elsewhere (x + -0 is x), without a gradient: onnxruntime's reduction keeps a NaN only where it comes first
+    (onnxscript's gave 2 for amax([1, nan, 2]), torch's NaN). The rule's share over the elements equal to a NaN
+    result, none, is NaN for the group, as torch's backward (grad / count, count 0). Integers: ReduceMax alone."""
+    def translate(x: Any, dim: Any = (), keepdim: bool = False) -> Any:
+        op = _op()
+        axes = _axes(*dim) if dim else None
+        if _floating(x):
+            nans = op.ReduceMax(op.CastLike(op.IsNaN(x), x), axes, keepdims=1)
+            x = op.Add(x, op.Where(op.Cast(nans, to=9), _const(math.nan, x), _const(-0.0, x)))
+        return (op.ReduceMax if largest else op.ReduceMin)(x, axes, keepdims=int(keepdim))
+    return translate
+
+
+def _xlogy(x: Any, y: Any) -> Any:
+    """aten xlogy.Tensor: x * log(y), 0 where x is 0 (unless y is NaN), as torch's; and its gradients: x's is log(y)
+    at x = 0 too (onnxscript's Where around the product cut it there), 0 where also y <= 0 (torch's) or y = inf
+    (torch's inf: the value there, 0 * log(y), would be NaN, torch's 0)."""
+    op = _op()
+    y = op.CastLike(y, x)
+    dead = op.Or(op.LessOrEqual(y, _const(0.0, x)), op.IsInf(y, detect_negative=0))
+    masked = op.And(op.Equal(x, _const(0.0, x)), dead)
+    return op.Mul(x, op.Where(masked, _const(0.0, x), op.Log(y)))
+
+
+def _xlogy_of_number(x: Any, y: float) -> Any:
+    """aten xlogy.Scalar_Other: `_xlogy` of y written in x's type."""
+    return _xlogy(x, _const(y, x))
+
+
+def _is_double(x: Any) -> bool:
+    return x.dtype is not None and x.dtype.name == "DOUBLE"
+
+
+@functools.cache
+def _torchlib_nn() -> Any:
+    from onnxscript.function_libs.torch_lib.ops import nn
+    return nn
+
+
+def _elu_of(x: Any, alpha: float, scale: float = 1.0, input_scale: float = 1.0) -> Any:
+    """torch's elu in elementwise ops, its constants float64 (ONNX's Elu, Selu, Celu and LeakyRelu take
+    float32 attributes: 1e-8 off in float64; onnxscript computes celu in float32): scale x where x > 0, else alpha
+    scale (exp(x input_scale) - 1) (exp of x clipped to 0 there, so that a large x gives no inf and no NaN
+    gradient); at 0 the negative side's gradient, as torch's."""
+    op = _op()
+    positive = op.Greater(x, _const(0.0, x))
+    negative = op.Where(positive, _const(0.0, x), x)
+    if input_scale != 1.0:
+        negative = op.Mul(negative, _const(input_scale, x))
+    below = op.Mul(op.Sub(op.Exp(negative), _const(1.0, x)), _const(alpha * scale, x))
+    return op.Where(positive, x if scale == 1.0 else op.Mul(x, _const(scale, x)), below)
+
+
+SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _elu(x: Any, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0) -> Any:
+    if not _is_double(x):
+        return _torchlib_nn().aten_elu(x, alpha, scale, input_scale)
+    return _elu_of(x, alpha, scale, input_scale)
+
+
+def _selu(x: Any) -> Any:
+    return _elu_of(x, SELU_ALPHA, SELU_SCALE) if _is_double(x) else _op().Selu(x)
+
+
+def _celu(x: Any, alpha: float = 1.0) -> Any:
+    return _elu_of(x, alpha, 1.0, 1.0 / alpha) if _is_double(x) else _torchlib_nn().aten_celu(x, alpha)
+
+
+def _leaky_relu(x: Any, slope: float = 0.01) -> Any:
+    """x where x > 0, else slope x; at 0 the slope's gradient, as torch's."""
+    op = _op()
+    if not _is_double(x):
+        return op.LeakyRelu(x, alpha=slope)
+    return op.Where(op.Greater(x, _const(0.0, x)), x, op.Mul(x, _const(slope, x)))
+
+
+def _log2(x: Any) -> Any:
+    """log(x) / log(2), the constant in x's type (onnxscript's Log(2.0) computed in float32)."""
+    op = _op()
+    return op.Div(op.Log(x), _const(math.log(2.0), x))
+
+
+def _attention(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+    """aten scaled_dot_product_attention: onnxscript's, and under a boolean mask that leaves a query no key zeros
+    for that query, without a gradient, as torch's (onnxscript's fills the mask with float's lowest: the softmax of
+    such a row is uniform, its output the values' mean, and gradients flow from it to the query, keys and values)."""
+    out = _torchlib_nn().aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                           enable_gqa)
+    if attn_mask is None or attn_mask.dtype is None or attn_mask.dtype.name != "BOOL":
+        return out
+    op = _op()
+    empty = op.Equal(op.ReduceMax(op.CastLike(attn_mask, query), _axes(-1), keepdims=1), _const(0.0, query))
+    return op.Where(empty, _const(0.0, query), out)
+
+
+def _detach(x: Any) -> Any:
+    """aten detach: gradbuilder's StopGradient (onnxscript's Identity let gradients through, where runtime's own
+    replacements of torch's functions detach: binary cross-entropy's value at p held constant (NaN gradients at a
+    saturated sigmoid), straight-through and clamped-below-eps terms). A user's detach is refused before the export
+    (`stop_gradients.py`)."""
+    return _stop_gradient(x)
+
+
+@functools.cache
+def translations() -> dict[Any, Any]:
+    """aten overload -> translation, for `torch.onnx.export(..., custom_translation_table=)`."""
+    aten = torch.ops.aten
+    return {
+        aten.max.dim: _extremum(True), aten.min.dim: _extremum(False),
+        aten.amax.default: _reduce_nan_kept(True), aten.amin.default: _reduce_nan_kept(False),
+        aten.xlogy.Tensor: _xlogy, aten.xlogy.Scalar_Other: _xlogy_of_number,
+        aten.elu.default: _elu, aten.selu.default: _selu, aten.celu.default: _celu,
+        aten.leaky_relu.default: _leaky_relu, aten.log2.default: _log2,
+        aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
+        aten.scaled_dot_product_attention.default: _attention,
+        aten.detach.default: _detach,
+        aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
+    }
