@@ -15,12 +15,15 @@ cast to float64, where it meets them (`(loss > 0) * loss`); where it reaches any
 tensor), the model is left as exported.
 
 `constants_in_double` does the same for the dynamo exporter's float32 Constants cast to float64 (a float64 module's
-`x * 2.7`, 2e-8 off).
+`x * 2.7`, 2e-8 off), each read as the Python number of the exported program that rounds to it where one does
+(`numbers_in`: a float64 flow's `0.5 * d * math.log(2 * math.pi)`, which no short decimal writes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import onnx
@@ -65,11 +68,13 @@ INTEGERS = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, T
                       TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8})
 
 
-def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.ModelProto:
+def in_double(model: onnx.ModelProto, doubles: Collection[str] = (), numbers: Collection[float] = ()
+              ) -> onnx.ModelProto:
     """`model` with those stretches in float64, in place (see the module docstring): all of them, or, where one
     reaches anything but elementwise ops, Casts back and the graph outputs in `doubles` (those torch's call
     returned in float64), none. A stretch takes in float32 constants and what the graph computes from them and from
-    integers cast to float32 (`_sizes`: `label_smoothing / x.shape[1]`, a mean over a size), copied in float64."""
+    integers cast to float32 (`_sizes`: `label_smoothing / x.shape[1]`, a mean over a size), copied in float64, its
+    constants read as `_as_written` (`numbers`: the trace's Python floats, `traced_numbers`)."""
     g = model.graph
     if not doubles and not any(_cast_to(n) == TensorProto.DOUBLE for n in g.node):  # no way back to float64
         return model
@@ -116,7 +121,7 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = ()) -> onnx.Mod
         if x not in copies:
             name = fresh_name(f"{x}/double", taken)
             if x in floats:
-                value = _as_written(numpy_helper.to_array(constants[x].attribute[0].t))
+                value = _as_written(numpy_helper.to_array(constants[x].attribute[0].t), numbers)
                 nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
             elif x in masks or _cast_to(sizes[x]) == TensorProto.FLOAT:
                 source = (masks.get(x) or sizes[x]).input[0]
@@ -171,18 +176,77 @@ def _live(nodes: list[onnx.NodeProto], g: onnx.GraphProto, made: set[str]) -> li
     return keep[::-1]
 
 
-def _as_written(value: np.ndarray) -> np.ndarray:
-    """float32 constants in float64 at the shortest decimal that rounds to them: the Python number the module
-    wrote, where it was one (0.01, not 0.009999999776482582)."""
-    return np.array([float(np.format_float_scientific(v, unique=True)) for v in value.ravel()],
-                    dtype=np.float64).reshape(value.shape)
+def _as_written(value: np.ndarray, numbers: Collection[float] = ()) -> np.ndarray:
+    """float32 constants in float64 as the Python number the module wrote: the one of `numbers` (the exported
+    program's) that rounds to it, where exactly one does (math.log(2 * math.pi)), else the shortest decimal that
+    rounds to it (0.01, not 0.009999999776482582)."""
+    rounded: dict[float, set[float]] = {}
+    for n in numbers:
+        rounded.setdefault(float(np.float32(n)), set()).add(n)
+
+    def written(v: np.float32) -> float:
+        candidates = rounded.get(float(v), set())
+        return next(iter(candidates)) if len(candidates) == 1 else float(np.format_float_scientific(v, unique=True))
+
+    return np.array([written(v) for v in value.ravel()], dtype=np.float64).reshape(value.shape)
 
 
-def constants_in_double(model: onnx.ModelProto) -> onnx.ModelProto:
+def numbers_in(nodes: Iterable[Any]) -> set[float]:
+    """The Python floats among the arguments of a torch.fx graph's nodes (`ExportedProgram.graph.nodes`), in lists
+    and tuples too: the numbers a dynamo export's float32 Constants were made from."""
+    found: set[float] = set()
+
+    def visit(a: Any) -> None:
+        if isinstance(a, float):
+            found.add(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+
+    for n in nodes:
+        visit(n.args)
+        visit(n.kwargs)
+    return found
+
+
+@contextlib.contextmanager
+def traced_numbers() -> Iterator[set[float]]:
+    """While the block lasts, the float64 numbers of the legacy exporter's traces (the 0-d constants of its
+    TorchScript graphs: `0.5`, `math.log(2 * math.pi)`) gathered into the set it yields, for `in_double`: the ONNX
+    graph holds them rounded to float32. Under the export lock (it wraps the exporter's module-level function)."""
+    import torch
+    from torch.onnx._internal.torchscript_exporter import utils
+
+    found: set[float] = set()
+    create = utils._create_jit_graph
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        result = create(*args, **kwargs)
+        for n in result[0].nodes():
+            if n.kind() == "prim::Constant" and n.hasAttribute("value") and n.kindOf("value") == "t":
+                value = n.t("value")
+                if value.numel() == 1 and value.dtype == torch.float64:  # (a float32 one is no Python number)
+                    found.add(float(value.item()))
+            elif n.kind() == "prim::Constant" and n.hasAttribute("value") and n.kindOf("value") == "f":
+                found.add(n.f("value"))
+        return result
+
+    utils._create_jit_graph = traced
+    try:
+        yield found
+    finally:
+        utils._create_jit_graph = create
+
+
+def constants_in_double(model: onnx.ModelProto, numbers: Collection[float] = ()) -> onnx.ModelProto:
     """After a dynamo export, in place: the Python numbers of float64 arithmetic read at the decimal written in
     float64. onnxscript writes `x * 2.7` of a float64 x as Mul(x, Cast(Constant(float32 2.7), to=DOUBLE)) (clamp's
     bounds, lerp's and where's scalars as CastLike of a float32 Constant to x): 1e-8 off torch's, relative. Each such
-    Cast or CastLike to float64 becomes the Identity of a float64 copy of the Constant (`_as_written`)."""
+    Cast or CastLike to float64 becomes the Identity of a float64 copy of the Constant (`_as_written`, read as
+    the one of `numbers`, the exported program's Python floats, that rounds to it)."""
     g = model.graph
     constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output
                  and any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
@@ -201,7 +265,7 @@ def constants_in_double(model: onnx.ModelProto) -> onnx.ModelProto:
         if to_double and n.input[0] in constants:
             if n.input[0] not in copies:
                 copies[n.input[0]] = name = fresh_name(f"{n.input[0]}/double", taken)
-                value = _as_written(numpy_helper.to_array(constants[n.input[0]].attribute[0].t))
+                value = _as_written(numpy_helper.to_array(constants[n.input[0]].attribute[0].t), numbers)
                 nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
             n.input[0] = copies[n.input[0]]
             del n.input[1:], n.attribute[:]

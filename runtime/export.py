@@ -572,7 +572,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     with warnings.catch_warnings(record=True) as caught, _shape_inference_without_weights(), _onnx_log_off(), \
             stop_gradients.exported_detach(), accumulation.exported_accumulation(), symbolics.exported_symbolics():
         warnings.simplefilter("always")
-        with scalars.reads() as read:  # the trace is the forward's one eager run
+        with scalars.reads() as read, double_scalars.traced_numbers() as numbers:  # the forward's one eager run
             torch.onnx.export(
                 flat, tuple(leaves), buf, dynamo=False, opset_version=opset, input_names=names,
                 dynamic_axes={n: {d: f"{n}_dim{d}" for d in range(t.dim())} for n, t in zip(names, leaves)},
@@ -595,7 +595,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     traced = flat._result.get("outputs") or ()
     doubles = [o.name for o, t in zip(model.graph.output, traced)
                if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
-    return checkpoints.tag_regions(double_scalars.in_double(model, doubles))
+    return checkpoints.tag_regions(double_scalars.in_double(model, doubles, numbers))
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
@@ -618,7 +618,8 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
                                                               **dynamo_translations()})
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     # float64 arithmetic's Python numbers read as written (onnxscript casts float32 Constants: 1e-8 off)
-    model = checkpoints.tag_regions(double_scalars.constants_in_double(program.model_proto))  # type: ignore[union-attr]
+    numbers = double_scalars.numbers_in(program.exported_program.graph.nodes)  # type: ignore[union-attr]
+    model = checkpoints.tag_regions(double_scalars.constants_in_double(program.model_proto, numbers))  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model

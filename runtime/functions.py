@@ -346,6 +346,18 @@ def _euclidean_dist(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b.transpose(-1, -2)).clamp_min(1e-30).sqrt()
 
 
+def _distance(d: torch.Tensor, p: float) -> torch.Tensor:
+    """The p-norms of differences over the last axis, as cdist's and pdist's own backward differentiate them: at
+    p = inf the whole gradient to every |difference| tied at the maximum (the norm's ReduceMax split it among them,
+    as torch's norm does), under the legacy exporter (the largest a constant: dynamo's export holds no
+    stop-gradient, and keeps the split)."""
+    if p != math.inf or not torch.jit.is_tracing():
+        return vector_norm(d, p)
+    size = d.abs()
+    largest = size.amax(-1, keepdim=True).detach()
+    return (largest + ((size - size.detach()) * (size == largest).to(d.dtype)).sum(-1, keepdim=True)).squeeze(-1)
+
+
 def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode: str | None = None) -> torch.Tensor:
     """torch's cdist: for p = 2 its product form past `MM_ROWS` rows on either side (or always, by
     `compute_mode`), else the p-norm of the differences. Past-25 is not branched on in Python (the trace would bake
@@ -354,7 +366,7 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode: str
     top-left corner taken from it where both sides have at most 25 rows (then it is the whole result)."""
     mode = compute_mode or "use_mm_for_euclid_dist_if_necessary"
     if p != 2 or mode == "donot_use_mm_for_euclid_dist":
-        return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p)
+        return _distance(x1.unsqueeze(-2) - x2.unsqueeze(-3), p)
     product = _euclidean_dist(x1, x2)
     if mode == "use_mm_for_euclid_dist":
         return product
@@ -372,7 +384,7 @@ def _pdist(input: torch.Tensor, p: float = 2.0) -> torch.Tensor:
     row count, not by indices from it (which the trace would keep)."""
     rows = torch.arange(input.shape[0])
     above = rows[:, None] < rows[None, :]
-    return vector_norm(input.unsqueeze(1) - input.unsqueeze(0), p)[above]
+    return _distance(input.unsqueeze(1) - input.unsqueeze(0), p)[above]
 
 
 def _scatter_reduce(original: Callable[..., torch.Tensor], in_place: bool = False) -> Callable[..., torch.Tensor]:
@@ -758,8 +770,10 @@ def _variable_bags(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     if mode == "max":  # the rows' maximum per bag (padding rows at -inf); empty bags, and padding-only ones, 0
         if padding_idx is not None:
             rows = torch.where(kept[:, None] > 0, rows, torch.full((), -math.inf, dtype=rows.dtype))
+        index = bag[:, None].expand_as(rows)
         peak = torch.zeros(bags, weight.shape[1], dtype=weight.dtype).scatter_reduce(
-            0, bag[:, None].expand_as(rows), rows, "amax", include_self=False)
+            0, index, rows, "amax", include_self=False)
+        peak = _first_maximum(rows, index, peak)
         # == -inf, not isneginf: the legacy exporter has no isneginf (the module went to dynamo)
         return peak if padding_idx is None else torch.where(peak == -math.inf, torch.zeros_like(peak), peak)
     total = torch.zeros(bags, weight.shape[1], dtype=weight.dtype).scatter_add(0, bag[:, None].expand_as(rows), rows)
@@ -767,6 +781,19 @@ def _variable_bags(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
         return total
     count = torch.zeros(bags, dtype=weight.dtype).scatter_add(0, bag, kept)
     return total / count.clamp(min=1)[:, None]
+
+
+def _first_maximum(rows: torch.Tensor, index: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """`peak` (the rows' maxima scattered into their bags by `index`) as the first of each bag's rows that reach it,
+    gathered: torch's backward gives a tie's gradient to that row alone (the scatter's split it among them). A bag
+    no row reaches (an empty one) keeps `peak`'s value."""
+    length = rows.shape[0]
+    position = torch.arange(length)[:, None].expand_as(rows).to(rows.dtype)
+    reached = torch.where(rows == peak.gather(0, index), position, torch.full_like(rows, math.inf))
+    first = torch.full_like(peak, math.inf).scatter_reduce(0, index, reached, "amin", include_self=True)
+    found = first < math.inf
+    picked = rows.gather(0, torch.where(found, first, torch.zeros_like(first)).to(torch.int64))
+    return torch.where(found, picked, peak)
 
 
 def _embedding_bag(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -818,14 +845,16 @@ def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None)
 def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch's atan2 by quadrant, defined where x is 0 (the legacy exporter's atan(y / x) is nan at (0, 0), where
     torch's is 0): atan(y / x), plus or minus pi where x < 0; sign(y) pi / 2 - x / y where x = 0 (its
-    derivatives there are torch's, x / (x^2 + y^2) = 0 and -y / (x^2 + y^2) = -1 / y), 0 at (0, 0)."""
+    derivatives there are torch's, x / (x^2 + y^2) = 0 and -y / (x^2 + y^2) = -1 / y), 0 at (0, 0), with torch's
+    zero gradients there."""
     _without_out(out, "torch.atan2")
     y, x = torch.broadcast_tensors(y, x)
     axis = x == 0
     flat = y == 0
     base = torch.atan(y / torch.where(axis, torch.ones_like(x), x))
     turned = torch.where(y >= 0, base + math.pi, base - math.pi)
-    on_axis = torch.sign(y) * (math.pi / 2) - x / torch.where(flat, torch.ones_like(y), y)
+    # x / inf at the origin: torch's gradient there is 0 (x's through 1 was -1)
+    on_axis = torch.sign(y) * (math.pi / 2) - x / torch.where(flat, torch.full_like(y, math.inf), y)
     return torch.where(axis, on_axis, torch.where(x < 0, turned, base))
 
 
@@ -847,7 +876,8 @@ def _sinc(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     the legacy exporter has no sinc."""
     _without_out(out, "torch.sinc")
     zero = x == 0
-    scaled = math.pi * torch.where(zero, torch.ones_like(x), x)  # finite in the branch not taken
+    # pi as a tensor (`exact`): dynamo's float64 pi was float32's, sinc ~1e-8 off
+    scaled = exact(math.pi, x) * torch.where(zero, torch.ones_like(x), x)  # finite in the branch not taken
     return torch.where(zero, torch.ones_like(x), torch.sin(scaled) / scaled)
 
 
@@ -884,11 +914,14 @@ def _nansum(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: t
 
 def _nanmean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """The mean over the elements that are not NaN (NaN where all are, as torch's: 0 / 0)."""
+    """The mean over the elements that are not NaN (NaN where all are, as torch's: 0 / 0), and where all are, NaN
+    gradients to them, as torch's (its nansum's gradient, g / 0 times the mask, is NaN there; `_nansum`'s Where
+    gave 0): the sum of those elements times 0, over the count 0."""
     _without_out(out, "torch.nanmean")
     present = (~torch.isnan(x)).to(dtype or x.dtype)
     count = present.sum() if dim is None else present.sum(dim, keepdim)
-    return _nansum(x, dim, keepdim, dtype=dtype) / count
+    empty = (x * 0).sum(dtype=dtype) if dim is None else (x * 0).sum(dim, keepdim, dtype=dtype)
+    return torch.where(count > 0, _nansum(x, dim, keepdim, dtype=dtype), empty) / count
 
 
 def _count_nonzero(x: torch.Tensor, dim: Any = None) -> torch.Tensor:
@@ -1109,8 +1142,11 @@ def _max_unpool(dims: int) -> Callable[..., torch.Tensor]:
 def _attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                     scale: float | None = None) -> torch.Tensor:
-    """`scaled_dot_product_attention` written out as torch defines it (rows that a boolean or causal mask leaves
-    empty get zeros, as the legacy exporter's translation gives)."""
+    """`scaled_dot_product_attention` written out as torch defines it: a row that the mask (boolean, causal, or
+    float with -inf) leaves no key gets zeros and no gradient, as torch's; the softmax's NaN there had reached the
+    output (a float mask's: a padding mask's fully padded sequence) or every gradient (a boolean one's). Such rows
+    are read off the mask (smaller than the scores where it broadcasts), unmasked for the softmax and zeroed after,
+    as `symbolics._attention`."""
     # in the query's type, not 0-d: the legacy exporter computes 0-d tensors with traced sizes in float32
     factor = query.new_ones(1).mul(query.shape[-1]).rsqrt() if scale is None else scale
     scores = query @ key.transpose(-2, -1) * factor
@@ -1119,13 +1155,16 @@ def _attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         allowed = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         allowed = attn_mask if allowed is None else allowed & attn_mask
+    empty = None
+    if allowed is not None:
+        empty = ~allowed.any(-1, keepdim=True)
+        scores = scores.masked_fill(~(allowed | empty), float("-inf"))
     elif attn_mask is not None:
-        scores = scores + attn_mask
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        empty = attn_mask.amax(-1, keepdim=True) == float("-inf")
+        scores = scores + attn_mask.masked_fill(empty, 0.0)
     weights = torch.softmax(scores, -1)
-    if allowed is not None:
-        weights = weights.masked_fill(torch.isnan(weights), 0.0)
+    if empty is not None:
+        weights = weights.masked_fill(empty, 0.0)
     if dropout_p:
         weights = F.dropout(weights, dropout_p)
     return weights @ value

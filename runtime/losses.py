@@ -157,7 +157,7 @@ def _multi_margin(original: Callable[..., torch.Tensor]) -> Callable[..., torch.
                      reduction: int) -> torch.Tensor:
         if x.dim() != 2:
             return original(x, y, p, margin, weight, reduction)
-        z = torch.clamp(margin - x.gather(1, y[:, None]) + x, min=0)
+        z = torch.relu(margin - x.gather(1, y[:, None]) + x)  # strict, as torch's: no gradient at z = 0 (clamp's)
         z = z * z if p == 2 else z
         if weight is not None:
             z = z * weight[y][:, None]

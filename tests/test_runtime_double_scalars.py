@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import copy
+import io
+import math
 import warnings
 from collections.abc import Callable
 
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -219,3 +222,42 @@ def test_dynamo_constants_read_in_float64() -> None:
         m(x).square().sum().backward()
     torch.testing.assert_close(om(x), ref(x), rtol=1e-13, atol=0)
     torch.testing.assert_close(om.w.grad, ref.w.grad, rtol=1e-12, atol=0)
+
+
+def test_dynamo_constants_read_as_the_program_s_numbers() -> None:
+    """A float64 flow's log-likelihood constant, `0.5 * d * math.log(2 * math.pi)` with d a size the export knows:
+    dynamo folds it into one float32 Constant, whose shortest decimal (2.7568157) is 3e-8 off the number torch
+    adds; `constants_in_double` reads it as the exported program's Python number that rounds to it."""
+    class Flow(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h.pow(2).sum(1) + 0.5 * h.shape[1] * math.log(2 * math.pi) - 0.01 * h.sum(1)
+
+    h = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(Flow(), (h,), dynamo=True, optimize=False, verbose=False)
+    numbers = double_scalars.numbers_in(program.exported_program.graph.nodes)
+    model = double_scalars.constants_in_double(program.model_proto, numbers)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: h.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), Flow()(h), rtol=1e-15, atol=0)
+
+
+def test_legacy_constants_read_as_the_trace_s_numbers() -> None:
+    """A 0-d float64 loss times math.log(2 * math.pi) through the legacy exporter: a float32 Constant, whose
+    shortest decimal is 3e-8 off; `traced_numbers` gathers the trace's float64 numbers, which `in_double` reads
+    it as."""
+    class Flow(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h.pow(2).sum() * math.log(2 * math.pi) + 0.5
+
+    h = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), double_scalars.traced_numbers() as numbers:
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Flow(), (h,), buffer, dynamo=False, input_names=["h"], dynamic_axes={"h": {0: "n", 1: "d"}})
+    model = onnx.load_from_string(buffer.getvalue())
+    model = double_scalars.in_double(model, [model.graph.output[0].name], numbers)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"h": h.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), Flow()(h), rtol=1e-15, atol=0)

@@ -217,3 +217,23 @@ def test_per_sample_losses_of_score_rows(case: str, exporter: str) -> None:
     position = torch.arange(8.0) + 1
     check_parity(lambda: WithLoss(lambda a, b: (loss(a, b) * position).sum()), _batches(_classes), lambda m, b: m(*b),
                  exporter=exporter, threads=1)
+
+
+class ScoresAtTheMargin(nn.Module):
+    """Scores as a parameter, each row's class y exactly `margin` above another class (z = 0 there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = nn.Parameter(torch.tensor([[2.0, 1.0, 0.0, 1.5], [0.5, 1.5, 2.5, 3.0], [1.0, 3.0, 2.0, 0.0]]))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return F.multi_margin_loss(self.scores * 1, y)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_multi_margin_loss_passes_no_gradient_at_the_margin(exporter: str) -> None:
+    """torch's kernel counts a class only where margin - x_y + x_j > 0: clamp(min=0) passed the gradient at 0 (the
+    scores one margin apart), silently, and the first call's check compared it with the same clamp."""
+    batches = [(torch.tensor([0, 2, 1]),)] * 2
+    check_parity(lambda: ScoresAtTheMargin().double(), batches, lambda m, b: m(*b), rtol=1e-10, exporter=exporter,
+                 optimizer=lambda params: torch.optim.SGD(params, lr=0.25))
