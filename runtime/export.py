@@ -605,9 +605,9 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     flat._result["scalar_reads"] = read
     computed = flat._result.get("outputs")  # torch's values of this call: the reference of the first-call checks
     if finder.found:
-        raise ExportError(f"the dynamo exporter loses torch's stop-gradients, and this forward has one "
-                          f"({finder.found}): its gradients would flow where torch's do not. Use "
-                          "exporter='torchscript' (the default), which keeps them.")
+        raise ExportError(f"the dynamo exporter loses torch's no_grad blocks, and this forward has one "
+                          f"({finder.found}): its gradients would flow where torch's do not. Use detach() "
+                          "instead, or exporter='torchscript' (the default), which keeps them.")
     dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in leaves)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()), _quiet(_DYNAMO_LOGGERS):

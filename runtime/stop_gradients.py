@@ -183,8 +183,9 @@ def _detached(out: Any, given: set[int]) -> Any:
 
 
 class Finder(TorchFunctionMode):
-    """Records the first stop-gradient that matters in a forward: a `detach` of a tensor that requires grad, or a
-    float result computed without grad from one (for an exporter that loses both)."""
+    """Records the first stop-gradient the dynamo exporter loses in a forward: a float result computed without grad
+    from a tensor that requires grad (a `no_grad` block, which torch.export's graph does not mark). Its `detach`
+    is a StopGradient (`dynamo_translations`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -195,8 +196,6 @@ class Finder(TorchFunctionMode):
         if self.found is None and not in_a_hook() and \
                 any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             name = getattr(func, "__name__", str(func))
-            if name == "detach":
-                self.found = "a detach() of a tensor that requires grad"
-            elif not torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.is_floating_point():
+            if not torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.is_floating_point():
                 self.found = f"{name} computed under torch.no_grad() from a tensor that requires grad"
         return out

@@ -964,11 +964,32 @@ def test_outputs_after_a_stop_gradient_left_without_gradient() -> None:
     torch.testing.assert_close(features, want_features)
 
 
-def test_dynamo_refuses_stop_gradients() -> None:
-    """The dynamo exporter loses them: refused, naming the cause, before it exports."""
+class Detached(StopGradients):
+    """StopGradients' detaches without its no_grad block: a GAN-style detach, VQ's straight-through estimator."""
+
+    def forward(self, x):
+        fake = torch.tanh(self.gen(x))
+        q = self.codes[torch.cdist(fake, self.codes).argmin(-1)]
+        straight = fake + (q - fake).detach()
+        return self.disc(fake.detach()).mean() + straight.square().mean() + (q - fake.detach()).square().mean()
+
+
+def test_dynamo_keeps_detach_and_refuses_no_grad_blocks() -> None:
+    """The dynamo exporter loses a no_grad block: refused, naming the cause, before it exports. Its detach() is a
+    StopGradient (`dynamo_translations`): such modules were refused too, and now train as torch's (unchecked, so
+    that the graph's own gradients are compared)."""
     om = ORTModule(StopGradients(), exporter="dynamo")
-    with pytest.raises(ORTModuleError, match=r"stop-gradients.*no_grad"):
+    with pytest.raises(ORTModuleError, match=r"no_grad blocks.*no_grad"):
         om(torch.randn(8, 4))
+    torch.manual_seed(0)
+    model = Detached()
+    ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo", check_export=False)
+    for _ in range(2):
+        x = torch.randn(8, 4)
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).backward()
+        assert_grads_equal(om, ref)
 
 
 def test_dynamo_names_a_cumulative_batchnorm_it_cannot_trace() -> None:
