@@ -729,10 +729,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
             temporary = {n: t.detach().clone() for n, t in module.named_buffers() if n not in state}
         runs = flat._result.pop("hook_runs", [])
         hooked = [t for run in runs for t in run]
-        # dynamo's second run is on fake tensors: those a hook left in a dict become the torch run's, at the same place
-        real = dict(zip(map(id, runs[-1]), runs[0])) if len(runs) > 1 and len(runs[0]) == len(runs[-1]) else {}
-        forget(hooked, [runs, hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()],
-               real)
+        forget(hooked, [runs, hooked, leaves, flat._result.get("outputs") or []], [*leaves, *original, *state.values()])
     except Exception as e:
         if flat._result.get("raised") is e and not isinstance(e, ExportError):
             raise  # the forward's own error (or its hooks'), on the call's inputs: torch's call raises it too

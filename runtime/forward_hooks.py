@@ -35,7 +35,7 @@ import gc
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -260,15 +260,13 @@ class _Made(TorchFunctionMode):
         return out
 
 
-def forget(tensors: Sequence[torch.Tensor], ours: Iterable[object], kept: Iterable[torch.Tensor],
-           real: Mapping[int, torch.Tensor] | None = None) -> None:
+def forget(tensors: Sequence[torch.Tensor], ours: Iterable[object], kept: Iterable[torch.Tensor]) -> None:
     """Take `tensors` (the export's, which its runs of the hooks received or made), and the tuples holding them, out
     of the lists and deques holding them but `ours`: a hook appending to a list, which the user clears before each
     call, would otherwise hold the export's tensors besides the call's own (their autograd graph freed by then:
-    "backward through the graph a second time"). Dicts and attributes the hooks set are set again by the call's
-    replay. `kept`: the call's inputs, parameters and buffers, which the caller's own lists may hold. `real`: by id,
-    the tensors to put in place of dynamo's fake ones in the dicts holding them (a statistic rebound in a dict, which
-    the replay would build on)."""
+    "backward through the graph a second time"). Only for lists out of `hook_state`'s reach, which puts back what
+    the hooks can reach (dicts too: dynamo's fake tensors a statistic rebound there). `kept`: the call's inputs,
+    parameters and buffers, which the caller's own lists may hold."""
     kept_ids = {id(t) for t in kept}
     tensors = [t for t in tensors if id(t) not in kept_ids]
     if not tensors:
@@ -282,10 +280,6 @@ def forget(tensors: Sequence[torch.Tensor], ours: Iterable[object], kept: Iterab
         holders += gc.get_referrers(*pairs)
     skip.update((id(holders), id(pairs)))
     for holder in holders:
-        if real and isinstance(holder, dict) and id(holder) not in skip:
-            for k, v in list(holder.items()):
-                if id(v) in real:
-                    holder[k] = real[id(v)]
         if isinstance(holder, (list, collections.deque)) and id(holder) not in skip:
             left = [x for x in holder if id(x) not in gone]
             if len(left) != len(holder):

@@ -28,6 +28,7 @@ from torch import nn
 
 from .edits import FORWARD_HOOKS
 from .forward_hooks import from_a_library, user_hooks
+from .stores import TORCHS
 
 DEPTH = 4
 """Levels walked below a hook's cells, globals and object: `stats["relu"]["dead"]` is two."""
@@ -36,7 +37,6 @@ ITEMS = 100_000
 SMALL = 1 << 16
 """Elements of the largest tensor saved (a running sum changed in place: `stats["sum"] += out.sum()`)."""
 
-_MODULE_KEYS = frozenset(vars(nn.Module()))
 _MISSING = object()
 
 
@@ -139,7 +139,7 @@ class _Walk:
         if not isinstance(namespace, dict) or id(namespace) in self.seen:
             return
         self.seen.add(id(namespace))
-        keys = frozenset(namespace) - _MODULE_KEYS if isinstance(obj, nn.Module) else None
+        keys = frozenset(namespace) - TORCHS if isinstance(obj, nn.Module) else None
         before = dict(namespace) if keys is None else {k: namespace[k] for k in keys}
         self.saved.holders.append((namespace, before, keys))
         self.values(before.values(), depth + 1)

@@ -24,8 +24,9 @@ from .structure import Spec, flatten, unflatten
 APPENDED = object()
 """`Store.key` of a value appended to a list."""
 _MISSING = object()
-_TORCHS = frozenset(vars(nn.Module()))
-"""torch's own attributes of a module (its parameters, buffers, submodules and hooks by name)."""
+TORCHS = frozenset(vars(nn.Module()))
+"""torch's own attributes of a module (its parameters, buffers, submodules and hooks by name): the others are the
+user's."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Watching:
 
     def __init__(self, module: nn.Module) -> None:
         self.before = [(m, dict(vars(m)), {k: _contents(v) for k, v in vars(m).items()
-                                            if type(v) in (list, dict) and k not in _TORCHS})
+                                            if type(v) in (list, dict) and k not in TORCHS})
                        for m in module.modules()]
         self.by_hooks: set[int] = set()
         """Values the user's forward hooks put in those lists and dicts (`m.feats.append(out)`): their replay does it
@@ -86,7 +87,7 @@ class Watching:
     def hook_running(self) -> Iterator[None]:
         """Values put in the lists and dicts of the modules while the block (a hook) runs are the hook's."""
         containers = [v for m, _, _ in self.before for k, v in vars(m).items() if type(v) in (list, dict)
-                      and k not in _TORCHS]
+                      and k not in TORCHS]
         then = [_contents(v) for v in containers]
         try:
             yield
