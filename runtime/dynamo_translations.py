@@ -5,11 +5,11 @@ onnxscript writes `max` / `min` along a dim as ReduceMax, whose rule splits a ti
 max gives it to the index it returns) and which keeps a NaN only where it comes first (torch's propagates it; so
 for `amax` / `amin`), and `clamp` with tensor bounds (float64 clamps' bounds are 0-d tensors, `clamp_min` in torch's
 margin losses) as Max / Min, which split a gradient at a bound reached (torch's gives it to x, bounds inclusive).
-`xlogy` cut x's gradient at x = 0, attention under a boolean mask leaving a query no key gave it the values' mean
-(torch's zeros), `detach` was an Identity, and float64 `elu`, `selu`, `celu`, `leaky_relu` and `log2` computed with
-float32 constants (or in float32). The legacy exporter's conversions of the same ops (`symbolics.py`) follow torch:
-these follow the same conventions. Where onnxscript's are right (scalar bounds: a Clip; float32 activations) they
-are kept."""
+`xlogy` cut x's gradient at x = 0, `detach` was an Identity, and float64 `elu`, `selu`, `celu`, `leaky_relu` and
+`log2` computed with float32 constants (or in float32). The legacy exporter's conversions of the same ops
+(`symbolics.py`) follow torch: these follow the same conventions. (Attention under a mask emptying a row is mended
+before either exporter sees it, in `functions.py`.) Where onnxscript's are right (scalar bounds: a Clip; float32
+activations) they are kept."""
 
 from __future__ import annotations
 
@@ -226,25 +226,10 @@ def _log2(x: Any) -> Any:
     return op.Div(op.Log(x), _const(math.log(2.0), x))
 
 
-def _attention(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
-    """aten scaled_dot_product_attention: onnxscript's, and under a boolean mask that leaves a query no key zeros
-    for that query, without a gradient, as torch's (onnxscript's fills the mask with float's lowest: the softmax of
-    such a row is uniform, its output the values' mean, and gradients flow from it to the query, keys and values)."""
-    out = _torchlib_nn().aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                           enable_gqa)
-    if attn_mask is None or attn_mask.dtype is None or attn_mask.dtype.name != "BOOL":
-        return out
-    op = _op()
-    empty = op.Equal(op.ReduceMax(op.CastLike(attn_mask, query), _axes(-1), keepdims=1), _const(0.0, query))
-    return op.Where(empty, _const(0.0, query), out)
-
-
 def _detach(x: Any) -> Any:
     """aten detach: gradbuilder's StopGradient (onnxscript's Identity let gradients through, where runtime's own
     replacements of torch's functions detach: binary cross-entropy's value at p held constant (NaN gradients at a
-    saturated sigmoid), straight-through and clamped-below-eps terms). A user's detach is refused before the export
-    (`stop_gradients.py`)."""
+    saturated sigmoid), straight-through and clamped-below-eps terms). A user's detach is kept as torch's."""
     return _stop_gradient(x)
 
 
@@ -259,7 +244,6 @@ def translations() -> dict[Any, Any]:
         aten.elu.default: _elu, aten.selu.default: _selu, aten.celu.default: _celu,
         aten.leaky_relu.default: _leaky_relu, aten.log2.default: _log2,
         aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
-        aten.scaled_dot_product_attention.default: _attention,
         aten.detach.default: _detach,
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
     }

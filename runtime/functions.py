@@ -105,6 +105,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -1173,7 +1174,10 @@ def _attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Grouped-query attention (`enable_gqa`) with its key and value heads repeated; float64 attention written out
     (`_attention_math`): the legacy exporter's translation takes float32, float16 and bfloat16 only (a float64
-    nn.TransformerEncoderLayer with a padding mask failed to export)."""
+    nn.TransformerEncoderLayer with a padding mask failed to export). Under a mask that leaves a query no key (a
+    fully padded sequence), torch's attention gives that row zeros and no gradient; both exporters' translations
+    gave a float mask's NaN, a boolean one's NaN gradient reaching every key and value (legacy) or the values' mean
+    (dynamo): such rows are unmasked for the call and zeroed after, as `_attention_math` does."""
     def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                                      enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
         # head counts as numbers read outside the trace: fixed by the weights, so the choice holds at every size
@@ -1184,7 +1188,13 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
             key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
         if query.dtype == torch.float64:
             return _attention_math(query, key, value, *args, **kwargs)
-        return original(query, key, value, *args, **kwargs)
+        bound = inspect.signature(_attention_math).bind(query, key, value, *args, **kwargs)
+        mask = bound.arguments.get("attn_mask")
+        if mask is None or bound.arguments.get("is_causal"):  # a causal mask never empties a row
+            return original(query, key, value, *args, **kwargs)
+        empty = ~mask.any(-1, keepdim=True) if mask.dtype == torch.bool else mask.amax(-1, keepdim=True) == -math.inf
+        bound.arguments["attn_mask"] = mask | empty if mask.dtype == torch.bool else mask.masked_fill(empty, 0.0)
+        return original(*bound.args, **bound.kwargs).masked_fill(empty, 0.0)
 
     return scaled_dot_product_attention
 

@@ -19,8 +19,6 @@ negative source dim into perm; `embedding` ignores padding_idx (`F.embedding` of
 where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b; `scatter_reduce`
 wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it), and
 `repeat_interleave` by a tensor of repeats is a Loop (no gradient): ours are one ScatterElements and a Gather.
-`scaled_dot_product_attention` under a mask that leaves a query no key gives NaN (a float mask) or zeros with a
-NaN gradient (a boolean one) where torch's gives zeros and no gradient.
 Ties as torch's backward breaks them: `fmax` / `fmin` give a tie's gradient to the first operand, `median` of every
 element splits it evenly, `clamp` with tensor bounds gives it to x (torch's Max / Min split it with the bound).
 `const_like` writes float constants in float64.
@@ -47,7 +45,6 @@ from torch.onnx._internal.torchscript_exporter import (
     symbolic_opset11,
     symbolic_opset12,
     symbolic_opset13,
-    symbolic_opset14,
     symbolic_opset16,
     symbolic_opset18,
 )
@@ -64,7 +61,7 @@ TORCH_OWN: dict[str, int | tuple[int, ...]] = {
     "aten::var_mean": 18, "aten::celu": 12, "aten::chunk": 11, "aten::_unique2": 11, "aten::div": 10, "aten::clamp":
     11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16, "aten::repeat_interleave": 13,
     "aten::amax": 18, "aten::amin": 18, "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12, "aten::aminmax":
-    18, "aten::split": (11, 13), "aten::scaled_dot_product_attention": 14}
+    18, "aten::split": (11, 13)}
 """The opsets of torch's own conversions of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -798,35 +795,6 @@ def _slogdet(g: Any, x: Any) -> tuple[Any, Any]:
     return g.op("Sign", det), g.op("Log", g.op("Abs", det))
 
 
-@symbolic_helper.parse_args("v", "v", "v", "v", "f", "b", "v", "b")
-def _attention(g: Any, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-               is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Any:
-    """torch's conversion, safe where a mask leaves a query no key (its row all -inf): torch's attention gives such
-    rows zeros and no gradient; its conversion gave a float mask's NaN, and a boolean mask's zeros (a NaN test after
-    the softmax) whose gradient was NaN (softmax's at a NaN row) and reached every key and value. Such rows are
-    read off the mask (smaller than the scores where it broadcasts), which is 0 there for the softmax and its rows
-    zeros after it. Without a mask (a causal one never empties a row) torch's own."""
-    rank = symbolic_helper._get_tensor_rank(key)
-    if symbolic_helper._is_none(attn_mask) or is_causal or enable_gqa or rank is None:
-        return symbolic_opset14.scaled_dot_product_attention(g, query, key, value, attn_mask, dropout_p, is_causal,
-                                                             scale, enable_gqa)
-    if symbolic_helper._is_none(scale):
-        scale = symbolic_opset14._attention_scale(g, query)
-    perm = list(range(rank))
-    perm[-2], perm[-1] = perm[-1], perm[-2]
-    root = g.op("Sqrt", scale)  # q and k scaled before their product, as torch's
-    scores = g.op("MatMul", g.op("Mul", query, root), g.op("Mul", g.op("Transpose", key, perm_i=perm), root))
-    zero, blocked = const_like(g, 0.0, scores), const_like(g, -math.inf, scores)
-    if _type_utils.JitScalarType.from_value(attn_mask) == _type_utils.JitScalarType.BOOL:
-        attn_mask = g.op("Where", attn_mask, zero, blocked)
-    empty = g.op("Equal", _reduced(g, "ReduceMax", attn_mask, [-1], True), blocked)
-    scores = g.op("Add", scores, g.op("Where", empty, zero, attn_mask))
-    weights = g.op("Where", empty, zero, g.op("Softmax", scores, axis_i=-1))
-    if dropout_p != 0:  # inference Dropout as torch's: the export gives it its training mode
-        weights = g.op("Dropout", weights, g.op("Constant", value_t=torch.tensor(dropout_p, dtype=torch.float)))
-    return g.op("MatMul", weights, value)
-
-
 def _inverse(g: Any, a: Any) -> Any:
     """torch.linalg.inv (torch.inverse and Tensor.inverse trace as it, scripted or not) as onnxruntime's contrib
     Inverse: standard ONNX has no inverse. Typed as A, which onnx's shape inference cannot do for an op it does not
@@ -1115,7 +1083,6 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::addbmm": _addbmm, "aten::movedim": _movedim,
     "aten::argmax": _arg_extremum(True), "aten::argmin": _arg_extremum(False), "aten::embedding": _embedding,
     "aten::aminmax": _aminmax, "aten::split": _split,
-    "aten::scaled_dot_product_attention": _attention,
 }
 
 
