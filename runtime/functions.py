@@ -1194,7 +1194,8 @@ def _attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
             return original(query, key, value, *args, **kwargs)
         empty = ~mask.any(-1, keepdim=True) if mask.dtype == torch.bool else mask.amax(-1, keepdim=True) == -math.inf
         bound.arguments["attn_mask"] = mask | empty if mask.dtype == torch.bool else mask.masked_fill(empty, 0.0)
-        return original(*bound.args, **bound.kwargs).masked_fill(empty, 0.0)
+        given = {k: v for k, v in bound.arguments.items() if k not in ("query", "key", "value")}  # scale: by keyword
+        return original(query, key, value, **given).masked_fill(empty, 0.0)
 
     return scaled_dot_product_attention
 
