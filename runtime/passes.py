@@ -1052,16 +1052,9 @@ def vectors_as_matrices(model: onnx.ModelProto) -> onnx.ModelProto:
                   and (transposed(n.input[0]) or transposed(n.input[1]))]
     if not candidates:
         return model
-    def ranks(graph: onnx.GraphProto) -> dict[str, int]:
-        known = {name: len(d) for name, (_, d) in tensor_types(graph).items() if d is not None}
-        known.update((t.name, len(t.dims)) for t in g.initializer)
-        return known
-
-    dims = ranks(g)  # the declared types first: inference over a large backward costs a first step ~0.1 s
-    if any(x not in dims for _, n in candidates for x in n.input[:2]):
-        dims = ranks(infer_shapes_safely(model) or g)
-    plan = [(k, 1 if dims.get(n.input[1]) == 1 else 0) for k, n in candidates
-            if dims.get(n.input[1]) == 1 or dims.get(n.input[0]) == 1]
+    ranks = {name: len(d) for name, d in _dims_of(model, [x for _, n in candidates for x in n.input[:2]]).items()}
+    plan = [(k, 1 if ranks.get(n.input[1]) == 1 else 0) for k, n in candidates
+            if ranks.get(n.input[1]) == 1 or ranks.get(n.input[0]) == 1]
     opset = default_opset(model)
 
     def build(node: onnx.NodeProto, vector: int, taken: set[str]) -> list[onnx.NodeProto]:
@@ -1077,3 +1070,71 @@ def vectors_as_matrices(model: onnx.ModelProto) -> onnx.ModelProto:
         return e.nodes
 
     return rewrite_nodes(model, plan, build)
+
+
+def _dims_of(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, list[int | None]]:
+    """Dims (None where symbolic) of tensors of `model`: the declared types first (inference over a large backward
+    costs a first step ~0.1 s), inferred when one of `names` has none."""
+    def known(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
+        dims = static_dims(graph)
+        dims.update((t.name, list(t.dims)) for t in model.graph.initializer)
+        return dims
+
+    dims = known(model.graph)
+    if any(x not in dims for x in names):
+        dims = known(infer_shapes_safely(model) or model.graph)
+    return dims
+
+
+ORDERED_REDUCTIONS = (b"add", b"mul", b"max", b"min")
+
+
+def ordered_scatters(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ScatterND nodes that reduce (torch's `index_put(..., accumulate=True)`, the builder's counts of ties)
+    computed by ScatterElements over the data's rows: onnxruntime's CPU ScatterND splits the updates among its
+    threads, which then add into one element at once where indices repeat and lose updates, silently and
+    differently at each run (a 1024 x 256 update of one row was off by up to 51), where its ScatterElements applies
+    them in order. Indices [N, 1] into any data scatter as they are; longer index tuples become flat row numbers
+    of the data seen as [rows, rest]. Needs the ranks of the data and indices and the tuples' length. Returns a
+    rewritten copy, or `model` itself when there is nothing to rewrite."""
+    candidates = [(k, n) for k, n in enumerate(model.graph.node) if n.op_type == "ScatterND"
+                  and n.domain in ("", "ai.onnx") and _reduction(n) in ORDERED_REDUCTIONS]
+    if not candidates:
+        return model
+    dims = _dims_of(model, [x for _, n in candidates for x in n.input[:3]])
+    plan = []
+    for k, n in candidates:
+        data, index, updates = (dims.get(x) for x in n.input[:3])
+        if data is None or index is None or not index or index[-1] is None or 0 in (*data, *(updates or [])):
+            continue  # an empty scatter adds nothing; onnxruntime's ExpandElimination mis-sizes an Expand to 0
+        plan.append((k, len(data), len(index), index[-1]))
+
+    def build(node: onnx.NodeProto, rank: int, index_rank: int, depth: int, taken: set[str]) -> list[onnx.NodeProto]:
+        e = Nodes(node.name or node.output[0], taken)
+        data, index, updates = node.input[:3]
+        reduction = _reduction(node).decode()
+        ones = [1] * (rank - depth)
+        if depth == 1 and index_rank == 2:  # rows of the data as they are: no reshape of the data
+            rows = e("Expand", e("Reshape", index, e.axes([-1, *ones])), e("Shape", updates))
+            e("ScatterElements", data, rows, updates, axis=0, reduction=reduction, out=node.output[0])
+            return e.nodes
+        shape = e("Shape", data)
+        head = e("Slice", shape, e.axes([0]), e.axes([depth]))
+        rest = e("Slice", shape, e.axes([depth]), e.axes([rank]))
+        whole = e("Where", e("Less", index, e.axes([0])), e("Add", index, head), index)
+        strides = [e("ReduceProd", e("Slice", head, e.axes([j + 1]), e.axes([depth])), keepdims=1)
+                   if j + 1 < depth else e.axes([1]) for j in range(depth)]
+        flat = e("ReduceSum", e("Mul", whole, e("Concat", *strides, axis=0) if depth > 1 else strides[0]),
+                 e.axes([-1]), keepdims=0)
+        table = e("Reshape", data, e("Concat", e("ReduceProd", head, keepdims=1), rest, axis=0))
+        values = e("Reshape", updates, e("Concat", e.axes([-1]), rest, axis=0))
+        rows = e("Expand", e("Reshape", flat, e.axes([-1, *ones])), e("Shape", values))
+        e("Reshape", e("ScatterElements", table, rows, values, axis=0, reduction=reduction), shape,
+          out=node.output[0])
+        return e.nodes
+
+    return rewrite_nodes(model, plan, build)
+
+
+def _reduction(node: onnx.NodeProto) -> bytes:
+    return next((a.s for a in node.attribute if a.name == "reduction"), b"none")

@@ -235,17 +235,18 @@ def _rewrite_sums(model: onnx.ModelProto, match: Callable[[onnx.NodeProto, Reade
 
 
 def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = None) -> onnx.ModelProto:
-    """A copy of `model` where `Sum(a, ..., ScatterND(zeros, i, u, reduction="add"))` is `ScatterND(Sum(a, ...),
-    i, u, reduction="add")` (the model itself when nothing matches). Only when the zeros and the scatter are read
-    by that Sum alone and no term of the Sum can broadcast (`_same_shapes`; a scatter does not broadcast).
-    `shapes`: `_shapes(model)`, when the caller has it."""
+    """A copy of `model` where `Sum(a, ..., Scatter(zeros, i, u, reduction="add"))` is `Scatter(Sum(a, ...),
+    i, u, reduction="add")` (the model itself when nothing matches), for ScatterElements (the builder's adjoint of
+    a gather) and ScatterND. Only when the zeros and the scatter are read by that Sum alone and no term of the Sum
+    can broadcast (`_same_shapes`; a scatter does not broadcast). `shapes`: `_shapes(model)`, when the caller has
+    it."""
     known = shapes
 
     def match(n: onnx.NodeProto, terms: Readers) -> tuple[onnx.NodeProto, int] | None:
         nonlocal known
         for j, name in enumerate(n.input):
             s = terms.sole(name)
-            if (s is None or s.op_type != "ScatterND" or s.domain
+            if (s is None or s.op_type not in ("ScatterND", "ScatterElements") or s.domain
                     or next((a.s for a in s.attribute if a.name == "reduction"), b"none") != b"add"):
                 continue
             zeros = terms.sole(s.input[0])
@@ -263,9 +264,11 @@ def scatters_into_sums(model: onnx.ModelProto, shapes: dict[str, Dims] | None = 
         if len(rest) > 1:
             base = fresh_name(f"{n.name or n.output[0]}/others", taken)
             nodes.append(helper.make_node("Sum", rest, [base], name=base))
-        nodes.append(helper.make_node("ScatterND", [base, scatter.input[1], scatter.input[2]], [n.output[0]],
-                                      name=fresh_name(f"{n.name or n.output[0]}/scatter", taken), reduction="add"))
-        return nodes
+        into = onnx.NodeProto()
+        into.CopyFrom(scatter)  # its op and attributes (axis, reduction)
+        into.input[0], into.output[0] = base, n.output[0]
+        into.name = fresh_name(f"{n.name or n.output[0]}/scatter", taken)
+        return [*nodes, into]
 
     return _rewrite_sums(model, match, build)
 

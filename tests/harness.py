@@ -29,9 +29,9 @@ NP_TO_ONNX = {
 }
 
 
-def session(model: onnx.ModelProto) -> ort.InferenceSession:
+def session(model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    so.intra_op_num_threads = threads
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"],
                                 disabled_optimizers=["EliminateDropout"])
@@ -40,11 +40,11 @@ def session(model: onnx.ModelProto) -> ort.InferenceSession:
 class Trainer:
     """Runs a training graph through its two halves, the way a host would."""
 
-    def __init__(self, training: onnx.ModelProto):
+    def __init__(self, training: onnx.ModelProto, threads: int = 1):
         self.training = training
         self.forward, self.backward, self.manifest = gradbuilder.split(training)
-        self.fwd = session(self.forward)
-        self.bwd = session(self.backward) if self.manifest.backward_outputs else None
+        self.fwd = session(self.forward, threads)
+        self.bwd = session(self.backward, threads) if self.manifest.backward_outputs else None
         self.initializers = {t.name: onnx.numpy_helper.to_array(t) for t in training.graph.initializer}
 
     def run_forward(self, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:

@@ -60,10 +60,24 @@ def test_gather_dynamic(opset):
                   lambda x, i: _torch_gather(x, index, 0), opset=opset, axis=0)
 
 
-def test_gather_embedding_uses_scatter_add():
-    model = harness.single_op_model("Gather", [("x", r(5, 3)), ("i", idx([1, 1]))], opset=NEW)
-    ops = [n.op_type for n in gradbuilder.build_gradient_graph(model, wrt=["x"]).graph.node]
-    assert "ScatterND" in ops and "MatMul" not in ops and "Transpose" not in ops
+def test_gather_adjoint_adds_repeated_rows_in_order_on_threads():
+    """Rows read many times (an embedding's repeated tokens: BERT's token types, padding) are added by one
+    ScatterElements, in index order, whatever onnxruntime's threads: its ScatterND split the updates among them and
+    lost some or added them in another order, differently at each run (off by up to 51 on a quiet machine)."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((3, 256)).astype(np.float32)
+    index = np.zeros(4096, np.int64)
+    index[::7] = 2
+    model = harness.single_op_model("Gather", [("x", table), ("i", index)], opset=NEW)
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"])
+    ops = [n.op_type for n in training.graph.node]
+    assert "ScatterElements" in ops and "ScatterND" not in ops and "MatMul" not in ops and "Transpose" not in ops
+    dy = rng.standard_normal((4096, 256)).astype(np.float32)
+    want = np.zeros_like(table)
+    np.add.at(want, index, dy)  # one update after the other, in float32
+    trainer = harness.Trainer(training, threads=4)
+    for _ in range(10):
+        np.testing.assert_array_equal(trainer.step({"x": table, "i": index}, [dy])[1]["x"], want)
 
 
 # --- GatherElements --------------------------------------------------------------------------------------
@@ -229,7 +243,7 @@ test_every_opset, test_float32 = sweep_tests(_sweep, float32_opsets=(14, 18))
 
 @pytest.mark.parametrize("opset", [OLD, NEW])
 def test_float16(opset):
-    """16-bit floats are scatter-added in float32 (onnxruntime's CPU has no float16 ScatterND add)."""
+    """16-bit floats are scatter-added in float32 (onnxruntime's CPU has no float16 ScatterElements add)."""
     x = r(2, 3, 4).astype(np.float16)
     kw = {"rtol": 1e-2, "atol": 1e-2, "fd": False, "opset": opset}
     check_op("Gather", [("x", x), ("i", idx([1, 1, 0]))], lambda x: x[:, [1, 1, 0]], consts=["i"], axis=1, **kw)
@@ -252,4 +266,4 @@ def test_constant_position_padded_into_place(elem):
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y"])
     ops = {n.op_type for n in training.graph.node}
-    assert ("Pad" in ops) == (elem == onnx.TensorProto.FLOAT) and ("ScatterND" in ops) != ("Pad" in ops)
+    assert ("Pad" in ops) == (elem == onnx.TensorProto.FLOAT) and ("ScatterElements" in ops) != ("Pad" in ops)

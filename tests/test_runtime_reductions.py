@@ -76,30 +76,36 @@ def test_double_left_alone() -> None:
     assert leading_sums_as_products(model) is model
 
 
-def _scatter_sum_model(a_dims: list[int], table: list[int]) -> onnx.ModelProto:
-    """g = a + ScatterND(zeros(table), rows, updates, add): an embedding table's gradient beside a tied head's."""
+def _scatter_sum_model(a_dims: list[int], table: list[int], op: str = "ScatterElements") -> onnx.ModelProto:
+    """g = a + Scatter(zeros(table), rows, updates, add): an embedding table's gradient beside a tied head's (the
+    builder's ScatterElements, or a ScatterND as other producers write it)."""
+    elements = op == "ScatterElements"
     inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_dims),
-              helper.make_tensor_value_info("rows", TensorProto.INT64, ["n", 1]),
+              helper.make_tensor_value_info("rows", TensorProto.INT64, ["n", table[1] if elements else 1]),
               helper.make_tensor_value_info("u", TensorProto.FLOAT, ["n", table[1]])]
     out = helper.make_tensor_value_info("g", TensorProto.FLOAT, table)
     shape = numpy_helper.from_array(np.array(table, np.int64), "shape")
+    axis = {"axis": 0} if elements else {}
     nodes = [helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
-             helper.make_node("ScatterND", ["zeros", "rows", "u"], ["s"], reduction="add"),
+             helper.make_node(op, ["zeros", "rows", "u"], ["s"], reduction="add", **axis),
              helper.make_node("Sum", ["a", "s"], ["g"])]
     graph = helper.make_graph(nodes, "g", inputs, [out], initializer=[shape])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_scatter_into_sum() -> None:
-    model = _scatter_sum_model([5, 3], [5, 3])
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+def test_scatter_into_sum(op: str) -> None:
+    model = _scatter_sum_model([5, 3], [5, 3], op)
     out = scatters_into_sums(model)
-    assert _ops(out) == ["ScatterND"] and out.graph.node[0].input[0] == "a"
+    assert _ops(out) == [op] and out.graph.node[0].input[0] == "a"
     onnx.checker.check_model(out, full_check=True)
     rng = np.random.default_rng(0)
-    feeds = {"a": rng.standard_normal((5, 3)).astype(np.float32), "rows": np.array([[1], [4], [1]]),
+    rows = np.array([[1], [4], [1]])
+    feeds = {"a": rng.standard_normal((5, 3)).astype(np.float32),
+             "rows": np.repeat(rows, 3, 1) if op == "ScatterElements" else rows,
              "u": rng.standard_normal((3, 3)).astype(np.float32)}
     want = feeds["a"].copy()
-    np.add.at(want, feeds["rows"][:, 0], feeds["u"])
+    np.add.at(want, rows[:, 0], feeds["u"])
     for m in (model, out):
         got = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -2,7 +2,11 @@
 
 Several reads may hit one element, so the adjoints of the gathers must add, not overwrite: ScatterND and
 ScatterElements only learned `reduction="add"` at opset 16. Before that, the sum is a MatMul with a one-hot
-matrix built from the indices (Equal against a Range): more memory, the same numbers.
+matrix built from the indices (Equal against a Range): more memory, the same numbers. Rows are added with
+ScatterElements, not ScatterND: onnxruntime's CPU ScatterND splits the updates among its threads, so two threads
+add into one row at once and lose updates, silently and at random (an embedding's gradient where a token repeats:
+BERT's token types, padding; a 1024 x 256 update of one row was off by up to 51), where its ScatterElements adds
+in index order.
 """
 
 from __future__ import annotations
@@ -83,17 +87,22 @@ def _narrow(g: Grad, t: str, back: int | None) -> str:
 
 def rows_adjoint(g: Grad, t: str, src: str, d: int | str, like: str, *, add: bool = True) -> str:
     """Adjoint of reading rows: `t` [L, Q] holds rows `src` [L] (int64 in [0, d)) of a [d, Q] matrix;
-    return that [d, Q] matrix's gradient, rows read several times summed. `add=False` promises the rows
-    are distinct, so a plain ScatterND does at every opset."""
-    if g.opset >= SCATTER_ADD_OPSET or not add:
-        shape = g.Concat(as_tensor(g, d), g.Slice(g.Shape(t), g.ints([1]), g.ints([2])), axis=0)
-        t, back = _widen(g, t, like) if add else (t, None)
-        summed = g.ScatterND(zeros(g, shape, like, TensorProto.FLOAT if back else None), g.unsqueeze(src, [1]), t,
-                             reduction="add" if add else None)
-        return _narrow(g, summed, back)
-    rows = g.unsqueeze(arange(g, d), [1])
-    onehot = g.cast_like(g.Equal(rows, g.unsqueeze(src, [0])), like)  # [d, L]
-    return g.MatMul(onehot, t)
+    return that [d, Q] matrix's gradient, rows read several times summed (in their order, by ScatterElements:
+    see the module's docstring). `add=False` promises the rows are distinct, so a plain ScatterND, which moves
+    whole rows, does at every opset."""
+    if add and g.opset < SCATTER_ADD_OPSET:
+        onehot = g.cast_like(g.Equal(g.unsqueeze(arange(g, d), [1]), g.unsqueeze(src, [0])), like)  # [d, L]
+        return g.MatMul(onehot, t)
+    shape = g.Concat(as_tensor(g, d), g.Slice(g.Shape(t), g.ints([1]), g.ints([2])), axis=0)
+    if not add:
+        return g.ScatterND(zeros(g, shape, like), g.unsqueeze(src, [1]), t)
+    if 0 in (g.info(like).shape or ()):  # nothing to add, and onnxruntime's ExpandElimination drops an Expand to [L, 0]
+        return zeros(g, shape, like)
+    t, back = _widen(g, t, like)
+    rows = g.Expand(g.unsqueeze(src, [1]), g.Shape(t))
+    summed = g.ScatterElements(zeros(g, shape, like, TensorProto.FLOAT if back else None), rows, t, axis=0,
+                               reduction="add")
+    return _narrow(g, summed, back)
 
 
 def axis_adjoint(g: Grad, t: str, axis: int, rank: int, src: str, d: int | str, like: str, *,
