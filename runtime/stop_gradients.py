@@ -185,7 +185,9 @@ def _detached(out: Any, given: set[int]) -> Any:
 class Finder(TorchFunctionMode):
     """Records the first stop-gradient the dynamo exporter loses in a forward: a float result computed without grad
     from a tensor that requires grad (a `no_grad` block, which torch.export's graph does not mark). Its `detach`
-    is a StopGradient (`dynamo_translations`)."""
+    is a StopGradient (`dynamo_translations`). A torch.autograd.Function's forward runs without grad too, but is
+    no stop-gradient: its ops are differentiated where its backward agrees with them (`custom_functions`; Bloom's
+    GELU was refused)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -193,7 +195,7 @@ class Finder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.found is None and not in_a_hook() and \
+        if self.found is None and not in_a_hook() and not _IN_FUNCTIONS[0] and \
                 any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             name = getattr(func, "__name__", str(func))
             if not torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.is_floating_point():

@@ -23,8 +23,6 @@ BatchNorm's second call reading the running statistics through Identities (4 s).
 KNOWN: dict[tuple[str, str], str] = {
     ("hf-deberta-v2", "dynamo"): "torch.export cannot trace its forward: it branches on a data-dependent value "
                                  "(modeling_deberta_v2.py, `u0 > 0`); the legacy exporter can",
-    ("hf-bloom", "dynamo"): "refused by ORTModule: its forward computes under torch.no_grad() from a tensor that "
-                            "requires grad, a stop-gradient the dynamo exporter loses; the legacy exporter keeps it",
 }
 
 
