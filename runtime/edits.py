@@ -25,6 +25,8 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
+from .stores import stored_by_a_call
+
 _edits = itertools.count(1)  # next() is atomic: edits in several threads each count
 _count = [0]
 
@@ -55,6 +57,21 @@ def _hook_dicts(module: nn.Module) -> list[dict[int, Any]]:
     return [*_GLOBAL_HOOKS, *(getattr(m, name) for m in module.modules() for name in MODULE_HOOKS)]
 
 
+def grad_attributes(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors requiring grad held in plain attributes of the module's submodules, by qualified name: weights set
+    from outside the forward (a hypernetwork's `target.w = hyper(z)`, pruning's `weight = weight_orig * mask`
+    when its hook runs on the ORTModule itself). They are fed to the graph as inputs, whose gradients go back
+    through them as torch's do; held as constants, they had none. Not those an earlier call stored
+    (`stores`: a forward's own `self.aux_loss = ...`)."""
+    found = {}
+    for path, m in module.named_modules():
+        for name, value in vars(m).items():
+            if type(value) is torch.Tensor and value.requires_grad and not name.startswith("_") and \
+                    not stored_by_a_call(value):
+                found[f"{path}.{name}" if path else name] = value
+    return found
+
+
 @dataclass(frozen=True)
 class Layout:
     """What of a module an export holds besides its tensors' values."""
@@ -63,7 +80,7 @@ class Layout:
     """Per submodule (in `named_modules` order, shared ones at each place): its path, identity, hooks' handle ids
     and which parameters and buffers it has (None ones too)."""
     kinds: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-    """Each parameter's and buffer's dtype and sizes, by qualified name."""
+    """Each parameter's, buffer's and fed attribute's (`grad_attributes`) dtype and sizes, by qualified name."""
 
     @classmethod
     def of(cls, module: nn.Module) -> Layout:
@@ -76,6 +93,7 @@ class Layout:
             for k, v in itertools.chain(m._parameters.items(), m._buffers.items()):
                 if v is not None:
                     kinds[f"{path}.{k}" if path else k] = (v.dtype, tuple(v.shape))
+        kinds.update((fqn, (v.dtype, tuple(v.shape))) for fqn, v in grad_attributes(module).items())
         return cls(tuple(tree), kinds)
 
 

@@ -425,6 +425,8 @@ class Engine:
             t = where[0]._parameters.get(where[1])
             if t is None:
                 t = where[0]._buffers.get(where[1])
+                if t is None:  # a tensor requiring grad in a plain attribute (`edits.grad_attributes`)
+                    t = where[0].__dict__.get(where[1])
             hit = cached.get(name)
             if hit is not None and hit[0] is t and hit[1] == t.data_ptr() and hit[2] == t.shape:
                 feeds[name] = hit[3]

@@ -50,7 +50,7 @@ from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
 from .dynamo_translations import translations as dynamo_translations
-from .edits import BACKWARD_HOOKS
+from .edits import BACKWARD_HOOKS, grad_attributes
 from .forward_hooks import Replay, forget, recorded, user_hooks
 from .functions import exportable_functions
 from .hook_state import kept_hook_state
@@ -328,17 +328,27 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
 
 
 @contextlib.contextmanager
-def _fed_buffers(module: nn.Module) -> Iterator[None]:
+def _fed_buffers(module: nn.Module, attributes: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Non-persistent buffers fed as graph inputs like the others: the exporters take the state to feed from the
     state_dict, which leaves them out, so their values at the export became constants, and a change between calls
     (a schedule, a recurrent state carried from call to call, a resized mask) went unseen. Their modules' sets of
-    non-persistent names are emptied for the export (in place: the flat module shares the root's)."""
+    non-persistent names are emptied for the export (in place: the flat module shares the root's). `attributes`
+    (`edits.grad_attributes`: tensors requiring grad in plain attributes) are buffers while it lasts, so that they
+    become inputs too (the legacy exporter refused them as constants; dynamo's graph held them as such, without
+    gradient)."""
     sets = [(m._non_persistent_buffers_set, set(m._non_persistent_buffers_set)) for m in module.modules()]
     for names, _ in sets:
         names.clear()
+    moved = [(*_holder(module, fqn), t) for fqn, t in attributes.items()]
+    for owner, attr, t in moved:
+        del owner.__dict__[attr]
+        owner._buffers[attr] = t
     try:
         yield
     finally:
+        for owner, attr, t in moved:
+            owner._buffers.pop(attr, None)
+            owner.__dict__[attr] = t
         for names, kept in sets:
             names.update(kept)
 
@@ -703,6 +713,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     # every name of a shared (tied) tensor: the exporters may call it by any of them (dynamo by the last)
     state = dict(module.named_parameters(remove_duplicate=False))
     state.update(module.named_buffers(remove_duplicate=False))
+    attributes = grad_attributes(module)
+    state.update(attributes)
     names = _unique(tensor_paths(in_spec), set(state))
     flat = _Flat(module, signature, in_spec)
     flat._result["updates"] = list(updates)
@@ -714,7 +726,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         with _EXPORT_LOCK, _marked_exporting(), torch.inference_mode(False), torch.enable_grad(), \
                 _parametrizations_uncached(), \
                 torch.autocast("cpu", enabled=False), _preserved(module) as changed, \
-                _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module), \
+                _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module, attributes), \
                 stand_in_statistics(module) as stand_ins, lean_attention(options.torch_dropout), \
                 exportable_dropouts(options.torch_dropout), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \

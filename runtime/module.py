@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir, memory_pattern_pays
 from .export import ExportOptions, exporting
@@ -31,6 +32,11 @@ _STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_
 
 
 def _forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
+    if type(self) is not ORTModule and parametrize.is_parametrized(self):
+        raise ORTModuleError(f"ORTModule({type(self._original).__name__}) is parametrized itself "
+                             f"({', '.join(self.parametrizations)}: torch.nn.utils.parametrize changes the wrapper's "
+                             "class, which the wrapped module's forward never reads). Parametrize the wrapped module "
+                             "instead, e.g. parametrizations.weight_norm(model.module), before or after wrapping.")
     if torch._C._is_tracing() or exporting() or torch.compiler.is_compiling():
         return _traced_call(self, args, kwargs)
     return self._engine(args, kwargs)

@@ -72,6 +72,10 @@ _stored_by_calls: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakV
 module began with."""
 
 
+def stored_by_a_call(t: torch.Tensor) -> bool:
+    return _stored_by_calls.get(id(t), _MISSING) is t
+
+
 class Watching:
     """The modules' plain attributes before a run of the forward, and the lists and dicts they hold."""
 
@@ -117,7 +121,7 @@ class Watching:
         then = next(a for m, a, _ in self.before if m is taken.module).get(taken.name, _MISSING)
         return (taken.key is None and then is not _MISSING
                 and not any(t.requires_grad for t in flatten(taken.value)[0])
-                and not any(_stored_by_calls.get(id(t), _MISSING) is t for t in flatten(then)[0]))
+                and not any(stored_by_a_call(t) for t in flatten(then)[0]))
 
 
 def _holds_tensors(v: Any) -> bool:

@@ -2991,3 +2991,58 @@ def test_dynamo_exports_a_call_with_non_contiguous_inputs() -> None:
             x.grad = None
         torch.testing.assert_close(grads[0], grads[1])
         assert_grads_equal(om, ref)
+
+
+class HyperTarget(nn.Module):
+    """A hypernetwork's target: its weight is set from outside before each call, computed by another network."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(3))
+        self.weight: torch.Tensor | None = None
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_tensors_set_in_attributes_from_outside_get_their_gradients(exporter: str) -> None:
+    """A tensor requiring grad in a plain attribute (a hypernetwork's `target.weight = hyper(z)`, pruning's
+    `weight = weight_orig * mask` when pruning the ORTModule itself) is an input of the graph, whose gradient goes
+    back through it as torch's: the legacy exporter refused it ("Cannot insert a Tensor that requires grad as a
+    constant"), dynamo's graph held it as a constant, exported again at each call, and gave the hypernetwork and
+    weight_orig no gradient, silently. Parametrizing the ORTModule itself is refused by name."""
+    hyper = nn.Linear(2, 12)
+    ref_hyper, target = copy.deepcopy(hyper), HyperTarget()
+    ref_target, om = copy.deepcopy(target), ORTModule(target, exporter=exporter)
+    g = torch.Generator().manual_seed(1)
+    for batch in (5, 5, 3):
+        z, x = torch.randn(2, generator=g), torch.randn(batch, 4, generator=g)
+        for h, m in ((hyper, om), (ref_hyper, ref_target)):
+            m.weight = h(z).view(4, 3)
+            m(x).square().sum().backward()
+    assert_grads_equal(hyper, ref_hyper)
+    assert_grads_equal(om, ref_target)
+    assert hyper.weight.grad.abs().sum() > 0 and om.stats["exports"] == 1
+
+    ref, pruned = pair(nn.Linear(6, 3), exporter=exporter)
+    for m in (pruned, ref):
+        prune.l1_unstructured(m, "weight", amount=0.5)
+    x = torch.randn(8, 6)
+    for _ in range(2):
+        pruned(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    assert_grads_equal(pruned, ref)
+    assert pruned.weight_orig.grad.abs().sum() > 0
+
+    parametrized = ORTModule(nn.Linear(6, 3), exporter=exporter)
+    nn.utils.parametrizations.weight_norm(parametrized)
+    with pytest.raises(ORTModuleError, match=r"is parametrized itself \(weight.*weight_norm\(model.module\)"):
+        parametrized(x)
+    ref, inner = pair(nn.Linear(6, 3), exporter=exporter)
+    for m in (inner.module, ref):  # the wrapped module parametrized after wrapping: trains as torch's
+        nn.utils.parametrizations.weight_norm(m)
+    for _ in range(2):
+        inner(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    assert_grads_equal(inner, ref)
