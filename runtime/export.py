@@ -620,7 +620,7 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
                           "instead, or exporter='torchscript' (the default), which keeps them.")
     dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in leaves)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()), _quiet(_DYNAMO_LOGGERS):
+            contextlib.redirect_stderr(io.StringIO()), _quiet(_DYNAMO_LOGGERS), _plain_parameters_wrapped(flat):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
                                     input_names=names, dynamic_shapes=(dims,), verbose=False,
@@ -633,6 +633,23 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model
+
+
+@contextlib.contextmanager
+def _plain_parameters_wrapped(module: nn.Module) -> Iterator[None]:
+    """Plain tensors in parameter slots (`torch.func.functional_call`'s fast weights, a hypernetwork's) as
+    Parameters of their values while dynamo exports: torch.export refuses them ("State dict entry for parameter
+    ... is not an instance of torch.nn.Parameter"); the graph's inputs keep their names, and each call feeds the
+    tensors the slots then hold (with their gradients, as any parameter's)."""
+    swapped = [(m, name, t) for m in module.modules() for name, t in m._parameters.items()
+               if t is not None and not isinstance(t, nn.Parameter)]
+    for m, name, t in swapped:
+        m._parameters[name] = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    try:
+        yield
+    finally:
+        for m, name, t in swapped:
+            m._parameters[name] = t
 
 
 _DYNAMO_LOGGERS = ("torch.onnx._internal.exporter._registration", "torch.fx.experimental.symbolic_shapes")

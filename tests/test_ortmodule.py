@@ -3046,3 +3046,18 @@ def test_tensors_set_in_attributes_from_outside_get_their_gradients(exporter: st
         inner(x).square().sum().backward()
         ref(x).square().sum().backward()
     assert_grads_equal(inner, ref)
+
+
+def test_dynamo_exports_a_call_with_plain_tensors_in_parameter_slots() -> None:
+    """`functional_call` with fast weights (plain tensors computed from the parameters, as MAML's inner loop and
+    hypernetworks make them) at the call that exports: torch.export refused them ("State dict entry for parameter
+    2.bias is not an instance of torch.nn.Parameter"); now they are exported as Parameters of their values and each
+    call feeds the tensors, whose gradients reach the parameters they came from."""
+    ref, om = pair(nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)), exporter="dynamo")
+    x = torch.randn(8, 6)
+    for m in (om, ref):
+        for scale in (0.9, 0.8):
+            fast = {k: v * scale for k, v in m.named_parameters()}
+            torch.func.functional_call(m, fast, (x,)).square().sum().backward()
+    assert_grads_equal(om, ref)
+    assert om.stats["exports"] == 1
