@@ -6,10 +6,11 @@ max gives it to the index it returns) and which keeps a NaN only where it comes 
 for `amax` / `amin`), and `clamp` with tensor bounds (float64 clamps' bounds are 0-d tensors, `clamp_min` in torch's
 margin losses) as Max / Min, which split a gradient at a bound reached (torch's gives it to x, bounds inclusive).
 `xlogy` cut x's gradient at x = 0, `detach` was an Identity, and float64 `elu`, `selu`, `celu`, `leaky_relu` and
-`log2` computed with float32 constants (or in float32). The legacy exporter's conversions of the same ops
-(`symbolics.py`) follow torch: these follow the same conventions. (Attention under a mask emptying a row is mended
-before either exporter sees it, in `functions.py`.) Where onnxscript's are right (scalar bounds: a Clip; float32
-activations) they are kept."""
+`log2` computed with float32 constants (or in float32); `bernoulli_(p)` compared its uniforms with a CastLike
+of p, which `host_dropout` does not read as p (under `torch_dropout`, onnxruntime's draw stood for torch's mask).
+The legacy exporter's conversions of the same ops (`symbolics.py`) follow torch: these follow the same
+conventions. (Attention under a mask emptying a row is mended before either exporter sees it, in `functions.py`.)
+Where onnxscript's are right (scalar bounds: a Clip; float32 activations) they are kept."""
 
 from __future__ import annotations
 
@@ -233,6 +234,17 @@ def _detach(x: Any) -> Any:
     return _stop_gradient(x)
 
 
+def _bernoulli_p(x: Any, p: float, generator: Any = None) -> Any:
+    """aten bernoulli.p (`x.new_empty(n, 1).bernoulli_(keep)`, timm's drop_path): rand_like(x) < p, p a Constant
+    in x's type, the form the legacy exporter writes and `host_dropout` draws as torch's Bernoulli kernel under
+    `torch_dropout` (onnxscript's compares with a CastLike of p, which the host does not read as p: onnxruntime's
+    uniforms then stood for torch's mask, silently another one)."""
+    op = _op()
+    like = x if _floating(x) else op.Cast(x, to=1)
+    p_like = _const(p, x) if _floating(x) else _tensor(np.array(p, dtype=np.float32))
+    return op.CastLike(op.Less(op.RandomUniformLike(like, low=0.0, high=1.0), p_like), x)
+
+
 @functools.cache
 def translations() -> dict[Any, Any]:
     """aten overload -> translation, for `torch.onnx.export(..., custom_translation_table=)`."""
@@ -244,6 +256,6 @@ def translations() -> dict[Any, Any]:
         aten.elu.default: _elu, aten.selu.default: _selu, aten.celu.default: _celu,
         aten.leaky_relu.default: _leaky_relu, aten.log2.default: _log2,
         aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
-        aten.detach.default: _detach,
+        aten.detach.default: _detach, aten.bernoulli.p: _bernoulli_p,
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
     }

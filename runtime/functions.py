@@ -1215,7 +1215,10 @@ def _bicubic_filter(t: torch.Tensor, a: float = -0.5) -> torch.Tensor:
 
 def _scaled_size(n: Any, factor: float) -> Any:
     """floor(n * factor) in double, as torch's output size: from a traced size (a tensor) as a tensor, else as a
-    number (an int in torch's run, a symbolic one in dynamo's)."""
+    number (an int in torch's run, a symbolic one in dynamo's); by a whole factor n times it, exactly that (dynamo
+    typed a symbolic n * 2.0 as an integer, and its Floor of that failed the gradient build)."""
+    if float(factor).is_integer():
+        return n * int(factor)
     if isinstance(n, torch.Tensor):
         return torch.floor(n.to(torch.float64) * factor).to(torch.int64)
     return math.floor(n * factor)

@@ -4,7 +4,8 @@ pooling (a tie's gradient to the index returned; NaN kept), amax / amin (NaN kep
 bound reached: x's gradient; float64 clamps' bounds are tensors, margin losses' clamp_min too), attention under a
 boolean mask leaving a query no key, binary cross-entropy at p = target = 0 or 1 (runtime's replacement detaches,
 which onnxscript drops), xlogy's gradient at x = 0, and float64 activations' constants (elu, selu, leaky_relu,
-log2). Every entry runs in float32 and in float64, the latter to `DOUBLE_RTOL`."""
+log2); bernoulli_(p) under `torch_dropout` draws torch's mask. Every entry runs in float32 and in float64,
+the latter to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -106,4 +107,41 @@ def test_ops_at_ties_and_nans_train_like_torch(name: str, dtype: torch.dtype) ->
             assert (p.grad is None) == (q.grad is None), key
             if q.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, equal_nan=True, msg=key)
+    assert model.stats["exports"] == 1 and model.stats["fallbacks"] == 0, model.stats
+
+
+class DropPath(nn.Module):
+    """timm's drop_path: a per-sample mask from `bernoulli_(keep)` (aten bernoulli.p), scaled by 1 / keep."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = 0.7
+        mask = x.new_empty((x.shape[0], 1)).bernoulli_(keep) / keep
+        return x + self.linear(x) * mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_bernoulli_of_a_number_draws_torchs_mask(dtype: torch.dtype) -> None:
+    """Under `torch_dropout` the host draws bernoulli_(p) as torch's Bernoulli kernel does (onnxscript's p, a
+    CastLike, hid it: onnxruntime's uniforms gave another mask, silently); three calls, the batch changing."""
+    rtol, atol = (DOUBLE_RTOL, 0.0) if dtype == torch.float64 else (1e-5, 1e-6)
+    torch.manual_seed(0)
+    ours = DropPath(dtype)
+    reference = DropPath(dtype)
+    reference.load_state_dict(ours.state_dict())
+    model = ORTModule(ours, exporter="dynamo", torch_dropout=True)
+    for step, batch in enumerate((8, 5, 8)):
+        x = torch.randn(batch, 4, dtype=dtype)
+        state = torch.random.get_rng_state()
+        got = model(x)
+        torch.random.set_rng_state(state)
+        want = reference(x)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=f"call {step}")
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for (key, p), q in zip(ours.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=f"call {step}: {key}")
     assert model.stats["exports"] == 1 and model.stats["fallbacks"] == 0, model.stats

@@ -1075,8 +1075,8 @@ def test_float64_group_and_instance_norms_train_like_torch() -> None:
 
 
 class Resampled(nn.Module):
-    """float64 linear resampling: 1-D by a factor, 2-D by a factor, to a size and with align_corners, 3-D by a
-    factor (1 along an axis of 1: torch's identity there)."""
+    """float64 linear resampling: 1-D by a factor, 2-D by a factor (a whole one too: a diffusion UNet's upsampling),
+    to a size and with align_corners, 3-D by a factor (1 along an axis of 1: torch's identity there)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1086,6 +1086,7 @@ class Resampled(nn.Module):
         h = x * self.w
         return torch.cat([F.interpolate(h.flatten(2), scale_factor=1.3, mode="linear").flatten(),
                           F.interpolate(h, scale_factor=0.6, mode="bilinear").flatten(),
+                          F.interpolate(h, scale_factor=2, mode="bilinear").flatten(),
                           F.interpolate(h, size=(5, 3), mode="bilinear", align_corners=True).flatten(),
                           F.interpolate(h[:, :, None], scale_factor=(1, 1.5, 0.7), mode="trilinear").flatten()])
 
@@ -1094,7 +1095,8 @@ class Resampled(nn.Module):
 def test_float64_linear_interpolation_follows_every_size(exporter: str) -> None:
     """onnxruntime has no double Resize (the legacy export was refused at its session's load) and dynamo's 1-D form
     computed its weights in float32 (2e-7 off, silently): products with torch's weights per axis, in float64, at
-    every size (a square one first) from one legacy export."""
+    every size (a square one first) from one legacy export. (dynamo's size n * 2.0 was an integer, whose Floor
+    failed the gradient build.)"""
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(2, 2, h, w, generator=g, dtype=torch.float64) for h, w in ((4, 4), (7, 5), (3, 8))]
     om = _as_torch(Resampled, inputs if exporter == "torchscript" else inputs[:1], exporter,
