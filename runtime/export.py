@@ -38,6 +38,7 @@ import torch
 from onnx import helper
 from onnxruntime.capi import _pybind_state as C
 from torch import nn
+from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
 from torch.onnx._internal.torchscript_exporter import utils as torchscript_utils
 from torch.overrides import TorchFunctionMode
@@ -276,6 +277,34 @@ def _python_type(t: torch.Tensor) -> type:
     return bool if t.dtype == torch.bool else float if t.is_floating_point() else int
 
 
+_GLOBAL_FORWARD_HOOKS = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
+_EXPORTERS_WRAPPERS = ("torch.jit._trace", "torch.export.")
+
+
+@contextlib.contextmanager
+def _global_hooks_on_modules_only() -> Iterator[None]:
+    """torch's global forward hooks (`register_module_forward_hook`: a FLOP counter, an output rescaling) skip the
+    exporters' own wrappers while an export runs (`_Flat`, torch.jit's ONNXTracedModule, torch.export's Wrapper and
+    GuardsFn): they run for the module's own calls, as torch's, and one handed a wrapper's flat tuple (written for
+    the module's outputs) failed."""
+    saved = [(hooks, dict(hooks)) for hooks in _GLOBAL_FORWARD_HOOKS]
+    for hooks, kept in saved:
+        hooks.update((k, _on_modules_only(hook)) for k, hook in kept.items())
+    try:
+        yield
+    finally:
+        for hooks, kept in saved:
+            hooks.update((k, hook) for k, hook in kept.items() if k in hooks)
+
+
+def _on_modules_only(hook: Callable[..., Any]) -> Callable[..., Any]:
+    def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(module, _Flat) or type(module).__module__.startswith(_EXPORTERS_WRAPPERS):
+            return None
+        return hook(module, *args, **kwargs)
+    return run
+
+
 @contextlib.contextmanager
 def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
     """Tracing runs the module: put back its buffers (BatchNorm statistics), the RNG state and what its forward
@@ -308,7 +337,7 @@ def _preserved(module: nn.Module) -> Iterator[Callable[[], list[str]]]:
                 *bumped, *(name for name in through_data.changed() if name not in bumped)]
 
     try:
-        with through_data, kept_hook_state(module):
+        with through_data, kept_hook_state(module), _global_hooks_on_modules_only():
             yield changed
     finally:
         with torch.no_grad():
@@ -1256,6 +1285,9 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
     if not splits:
         return
     taken = {i.name for i in g.input} | set(consts) | {o for n in g.node for o in n.output}
+    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in g.value_info
+             if vi.type.tensor_type.HasField("shape")}
+    ranks.update((n.output[0], 1) for n in g.node if n.op_type == "Concat")  # split sizes: a Concat is 1-D
     nodes: list[onnx.NodeProto] = []
     for n in g.node:
         split = splits.get(n.input[0]) if n.op_type == "SequenceAt" else None
@@ -1276,6 +1308,14 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
         if const is not None and const.ndim == 1 and -len(const) <= i < len(const):
             i %= len(const)
             bounds = [(starts, int(const[:i].sum())), (ends, int(const[: i + 1].sum()))]
+        elif i >= 0 and const is None and ranks.get(sizes) == 1:  # sizes computed from sizes: [E, 2E]
+            size_1d, before = _unique([f"{n.output[0]}#sizes", f"{n.output[0]}#before"], taken)
+            nodes += [helper.make_node("Cast", [sizes], [size_1d], to=onnx.TensorProto.INT64),
+                      helper.make_node("Slice", [size_1d, _constant(g, f"{before}.start", [0]),
+                                                 _constant(g, f"{before}.end", [i])], [before]),
+                      helper.make_node("ReduceSum", [before], [starts], keepdims=1)]  # 0 for i = 0 (no axes: all)
+            nodes.append(helper.make_node("Add", [starts, _slice_at(g, nodes, size_1d, i, taken)], [ends]))
+            bounds = []
         elif i >= 0 and (const is None or const.ndim == 0):
             size, size_1d = _unique([f"{n.output[0]}#size", f"{n.output[0]}#size_1d"], taken)
             nodes += [helper.make_node("Reshape", [sizes, _constant(g, f"{size_1d}.shape", [1])], [size_1d]),
@@ -1292,6 +1332,14 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
     used = {i for n in nodes for i in n.input} | {o.name for o in g.output}
     del g.node[:]
     g.node.extend(n for n in nodes if not (n.op_type == "SplitToSequence" and n.output[0] not in used))
+
+
+def _slice_at(g: onnx.GraphProto, nodes: list[onnx.NodeProto], sizes: str, i: int, taken: set[str]) -> str:
+    """sizes[i:i + 1] of a 1-D run-time tensor, appended to `nodes`."""
+    out = _unique([f"{sizes}#at{i}"], taken)[0]
+    bounds = [_constant(g, f"{out}.start", [i]), _constant(g, f"{out}.end", [i + 1])]
+    nodes.append(helper.make_node("Slice", [sizes, *bounds], [out]))
+    return out
 
 
 def _constant(g: onnx.GraphProto, name: str, values: list[int] | int) -> str:

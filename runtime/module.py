@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
 
 from .engine import Engine, FallbackWarning, Options, ORTModuleError, default_save_dir, memory_pattern_pays
@@ -190,6 +191,15 @@ class ORTModule(nn.Module):
 
     def __bool__(self) -> bool:
         return True
+
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's call without its global forward hooks (`register_module_forward_hook`) for the wrapper: they run
+        for the wrapped module inside the call, as torch runs them for it, and a hook changing outputs changed the
+        result twice. Where the wrapper has hooks of its own, torch's call runs them (and the global ones) around."""
+        if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks or \
+                nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks:
+            return super()._call_impl(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> ORTModule:
         """`fn` on the wrapped module and its submodules, as torch's walks a module: an initializer matching the

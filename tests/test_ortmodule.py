@@ -2641,8 +2641,10 @@ def test_save_onnx_env_writes_all_files(tmp_path, monkeypatch) -> None:
 
 def test_split_sequences_become_slices() -> None:
     """The dynamo exporter's torch.split/chunk/unbind (SplitToSequence + SequenceAt, no gradient rule) as Slices
-    and Gathers: chunks of a constant size (uneven last), of a computed size, of listed sizes, a negative index,
-    items of size 1 (unbind: the axis dropped, or kept); same values."""
+    and Gathers: chunks of a constant size (uneven last), of a computed size, of listed sizes, of sizes computed at
+    run time (nn.MultiheadAttention's in-projection split by [E, 2E] when the query is not the key: read as one
+    chunk size, the run failed in a Reshape), a negative index, items of size 1 (unbind: the axis dropped, or
+    kept); same values."""
     def const(name: str, value: list[int] | int) -> onnx.NodeProto:
         return helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(value, np.int64)))
 
@@ -2654,10 +2656,16 @@ def test_split_sequences_become_slices() -> None:
              helper.make_node("SplitToSequence", ["x", "half"], ["halves"], axis=-1),
              helper.make_node("SplitToSequence", ["x", "sizes"], ["listed"], axis=1),
              helper.make_node("SplitToSequence", ["x"], ["unbound"], axis=1, keepdims=0),
-             helper.make_node("SplitToSequence", ["x"], ["ones"], axis=2)]
+             helper.make_node("SplitToSequence", ["x"], ["ones"], axis=2),
+             const("twelve", 12), const("one", [1]), helper.make_node("Sub", ["twelve", "half"], ["rest"]),
+             helper.make_node("Reshape", ["half", "one"], ["half_1d"]),
+             helper.make_node("Reshape", ["rest", "one"], ["rest_1d"]),
+             helper.make_node("Concat", ["half_1d", "rest_1d"], ["computed_sizes"], axis=0),
+             helper.make_node("SplitToSequence", ["x", "computed_sizes"], ["computed"], axis=1)]
     outs = []
     for seq, index in [("even", "i0"), ("even", "i2"), ("halves", "i1"), ("listed", "i1"), ("listed", "im1"),
-                       ("unbound", "i2"), ("unbound", "im1"), ("ones", "i1"), ("ones", "im1")]:
+                       ("unbound", "i2"), ("unbound", "im1"), ("ones", "i1"), ("ones", "im1"), ("computed", "i0"),
+                       ("computed", "i1")]:
         outs.append(f"{seq}_{index}")
         nodes.append(helper.make_node("SequenceAt", [seq, index], [outs[-1]]))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12, 6])],

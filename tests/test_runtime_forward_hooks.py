@@ -326,3 +326,32 @@ def test_what_hooks_keep_counts_each_call_once(exporter: str) -> None:
     want = run(False)
     assert got[:-1] == want[:-1] and got[-1] == pytest.approx(want[-1], rel=1e-5)
     assert got[0] == 5 and got[3]["once"] == [(5, 8)]
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_global_forward_hooks_run_once_per_module(exporter: str) -> None:
+    """A global forward hook (`register_module_forward_hook`: a FLOP counter, an output rescaling) runs for each
+    module of the wrapped one, as torch runs it, and not once more for the ORTModule: one that doubled every
+    output doubled the result twice, and counters saw a module torch never calls."""
+    from torch.nn.modules import module as nn_module
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    ref, om = copy.deepcopy(net), ORTModule(net, exporter=exporter)
+    seen: list[str] = []
+
+    def hook(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        seen.append(type(m).__name__)
+        return out * 2.0
+
+    handle = nn_module.register_module_forward_hook(hook)
+    try:
+        x = torch.randn(4, 6)
+        for _ in range(3):
+            seen.clear()
+            want, calls = ref(x), list(seen)
+            seen.clear()
+            torch.testing.assert_close(om(x), want)
+            assert seen == calls == ["Linear", "Tanh", "Linear", "Sequential"]
+    finally:
+        handle.remove()
