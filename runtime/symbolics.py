@@ -61,7 +61,8 @@ TORCH_OWN: dict[str, int | tuple[int, ...]] = {
     "aten::var_mean": 18, "aten::celu": 12, "aten::chunk": 11, "aten::_unique2": 11, "aten::div": 10, "aten::clamp":
     11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16, "aten::repeat_interleave": 13,
     "aten::amax": 18, "aten::amin": 18, "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12, "aten::aminmax":
-    18, "aten::split": (11, 13)}
+    18, "aten::split": (11, 13), "aten::fake_quantize_per_tensor_affine": (10, 13),
+    "aten::fake_quantize_per_channel_affine": 13}
 """The opsets of torch's own conversions of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -283,6 +284,35 @@ def _clamp(name: str) -> Callable[..., Any]:
             picked = where(inside, x, where(above, high, where(below, low, tied)))
         poison = where(nan, const_like(g, math.nan, x), const_like(g, -0.0, x))
         return _as_traced(g, g.op("Add", picked, poison))
+    return convert
+
+
+def _fake_quantize(per_channel: bool) -> Callable[..., Any]:
+    """fake_quantize_per_tensor_affine / per_channel (FakeQuantize, quantization-aware training): torch's values
+    (QuantizeLinear then DequantizeLinear, torch's own conversion) with torch's straight-through gradient, dY where
+    round(x / scale) + zero_point lies in [quant_min, quant_max], 0 elsewhere: `y + (x - StopGradient(x)) * inside`,
+    exactly y. The integer between the two cut every gradient (the first-gradient check refused the module, or with
+    check_export=False the layers before it got none)."""
+    own = symbolic_opset13.fake_quantize_per_channel_affine if per_channel else \
+        symbolic_opset13.fake_quantize_per_tensor_affine
+
+    def convert(g: Any, x: Any, scale: Any, zero_point: Any, *args: Any) -> Any:
+        y = own(g, x, scale, zero_point, *args)
+        low, high = (symbolic_helper._get_const(v, "i", name) for v, name in zip(args[-2:], ("quant_min", "quant_max")))
+        step, offset = cast_like(g, scale, x), cast_like(g, zero_point, x)
+        if per_channel:  # [C] along `axis` of x
+            axis, rank = symbolic_helper._get_const(args[0], "i", "axis"), symbolic_helper._get_tensor_rank(x)
+            if rank is None:
+                return symbolic_helper._unimplemented("fake_quantize_per_channel_affine", "an input of unknown rank", x)
+            along = g.op("Constant", value_t=torch.tensor([-1 if k == axis % rank else 1 for k in range(rank)]))
+            step, offset = g.op("Reshape", step, along), g.op("Reshape", offset, along)
+        level = g.op("Add", g.op("Round", g.op("Mul", x, g.op("Reciprocal", step))), offset)
+        inside = g.op("And", g.op("GreaterOrEqual", level, const_like(g, float(low), x)),
+                      g.op("LessOrEqual", level, const_like(g, float(high), x)))
+        held = g.op(f"{DOMAIN}::{STOP_GRADIENT}", x)
+        held.setType(x.type())
+        through = g.op("Mul", g.op("Sub", x, held), cast_like(g, inside, x))
+        return _as_traced(g, g.op("Add", y, through))
     return convert
 
 
@@ -1083,6 +1113,8 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::addbmm": _addbmm, "aten::movedim": _movedim,
     "aten::argmax": _arg_extremum(True), "aten::argmin": _arg_extremum(False), "aten::embedding": _embedding,
     "aten::aminmax": _aminmax, "aten::split": _split,
+    "aten::fake_quantize_per_tensor_affine": _fake_quantize(False),
+    "aten::fake_quantize_per_channel_affine": _fake_quantize(True),
 }
 
 

@@ -3069,3 +3069,35 @@ def test_dynamo_exports_a_call_with_plain_tensors_in_parameter_slots() -> None:
             torch.func.functional_call(m, fast, (x,)).square().sum().backward()
     assert_grads_equal(om, ref)
     assert om.stats["exports"] == 1
+
+
+class HandWrittenQAT(nn.Module):
+    """Quantization-aware training as written by hand: activations through fake_quantize_per_tensor_affine, weights
+    through a per-channel FakeQuantize module (calibrated once, then frozen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 10), nn.Linear(10, 3)
+        self.wq = torch.ao.quantization.FakeQuantize(
+            observer=torch.ao.quantization.PerChannelMinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+            qscheme=torch.per_channel_symmetric, ch_axis=0)
+        self.wq(self.l2.weight.detach())
+        self.wq.disable_observer()
+
+    def forward(self, x):
+        h = torch.fake_quantize_per_tensor_affine(self.l1(x), 0.05, 3, -128, 127).relu()
+        return F.linear(h, self.wq(self.l2.weight), self.l2.bias)
+
+
+def test_fake_quantization_passes_gradients_straight_through() -> None:
+    """torch's fake quantization (per tensor and per channel) has a straight-through gradient: dY where the value
+    lies inside the quantized range. The export's QuantizeLinear -> DequantizeLinear holds an integer between them,
+    which cut every gradient before it: the first-gradient check refused the module ("differ ... float rounding"),
+    and with check_export=False the first layer got none."""
+    ref, om = pair(HandWrittenQAT())
+    for batch in (8, 8, 5):
+        x = torch.randn(batch, 6) * 3  # some activations beyond the range: no gradient there
+        om(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    assert_grads_equal(om, ref, rtol=1e-5, atol=1e-5)
+    assert om.l1.weight.grad.abs().sum() > 0
