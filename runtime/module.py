@@ -199,7 +199,7 @@ class ORTModule(nn.Module):
         if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks or \
                 nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks:
             return super()._call_impl(*args, **kwargs)
-        return self.forward(*args, **kwargs)
+        return (self._slow_forward if torch._C._get_tracing_state() else self.forward)(*args, **kwargs)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> ORTModule:
         """`fn` on the wrapped module and its submodules, as torch's walks a module: an initializer matching the
