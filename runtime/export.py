@@ -1309,12 +1309,11 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
             i %= len(const)
             bounds = [(starts, int(const[:i].sum())), (ends, int(const[: i + 1].sum()))]
         elif i >= 0 and const is None and ranks.get(sizes) == 1:  # sizes computed from sizes: [E, 2E]
-            size_1d, before = _unique([f"{n.output[0]}#sizes", f"{n.output[0]}#before"], taken)
-            nodes += [helper.make_node("Cast", [sizes], [size_1d], to=onnx.TensorProto.INT64),
-                      helper.make_node("Slice", [size_1d, _constant(g, f"{before}.start", [0]),
-                                                 _constant(g, f"{before}.end", [i])], [before]),
-                      helper.make_node("ReduceSum", [before], [starts], keepdims=1)]  # 0 for i = 0 (no axes: all)
-            nodes.append(helper.make_node("Add", [starts, _slice_at(g, nodes, size_1d, i, taken)], [ends]))
+            size_1d = _unique([f"{n.output[0]}#sizes"], taken)[0]
+            nodes.append(helper.make_node("Cast", [sizes], [size_1d], to=onnx.TensorProto.INT64))
+            before = _sliced(g, nodes, size_1d, 0, i, taken)
+            nodes.append(helper.make_node("ReduceSum", [before], [starts], keepdims=1))  # no axes: all; 0 for i = 0
+            nodes.append(helper.make_node("Add", [starts, _sliced(g, nodes, size_1d, i, i + 1, taken)], [ends]))
             bounds = []
         elif i >= 0 and (const is None or const.ndim == 0):
             size, size_1d = _unique([f"{n.output[0]}#size", f"{n.output[0]}#size_1d"], taken)
@@ -1334,11 +1333,11 @@ def _split_sequences_to_slices(g: onnx.GraphProto) -> None:
     g.node.extend(n for n in nodes if not (n.op_type == "SplitToSequence" and n.output[0] not in used))
 
 
-def _slice_at(g: onnx.GraphProto, nodes: list[onnx.NodeProto], sizes: str, i: int, taken: set[str]) -> str:
-    """sizes[i:i + 1] of a 1-D run-time tensor, appended to `nodes`."""
-    out = _unique([f"{sizes}#at{i}"], taken)[0]
-    bounds = [_constant(g, f"{out}.start", [i]), _constant(g, f"{out}.end", [i + 1])]
-    nodes.append(helper.make_node("Slice", [sizes, *bounds], [out]))
+def _sliced(g: onnx.GraphProto, nodes: list[onnx.NodeProto], x: str, start: int, end: int, taken: set[str]) -> str:
+    """x[start:end] of a 1-D run-time tensor, its Slice appended to `nodes`."""
+    out = _unique([f"{x}#{start}:{end}"], taken)[0]
+    bounds = [_constant(g, f"{out}.start", [start]), _constant(g, f"{out}.end", [end])]
+    nodes.append(helper.make_node("Slice", [x, *bounds], [out]))
     return out
 
 
