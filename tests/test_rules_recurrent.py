@@ -174,10 +174,10 @@ def forward_on_reference(monkeypatch):
     (check_op still compares its outputs with torch); backward has no recurrent op and stays on onnxruntime."""
     on_ort = harness.session
 
-    def session(model):
+    def session(model, threads=1):
         if any(n.op_type in GATES for n in model.graph.node):
             return ReferenceEvaluator(model)
-        return on_ort(model)
+        return on_ort(model, threads)
 
     monkeypatch.setattr(harness, "session", session)
 
