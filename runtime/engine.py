@@ -438,6 +438,9 @@ class Engine:
             named[name] = t
             if grad and t.requires_grad and name not in frozen:
                 wrt.append(name)
+        if ex.ties and self._untied(ex):  # torch reads each name's own tensor: exported again, untied
+            self.invalidate()
+            return self(args, kwargs)
         n = len(ex.outputs)
         call = None
         if wrt:
@@ -780,7 +783,8 @@ class Engine:
             return _FALLBACK
         if _same_graph(exported.model, schema.exported.model):
             return schema
-        if _hook_calls(exported) != _hook_calls(schema.exported):  # a hook removed (by itself) or added while exporting
+        # a hook removed (by itself) or added while exporting; tied weights tied again (or not) since the export
+        if _hook_calls(exported) != _hook_calls(schema.exported) or exported.ties != schema.exported.ties:
             self.stats["exports"] += 1
             self.schemas[key] = fresh = self._schema(exported)
             fresh.values_checked = True
@@ -840,6 +844,15 @@ class Engine:
         if self._by_name is None:
             self._by_name = dict(self.module.named_modules())
         return self._by_name
+
+    def _untied(self, ex: Exported) -> bool:
+        """Whether a tied tensor's names now hold different tensors (one graph input cannot feed both)."""
+        def held(fqn: str) -> torch.Tensor | None:
+            where = self._owners.get(fqn) or self._owner(fqn)
+            t = where[0]._parameters.get(where[1])
+            return where[0]._buffers.get(where[1]) if t is None else t
+
+        return any(held(o) is not held(fqn) for fqn, others in ex.ties for o in others)
 
     def _owner(self, fqn: str) -> tuple[nn.Module, str]:
         """The module holding a parameter or buffer, and its attribute name there (cached: the tensor itself is

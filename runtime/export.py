@@ -152,6 +152,9 @@ class Exported:
     hooks: Replay | None = None
     """The user's forward hook calls, run again after each call on the last `len(hooks.names)` of `outputs`
     (`runtime/forward_hooks.py`)."""
+    ties: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    """(qualified name fed, the other names of that tensor at the export): tied weights, one graph input for all
+    (checked at each call: `functional_call(..., tie_weights=False)` replaces one name only)."""
 
     @functools.cached_property
     def state_names(self) -> frozenset[str]:
@@ -896,10 +899,13 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     reference = None
     if options.check and not lost and not draws_random(model):
         reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves), tuple(unrun))
+    fed = {fqn for _, fqn in state_inputs}
+    ties = [(fqn, others) for fqn in sorted(fed)
+            if (others := tuple(o for o, t in state.items() if t is state[fqn] and o not in fed))]
     return Exported(model, inputs, state_inputs, outputs, out_spec, stats, frozenset(n for n, _ in frozen),
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
                     not differentiable and custom_functions.unchecked(applied),
-                    flat._result.get("guards"), _consumed(model, outputs), hooks)
+                    flat._result.get("guards"), _consumed(model, outputs), hooks, ties)
 
 
 def _consumed(model: onnx.ModelProto, outputs: Sequence[str]) -> frozenset[int]:
