@@ -43,7 +43,7 @@ from torch.nn.utils import parametrize
 from torch.onnx._internal.torchscript_exporter import utils as torchscript_utils
 from torch.overrides import TorchFunctionMode
 
-from gradbuilder.graph import graph_nodes
+from gradbuilder.graph import graph_nodes, infer_shapes_safely
 from gradbuilder.inference import infer_shapes
 
 from . import accumulation, checkpoints, custom_functions, double_scalars, exchange, scalars, stop_gradients, symbolics
@@ -663,6 +663,7 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     numbers = double_scalars.numbers_in(program.exported_program.graph.nodes)  # type: ignore[union-attr]
     model = checkpoints.tag_regions(double_scalars.constants_in_double(program.model_proto, numbers))  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
+    _outputs_sized_by_inputs(model)
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model
 
@@ -717,6 +718,29 @@ def _pin_single_values(model: onnx.ModelProto, ranges: dict[Any, Any]) -> None:
     g = model.graph
     for d in _named_dims((*g.input, *g.value_info, *g.output), fixed):
         d.dim_value = fixed[d.dim_param]
+
+
+def _outputs_sized_by_inputs(model: onnx.ModelProto) -> None:
+    """Output dims dynamo declared as the traced size where onnx's shape inference derives them from a symbolic input
+    dim, with no guard pinning that (GRU's and LSTM's steps: an output of the traced 6 steps, so that another length
+    ran the forward and failed the backward, whose output gradient was declared 6): they take the symbol."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.value_info[:]
+    for o in probe.graph.output:
+        o.type.tensor_type.ClearField("shape")
+    inferred = infer_shapes_safely(probe)
+    if inferred is None:
+        return
+    derived = {o.name: o.type.tensor_type.shape.dim for o in inferred.output if o.type.tensor_type.HasField("shape")}
+    for o in model.graph.output:
+        dims = derived.get(o.name)
+        declared = o.type.tensor_type.shape.dim
+        if dims is None or len(dims) != len(declared):
+            continue
+        for d, sym in zip(declared, dims):
+            if d.HasField("dim_value") and sym.HasField("dim_param"):
+                d.dim_param = sym.dim_param
 
 
 def _named_dims(infos: Iterable[onnx.ValueInfoProto], names: Container[str]

@@ -3130,3 +3130,20 @@ def test_functional_call_that_unties_weights(exporter: str) -> None:
             out.append(y)
         torch.testing.assert_close(*out)
     assert_grads_equal(om, ref, rtol=1e-4, atol=1e-5)  # float32 sums of ~50 over five steps
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_dynamo_recurrent_layers_follow_the_sequence_length(kind: str) -> None:
+    """dynamo declared a GRU's or LSTM's output with the traced sequence's length (no guard: the ONNX op takes any),
+    so another length ran the forward and failed in backward ("Got invalid dimensions for input:
+    output_host_grad ... Got: 5 Expected: 6"). Output dims onnx's inference derives from a symbolic input dim take
+    the symbol; one export serves every length, with torch's gradients."""
+    ref, om = pair(getattr(nn, kind)(4, 5), exporter="dynamo")
+    for steps in (6, 5, 7):
+        x = torch.randn(steps, 3, 4)
+        got, want = om(x)[0], ref(x)[0]
+        torch.testing.assert_close(got, want)
+        got.square().mean().backward()
+        want.square().mean().backward()
+    assert_grads_equal(om, ref)
+    assert om.stats["exports"] == 1
