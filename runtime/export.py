@@ -44,7 +44,7 @@ from torch.onnx._internal.torchscript_exporter import utils as torchscript_utils
 from torch.overrides import TorchFunctionMode
 
 from gradbuilder.graph import graph_nodes, infer_shapes_safely
-from gradbuilder.inference import infer_shapes
+from gradbuilder.inference import infer_shapes, tensor_types
 
 from . import accumulation, checkpoints, custom_functions, double_scalars, exchange, scalars, stop_gradients, symbolics
 from .attention import lean_attention
@@ -59,7 +59,7 @@ from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
 from .packed import exportable_packing
-from .passes import inactive_dropouts, int_attr, names_in_use, rename_tensors
+from .passes import constant_values, inactive_dropouts, int_attr, names_in_use, rename_tensors
 from .patching import replaced, untraced
 from .scalars import Scalars
 from .size_guards import SizeGuards
@@ -882,6 +882,8 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                       "use_cache=False).", ExportWarning, stacklevel=4)
     _constants_for(model, temporary)
     _sdpa_dropouts_in_training(model)
+    if options.torch_dropout:
+        _float64_dropout_rates(model)
     _state_as_inputs(model, state, type(module).__name__)
     _split_sequences_to_slices(model.graph)
     if options.exporter == "torchscript":  # dynamo's inputs are dynamic where its graph is (`_pin_single_values`)
@@ -1190,6 +1192,27 @@ def _sdpa_dropouts_in_training(model: onnx.ModelProto) -> None:
     g.initializer.append(onnx.numpy_helper.from_array(np.array(True), name))
     for n in targets:
         n.input.append(name)
+
+
+def _float64_dropout_rates(model: onnx.ModelProto) -> None:
+    """Under `torch_dropout`, a float64 Dropout's rate as the double it stands for (0.3, not float32's 0.30000001):
+    torch scales by 1 / (1 - p) in double from p as written, forward and backward, and the gradient rule reads the
+    rate from the graph (5e-8 apart in float64). In place; other Dropouts keep onnxruntime's float32 rate."""
+    g = model.graph
+    drops = [n for n in g.node if n.op_type == "Dropout" and n.domain in ("", "ai.onnx") and len(n.input) > 1
+             and n.input[1]]
+    if not drops:
+        return
+    inferred = infer_shapes_safely(model)
+    types = tensor_types(inferred) if inferred is not None else {}
+    rates = constant_values(g, lambda t: t.data_type == onnx.TensorProto.FLOAT and not t.dims)
+    taken = names_in_use(g)
+    for n in drops:
+        if types.get(n.input[0], (0, None))[0] == onnx.TensorProto.DOUBLE and n.input[1] in rates:
+            name = _unique([f"{n.input[1]}.double"], taken)[0]
+            exact = float(str(np.float32(rates[n.input[1]])))
+            g.initializer.append(onnx.numpy_helper.from_array(np.array(exact, np.float64), name))
+            n.input[1] = name
 
 
 def _constants_for(model: onnx.ModelProto, values: dict[str, torch.Tensor]) -> None:

@@ -469,15 +469,20 @@ def dropout_output(x: str, mask: str, ratio: float, out: str, g: onnx.GraphProto
     """Nodes computing Dropout's output from its input and its boolean mask, bit for bit what onnxruntime's
     Dropout returns: `mask * x / (1 - ratio)`, the divisor taken in float32 (then in x's type). `elem`: x's
     element type when known (plain Casts, a typed divisor), else CastLikes to x. `as_torch`: bit for bit what
-    torch's dropout returns instead, `x * (mask * s)` with s = 1 / (1 - ratio) in float32 (its noise, `div_`)."""
+    torch's dropout returns instead, `x * (mask * s)` with s = 1 / (1 - ratio) in x's type (its noise, `div_` by the
+    double 1 - ratio, which a float32 tensor takes as a float32: a float64 one's s in float32 was 5e-8 off)."""
     nodes = Nodes(out, taken)
     if as_torch:
-        scale = fresh_name(f"{out}/scale", taken)
-        value = float(np.float32(1) / np.float32(1 - ratio))
-        g.initializer.append(helper.make_tensor(scale, elem or TensorProto.FLOAT, [], [value]))
-        if elem is None:
-            noise = nodes("Mul", nodes("CastLike", mask, x), nodes("CastLike", scale, x))
+        if elem is None:  # 1 / (1 - ratio) computed in x's type, from 1 - ratio in double
+            one, keep = fresh_name(f"{out}/one", taken), fresh_name(f"{out}/keep", taken)
+            g.initializer.extend([helper.make_tensor(one, TensorProto.DOUBLE, [], [1.0]),
+                                  helper.make_tensor(keep, TensorProto.DOUBLE, [], [1.0 - ratio])])
+            scale = nodes("Div", nodes("CastLike", one, x), nodes("CastLike", keep, x))
+            noise = nodes("Mul", nodes("CastLike", mask, x), scale)
         else:
+            scale = fresh_name(f"{out}/scale", taken)
+            kind = onnx.helper.tensor_dtype_to_np_dtype(elem).type
+            g.initializer.append(helper.make_tensor(scale, elem, [], [float(kind(1) / kind(1.0 - ratio))]))
             noise = nodes("Mul", nodes("Cast", mask, to=elem), scale)
         nodes("Mul", x, noise, out=out)
         return nodes.nodes

@@ -418,3 +418,18 @@ def test_torch_dropout_outputs_and_gradients_are_torch_s_bit_for_bit() -> None:
             results.append((*out, *torch.autograd.grad(out, (x, image), (out[0] * 0.37, out[1] - 0.5))))
         for got, want in zip(results[1], results[0]):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float64_dropout_follows_torch_exactly(exporter: str) -> None:
+    """torch_dropout=True in float64: torch scales by 1 / (1 - p) in double from p as written, forward and backward.
+    Ours took the forward's in float32 and the backward's from the graph's float32 rate (0.30000001): 5e-8 apart.
+    The export writes a float64 Dropout's rate as the double it stands for; the host's output scales in x's type."""
+    from parity import check_parity, sgd
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3)).double()
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 3, 6, generator=g, dtype=torch.float64) for _ in range(3)]
+    check_parity(make, batches, lambda m, x: m(x).pow(2).sum(), sgd, rtol=1e-12, exporter=exporter, torch_dropout=True)
