@@ -422,3 +422,96 @@ def test_ortmodule_blocked_weight_gradients_of_other_windows(layer):
     [session] = _train_like_torch(model, [(BLOCK + 3, 1, 15, 15)])
     lowered = _lowered_backward(session)
     assert any(n.op_type == "Mod" for n in lowered.graph.node)  # a blocked Conv over the padded batch
+
+
+# (C, H, K, P, stride, dilation, bias): ConvNeXt's 7x7 'same', MobileNet's 3x3 and its stride 2, dilated, uneven
+# pads, two blocks of channels
+DEPTHWISE = [(1, 9, 7, (3, 3, 3, 3), 1, 1, True), (2, 8, 3, (1, 1, 1, 1), 2, 1, False),
+             (1, 10, 3, (2, 0, 1, 2), 1, 2, True), (2, 5, 5, (2, 2, 2, 2), 1, 1, False)]
+
+
+@needs_nchwc
+@pytest.mark.parametrize("blocks,h,k,p,s,d,bias", DEPTHWISE)
+def test_depthwise_conv_and_its_input_gradient_become_blocked(blocks, h, k, p, s, d, bias):
+    c = blocks * BLOCK
+    model = _model("Conv", [3, c, h, h], [c, 1, k, k], c if bias else None, pads=list(p), strides=[s, s],
+                   dilations=[d, d], group=c)
+    blocked = nchwc.blocked_convs(model)
+    assert _blocked(blocked) == 1 and not any(n.op_type == "Conv" and not n.domain for n in blocked.graph.node)
+    feeds = _feeds(model)
+    want = _run(model, feeds)
+    np.testing.assert_allclose(_run(blocked, feeds), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if s == 1 and d == 1:  # the input gradient: a ConvTranspose of the same weight, flipped into a Conv
+        model = _model("ConvTranspose", [3, c, h, h], [c, 1, k, k], c if bias else None, pads=list(p), group=c)
+        blocked = nchwc.blocked_convs(model)
+        assert _blocked(blocked) == 1 and not any(n.op_type == "ConvTranspose" for n in blocked.graph.node)
+        feeds = _feeds(model, seed=1)
+        want = _run(model, feeds)
+        np.testing.assert_allclose(_run(blocked, feeds), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_nchwc
+def test_depthwise_weight_gradient_kernel_of_run_time_height():
+    """The Conv rule's depthwise weight gradient convolves the batch stacked along rows with dY stacked the same
+    way: its kernel's height (the batch's rows) is known only at run time."""
+    c, rows, width = BLOCK, "K", 6
+    typed = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], group=c)], "g",
+                              [typed("x", shape=[1, c, "R", 12]), typed("w", shape=[c, 1, rows, width])],
+                              [typed("y", shape=None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    blocked = nchwc.blocked_convs(model)
+    assert _blocked(blocked) == 1
+    rng = np.random.default_rng(0)
+    for height in (20, 33):
+        feeds = {"x": rng.standard_normal([1, c, height + 6, 12], np.float32),
+                 "w": rng.standard_normal([c, 1, height, width], np.float32)}
+        want = _run(model, feeds)
+        assert want.shape == (1, c, 7, 7)
+        np.testing.assert_allclose(_run(blocked, feeds), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_nchwc
+@pytest.mark.parametrize("case", ["channels not a multiple of the block", "channel multiplier 2",
+                                  "strided transpose", "double"])
+def test_depthwise_layers_that_stay(case):
+    b = BLOCK
+    model = {
+        "channels not a multiple of the block": lambda: _model("Conv", [2, b + 4, 8, 8], [b + 4, 1, 3, 3], None,
+                                                               group=b + 4),
+        "channel multiplier 2": lambda: _model("Conv", [2, b, 8, 8], [2 * b, 1, 3, 3], None, group=b),
+        "strided transpose": lambda: _model("ConvTranspose", [2, b, 4, 4], [b, 1, 3, 3], None, strides=[2, 2],
+                                            group=b),
+        "double": lambda: _model("Conv", [2, b, 8, 8], [b, 1, 3, 3], None, elem=TensorProto.DOUBLE, group=b),
+    }[case]()
+    assert nchwc.blocked_convs(model) is model
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: a 7x7 depthwise Conv, LayerNorm over channels last, an inverted MLP, the residual."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.dw, self.ln = nn.Conv2d(c, c, 7, padding=3, groups=c), nn.LayerNorm(c)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(self.dw(x).permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+
+
+@needs_nchwc
+def test_ortmodule_depthwise_layers_run_blocked_and_match_torch():
+    """ConvNeXt's blocks and a MobileNet-style strided 3x3 depthwise layer: forward, input gradients and weight
+    gradients all on the blocked depthwise kernels, at two batch sizes (the weight gradient's stacked rows)."""
+    c = 2 * BLOCK
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, c, 2, stride=2), ConvNeXtBlock(c), ConvNeXtBlock(c),
+                          nn.Conv2d(c, c, 3, stride=2, padding=1, groups=c), nn.Flatten())
+    [session] = _train_like_torch(model, [(3, 3, 18, 18), (5, 3, 18, 18)])
+    assert _blocked(lowering.forward(session.full.forward, session.config)) >= 3
+    lowered = _lowered_backward(session)
+    depthwise = [n for n in lowered.graph.node if n.op_type == "Conv" and n.domain == nchwc.DOMAIN and
+                 int(next(a.i for a in n.attribute if a.name == "group")) == c]
+    assert len(depthwise) == 3 + 2  # three weight gradients, the blocks' two input gradients (the last is strided)
+    assert not any(n.op_type == "Conv" and not n.domain and  # (the first layer's unfold is a grouped Conv of 3)
+                   next((a.i for a in n.attribute if a.name == "group"), 1) == c for n in lowered.graph.node)
