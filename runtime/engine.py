@@ -297,6 +297,29 @@ def _is_parameter(holder: nn.Module, attr: str) -> bool:
     return attr in holder._parameters
 
 
+def _in_float64(module: nn.Module, ex: Exported, leaves: list[torch.Tensor], named: dict[str, torch.Tensor],
+                wrt: list[str]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    """`Engine.in_torch`'s inputs, fed tensors and functional_call dict for a float64 run: one detached float64
+    copy per float tensor (tied weights stay tied), the module's own parameters and buffers as well as the ones
+    the forward was fed; the copies of tensors requiring grad require it."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        if id(t) not in copies:
+            copies[id(t)] = t.detach().double().requires_grad_(t.requires_grad)
+        return copies[id(t)]
+
+    position = dict(ex.inputs)
+    aliases = [copy(t) for t in leaves]
+    fed = {id(named[name]): copy(named[name]) for name in wrt if name not in position}
+    own = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    tensors = {fqn: copy(t) for fqn, t in own if t.is_floating_point()}  # the others: `scratch_buffers`' copies
+    tensors.update({fqn: copy(named[name]) for name, fqn in ex.state if named[name].is_floating_point()})
+    return aliases, fed, tensors
+
+
 def _operator(error: BaseException) -> str:
     """The operator an UnsupportedOperatorError names ("Exporting the operator 'aten::diff' to ONNX ...")."""
     quoted = str(error).split("'")
@@ -486,7 +509,8 @@ class Engine:
                 traced = [reference.leaves[position[name]] if name in position else named[name] for name in wrt]
                 call.check = checks.gradient_check(reference.outputs, traced,
                                                    lambda e: self._refuse(key, e, "gradient check"),
-                                                   reference.backward_hooks)
+                                                   reference.backward_hooks,
+                                                   functools.partial(call.in_torch, False, True))
         if ex.updates:
             self._write_back(ex, updated, set(call.session.read_inputs) if call is not None else set())
         if ex.batch_stats:
@@ -654,13 +678,14 @@ class Engine:
         return schema
 
     def in_torch(self, ex: Exported, in_spec: Any, leaves: list[torch.Tensor], versions: list[int],
-                 named: dict[str, torch.Tensor], wrt: list[str], aliased: bool = True
+                 named: dict[str, torch.Tensor], wrt: list[str], aliased: bool = True, double: bool = False
                  ) -> tuple[list[Any], list[torch.Tensor]]:
         """One call computed again by torch's module with grad enabled: on the same inputs (unchanged since), the
         parameters the forward was fed (a `torch.func.functional_call`'s fast weights too, swapped back since),
         copies of the buffers and the RNG state put back after. Its flat outputs, and the tensors behind `wrt`.
         Holding the tensors costs no memory where the call's feeds share their storage until its backward (all
-        but non-contiguous inputs, which the feeds copy)."""
+        but non-contiguous inputs, which the feeds copy). `double`: on float64 copies of every float tensor the
+        call reads (inputs, parameters, buffers), detached: the first-call check's arbiter (`checks`)."""
         if any(t._version != v for t, v in zip(leaves, versions)):
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "
@@ -670,13 +695,16 @@ class Engine:
         # caller's graph for the next differentiation. Not under vmap (a batched backward), where functorch's
         # gradients with respect to such views came out wrong: there the caller's tensors themselves.
         position = dict(ex.inputs)
-        aliases = [t.view_as(t) if t.requires_grad and aliased else t for t in leaves]
-        fed: dict[int, torch.Tensor] = {}
-        for name in wrt:
-            if name not in position:
-                fed.setdefault(id(named[name]), named[name].view_as(named[name]) if aliased else named[name])
-        tensors = {fqn: fed.get(id(named[name]), named[name]) for name, fqn in ex.state
-                   if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
+        if double:
+            aliases, fed, tensors = _in_float64(self.module, ex, leaves, named, wrt)
+        else:
+            aliases = [t.view_as(t) if t.requires_grad and aliased else t for t in leaves]
+            fed = {}
+            for name in wrt:
+                if name not in position:
+                    fed.setdefault(id(named[name]), named[name].view_as(named[name]) if aliased else named[name])
+            tensors = {fqn: fed.get(id(named[name]), named[name]) for name, fqn in ex.state
+                       if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
         with torch.enable_grad(), scratch_buffers(self.module), kept_hook_state(self.module), \
                 recorded(self.module) as hooks:
