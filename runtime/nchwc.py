@@ -84,7 +84,6 @@ and the layer's channels, and its GEMM is tall there (25 taps a channel). With b
 from 12x12 0.74 / 1.15, 20 -> 6 0.71 / 1.20; onto whole blocks the blocked Conv wins: 16 -> 8 0.84 / 0.80, 32 -> 16
 2.08 / 1.80, 64 -> 32 6.15 / 4.73; 3x3 ones padded from 12 to 16 channels still win (1.01 / 0.63)."""
 INT64_MIN = np.iinfo(np.int64).min
-INT64_MAX = np.iinfo(np.int64).max
 CHUNK_BYTES = 2 * 1024 * 1024
 """An unfold of at least `MIN_CHUNKS` times this at the expected batch is made and multiplied chunk by chunk
 over the batch, each chunk about this size (one core's L2 here), so that the products read it from the cache rather
@@ -231,8 +230,7 @@ def blocked_convs(model: onnx.ModelProto, block: int | None = None) -> onnx.Mode
 def _depthwise(n: onnx.NodeProto, dims: Dims | None, group: int, block: int) -> bool:
     """Whether `n` is a 2-D depthwise Conv (weight [C, 1, kh, kw], group C, kh possibly known only at run time:
     a depthwise weight gradient's Conv, nn.py `_depthwise_weight_grad`) or the input gradient of one (a
-    ConvTranspose of dilation 1, static kernel; strided ones over dY with zeros between its elements) over
-    channels that fill whole blocks. The blocked
+    ConvTranspose of stride and dilation 1, static kernel) over channels that fill whole blocks. The blocked
     depthwise kernel ran every layer measured at 0.11-0.84x the time of onnxruntime's grouped im2col Conv,
     reorders included (2 threads, batch 16: 3x3 over 48x56x56 0.55, 96x28x28 0.64, the same at stride 2 0.37,
     192x14x14 0.84, 384x7x7 0.18; 5x5 over 96x28x28 0.41; 7x7 over 768x4x4 0.11), and those weight gradients at
@@ -242,7 +240,8 @@ def _depthwise(n: onnx.NodeProto, dims: Dims | None, group: int, block: int) -> 
     if n.op_type == "Conv":
         return True
     return isinstance(dims[2], int) and isinstance(dims[3], int) and \
-        all(v == 1 for v in ints_attr(n, "dilations") or []) and ints_attr(n, "output_shape") is None and \
+        all(v == 1 for v in (ints_attr(n, "strides") or []) + (ints_attr(n, "dilations") or [])) and \
+        not any(ints_attr(n, "output_padding") or []) and ints_attr(n, "output_shape") is None and \
         all(p <= size - 1 for p, size in zip(ints_attr(n, "pads") or [0] * 4, (*dims[2:], *dims[2:])))
 
 
@@ -317,42 +316,20 @@ def _build_depthwise(n: onnx.NodeProto, e: Nodes, channels: int, kernel: tuple[i
                      ) -> list[onnx.NodeProto]:
     """The blocked depthwise Conv replacing `n`: its filter [C/B, taps, B] (a ConvTranspose's taps reversed, its
     pads the Conv's over dY), in the weight's own shape."""
-    x, w = n.input[0], n.input[1]
+    w = n.input[1]
     filt = e("Transpose", e("Reshape", w, e.axes([channels // block, block, -1])), perm=[0, 2, 1])
     attrs = {"pads": ints_attr(n, "pads"), "kernel_shape": ints_attr(n, "kernel_shape")}
     if n.op_type == "ConvTranspose":
         filt = e("Slice", filt, e.axes([-1]), e.axes([INT64_MIN]), e.axes([1]), e.axes([-1]))
-        pads = [size - 1 - p for p, size in zip(attrs["pads"] or [0] * 4, (*kernel, *kernel))]
-        extra = ints_attr(n, "output_padding") or [0, 0]
-        strides = ints_attr(n, "strides") or [1, 1]
-        if any(s > 1 for s in strides):  # s - 1 zeros after each element of dY: its last ones end the end pads
-            x, pads = _spread(e, x, strides, pads, extra)
-        else:
-            pads[2:] = [p + o for p, o in zip(pads[2:], extra)]
-        attrs["pads"] = pads
+        attrs["pads"] = [size - 1 - p for p, size in zip(attrs["pads"] or [0] * 4, (*kernel, *kernel))]
     else:
         attrs.update(strides=ints_attr(n, "strides"), dilations=ints_attr(n, "dilations"))
-    inputs = [e("ReorderInput", x, domain=DOMAIN, channels_last=0), e("Reshape", filt, e("Shape", w))]
+    inputs = [e("ReorderInput", n.input[0], domain=DOMAIN, channels_last=0), e("Reshape", filt, e("Shape", w))]
     if len(n.input) > 2 and n.input[2]:
         inputs.append(n.input[2])
     y = e("Conv", *inputs, domain=DOMAIN, group=channels, **{k: v for k, v in attrs.items() if v is not None})
     e("ReorderOutput", y, domain=DOMAIN, channels=channels, channels_last=0, out=n.output[0])
     return e.nodes
-
-
-def _spread(e: Nodes, dy: str, strides: list[int], pads: list[int], extra: list[int]) -> tuple[str, list[int]]:
-    """dY with s - 1 zeros after each element along each strided axis ([N, C, H*sh, W*sw]), and the stride-1 Conv
-    pads over it that make the transposed Conv's output (`pads`: the flipped Conv's over the exact spread, k-1-p;
-    `extra`: output_padding). The trailing zeros stand for as much end pad; where they are more than the end pad
-    asks, a Slice drops them."""
-    sh, sw = strides
-    spread = e("Pad", e("Unsqueeze", dy, e.axes([3, 5])), e.axes([0] * 9 + [sh - 1, 0, sw - 1]))
-    spread = e("Reshape", spread, e("Mul", e("Shape", dy), e.axes([1, 1, sh, sw])))
-    ends = [p + o - (s - 1) for p, o, s in zip(pads[2:], extra, strides)]
-    if any(end < 0 for end in ends):
-        spread = e("Slice", spread, e.axes([0, 0]), e.axes([end if end < 0 else INT64_MAX for end in ends]),
-                   e.axes([2, 3]))
-    return spread, [*pads[:2], *(max(end, 0) for end in ends)]
 
 
 def unfolded_weight_grads(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None,

@@ -450,29 +450,6 @@ def test_depthwise_conv_and_its_input_gradient_become_blocked(blocks, h, k, p, s
         np.testing.assert_allclose(_run(blocked, feeds), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-# (C, H, K, P, stride, output_padding): MobileNet's stride-2 3x3 (its input gradient onto an even size), odd sizes,
-# uneven strides with the zeros past the end pad sliced off, a 5x5 with output padding
-STRIDED_TRANSPOSES = [(1, 8, 3, (1, 1, 1, 1), (2, 2), (1, 1)), (2, 7, 3, (1, 1, 1, 1), (2, 2), (0, 0)),
-                      (1, 6, 3, (0, 1, 2, 0), (3, 2), (2, 0)), (1, 5, 5, (2, 2, 1, 2), (2, 2), (1, 0))]
-
-
-@needs_nchwc
-@pytest.mark.parametrize("blocks,h,k,p,s,extra", STRIDED_TRANSPOSES)
-def test_strided_depthwise_conv_transpose_becomes_a_blocked_conv_over_spread_dy(blocks, h, k, p, s, extra):
-    """A strided depthwise layer's input gradient: dY spread with s - 1 zeros after each element, convolved by the
-    flipped kernel on the blocked kernels."""
-    c = blocks * BLOCK
-    model = _model("ConvTranspose", [2, c, h, h], [c, 1, k, k], c, pads=list(p), strides=list(s),
-                   output_padding=list(extra), group=c)
-    blocked = nchwc.blocked_convs(model)
-    assert _blocked(blocked) == 1 and not any(n.op_type == "ConvTranspose" for n in blocked.graph.node)
-    feeds = _feeds(model, seed=2)
-    want = _run(model, feeds)
-    got = _run(blocked, feeds)
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-
-
 @needs_nchwc
 def test_depthwise_weight_gradient_kernel_of_run_time_height():
     """The Conv rule's depthwise weight gradient convolves the batch stacked along rows with dY stacked the same
@@ -496,14 +473,14 @@ def test_depthwise_weight_gradient_kernel_of_run_time_height():
 
 @needs_nchwc
 @pytest.mark.parametrize("case", ["channels not a multiple of the block", "channel multiplier 2",
-                                  "dilated transpose", "double"])
+                                  "strided transpose", "double"])
 def test_depthwise_layers_that_stay(case):
     b = BLOCK
     model = {
         "channels not a multiple of the block": lambda: _model("Conv", [2, b + 4, 8, 8], [b + 4, 1, 3, 3], None,
                                                                group=b + 4),
         "channel multiplier 2": lambda: _model("Conv", [2, b, 8, 8], [2 * b, 1, 3, 3], None, group=b),
-        "dilated transpose": lambda: _model("ConvTranspose", [2, b, 4, 4], [b, 1, 3, 3], None, dilations=[2, 2],
+        "strided transpose": lambda: _model("ConvTranspose", [2, b, 4, 4], [b, 1, 3, 3], None, strides=[2, 2],
                                             group=b),
         "double": lambda: _model("Conv", [2, b, 8, 8], [b, 1, 3, 3], None, elem=TensorProto.DOUBLE, group=b),
     }[case]()
@@ -535,7 +512,6 @@ def test_ortmodule_depthwise_layers_run_blocked_and_match_torch():
     lowered = _lowered_backward(session)
     depthwise = [n for n in lowered.graph.node if n.op_type == "Conv" and n.domain == nchwc.DOMAIN and
                  int(next(a.i for a in n.attribute if a.name == "group")) == c]
-    assert len(depthwise) == 3 + 3  # three weight gradients, three input gradients (the last one's over spread dY)
-    assert not any(n.op_type == "ConvTranspose" for n in lowered.graph.node)
+    assert len(depthwise) == 3 + 2  # three weight gradients, the blocks' two input gradients (the last is strided)
     assert not any(n.op_type == "Conv" and not n.domain and  # (the first layer's unfold is a grouped Conv of 3)
                    next((a.i for a in n.attribute if a.name == "group"), 1) == c for n in lowered.graph.node)
