@@ -110,7 +110,7 @@ def compare(model: nn.Module, reference: nn.Module, got: Run, want: Run, rtol: f
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
         if b.is_floating_point():
             r.buffer = max(r.buffer, relative(b, c))
-            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         else:
             assert torch.equal(b, c), name
     return r

@@ -155,3 +155,86 @@ def test_models_train_like_torch(activation):
     [session] = ort_model.training_sessions()
     runs = lowering.forward(session.full.forward, SessionConfig())  # the forward graph onnxruntime runs
     assert not vectorized.SLOW & {n.op_type for n in runs.graph.node}
+
+
+def _bounded(form: str, elem: int, low: float = -2.0, high: float = 6.0, picked: float | None = None
+             ) -> onnx.ModelProto:
+    """x through a Where that picks a bound, as `functions._strict_clip` exports hardtanh and ReLU6."""
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+    inits = [onnx.numpy_helper.from_array(np.array(v, dtype), n) for n, v in
+             (("low", low), ("high", high), ("picked", high if picked is None else picked))]
+    ge = helper.make_node("GreaterOrEqual", ["x", "high"], ["ge"])
+    nodes = {
+        "relu6": [helper.make_node("Relu", ["x"], ["b"]), ge, helper.make_node("Where", ["ge", "picked", "b"], ["y"])],
+        "hardtanh": [helper.make_node("LessOrEqual", ["x", "low"], ["le"]),
+                     helper.make_node("Where", ["le", "low", "x"], ["b"]), ge,
+                     helper.make_node("Where", ["ge", "picked", "b"], ["y"])],
+        "upper": [ge, helper.make_node("Where", ["ge", "picked", "x"], ["y"])],
+        "lower": [helper.make_node("LessOrEqual", ["x", "low"], ["le"]),
+                  helper.make_node("Where", ["le", "low", "x"], ["y"])],
+    }[form]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, ["n"])],
+                              [helper.make_tensor_value_info("y", elem, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("form", ["relu6", "hardtanh", "upper", "lower"])
+def test_wheres_picking_a_bound_become_clips_of_the_same_values(form, dtype):
+    """ReLU6 and hardtanh as exported for torch's strict gradient at the bounds: the same values bit for bit (nan,
+    infinities, the bounds themselves, the sign of a zero), as one Clip where onnxruntime's Where was ~18x slower."""
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
+    model = _bounded(form, elem)
+    rewritten = vectorized.vectorized_ops(model)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Where" not in ops and ops.count("Clip") == (2 if form == "hardtanh" else 1)
+    x = np.concatenate([np.array([*EDGES, 6.0, -2.0, 5.999, -1.999]),
+                        np.random.default_rng(0).standard_normal(4000) * 6]).astype(dtype)
+    got, want = _run(rewritten, x), _run(model, x)
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.parametrize("case", ["a negative bound over a Relu", "another value picked", "a floor above the bound",
+                                  "a bound of one element", "a bound of 0"])
+def test_wheres_that_pick_no_bound_stay(case):
+    model = {
+        "a negative bound over a Relu": lambda: _bounded("relu6", TensorProto.FLOAT, high=-1.0),
+        "another value picked": lambda: _bounded("upper", TensorProto.FLOAT, picked=5.0),
+        "a floor above the bound": lambda: _bounded("hardtanh", TensorProto.FLOAT, low=7.0),
+        "a bound of one element": lambda: _bounded("upper", TensorProto.FLOAT),
+        "a bound of 0": lambda: _bounded("upper", TensorProto.FLOAT, high=0.0),  # picks +0 where x is -0
+    }[case]()
+    if case == "a bound of one element":
+        for t in model.graph.initializer:
+            t.dims.append(1)
+    rewritten = vectorized.vectorized_ops(model)
+    wheres = [n for n in rewritten.graph.node if n.op_type == "Where"]
+    assert len(wheres) == (1 if case == "a floor above the bound" else len(
+        [n for n in model.graph.node if n.op_type == "Where"]))
+    x = np.concatenate([np.array(EDGES), np.random.default_rng(1).standard_normal(100) * 8]).astype(np.float32)
+    np.testing.assert_array_equal(_run(rewritten, x), _run(model, x))
+
+
+class Mobile(nn.Module):
+    """ReLU6 after a BatchNorm (MobileNet's; its Conv without a bias, whose gradient is zero by the math and which
+    Adam would move by its rounding noise), then a hardtanh, into a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(), nn.Flatten(),
+                                 nn.Linear(8 * 6 * 6, 16), nn.Hardtanh(-0.5, 0.5), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_relu6_and_hardtanh_models_train_like_torch_without_wheres():
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 3, 6, 6, generator=g) * 4, torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    ort_model, _, _ = check_parity(Mobile, batches, lambda m, b: m(*b), threads=1)
+    [session] = ort_model.training_sessions()
+    runs = lowering.forward(session.full.forward, SessionConfig())
+    wheres = [n.name for n in runs.graph.node if n.op_type == "Where"]
+    assert all("CrossEntropy" in name for name in wheres)  # (the loss's, over the labels)
+    assert [n.op_type for n in runs.graph.node].count("Clip") == 3
