@@ -424,16 +424,17 @@ def test_ortmodule_blocked_weight_gradients_of_other_windows(layer):
     assert any(n.op_type == "Mod" for n in lowered.graph.node)  # a blocked Conv over the padded batch
 
 
-# (C, H, K, P, stride, dilation, bias): ConvNeXt's 7x7 'same', MobileNet's 3x3 and its stride 2, dilated, uneven
-# pads, two blocks of channels
+# (blocks of channels, H, K, P, stride, dilation, bias): ConvNeXt's 7x7 'same', MobileNet's 3x3 and its stride 2,
+# dilated, uneven pads, two blocks of channels; one and a half blocks (padded with zero channels to two)
 DEPTHWISE = [(1, 9, 7, (3, 3, 3, 3), 1, 1, True), (2, 8, 3, (1, 1, 1, 1), 2, 1, False),
-             (1, 10, 3, (2, 0, 1, 2), 1, 2, True), (2, 5, 5, (2, 2, 2, 2), 1, 1, False)]
+             (1, 10, 3, (2, 0, 1, 2), 1, 2, True), (2, 5, 5, (2, 2, 2, 2), 1, 1, False),
+             (1.5, 9, 7, (3, 3, 3, 3), 1, 1, True), (1.5, 8, 3, (1, 1, 1, 1), 2, 1, False)]
 
 
 @needs_nchwc
 @pytest.mark.parametrize("blocks,h,k,p,s,d,bias", DEPTHWISE)
 def test_depthwise_conv_and_its_input_gradient_become_blocked(blocks, h, k, p, s, d, bias):
-    c = blocks * BLOCK
+    c = int(blocks * BLOCK)
     model = _model("Conv", [3, c, h, h], [c, 1, k, k], c if bias else None, pads=list(p), strides=[s, s],
                    dilations=[d, d], group=c)
     blocked = nchwc.blocked_convs(model)
@@ -454,7 +455,7 @@ def test_depthwise_conv_and_its_input_gradient_become_blocked(blocks, h, k, p, s
 def test_depthwise_weight_gradient_kernel_of_run_time_height():
     """The Conv rule's depthwise weight gradient convolves the batch stacked along rows with dY stacked the same
     way: its kernel's height (the batch's rows) is known only at run time."""
-    c, rows, width = BLOCK, "K", 6
+    c, rows, width = BLOCK + BLOCK // 2, "K", 6  # padded to two blocks
     typed = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT)
     graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], group=c)], "g",
                               [typed("x", shape=[1, c, "R", 12]), typed("w", shape=[c, 1, rows, width])],
@@ -472,13 +473,13 @@ def test_depthwise_weight_gradient_kernel_of_run_time_height():
 
 
 @needs_nchwc
-@pytest.mark.parametrize("case", ["channels not a multiple of the block", "channel multiplier 2",
+@pytest.mark.parametrize("case", ["under half a block of channels", "channel multiplier 2",
                                   "strided transpose", "double"])
 def test_depthwise_layers_that_stay(case):
     b = BLOCK
     model = {
-        "channels not a multiple of the block": lambda: _model("Conv", [2, b + 4, 8, 8], [b + 4, 1, 3, 3], None,
-                                                               group=b + 4),
+        "under half a block of channels": lambda: _model("Conv", [2, b // 2 - 1, 8, 8], [b // 2 - 1, 1, 3, 3], None,
+                                                         group=b // 2 - 1),
         "channel multiplier 2": lambda: _model("Conv", [2, b, 8, 8], [2 * b, 1, 3, 3], None, group=b),
         "strided transpose": lambda: _model("ConvTranspose", [2, b, 4, 4], [b, 1, 3, 3], None, strides=[2, 2],
                                             group=b),
@@ -500,10 +501,12 @@ class ConvNeXtBlock(nn.Module):
 
 
 @needs_nchwc
-def test_ortmodule_depthwise_layers_run_blocked_and_match_torch():
+@pytest.mark.parametrize("blocks", [2, 1.5])
+def test_ortmodule_depthwise_layers_run_blocked_and_match_torch(blocks):
     """ConvNeXt's blocks and a MobileNet-style strided 3x3 depthwise layer: forward, input gradients and weight
-    gradients all on the blocked depthwise kernels, at two batch sizes (the weight gradient's stacked rows)."""
-    c = 2 * BLOCK
+    gradients all on the blocked depthwise kernels, at two batch sizes (the weight gradient's stacked rows), over
+    whole blocks of channels and over one and a half (padded)."""
+    c = int(blocks * BLOCK)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, c, 2, stride=2), ConvNeXtBlock(c), ConvNeXtBlock(c),
                           nn.Conv2d(c, c, 3, stride=2, padding=1, groups=c), nn.Flatten())
@@ -511,7 +514,7 @@ def test_ortmodule_depthwise_layers_run_blocked_and_match_torch():
     assert _blocked(lowering.forward(session.full.forward, session.config)) >= 3
     lowered = _lowered_backward(session)
     depthwise = [n for n in lowered.graph.node if n.op_type == "Conv" and n.domain == nchwc.DOMAIN and
-                 int(next(a.i for a in n.attribute if a.name == "group")) == c]
+                 int(next(a.i for a in n.attribute if a.name == "group")) == nchwc._up(c, BLOCK)]
     assert len(depthwise) == 3 + 2  # three weight gradients, the blocks' two input gradients (the last is strided)
     assert not any(n.op_type == "Conv" and not n.domain and  # (the first layer's unfold is a grouped Conv of 3)
                    next((a.i for a in n.attribute if a.name == "group"), 1) == c for n in lowered.graph.node)
