@@ -37,7 +37,7 @@ from onnx import TensorProto, helper
 from gradbuilder.graph import default_opset, infer_shapes_safely
 from gradbuilder.inference import tensor_types
 
-from .passes import Nodes, constant_values, drop_unread, rewrite_nodes
+from .passes import Nodes, constant_values, drop_unread, int_attr, rewrite_nodes
 
 SLOW = frozenset({"Elu", "Selu", "Celu", "Softplus", "Mish"})
 IMPRECISE = frozenset({"Sigmoid"})
@@ -119,6 +119,16 @@ def _bound_selects(graph: onnx.GraphProto) -> list[tuple[int, str, str | None, s
     producer = {o: n for n in graph.node for o in n.output}
     scalars = constant_values(graph, lambda t: not t.dims and t.data_type in (
         TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16))
+    empty = set(constant_values(graph, lambda t: list(t.dims) == [0]))
+    floats = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
+    for n in graph.node:  # dynamo's torch.full((), v): the scalar Cast, Expanded to no dims (shape Cast too)
+        if n.domain not in ("", "ai.onnx") or not n.input:
+            continue
+        if n.op_type == "Cast" and n.input[0] in empty:
+            empty.add(n.output[0])
+        elif n.input[0] in scalars and ((n.op_type == "Cast" and int_attr(n, "to", 0) in floats) or
+                                        (n.op_type == "Expand" and n.input[1] in empty)):
+            scalars[n.output[0]] = scalars[n.input[0]]
 
     def made(name: str, op: str) -> onnx.NodeProto | None:
         n = producer.get(name)
@@ -160,11 +170,9 @@ def _clip(node: onnx.NodeProto, x: str, low: str | None, high: str | None, taken
     return e.nodes
 
 
-def bound_selects_as_clips(model: onnx.ModelProto) -> onnx.ModelProto:
+def _bound_selects_as_clips(model: onnx.ModelProto) -> onnx.ModelProto:
     """The Wheres that pick a bound as Clips (module docstring); the comparisons nothing else reads dropped.
     `model` itself when there are none."""
-    if default_opset(model) < MIN_OPSET:
-        return model
     out = rewrite_nodes(model, _bound_selects(model.graph), _clip)
     if out is not model:
         drop_unread(out)
@@ -191,4 +199,4 @@ def vectorized_ops(model: onnx.ModelProto) -> onnx.ModelProto:
             axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
             if dims is not None and len(dims) > 1 and axis % len(dims) != len(dims) - 1:
                 plan.append((k, axis % len(dims)))
-    return bound_selects_as_clips(rewrite_nodes(model, sorted(plan), functools.partial(_build, opset=opset)))
+    return _bound_selects_as_clips(rewrite_nodes(model, sorted(plan), functools.partial(_build, opset=opset)))

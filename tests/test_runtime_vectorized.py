@@ -229,12 +229,17 @@ class Mobile(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def test_relu6_and_hardtanh_models_train_like_torch_without_wheres():
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_relu6_and_hardtanh_models_train_like_torch_without_wheres(exporter):
+    """Under both exporters: dynamo writes the bounds as torch.full((), v), a Cast scalar Expanded to no dims."""
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 3, 6, 6, generator=g) * 4, torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
-    ort_model, _, _ = check_parity(Mobile, batches, lambda m, b: m(*b), threads=1)
+    ort_model, _, _ = check_parity(Mobile, batches, lambda m, b: m(*b), threads=1, exporter=exporter)
     [session] = ort_model.training_sessions()
     runs = lowering.forward(session.full.forward, SessionConfig())
-    wheres = [n.name for n in runs.graph.node if n.op_type == "Where"]
-    assert all("CrossEntropy" in name for name in wheres)  # (the loss's, over the labels)
+    compared = {o for n in runs.graph.node if n.op_type in ("GreaterOrEqual", "LessOrEqual") for o in n.output}
+    assert not [n for n in runs.graph.node if n.op_type == "Where" and n.input[0] in compared]  # (the loss's stay)
+    if exporter == "torchscript":
+        wheres = [n.name for n in runs.graph.node if n.op_type == "Where"]
+        assert all("CrossEntropy" in name for name in wheres)  # (the loss's, over the labels)
     assert [n.op_type for n in runs.graph.node].count("Clip") == 3

@@ -273,7 +273,6 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, like: str, win: Win
     return g.Transpose(dw_t, perm=swap)
 
 
-
 def _depthwise_weight_grad(g: Grad, inp: str, dout: str, like: str, win: Window, tails: Sequence[int],
                            channels: int, out_sizes: Sequence[int]) -> str:
     """A depthwise layer's dW (one input and one output channel a group) as a depthwise Conv, group = channels:
@@ -305,6 +304,7 @@ def _depthwise_weight_grad(g: Grad, inp: str, dout: str, like: str, win: Window,
     if (rows - framed[0]) // d:  # rows the rounding added reach one window further
         dw = g.Slice(dw, g.ints([0]), g.ints([win.kernel[0]]), g.ints([2]))
     return g.Reshape(dw, g.ints([channels, 1, *win.kernel]))
+
 
 SMALL_KERNEL = 9
 """Kernels of at most this many taps (3x3) always unfold."""
