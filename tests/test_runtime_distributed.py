@@ -4,8 +4,10 @@ failed deep in the trace ("Tried to trace ... ProcessGroup") and is refused, nam
 
 from __future__ import annotations
 
-import socket
+import traceback
 import warnings
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +24,20 @@ def _make() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def _worker(rank: int, port: int, results: mp.Queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _worker(rank: int, store: str, results: mp.Queue) -> None:
+    """Puts (rank, diff, refusal message) or (rank, None, traceback): a rank that fails says why, at once."""
+    try:
+        _train(rank, store, results)
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+        raise
+
+
+def _train(rank: int, store: str, results: mp.Queue) -> None:
+    # A file rendezvous: a TCP port picked free and bound later can be taken in between, leaving the peer waiting.
+    # The timeout turns a peer that died into an error here instead of a hang in a collective.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
     try:
         warnings.simplefilter("ignore")
         ours, theirs = _make(), _make()
@@ -48,18 +62,12 @@ def _worker(rank: int, port: int, results: mp.Queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
-def test_distributed_data_parallel_around_an_ortmodule_trains_as_around_the_module() -> None:
+def test_distributed_data_parallel_around_an_ortmodule_trains_as_around_the_module(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    workers = [ctx.Process(target=_worker, args=(rank, port, results)) for rank in range(2)]
+    store = str(tmp_path / "rendezvous")
+    workers = [ctx.Process(target=_worker, args=(rank, store, results)) for rank in range(2)]
     for w in workers:
         w.start()
     try:
@@ -69,6 +77,8 @@ def test_distributed_data_parallel_around_an_ortmodule_trains_as_around_the_modu
             w.join(timeout=60)
             if w.is_alive():
                 w.kill()
+    failed = [f"rank {rank} failed:\n{trace}" for rank, diff, trace in got if diff is None]
+    assert not failed, "\n".join(failed)
     for rank, diff, refused in got:
         assert diff < 1e-5, f"rank {rank}: parameters and buffers differ from DDP's over the module by {diff}"
         assert "0, a DistributedDataParallel" in refused and "DistributedDataParallel(ORTModule(model))" in refused
