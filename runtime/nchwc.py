@@ -12,9 +12,10 @@ that axis to the Reshapes and reads dY itself, not the rule's swap of it. The sa
 Conv's own pads, since the blocked kernels take a slower path along padded borders (a 5x5 'same' layer from 8
 channels: 0.6x the time). Large unfolds of the Conv rule's weight gradients (3x3 layers over big maps, their
 one-hot Conv left to onnxruntime's im2col kernel: 9 taps) are made and multiplied in chunks of the batch, so that
-each chunk's products read it from the cache (`unfolded_weight_grads`). 5x5 layers from 1-3 channels have no
+each chunk's products read it from the cache (`unfolded_weight_grads`). 5x5 layers from one channel have no
 one-hot Conv to block: the rule gathers their windows (`_weight_grad_by_gathering`), 0.4-0.6x the time of the
-blocked one-hot Conv that ran here before.
+blocked one-hot Conv that ran here before; from 2-3 channels it swaps, and the images run as blocked channels here
+(nn.py `SWAP_MIN_INPUTS`).
 
 Which layers pay was measured layer by layer (benchmarks/notes.md): input channels a multiple of 4 padded by at most
 a quarter to the block (the input is reordered to the blocked layout and back after), or, below one block of input

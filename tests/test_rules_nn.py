@@ -1074,11 +1074,14 @@ def test_conv1d_weight_gradient_unfolds_over_few_positions():
     (3, 4, 4, 128, 1, "swapped"),    # 4 x 9 x 128 x 128 unfolded elements a sample: above the bound
     (3, 4, 200, 8, 1, "one GEMM"),   # more outputs than twice the 64 positions
     (5, 4, 32, 8, 1, "swapped"),     # 5x5 from 4 channels, to however many
-    (5, 3, 4, 8, 1, "gathered"),     # 5x5 from 3 channels: the windows gathered, one GEMM a chunk of positions
+    (5, 1, 4, 8, 1, "gathered"),     # 5x5 from 1 channel: the windows gathered, one GEMM a chunk of positions
     (5, 1, 6, 28, 1, "gathered"),    # LeNet's first layer: 3 chunks of positions (5 MB gathered at batch 64)
-    (5, 3, 4, None, 1, "swapped"),   # ... but only where the positions are known when building
-    (7, 3, 8, 32, 1, "gathered"),    # a ResNet stem's kernel over 32x32: 150k gathered a sample
-    (7, 3, 8, 224, 1, "swapped"),    # ... over 224x224: 7.4M a sample, above the bound
+    (5, 1, 4, None, 1, "swapped"),   # ... but only where the positions are known when building
+    (7, 1, 8, 32, 1, "gathered"),    # a grey-scale stem's kernel over 32x32: 50k gathered a sample
+    (7, 1, 8, 400, 1, "swapped"),    # ... over 400x400: 7.8M a sample, above the bound
+    (5, 3, 4, 8, 1, "swapped"),      # 5x5 from 3 channels: blocked in onnxruntime, the images as channels
+    (5, 2, 4, 8, 1, "swapped"),      # ... and from 2
+    (7, 3, 8, 32, 1, "swapped"),     # a ResNet stem's kernel over 32x32
     (5, 4, 4, 8, 1, "swapped"),      # 5x5 from 4 to 4 channels: the Conv with batch and channels swapped
     (3, 4, 6, 8, 2, "swapped"),      # grouped
 ])

@@ -347,11 +347,12 @@ def test_ortmodule_gradients_match_torch_through_blocked_convs():
     session = wrapped.training_sessions()[0]
     config = session.config
     assert _blocked(lowering.forward(session.full.forward, config)) == 3
-    # the input gradients of the 3x3 layers and the last layer's weight gradient (3x3 over 4x4 positions: the
-    # swapped Conv, the batch as its blocked channels); the first layer's (5x5 from 3 channels) gathers its windows
+    # the input gradients of the 3x3 layers, and two weight gradients as the swapped Conv, the batch as its blocked
+    # channels: the last layer's (3x3 over 4x4 positions) and the first layer's (5x5 from 3 channels, 'same')
     lowered = _lowered_backward(session)
     windows = {t.name for t in lowered.graph.initializer if list(t.dims[:1]) == [25] and len(t.dims) == 2}
-    assert _blocked(lowered) == 3 and any(n.op_type == "Gather" and n.input[1] in windows for n in lowered.graph.node)
+    assert _blocked(lowered) == 4 and not any(n.op_type == "Gather" and n.input[1] in windows
+                                              for n in lowered.graph.node)
 
 
 def _train_like_torch(model: nn.Module, shapes: list[tuple[int, ...]]) -> list:

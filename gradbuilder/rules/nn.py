@@ -236,8 +236,9 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, like: str, win: Win
                  per_group: int, outputs: int | None, positions: int | None) -> str:
     """dW[m, c, t] = sum over n, o of dout[n, m, o] * inp_padded[n, group(m) * per_group + c, o*s + t*d].
 
-    `_weight_grad_by_unfolding` where it pays and the positions are known when building (the unfolded input's
-    size is then bounded); otherwise a Conv over `inp` (spatial `sizes`) with batch and channels swapped (the
+    `_weight_grad_by_gathering` or `_weight_grad_by_unfolding` where they pay and the positions are known when
+    building (the gathered or unfolded input's size is then bounded; not for large kernels from 2-3 channels,
+    `SWAP_MIN_INPUTS`); otherwise a Conv over `inp` (spatial `sizes`) with batch and channels swapped (the
     group's channels stacked on the batch), `dout` (batch and channels swapped too) as the kernel, strides and
     dilations exchanged. `like` is the forward tensor dout has the type of; `outputs` is dout's channel count
     and `positions` its number of spatial positions, where static. That kernel's type is declared: shape
@@ -246,9 +247,11 @@ def _weight_grad(g: Grad, inp: str, sizes: Sizes, dout: str, like: str, win: Win
     """
     nd = len(win.kernel)
     out_sizes = _dims(g, like, nd)
-    if None not in out_sizes and outputs is not None and _gathering(g, win, group, per_group, tails, out_sizes):
+    few = _swapping_few_channels(g, win, group, per_group)
+    if not few and None not in out_sizes and outputs is not None and _gathering(g, win, group, per_group, tails,
+                                                                                out_sizes):
         return _weight_grad_by_gathering(g, inp, dout, win, tails, per_group, outputs, out_sizes)  # type: ignore[arg-type]
-    if positions is not None and _unfolding(g, inp, win, group, per_group, positions):
+    if not few and positions is not None and _unfolding(g, inp, win, group, per_group, positions):
         return _weight_grad_by_unfolding(g, inp, dout, win, tails, per_group, outputs, positions)
     if group > 1 and per_group == 1 and outputs == group and None not in out_sizes and not isinstance(tails, str) \
             and not isinstance(win.begin, str):
@@ -356,6 +359,16 @@ gradients alone, 2 threads, batch 64 (gathered / one-hot unfold with its bias gr
 GATHER_MAX_INPUTS = UNFOLD_MAX_INPUTS
 """From more channels 5x5 layers keep the Conv with batch and channels swapped: gathering them was level in steps
 (LeNet's second layer, Caffe's, a 16 -> 32 one: 0.99-1.03 of the swapped Conv's step)."""
+SWAP_MIN_INPUTS = 2
+"""2-D float layers of at least `GATHER_MIN_TAPS` taps from this many channels up take the Conv with batch and
+channels swapped rather than gathering: onnxruntime runs it blocked, the images as its channels and the layer's
+channels as its batch (runtime/nchwc.py, `MIN_IMAGES_PADDED`), where the gather's GEMMs are [M, positions] by
+[C * taps, positions], thin on both sides. Captured training graphs run alternately, 2 threads (gathered / swapped,
+ms): LeNets on 3x32x32, 6 -> 16 channels at batch 32 5.06 / 4.71, 16 -> 32 at batch 64 15.4 / 14.8, 32 -> 64 at
+batch 32 14.9 / 14.8, 'same' 5x5 at batch 64 11.9 / 11.5 (backward alone, 16 -> 32 at batch 16: 4.47 / 3.81), a
+7x7 stride-2 stem over 3x64x64 at batch 32 22.3 / 20.7, a LeNet on 2x28x28 8.7 / 8.1. From one channel (one image
+for the blocked Conv) the two were level on LeNet-5 (6.88 / 6.87 with that image blocked; onnxruntime's im2col Conv
+takes twice as long), so it is gathered; so are double and 1-D and 3-D layers, which have no blocked kernels."""
 GATHER_CHUNK_BYTES = 2 * 1024 * 1024
 GATHER_BATCH = 64
 """Each gather holds about `GATHER_CHUNK_BYTES` (one core's L2 here) at a batch of this many samples (the batch is
@@ -373,6 +386,14 @@ def _gathering(g: Grad, win: Window, group: int, channels: int | None, tails: Si
     return (group == 1 and channels is not None and channels <= GATHER_MAX_INPUTS and taps >= GATHER_MIN_TAPS
             and channels * taps * int(np.prod(out_sizes)) <= UNFOLD_MAX_ELEMENTS and not isinstance(tails, str)
             and not isinstance(win.begin, str) and g.dtype(g.I(0)) in (TensorProto.FLOAT, TensorProto.DOUBLE))
+
+
+def _swapping_few_channels(g: Grad, win: Window, group: int, channels: int | None) -> bool:
+    """Whether a large 2-D float kernel from 2-3 channels takes the swapped Conv (`SWAP_MIN_INPUTS`) where it
+    would otherwise gather or unfold."""
+    return (group == 1 and channels is not None and SWAP_MIN_INPUTS <= channels <= GATHER_MAX_INPUTS
+            and len(win.kernel) == 2 and int(np.prod(win.kernel)) >= GATHER_MIN_TAPS
+            and g.dtype(g.I(0)) == TensorProto.FLOAT)
 
 
 def _framed_sizes(win: Window, out_sizes: Sequence[int]) -> list[int]:
