@@ -83,6 +83,12 @@ CONV = [
     ((2, 3, 5, 4, 5), (3, 1, 3, 2, 3), [2, 1, 2], [1, 1, 1], [1, 0, 1, 1, 1, 0], 3),
     ((1, 2, 5, 6, 5), (4, 1, 3, 2, 3), [2, 1, 2], [1, 1, 1], [1, 0, 1, 1, 1, 0], 2),
     ((2, 2, 4, 5, 4), (3, 2, 2, 2, 2), [1, 1, 1], [1, 2, 1], [0, 0, 0, 0, 0, 0], 1),
+    # 1x1 kernels (x is its own unfold): over a small map, strided over one (4x3 positions from 8x6, the last row
+    # and column unread), 1-D strided, and padded (the one-hot Conv frames x)
+    ((2, 5, 4, 4), (7, 5, 1, 1), [1, 1], [1, 1], [0, 0, 0, 0], 1),
+    ((2, 8, 8, 6), (12, 8, 1, 1), [2, 2], [1, 1], [0, 0, 0, 0], 1),
+    ((2, 6, 7), (4, 6, 1), [3], [1], [0, 0], 1),
+    ((2, 4, 3, 3), (6, 4, 1, 1), [1, 1], [1, 1], [1, 0, 1, 1], 1),
     # 5x5 and larger from 1-3 channels (the weight gradient unfolds x): 'same', strided with uneven pads,
     # dilated, windows reaching past x (pads no output uses), 1-D, 3-D
     ((2, 1, 9, 9), (6, 1, 5, 5), [1, 1], [1, 1], [2, 2, 2, 2], 1),
@@ -1084,6 +1090,8 @@ def test_conv1d_weight_gradient_unfolds_over_few_positions():
     (7, 3, 8, 32, 1, "swapped"),     # a ResNet stem's kernel over 32x32
     (5, 4, 4, 8, 1, "swapped"),      # 5x5 from 4 to 4 channels: the Conv with batch and channels swapped
     (3, 4, 6, 8, 2, "swapped"),      # grouped
+    (1, 32, 96, 4, 1, "one GEMM"),   # 1x1 over 4x4: x is its own unfold (no grouped Conv), one GEMM for 96 outputs
+    (1, 32, 16, 4, 1, "per sample"),  # ... per sample for 16
 ])
 def test_conv_weight_gradient_formulation(kernel: int, inputs: int, outputs: int, size: int | None, group: int,
                                           expected: str) -> None:
@@ -1102,6 +1110,8 @@ def test_conv_weight_gradient_formulation(kernel: int, inputs: int, outputs: int
     if expected == "gathered":
         chunks = -(-inputs * kernel**2 * side**2 * 64 * 4 // (2 << 20))  # ~2 MB a chunk at a batch of 64
         assert ops.count("Gemm") == ops.count("Gather") == chunks
+    elif kernel == 1:  # no unfolding Conv: the forward's is the only one
+        assert ops.count("Conv") == 1
     elif expected != "swapped":  # the one-hot unfolding Conv has a group per input channel
         assert [a.i for n in training.graph.node if n.op_type == "Conv" for a in n.attribute
                 if a.name == "group"][-1] == inputs

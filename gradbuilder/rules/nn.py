@@ -335,7 +335,9 @@ gradients alone, 2 threads, batch 64 (unfold / swapped; torch): 16 -> 32 on 4x4 
 over 8x8 and more the two are level or the unfold wins (16 -> 16 on 8x8 0.50 / 0.44, 32 -> 64 on 8x8
 1.89 / 1.86, 8 -> 16 on 16x16 0.99 / 1.29, 16 -> 16 on 32x32 6.6 / 7.8). 2-D layers only: the swapped Conv's
 speed there is onnxruntime's blocked kernels' (runtime/nchwc.py), which 1-D layers lack (64 -> 64 over 16
-positions: 0.76 / 1.62 ms)."""
+positions: 0.76 / 1.62 ms). Nor 1x1 kernels: x is their unfold (no grouped Conv), and their swapped Conv has one
+output position, which onnxruntime does not block. MobileNetV2's pointwise layers over 4x4 at batch 32 (swapped Conv
+/ one GEMM, in its backward's profile): 32 -> 384 1.1 / 0.25 ms, 384 -> 96 2.9 / 0.42; its backward 114 -> 102 ms."""
 
 
 def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, positions: int) -> bool:
@@ -343,7 +345,7 @@ def _unfolding(g: Grad, inp: str, win: Window, group: int, channels: int, positi
     sample of at most `UNFOLD_MAX_ELEMENTS`, and few input channels, or a small kernel (over more than
     `SMALL_MAP` positions in 2-D)."""
     taps = int(np.prod(win.kernel))
-    small_map = len(win.kernel) == 2 and positions <= SMALL_MAP
+    small_map = len(win.kernel) == 2 and positions <= SMALL_MAP and taps > 1  # one tap: no grouped Conv to call
     return (group == 1 and g.dtype(inp) in (TensorProto.FLOAT, TensorProto.FLOAT16)
             and channels * taps * positions <= UNFOLD_MAX_ELEMENTS
             and (channels <= UNFOLD_MAX_INPUTS or (taps <= SMALL_KERNEL and not small_map)))
@@ -463,8 +465,12 @@ def _weight_grad_by_unfolding(g: Grad, inp: str, dout: str, win: Window, tails: 
     nd = len(win.kernel)
     taps = int(np.prod(win.kernel))
     framed, pads = _framed(g, inp, win, tails)
-    cols = g.Conv(framed, g.const(unfold_kernel(channels, win.kernel), like=inp), kernel_shape=list(win.kernel),
-                  strides=list(win.strides), dilations=list(win.dilations), pads=pads, group=channels)
+    if taps == 1 and pads is not None and not any(pads):  # a 1x1 kernel unfolds x to its every stride-th position
+        cols = framed if all(s == 1 for s in win.strides) else g.Slice(
+            framed, g.ints([0] * nd), g.ints([INT64_MAX] * nd), g.ints(range(2, 2 + nd)), g.ints(win.strides))
+    else:
+        cols = g.Conv(framed, g.const(unfold_kernel(channels, win.kernel), like=inp), kernel_shape=list(win.kernel),
+                      strides=list(win.strides), dilations=list(win.dilations), pads=pads, group=channels)
     cols = g.Reshape(cols, g.ints([0, channels * taps, -1]))  # (N, C*T, P)
     if outputs is not None and 2 * positions >= outputs:
         per_sample = g.MatMul(g.Reshape(dout, g.ints([0, 0, -1])), g.Transpose(cols, perm=[0, 2, 1]))
