@@ -163,10 +163,11 @@ def names_in_use(graph: onnx.GraphProto) -> set[str]:
 
 def shrink_stash(training: onnx.ModelProto, wait: bool = False) -> None:
     """Make backward keep fewer bytes from forward, in place: `relu_dropout_masks`, `rematerialize` (its copies made
-    to `wait` for their readers' inputs: `copied_into_backward`), then `hoist_masks`."""
+    to `wait` for their readers' inputs: `copied_into_backward`), `hoist_masks`, then `joined_selects`."""
     relu_dropout_masks(training)
     rematerialize(training, wait)
     hoist_masks(training)
+    joined_selects(training)
 
 
 def relu_dropout_masks(training: onnx.ModelProto) -> list[str]:
@@ -554,6 +555,64 @@ def hoist_masks(training: onnx.ModelProto) -> list[str]:
     del g.node[:]
     g.node.extend([*nodes[:y], *moved, nodes[y], *(n for n in backward if id(n) not in ids)])
     return freed
+
+
+def _selection(n: onnx.NodeProto, zeros: Mapping[str, np.ndarray]) -> tuple[str, str, str, bool] | None:
+    """(condition, kept operand, zero, whether the condition picks the zero) of `Where(c, a, 0)` or
+    `Where(c, 0, a)` with a rank-0 +0.0 constant, else None."""
+    if n.op_type != "Where" or n.domain or len(n.input) != 3:
+        return None
+    for kept, other, negate in ((1, 2, False), (2, 1, True)):
+        z = zeros.get(n.input[other])
+        if z is not None and z.ndim == 0 and z.dtype.kind == "f" and z == 0 and not np.signbit(z):
+            return n.input[0], n.input[kept], n.input[other], negate
+    return None
+
+
+def joined_selects(training: onnx.ModelProto) -> int:
+    """Backward's selections of a selection, `Where(c2, Where(c1, a, 0), 0)` (either condition possibly picking the
+    zero: ReLU6's and hardtanh's gradients, a Relu's mask after a bound's), become one `Where(c1 and c2, a, 0)`,
+    the same values bit for bit: onnxruntime then runs one mask's Cast and product over the gradient instead of two
+    (`masked_products`), and where both conditions are made in the forward part (comparisons `hoist_masks` moved
+    there, or the module's own) the joined mask is made there too, so backward keeps one boolean an element instead
+    of two. In place; returns how many selections were joined."""
+    g = training.graph
+    nodes = list(g.node)
+    y = find_yield(nodes)
+    zeros = constant_values(g, lambda t: not t.dims)
+    made = {o: n for n in nodes for o in n.output if o}
+    forward_made = {o for n in nodes[:y] for o in n.output if o}
+    reads = Counter(x for n in nodes for x in n.input)
+    outputs = {o.name for o in g.output} | set(nodes[y].input)
+    taken = names_in_use(g)
+    early: list[onnx.NodeProto] = []  # joined masks made in the forward part
+    late: dict[int, list[onnx.NodeProto]] = {}  # joined masks made in backward, before their reader
+    dead: set[int] = set()
+    joined = 0
+    for outer in nodes[y + 1:]:
+        out = _selection(outer, zeros)
+        inner = made.get(out[1]) if out is not None else None
+        into = _selection(inner, zeros) if inner is not None and id(inner) not in dead else None
+        if into is None or reads[out[1]] != 1 or out[1] in outputs or out[1] in forward_made \
+                or zeros[into[2]].dtype != zeros[out[2]].dtype:
+            continue
+        here = all(c in forward_made for c in (out[0], into[0]))
+        e = Nodes(outer.output[0] + "/joined", taken)
+        conds = [e("Not", c) if negate else c for c, negate in ((into[0], into[3]), (out[0], out[3]))]
+        mask = e("And", *conds)
+        (early if here else late.setdefault(id(outer), [])).extend(e.nodes)
+        del outer.input[:]
+        outer.input.extend([mask, into[1], out[2]])
+        dead.add(id(inner))
+        joined += 1
+    if joined:
+        backward = []
+        for n in nodes[y + 1:]:
+            if id(n) not in dead:
+                backward.extend([*late.get(id(n), []), n])
+        del g.node[:]
+        g.node.extend([*nodes[:y], *early, nodes[y], *backward])
+    return joined
 
 
 GUARD_MIN_ELEMENTS = 512

@@ -758,3 +758,53 @@ def test_ordered_scatters(data_shape, index, reduction) -> None:
     plain = copy.deepcopy(model)
     plain.graph.node[0].attribute.pop()  # no reduction: left alone
     assert passes.ordered_scatters(plain) is plain
+
+
+class Bounded(nn.Module):
+    """Two bounded activations back to back with a linear layer between (each exported as a Relu or a bound's
+    Where under a bound's Where: two selections in backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return nn.functional.hardtanh(self.fc2(nn.functional.relu6(self.fc1(x))), -0.5, 0.75)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_joined_selects_one_mask_an_activation_and_the_same_gradients(monkeypatch: pytest.MonkeyPatch, dtype):
+    """Backward keeps one boolean an activation, and its gradients are the ones the two selections give, bit for bit:
+    at the bounds, where the gradient is zero as torch's, and with inf and nan incoming."""
+    monkeypatch.setattr(fused, "MAX_KEPT", -1.0)  # the split forward's stash, which this reads
+    torch.manual_seed(0)
+    model = Bounded().to(dtype)
+    with torch.no_grad():  # inputs landing exactly on the bounds 0, 6, -0.5 and 0.75
+        model.fc1.weight.zero_()
+        model.fc1.bias.copy_(torch.tensor([0.0, 6.0, 3.0, -1.0, 7.0, 0.5, 6.0, 0.0]))
+        model.fc1.weight[:, 0] = 1.0
+        model.fc2.weight.normal_()
+    x = torch.zeros(9, 6, dtype=dtype)
+    x[:, 0] = torch.tensor([0.0, -1.0, 1.0, 2.0, -6.0, 5.5, 0.25, 3.0, -3.0])
+    c = torch.randn(9, 5, dtype=dtype)
+    c[0, 0], c[1, 1], c[2, 2] = float("inf"), float("nan"), -float("inf")
+    grads = {}
+    for joined in (True, False):
+        if not joined:
+            monkeypatch.setattr(passes, "joined_selects", lambda training: 0)
+        om = ORTModule(copy.deepcopy(model), threads=1)
+        (om(x) * c).sum().backward()
+        grads[joined] = [p.grad for p in om.parameters()]
+        (session,) = om.training_sessions()
+        types = {o.name: o.type.tensor_type.elem_type for o in session.full.forward.graph.output}
+        stash = [e.name for e in session.full.manifest.backward_inputs if e.role == "stash"]
+        assert sum(types.get(n) == TensorProto.BOOL for n in stash) == (2 if joined else 4)
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    reference = copy.deepcopy(model)
+    finite = c.nan_to_num(0.0, 0.0, 0.0)
+    om = ORTModule(copy.deepcopy(model), threads=1)
+    (om(x) * finite).sum().backward()
+    (reference(x) * finite).sum().backward()
+    for p, q in zip(om.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-7)
