@@ -600,7 +600,12 @@ def joined_selects(training: onnx.ModelProto) -> int:
         e = Nodes(outer.output[0] + "/joined", taken)
         conds = [e("Not", c) if negate else c for c, negate in ((into[0], into[3]), (out[0], out[3]))]
         mask = e("And", *conds)
-        (early if here else late.setdefault(id(outer), [])).extend(e.nodes)
+        before = late.pop(id(inner), [])  # a joined mask of the inner selection's own, made in backward
+        if here:
+            early.extend(e.nodes)
+            forward_made.add(mask)
+        else:
+            late[id(outer)] = [*before, *late.get(id(outer), []), *e.nodes]
         del outer.input[:]
         outer.input.extend([mask, into[1], out[2]])
         dead.add(id(inner))
