@@ -574,8 +574,8 @@ def joined_selects(training: onnx.ModelProto) -> int:
     zero: ReLU6's and hardtanh's gradients, a Relu's mask after a bound's), become one `Where(c1 and c2, a, 0)`,
     the same values bit for bit: onnxruntime then runs one mask's Cast and product over the gradient instead of two
     (`masked_products`), and where both conditions are made in the forward part (comparisons `hoist_masks` moved
-    there, or the module's own) the joined mask is made there too, so backward keeps one boolean an element instead
-    of two. In place; returns how many selections were joined."""
+    there, or the module's own) and backward reads them nowhere else, the joined mask is made there too, so backward
+    keeps one boolean an element instead of two. In place; returns how many selections were joined."""
     g = training.graph
     nodes = list(g.node)
     y = find_yield(nodes)
@@ -583,6 +583,7 @@ def joined_selects(training: onnx.ModelProto) -> int:
     made = {o: n for n in nodes for o in n.output if o}
     forward_made = {o for n in nodes[:y] for o in n.output if o}
     reads = Counter(x for n in nodes for x in n.input)
+    backward_reads = Counter(x for n in nodes[y + 1:] for x in n.input)
     outputs = {o.name for o in g.output} | set(nodes[y].input)
     taken = names_in_use(g)
     early: list[onnx.NodeProto] = []  # joined masks made in the forward part
@@ -596,7 +597,8 @@ def joined_selects(training: onnx.ModelProto) -> int:
         if into is None or reads[out[1]] != 1 or out[1] in outputs or out[1] in forward_made \
                 or zeros[into[2]].dtype != zeros[out[2]].dtype:
             continue
-        here = all(c in forward_made for c in (out[0], into[0]))
+        # made in the forward part only where backward then reads neither condition: else it would keep three
+        here = all(c in forward_made and backward_reads[c] == 1 for c in (out[0], into[0]))
         e = Nodes(outer.output[0] + "/joined", taken)
         conds = [e("Not", c) if negate else c for c, negate in ((into[0], into[3]), (out[0], out[3]))]
         mask = e("And", *conds)
@@ -604,6 +606,7 @@ def joined_selects(training: onnx.ModelProto) -> int:
         if here:
             early.extend(e.nodes)
             forward_made.add(mask)
+            backward_reads[mask] = 1
         else:
             late[id(outer)] = [*before, *late.get(id(outer), []), *e.nodes]
         del outer.input[:]

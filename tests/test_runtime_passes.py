@@ -808,3 +808,36 @@ def test_joined_selects_one_mask_an_activation_and_the_same_gradients(monkeypatc
     (reference(x) * finite).sum().backward()
     for p, q in zip(om.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-7)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_joined_selects_made_in_the_forward_only_where_backward_reads_no_condition_else(shared: bool) -> None:
+    """ReLU6 written out (Relu, then a bound's Where on x >= 6); with `shared`, a second output selects by the same
+    x >= 6, so backward reads that mask anyway: the joined mask is then made in backward (made in the forward, it
+    would be a third boolean kept)."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("GreaterOrEqual", ["x", "six"], ["ge"]),
+             helper.make_node("Where", ["ge", "six", "r"], ["o1"])]
+    nodes += [helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("Where", ["ge", "six", "sq"], ["o2"]),
+              helper.make_node("Add", ["o1", "o2"], ["o"])] if shared else [helper.make_node("Identity", ["o1"], ["o"])]
+    nodes += [helper.make_node("ReduceSum", ["o"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "relu6", [helper.make_tensor_value_info("x", f, [4, 5])],
+                              [helper.make_tensor_value_info("loss", f, [])], [helper.make_tensor("six", f, [], [6.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], loss="loss")
+    passes.hoist_masks(training)
+    assert passes.joined_selects(training) == 1
+    names = [n.op_type for n in training.graph.node]
+    y = next(k for k, n in enumerate(training.graph.node) if n.op_type == "Yield")
+    assert ("And" in names[y:]) == shared and ("And" in names[:y]) != shared
+    xs = np.array([[-1.0, 0.0, 3.0, 6.0, 7.0]] * 4, np.float32)  # the bounds themselves, nan, -0, inf
+    xs[1, 0], xs[2, 1], xs[3, 2] = np.nan, -0.0, np.inf
+    grads = []
+    for joined in (passes.joined_selects, lambda training: 0):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(passes, "joined_selects", joined)
+            session = TrainingSession.from_forward(model, wrt=["x"], loss="loss", config=SessionConfig(threads=1))
+            _, state = session.forward({"x": xs})
+            grads.append(session.backward(state, [None])["x"])
+    np.testing.assert_array_equal(grads[0], grads[1])
+    assert np.array_equal(np.signbit(grads[0]), np.signbit(grads[1]))
