@@ -557,16 +557,20 @@ def hoist_masks(training: onnx.ModelProto) -> list[str]:
     return freed
 
 
-def _selection(n: onnx.NodeProto, zeros: Mapping[str, np.ndarray]) -> tuple[str, str, str, bool] | None:
+def zero_selection(n: onnx.NodeProto, is_zero: Callable[[str], bool]) -> tuple[str, str, str, bool] | None:
     """(condition, kept operand, zero, whether the condition picks the zero) of `Where(c, a, 0)` or
-    `Where(c, 0, a)` with a rank-0 +0.0 constant, else None."""
+    `Where(c, 0, a)`, the zero an input `is_zero` accepts, else None."""
     if n.op_type != "Where" or n.domain or len(n.input) != 3:
         return None
     for kept, other, negate in ((1, 2, False), (2, 1, True)):
-        z = zeros.get(n.input[other])
-        if z is not None and z.ndim == 0 and z.dtype.kind == "f" and z == 0 and not np.signbit(z):
+        if is_zero(n.input[other]):
             return n.input[0], n.input[kept], n.input[other], negate
     return None
+
+
+def _positive_zero(value: np.ndarray | None) -> bool:
+    """A rank-0 float +0.0."""
+    return value is not None and value.ndim == 0 and value.dtype.kind == "f" and value == 0 and not np.signbit(value)
 
 
 def joined_selects(training: onnx.ModelProto) -> int:
@@ -581,6 +585,10 @@ def joined_selects(training: onnx.ModelProto) -> int:
     y = find_yield(nodes)
     zeros = constant_values(g, lambda t: not t.dims)
     made = {o: n for n in nodes for o in n.output if o}
+
+    def selection(n: onnx.NodeProto) -> tuple[str, str, str, bool] | None:
+        return zero_selection(n, lambda t: _positive_zero(zeros.get(t)))
+
     forward_made = {o for n in nodes[:y] for o in n.output if o}
     reads = Counter(x for n in nodes for x in n.input)
     backward_reads = Counter(x for n in nodes[y + 1:] for x in n.input)
@@ -591,9 +599,9 @@ def joined_selects(training: onnx.ModelProto) -> int:
     dead: set[int] = set()
     joined = 0
     for outer in nodes[y + 1:]:
-        out = _selection(outer, zeros)
+        out = selection(outer)
         inner = made.get(out[1]) if out is not None else None
-        into = _selection(inner, zeros) if inner is not None and id(inner) not in dead else None
+        into = selection(inner) if inner is not None and id(inner) not in dead else None
         if into is None or reads[out[1]] != 1 or out[1] in outputs or out[1] in forward_made \
                 or zeros[into[2]].dtype != zeros[out[2]].dtype:
             continue
@@ -975,13 +983,10 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
 
     def lowering(n: onnx.NodeProto) -> tuple[str, bool, int] | None:
         """(kept operand, whether the condition selects the zero, element type) for a Where to lower."""
-        if n.op_type != "Where" or n.domain or len(n.input) != 3:
+        picked = zero_selection(n, lambda t: zero(t) in FLOATS)
+        if picked is None or not maskable(picked[1]):
             return None
-        for kept, other, negate in ((1, 2, False), (2, 1, True)):
-            elem = zero(n.input[other])
-            if elem in FLOATS and maskable(n.input[kept]):
-                return n.input[kept], negate, elem
-        return None
+        return picked[1], picked[3], zero(picked[2])  # type: ignore[return-value]
 
     plan = []
     for k, n in enumerate(g.node):

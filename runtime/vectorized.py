@@ -117,10 +117,9 @@ def _bound_selects(graph: onnx.GraphProto) -> list[tuple[int, str, str | None, s
     """Plan rows (Where's index, the Clip's input, its low bound, its high bound) for the Wheres that pick a bound
     (module docstring); the bounds are scalar constants, the one compared with and the one picked equal."""
     producer = {o: n for n in graph.node for o in n.output}
-    scalars = constant_values(graph, lambda t: not t.dims and t.data_type in (
-        TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16))
-    empty = set(constant_values(graph, lambda t: list(t.dims) == [0]))
     floats = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
+    scalars = constant_values(graph, lambda t: not t.dims and t.data_type in floats)
+    empty = set(constant_values(graph, lambda t: list(t.dims) == [0]))
     for n in graph.node:  # dynamo's torch.full((), v): the scalar Cast, Expanded to no dims (shape Cast too)
         if n.domain not in ("", "ai.onnx") or not n.input:
             continue
