@@ -296,7 +296,7 @@ class _Waits:
         except OSError:
             self.fd = -1
         self.last = self.read()  # the first decision's window starts here, not at the thread's start
-        self.waited = False
+        self.waited = self.fd < 0  # unread, every window counts as waited: crowded as by the count alone
         """Whether the thread waited in the last decision's window: crowded takes two windows in a row."""
         self.hold = 0
         """Decisions left that stay crowded while the count says so without the thread waiting again (`HOLD`)."""
