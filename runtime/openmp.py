@@ -337,9 +337,10 @@ def _waited(waits: _Waits) -> bool:
 def _room(threads: int) -> tuple[bool, bool]:
     """For a run on `threads` intra-op threads: whether to park torch's workers (one spins, and what else runs on
     the machine fits in the cores the run leaves free: else a release waits for a core, and parked runs were
-    slower), and whether the machine is crowded (more runs than fits: onnxruntime's threads would then wait on each
-    other). Of the running threads, the caller and the spinning workers are ours: as many workers are read as it
-    takes to tell (one on a quiet machine)."""
+    slower), and whether the machine is crowded (more runs than fits, and the caller waited for a core: onnxruntime's
+    threads would then wait on each other). Of the running threads, the caller and the spinning workers are ours: as
+    many workers are read as it takes to tell (one on a quiet machine). Where the others yield their cores (the
+    caller did not wait), the run keeps its threads and parks a spinning worker."""
     spinning = contended()
     running = _running()
     if running is None:
