@@ -296,7 +296,7 @@ class _Waits:
         except OSError:
             self.fd = -1
         self.last = self.read()  # the first decision's window starts here, not at the thread's start
-        self.waited = self.fd < 0  # unread, every window counts as waited: crowded as by the count alone
+        self.waited = self.last is None  # unread, every window counts as waited: crowded as by the count alone
         """Whether the thread waited in the last decision's window: crowded takes two windows in a row."""
         self.hold = 0
         """Decisions left that stay crowded while the count says so without the thread waiting again (`HOLD`)."""
@@ -306,9 +306,10 @@ class _Waits:
             return None
         try:
             ran, waited = os.pread(self.fd, 64, 0).split()[:2]
-            return int(ran), int(waited)
         except (OSError, ValueError):
             return None
+        # a running thread has run: zeros mean a kernel (or sandbox) that keeps no such account
+        return (int(ran), int(waited)) if int(ran) > 0 else None
 
     def __del__(self) -> None:
         if self.fd >= 0:

@@ -216,10 +216,10 @@ def test_crowded_needs_the_thread_to_have_waited_for_a_core(monkeypatch) -> None
 
 
 @pytest.mark.skipif(not os.path.exists(openmp._SCHEDSTAT), reason="no per-thread schedstat in /proc")
-def test_a_thread_sharing_its_core_with_a_busy_process_has_waited(monkeypatch) -> None:
+def test_a_thread_sharing_its_core_with_a_busy_process_has_waited(tmp_path, monkeypatch) -> None:
     """`_waited` reads the calling thread's run-queue delay: pinned to one CPU beside a busy process of normal
-    priority pinned there too, the thread waits about half the time it is runnable. Where the kernel does not say,
-    it answers True (crowded as the count alone said before)."""
+    priority pinned there too, the thread waits about half the time it is runnable. Where the kernel does not say
+    (no file, or one of zeros), it answers True (crowded as the count alone said before)."""
     cpu = min(os.sched_getaffinity(0))
     busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\n"
                              "while True: pass"], stdout=subprocess.PIPE)
@@ -245,6 +245,11 @@ def test_a_thread_sharing_its_core_with_a_busy_process_has_waited(monkeypatch) -
     monkeypatch.setattr(openmp, "_SCHEDSTAT", "/nonexistent/schedstat")
     unread = openmp._Waits()
     assert openmp._waited(unread) and unread.waited  # crowded from the first decision on, by the count alone
+    zeros = tmp_path / "schedstat"  # a sandbox's file that keeps no account
+    zeros.write_text("0 0 0\n")
+    monkeypatch.setattr(openmp, "_SCHEDSTAT", str(zeros))
+    unkept = openmp._Waits()
+    assert openmp._waited(unkept) and unkept.waited
 
 
 def test_crowded_runs_keep_a_graph_drawing_random_numbers_on_its_session(two_threads, monkeypatch) -> None:
