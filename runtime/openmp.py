@@ -28,13 +28,7 @@ quiet).
 
 The same count tells a crowded machine (more threads running than cores, torch's spinning workers included when
 they cannot be parked): `room` says so, and the run goes to a one-thread session of the same graph
-(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. The count does not say
-whose threads those are: a niced or idle-class process (`nice -n 19`, SCHED_IDLE) counts as running, yet yields
-its core to ours. So crowded also needs the calling thread to have waited for a core (`_waited`: its schedstat
-run delay at least `WAITED` of the time it was runnable) in two decisions' windows in a row, and then holds on
-the count alone for `HOLD` decisions. Beside a busy idle-class process the reference MLP's steps against torch's
-read 1.18-1.52 narrowed by the count alone and 0.88-1.15 this way; beside a normal one 0.55-0.61 either way
-(crowded throughout), and on a quiet machine 0.96-1.05 either way. A decision serves the
+(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. A decision serves the
 runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every run cost more than parking saved. A
 process held to fewer CPUs than the machine has (a container's cpuset or CPU quota) reads the load as unknown,
 since /proc/loadavg counts the whole host's threads (`_confined`).
@@ -265,99 +259,28 @@ def room(threads: int) -> tuple[bool, bool]:
 
 
 def _forget() -> None:
-    """Drop the calling thread's last decision and its schedstat reader: a forked child parks nothing (`_PID`),
-    whatever its parent decided, and /proc/thread-self named the parent's thread when it was opened."""
+    """Drop the calling thread's last decision: a forked child parks nothing (`_PID`), whatever its parent decided."""
     _local.__dict__.pop("room", None)
-    _local.__dict__.pop("waits", None)  # the parent thread's schedstat, not this one's
 
 
 os.register_at_fork(after_in_child=_forget)
 
 
-WAITED = 0.05
-"""A thread waited in a decision's window where its run-queue delay was at least this share of the time it was
-runnable (ran or waited). Windows of 50-60 ms of an interleaved MLP benchmark beside a busy process: idle-class
-0-8%, niced 0-7% (29-31% in the first two, export and sessions made), normal 36-50% (0-20% once narrowed); on a
-quiet machine 0."""
-HOLD = 10
-"""Decisions (`ROOM_SECONDS` each) a thread that waited stays crowded on the count alone: its runs narrowed to one
-thread, it waits less (0% in half the windows beside a busy process), and would otherwise go back to both threads
-every other window; then its next wide window tells again."""
-_SCHEDSTAT = "/proc/thread-self/schedstat"
-
-
-class _Waits:
-    """The calling thread's schedstat (`ran waited slices`, in ns since the thread started) kept open, and the
-    totals read at the last decision."""
-
-    def __init__(self) -> None:
-        try:
-            self.fd = os.open(_SCHEDSTAT, os.O_RDONLY)  # this thread's: /proc/thread-self resolves at open
-        except OSError:
-            self.fd = -1
-        self.last = self.read()  # the first decision's window starts here, not at the thread's start
-        self.waited = self.last is None  # unread, every window counts as waited: crowded as by the count alone
-        """Whether the thread waited in the last decision's window: crowded takes two windows in a row."""
-        self.hold = 0
-        """Decisions left that stay crowded while the count says so without the thread waiting again (`HOLD`)."""
-
-    def read(self) -> tuple[int, int] | None:
-        if self.fd < 0:
-            return None
-        try:
-            ran, waited = os.pread(self.fd, 64, 0).split()[:2]
-        except (OSError, ValueError):
-            return None
-        # a running thread has run: zeros mean a kernel (or sandbox) that keeps no such account
-        return (int(ran), int(waited)) if int(ran) > 0 else None
-
-    def __del__(self) -> None:
-        if self.fd >= 0:
-            with suppress(OSError):
-                os.close(self.fd)
-
-
-def _waits() -> _Waits:
-    waits = getattr(_local, "waits", None)
-    if waits is None:
-        waits = _local.waits = _Waits()
-    return waits
-
-
-def _waited(waits: _Waits) -> bool:
-    """Whether the calling thread waited for a core at least `WAITED` of the time it was runnable since the last
-    call (the first call: none, its window starts there); True where the kernel does not say (no schedstat)."""
-    now, last = waits.read(), waits.last
-    if now is None or last is None:
-        return True
-    ran, waited = now[0] - last[0], now[1] - last[1]
-    waits.last = now
-    return waited > 0 and waited >= WAITED * (ran + waited)
-
-
 def _room(threads: int) -> tuple[bool, bool]:
     """For a run on `threads` intra-op threads: whether to park torch's workers (one spins, and what else runs on
     the machine fits in the cores the run leaves free: else a release waits for a core, and parked runs were
-    slower), and whether the machine is crowded (more runs than fits, and the caller waited for a core: onnxruntime's
-    threads would then wait on each other). Of the running threads, the caller and the spinning workers are ours: as
-    many workers are read as it takes to tell (one on a quiet machine). Where the others yield their cores (the
-    caller did not wait), the run keeps its threads and parks a spinning worker."""
+    slower), and whether the machine is crowded (more runs than fits: onnxruntime's threads would then wait on each
+    other). Of the running threads, the caller and the spinning workers are ours: as many workers are read as it
+    takes to tell (one on a quiet machine)."""
     spinning = contended()
     running = _running()
     if running is None:
         return bool(spinning), False
     ours = running - (usable_cores() - threads)  # the running threads that must be ours: caller, spinning workers
-    waits = _waits()
-    waited = _waited(waits)  # read at every decision, so that each covers the time since the last
-    fits = ours <= 1 or (bool(spinning) and (ours <= 2 or 1 + contended(ours - 1) >= ours))
-    twice, waits.waited = waited and waits.waited, waited  # one window's wait may be a slice the others got
-    if twice:
-        waits.hold = HOLD
-    elif not fits and waits.hold:
-        waits.hold -= 1
-        twice = True  # narrowed, the thread waits less: it stays crowded a while on the count alone
-    crowded = not fits and twice  # others running that yield their cores (niced, idle-class) crowd nothing
-    return (False, True) if crowded else (bool(spinning), False)
+    if ours <= 1:
+        return bool(spinning), False
+    fits = bool(spinning) and (ours <= 2 or 1 + contended(ours - 1) >= ours)
+    return fits, not fits
 
 
 @functools.cache

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -169,7 +167,6 @@ def test_runs_are_parked_only_with_a_core_to_spare(two_threads, entries, monkeyp
     narrowed: list[int] = []
     narrow_session = runner._narrow_session
     monkeypatch.setattr(runner, "_narrow_session", lambda: narrowed.append(1) or narrow_session())
-    monkeypatch.setattr(openmp, "_waited", lambda waits: True)  # what runs elsewhere took cores from this thread
     # running: the caller, torch's spinning worker, and what runs elsewhere
     for cores, running, parked in ((2, 2, True), (2, 3, False), (3, 3, True), (3, 4, False), (2, None, True)):
         monkeypatch.setattr(openmp, "usable_cores", lambda c=cores: c)
@@ -185,71 +182,6 @@ def test_runs_are_parked_only_with_a_core_to_spare(two_threads, entries, monkeyp
     monkeypatch.setattr(openmp, "_running", lambda: 3)
     runner.run(feeds)  # crowded without torch's workers spinning too
     assert len(narrowed) == 3 and runner._narrow_c is narrow  # made once
-
-
-def test_crowded_needs_the_thread_to_have_waited_for_a_core(monkeypatch) -> None:
-    """/proc/loadavg counts a niced or idle-class process as running, though it yields its core to ours: crowded
-    also takes the calling thread to have waited for a core in two decisions' windows in a row (one may be a slice
-    the others got), and stays so on the count alone for `HOLD` decisions (narrowed, the thread waits less)."""
-    waits: list[bool] = []
-    monkeypatch.setattr(openmp, "_waited", lambda _: waits.pop(0))
-    monkeypatch.setattr(openmp, "usable_cores", lambda: 2)
-    monkeypatch.setattr(openmp, "contended", lambda enough=1: 0)
-    monkeypatch.setattr(openmp, "_running", lambda: 3)  # the caller and two more on two cores
-    monkeypatch.setattr(openmp, "HOLD", 3)
-
-    def decide(waited: bool) -> bool:
-        waits.append(waited)
-        park, crowded = openmp._room(2)
-        assert not park and not waits
-        return crowded
-
-    assert [decide(w) for w in (False, True, False, True)] == [False] * 4  # never twice in a row
-    assert [decide(w) for w in (True, False, False, False, False, True)] == [True, True, True, True, False, False]
-    assert decide(True)  # twice again
-    monkeypatch.setattr(openmp, "_running", lambda: 1)  # the others gone: not crowded, whatever was held
-    assert not decide(False)
-    monkeypatch.setattr(openmp, "_running", lambda: 3)
-    assert decide(False)  # still held: 2 decisions of the 3 left
-    monkeypatch.setattr(openmp, "_running", lambda: None)  # the load unknown: nothing read, nothing crowded
-    assert openmp._room(2) == (False, False) and not waits
-
-
-@pytest.mark.skipif(not os.path.exists(openmp._SCHEDSTAT), reason="no per-thread schedstat in /proc")
-def test_a_thread_sharing_its_core_with_a_busy_process_has_waited(tmp_path, monkeypatch) -> None:
-    """`_waited` reads the calling thread's run-queue delay: pinned to one CPU beside a busy process of normal
-    priority pinned there too, the thread waits about half the time it is runnable. Where the kernel does not say
-    (no file, or one of zeros), it answers True (crowded as the count alone said before)."""
-    cpu = min(os.sched_getaffinity(0))
-    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\n"
-                             "while True: pass"], stdout=subprocess.PIPE)
-    try:
-        busy.stdout.readline()
-        seen: list[bool] = []
-
-        def body() -> None:
-            os.sched_setaffinity(0, {cpu})  # this thread only
-            waits = openmp._Waits()
-            end = time.monotonic() + 0.3
-            while time.monotonic() < end:
-                pass
-            seen.append(openmp._waited(waits))
-
-        t = threading.Thread(target=body)
-        t.start()
-        t.join()
-    finally:
-        busy.kill()
-        busy.wait()
-    assert seen == [True]
-    monkeypatch.setattr(openmp, "_SCHEDSTAT", "/nonexistent/schedstat")
-    unread = openmp._Waits()
-    assert openmp._waited(unread) and unread.waited  # crowded from the first decision on, by the count alone
-    zeros = tmp_path / "schedstat"  # a sandbox's file that keeps no account
-    zeros.write_text("0 0 0\n")
-    monkeypatch.setattr(openmp, "_SCHEDSTAT", str(zeros))
-    unkept = openmp._Waits()
-    assert openmp._waited(unkept) and unkept.waited
 
 
 def test_crowded_runs_keep_a_graph_drawing_random_numbers_on_its_session(two_threads, monkeypatch) -> None:
@@ -378,9 +310,7 @@ def test_a_confined_process_reads_no_load(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(openmp, "_confined", lambda: False)
     assert openmp._running() == 40
     monkeypatch.setattr(openmp, "contended", lambda enough=1: 1)  # torch's worker spins
-    monkeypatch.setattr(openmp, "_waited", lambda waits: True)  # and this thread waited for a core
-    assert openmp._room(2) == (True, False)  # one window's wait: not yet crowded, parked
-    assert openmp._room(2) == (False, True)  # two in a row: crowded, one thread
+    assert openmp._room(2) == (False, True)  # crowded: one thread
     monkeypatch.setattr(openmp, "_confined", lambda: True)
     assert openmp._running() is None
     assert openmp._room(2) == (True, False)  # parked, on its threads
