@@ -616,7 +616,7 @@ def joined_selects(training: onnx.ModelProto) -> int:
             forward_made.add(mask)
             backward_reads[mask] = 1
         else:
-            late[id(outer)] = [*before, *late.get(id(outer), []), *e.nodes]
+            late[id(outer)] = [*before, *e.nodes]  # each outer selection is visited once
         del outer.input[:]
         outer.input.extend([mask, into[1], out[2]])
         dead.add(id(inner))
