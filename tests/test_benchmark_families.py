@@ -1,0 +1,57 @@
+"""The benchmark's three model families at shapes no benchmark list holds, called at batch sizes the first call did
+not have: torch's loss and gradients. These are the shapes a benchmark of "other shapes of the same families" picks,
+and the ones whose runs take the shape-dependent lowerings: the blocked swapped Conv with the batch padded to the
+block at run time (3-channel 5x5 layers), unfolded 3x3 weight gradients, feature-major products of odd widths, a
+one-head attention over a shorter sequence than the position table."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from benchmarks.models import Case, _encoder_case, _lenet_case, _mlp_case
+from runtime import ORTModule
+
+FAMILIES = {
+    "lenet-3ch-5x5": (_lenet_case((3, 12, 24), 32, 5, (120, 84), 48), [(1, None), (7, None), (33, None)]),
+    "lenet-3x3": (_lenet_case((1, 20, 40), 28, 3, (200,), 64), [(1, None), (33, None)]),
+    "mlp-odd-widths": (_mlp_case((777, 333, 10), 64), [(1, None), (7, None)]),
+    "encoder-one-head": (_encoder_case(1000, 72, 1, 2, 64, 200, 0.0, False, 8), [(1, 64), (5, 17)]),
+}
+"""Each family's case (first call at its own batch) and the (batch, sequence) sizes of the calls after it."""
+
+
+def _cut(batch: tuple[torch.Tensor, ...], n: int, seq: int | None) -> tuple[torch.Tensor, ...]:
+    return tuple(t[:n] if seq is None else t[:n, :seq] for t in batch)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_shapes_of_the_benchmark_families_get_torchs_gradients(family: str) -> None:
+    case, later = FAMILIES[family]
+    assert isinstance(case, Case)
+    torch.manual_seed(0)
+    reference = case.make()
+    module = copy.deepcopy(reference)
+    ort_module = ORTModule(module, threads=2)
+    first = case.batch(torch.Generator().manual_seed(0))
+    calls = [first, *(_cut(case.batch(torch.Generator().manual_seed(k + 1)), n, seq) for k, (n, seq) in
+                      enumerate(later))]
+    for args in calls:
+        for m in (reference, module):
+            m.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # onnxruntime's and the exporter's chatter
+            loss = ort_module(*args)
+        loss.backward()
+        expected = reference(*args)
+        expected.backward()
+        where = f"{case.name}, batch {tuple(args[0].shape)}"
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()) + 1e-6, \
+            f"{where}: loss {loss.item()} against torch's {expected.item()}"
+        top = max(p.grad.abs().max().item() for p in reference.parameters())
+        for (name, p), q in zip(reference.named_parameters(), module.parameters()):
+            error = (q.grad - p.grad).abs().max().item() / top
+            assert error < 1e-4, f"{where}: {name}'s gradient differs by {error:.1e} of the largest gradient"
