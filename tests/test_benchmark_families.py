@@ -55,3 +55,5 @@ def test_other_shapes_of_the_benchmark_families_get_torchs_gradients(family: str
         for (name, p), q in zip(reference.named_parameters(), module.parameters()):
             error = (q.grad - p.grad).abs().max().item() / top
             assert error < 1e-4, f"{where}: {name}'s gradient differs by {error:.1e} of the largest gradient"
+    stats = ort_module.stats  # the calls ran on onnxruntime, none of them in torch
+    assert stats["fallbacks"] == 0 and stats["builds"] >= 1 and ort_module.training_sessions(), stats
