@@ -30,6 +30,13 @@ settings.register_profile("large", max_examples=400, deadline=None, suppress_hea
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TOLERANCE = {torch.float64: 1e-7, torch.float32: 2e-4}
+EXACT_ZERO = 1e-6
+"""A float64 truth at most this fraction of the comparison's floor is a gradient that is zero in exact arithmetic
+(a conv's bias before a training BatchNorm, whose output no per-channel shift changes; anything after a softmax over
+one channel, a constant): a float32 result there is the rounding of terms that cancel, at any scale torch's own
+happens to reach (two such biases found by the large profile: ours 6.5e-4 and 3.3e-3 of the floor, torch's
+3.2e-5 and 2.7e-4, the truth 1e-14), so it is held to `ZERO_NOISE` of the floor instead of to 10x torch's."""
+ZERO_NOISE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -207,10 +214,8 @@ def image_layers(draw, c: int, h: int, w: int, depth: int, convs: bool, acts: li
             made = Layer("gate", (("c", c),)), (c, h, w)
         elif choice == "shuffle":
             made = (Layer("shuffle", (("upscale_factor", 2),)), (c // 4, 2 * h, 2 * w)) if c % 4 == 0 else None
-        else:  # over one channel a softmax is the constant 1 (log: 0), and every later normalization divides the
-            # float32 rounding of a zero gradient by sqrt(eps) (a BatchNorm of features equal across the batch: a
-            # bias gradient of 1e-14 came out at 2e-5 from onnxruntime and 1e-6 to 1e-5 from torch, by luck)
-            made = (Layer("softmax", (("log", draw(st.booleans())),)), (c, h, w)) if c > 1 else None
+        else:
+            made = Layer("softmax", (("log", draw(st.booleans())),)), (c, h, w)
         if made is not None:
             layers.append(made[0])
             c, h, w = made[1]
@@ -438,7 +443,7 @@ def _compare(what: str, ours: torch.Tensor | None, theirs: torch.Tensor | None, 
 
     With a float64 `truth`, float32 is judged as torch's own float32 is: ours may be as far from the truth as
     `tol` or 10x torch's own distance from it, whichever is more (a batch-of-3 norm or a sum that cancels to
-    zero amplifies rounding in both)."""
+    zero amplifies rounding in both); where the truth is zero in exact arithmetic, `ZERO_NOISE` of the floor."""
     assert (ours is None) == (theirs is None), f"{what}: {'missing' if ours is None else 'unexpected'}"
     if ours is None or theirs is None:
         return
@@ -449,9 +454,11 @@ def _compare(what: str, ours: torch.Tensor | None, theirs: torch.Tensor | None, 
         assert err <= tol, f"{what}: relative difference {err:.2e} > {tol:.0e}"
         return
     err, torch_err = relative(ours, truth, floor), relative(theirs, truth, floor)
-    assert err <= max(tol, 10 * torch_err), (
+    zero = truth.numel() == 0 or float(truth.abs().max()) <= EXACT_ZERO * floor
+    allowed = max(tol, 10 * torch_err, ZERO_NOISE if zero else 0.0)
+    assert err <= allowed, (
         f"{what}: relative difference from float64 {err:.2e}, torch's float32 {torch_err:.2e} (allowed {tol:.0e} "
-        "or 10x torch's)")
+        f"or 10x torch's{f', or {ZERO_NOISE:.0e} for a gradient zero in exact arithmetic' if zero else ''})")
 
 
 def _floor(values: list[torch.Tensor | None]) -> float:
