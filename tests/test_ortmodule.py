@@ -867,6 +867,43 @@ def test_batchnorm_running_statistics_over_steps(shared, dtype) -> None:
     assert int(om.module.c.num_batches_tracked) == (6 if shared else 3)
 
 
+def test_running_statistics_update_is_the_module_by_module_one_bit_for_bit() -> None:
+    """`update_running_stats` updates all modules by foreach ops, in rounds where a module is called twice: the
+    same bits, counts and version bumps as torch's ops module by module and call by call (momenta 0.1, 0.3 and
+    cumulative, a float64 module fed float32 statistics, one module called three times)."""
+    from runtime.batchnorm import BatchStats, update_running_stats
+
+    def by_module(modules, stats, values):
+        for s, mean, var in zip(stats, values[0::2], values[1::2]):
+            mod = modules[s.module]
+            mod.num_batches_tracked.add_(1)
+            t = mod.momentum if mod.momentum is not None else 1.0 / float(mod.num_batches_tracked)
+            for running, batch in ((mod.running_mean.data, mean), (mod.running_var.data, var)):
+                running.mul_(1 - t).add_(batch.to(running.dtype), alpha=t)
+
+    torch.manual_seed(0)
+    ours = {"a": nn.BatchNorm1d(5), "b": nn.BatchNorm2d(3, momentum=None),
+            "c": nn.BatchNorm1d(4, momentum=0.3).double(), "d": nn.BatchNorm1d(5, momentum=0.3)}
+    for m in ours.values():
+        m.running_mean.normal_()
+        m.running_var.uniform_(0.5, 2.0)
+    theirs = copy.deepcopy(ours)
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    before = {(k, n): (getattr(ours[k], n)._version, getattr(theirs[k], n)._version) for k in ours for n in names}
+    stats = [BatchStats(k, "", "") for k in "abacda"]
+    for _ in range(3):
+        values = [t for s in stats for t in (torch.randn(ours[s.module].num_features),
+                                             torch.rand(ours[s.module].num_features))]
+        update_running_stats(ours, stats, values)
+        by_module(theirs, stats, values)
+    for k in ours:
+        for n in names:
+            mine, want = getattr(ours[k], n), getattr(theirs[k], n)
+            assert mine.dtype == want.dtype and torch.equal(mine, want), (k, n)
+            assert mine._version - before[k, n][0] == want._version - before[k, n][1], (k, n)
+    assert int(ours["a"].num_batches_tracked) == 9
+
+
 class StopGradients(nn.Module):
     """torch's stop-gradients in a forward: a GAN-style detach, a teacher under no_grad, VQ's straight-through
     estimator (z + (q - z).detach()) and a no_grad block that only reads a buffer (harmless either way)."""
