@@ -867,6 +867,26 @@ def test_batchnorm_running_statistics_over_steps(shared, dtype) -> None:
     assert int(om.module.c.num_batches_tracked) == (6 if shared else 3)
 
 
+def test_training_batchnorm_graphs_take_no_running_statistics() -> None:
+    """In training, the BatchNorm nodes read constants (their running outputs are the batch's statistics) and the
+    module's running buffers are updated from Python: the graph leaves them out of its inputs (they were fed at
+    every step, unread). In eval mode the graph reads them."""
+    ref, om = pair(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)))
+    x = torch.randn(6, 3)
+    for m in (om, ref):
+        m(x).square().sum().backward()
+    [schema] = om._engine.schemas.values()
+    fed = {fqn for _, fqn in schema.exported.state}
+    assert {"1.weight", "1.bias"} <= fed and not fed & {"1.running_mean", "1.running_var"}, fed
+    assert not {i.name for i in schema.exported.model.graph.input} & {"1.running_mean", "1.running_var"}
+    torch.testing.assert_close(om[1].running_var, ref[1].running_var)
+    om.eval()
+    ref.eval()
+    torch.testing.assert_close(om(x), ref(x))
+    assert any({"1.running_mean", "1.running_var"} <= {fqn for _, fqn in s.exported.state}
+               for s in om._engine.schemas.values() if s is not schema)
+
+
 def test_running_statistics_update_is_the_module_by_module_one_bit_for_bit() -> None:
     """`update_running_stats` updates all modules by foreach ops, in rounds where a module is called twice: the
     same bits, counts and version bumps as torch's ops module by module and call by call (momenta 0.1, 0.3 and
