@@ -13,7 +13,7 @@ import onnx
 
 from gradbuilder import stop_gradient
 
-from . import crossentropy, feature_major, host_dropout, nchwc, passes, reductions, shape_folding, vectorized
+from . import crossentropy, feature_major, gelus, host_dropout, nchwc, passes, reductions, shape_folding, vectorized
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, DISABLED_OPTIMIZERS, Runner, SessionConfig
 
 
@@ -23,14 +23,15 @@ def source(model: onnx.ModelProto, config: SessionConfig, rows: int | None = Non
     (`passes.runnable_eyelikes`), ceil-mode pools onnxruntime would size wrong made floor-mode
     (`passes.ceil_pools_as_floor`), spellings onnxruntime misreads rewritten (`passes.canonical_forms`). Then
     Dropouts that drop nothing removed (`passes.inactive_dropouts`), Relu at the pooled size
-    (`passes.relu_after_pool`) and chains of Linear layers computed feature-major (`feature_major`; `rows`: the
-    batch expected where the model leaves it symbolic)."""
+    (`passes.relu_after_pool`), chains of Linear layers computed feature-major (`feature_major`; `rows`: the batch
+    expected where the model leaves it symbolic) and torch's GELU as onnxruntime's contrib Gelu or FastGelu (`gelus`:
+    after the chains, whose elementwise ops it reads as the exporter wrote them)."""
     model = passes.ceil_pools_as_floor(passes.runnable_eyelikes(shape_folding.inline_constant_ifs(model)))
     model = passes.canonical_forms(model)
     if not config.lower:
         return model
-    return feature_major.feature_major_chains(passes.relu_after_pool(passes.inactive_dropouts(model)), rows,
-                                              dropouts=not config.torch_masks)
+    model = passes.relu_after_pool(passes.inactive_dropouts(model))
+    return gelus.fused_gelus(feature_major.feature_major_chains(model, rows, dropouts=not config.torch_masks))
 
 
 def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:

@@ -28,7 +28,16 @@ at most, and saves keeping their result alive from forward to backward."""
 POINTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Erf", "Tanh", "Sigmoid", "Exp", "Sqrt", "Reciprocal",
                        "Abs", "Relu", "Pow"})
 """Elementwise ops whose results backward recomputes from tensors it keeps anyway (as inductor does)."""
+CONTRIB_POINTWISE = frozenset({("com.microsoft", "Gelu"), ("com.microsoft", "FastGelu")})
+"""onnxruntime's elementwise contrib ops the runtime writes (`gelus`), recomputed like `POINTWISE`."""
 REMAT_DEPTH = 6
+
+
+def pointwise(n: onnx.NodeProto) -> bool:
+    """An elementwise op of one output that backward may compute again from its inputs."""
+    if n.domain:
+        return len(n.output) == 1 and (n.domain, n.op_type) in CONTRIB_POINTWISE
+    return len(n.output) == 1 and n.op_type in POINTWISE
 
 COMPARE = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
 
@@ -273,7 +282,7 @@ def rematerialize(training: onnx.ModelProto, wait: bool = False) -> list[str]:
         if not name or name in free or (name in stash and level > 0):
             return True
         n = made.get(name)
-        if n is None or n.domain or level >= REMAT_DEPTH or name in module_outputs:
+        if n is None or (n.domain and not pointwise(n)) or level >= REMAT_DEPTH or name in module_outputs:
             return False
         if level == 0 and len(n.output) == 1 and viewed(n):  # keep what it views instead
             stash.add(n.input[0])
@@ -283,7 +292,7 @@ def rematerialize(training: onnx.ModelProto, wait: bool = False) -> list[str]:
             inputs = [n.input[0]] if name == n.output[0] and len(n.output) > 1 and n.output[1] in stash \
                 and rebuildable_dropout(n, consts, opset) is not None else None
         else:
-            inputs = list(n.input) if n.op_type in POINTWISE and len(n.output) == 1 else None
+            inputs = list(n.input) if pointwise(n) else None
         if inputs is None:
             return False
         if name in depth:

@@ -16,7 +16,7 @@ import onnx
 from gradbuilder.graph import default_opset, subgraph_free_names
 from gradbuilder.yield_op import find_yield
 
-from .passes import constant_values, copied_into_backward, has_subgraph, rebuildable_dropout
+from .passes import constant_values, copied_into_backward, has_subgraph, pointwise, rebuildable_dropout
 
 KEY = "gradbuilder.checkpoint"
 """The node metadata key holding the number of the checkpointed region a forward node belongs to."""
@@ -69,7 +69,7 @@ def recompute_checkpointed(training: onnx.ModelProto) -> list[str]:
         if n.op_type == "Dropout" and not n.domain:
             return x == n.output[0] and len(n.output) > 1 and bool(n.output[1]) \
                 and rebuildable_dropout(n, consts, opset) is not None
-        return not n.domain and n.op_type not in RANDOM and not has_subgraph(n)
+        return (not n.domain or pointwise(n)) and n.op_type not in RANDOM and not has_subgraph(n)
 
     makers = {x: nodes[k] for x, k in made.items() if inside(x)}
     if not makers:

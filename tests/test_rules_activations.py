@@ -111,6 +111,16 @@ def test_gelu(approximate, opset):
              lambda x: F.gelu(x, approximate=approximate or "none"), opset=opset, **attrs)
 
 
+@pytest.mark.parametrize("op,approximate,bias", [("Gelu", "none", False), ("FastGelu", "tanh", False),
+                                                  ("FastGelu", "tanh", True)])
+def test_gelu_contrib(op, approximate, bias):
+    """onnxruntime's contrib Gelu (erf) and FastGelu (tanh, an optional bias added first), what the runtime writes
+    torch's GELU as: torch's gradients, the bias's summed over the rows."""
+    inputs = [("x", f32(with_values(r(4, 5) * 2, [0.0, 4.0, -4.0])))] + ([("b", f32(r(5)))] if bias else [])
+    check_op(op, inputs, lambda x, b=None: F.gelu(x if b is None else x + b, approximate=approximate),
+             domain="com.microsoft", out_ranks={"y0": 2})
+
+
 @pytest.mark.parametrize("alpha", [None, 0.5, 0.0, -0.3])
 def test_elu(alpha):
     a = a32(1.0 if alpha is None else alpha)

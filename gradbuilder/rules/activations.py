@@ -84,25 +84,55 @@ def log_softmax(g: Grad) -> Grads:
     return (g.Sub(dy, g.Mul(g.Exp(y), g.reduce_sum(dy, [axis]))),)
 
 
-@rule("Gelu", since=20)
-def gelu(g: Grad) -> Grads:
-    """torch's GeluBackward formulas for approximate='none' and 'tanh'."""
-    x, dy = g.I(0), g.GO(0)
+MICROSOFT = "com.microsoft"
+"""onnxruntime's contrib domain: its Gelu (the erf form) and FastGelu (the tanh form, with an optional bias
+added first) are one vectorized pass each, where opsets before 20 spell GELU in 5-8 elementwise nodes (the
+runtime writes torch's GELU as these)."""
 
+
+def _gelu_erf(g: Grad, x: str, dy: str) -> str:
+    """dy * (cdf(x) + x pdf(x)): torch's GeluBackward for approximate='none'."""
     def c(v: float) -> str:
         return g.const(v, like=x)
 
-    if g.attr("approximate", "none") == "tanh":
-        beta, kappa = math.sqrt(2 / math.pi), 0.044715
-        x_sq = g.Mul(x, x)
-        t = g.Tanh(g.Mul(c(beta), g.Add(x, g.Mul(c(kappa), g.Mul(x_sq, x)))))
-        left = g.Mul(c(0.5), g.Add(c(1.0), t))
-        inner = g.Mul(c(beta), g.Add(c(1.0), g.Mul(c(3 * kappa), x_sq)))
-        right = g.Mul(g.Mul(g.Mul(c(0.5), x), g.Sub(c(1.0), g.Mul(t, t))), inner)
-        return (g.Mul(dy, g.Add(left, right)),)
     cdf = g.Mul(c(0.5), g.Add(c(1.0), g.Erf(g.Mul(x, c(math.sqrt(0.5))))))
     pdf = g.Mul(c(1 / math.sqrt(2 * math.pi)), g.Exp(g.Mul(g.Mul(x, x), c(-0.5))))
-    return (g.Mul(dy, g.Add(cdf, g.Mul(x, pdf))),)
+    return g.Mul(dy, g.Add(cdf, g.Mul(x, pdf)))
+
+
+def _gelu_tanh(g: Grad, x: str, dy: str) -> str:
+    """torch's GeluBackward for approximate='tanh', 0.5 (1 + t) + 0.5 x (1 - t^2) beta (1 + 3 kappa x^2) with
+    t = tanh(beta (x + kappa x^3)), factored as (1 + t) (1/2 + (1 - t) w), w = x (beta/2 + 3/2 beta kappa x^2):
+    14 elementwise passes."""
+    def c(v: float) -> str:
+        return g.const(v, like=x)
+
+    beta, kappa = math.sqrt(2 / math.pi), 0.044715
+    x_sq = g.Mul(x, x)
+    t = g.Tanh(g.Mul(x, g.Add(g.Mul(x_sq, c(beta * kappa)), c(beta))))
+    w = g.Mul(x, g.Add(g.Mul(x_sq, c(1.5 * beta * kappa)), c(0.5 * beta)))
+    slope = g.Mul(g.Add(c(1.0), t), g.Add(g.Mul(w, g.Sub(c(1.0), t)), c(0.5)))
+    return g.Mul(dy, slope)
+
+
+@rule("Gelu", since=20)
+def gelu(g: Grad) -> Grads:
+    """torch's GeluBackward formulas for approximate='none' and 'tanh'."""
+    form = _gelu_tanh if g.attr("approximate", "none") == "tanh" else _gelu_erf
+    return (form(g, g.I(0), g.GO(0)),)
+
+
+@rule("Gelu", domain=MICROSOFT)
+def gelu_contrib(g: Grad) -> Grads:
+    return (_gelu_erf(g, g.I(0), g.GO(0)),)
+
+
+@rule("FastGelu", domain=MICROSOFT)
+def fast_gelu(g: Grad) -> Grads:
+    """Y = GELU_tanh(X + B), B optional: dB is dX summed over what B broadcasts along."""
+    x, bias = g.I(0), g.I(1)
+    dx = _gelu_tanh(g, x if bias is None else g.Add(x, bias), g.GO(0))
+    return (dx, None if bias is None or not g.needs(1) else g.unbroadcast(dx, bias))
 
 
 def _elu_like(g: Grad, scale: float, neg_coef: float, input_scale: float) -> Grads:
