@@ -39,6 +39,7 @@ def pointwise(n: onnx.NodeProto) -> bool:
         return len(n.output) == 1 and (n.domain, n.op_type) in CONTRIB_POINTWISE
     return len(n.output) == 1 and n.op_type in POINTWISE
 
+
 COMPARE = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal"})
 
 MASKABLE = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "ScatterElements", "ScatterND", "MaxUnpool"})
