@@ -1,7 +1,8 @@
 """torch's GELU as one node: onnxruntime's contrib Gelu (the erf form) or FastGelu (the tanh form).
 
 Before opset 20 ONNX has no GELU, so torch's exporter spells `F.gelu` out: 0.5 x (1 + erf(x / sqrt 2)) in five
-elementwise nodes, 0.5 x (1 + tanh(beta (x + kappa x^3))) in nine. Built from those, the gradient differentiates each
+elementwise nodes, 0.5 x (1 + tanh(beta (x + kappa x^3))) in nine (Hugging Face's GPT-2 writes the latter itself,
+with a Pow, in eight). Built from those, the gradient differentiates each
 node and sums the three paths back to x. onnxruntime's contrib kernels compute either form in one vectorized pass,
 and gradbuilder's rules for them (`gradbuilder.rules.activations`) write torch's GeluBackward in 11 and 14 passes.
 On the source, before the gradient is built: the forward graph runs the contrib node, the backward the rule's
@@ -54,17 +55,31 @@ class _Match:
         return b if self.const(a, value) else a if self.const(b, value) else None
 
     def tail(self, out: str) -> tuple[str, str] | None:
-        """0.5 * (x * (1 + e)) in either order: (x, e)."""
-        half = self.node(out, "Mul", inner=False)
-        product = self.node(self.split(half, 0.5) or "", "Mul") if half is not None else None
-        if product is None:
+        """(x, e) of 0.5 * (x * (1 + e)) (torch's exporter) or (x * 0.5) * (e + 1) (Hugging Face's NewGELU), the
+        operands of each product and sum in either order."""
+        last = self.node(out, "Mul", inner=False)
+        if last is None:
             return None
-        for x, rest in (product.input, product.input[::-1]):
-            one_plus = self.readers.producer.get(rest)
-            e = self.split(one_plus, 1.0) if one_plus is not None and one_plus.op_type == "Add" else None
-            if e is not None and self.node(rest, "Add") is not None:
+        kept = len(self.nodes)
+        product = self.node(self.split(last, 0.5) or "", "Mul")
+        for x, rest in (product.input, product.input[::-1]) if product is not None else ():
+            e = self.one_plus(rest)
+            if e is not None:
+                return x, e
+        for h, rest in (last.input, last.input[::-1]):
+            del self.nodes[kept:]
+            half = self.readers.producer.get(h)
+            x = self.split(half, 0.5) if half is not None and half.op_type == "Mul" else None
+            e = self.one_plus(rest) if x is not None and self.node(h, "Mul") is not None else None
+            if e is not None:
                 return x, e
         return None
+
+    def one_plus(self, name: str) -> str | None:
+        """e where `name` is made by 1 + e."""
+        add = self.readers.producer.get(name)
+        e = self.split(add, 1.0) if add is not None and add.op_type == "Add" else None
+        return e if e is not None and self.node(name, "Add") is not None else None
 
     def erf_form(self, x: str, e: str) -> bool:
         erf = self.node(e, "Erf")
@@ -78,7 +93,11 @@ class _Match:
         if inner is None or x not in inner.input:
             return False
         cubed = self.node(inner.input[1] if inner.input[0] == x else inner.input[0], "Mul")
-        cube = self.node(self.split(cubed, KAPPA) or "", "Mul") if cubed is not None else None
+        name = (self.split(cubed, KAPPA) or "") if cubed is not None else ""
+        power = self.readers.producer.get(name)
+        if power is not None and power.op_type == "Pow":  # x ** 3 (Hugging Face's NewGELU)
+            return power.input[0] == x and self.const(power.input[1], 3.0) and self.node(name, "Pow") is not None
+        cube = self.node(name, "Mul")
         square = self.node(next((t for t in cube.input if t != x), ""), "Mul") if cube is not None else None
         return square is not None and x in cube.input and list(square.input) == [x, x]
 
