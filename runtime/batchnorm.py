@@ -186,7 +186,8 @@ def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[Batch
     has filled the caches, at 2-8 µs a tensor. So the counters and the statistics of all modules are updated by
     three foreach ops (per tensor, the same kernels as the module-by-module ops, bit for bit), the check reads a
     variance's first element through numpy before it looks further, and nothing runs under grad mode's context
-    (nothing here requires grad): 20 BatchNorms 0.96 -> 0.54 ms, 2 of them 184 -> 135 µs (benchmarks/notes.md)."""
+    (nothing here requires grad): 20 BatchNorms 0.85-1.00 -> 0.41-0.46 ms, 2 of them 151-185 -> 104-133 µs
+    (benchmarks/notes.md)."""
     for s, mean, var in zip(stats, values[0::2], values[1::2]):
         if var.numel() and _first_is_nan(var) and bool(var.isnan().all()) and bool(mean.isfinite().all()):
             raise ValueError(f"Expected more than 1 value per channel when training (BatchNorm {s.module or 'module'}"
