@@ -20,11 +20,10 @@ from onnx import TensorProto, helper
 
 from gradbuilder.graph import infer_shapes_safely
 from gradbuilder.inference import tensor_types
+from gradbuilder.rules.activations import GELU_BETA, GELU_KAPPA
+from gradbuilder.rules.linalg import MICROSOFT
 
 from .passes import Readers, constant_values, drop_unread, forget_types
-
-MICROSOFT = "com.microsoft"
-BETA, KAPPA = math.sqrt(2 / math.pi), 0.044715
 
 
 class _Match:
@@ -89,11 +88,11 @@ class _Match:
     def tanh_form(self, x: str, e: str) -> bool:
         tanh = self.node(e, "Tanh")
         scaled = self.node(tanh.input[0], "Mul") if tanh is not None else None
-        inner = self.node(self.split(scaled, BETA) or "", "Add") if scaled is not None else None
+        inner = self.node(self.split(scaled, GELU_BETA) or "", "Add") if scaled is not None else None
         if inner is None or x not in inner.input:
             return False
         cubed = self.node(inner.input[1] if inner.input[0] == x else inner.input[0], "Mul")
-        name = (self.split(cubed, KAPPA) or "") if cubed is not None else ""
+        name = (self.split(cubed, GELU_KAPPA) or "") if cubed is not None else ""
         power = self.readers.producer.get(name)
         if power is not None and power.op_type == "Pow":  # x ** 3 (Hugging Face's NewGELU)
             return power.input[0] == x and self.const(power.input[1], 3.0) and self.node(name, "Pow") is not None

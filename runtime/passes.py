@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely, subgraph_free_names
 from gradbuilder.inference import as_floor_mode, ceil_mode_pools, same_values, static_dims, tensor_types
+from gradbuilder.rules.linalg import MICROSOFT
 from gradbuilder.yield_op import find_yield
 
 CHEAP = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Cast", "Expand", "Shape",
@@ -28,7 +29,7 @@ at most, and saves keeping their result alive from forward to backward."""
 POINTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Erf", "Tanh", "Sigmoid", "Exp", "Sqrt", "Reciprocal",
                        "Abs", "Relu", "Pow"})
 """Elementwise ops whose results backward recomputes from tensors it keeps anyway (as inductor does)."""
-CONTRIB_POINTWISE = frozenset({("com.microsoft", "Gelu"), ("com.microsoft", "FastGelu")})
+CONTRIB_POINTWISE = frozenset({(MICROSOFT, "Gelu"), (MICROSOFT, "FastGelu")})
 """onnxruntime's elementwise contrib ops the runtime writes (`gelus`), recomputed like `POINTWISE`."""
 REMAT_DEPTH = 6
 

@@ -11,6 +11,7 @@ import math
 
 from .context import Grad
 from .elementwise import Grads, keep, where
+from .linalg import MICROSOFT
 from .registry import rule
 
 
@@ -84,10 +85,8 @@ def log_softmax(g: Grad) -> Grads:
     return (g.Sub(dy, g.Mul(g.Exp(y), g.reduce_sum(dy, [axis]))),)
 
 
-MICROSOFT = "com.microsoft"
-"""onnxruntime's contrib domain: its Gelu (the erf form) and FastGelu (the tanh form, with an optional bias
-added first) are one vectorized pass each, where opsets before 20 spell GELU in 5-8 elementwise nodes (the
-runtime writes torch's GELU as these)."""
+GELU_BETA, GELU_KAPPA = math.sqrt(2 / math.pi), 0.044715
+"""The tanh form's constants: 0.5 x (1 + tanh(beta (x + kappa x^3)))."""
 
 
 def _gelu_erf(g: Grad, x: str, dy: str) -> str:
@@ -107,7 +106,7 @@ def _gelu_tanh(g: Grad, x: str, dy: str) -> str:
     def c(v: float) -> str:
         return g.const(v, like=x)
 
-    beta, kappa = math.sqrt(2 / math.pi), 0.044715
+    beta, kappa = GELU_BETA, GELU_KAPPA
     x_sq = g.Mul(x, x)
     t = g.Tanh(g.Mul(x, g.Add(g.Mul(x_sq, c(beta * kappa)), c(beta))))
     w = g.Mul(x, g.Add(g.Mul(x_sq, c(1.5 * beta * kappa)), c(0.5 * beta)))
@@ -124,6 +123,7 @@ def gelu(g: Grad) -> Grads:
 
 @rule("Gelu", domain=MICROSOFT)
 def gelu_contrib(g: Grad) -> Grads:
+    """onnxruntime's contrib Gelu (the erf form; the runtime writes torch's GELU as it, `runtime/gelus.py`)."""
     return (_gelu_erf(g, g.I(0), g.GO(0)),)
 
 
