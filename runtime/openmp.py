@@ -71,6 +71,8 @@ class _Runtime:
     start: ctypes._CFuncPtr  # type: ignore[name-defined]
     end: ctypes._CFuncPtr  # type: ignore[name-defined]
     threads: ctypes._CFuncPtr  # type: ignore[name-defined]
+    team: ctypes._CFuncPtr  # type: ignore[name-defined]
+    """`omp_get_num_threads`: in a region the caller leads, the threads its team got."""
 
 
 @dataclass(frozen=True)
@@ -103,14 +105,15 @@ def _runtimes() -> tuple[_Runtime, ...]:
         try:
             lib = ctypes.CDLL(path)
             parallel, start, end = lib.GOMP_parallel, lib.GOMP_parallel_start, lib.GOMP_parallel_end
-            threads = lib.omp_get_max_threads
+            threads, team = lib.omp_get_max_threads, lib.omp_get_num_threads
         except (OSError, AttributeError):
             continue
         parallel.argtypes, parallel.restype = [_BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint], None
         start.argtypes, start.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint], None
         end.argtypes, end.restype = [], None
         threads.argtypes, threads.restype = [], ctypes.c_int
-        found.append(_Runtime(parallel, start, end, threads))
+        team.argtypes, team.restype = [], ctypes.c_int
+        found.append(_Runtime(parallel, start, end, threads, team))
     return tuple(found)
 
 
@@ -330,26 +333,64 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _semaphores() -> list[tuple[_Runtime, int]]:
+    """The calling thread's parking semaphore (its address) for each of torch's runtimes that had more than one
+    thread when `contended` last looked, made at the thread's first park: a region's workers take one post each,
+    so it is back at zero after each."""
+    made = getattr(_local, "semaphores", None)
+    if made is None:
+        libc = _libc()
+        made = _local.semaphores = []
+        for r in _runtimes() if libc is not None else ():
+            sem = ctypes.create_string_buffer(SEM_T_BYTES)
+            made.append((r, sem, ctypes.addressof(sem)) if libc.init(sem, 0, 0) == 0 else None)
+    workers = getattr(_local, "workers", None)
+    sizes = workers.sizes if workers is not None else ()
+    return [(m[0], m[2]) for k, m in enumerate(made) if m is not None and (k >= len(sizes) or sizes[k] > 1)]
+
+
+Parked = list[tuple[_Runtime, int, int]]
+"""The regions `park` entered: runtime, semaphore address, workers waiting on it."""
+
+
+def park() -> Parked:
+    """Put the workers of the calling thread's OpenMP pools to sleep on a semaphore until `release`.
+
+    Each park is a region the caller leads (`GOMP_parallel_start`, whose workers all run `sem_wait`), released by
+    as many posts as its team got workers (`omp_get_num_threads` in the region: a team can be smaller than asked,
+    under dynamic adjustment or a thread limit), then joined (`GOMP_parallel_end`). Four calls into C a park, each
+    10-20 µs on the caches a torch step leaves cold (2-4 warm); making the semaphore anew at each park and asking
+    each runtime's thread count twice had cost four more: steps 0.97-0.99 of before (MLPs, LeNet; each step right
+    after a torch step, the two alternating in one process).
+    """
+    libc = _libc()
+    entered: Parked = []
+    if libc is None:
+        return entered
+    try:
+        for r, sem in _semaphores():
+            r.start(libc.wait, sem, 0)
+            entered.append((r, sem, r.team() - 1))
+    except BaseException:
+        release(entered)
+        raise
+    return entered
+
+
+def release(entered: Parked) -> None:
+    """Let the workers `park` put to sleep go, and join them (their regions end)."""
+    libc = _libc()
+    for r, sem, workers in reversed(entered):
+        for _ in range(workers):
+            libc.post(sem)  # type: ignore[union-attr]
+        r.end()
+
+
 @contextmanager
 def parked() -> Iterator[None]:
-    """Run the body with the workers of the calling thread's OpenMP pools asleep on a semaphore."""
-    libc = _libc()
-    runtimes = [r for r in _runtimes() if r.threads() > 1]
-    if libc is None or not runtimes:
-        yield
-        return
-    entered: list[tuple[_Runtime, ctypes.Array[ctypes.c_char], int]] = []
+    """Run the body with torch's workers parked (`park`), released after it however it ends."""
+    entered = park()
     try:
-        for r in runtimes:
-            sem = ctypes.create_string_buffer(SEM_T_BYTES)
-            if libc.init(sem, 0, 0) != 0:
-                continue
-            workers = r.threads() - 1
-            r.start(libc.wait, ctypes.addressof(sem), 0)
-            entered.append((r, sem, workers))
         yield
     finally:
-        for r, sem, workers in reversed(entered):
-            for _ in range(workers):
-                libc.post(sem)
-            r.end()
+        release(entered)

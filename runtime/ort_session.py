@@ -79,7 +79,7 @@ class SessionConfig:
     """A module whose only differentiable output is a scalar runs its backward within its forward, seeded with 1,
     where the gradients are no larger than the stash (`fused`); backward then scales them by the host's gradient."""
     park_openmp: bool = True
-    """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.parked`), so
+    """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.park`), so
     that they do not share cores with onnxruntime's threads."""
     graph_order: bool = False
     """Run nodes in the graph's order where their inputs allow (onnxruntime's priority-based order: the ready node
@@ -211,9 +211,12 @@ class Runner:
         park, crowded = openmp.room(self._threads) if self._parallel else (False, False)
         session = self._narrow_session() if crowded and self._narrow is not None else self._c
         try:
-            if park and self._park:
-                with openmp.parked():
+            if park and self._park:  # `openmp.parked`, without a generator's frames in every run
+                entered = openmp.park()
+                try:
                     return session.run_with_ort_values(feeds, names, self._run_options)
+                finally:
+                    openmp.release(entered)
             return session.run_with_ort_values(feeds, names, self._run_options)
         except Exception as e:
             missing = [n for n in self.input_names if n not in feeds]

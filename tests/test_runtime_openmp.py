@@ -110,6 +110,41 @@ def test_parked_lets_go_when_the_body_raises(two_threads) -> None:
     _spin()  # would hang if a worker were left on the semaphore
 
 
+def _semaphore_values() -> list[int]:
+    """The calling thread's parking semaphores' counts (sem_getvalue)."""
+    import ctypes
+
+    getvalue = ctypes.CDLL(None).sem_getvalue
+    getvalue.argtypes, getvalue.restype = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+    values = []
+    for made in openmp._local.semaphores:
+        if made is not None:
+            value = ctypes.c_int(-1)
+            assert getvalue(made[2], ctypes.byref(value)) == 0
+            values.append(value.value)
+    return values
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_each_park_puts_every_worker_to_sleep_on_one_semaphore(threads: int) -> None:
+    """The semaphore is made once a thread: each release posts as many as the region's team has workers, so it is
+    back at zero, and the next park finds every worker asleep again (a post too many would let one spin)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spinning = _spinners()
+        for _ in range(30):
+            _spin()
+            with openmp.parked():
+                pass
+            assert _semaphore_values() and set(_semaphore_values()) == {0}
+        _spin()
+        with openmp.parked():
+            assert _wait_until(lambda: not (_running_others() & spinning)), "a worker is left spinning"
+    finally:
+        torch.set_num_threads(before)
+
+
 def _runner(config: SessionConfig) -> Runner:
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "x"], ["y"])], "mm",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 256])],
@@ -125,16 +160,16 @@ def _value(a: np.ndarray):
 
 @pytest.fixture
 def entries(monkeypatch) -> list[int]:
-    """One entry per `openmp.parked` region entered while the test runs (the machine's load unknown to the runs:
+    """One entry per `openmp.park` made while the test runs (the machine's load unknown to the runs:
     conftest's `_machine_load_unknown`)."""
     entered: list[int] = []
-    parked = openmp.parked
+    park = openmp.park
 
     def counting():
         entered.append(1)
-        return parked()
+        return park()
 
-    monkeypatch.setattr(openmp, "parked", counting)
+    monkeypatch.setattr(openmp, "park", counting)
     return entered
 
 
