@@ -11,6 +11,14 @@ setting's median ratio to torch's step over the rounds, and their spread: the ma
 
 A setting is `module:attribute=expression`: the expression is evaluated in the module's namespace and assigned
 before the case is built, e.g. `runtime.workload:GEMM_WEIGHT=1.0`.
+
+`--paired` measures a lever on the per-call path (one the module reads at every step, not when it is built) within
+each process instead: one ORTModule and torch eager, every ORTModule step right after a torch step, the setting
+assigned for one step and the baseline's value for the next, which goes first alternating by round; the lever's
+steps over the baseline's, paired, a process (`rounds` processes). The two share a module and its caches, so a
+few percent show that the processes' spread hides. Both must follow the same thing: a rotation of three functions
+(baseline, lever, torch) runs the first after torch's step two times in three, and its steps on caches the torch
+step left cold: session 43 found that order reading 0.93 where the fair one read 0.986.
 """
 
 from __future__ import annotations
@@ -42,14 +50,21 @@ class Setting:
         return cls(module.strip(), attr.strip(), expr.strip())
 
     def apply(self) -> None:
-        mod = importlib.import_module(self.module)
-        if not hasattr(mod, self.attr):
-            raise AttributeError(f"{self.module} has no attribute {self.attr!r}")
-        setattr(mod, self.attr, eval(self.expr, vars(mod)))  # the developer's own expression
+        self.assign(self.evaluated())
 
     def value(self) -> object:
         """The attribute's value in this process (after `apply`, the setting's)."""
         return getattr(importlib.import_module(self.module), self.attr)
+
+    def evaluated(self) -> object:
+        """The expression's value, without assigning it."""
+        mod = importlib.import_module(self.module)
+        if not hasattr(mod, self.attr):
+            raise AttributeError(f"{self.module} has no attribute {self.attr!r}")
+        return eval(self.expr, vars(mod))  # the developer's own expression
+
+    def assign(self, value: object) -> None:
+        setattr(importlib.import_module(self.module), self.attr, value)
 
     def __str__(self) -> str:
         return f"{self.module}:{self.attr}={self.expr}"
@@ -69,9 +84,46 @@ def measure_here(case_name: str, settings: list[Setting], reps: int | None, thre
     return result
 
 
-def _child(case_name: str, settings: list[Setting], reps: int | None, threads: int) -> dict[str, Any]:
+PAIRED_WARMUP = 10
+"""Rounds of a paired process not counted."""
+
+
+def paired_here(case_name: str, settings: list[Setting], reps: int | None, threads: int) -> dict[str, Any]:
+    """One case in this process, the settings' values and the baseline's alternating step by step (module
+    docstring): the median of the lever's steps over the baseline's, paired by round (`ratio`), and each one's
+    median step and torch's."""
+    from . import allocator, measure
+    from .models import ALL
+
+    allocator.steady()
+    case = ALL[case_name]
+    ort_model, reference, args = measure._pair(case, threads, 0)
+    ort_step, torch_step = measure.stepper(ort_model, args), measure.stepper(reference, args)
+    values = {"baseline": [s.value() for s in settings], "lever": [s.evaluated() for s in settings]}
+    times: dict[str, list[float]] = {"baseline": [], "lever": [], "torch": []}
+    try:
+        for r in range(PAIRED_WARMUP + (reps or case.steps)):
+            for which in ("baseline", "lever") if r % 2 == 0 else ("lever", "baseline"):
+                before = torch_step()
+                for s, v in zip(settings, values[which]):
+                    s.assign(v)
+                step = ort_step()
+                if r >= PAIRED_WARMUP:
+                    times[which].append(step)
+                    times["torch"].append(before)
+    finally:
+        for s, v in zip(settings, values["baseline"]):
+            s.assign(v)
+    result: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
+    result["ratio"] = statistics.median(a / b for a, b in zip(times["lever"], times["baseline"]))
+    return result
+
+
+def _child(case_name: str, settings: list[Setting], reps: int | None, threads: int, paired: bool = False
+           ) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.ab", case_name, "--child", "--threads", str(threads)]
     cmd += [arg for s in settings for arg in ("--set", str(s))] + (["--reps", str(reps)] if reps else [])
+    cmd += ["--paired"] if paired else []
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=report.ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"the process measuring {case_name} with {[str(s) for s in settings]} failed:\n"
@@ -96,6 +148,26 @@ def compare(cases: list[str], settings: list[Setting], rounds: int, reps: int | 
     return out
 
 
+def compare_paired(cases: list[str], settings: list[Setting], rounds: int, reps: int | None, threads: int
+                   ) -> dict[str, list[float]]:
+    """Per case, the lever's steps over the baseline's of `rounds` processes, each measuring both (`paired_here`)."""
+    out: dict[str, list[float]] = {}
+    for name in cases:
+        out[name] = []
+        for _ in range(rounds):
+            ratio = _child(name, settings, reps, threads, paired=True)["ratio"]
+            out[name].append(ratio)
+            print(f"{name} lever / baseline: {ratio:.3f}", file=sys.stderr, flush=True)
+    return out
+
+
+def paired_table(results: dict[str, list[float]]) -> str:
+    rows = ["| case | lever / baseline, paired in each process: median (range) | processes |", "|---|---:|---:|"]
+    rows += [f"| {name} | {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f}) | {len(r)} |"
+             for name, r in results.items()]
+    return "\n".join(rows)
+
+
 def table(results: dict[str, dict[str, list[float]]]) -> str:
     rows = ["| case | baseline: median (range) | lever: median (range) | lever / baseline |", "|---|---:|---:|---:|"]
     for name, r in results.items():
@@ -113,15 +185,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="processes of each setting per case")
     p.add_argument("--reps", type=int, default=None, help="interleaved steps a process (default: the case's)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--paired", action="store_true",
+                   help="lever and baseline alternating step by step in each process (per-call levers)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     settings = [Setting.parse(s) for s in args.settings]
     if args.child:
-        print(json.dumps(measure_here(args.cases[0], settings, args.reps, args.threads)))
+        here = paired_here if args.paired else measure_here
+        print(json.dumps(here(args.cases[0], settings, args.reps, args.threads)))
         return 0
     if not settings:
         p.error("give the lever as --set MODULE:ATTR=EXPR")
-    print(table(compare(args.cases, settings, args.rounds, args.reps, args.threads)))
+    if args.paired:
+        print(paired_table(compare_paired(args.cases, settings, args.rounds, args.reps, args.threads)))
+    else:
+        print(table(compare(args.cases, settings, args.rounds, args.reps, args.threads)))
     return 0
 
 

@@ -40,3 +40,43 @@ def test_a_failing_process_names_its_setting() -> None:
     with pytest.raises(RuntimeError, match=re.escape("runtime.workload:SMALL=no_such_name")):
         ab.compare(["tiny-mlp"], [ab.Setting.parse("runtime.workload:SMALL=no_such_name")], rounds=1, reps=5,
                    threads=2)
+
+
+def test_paired_mode_alternates_the_settings_after_torch_steps(monkeypatch) -> None:
+    """`--paired`: each ORTModule step comes right after a torch step, under the lever's value or the baseline's,
+    which goes first alternating by round (a fixed rotation made one of them follow torch's step two times in
+    three); the baseline's value is back afterwards, and the ratio pairs the two by round."""
+    from benchmarks import allocator, measure
+
+    calls: list[str] = []
+
+    def fake_stepper(model, args):
+        def step() -> float:
+            if model == "torch":
+                calls.append("torch")
+                return 1.0
+            calls.append(f"ort={workload.SMALL}")
+            return 3.0 if workload.SMALL == -1 else 2.0
+
+        return step
+
+    monkeypatch.setattr(allocator, "steady", lambda: None)
+    monkeypatch.setattr(measure, "_pair", lambda case, threads, seed: ("ort", "torch", ()))
+    monkeypatch.setattr(measure, "stepper", fake_stepper)
+    monkeypatch.setattr(workload, "SMALL", workload.SMALL)
+    base = workload.SMALL
+    result = ab.paired_here("tiny-mlp", [ab.Setting.parse("runtime.workload:SMALL=-1")], reps=4, threads=2)
+    assert base == workload.SMALL
+    assert calls[0::2] == ["torch"] * (len(calls) // 2)  # every ORTModule step follows a torch step
+    firsts = calls[1::4]
+    assert firsts == [f"ort={base}" if r % 2 == 0 else "ort=-1" for r in range(len(firsts))]
+    assert sorted(set(calls[1::2])) == sorted({f"ort={base}", "ort=-1"})
+    assert result["ratio"] == 1.5 and result["lever"] == 3.0 and result["baseline"] == 2.0
+    assert len(calls) == 4 * (ab.PAIRED_WARMUP + 4)
+
+
+def test_paired_mode_reaches_its_processes() -> None:
+    lever = [ab.Setting.parse("runtime.workload:SMALL=0")]
+    results = ab.compare_paired(["tiny-mlp"], lever, rounds=1, reps=3, threads=2)
+    assert len(results["tiny-mlp"]) == 1 and results["tiny-mlp"][0] > 0
+    assert "| tiny-mlp |" in ab.paired_table(results)
