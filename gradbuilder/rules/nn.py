@@ -1072,35 +1072,32 @@ def layer_norm(g: Grad):
         xhat, invstd = _from_statistics(g, x, g.output(1, "mean"), g.output(2, "inv_std_dev"), stat_type)
     else:  # float statistics for a double input: recompute at full precision
         xhat, invstd = _standardize(g, x, axes, float(g.attr("epsilon", 1e-5)))
-    dy_xhat = g.Mul(dy, xhat) if g.needs(1) or g.needs(0) else None
+    column = _mean_column(g, scale, x, axes, rank) if g.needs(0) else None
+    dy_xhat = g.Mul(dy, xhat) if g.needs(1) or column is not None else None
     dx = None
-    if g.needs(0):
-        means = _row_means_by_scale(g, dy, dy_xhat, scale, x, axes, rank)
-        if means is None:
-            dx = _standardize_grad(g, g.Mul(dy, scale), xhat, invstd, axes)
-        else:
-            mean_d, mean_dx = means
-            dx = g.Mul(invstd, g.Sub(g.Sub(g.Mul(dy, scale), mean_d), g.Mul(xhat, mean_dx)))
+    if column is not None:  # mean(dxhat) = dY @ column, mean(dxhat xhat) = (dY xhat) @ column
+        centered = g.Sub(g.Mul(dy, scale), g.MatMul(dy, column))
+        dx = g.Mul(invstd, g.Sub(centered, g.Mul(xhat, g.MatMul(dy_xhat, column))))
+    elif g.needs(0):
+        dx = _standardize_grad(g, g.Mul(dy, scale), xhat, invstd, axes)
     dscale = g.unbroadcast(dy_xhat, like=scale) if g.needs(1) else None
     dbias = g.unbroadcast(dy, like=bias) if bias is not None and g.needs(2) else None
     return (dx, dscale, dbias)
 
 
-def _row_means_by_scale(g: Grad, dy: str, dy_xhat: str, scale: str, x: str, axes: Sequence[int], rank: int
-                        ) -> tuple[str, str] | None:
-    """mean(dxhat) and mean(dxhat xhat) over a last axis of static size D, with dxhat = dY scale, as products
-    with the column scale / D: `dY @ (scale / D)` and `(dY xhat) @ (scale / D)`, where dY xhat is dscale's
-    product anyway. Each mean reads its operand once and writes nothing of its size (a ReduceMean of a Mul
-    writes the product first): the backward alone 0.75x at [512, 128], 0.92x at [64, 512] (2 threads, hot).
-    None unless one axis (the last) is normalized, the scale is a vector of its size, and x is float or double
+def _mean_column(g: Grad, scale: str, x: str, axes: Sequence[int], rank: int) -> str | None:
+    """The column scale / D, with which the two row means of LayerNorm's dX (dxhat = dY scale) are products:
+    mean(dxhat) = dY @ column and mean(dxhat xhat) = (dY xhat) @ column, dY xhat being dscale's product anyway.
+    Each mean then reads its operand once and writes nothing of its size (a ReduceMean of a Mul writes the
+    product first): the backward alone 0.75x at [512, 128], 0.92x at [64, 512] (2 threads, hot). None unless one
+    axis (the last, of static size D) is normalized, the scale is a vector of its size, and x is float or double
     (onnxruntime's CPU MatMul has no half kernel everywhere, and half sums would lose precision)."""
     shape, scale_shape = g.info(x).shape, g.info(scale).static_shape
     size = shape[-1] if shape is not None else None
     if list(axes) != [rank - 1] or not isinstance(size, int) or scale_shape != (size,) \
             or g.dtype(x) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
         return None
-    column = g.unsqueeze(g.Div(scale, g.const(float(size), like=x)), [1])
-    return g.MatMul(dy, column), g.MatMul(dy_xhat, column)
+    return g.unsqueeze(g.Div(scale, g.const(float(size), like=x)), [1])
 
 
 @rule("InstanceNormalization", since=13)
