@@ -1,5 +1,5 @@
 """A lever against the code as it is, one module a process:
-`python -m benchmarks.ab CASE [CASE ...] --set MODULE:ATTR=EXPR [--set ...] [--rounds 4] [--reps 150]`.
+`python -m benchmarks.ab CASE [CASE ...] --set MODULE:ATTR=EXPR [--set ...] [--rounds 4] [--reps 150] [--paired]`.
 
 Two ORTModules in one process mislead: three identical modules made one after the other stepped at 1.0, 0.96 and
 0.90-0.96 of the first's time, and pinning onnxruntime's workers to CPUs measured 0.96-0.99 against an unpinned

@@ -113,7 +113,9 @@ Regenerate with `python -m benchmarks --write-docs` (measures; 8-15 minutes here
 torch.compile runs) or `python -m benchmarks --from-json benchmarks/results.json --write-docs` (rewrites this
 page from saved results). `make bench` prints the tables without writing. A lever is measured against the code as it
 is by `python -m benchmarks.ab CASE --set MODULE:ATTR=EXPR` (one ORTModule a process, the two settings' processes
-alternating: two modules in one process disturb each other's timings).
+alternating: two modules in one process disturb each other's timings); one read at every step (not when the module
+is built) by `--paired` too, the two settings alternating step by step in each process, every step right after a
+torch step.
 
 ## Machine and method
 
