@@ -940,10 +940,13 @@ def _inv_std(g: Grad, var: str, eps: float, like: str) -> str:
     return g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=like))))
 
 
-def _standardize_grad(g: Grad, dxhat: str, xhat: str, invstd: str, axes: Sequence[int]) -> str:
-    """dX for xhat = (x - mean(x)) * invstd over `axes`: invstd * (dxhat - mean(dxhat) - xhat mean(dxhat xhat))."""
-    mean_d = g.reduce("ReduceMean", dxhat, axes)
-    mean_dx = g.reduce("ReduceMean", g.Mul(dxhat, xhat), axes)
+def _standardize_grad(g: Grad, dxhat: str, xhat: str, invstd: str, axes: Sequence[int],
+                      means: tuple[str, str] | None = None) -> str:
+    """dX for xhat = (x - mean(x)) * invstd over `axes`: invstd * (dxhat - mean(dxhat) - xhat mean(dxhat xhat));
+    `means`: those two means made by the caller (kept dims), else reduced here."""
+    if means is None:
+        means = g.reduce("ReduceMean", dxhat, axes), g.reduce("ReduceMean", g.Mul(dxhat, xhat), axes)
+    mean_d, mean_dx = means
     return g.Mul(invstd, g.Sub(g.Sub(dxhat, mean_d), g.Mul(xhat, mean_dx)))
 
 
@@ -1075,11 +1078,9 @@ def layer_norm(g: Grad):
     column = _mean_column(g, scale, x, axes, rank) if g.needs(0) else None
     dy_xhat = g.Mul(dy, xhat) if g.needs(1) or column is not None else None
     dx = None
-    if column is not None:  # mean(dxhat) = dY @ column, mean(dxhat xhat) = (dY xhat) @ column
-        centered = g.Sub(g.Mul(dy, scale), g.MatMul(dy, column))
-        dx = g.Mul(invstd, g.Sub(centered, g.Mul(xhat, g.MatMul(dy_xhat, column))))
-    elif g.needs(0):
-        dx = _standardize_grad(g, g.Mul(dy, scale), xhat, invstd, axes)
+    if g.needs(0):  # mean(dxhat) = dY @ column, mean(dxhat xhat) = (dY xhat) @ column
+        means = (g.MatMul(dy, column), g.MatMul(dy_xhat, column)) if column is not None else None
+        dx = _standardize_grad(g, g.Mul(dy, scale), xhat, invstd, axes, means)
     dscale = g.unbroadcast(dy_xhat, like=scale) if g.needs(1) else None
     dbias = g.unbroadcast(dy, like=bias) if bias is not None and g.needs(2) else None
     return (dx, dscale, dbias)
