@@ -105,7 +105,8 @@ def test_stash_keeps_no_views_and_no_input_copies():
 
 
 class SeqNet(nn.Module):
-    """Logits reshaped for the loss to a target the export computes from their shape at run time."""
+    """Logits reshaped for the loss to a target the export computes from their shape at run time, then squared:
+    the square's backward reads the view (the loss's own reads its log-probabilities)."""
 
     def __init__(self):
         super().__init__()
@@ -114,7 +115,8 @@ class SeqNet(nn.Module):
 
     def forward(self, tokens, y):
         logits = self.head(torch.tanh(self.emb(tokens)))
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        flat = logits.reshape(-1, logits.shape[-1])
+        return nn.functional.cross_entropy(flat * flat, y.reshape(-1))
 
 
 def test_a_view_with_a_run_time_target_is_redone_in_backward():
