@@ -223,8 +223,9 @@ class Grad:
         return self.node.output[j]
 
     def output(self, j: int, hint: str) -> str:
-        """Optional output j, added to the forward node when the model left it out (Dropout's mask,
-        MaxPool's Indices): what the forward op drew or chose can only be read, not recomputed."""
+        """Optional output j, added to the forward node when the model left it out: what the forward op drew or
+        chose can only be read, not recomputed (Dropout's mask, MaxPool's Indices), and some of what it computes
+        anyway is cheaper read than recomputed (SoftmaxCrossEntropyLoss's log-probabilities)."""
         outs = self.node.output
         if j < len(outs) and outs[j]:
             return outs[j]
