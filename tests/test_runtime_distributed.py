@@ -4,6 +4,7 @@ failed deep in the trace ("Tried to trace ... ProcessGroup") and is refused, nam
 
 from __future__ import annotations
 
+import faulthandler
 import traceback
 import warnings
 from datetime import timedelta
@@ -18,6 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from runtime import ORTModule
 
+HANG_SECONDS = 180
+"""Below the test's wait for results (240 s), above a rank's collective timeout (120 s)."""
+
 
 def _make() -> nn.Module:
     torch.manual_seed(0)
@@ -25,7 +29,10 @@ def _make() -> nn.Module:
 
 
 def _worker(rank: int, store: str, results: mp.Queue) -> None:
-    """Puts (rank, diff, refusal message) or (rank, None, traceback): a rank that fails says why, at once."""
+    """Puts (rank, diff, refusal message) or (rank, None, traceback): a rank that fails says why, at once. A rank
+    still running after `HANG_SECONDS` writes every thread's stack to stderr and exits, so that a hang (seen twice
+    in full runs on a loaded machine, never alone) shows where it waits."""
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     try:
         _train(rank, store, results)
     except BaseException:
