@@ -29,6 +29,15 @@ def _cut(batch: tuple[torch.Tensor, ...], n: int, seq: int | None) -> tuple[torc
     return tuple(t[:n] if seq is None else t[:n, :seq] for t in batch)
 
 
+def _float64_gradients(reference: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """torch's gradients of the call in float64 (on an AVX-512 EPYC, torch's float32 weight gradient of the 3-channel
+    5x5 LeNet's first Conv was 1.2e-3 of the largest gradient off its float64 one; onnxruntime's 7.6e-8)."""
+    double = copy.deepcopy(reference).double()
+    double.zero_grad(set_to_none=True)
+    double(*(a.double() if a.is_floating_point() else a for a in args)).backward()
+    return {name: p.grad for name, p in double.named_parameters()}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_other_shapes_of_the_benchmark_families_get_torchs_gradients(family: str) -> None:
     case, later = FAMILIES[family]
@@ -52,8 +61,12 @@ def test_other_shapes_of_the_benchmark_families_get_torchs_gradients(family: str
         assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()) + 1e-6, \
             f"{where}: loss {loss.item()} against torch's {expected.item()}"
         top = max(p.grad.abs().max().item() for p in reference.parameters())
+        exact: dict[str, torch.Tensor] | None = None
         for (name, p), q in zip(reference.named_parameters(), module.parameters()):
-            error = relative(q.grad, p.grad, top)  # of the largest gradient
-            assert error < 1e-4, f"{where}: {name}'s gradient differs by {error:.1e} of the largest gradient"
+            error, bound = relative(q.grad, p.grad, top), 1e-4  # of the largest gradient
+            if error >= bound:  # torch's float32 is not the truth either: its float64 arbitrates, as `runtime.checks`
+                exact = exact or _float64_gradients(reference, args)
+                error, bound = relative(q.grad, exact[name], top), max(bound, relative(p.grad, exact[name], top))
+            assert error < bound, f"{where}: {name}'s gradient differs by {error:.1e} of the largest gradient"
     stats = ort_module.stats  # the calls ran on onnxruntime, none of them in torch
     assert stats["fallbacks"] == 0 and stats["builds"] >= 1 and ort_module.training_sessions(), stats
