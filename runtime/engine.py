@@ -67,10 +67,19 @@ class Options:
     mem_pattern: bool = False
     """`SessionConfig.mem_pattern` of every session (`memory_pattern_pays`)."""
 
-    def config(self, threads: int | None) -> SessionConfig:
-        """Every session's; torch's dropout masks where the export made them drawable (`ExportOptions`)."""
+    def config(self, threads: int | None, choose: bool = False) -> SessionConfig:
+        """Every session's; torch's dropout masks where the export made them drawable (`ExportOptions`); `choose`:
+        runs on more than one thread try one too (`SessionConfig.choose_threads`)."""
         return SessionConfig(threads=threads, park_openmp=self.park_torch_threads, mem_pattern=self.mem_pattern,
-                             torch_masks=self.export.torch_dropout)
+                             torch_masks=self.export.torch_dropout, choose_threads=choose)
+
+    def config_for(self, work: float) -> SessionConfig:
+        """The sessions' config for a forward of this much work (`workload`): one thread below `workload.SMALL`
+        by `TRIAL_BAND`, the configured threads above it by as much, and between, the faster of the two as the first
+        runs measure it."""
+        if work < workload.SMALL / workload.TRIAL_BAND:
+            return self.config(1)
+        return self.config(self.threads, choose=work < workload.SMALL * workload.TRIAL_BAND)
 
 
 MEM_PATTERN_MAX_BYTES = 64 * 2**20
@@ -150,8 +159,9 @@ class Schema:
             gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")
 
     def _settle_threads(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Once, before the first session: one intra-op thread when the forward's work for these input shapes
-        is below `workload.SMALL` (threads would cost more than they save); `options.threads` is the most."""
+        """Once, before the first session: the threads for the forward's work at these input shapes
+        (`Options.config_for`: one intra-op thread for a small one, where threads would cost more than they save);
+        `options.threads` is the most."""
         if self._threads_settled:
             return
         self._threads_settled = True
@@ -159,19 +169,22 @@ class Schema:
             return
         work = workload.forward_work(self.exported.model, shapes)
         batched = [(name, k, shapes[name][0]) for name, k in self.exported.inputs if shapes.get(name)]
-        if work is not None and work < workload.SMALL and batched:
+        if work is not None and batched:
             name, k, batch = batched[0]
-            self.config = self.options.config(1)
-            self._small, self._batch = _Small(name, k, work / max(batch, 1)), batch
+            self.config = self.options.config_for(work)
+            if self.config.threads == 1:
+                self._small, self._batch = _Small(name, k, work / max(batch, 1)), batch
 
     def _fit_threads(self, batch: int) -> None:
-        """Back to `options.threads`, for good, once a batch makes the forward's work reach `workload.SMALL`."""
+        """Off one thread, for good, once a batch makes the forward's work leave the small ones
+        (`Options.config_for`)."""
         if batch == self._batch or self._small is None:
             return
         self._batch = batch
-        if batch * self._small.work_per_sample >= workload.SMALL:
+        config = self.options.config_for(batch * self._small.work_per_sample)
+        if config.threads != 1:
             self._small = None
-            self.config = self.options.config(self.options.threads)
+            self.config = config
             for s in self.sessions.values():
                 s.reconfigure(self.config)
             self._infer = None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -95,6 +97,10 @@ class SessionConfig:
     """A run on more than one thread that finds the machine crowded (more threads running than cores, `openmp.room`)
     runs on a one-thread session of the same graph instead, made when first needed; not for graphs drawing random
     numbers in onnxruntime (a session of their own would draw others)."""
+    choose_threads: bool = False
+    """Runs on more than one thread time their first runs on those threads and on one (a one-thread session of the
+    same graph, as for crowded runs), alternately, and keep the faster (`Trial`): for graphs whose work leaves the
+    choice open (`workload.TRIAL_BAND`). Not for graphs drawing random numbers in onnxruntime."""
 
     @property
     def thread_count(self) -> int:
@@ -150,6 +156,81 @@ def _half_precision(model: onnx.ModelProto) -> bool:
                for n in model.graph.node)
 
 
+TRIAL_DELAY = 30
+"""Runs on the configured threads before the first trial: a session on two threads took 2-10 ms in 7 of its first
+15 runs against 0.3-0.5 ms in most runs after (an MLP's forward, each run right after a torch step, on an AVX-512
+EPYC); trials over those first runs put such forwards on one thread where two were faster by a third."""
+TRIAL_WARMUP = 2
+"""Runs of the one-thread session that a trial does not time, besides the first of its visit: a session's first
+runs plan its memory and allocate."""
+TRIAL_RUNS = 6
+"""Timed runs of each session in a trial; their medians decide."""
+TRIAL_VISIT = 4
+"""Runs of one session in a row during a trial, the first untimed: no timed run comes right after the other
+session's runs (its caches and its threads as the other left them), as none will after the verdict."""
+TRIAL_REVIEW = 1000
+"""Runs after a verdict until the next trial: a trial can coincide with a burst of other work on the machine, and
+what runs beside a long training changes. The slower session's 8 runs in 1000 cost 0.3% of the runs' time where
+the two differ by a third."""
+
+
+class Trial:
+    """Which of two sessions of one graph runs it faster, the one on the configured threads (arm 0) or the one on
+    a single thread (arm 1), timed alternately over runs as the caller makes them (each right after whatever the
+    caller's step did before it, as later runs will be), then again every `TRIAL_REVIEW` runs.
+
+    Whether a second intra-op thread pays depends on the machine more than a constant can say: MLP steps that the
+    forward's work (`workload.forward_work`) put on one thread, on an AVX-512 EPYC, against torch's step with one
+    thread / with two (`benchmarks.ab`, 3 rounds): 784-512-512-10 at batch 32 1.37 / 1.10, 784-300-100-10 at batch
+    64 1.23 / 1.11, while 100-200-200-10 at batch 64 kept one (1.18 / 1.21). `workload.SMALL` was measured on another
+    AVX-512 machine and `workload.mac_weight` on an AVX2 EPYC, which put the crossovers at a third of the
+    work; the EPYC with AVX-512 is neither."""
+
+    def __init__(self, delay: int | None = None, warmup: int | None = None, runs: int | None = None,
+                 review: int | None = None, visit: int | None = None):
+        """Defaults: the module's TRIAL_ constants as they are when the trial is made."""
+        self.warmup = TRIAL_WARMUP if warmup is None else warmup
+        self.runs = TRIAL_RUNS if runs is None else runs
+        self.review = TRIAL_REVIEW if review is None else review
+        self.visit = TRIAL_VISIT if visit is None else visit
+        self.arm = 0
+        """The session the next trial run takes."""
+        self.chosen: int | None = None
+        """The arm the last trial found faster; None before the first verdict."""
+        self._times: tuple[list[float], list[float]] = ([], [])
+        self._left = self.visit  # runs left in this visit to the arm
+        self._fresh = True  # the one-thread session not run yet
+        self._wait = TRIAL_DELAY if delay is None else delay
+
+    def due(self) -> bool:
+        """Whether this run is a trial's; counts the runs down to the next trial otherwise."""
+        if self._wait <= 0:
+            return True
+        self._wait -= 1
+        return False
+
+    def record(self, arm: int, seconds: float) -> int | None:
+        """One trial run of `arm` took `seconds`: timed unless it is the first of its visit to the arm (or among the
+        one-thread session's first runs). The verdict once both arms have their timed runs (then the wait for the
+        next trial starts), else None."""
+        self._left -= 1
+        if self._left < self.visit - 1:
+            self._times[arm].append(seconds)
+        wide, narrow = self._times
+        if len(wide) >= self.runs and len(narrow) >= self.runs:
+            self.chosen = int(statistics.median(narrow) < statistics.median(wide))
+            self._times = ([], [])
+            self._wait, self.arm, self._left = self.review, 0, self.visit
+            return self.chosen
+        if self._left <= 0 or len(self._times[arm]) >= self.runs:
+            other = 1 - arm
+            self.arm = other if len(self._times[other]) < self.runs else arm
+            self._left = self.visit
+            if self.arm == 1 and self._fresh:
+                self._fresh, self._left = False, self.visit + self.warmup
+        return None
+
+
 class Runner:
     """A created-once onnxruntime session plus its input and output names."""
 
@@ -176,10 +257,21 @@ class Runner:
         self._threads = config.thread_count
         self.draws_random = draws_random(model.graph)
         """onnxruntime seeds its random ops per session: a second session of the graph would draw other numbers."""
-        narrow = config.narrow_when_crowded and config.parallel and not self.draws_random
+        narrow = ((config.narrow_when_crowded or config.choose_threads) and config.parallel
+                  and not self.draws_random)
         self._narrow: tuple[bytes, SessionConfig, list[str]] | None = (
-            (data, dataclasses.replace(config, threads=1), list(disabled)) if narrow else None)
+            (data, dataclasses.replace(config, threads=1, choose_threads=False), list(disabled)) if narrow else None)
         self._narrow_c: C.InferenceSession | None = None
+        self._narrow_when_crowded = config.narrow_when_crowded
+        self._wide = self._c
+        """The session on the configured threads (`_c` is the one runs take: it or, after a trial, the narrow one)."""
+        self._trial: Trial | None = Trial() if narrow and config.choose_threads else None
+
+    @property
+    def chosen_threads(self) -> int | None:
+        """The intra-op threads the last trial (`SessionConfig.choose_threads`) found faster; None before one."""
+        chosen = self._trial.chosen if self._trial is not None else None
+        return None if chosen is None else (1 if chosen else self._threads)
 
     def _unoptimized(self, data: bytes, config: SessionConfig, disabled: Sequence[str], error: Exception
                      ) -> SessionConfig:
@@ -208,10 +300,16 @@ class Runner:
         """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
         names = self.output_names if outputs is None else outputs
         feeds = feeds if isinstance(feeds, dict) else dict(feeds)
+        if self._trial is not None and self._trial.due():
+            return self._tried(self._trial, feeds, names)
         park, crowded = openmp.room(self._threads) if self._parallel else (False, False)
-        session = self._narrow_session() if crowded and self._narrow is not None else self._c
+        narrow = crowded and self._narrow is not None and self._narrow_when_crowded
+        return self._run(self._narrow_session() if narrow else self._c, park and self._park, feeds, names)
+
+    def _run(self, session: C.InferenceSession, park: bool, feeds: dict[str, C.OrtValue], names: Sequence[str]
+             ) -> C.OrtValueVector:
         try:
-            if park and self._park:  # `openmp.parked`, without a generator's frames in every run
+            if park:  # `openmp.parked`, without a generator's frames in every run
                 entered = openmp.park()
                 try:
                     return session.run_with_ort_values(feeds, names, self._run_options)
@@ -222,6 +320,25 @@ class Runner:
             missing = [n for n in self.input_names if n not in feeds]
             hint = f" (missing inputs: {missing})" if missing else ""
             raise RuntimeError(f"onnxruntime failed running the {self.what} model{hint}: {e}") from e
+
+    def _tried(self, trial: Trial, feeds: dict[str, C.OrtValue], names: Sequence[str]) -> C.OrtValueVector:
+        """A trial's run: on the arm whose turn it is, timed with its parking. A run that finds the machine crowded
+        runs on one thread untimed (neither arm would run as on a free machine). The verdict sets the session later
+        runs take."""
+        park, crowded = openmp.room(self._threads)
+        if crowded:
+            return self._run(self._narrow_session(), False, feeds, names)
+        arm = trial.arm
+        session = self._wide if arm == 0 else self._narrow_session()
+        if self._narrow is None:  # the one-thread session could not be made: no trial
+            self._trial, self._c, self._parallel = None, self._wide, True
+            return self._run(self._wide, park and self._park, feeds, names)
+        start = time.perf_counter()
+        out = self._run(session, park and self._park and arm == 0, feeds, names)
+        verdict = trial.record(arm, time.perf_counter() - start)
+        if verdict is not None:  # on one thread nothing is parked and no load read
+            self._c, self._parallel = (self._narrow_session(), False) if verdict else (self._wide, True)
+        return out
 
     def _narrow_session(self) -> C.InferenceSession:
         """The one-thread session for crowded runs, made at the first (the usual one where it cannot be made)."""

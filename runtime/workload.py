@@ -10,7 +10,7 @@ shapes, the two modules in one process; one module a process, median ratios to t
 784-256x4-10 at batch 32, 0.85 against 0.85 for 784-512-512-10), of 26M 0.99-1.03x, of 32-34M 1.08-1.13x, of 52-60M
 1.10-1.29x. So a product's multiply-adds gain less from a second thread than a convolution's (crossovers near 25M
 for MLPs, 10M units for LeNets), and count at `GEMM_WEIGHT`: below `SMALL` units of forward work a session gets one
-thread.
+thread, or, within `TRIAL_BAND` of it, the thread count its first runs measure faster on this machine.
 """
 
 from __future__ import annotations
@@ -28,6 +28,14 @@ from .export import pin_dims
 SMALL = 12_000_000
 """Forward work (multiply-adds of convolutions, of products at `GEMM_WEIGHT`, plus elements every other node
 writes) under which one intra-op thread beats two."""
+
+TRIAL_BAND = 8.0
+"""Forward work within this factor of `SMALL`, either way, leaves the thread count to the machine: runs time their
+first steps on both and keep the faster (`ort_session.Trial`). Below it one thread, above it the configured
+threads, without a trial. `SMALL` and `mac_weight` were measured on two machines and the crossovers moved by 3x
+between them (a third, an AVX-512 EPYC, put MLPs of 8-11M units faster on two threads, 0.81-0.91 of one thread's
+step), where a wrong guess cost up to a third of a step; a trial costs its slower arm's extra time over a few steps
+and a one-thread session (`ort_session.Runner`, which makes it for crowded runs anyway)."""
 
 GEMM_WEIGHT = 0.5
 """What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at

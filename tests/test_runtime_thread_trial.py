@@ -1,0 +1,133 @@
+"""runtime.ort_session.Trial: where the forward's work leaves the thread count open, runs time both sessions and
+keep the faster, with the same results either way."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+from onnxruntime.capi import _pybind_state as C
+
+from runtime import ORTModule, ort_session, workload
+from runtime.engine import Options
+from runtime.export import ExportOptions
+from runtime.ort_session import Runner, SessionConfig, Trial
+
+
+def _schedule(trial: Trial, wide: float, narrow: float) -> tuple[list[int | None], int]:
+    """Run a trial to its verdict with constant times per arm: the arm of each run (None while not due), and the
+    verdict."""
+    arms: list[int | None] = []
+    while True:
+        if not trial.due():
+            arms.append(None)
+            continue
+        arm = trial.arm
+        arms.append(arm)
+        verdict = trial.record(arm, narrow if arm else wide)
+        if verdict is not None:
+            return arms, verdict
+
+
+@pytest.mark.parametrize(("wide", "narrow", "expected"), [(2.0, 1.0, 1), (1.0, 2.0, 0)])
+def test_a_trial_keeps_the_faster_arm_after_visits_to_both(wide: float, narrow: float, expected: int) -> None:
+    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3)
+    arms, verdict = _schedule(trial, wide, narrow)
+    assert verdict == expected and trial.chosen == expected
+    # the delay, then visits of three runs (the first untimed; the one-thread session's first visit one longer)
+    assert arms == [None] * 3 + [0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+    again, verdict = _schedule(trial, wide, narrow)  # reviewed after `review` runs, both sessions warm
+    assert verdict == expected
+    assert again == [None] * 5 + [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+
+
+def test_the_median_of_the_timed_runs_decides() -> None:
+    """One slow outlier does not sink an arm, and the first run of each visit is not counted (here the one-thread
+    session's first runs are fast: counted, they would win it the trial)."""
+    trial = Trial(delay=0, warmup=0, runs=3, review=0, visit=2)
+    times = {0: iter([9.0, 1.0, 9.0, 50.0, 9.0, 1.0]), 1: iter([0.1, 1.5, 0.1, 1.5, 0.1, 1.5])}
+    verdict = None
+    while verdict is None:
+        arm = trial.arm
+        verdict = trial.record(arm, next(times[arm]))
+    assert verdict == 0  # medians 1.0 against 1.5 (means 17.3 against 1.5)
+
+
+def _runner(config: SessionConfig) -> Runner:
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "x"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [128, 128])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [128, 128])])
+    return Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), config, "test")
+
+
+@pytest.mark.parametrize("slow", ["wide", "narrow"])
+def test_runs_take_the_session_their_trial_found_faster(monkeypatch, slow: str) -> None:
+    """Each session made slower in turn (a sleep in its runs): the trial keeps the other, and every run, on either
+    session, during the trial and after, gives the same product."""
+    monkeypatch.setattr(ort_session, "TRIAL_DELAY", 2)
+    monkeypatch.setattr(ort_session, "TRIAL_REVIEW", 4)
+    runner = _runner(SessionConfig(threads=2, choose_threads=True))
+    run = runner._run
+
+    def timed(session, park, feeds, names):
+        if (session is runner._wide) == (slow == "wide"):
+            time.sleep(0.003)
+        return run(session, park, feeds, names)
+
+    monkeypatch.setattr(runner, "_run", timed)
+    x = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
+    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+    expected = x.astype(np.float64) @ x
+    used = []
+    for _ in range(60):
+        y = runner.run(feeds)[0].numpy()
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-3)
+        used.append(runner._c is runner._wide)
+    assert runner.chosen_threads == (1 if slow == "wide" else 2)
+    assert runner._parallel == (slow == "narrow")  # one thread reads no load, parks nothing
+    assert used[-1] == (slow == "narrow")
+    assert runner._narrow_c is not None  # made for the trial
+
+
+def test_without_choose_threads_or_with_one_thread_there_is_no_trial() -> None:
+    assert _runner(SessionConfig(threads=2))._trial is None
+    assert _runner(SessionConfig(threads=1, choose_threads=True))._trial is None
+    assert _runner(SessionConfig(threads=2, choose_threads=True))._trial is not None
+
+
+def test_the_forward_work_picks_one_thread_a_trial_or_the_configured_threads() -> None:
+    """Below `SMALL / TRIAL_BAND` one thread; within the band a trial; from its top, the configured threads."""
+    options = Options(ExportOptions(), threads=2, specialise=True, fallback=True, save_dir=None)
+    low, high = workload.SMALL / workload.TRIAL_BAND, workload.SMALL * workload.TRIAL_BAND
+    for work, threads, choose in ((low * 0.99, 1, False), (low, 2, True), (workload.SMALL, 2, True),
+                                  (high * 0.99, 2, True), (high, 2, False)):
+        config = options.config_for(work)
+        assert (config.threads, config.choose_threads) == (threads, choose), work
+
+
+def test_a_module_in_the_band_trains_through_its_trial_as_torch_does(monkeypatch) -> None:
+    """An MLP whose forward work is within the band: its runners try one thread against two and keep one, and its
+    gradients are torch's on either session."""
+    monkeypatch.setattr(ort_session, "TRIAL_DELAY", 1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
+    model = ORTModule(copy.deepcopy(net), threads=2)
+    x = torch.randn(256, 128)
+    for _ in range(40):
+        model.zero_grad()
+        model(x).square().mean().backward()
+    net(x).square().mean().backward()
+    for p, q in zip(model.parameters(), net.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    (schema,) = model._engine.schemas.values()
+    assert schema.config.threads == 2 and schema.config.choose_threads
+    (session,) = model.training_sessions()
+    runners = [session._fwd, *(b.runner for b in session._backwards.values())]
+    if session._fused is not None:
+        runners.append(session._fused.runner)
+    chosen = [r.chosen_threads for r in runners if isinstance(r, Runner) and r._trial is not None]
+    assert chosen and all(c in (1, 2) for c in chosen)
