@@ -137,8 +137,10 @@ torch step.
   go waits for a core); onnxruntime's threads spin while a run lasts and stop at its end
   (`session.force_spinning_stop`). The second table repeats the step times with torch's threads passive (torch
   then pays a wake-up per parallel op), for comparison. `threads` is the most ORTModule uses: a model whose
-  forward work is small for its batch (below `runtime.workload.SMALL`, the tiny MLP) runs on one, as torch
-  runs ops below its grain size on one.
+  forward work is small for its batch (below `runtime.workload.SMALL` by `TRIAL_BAND`, the tiny MLP) runs on one,
+  as torch runs ops below its grain size on one; near that crossover, each of its sessions times its runs on both
+  after its first 30 and keeps the faster (`runtime.ort_session.Trial`), so a case's first ~50 steps hold the
+  trial's runs on the slower one.
 - {_allocator(results)}
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
   on onnxruntime too), gradients set to None before it, no optimizer. Forward = the training forward alone
