@@ -323,11 +323,13 @@ class Runner:
 
     def _tried(self, trial: Trial, feeds: dict[str, C.OrtValue], names: Sequence[str]) -> C.OrtValueVector:
         """A trial's run: on the arm whose turn it is, timed with its parking. A run that finds the machine crowded
-        runs on one thread untimed (neither arm would run as on a free machine). The verdict sets the session later
-        runs take."""
+        runs as crowded runs do, untimed (neither arm would run as on a free machine). The verdict sets the session
+        later runs take."""
         park, crowded = openmp.room(self._threads)
         if crowded:
-            return self._run(self._narrow_session(), False, feeds, names)
+            if self._narrow_when_crowded:
+                return self._run(self._narrow_session(), False, feeds, names)
+            return self._run(self._wide, park and self._park, feeds, names)
         arm = trial.arm
         session = self._wide if arm == 0 else self._narrow_session()
         if self._narrow is None:  # the one-thread session could not be made: no trial
@@ -341,7 +343,8 @@ class Runner:
         return out
 
     def _narrow_session(self) -> C.InferenceSession:
-        """The one-thread session for crowded runs, made at the first (the usual one where it cannot be made)."""
+        """The one-thread session for crowded runs and trials, made at the first (the usual one where it cannot be
+        made)."""
         if self._narrow_c is None:
             assert self._narrow is not None
             data, config, disabled = self._narrow

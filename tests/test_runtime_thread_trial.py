@@ -131,3 +131,23 @@ def test_a_module_in_the_band_trains_through_its_trial_as_torch_does(monkeypatch
         runners.append(session._fused.runner)
     chosen = [r.chosen_threads for r in runners if isinstance(r, Runner) and r._trial is not None]
     assert chosen and all(c in (1, 2) for c in chosen)
+
+
+@pytest.mark.parametrize("narrow_when_crowded", [True, False])
+def test_crowded_runs_during_a_trial_are_not_timed(monkeypatch, narrow_when_crowded: bool) -> None:
+    """On a crowded machine neither session runs as it would on a free one: such runs go where crowded runs go
+    (the one-thread session, unless `narrow_when_crowded` is off) and the trial waits for runs it can time."""
+    from runtime import openmp
+
+    monkeypatch.setattr(ort_session, "TRIAL_DELAY", 0)
+    runner = _runner(SessionConfig(threads=2, choose_threads=True, narrow_when_crowded=narrow_when_crowded))
+    monkeypatch.setattr(openmp, "room", lambda threads: (False, True))
+    taken = []
+    run = runner._run
+    monkeypatch.setattr(runner, "_run", lambda session, *a: taken.append(session is runner._wide) or run(session, *a))
+    x = np.ones((128, 128), np.float32)
+    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+    for _ in range(40):
+        runner.run(feeds)
+    assert taken == [not narrow_when_crowded] * 40
+    assert runner._trial is not None and runner._trial._times == ([], []) and runner.chosen_threads is None
