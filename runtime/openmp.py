@@ -28,8 +28,9 @@ quiet).
 
 The same count tells a crowded machine (more threads running than cores, torch's spinning workers included when
 they cannot be parked): `room` says so, and the run goes to a one-thread session of the same graph
-(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. A decision serves the
-runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every run cost more than parking saved. A
+(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. A decision to park or
+narrow serves the runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every run cost more than
+parking saved; one to do neither (no worker was spinning) is made again at the next run, which may find one. A
 process held to fewer CPUs than the machine has (a container's cpuset or CPU quota) reads the load as unknown,
 since /proc/loadavg counts the whole host's threads (`_confined`).
 
@@ -247,17 +248,32 @@ load average, one or two task stats) cost 80-120 µs a run on a machine whose ca
 MLPs stepped 3-14% slower (`benchmarks.ab`; in one process 1.01-1.15 of torch's step per run, 0.97-1.06 with
 this window, 0.97-1.06 always parked without reading anything). Within the window what it reads hardly moves:
 torch's workers spin for ~10 ms after a parallel region (after ours too, which lets them go at its end), and
-what else runs on the machine changes over seconds; a change is seen at most this late."""
+what else runs on the machine changes over seconds; a change is seen at most this late. Not for a decision that
+found no worker spinning (`IDLE_SECONDS`)."""
+
+
+IDLE_SECONDS = 0.0
+"""How long a decision that neither parks nor narrows (no worker of torch's was spinning) holds: none, since a
+worker starts spinning at torch's next parallel op, and a run that meets it unparked shares a core with it. Held
+for `ROOM_SECONDS` like the others, such decisions (made after a pause in torch's work) left 22-32 of an MLP's first
+44 runs unparked while torch's workers spun, a few of them 2-10 ms instead of 0.3-0.5 (session 45, an AVX-512
+EPYC); made again at each run, 3-6 were. `benchmarks.ab`, 4-5 rounds, the held form as the lever, lever /
+baseline: 784-300-100-10 b64 1.122 and 1.185, 784-256-10 b128 1.092 and 1.197, mlp-b16 1.061, mlp-relu-ln 1.081,
+784-512-512-10 b32 1.029, mlp 1.017; CNN 0.973 and 1.026, LeNet 1.021, transformer 1.007. The reads cost 25-45
+µs when made right after torch's work, ~120 after a 30 ms sleep (the cold machine), paid by runs that find no
+worker spinning (with OMP_WAIT_POLICY=PASSIVE every run: those steps read level with the held form, within this
+machine's noise). Held 2 ms instead: level with none (0.84-1.03, noisy)."""
 
 
 def room(threads: int) -> tuple[bool, bool]:
-    """`_room`'s decision, made again when the last one for `threads` is older than `ROOM_SECONDS`."""
+    """`_room`'s decision, made again when the last one for `threads` is older than `ROOM_SECONDS` (`IDLE_SECONDS`
+    for one that neither parked nor narrowed)."""
     now = time.perf_counter()
     last = getattr(_local, "room", None)
-    if last is not None and last[0] == threads and now - last[1] < ROOM_SECONDS:
+    if last is not None and last[0] == threads and now - last[1] < last[3]:
         return last[2]
     decision = _room(threads)
-    _local.room = (threads, now, decision)
+    _local.room = (threads, now, decision, ROOM_SECONDS if decision[0] or decision[1] else IDLE_SECONDS)
     return decision
 
 
