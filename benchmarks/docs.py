@@ -139,7 +139,7 @@ torch step.
   then pays a wake-up per parallel op), for comparison. `threads` is the most ORTModule uses: a model whose
   forward work is small for its batch (below `runtime.workload.SMALL` by `TRIAL_BAND`, the tiny MLP) runs on one,
   as torch runs ops below its grain size on one; near that crossover, each of its sessions times its runs on both
-  after its first 30 and keeps the faster (`runtime.ort_session.Trial`), so a case's first ~50 steps hold the
+  after its first 8 and keeps the faster (`runtime.ort_session.Trial`), so a case's first ~30 steps hold the
   trial's runs on the slower one.
 - {_allocator(results)}
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs

@@ -156,10 +156,12 @@ def _half_precision(model: onnx.ModelProto) -> bool:
                for n in model.graph.node)
 
 
-TRIAL_DELAY = 30
-"""Runs on the configured threads before the first trial: a session on two threads took 2-10 ms in 7 of its first
-15 runs against 0.3-0.5 ms in most runs after (an MLP's forward, each run right after a torch step, on an AVX-512
-EPYC); trials over those first runs put such forwards on one thread where two were faster by a third."""
+TRIAL_DELAY = 8
+"""Runs on the configured threads before the first trial. A two-thread session's first runs had stalled 2-10 ms
+(7 of its first 15, against 0.3-0.5 ms after), and trials over them put forwards on one thread where two were faster
+by a third. Those stalls were mostly runs left unparked beside torch's spinning workers by a stale `openmp.room`
+decision (now made again at each run that parks nothing): after that change, with 8 runs, 7 MLPs in each of two
+processes got verdicts matching the measured speeds (30 runs had before it)."""
 TRIAL_WARMUP = 2
 """Runs of the one-thread session that a trial does not time, besides the first of its visit: a session's first
 runs plan its memory and allocate."""
