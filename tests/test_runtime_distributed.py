@@ -5,6 +5,7 @@ failed deep in the trace ("Tried to trace ... ProcessGroup") and is refused, nam
 from __future__ import annotations
 
 import faulthandler
+import os
 import traceback
 import warnings
 from datetime import timedelta
@@ -30,43 +31,57 @@ def _make() -> nn.Module:
 
 def _worker(rank: int, store: str, results: mp.Queue) -> None:
     """Puts (rank, diff, refusal message) or (rank, None, traceback): a rank that fails says why, at once. A rank
-    still running after `HANG_SECONDS` writes every thread's stack to stderr and exits, so that a hang (seen twice
-    in full runs on a loaded machine, never alone) shows where it waits."""
+    still running after `HANG_SECONDS` writes every thread's stack to stderr and exits. Once its result has left, a
+    rank exits without tearing gloo down (`_leave`)."""
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     try:
-        _train(rank, store, results)
+        kept = _train(rank, store, results)
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
-        raise
+        _leave(results, 1)  # within the handler: its traceback holds the models too
+    _leave(results, 0, kept)
 
 
-def _train(rank: int, store: str, results: mp.Queue) -> None:
+def _leave(results: mp.Queue, code: int, *kept: object) -> None:
+    """Exit once the result has left, with the DDP models (`kept`) never freed. Freeing a DDP model frees its
+    reducer's gloo process group, whose destructor joins gloo's worker threads while holding the GIL; a worker still
+    destroying a finished allreduce needs the GIL for it (a Python object in the work's saved thread-local state):
+    both waited forever (py-spy on a hung rank: `ProcessGroupGloo::~ProcessGroupGloo` in `std::thread::join`
+    under `pybind11_object_dealloc`, the worker in `gil_scoped_acquire` under `AsyncWork::~AsyncWork`), in a
+    third of the runs on some days."""
+    results.close()
+    results.join_thread()
+    os._exit(code)
+
+
+def _train(rank: int, store: str, results: mp.Queue) -> list[nn.Module]:
     # A file rendezvous: a TCP port picked free and bound later can be taken in between, leaving the peer waiting.
     # The timeout turns a peer that died into an error here instead of a hang in a collective.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
+    warnings.simplefilter("ignore")
+    ours, theirs = _make(), _make()
+    models = [DistributedDataParallel(ORTModule(ours)), DistributedDataParallel(theirs)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(3):  # each rank its own batch: different BatchNorm statistics, gradients averaged
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    diff = max(float((a - b).abs().max()) for a, b in
+               zip([*ours.parameters(), *ours.buffers()], [*theirs.parameters(), *theirs.buffers()]))
     try:
-        warnings.simplefilter("ignore")
-        ours, theirs = _make(), _make()
-        models = [DistributedDataParallel(ORTModule(ours)), DistributedDataParallel(theirs)]
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-        for step in range(3):  # each rank its own batch: different BatchNorm statistics, gradients averaged
-            g = torch.Generator().manual_seed(100 * step + rank)
-            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-            for model, opt in zip(models, opts):
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-        diff = max(float((a - b).abs().max()) for a, b in
-                   zip([*ours.parameters(), *ours.buffers()], [*theirs.parameters(), *theirs.buffers()]))
-        try:
-            ORTModule(nn.Sequential(DistributedDataParallel(_make())))
-            refused = ""
-        except TypeError as e:
-            refused = str(e)
-        results.put((rank, diff, refused))
-    finally:
-        dist.destroy_process_group()
+        refusal = nn.Sequential(DistributedDataParallel(_make()))
+        models.append(refusal)
+        ORTModule(refusal)
+        refused = ""
+    except TypeError as e:
+        refused = str(e)
+    dist.barrier()  # every collective done on both ranks before either leaves
+    results.put((rank, diff, refused))
+    return models
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
