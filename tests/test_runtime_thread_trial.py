@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 from onnx import TensorProto, helper
-from onnxruntime.capi import _pybind_state as C
 
-from runtime import ORTModule, ort_session, workload
+from runtime import ORTModule, exchange, ort_session, workload
 from runtime.engine import Options
 from runtime.export import ExportOptions
 from runtime.ort_session import Runner, SessionConfig, Trial
@@ -80,7 +79,7 @@ def test_runs_take_the_session_their_trial_found_faster(monkeypatch, slow: str) 
 
     monkeypatch.setattr(runner, "_run", timed)
     x = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
-    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+    feeds = {"x": exchange.to_ortvalue(x)}
     expected = x.astype(np.float64) @ x
     used = []
     for _ in range(60):
@@ -146,7 +145,7 @@ def test_crowded_runs_during_a_trial_are_not_timed(monkeypatch, narrow_when_crow
     run = runner._run
     monkeypatch.setattr(runner, "_run", lambda session, *a: taken.append(session is runner._wide) or run(session, *a))
     x = np.ones((128, 128), np.float32)
-    feeds = {"x": C.OrtValue.ortvalue_from_numpy(x, C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0))}
+    feeds = {"x": exchange.to_ortvalue(x)}
     for _ in range(40):
         runner.run(feeds)
     assert taken == [not narrow_when_crowded] * 40
