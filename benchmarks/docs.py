@@ -138,9 +138,11 @@ torch step.
   (`session.force_spinning_stop`). The second table repeats the step times with torch's threads passive (torch
   then pays a wake-up per parallel op), for comparison. `threads` is the most ORTModule uses: a model whose
   forward work is small for its batch (below `runtime.workload.SMALL` by `TRIAL_BAND`, the tiny MLP) runs on one,
-  as torch runs ops below its grain size on one; near that crossover, each of its sessions times its runs on both
-  after its first 8 and keeps the faster (`runtime.ort_session.Trial`), so a case's first ~30 steps hold the
-  trial's runs on the slower one.
+  as torch runs ops below its grain size on one; near that crossover (up to `SMALL` times `TRIAL_TOP`), each of
+  its sessions times its runs on both after its first 8 and keeps the faster (`runtime.ort_session.Trial`), so a
+  case's first ~25 steps hold 6-10 of the trial's runs on the slower one; a trial is made again when the chosen
+  session's runs slow down (on this machine class, two threads slow by up to 2.4x while the VM's two CPUs sit far
+  apart on the host, which changes every 10-70 s and moves a case's ratio by as much).
 - {_allocator(results)}
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
   on onnxruntime too), gradients set to None before it, no optimizer. Forward = the training forward alone

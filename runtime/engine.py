@@ -75,11 +75,11 @@ class Options:
 
     def config_for(self, work: float) -> SessionConfig:
         """The sessions' config for a forward of this much work (`workload`): one thread below `workload.SMALL`
-        by `TRIAL_BAND`, the configured threads above it by as much, and between, the faster of the two as the first
-        runs measure it."""
+        by `TRIAL_BAND`, the configured threads from `SMALL` times `TRIAL_TOP`, and between, the faster of the two
+        as runs measure it."""
         if work < workload.SMALL / workload.TRIAL_BAND:
             return self.config(1)
-        return self.config(self.threads, choose=work < workload.SMALL * workload.TRIAL_BAND)
+        return self.config(self.threads, choose=work < workload.SMALL * workload.TRIAL_TOP)
 
 
 MEM_PATTERN_MAX_BYTES = 64 * 2**20

@@ -249,7 +249,7 @@ MLPs stepped 3-14% slower (`benchmarks.ab`; in one process 1.01-1.15 of torch's 
 this window, 0.97-1.06 always parked without reading anything). Within the window what it reads hardly moves:
 torch's workers spin for ~10 ms after a parallel region (after ours too, which lets them go at its end), and
 what else runs on the machine changes over seconds; a change is seen at most this late. Not for a decision that
-found no worker spinning (`IDLE_SECONDS`)."""
+does not park (`IDLE_SECONDS`)."""
 
 
 IDLE_SECONDS = 0.0
@@ -262,18 +262,24 @@ baseline: 784-300-100-10 b64 1.122 and 1.185, 784-256-10 b128 1.092 and 1.197, m
 784-512-512-10 b32 1.029, mlp 1.017; CNN 0.973 and 1.026, LeNet 1.021, transformer 1.007. The reads cost 25-45
 µs when made right after torch's work, ~120 after a 30 ms sleep (the cold machine), paid by runs that find no
 worker spinning (with OMP_WAIT_POLICY=PASSIVE every run: those steps read level with the held form, within this
-machine's noise). Held 2 ms instead: level with none (0.84-1.03, noisy)."""
+machine's noise). Held 2 ms instead: level with none (0.84-1.03, noisy).
+
+Nor does a crowded decision hold (session 46): most crowds are a moment's. The extra running thread was, each time
+it was caught, a thread our own process had just made (onnxruntime's pool as a session is created: the split
+sessions at a fused module's second step, a trial's one-thread session), and a crowd held 50 ms put the runs of
+that window on one thread: 2 to 6 of a LeNet's 36 runs at batch 256, 16-18 ms instead of 11-12. A crowd that
+lasts (another process busy) is seen again at each run, for the read's 25-45 µs a run."""
 
 
 def room(threads: int) -> tuple[bool, bool]:
     """`_room`'s decision, made again when the last one for `threads` is older than `ROOM_SECONDS` (`IDLE_SECONDS`
-    for one that neither parked nor narrowed)."""
+    for one that did not park)."""
     now = time.perf_counter()
     last = getattr(_local, "room", None)
     if last is not None and last[0] == threads and now - last[1] < last[3]:
         return last[2]
     decision = _room(threads)
-    _local.room = (threads, now, decision, ROOM_SECONDS if decision[0] or decision[1] else IDLE_SECONDS)
+    _local.room = (threads, now, decision, ROOM_SECONDS if decision[0] else IDLE_SECONDS)
     return decision
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import time
 import warnings
@@ -167,6 +168,10 @@ TRIAL_WARMUP = 2
 runs plan its memory and allocate."""
 TRIAL_RUNS = 6
 """Timed runs of each session in a trial; their medians decide."""
+TRIAL_APART = 1.2
+"""Half of `TRIAL_RUNS` decide where every timed run of one session is this many times faster than every one of the
+other's: a trial's slower session then takes 6 runs instead of 10 (at batch 256 a LeNet's fused run took 16-17 ms
+on one thread and 11-12 on two)."""
 TRIAL_VISIT = 4
 """Runs of one session in a row during a trial, the first untimed: no timed run comes right after the other
 session's runs (its caches and its threads as the other left them), as none will after the verdict."""
@@ -174,6 +179,19 @@ TRIAL_REVIEW = 1000
 """Runs after a verdict until the next trial: a trial can coincide with a burst of other work on the machine, and
 what runs beside a long training changes. The slower session's 8 runs in 1000 cost 0.3% of the runs' time where
 the two differ by a third."""
+TRIAL_RECHECK = 100
+"""Runs after a one-thread verdict until the next trial, doubled by each trial that keeps one thread again, up to
+`TRIAL_REVIEW`: whether two threads pay can change within seconds (`TRIAL_DRIFT`), and one thread's runs do not
+show it."""
+TRIAL_DRIFT = 1.3
+"""The chosen session's recent runs (the median of `TRIAL_WATCH`) this many times its median in the trial: a new
+trial at once. On the AVX-512 EPYC, a two-thread run's time depends on where the VM's two CPUs sit on the host,
+which changes every 10-70 s: a round trip between two threads pinned one to a CPU took 55-70 ns or 330-370 ns, and
+with the far placement a LeNet's fused run at batch 256 took 26-29 ms on two threads against 11-12 ms with the near
+one, and 16-17 ms on one thread with either (each op's data, written by both threads, moves between the CPUs'
+caches). torch's step moved from 13 to 16-17 ms."""
+TRIAL_WATCH = 8
+"""Runs of the chosen session whose median is compared with its trial's (`TRIAL_DRIFT`)."""
 
 
 class Trial:
@@ -186,15 +204,28 @@ class Trial:
     thread / with two (`benchmarks.ab`, 3 rounds): 784-512-512-10 at batch 32 1.37 / 1.10, 784-300-100-10 at batch
     64 1.23 / 1.11, while 100-200-200-10 at batch 64 kept one (1.18 / 1.21). `workload.SMALL` was measured on another
     AVX-512 machine and `workload.mac_weight` on an AVX2 EPYC, which put the crossovers at a third of the
-    work; the EPYC with AVX-512 is neither."""
+    work; the EPYC with AVX-512 is neither. And the answer can change while the process runs (`TRIAL_DRIFT`):
+    the chosen session's runs are watched (`watch`), and a one-thread verdict is tried again soon
+    (`TRIAL_RECHECK`)."""
 
     def __init__(self, delay: int | None = None, warmup: int | None = None, runs: int | None = None,
-                 review: int | None = None, visit: int | None = None):
+                 review: int | None = None, visit: int | None = None, recheck: int | None = None,
+                 drift: float | None = None, watched: int | None = None, apart: float | None = None):
         """Defaults: the module's TRIAL_ constants as they are when the trial is made."""
         self.warmup = TRIAL_WARMUP if warmup is None else warmup
         self.runs = TRIAL_RUNS if runs is None else runs
+        self.apart = TRIAL_APART if apart is None else apart
         self.review = TRIAL_REVIEW if review is None else review
         self.visit = TRIAL_VISIT if visit is None else visit
+        self._recheck = self.recheck = TRIAL_RECHECK if recheck is None else recheck
+        """Runs until a one-thread verdict is tried again (doubling while trials keep it)."""
+        self.drift = TRIAL_DRIFT if drift is None else drift
+        self._watched = self.watched = TRIAL_WATCH if watched is None else watched
+        """Runs of the chosen session a drift is judged over; doubled after each trial a drift started that kept
+        the verdict (run times that move for other reasons, a batch size that varies, do not keep trials going)."""
+        self._limit = math.inf  # the chosen session's recent median above this: a new trial
+        self._recent: list[float] = []
+        self._drifted = False  # the trial under way was started by a drift
         self.arm = 0
         """The session the next trial run takes."""
         self.chosen: int | None = None
@@ -219,10 +250,19 @@ class Trial:
         if self._left < self.visit - 1:
             self._times[arm].append(seconds)
         wide, narrow = self._times
-        if len(wide) >= self.runs and len(narrow) >= self.runs:
-            self.chosen = int(statistics.median(narrow) < statistics.median(wide))
+        if min(len(wide), len(narrow)) >= self.runs or self._apart(wide, narrow):
+            medians = statistics.median(wide), statistics.median(narrow)
+            kept, self.chosen = self.chosen, int(medians[1] < medians[0])
+            self.watched = min(2 * self.watched, self.review) if self._drifted and kept == self.chosen else \
+                self._watched
+            self._drifted = False
+            self._limit, self._recent = self.drift * medians[self.chosen], []
             self._times = ([], [])
-            self._wait, self.arm, self._left = self.review, 0, self.visit
+            self.arm, self._left = 0, self.visit
+            if self.chosen:
+                self._wait, self.recheck = min(self.recheck, self.review), min(2 * self.recheck, self.review)
+            else:
+                self._wait, self.recheck = self.review, self._recheck
             return self.chosen
         if self._left <= 0 or len(self._times[arm]) >= self.runs:
             other = 1 - arm
@@ -231,6 +271,21 @@ class Trial:
             if self.arm == 1 and self._fresh:
                 self._fresh, self._left = False, self.visit + self.warmup
         return None
+
+    def _apart(self, wide: list[float], narrow: list[float]) -> bool:
+        """Whether half the timed runs each already tell the sessions apart (`TRIAL_APART`)."""
+        if 2 * min(len(wide), len(narrow)) < self.runs:
+            return False
+        return max(wide) * self.apart <= min(narrow) or max(narrow) * self.apart <= min(wide)
+
+    def watch(self, seconds: float) -> None:
+        """A run of the chosen session outside trials took `seconds`. Every `watched` runs, a median above the
+        trial's by `drift` makes the next run a trial's."""
+        self._recent.append(seconds)
+        if len(self._recent) >= self.watched:
+            if statistics.median(self._recent) > self._limit:
+                self._wait, self._drifted = 0, True
+            self._recent = []
 
 
 class Runner:
@@ -302,11 +357,17 @@ class Runner:
         """Run and return onnxruntime's own vector of outputs (`exchange.vector_to_torch` converts it whole)."""
         names = self.output_names if outputs is None else outputs
         feeds = feeds if isinstance(feeds, dict) else dict(feeds)
-        if self._trial is not None and self._trial.due():
-            return self._tried(self._trial, feeds, names)
+        trial = self._trial
+        if trial is not None and trial.due():
+            return self._tried(trial, feeds, names)
         park, crowded = openmp.room(self._threads) if self._parallel else (False, False)
-        narrow = crowded and self._narrow is not None and self._narrow_when_crowded
-        return self._run(self._narrow_session() if narrow else self._c, park and self._park, feeds, names)
+        if crowded or trial is None or trial.chosen is None:  # crowded runs are not the chosen session's own
+            narrow = crowded and self._narrow is not None and self._narrow_when_crowded
+            return self._run(self._narrow_session() if narrow else self._c, park and self._park, feeds, names)
+        start = time.perf_counter()
+        out = self._run(self._c, park and self._park, feeds, names)
+        trial.watch(time.perf_counter() - start)
+        return out
 
     def _run(self, session: C.InferenceSession, park: bool, feeds: dict[str, C.OrtValue], names: Sequence[str]
              ) -> C.OrtValueVector:

@@ -30,12 +30,21 @@ SMALL = 12_000_000
 writes) under which one intra-op thread beats two."""
 
 TRIAL_BAND = 8.0
-"""Forward work within this factor of `SMALL`, either way, leaves the thread count to the machine: runs time their
-first steps on both and keep the faster (`ort_session.Trial`). Below it one thread, above it the configured
-threads, without a trial. `SMALL` and `mac_weight` were measured on two machines and the crossovers moved by 3x
-between them (a third, an AVX-512 EPYC, put MLPs of 8-11M units faster on two threads, 0.81-0.91 of one thread's
-step), where a wrong guess cost up to a third of a step; a trial costs its slower arm's extra time over a few steps
-and a one-thread session (`ort_session.Runner`, which makes it for crowded runs anyway)."""
+"""Forward work from `SMALL` divided by this factor up to `SMALL` times `TRIAL_TOP` leaves the thread count to the
+machine: runs time their first steps on both and keep the faster (`ort_session.Trial`). Below it one thread, above
+it the configured threads, without a trial. `SMALL` and `mac_weight` were measured on two machines and the
+crossovers moved by 3x between them (a third, an AVX-512 EPYC, put MLPs of 8-11M units faster on two threads,
+0.81-0.91 of one thread's step), where a wrong guess cost up to a third of a step; a trial costs its slower arm's
+extra time over a few steps and a one-thread session (`ort_session.Runner`, which makes it for crowded runs anyway)."""
+
+TRIAL_TOP = 12.0
+"""The top of the band that trials the thread count, as a multiple of `SMALL` (session 46, 8 before). Up to it,
+LeNets whose two-thread runs lose most when the VM's two CPUs sit far apart on the host (`ort_session.TRIAL_DRIFT`):
+at batch 256 (101M units) and with 16 and 32 channels at batch 64 (107M), one module a process against torch's
+step (`benchmarks.ab`, 4 rounds, the top at 64 / at 8): 0.89-1.19 / 0.88-1.65 and 1.00-1.03 / 0.96-1.41, the
+highest of each the far placement's. Where the CPUs sat near, the trial's slower runs cost those 30-step cases
+3-4%, and 6% the MLP 784-512-512-10 at batch 512 (172M), a product-bound model that two threads keep faster
+(the transformer, 150M, far: 23.4 ms on two threads, 25.6 on one), so the band stops below it."""
 
 GEMM_WEIGHT = 0.5
 """What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at

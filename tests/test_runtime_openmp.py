@@ -274,32 +274,34 @@ def test_a_forked_child_parks_nothing(two_threads, monkeypatch) -> None:
 
 
 def test_a_decision_serves_the_runs_of_its_window(monkeypatch) -> None:
-    """`room`'s reads of /proc cost more than parking saved when each run made them: a decision to park or narrow
-    holds for `ROOM_SECONDS` on as many threads, then is made again; another thread count, or another thread,
-    decides anew. One that does neither is made again at the next run (`IDLE_SECONDS`)."""
+    """`room`'s reads of /proc cost more than parking saved when each run made them: a decision to park holds for
+    `ROOM_SECONDS` on as many threads, then is made again; another thread count, or another thread, decides anew.
+    One that does not park, crowded or not, is made again at the next run (`IDLE_SECONDS`)."""
     made: list[int] = []
 
     def decide(threads: int) -> tuple[bool, bool]:
         made.append(threads)
-        return len(made) % 2 == 1, len(made) % 2 == 0
+        return True, False
 
     monkeypatch.setattr(openmp, "_room", decide)
     monkeypatch.setattr(openmp, "ROOM_SECONDS", 1.0)
     assert openmp.room(2) == (True, False)
     assert openmp.room(2) == (True, False) and made == [2]
-    assert openmp.room(3) == (False, True) and made == [2, 3]  # another count: decided, and now the last
+    assert openmp.room(3) == (True, False) and made == [2, 3]  # another count: decided, and now the last
     seen: list[tuple[bool, bool]] = []
     t = threading.Thread(target=lambda: seen.append(openmp.room(3)))
     t.start()
     t.join()
     assert seen == [(True, False)] and made == [2, 3, 3]  # the other thread's pools are its own
-    assert openmp.room(3) == (False, True) and made == [2, 3, 3]
+    assert openmp.room(3) == (True, False) and made == [2, 3, 3]
     time.sleep(1.1)
-    assert openmp.room(3) == (False, True) and made == [2, 3, 3, 3]
-    monkeypatch.setattr(openmp, "_room", lambda threads: made.append(threads) or (False, False))
-    time.sleep(1.1)
-    assert openmp.room(3) == (False, False) and openmp.room(3) == (False, False)  # nothing spinning: made again
-    assert made == [2, 3, 3, 3, 3, 3]
+    assert openmp.room(3) == (True, False) and made == [2, 3, 3, 3]
+    for crowded in (False, True):  # nothing spinning, or a crowd (most are a moment's): made again
+        monkeypatch.setattr(openmp, "_room", lambda threads, c=crowded: made.append(threads) or (False, c))
+        time.sleep(1.1)
+        made.clear()
+        assert openmp.room(3) == (False, crowded) and openmp.room(3) == (False, crowded)
+        assert made == [3, 3]
 
 
 def test_each_thread_watches_its_own_pool(two_threads) -> None:

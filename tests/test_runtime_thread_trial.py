@@ -32,9 +32,9 @@ def _schedule(trial: Trial, wide: float, narrow: float) -> tuple[list[int | None
             return arms, verdict
 
 
-@pytest.mark.parametrize(("wide", "narrow", "expected"), [(2.0, 1.0, 1), (1.0, 2.0, 0)])
+@pytest.mark.parametrize(("wide", "narrow", "expected"), [(1.1, 1.0, 1), (1.0, 1.1, 0)])
 def test_a_trial_keeps_the_faster_arm_after_visits_to_both(wide: float, narrow: float, expected: int) -> None:
-    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3)
+    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2)
     arms, verdict = _schedule(trial, wide, narrow)
     assert verdict == expected and trial.chosen == expected
     # the delay, then visits of three runs (the first untimed; the one-thread session's first visit one longer)
@@ -42,6 +42,15 @@ def test_a_trial_keeps_the_faster_arm_after_visits_to_both(wide: float, narrow: 
     again, verdict = _schedule(trial, wide, narrow)  # reviewed after `review` runs, both sessions warm
     assert verdict == expected
     assert again == [None] * 5 + [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("wide", "narrow", "expected"), [(1.2, 1.0, 1), (1.0, 1.2, 0)])
+def test_sessions_far_apart_are_told_apart_by_half_the_runs(wide: float, narrow: float, expected: int) -> None:
+    """Every timed run of one session `apart` times faster than the other's: one visit to each decides."""
+    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2)
+    arms, verdict = _schedule(trial, wide, narrow)
+    assert verdict == expected
+    assert arms == [None] * 3 + [0, 0, 0, 1, 1, 1, 1]
 
 
 def test_the_median_of_the_timed_runs_decides() -> None:
@@ -54,6 +63,47 @@ def test_the_median_of_the_timed_runs_decides() -> None:
         arm = trial.arm
         verdict = trial.record(arm, next(times[arm]))
     assert verdict == 0  # medians 1.0 against 1.5 (means 17.3 against 1.5)
+
+
+def _runs_until_due(trial: Trial) -> int:
+    n = 0
+    while not trial.due():
+        n += 1
+    return n
+
+
+def test_a_one_thread_verdict_is_tried_again_soon_and_less_often_while_it_holds() -> None:
+    """One thread's runs cannot show that two threads became faster: its verdict is tried again after `recheck`
+    runs, doubling while trials keep it, up to `review`; a verdict for two threads waits `review` runs and starts
+    the doubling over."""
+    trial = Trial(delay=0, warmup=0, runs=2, review=50, visit=2, recheck=5)
+    waits = []
+    for wide, narrow in [(2.0, 1.0)] * 5 + [(1.0, 2.0), (2.0, 1.0)]:
+        _schedule(trial, wide, narrow)
+        waits.append(_runs_until_due(trial))
+    assert waits == [5, 10, 20, 40, 50, 50, 5]
+
+
+def test_the_chosen_sessions_runs_slowing_down_start_a_trial_at_once() -> None:
+    """After a verdict, every `watched` runs of the chosen session: a median within `drift` of its trial median
+    leaves the next trial `review` runs away; above it, the next run is a trial's. A trial a drift started that
+    keeps the verdict doubles the runs watched."""
+    trial = Trial(delay=0, warmup=0, runs=2, review=1000, visit=2, drift=1.5, watched=3)
+    assert _schedule(trial, 1.0, 2.0)[1] == 0
+    for seconds in (1.4, 1.0, 9.0, 1.4, 1.2, 1.45):  # medians 1.4 and 1.4
+        trial.watch(seconds)
+    assert not trial.due()
+    for seconds in (1.6, 1.0, 1.6):  # median 1.6
+        trial.watch(seconds)
+    assert trial.due()
+    assert _schedule(trial, 1.0, 2.0)[1] == 0  # a trial that keeps two threads: drifts are judged over 6 runs now
+    for seconds in (9.0,) * 5:
+        trial.watch(seconds)
+    assert not trial.due()
+    trial.watch(9.0)
+    assert trial.due()
+    assert _schedule(trial, 3.0, 2.0)[1] == 1  # and this trial moves the runs to one thread: back to 3 runs
+    assert trial.watched == 3
 
 
 def _runner(config: SessionConfig) -> Runner:
@@ -92,6 +142,32 @@ def test_runs_take_the_session_their_trial_found_faster(monkeypatch, slow: str) 
     assert runner._narrow_c is not None  # made for the trial
 
 
+def test_runs_follow_a_change_in_which_session_is_faster(monkeypatch) -> None:
+    """Two threads fast, then slow (as when the VM's two CPUs move apart on the host: `TRIAL_DRIFT`), then fast
+    again: the two-thread session's slower runs start a trial that moves the runs to one thread, and the one-thread
+    verdict's recheck moves them back."""
+    monkeypatch.setattr(ort_session, "TRIAL_DELAY", 2)
+    monkeypatch.setattr(ort_session, "TRIAL_REVIEW", 10_000)
+    monkeypatch.setattr(ort_session, "TRIAL_RECHECK", 20)
+    runner = _runner(SessionConfig(threads=2, choose_threads=True))
+    run = runner._run
+    delay = {"wide": 0.0, "narrow": 0.003}  # sleeps longer than the product, whose time varies
+
+    def timed(session, park, feeds, names):
+        time.sleep(delay["wide" if session is runner._wide else "narrow"])
+        return run(session, park, feeds, names)
+
+    monkeypatch.setattr(runner, "_run", timed)
+    feeds = {"x": exchange.to_ortvalue(np.ones((128, 128), np.float32))}
+    chosen = []
+    for wide in (0.001, 0.006, 0.001):
+        delay["wide"] = wide
+        for _ in range(60):
+            np.testing.assert_array_equal(runner.run(feeds)[0].numpy(), np.full((128, 128), 128, np.float32))
+        chosen.append(runner.chosen_threads)
+    assert chosen == [2, 1, 2]
+
+
 def test_without_choose_threads_or_with_one_thread_there_is_no_trial() -> None:
     assert _runner(SessionConfig(threads=2))._trial is None
     assert _runner(SessionConfig(threads=1, choose_threads=True))._trial is None
@@ -101,7 +177,7 @@ def test_without_choose_threads_or_with_one_thread_there_is_no_trial() -> None:
 def test_the_forward_work_picks_one_thread_a_trial_or_the_configured_threads() -> None:
     """Below `SMALL / TRIAL_BAND` one thread; within the band a trial; from its top, the configured threads."""
     options = Options(ExportOptions(), threads=2, specialise=True, fallback=True, save_dir=None)
-    low, high = workload.SMALL / workload.TRIAL_BAND, workload.SMALL * workload.TRIAL_BAND
+    low, high = workload.SMALL / workload.TRIAL_BAND, workload.SMALL * workload.TRIAL_TOP
     for work, threads, choose in ((low * 0.99, 1, False), (low, 2, True), (workload.SMALL, 2, True),
                                   (high * 0.99, 2, True), (high, 2, False)):
         config = options.config_for(work)
