@@ -251,19 +251,7 @@ class Trial:
             self._times[arm].append(seconds)
         wide, narrow = self._times
         if min(len(wide), len(narrow)) >= self.runs or self._apart(wide, narrow):
-            medians = statistics.median(wide), statistics.median(narrow)
-            kept, self.chosen = self.chosen, int(medians[1] < medians[0])
-            self.watched = min(2 * self.watched, self.review) if self._drifted and kept == self.chosen else \
-                self._watched
-            self._drifted = False
-            self._limit, self._recent = self.drift * medians[self.chosen], []
-            self._times = ([], [])
-            self.arm, self._left = 0, self.visit
-            if self.chosen:
-                self._wait, self.recheck = min(self.recheck, self.review), min(2 * self.recheck, self.review)
-            else:
-                self._wait, self.recheck = self.review, self._recheck
-            return self.chosen
+            return self._decide(statistics.median(wide), statistics.median(narrow))
         if self._left <= 0 or len(self._times[arm]) >= self.runs:
             other = 1 - arm
             self.arm = other if len(self._times[other]) < self.runs else arm
@@ -271,6 +259,21 @@ class Trial:
             if self.arm == 1 and self._fresh:
                 self._fresh, self._left = False, self.visit + self.warmup
         return None
+
+    def _decide(self, wide: float, narrow: float) -> int:
+        """The verdict from the sessions' medians, and what follows it: the next trial `review` runs away after two
+        threads, `recheck` runs (doubling) after one; the drift that started this trial, if it changed nothing,
+        judged over more runs next time."""
+        kept, self.chosen = self.chosen, int(narrow < wide)
+        self.watched = min(2 * self.watched, self.review) if self._drifted and kept == self.chosen else self._watched
+        self._drifted, self._recent = False, []
+        self._limit = self.drift * (narrow if self.chosen else wide)
+        self._times, self.arm, self._left = ([], []), 0, self.visit
+        if self.chosen:
+            self._wait, self.recheck = min(self.recheck, self.review), min(2 * self.recheck, self.review)
+        else:
+            self._wait, self.recheck = self.review, self._recheck
+        return self.chosen
 
     def _apart(self, wide: list[float], narrow: list[float]) -> bool:
         """Whether half the timed runs each already tell the sessions apart (`TRIAL_APART`)."""
