@@ -262,24 +262,33 @@ baseline: 784-300-100-10 b64 1.122 and 1.185, 784-256-10 b128 1.092 and 1.197, m
 784-512-512-10 b32 1.029, mlp 1.017; CNN 0.973 and 1.026, LeNet 1.021, transformer 1.007. The reads cost 25-45
 µs when made right after torch's work, ~120 after a 30 ms sleep (the cold machine), paid by runs that find no
 worker spinning (with OMP_WAIT_POLICY=PASSIVE every run: those steps read level with the held form, within this
-machine's noise). Held 2 ms instead: level with none (0.84-1.03, noisy).
+machine's noise). Held 2 ms instead: level with none (0.84-1.03, noisy)."""
 
-Nor does a crowded decision hold (session 46): most crowds are a moment's. The extra running thread was, each time
-it was caught, a thread our own process had just made (onnxruntime's pool as a session is created: the split
-sessions at a fused module's second step, a trial's one-thread session), and a crowd held 50 ms put the runs of
-that window on one thread: 2 to 6 of a LeNet's 36 runs at batch 256, 16-18 ms instead of 11-12. A crowd that
-lasts (another process busy) is seen again at each run, for the read's 25-45 µs a run."""
+
+CROWD_SECONDS = 0.0
+"""How long a crowded decision holds when the decision before it was not crowded: none (session 46; `ROOM_SECONDS`
+before), while a crowd seen again at the next run holds `ROOM_SECONDS`. Most crowds on a quiet machine are a
+moment's: the extra running thread was, each time it was caught, a thread our own process had just made
+(onnxruntime's pool as a session is created: the split sessions at a fused module's second step, a trial's one-
+thread session), and a crowd held 50 ms put the runs of that window on one thread: 2 to 6 of a LeNet's 36 runs at
+batch 256, 16-18 ms instead of 11-12. A crowd that lasts (another process busy) cannot be read at every run: beside
+a CPU burner, the reads at each run made steps slower than holding each crowd (`benchmarks.ab`, 3 rounds, held /
+read at each run: MLP 0.838, CNN 0.913, LeNet 0.909)."""
 
 
 def room(threads: int) -> tuple[bool, bool]:
-    """`_room`'s decision, made again when the last one for `threads` is older than `ROOM_SECONDS` (`IDLE_SECONDS`
-    for one that did not park)."""
+    """`_room`'s decision, made again when the last one for `threads` is older than `ROOM_SECONDS` (`CROWD_SECONDS`
+    for a crowded one after one that was not, `IDLE_SECONDS` for one that neither parks nor narrows)."""
     now = time.perf_counter()
     last = getattr(_local, "room", None)
     if last is not None and last[0] == threads and now - last[1] < last[3]:
         return last[2]
     decision = _room(threads)
-    _local.room = (threads, now, decision, ROOM_SECONDS if decision[0] else IDLE_SECONDS)
+    if decision[1]:  # a crowd seen twice in a row lasts
+        hold = ROOM_SECONDS if last is not None and last[2][1] else CROWD_SECONDS
+    else:
+        hold = ROOM_SECONDS if decision[0] else IDLE_SECONDS
+    _local.room = (threads, now, decision, hold)
     return decision
 
 

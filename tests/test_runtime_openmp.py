@@ -276,7 +276,8 @@ def test_a_forked_child_parks_nothing(two_threads, monkeypatch) -> None:
 def test_a_decision_serves_the_runs_of_its_window(monkeypatch) -> None:
     """`room`'s reads of /proc cost more than parking saved when each run made them: a decision to park holds for
     `ROOM_SECONDS` on as many threads, then is made again; another thread count, or another thread, decides anew.
-    One that does not park, crowded or not, is made again at the next run (`IDLE_SECONDS`)."""
+    One that does neither is made again at the next run (`IDLE_SECONDS`), and so is a crowded one after one that was
+    not (`CROWD_SECONDS`: most crowds are a moment's); a crowd seen twice in a row holds."""
     made: list[int] = []
 
     def decide(threads: int) -> tuple[bool, bool]:
@@ -296,12 +297,13 @@ def test_a_decision_serves_the_runs_of_its_window(monkeypatch) -> None:
     assert openmp.room(3) == (True, False) and made == [2, 3, 3]
     time.sleep(1.1)
     assert openmp.room(3) == (True, False) and made == [2, 3, 3, 3]
-    for crowded in (False, True):  # nothing spinning, or a crowd (most are a moment's): made again
+    for crowded in (False, True):  # nothing spinning, or a crowd after none: made again
         monkeypatch.setattr(openmp, "_room", lambda threads, c=crowded: made.append(threads) or (False, c))
         time.sleep(1.1)
         made.clear()
         assert openmp.room(3) == (False, crowded) and openmp.room(3) == (False, crowded)
         assert made == [3, 3]
+    assert openmp.room(3) == (False, True) and made == [3, 3]  # the crowd seen twice: held
 
 
 def test_each_thread_watches_its_own_pool(two_threads) -> None:
