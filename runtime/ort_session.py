@@ -99,9 +99,10 @@ class SessionConfig:
     runs on a one-thread session of the same graph instead, made when first needed; not for graphs drawing random
     numbers in onnxruntime (a session of their own would draw others)."""
     choose_threads: bool = False
-    """Runs on more than one thread time their first runs on those threads and on one (a one-thread session of the
-    same graph, as for crowded runs), alternately, and keep the faster (`Trial`): for graphs whose work leaves the
-    choice open (`workload.TRIAL_BAND`). Not for graphs drawing random numbers in onnxruntime."""
+    """Runs on more than one thread time their runs on those threads and on one (a one-thread session of the same
+    graph, as for crowded runs), alternately, and keep the faster, again when it may have changed (`Trial`): for
+    graphs whose work leaves the choice open (`workload.TRIAL_BAND`, `TRIAL_TOP`). Not for graphs drawing random
+    numbers in onnxruntime."""
 
     @property
     def thread_count(self) -> int:

@@ -10,7 +10,8 @@ shapes, the two modules in one process; one module a process, median ratios to t
 784-256x4-10 at batch 32, 0.85 against 0.85 for 784-512-512-10), of 26M 0.99-1.03x, of 32-34M 1.08-1.13x, of 52-60M
 1.10-1.29x. So a product's multiply-adds gain less from a second thread than a convolution's (crossovers near 25M
 for MLPs, 10M units for LeNets), and count at `GEMM_WEIGHT`: below `SMALL` units of forward work a session gets one
-thread, or, within `TRIAL_BAND` of it, the thread count its first runs measure faster on this machine.
+thread, or, from `SMALL / TRIAL_BAND` up to `SMALL * TRIAL_TOP`, the thread count its runs measure faster on this
+machine.
 """
 
 from __future__ import annotations
