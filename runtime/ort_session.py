@@ -189,7 +189,7 @@ TRIAL_DRIFT = 1.3
 trial at once. On the AVX-512 EPYC, a two-thread run's time depends on where the VM's two CPUs sit on the host,
 which changes every 10-70 s: a round trip between two threads pinned one to a CPU took 55-70 ns or 330-370 ns, and
 with the far placement a LeNet's fused run at batch 256 took 26-29 ms on two threads against 11-12 ms with the near
-one, and 16-17 ms on one thread with either (each op's data, written by both threads, moves between the CPUs'
+one, and 15-18 ms on one thread with either (each op's data, written by both threads, moves between the CPUs'
 caches). torch's step moved from 13 to 16-17 ms."""
 TRIAL_WATCH = 8
 """Runs of the chosen session whose median is compared with its trial's (`TRIAL_DRIFT`)."""
