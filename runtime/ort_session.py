@@ -173,6 +173,12 @@ TRIAL_APART = 1.2
 """Half of `TRIAL_RUNS` decide where every timed run of one session is this many times faster than every one of the
 other's: a trial's slower session then takes 6 runs instead of 10 (at batch 256 a LeNet's fused run took 16-17 ms
 on one thread and 11-12 on two)."""
+TRIAL_MARGIN = 1.1
+"""One thread is chosen only where its median is this many times faster than the configured threads': its verdict
+holds `TRIAL_RECHECK` runs unwatched, while the configured threads' runs are watched (`TRIAL_DRIFT`). LeNet 1-16-32
+at batch 64 took 15.1 ms on two threads and 14.2 on one while the VM's CPUs sat far apart, and 7.6-8.5 on two when
+near: a one-thread verdict made in a far spell held past the spell (1.40 of torch's step in two of six processes,
+session 46)."""
 TRIAL_VISIT = 4
 """Runs of one session in a row during a trial, the first untimed: no timed run comes right after the other
 session's runs (its caches and its threads as the other left them), as none will after the verdict."""
@@ -211,11 +217,13 @@ class Trial:
 
     def __init__(self, delay: int | None = None, warmup: int | None = None, runs: int | None = None,
                  review: int | None = None, visit: int | None = None, recheck: int | None = None,
-                 drift: float | None = None, watched: int | None = None, apart: float | None = None):
+                 drift: float | None = None, watched: int | None = None, apart: float | None = None,
+                 margin: float | None = None):
         """Defaults: the module's TRIAL_ constants as they are when the trial is made."""
         self.warmup = TRIAL_WARMUP if warmup is None else warmup
         self.runs = TRIAL_RUNS if runs is None else runs
         self.apart = TRIAL_APART if apart is None else apart
+        self.margin = TRIAL_MARGIN if margin is None else margin
         self.review = TRIAL_REVIEW if review is None else review
         self.visit = TRIAL_VISIT if visit is None else visit
         self._recheck = self.recheck = TRIAL_RECHECK if recheck is None else recheck
@@ -265,7 +273,7 @@ class Trial:
         """The verdict from the sessions' medians, and what follows it: the next trial `review` runs away after two
         threads, `recheck` runs (doubling) after one; the drift that started this trial, if it changed nothing,
         judged over more runs next time."""
-        kept, self.chosen = self.chosen, int(narrow < wide)
+        kept, self.chosen = self.chosen, int(narrow * self.margin < wide)
         self.watched = min(2 * self.watched, self.review) if self._drifted and kept == self.chosen else self._watched
         self._drifted, self._recent = False, []
         self._limit = self.drift * (narrow if self.chosen else wide)

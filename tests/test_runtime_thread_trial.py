@@ -32,9 +32,10 @@ def _schedule(trial: Trial, wide: float, narrow: float) -> tuple[list[int | None
             return arms, verdict
 
 
-@pytest.mark.parametrize(("wide", "narrow", "expected"), [(1.1, 1.0, 1), (1.0, 1.1, 0)])
+@pytest.mark.parametrize(("wide", "narrow", "expected"), [(1.1, 1.0, 1), (1.0, 1.1, 0), (1.04, 1.0, 0)])
 def test_a_trial_keeps_the_faster_arm_after_visits_to_both(wide: float, narrow: float, expected: int) -> None:
-    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2)
+    """One thread only where it is `margin` times faster (1.04 against 1.0: the configured threads)."""
+    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2, margin=1.05)
     arms, verdict = _schedule(trial, wide, narrow)
     assert verdict == expected and trial.chosen == expected
     # the delay, then visits of three runs (the first untimed; the one-thread session's first visit one longer)
