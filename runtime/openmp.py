@@ -28,9 +28,10 @@ quiet).
 
 The same count tells a crowded machine (more threads running than cores, torch's spinning workers included when
 they cannot be parked): `room` says so, and the run goes to a one-thread session of the same graph
-(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. A decision to park or
-narrow serves the runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every run cost more than
-parking saved; one to do neither (no worker was spinning) is made again at the next run, which may find one. A
+(`ort_session.Runner`), since onnxruntime's threads would wait on each other for cores. A decision to park, or a
+crowd seen twice in a row, serves the runs of the next `ROOM_SECONDS` on the same thread: reading /proc at every
+run cost more than parking saved; one to do neither (no worker was spinning), or a first crowd (mostly a thread
+our own process just made), is made again at the next run. A
 process held to fewer CPUs than the machine has (a container's cpuset or CPU quota) reads the load as unknown,
 since /proc/loadavg counts the whole host's threads (`_confined`).
 
