@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
+import types
 
 import numpy as np
 import pytest
@@ -146,24 +147,26 @@ def test_runs_take_the_session_their_trial_found_faster(monkeypatch, slow: str) 
 def test_runs_follow_a_change_in_which_session_is_faster(monkeypatch) -> None:
     """Two threads fast, then slow (as when the VM's two CPUs move apart on the host: `TRIAL_DRIFT`), then fast
     again: the two-thread session's slower runs start a trial that moves the runs to one thread, and the one-thread
-    verdict's recheck moves them back."""
+    verdict's recheck moves them back. The runs' times come from a clock the test advances, so a busy machine
+    cannot change them."""
     monkeypatch.setattr(ort_session, "TRIAL_DELAY", 2)
     monkeypatch.setattr(ort_session, "TRIAL_REVIEW", 10_000)
     monkeypatch.setattr(ort_session, "TRIAL_RECHECK", 20)
     monkeypatch.setattr(ort_session.openmp, "room", lambda threads: (False, False))  # a crowd would not be timed
     runner = _runner(SessionConfig(threads=2, choose_threads=True))
     run = runner._run
-    delay = {"wide": 0.0, "narrow": 0.010}  # sleeps far longer than the product and a busy machine's stalls
+    clock = {"now": 0.0, "wide": 0.0, "narrow": 0.002}
+    monkeypatch.setattr(ort_session, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
 
     def timed(session, park, feeds, names):
-        time.sleep(delay["wide" if session is runner._wide else "narrow"])
+        clock["now"] += clock["wide" if session is runner._wide else "narrow"]
         return run(session, park, feeds, names)
 
     monkeypatch.setattr(runner, "_run", timed)
     feeds = {"x": exchange.to_ortvalue(np.ones((128, 128), np.float32))}
     chosen = []
-    for wide, runs in ((0.001, 60), (0.030, 60), (0.001, 200)):  # each one-thread verdict doubles the recheck
-        delay["wide"] = wide
+    for wide, runs in ((0.001, 60), (0.004, 60), (0.001, 60)):
+        clock["wide"] = wide
         for _ in range(runs):
             np.testing.assert_array_equal(runner.run(feeds)[0].numpy(), np.full((128, 128), 128, np.float32))
         chosen.append(runner.chosen_threads)
