@@ -4,7 +4,6 @@ keep the faster, with the same results either way."""
 from __future__ import annotations
 
 import copy
-import time
 import types
 
 import numpy as np
@@ -115,21 +114,29 @@ def _runner(config: SessionConfig) -> Runner:
     return Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), config, "test")
 
 
-@pytest.mark.parametrize("slow", ["wide", "narrow"])
-def test_runs_take_the_session_their_trial_found_faster(monkeypatch, slow: str) -> None:
-    """Each session made slower in turn (a sleep in its runs): the trial keeps the other, and every run, on either
-    session, during the trial and after, gives the same product."""
-    monkeypatch.setattr(ort_session, "TRIAL_DELAY", 2)
-    monkeypatch.setattr(ort_session, "TRIAL_REVIEW", 4)
-    runner = _runner(SessionConfig(threads=2, choose_threads=True))
+def _clocked(monkeypatch, runner: Runner, seconds: dict[str, float]) -> None:
+    """Each run of the runner's wide or narrow session takes `seconds[...]` on a clock the test advances (the
+    product still runs), and the machine reads as free: a busy machine cannot change what the trials see."""
+    clock = [0.0]
     run = runner._run
 
     def timed(session, park, feeds, names):
-        if (session is runner._wide) == (slow == "wide"):
-            time.sleep(0.003)
+        clock[0] += seconds["wide" if session is runner._wide else "narrow"]
         return run(session, park, feeds, names)
 
+    monkeypatch.setattr(ort_session, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(ort_session.openmp, "room", lambda threads: (False, False))
     monkeypatch.setattr(runner, "_run", timed)
+
+
+@pytest.mark.parametrize("slow", ["wide", "narrow"])
+def test_runs_take_the_session_their_trial_found_faster(monkeypatch, slow: str) -> None:
+    """Each session made slower in turn: the trial keeps the other, and every run, on either session, during the
+    trial and after, gives the same product."""
+    monkeypatch.setattr(ort_session, "TRIAL_DELAY", 2)
+    monkeypatch.setattr(ort_session, "TRIAL_REVIEW", 4)
+    runner = _runner(SessionConfig(threads=2, choose_threads=True))
+    _clocked(monkeypatch, runner, {"wide": 0.001, "narrow": 0.001, slow: 0.003})
     x = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
     feeds = {"x": exchange.to_ortvalue(x)}
     expected = x.astype(np.float64) @ x
@@ -147,27 +154,18 @@ def test_runs_take_the_session_their_trial_found_faster(monkeypatch, slow: str) 
 def test_runs_follow_a_change_in_which_session_is_faster(monkeypatch) -> None:
     """Two threads fast, then slow (as when the VM's two CPUs move apart on the host: `TRIAL_DRIFT`), then fast
     again: the two-thread session's slower runs start a trial that moves the runs to one thread, and the one-thread
-    verdict's recheck moves them back. The runs' times come from a clock the test advances, so a busy machine
-    cannot change them."""
+    verdict's recheck moves them back."""
     monkeypatch.setattr(ort_session, "TRIAL_DELAY", 2)
     monkeypatch.setattr(ort_session, "TRIAL_REVIEW", 10_000)
     monkeypatch.setattr(ort_session, "TRIAL_RECHECK", 20)
-    monkeypatch.setattr(ort_session.openmp, "room", lambda threads: (False, False))  # a crowd would not be timed
     runner = _runner(SessionConfig(threads=2, choose_threads=True))
-    run = runner._run
-    clock = {"now": 0.0, "wide": 0.0, "narrow": 0.002}
-    monkeypatch.setattr(ort_session, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
-
-    def timed(session, park, feeds, names):
-        clock["now"] += clock["wide" if session is runner._wide else "narrow"]
-        return run(session, park, feeds, names)
-
-    monkeypatch.setattr(runner, "_run", timed)
+    seconds = {"wide": 0.001, "narrow": 0.002}
+    _clocked(monkeypatch, runner, seconds)
     feeds = {"x": exchange.to_ortvalue(np.ones((128, 128), np.float32))}
     chosen = []
-    for wide, runs in ((0.001, 60), (0.004, 60), (0.001, 60)):
-        clock["wide"] = wide
-        for _ in range(runs):
+    for wide in (0.001, 0.004, 0.001):
+        seconds["wide"] = wide
+        for _ in range(60):
             np.testing.assert_array_equal(runner.run(feeds)[0].numpy(), np.full((128, 128), 128, np.float32))
         chosen.append(runner.chosen_threads)
     assert chosen == [2, 1, 2]
