@@ -137,7 +137,7 @@ torch step.
   go waits for a core); onnxruntime's threads spin while a run lasts and stop at its end
   (`session.force_spinning_stop`). The second table repeats the step times with torch's threads passive (torch
   then pays a wake-up per parallel op), for comparison. `threads` is the most ORTModule uses: a model whose
-  forward work is small for its batch (below `runtime.workload.SMALL` by `TRIAL_BAND`, the tiny MLP) runs on one,
+  forward work is small for its batch (below `runtime.workload.SMALL` by `TRIAL_BOTTOM`, the tiny MLP) runs on one,
   as torch runs ops below its grain size on one; near that crossover (up to `SMALL` times `TRIAL_TOP`), each of
   its sessions times its runs on both after its first 8 and keeps the faster (`runtime.ort_session.Trial`), so a
   case's first ~25 steps hold 6-10 of the trial's runs on the slower one; a trial is made again when the chosen

@@ -75,9 +75,9 @@ class Options:
 
     def config_for(self, work: float) -> SessionConfig:
         """The sessions' config for a forward of this much work (`workload`): one thread below `workload.SMALL`
-        by `TRIAL_BAND`, the configured threads from `SMALL` times `TRIAL_TOP`, and between, the faster of the two
+        by `TRIAL_BOTTOM`, the configured threads from `SMALL` times `TRIAL_TOP`, and between, the faster of the two
         as runs measure it."""
-        if work < workload.SMALL / workload.TRIAL_BAND:
+        if work < workload.SMALL / workload.TRIAL_BOTTOM:
             return self.config(1)
         return self.config(self.threads, choose=work < workload.SMALL * workload.TRIAL_TOP)
 

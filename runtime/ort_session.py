@@ -101,7 +101,7 @@ class SessionConfig:
     choose_threads: bool = False
     """Runs on more than one thread time their runs on those threads and on one (a one-thread session of the same
     graph, as for crowded runs), alternately, and keep the faster, again when it may have changed (`Trial`): for
-    graphs whose work leaves the choice open (`workload.TRIAL_BAND`, `TRIAL_TOP`). Not for graphs drawing random
+    graphs whose work leaves the choice open (`workload.TRIAL_BOTTOM`, `TRIAL_TOP`). Not for graphs drawing random
     numbers in onnxruntime."""
 
     @property
@@ -201,6 +201,45 @@ TRIAL_WATCH = 8
 """Runs of the chosen session whose median is compared with its trial's (`TRIAL_DRIFT`)."""
 
 
+@dataclass(frozen=True)
+class TrialSettings:
+    """A trial's constants (the module's `TRIAL_` ones, read when the trial is made, so a test can set them)."""
+
+    delay: int
+    warmup: int
+    runs: int
+    apart: float
+    margin: float
+    visit: int
+    review: int
+    recheck: int
+    drift: float
+    watch: int
+
+    @classmethod
+    def now(cls, **given: float) -> TrialSettings:
+        """The module's constants as they are now, with `given` over them."""
+        current = {"delay": TRIAL_DELAY, "warmup": TRIAL_WARMUP, "runs": TRIAL_RUNS, "apart": TRIAL_APART,
+                   "margin": TRIAL_MARGIN, "visit": TRIAL_VISIT, "review": TRIAL_REVIEW, "recheck": TRIAL_RECHECK,
+                   "drift": TRIAL_DRIFT, "watch": TRIAL_WATCH}
+        return cls(**{**current, **given})  # type: ignore[arg-type]
+
+
+class _Doubling:
+    """A number of runs that doubles, up to `cap`, while what it waits for does not come, and starts over."""
+
+    def __init__(self, first: int, cap: int):
+        self.first, self.cap, self.runs = first, cap, first
+
+    def take(self) -> int:
+        """The runs now; twice as many the next time."""
+        runs, self.runs = self.runs, min(2 * self.runs, self.cap)
+        return runs
+
+    def reset(self) -> None:
+        self.runs = self.first
+
+
 class Trial:
     """Which of two sessions of one graph runs it faster, the one on the configured threads (arm 0) or the one on
     a single thread (arm 1), timed alternately over runs as the caller makes them (each right after whatever the
@@ -215,21 +254,11 @@ class Trial:
     the chosen session's runs are watched (`watch`), and a one-thread verdict is tried again soon
     (`TRIAL_RECHECK`)."""
 
-    def __init__(self, delay: int | None = None, warmup: int | None = None, runs: int | None = None,
-                 review: int | None = None, visit: int | None = None, recheck: int | None = None,
-                 drift: float | None = None, watched: int | None = None, apart: float | None = None,
-                 margin: float | None = None):
-        """Defaults: the module's TRIAL_ constants as they are when the trial is made."""
-        self.warmup = TRIAL_WARMUP if warmup is None else warmup
-        self.runs = TRIAL_RUNS if runs is None else runs
-        self.apart = TRIAL_APART if apart is None else apart
-        self.margin = TRIAL_MARGIN if margin is None else margin
-        self.review = TRIAL_REVIEW if review is None else review
-        self.visit = TRIAL_VISIT if visit is None else visit
-        self._recheck = self.recheck = TRIAL_RECHECK if recheck is None else recheck
-        """Runs until a one-thread verdict is tried again (doubling while trials keep it)."""
-        self.drift = TRIAL_DRIFT if drift is None else drift
-        self._watched = self.watched = TRIAL_WATCH if watched is None else watched
+    def __init__(self, settings: TrialSettings | None = None):
+        self.settings = s = settings or TrialSettings.now()
+        self.recheck = _Doubling(s.recheck, s.review)
+        """Runs until a one-thread verdict is tried again, doubling while trials keep it."""
+        self.watched = _Doubling(s.watch, s.review)
         """Runs of the chosen session a drift is judged over; doubled after each trial a drift started that kept
         the verdict (run times that move for other reasons, a batch size that varies, do not keep trials going)."""
         self._limit = math.inf  # the chosen session's recent median above this: a new trial
@@ -240,9 +269,9 @@ class Trial:
         self.chosen: int | None = None
         """The arm the last trial found faster; None before the first verdict."""
         self._times: tuple[list[float], list[float]] = ([], [])
-        self._left = self.visit  # runs left in this visit to the arm
+        self._left = s.visit  # runs left in this visit to the arm
         self._fresh = True  # the one-thread session not run yet
-        self._wait = TRIAL_DELAY if delay is None else delay
+        self._wait = s.delay
 
     def due(self) -> bool:
         """Whether this run is a trial's; counts the runs down to the next trial otherwise."""
@@ -255,46 +284,53 @@ class Trial:
         """One trial run of `arm` took `seconds`: timed unless it is the first of its visit to the arm (or among the
         one-thread session's first runs). The verdict once both arms have their timed runs (then the wait for the
         next trial starts), else None."""
+        s = self.settings
         self._left -= 1
-        if self._left < self.visit - 1:
+        if self._left < s.visit - 1:
             self._times[arm].append(seconds)
         wide, narrow = self._times
-        if min(len(wide), len(narrow)) >= self.runs or self._apart(wide, narrow):
+        if min(len(wide), len(narrow)) >= s.runs or self._apart(wide, narrow):
             return self._decide(statistics.median(wide), statistics.median(narrow))
-        if self._left <= 0 or len(self._times[arm]) >= self.runs:
+        if self._left <= 0 or len(self._times[arm]) >= s.runs:
             other = 1 - arm
-            self.arm = other if len(self._times[other]) < self.runs else arm
-            self._left = self.visit
+            self.arm = other if len(self._times[other]) < s.runs else arm
+            self._left = s.visit
             if self.arm == 1 and self._fresh:
-                self._fresh, self._left = False, self.visit + self.warmup
+                self._fresh, self._left = False, s.visit + s.warmup
         return None
 
     def _decide(self, wide: float, narrow: float) -> int:
         """The verdict from the sessions' medians, and what follows it: the next trial `review` runs away after two
         threads, `recheck` runs (doubling) after one; the drift that started this trial, if it changed nothing,
         judged over more runs next time."""
-        kept, self.chosen = self.chosen, int(narrow * self.margin < wide)
-        self.watched = min(2 * self.watched, self.review) if self._drifted and kept == self.chosen else self._watched
-        self._drifted, self._recent = False, []
-        self._limit = self.drift * (narrow if self.chosen else wide)
-        self._times, self.arm, self._left = ([], []), 0, self.visit
-        if self.chosen:
-            self._wait, self.recheck = min(self.recheck, self.review), min(2 * self.recheck, self.review)
+        s = self.settings
+        kept, self.chosen = self.chosen, int(narrow * s.margin < wide)
+        if self._drifted and kept == self.chosen:
+            self.watched.take()
         else:
-            self._wait, self.recheck = self.review, self._recheck
+            self.watched.reset()
+        self._drifted, self._recent = False, []
+        self._limit = s.drift * (narrow if self.chosen else wide)
+        self._times, self.arm, self._left = ([], []), 0, s.visit
+        if self.chosen:
+            self._wait = min(self.recheck.take(), s.review)
+        else:
+            self._wait = s.review
+            self.recheck.reset()
         return self.chosen
 
     def _apart(self, wide: list[float], narrow: list[float]) -> bool:
         """Whether half the timed runs each already tell the sessions apart (`TRIAL_APART`)."""
-        if 2 * min(len(wide), len(narrow)) < self.runs:
+        if 2 * min(len(wide), len(narrow)) < self.settings.runs:
             return False
-        return max(wide) * self.apart <= min(narrow) or max(narrow) * self.apart <= min(wide)
+        apart = self.settings.apart
+        return max(wide) * apart <= min(narrow) or max(narrow) * apart <= min(wide)
 
     def watch(self, seconds: float) -> None:
         """A run of the chosen session outside trials took `seconds`. Every `watched` runs, a median above the
         trial's by `drift` makes the next run a trial's."""
         self._recent.append(seconds)
-        if len(self._recent) >= self.watched:
+        if len(self._recent) >= self.watched.runs:
             if statistics.median(self._recent) > self._limit:
                 self._wait, self._drifted = 0, True
             self._recent = []

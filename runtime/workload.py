@@ -10,7 +10,7 @@ shapes, the two modules in one process; one module a process, median ratios to t
 784-256x4-10 at batch 32, 0.85 against 0.85 for 784-512-512-10), of 26M 0.99-1.03x, of 32-34M 1.08-1.13x, of 52-60M
 1.10-1.29x. So a product's multiply-adds gain less from a second thread than a convolution's (crossovers near 25M
 for MLPs, 10M units for LeNets), and count at `GEMM_WEIGHT`: below `SMALL` units of forward work a session gets one
-thread, or, from `SMALL / TRIAL_BAND` up to `SMALL * TRIAL_TOP`, the thread count its runs measure faster on this
+thread, or, from `SMALL / TRIAL_BOTTOM` up to `SMALL * TRIAL_TOP`, the thread count its runs measure faster on this
 machine.
 """
 
@@ -30,7 +30,7 @@ SMALL = 12_000_000
 """Forward work (multiply-adds of convolutions, of products at `GEMM_WEIGHT`, plus elements every other node
 writes) under which one intra-op thread beats two."""
 
-TRIAL_BAND = 8.0
+TRIAL_BOTTOM = 8.0
 """Forward work from `SMALL` divided by this factor up to `SMALL` times `TRIAL_TOP` leaves the thread count to the
 machine: runs time their first steps on both and keep the faster (`ort_session.Trial`). Below it one thread, above
 it the configured threads, without a trial. `SMALL` and `mac_weight` were measured on two machines and the

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from runtime import ORTModule, exchange, ort_session, workload
 from runtime.engine import Options
 from runtime.export import ExportOptions
-from runtime.ort_session import Runner, SessionConfig, Trial
+from runtime.ort_session import Runner, SessionConfig, Trial, TrialSettings
 
 
 def _schedule(trial: Trial, wide: float, narrow: float) -> tuple[list[int | None], int]:
@@ -35,7 +35,7 @@ def _schedule(trial: Trial, wide: float, narrow: float) -> tuple[list[int | None
 @pytest.mark.parametrize(("wide", "narrow", "expected"), [(1.1, 1.0, 1), (1.0, 1.1, 0), (1.04, 1.0, 0)])
 def test_a_trial_keeps_the_faster_arm_after_visits_to_both(wide: float, narrow: float, expected: int) -> None:
     """One thread only where it is `margin` times faster (1.04 against 1.0: the configured threads)."""
-    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2, margin=1.05)
+    trial = Trial(TrialSettings.now(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2, margin=1.05))
     arms, verdict = _schedule(trial, wide, narrow)
     assert verdict == expected and trial.chosen == expected
     # the delay, then visits of three runs (the first untimed; the one-thread session's first visit one longer)
@@ -48,7 +48,7 @@ def test_a_trial_keeps_the_faster_arm_after_visits_to_both(wide: float, narrow: 
 @pytest.mark.parametrize(("wide", "narrow", "expected"), [(1.2, 1.0, 1), (1.0, 1.2, 0)])
 def test_sessions_far_apart_are_told_apart_by_half_the_runs(wide: float, narrow: float, expected: int) -> None:
     """Every timed run of one session `apart` times faster than the other's: one visit to each decides."""
-    trial = Trial(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2)
+    trial = Trial(TrialSettings.now(delay=3, warmup=1, runs=4, review=5, visit=3, apart=1.2))
     arms, verdict = _schedule(trial, wide, narrow)
     assert verdict == expected
     assert arms == [None] * 3 + [0, 0, 0, 1, 1, 1, 1]
@@ -57,7 +57,7 @@ def test_sessions_far_apart_are_told_apart_by_half_the_runs(wide: float, narrow:
 def test_the_median_of_the_timed_runs_decides() -> None:
     """One slow outlier does not sink an arm, and the first run of each visit is not counted (here the one-thread
     session's first runs are fast: counted, they would win it the trial)."""
-    trial = Trial(delay=0, warmup=0, runs=3, review=0, visit=2)
+    trial = Trial(TrialSettings.now(delay=0, warmup=0, runs=3, review=0, visit=2))
     times = {0: iter([9.0, 1.0, 9.0, 50.0, 9.0, 1.0]), 1: iter([0.1, 1.5, 0.1, 1.5, 0.1, 1.5])}
     verdict = None
     while verdict is None:
@@ -77,7 +77,7 @@ def test_a_one_thread_verdict_is_tried_again_soon_and_less_often_while_it_holds(
     """One thread's runs cannot show that two threads became faster: its verdict is tried again after `recheck`
     runs, doubling while trials keep it, up to `review`; a verdict for two threads waits `review` runs and starts
     the doubling over."""
-    trial = Trial(delay=0, warmup=0, runs=2, review=50, visit=2, recheck=5)
+    trial = Trial(TrialSettings.now(delay=0, warmup=0, runs=2, review=50, visit=2, recheck=5))
     waits = []
     for wide, narrow in [(2.0, 1.0)] * 5 + [(1.0, 2.0), (2.0, 1.0)]:
         _schedule(trial, wide, narrow)
@@ -89,7 +89,7 @@ def test_the_chosen_sessions_runs_slowing_down_start_a_trial_at_once() -> None:
     """After a verdict, every `watched` runs of the chosen session: a median within `drift` of its trial median
     leaves the next trial `review` runs away; above it, the next run is a trial's. A trial a drift started that
     keeps the verdict doubles the runs watched."""
-    trial = Trial(delay=0, warmup=0, runs=2, review=1000, visit=2, drift=1.5, watched=3)
+    trial = Trial(TrialSettings.now(delay=0, warmup=0, runs=2, review=1000, visit=2, drift=1.5, watch=3))
     assert _schedule(trial, 1.0, 2.0)[1] == 0
     for seconds in (1.4, 1.0, 9.0, 1.4, 1.2, 1.45):  # medians 1.4 and 1.4
         trial.watch(seconds)
@@ -104,7 +104,7 @@ def test_the_chosen_sessions_runs_slowing_down_start_a_trial_at_once() -> None:
     trial.watch(9.0)
     assert trial.due()
     assert _schedule(trial, 3.0, 2.0)[1] == 1  # and this trial moves the runs to one thread: back to 3 runs
-    assert trial.watched == 3
+    assert trial.watched.runs == 3
 
 
 def _runner(config: SessionConfig) -> Runner:
@@ -178,9 +178,9 @@ def test_without_choose_threads_or_with_one_thread_there_is_no_trial() -> None:
 
 
 def test_the_forward_work_picks_one_thread_a_trial_or_the_configured_threads() -> None:
-    """Below `SMALL / TRIAL_BAND` one thread; within the band a trial; from its top, the configured threads."""
+    """Below `SMALL / TRIAL_BOTTOM` one thread; within the band a trial; from its top, the configured threads."""
     options = Options(ExportOptions(), threads=2, specialise=True, fallback=True, save_dir=None)
-    low, high = workload.SMALL / workload.TRIAL_BAND, workload.SMALL * workload.TRIAL_TOP
+    low, high = workload.SMALL / workload.TRIAL_BOTTOM, workload.SMALL * workload.TRIAL_TOP
     for work, threads, choose in ((low * 0.99, 1, False), (low, 2, True), (workload.SMALL, 2, True),
                                   (high * 0.99, 2, True), (high, 2, False)):
         config = options.config_for(work)
