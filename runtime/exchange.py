@@ -56,8 +56,13 @@ def to_ortvalue(x: Tensor) -> C.OrtValue:
 
 
 def to_torch(v: C.OrtValue) -> torch.Tensor:
-    """A torch tensor on the OrtValue's memory; the tensor keeps the OrtValue alive."""
-    return tdl.from_dlpack(v.to_dlpack())
+    """A torch tensor on the OrtValue's memory; the tensor keeps the OrtValue alive. The capsule goes to torch's
+    C converter directly, as `vector_to_torch`'s do (`torch.utils.dlpack.from_dlpack` only adds its checks for
+    objects with `__dlpack__`: 0.95 against 0.79 µs a call warm; not measurable in a step)."""
+    return _from_capsule(v.to_dlpack())
+
+
+_from_capsule = torch._C._from_dlpack
 
 
 def vector_to_torch(values: C.OrtValueVector | list[C.OrtValue]) -> list[torch.Tensor]:
@@ -65,7 +70,7 @@ def vector_to_torch(values: C.OrtValueVector | list[C.OrtValue]) -> list[torch.T
     than `to_torch` on each); a list (a runner that assembles its outputs) tensor by tensor."""
     if isinstance(values, list):
         return [to_torch(v) for v in values]
-    return values.to_dlpacks(torch._C._from_dlpack)
+    return values.to_dlpacks(_from_capsule)
 
 
 def to_numpy(v: C.OrtValue) -> np.ndarray:
