@@ -231,10 +231,8 @@ class _Doubling:
     def __init__(self, first: int, cap: int):
         self.first, self.cap, self.runs = first, cap, first
 
-    def take(self) -> int:
-        """The runs now; twice as many the next time."""
-        runs, self.runs = self.runs, min(2 * self.runs, self.cap)
-        return runs
+    def double(self) -> None:
+        self.runs = min(2 * self.runs, self.cap)
 
     def reset(self) -> None:
         self.runs = self.first
@@ -306,14 +304,15 @@ class Trial:
         s = self.settings
         kept, self.chosen = self.chosen, int(narrow * s.margin < wide)
         if self._drifted and kept == self.chosen:
-            self.watched.take()
+            self.watched.double()
         else:
             self.watched.reset()
         self._drifted, self._recent = False, []
         self._limit = s.drift * (narrow if self.chosen else wide)
         self._times, self.arm, self._left = ([], []), 0, s.visit
         if self.chosen:
-            self._wait = min(self.recheck.take(), s.review)
+            self._wait = min(self.recheck.runs, s.review)
+            self.recheck.double()
         else:
             self._wait = s.review
             self.recheck.reset()
