@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import allocator, builder_scaling, report
+from . import allocator, builder_scaling, placement, report
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "gpt2")
 PARTS = ("timing", "memory", "first", "overhead", "builder", "passive", "shapes", "grid")
@@ -41,13 +41,13 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None, glib
         results["models"][name] = entry
         if "timing" in parts or "memory" in parts:
             _log(f"{name}: interleaved steps")
-            load0 = report.load()
+            load0, before = report.load(), placement.read()
             r = measure.measure(case, threads=threads, reps=reps)
             entry["timing"] = {"ort_step": r.ort.step, "torch_step": r.torch.step, "ratio": r.ratio,
                                "ort_forward": r.ort.forward, "torch_forward": r.torch.forward,
                                "ort_iqr": r.ort.step_iqr, "torch_iqr": r.torch.step_iqr, "samples": r.ort.samples,
                                "ort_stash": r.ort_stash, "torch_saved": r.torch_saved, "fused": r.fused,
-                               "load": (load0 + report.load()) / 2}
+                               "load": (load0 + report.load()) / 2, **_placement(before)}
         if "memory" in parts:
             _log(f"{name}: peak RSS (fresh processes)")
             entry["rss"] = {e: probe.run("rss", name, e, threads) for e in ("ortmodule", "eager")}
@@ -77,16 +77,23 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None, glib
 
 
 def ratios(cases: dict[str, Any], threads: int, reps: int | None) -> dict[str, Any]:
-    """Step times and paired ratio of each case against torch eager, with the load while it ran."""
+    """Step times and paired ratio of each case against torch eager, with the load while it ran and where the
+    CPUs sat (`placement`)."""
     from . import measure
 
     out = {}
     for name, case in cases.items():
         _log(f"{name}: interleaved steps")
-        load0 = report.load()
+        load0, before = report.load(), placement.read()
         out[name] = {"description": case.description, **measure.step_ratio(case, threads=threads, reps=reps),
-                     "load": (load0 + report.load()) / 2}
+                     "load": (load0 + report.load()) / 2, **_placement(before)}
     return out
+
+
+def _placement(before: float | None) -> dict[str, Any]:
+    """The CPUs' round trip (`placement`) read before the case and now, and what the two say."""
+    after = placement.read()
+    return {"round_trip": [before, after], "cpus": placement.state(before, after)}
 
 
 def passive(models: list[str], threads: int, reps: int | None, glibc: str) -> dict[str, Any]:

@@ -7,7 +7,9 @@ module in the same process but was worse one module a process (benchmarks/notes.
 measurement is a fresh process holding one ORTModule and torch eager, stepped in turn (`measure.step_ratio`, glibc's
 allocator steady as in the benchmark), and the lever's processes alternate with the baseline's. The report gives each
 setting's median ratio to torch's step over the rounds, and their spread: the machine moves a process's ratio by
-0.1-0.4, so a lever worth a few percent needs several rounds.
+0.1-0.4, so a lever worth a few percent needs several rounds. Where the VM's two CPUs sat is read before and after
+each process (`placement`), and the table also gives the medians over the processes that ran with them near
+throughout and far throughout: a lever for the far placement shows there, and near-only medians are steadier.
 
 A setting is `module:attribute=expression`: the expression is evaluated in the module's namespace and assigned
 before the case is built, e.g. `runtime.workload:GEMM_WEIGHT=1.0`.
@@ -32,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from . import report
+from . import placement, report
 
 
 @dataclass(frozen=True)
@@ -132,18 +134,22 @@ def _child(case_name: str, settings: list[Setting], reps: int | None, threads: i
 
 
 def compare(cases: list[str], settings: list[Setting], rounds: int, reps: int | None, threads: int
-            ) -> dict[str, dict[str, list[float]]]:
+            ) -> dict[str, dict[str, list[Any]]]:
     """Per case, the ratios to torch of the baseline's and the lever's processes, `rounds` of each, alternating
-    (which goes first alternates too)."""
-    out: dict[str, dict[str, list[float]]] = {}
+    (which goes first alternates too), and where the CPUs sat during each (`placement`, read before and after
+    it: under `baseline_cpus` and `lever_cpus`)."""
+    out: dict[str, dict[str, list[Any]]] = {}
     for name in cases:
-        ratios: dict[str, list[float]] = {"baseline": [], "lever": []}
+        ratios: dict[str, list[Any]] = {"baseline": [], "lever": [], "baseline_cpus": [], "lever_cpus": []}
         for r in range(rounds):
             order = ("baseline", "lever") if r % 2 == 0 else ("lever", "baseline")
             for which in order:
+                before = placement.read()
                 result = _child(name, settings if which == "lever" else [], reps, threads)
+                cpus = placement.state(before, placement.read())
                 ratios[which].append(result["ratio"])
-                print(f"{name} {which}: {result['ratio']:.3f}", file=sys.stderr, flush=True)
+                ratios[f"{which}_cpus"].append(cpus)
+                print(f"{name} {which}: {result['ratio']:.3f} {cpus}", file=sys.stderr, flush=True)
         out[name] = ratios
     return out
 
@@ -168,13 +174,26 @@ def paired_table(results: dict[str, list[float]]) -> str:
     return "\n".join(rows)
 
 
-def table(results: dict[str, dict[str, list[float]]]) -> str:
-    rows = ["| case | baseline: median (range) | lever: median (range) | lever / baseline |", "|---|---:|---:|---:|"]
+def table(results: dict[str, dict[str, list[Any]]]) -> str:
+    """Medians over all processes; then, where the CPUs were read, over the processes that ran with them near
+    throughout and with them far throughout (`placement`), each with its count."""
+    rows = ["| case | baseline: median (range) | lever: median (range) | lever / baseline | near: baseline / lever "
+            "(processes) | far: baseline / lever (processes) |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         base, lever = statistics.median(r["baseline"]), statistics.median(r["lever"])
         rows.append(f"| {name} | {base:.3f} ({min(r['baseline']):.2f}-{max(r['baseline']):.2f}) | {lever:.3f} "
-                    f"({min(r['lever']):.2f}-{max(r['lever']):.2f}) | {lever / base:.3f} |")
+                    f"({min(r['lever']):.2f}-{max(r['lever']):.2f}) | {lever / base:.3f} | {_placed(r, 'near')} | "
+                    f"{_placed(r, 'far')} |")
     return "\n".join(rows)
+
+
+def _placed(r: dict[str, list[Any]], where: str) -> str:
+    """The baseline's and the lever's medians over their processes with the CPUs `where` throughout."""
+    picked = {w: [x for x, c in zip(r[w], r.get(f"{w}_cpus", [])) if c == where] for w in ("baseline", "lever")}
+    if not picked["baseline"] and not picked["lever"]:
+        return ""
+    return " / ".join(f"{statistics.median(v):.3f}" if v else "-" for v in picked.values()) + \
+        f" ({len(picked['baseline'])} / {len(picked['lever'])})"
 
 
 def main(argv: list[str] | None = None) -> int:

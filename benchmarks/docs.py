@@ -143,6 +143,13 @@ torch step.
   case's first ~25 steps hold 6-10 of the trial's runs on the slower one; a trial is made again when the chosen
   session's runs slow down (on this machine class, two threads slow by up to 2.4x while the VM's two CPUs sit far
   apart on the host, which changes every 10-70 s and moves a case's ratio by as much).
+- **Where the VM's CPUs sat** (the "CPUs" columns): before and after each case, `benchmarks/placement.py` times a
+  cache line's round trip between two threads pinned one to each of the first two CPUs (a small C program in its
+  own process, so that no spinning worker of this one holds a CPU). On this machine class it reads one of two
+  levels, which change every 10-70 s: "near" (55-70 ns), or "far" (330-370 ns), where two-thread runs of both
+  engines slow down (onnxruntime's by up to 2.4x, torch's by less), so a ratio read "far" or "mixed" (one
+  reading each) says more about the placement than about ORTModule. Empty where results predate the reading or
+  no C compiler was found.
 - {_allocator(results)}
 - A step is forward + backward of the module returning its loss (cross-entropy inside the module, so it runs
   on onnxruntime too), gradients set to None before it, no optimizer. Forward = the training forward alone

@@ -67,8 +67,8 @@ def _get(d: dict[str, Any], *keys: str) -> Any:
 
 def step_table(results: dict[str, Any]) -> str:
     head = ("| model | ORTModule step (ms) | torch step (ms) | ratio | ORTModule fwd (ms) | torch fwd (ms) "
-            "| (fwd+bwd)/fwd ORT / torch | load |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| (fwd+bwd)/fwd ORT / torch | load | CPUs |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results["models"].items():
         t = r.get("timing")
         if not t:
@@ -77,7 +77,7 @@ def step_table(results: dict[str, Any]) -> str:
         lines.append(f"| {name}{fused} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | **{t['ratio']:.2f}** | "
                      f"{_ms(t['ort_forward'])} | {_ms(t['torch_forward'])} | "
                      f"{t['ort_step'] / t['ort_forward']:.2f} / {t['torch_step'] / t['torch_forward']:.2f} | "
-                     f"{t['load']:.1f} |")
+                     f"{t['load']:.1f} | {t.get('cpus', '')} |")
     return "\n".join(lines)
 
 
@@ -96,30 +96,43 @@ def passive_table(results: dict[str, Any]) -> str:
 
 def ratio_table(entries: dict[str, Any] | None) -> str:
     """One row a shape (the `shapes` and `grid` parts)."""
-    return _table("| model | shape | ORTModule step (ms) | torch step (ms) | ratio | load |",
-                  "|---|---|---:|---:|---:|---:|",
+    return _table("| model | shape | ORTModule step (ms) | torch step (ms) | ratio | load | CPUs |",
+                  "|---|---|---:|---:|---:|---:|---|",
                   (f"| {name} | {t['description']} | {_ms(t['ort_step'])} | {_ms(t['torch_step'])} | "
-                   f"**{t['ratio']:.2f}** | {t['load']:.1f} |" for name, t in (entries or {}).items()))
+                   f"**{t['ratio']:.2f}** | {t['load']:.1f} | {t.get('cpus', '')} |"
+                   for name, t in (entries or {}).items()))
 
 
-def family_ratios(results: dict[str, Any]) -> dict[str, list[float]]:
-    """The grid's ratios by family (`models.FAMILIES`, from the names' prefixes)."""
+def family_entries(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The grid's cases by family (`models.FAMILIES`, from the names' prefixes)."""
     from .models import FAMILIES
 
-    out: dict[str, list[float]] = {family: [] for family in FAMILIES.values()}
+    out: dict[str, list[dict[str, Any]]] = {family: [] for family in FAMILIES.values()}
     for name, t in (results.get("grid") or {}).items():
         family = FAMILIES.get(name.split("-", 1)[0])
         if family is not None:
-            out[family].append(t["ratio"])
-    return {family: ratios for family, ratios in out.items() if ratios}
+            out[family].append(t)
+    return {family: entries for family, entries in out.items() if entries}
+
+
+def family_ratios(results: dict[str, Any]) -> dict[str, list[float]]:
+    """The grid's ratios by family."""
+    return {family: [t["ratio"] for t in entries] for family, entries in family_entries(results).items()}
 
 
 def grid_summary(results: dict[str, Any]) -> str:
-    families = family_ratios(results)
-    return _table("| family | shapes | ratio: lowest / median / highest | at most 1.0 | at most 0.8 |",
-                  "|---|---:|---:|---:|---:|",
-                  (f"| {family} | {len(r)} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
-                   f"{sum(v <= 1.0 for v in r)} | {sum(v <= 0.8 for v in r)} |" for family, r in families.items()))
+    """Per family: the ratios' spread, how many reach 1.0 and 0.8, and how many cases had the CPUs far apart for
+    some of their run (`placement`; empty for results recorded before it was read)."""
+    families = family_entries(results)
+    rows = []
+    for family, entries in families.items():
+        r = [t["ratio"] for t in entries]
+        placed = [t.get("cpus", "") for t in entries]
+        apart = f"{sum(c in ('far', 'mixed') for c in placed)}" if any(placed) else ""
+        rows.append(f"| {family} | {len(r)} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
+                    f"{sum(v <= 1.0 for v in r)} | {sum(v <= 0.8 for v in r)} | {apart} |")
+    return _table("| family | shapes | ratio: lowest / median / highest | at most 1.0 | at most 0.8 | CPUs far for "
+                  "some of the case |", "|---|---:|---:|---:|---:|---:|", rows)
 
 
 def memory_table(results: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ def test_the_lever_reaches_its_processes() -> None:
     results = ab.compare(["tiny-mlp"], lever, rounds=1, reps=5, threads=2)
     ratios = results["tiny-mlp"]
     assert len(ratios["baseline"]) == len(ratios["lever"]) == 1 and all(r > 0 for r in ratios["lever"])
+    assert all(c in ("near", "far", "mixed", "") for c in ratios["baseline_cpus"] + ratios["lever_cpus"])
     assert "| tiny-mlp |" in ab.table(results)
 
 
