@@ -3,6 +3,8 @@
 import os
 import shutil
 
+import pytest
+
 from benchmarks import ab, placement
 
 
@@ -15,6 +17,8 @@ def test_a_reading_comes_from_its_own_process(tmp_path, monkeypatch) -> None:
                                                  or shutil.which("clang")):
         assert ns is None
         return
+    if placement._program() is None:
+        pytest.skip("this machine's C compiler could not build the probe (the benchmark leaves the column empty)")
     assert ns is not None and 10 < ns < 1e6
     assert [p.name.split("-")[0] for p in (tmp_path / "gradbuilder").iterdir()] == ["placement"]  # no partial left
     monkeypatch.setenv("CC", "/nonexistent/cc")
