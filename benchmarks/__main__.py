@@ -9,6 +9,7 @@ from saved results without measuring.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -41,13 +42,13 @@ def run(models: list[str], parts: set[str], threads: int, reps: int | None, glib
         results["models"][name] = entry
         if "timing" in parts or "memory" in parts:
             _log(f"{name}: interleaved steps")
-            load0, before = report.load(), placement.read()
-            r = measure.measure(case, threads=threads, reps=reps)
+            load0 = report.load()
+            r, placed = placement.around(functools.partial(measure.measure, case, threads=threads, reps=reps))
             entry["timing"] = {"ort_step": r.ort.step, "torch_step": r.torch.step, "ratio": r.ratio,
                                "ort_forward": r.ort.forward, "torch_forward": r.torch.forward,
                                "ort_iqr": r.ort.step_iqr, "torch_iqr": r.torch.step_iqr, "samples": r.ort.samples,
                                "ort_stash": r.ort_stash, "torch_saved": r.torch_saved, "fused": r.fused,
-                               "load": (load0 + report.load()) / 2, **_placement(before)}
+                               "load": (load0 + report.load()) / 2, **placed}
         if "memory" in parts:
             _log(f"{name}: peak RSS (fresh processes)")
             entry["rss"] = {e: probe.run("rss", name, e, threads) for e in ("ortmodule", "eager")}
@@ -84,16 +85,10 @@ def ratios(cases: dict[str, Any], threads: int, reps: int | None) -> dict[str, A
     out = {}
     for name, case in cases.items():
         _log(f"{name}: interleaved steps")
-        load0, before = report.load(), placement.read()
-        out[name] = {"description": case.description, **measure.step_ratio(case, threads=threads, reps=reps),
-                     "load": (load0 + report.load()) / 2, **_placement(before)}
+        load0 = report.load()
+        measured, placed = placement.around(functools.partial(measure.step_ratio, case, threads=threads, reps=reps))
+        out[name] = {"description": case.description, **measured, "load": (load0 + report.load()) / 2, **placed}
     return out
-
-
-def _placement(before: float | None) -> dict[str, Any]:
-    """The CPUs' round trip (`placement`) read before the case and now, and what the two say."""
-    after = placement.read()
-    return {"round_trip": [before, after], "cpus": placement.state(before, after)}
 
 
 def passive(models: list[str], threads: int, reps: int | None, glibc: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ step left cold: session 43 found that order reading 0.93 where the fair one read
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import statistics
@@ -144,12 +145,11 @@ def compare(cases: list[str], settings: list[Setting], rounds: int, reps: int | 
         for r in range(rounds):
             order = ("baseline", "lever") if r % 2 == 0 else ("lever", "baseline")
             for which in order:
-                before = placement.read()
-                result = _child(name, settings if which == "lever" else [], reps, threads)
-                cpus = placement.state(before, placement.read())
+                result, placed = placement.around(functools.partial(
+                    _child, name, settings if which == "lever" else [], reps, threads))
                 ratios[which].append(result["ratio"])
-                ratios[f"{which}_cpus"].append(cpus)
-                print(f"{name} {which}: {result['ratio']:.3f} {cpus}", file=sys.stderr, flush=True)
+                ratios[f"{which}_cpus"].append(placed["cpus"])
+                print(f"{name} {which}: {result['ratio']:.3f} {placed['cpus']}", file=sys.stderr, flush=True)
         out[name] = ratios
     return out
 

@@ -21,7 +21,11 @@ import hashlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 FAR_NS = 200.0
 """A round trip above this reads as the CPUs far apart (near 55-70 ns, at most ~160 under load; far 320+)."""
@@ -65,6 +69,15 @@ def read(timeout: float = TIMEOUT) -> float | None:
         return float(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout.strip() else None
     except (subprocess.TimeoutExpired, ValueError, OSError):
         return None
+
+
+def around(run: Callable[[], T]) -> tuple[T, dict[str, Any]]:
+    """`run()`'s result, and the placement read before and after it: its round trips and what they say (`state`),
+    as the benchmark's cases and `benchmarks.ab`'s processes record them."""
+    before = read()
+    result = run()
+    after = read()
+    return result, {"round_trip": [before, after], "cpus": state(before, after)}
 
 
 def state(before: float | None, after: float | None) -> str:
