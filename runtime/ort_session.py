@@ -81,6 +81,9 @@ class SessionConfig:
     fuse: bool = True
     """A module whose only differentiable output is a scalar runs its backward within its forward, seeded with 1,
     where the gradients are no larger than the stash (`fused`); backward then scales them by the host's gradient."""
+    halves: bool = True
+    """A fused run (`fuse`) whose loss is computed sample by sample may run as two halves of the batch at once, on
+    one-thread sessions of their own, where a trial finds them faster (`halves`)."""
     park_openmp: bool = True
     """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.park`), so
     that they do not share cores with onnxruntime's threads."""

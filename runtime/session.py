@@ -35,7 +35,7 @@ from onnxruntime.capi import _pybind_state as C
 import gradbuilder
 from gradbuilder.errors import InvalidModelError
 
-from . import checks, declared, exchange, fused, lowering, passes
+from . import checks, declared, exchange, fused, halves, lowering, passes, samples
 from .exchange import Tensor
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
@@ -144,6 +144,8 @@ class _Fused:
     wrt: list[str]
     random_ops: bool
     """Whether the graph draws random numbers other than host-masked Dropouts (onnxruntime seeds those per session)."""
+    halves: halves.Halves | None = None
+    """Its runs as two halves of the batch at once, where they pay (`halves`)."""
     checked: bool = False
 
     def reproducible(self, feeds: Mapping[str, C.OrtValue]) -> bool:
@@ -152,6 +154,12 @@ class _Fused:
         return not self.random_ops and (not isinstance(self.runner, MaskedRunner) or self.runner.drawn_for(feeds))
 
     def run(self, feeds: Mapping[str, C.OrtValue]) -> C.OrtValueVector | list[C.OrtValue]:
+        if self.halves is not None:
+            return self.halves.run(feeds, self.whole)
+        return self.whole(feeds)
+
+    def whole(self, feeds: Mapping[str, C.OrtValue]) -> C.OrtValueVector | list[C.OrtValue]:
+        """The run of the whole batch."""
         if isinstance(self.runner, Runner):
             return self.runner.run_vector(feeds, self.names)
         return self.runner.run(feeds, self.names)
@@ -196,9 +204,9 @@ class TrainingSession:
                      save_dir: str | os.PathLike | None = None, rows: int | None = None) -> TrainingSession:
         """Build the training graph of a forward model and run it. `rows`: the batch it will mostly run at, where
         the model leaves the batch symbolic (the runtime's rewrites choose layouts by it)."""
-        source = gradbuilder.load_model(model)
+        exported = gradbuilder.load_model(model)
         config = config or SessionConfig(threads=threads)
-        source = lowering.source(source, config, rows)
+        source = lowering.source(exported, config, rows)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
         recomputes = bool(recompute_checkpointed(training)) if config.shrink else False
         masks = region_masks(training) if recomputes else frozenset()
@@ -208,6 +216,7 @@ class TrainingSession:
         self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir, rows)
         self._in_graph_order = recomputes
         self._redrawn = masks & set(self.full.manifest.stashed)
+        self._exported = exported
         return self
 
     @classmethod
@@ -271,6 +280,9 @@ class TrainingSession:
         """While fused runs are paused (`fused.MAX_UNUSED`): split backwards since, counting up to resuming."""
         self.rows = rows
         """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
+        self._exported: onnx.ModelProto | None = None
+        """The forward as given to `from_forward`, before the runtime's rewrites: where `samples` proves its loss
+        computed sample by sample, fused runs may split the batch (`halves`)."""
         if self.save_dir is not None:
             self._save(full, "")
 
@@ -514,10 +526,21 @@ class TrainingSession:
         runner = lowering.fused_runner(model, backward, self._backward_config(), self._fwd)
         if self.config.torch_masks and runner.draws_random:  # Dropouts onnxruntime draws (the joined graph has an If)
             return None
-        self._fused = _Fused(runner, [o.name for o in model.graph.output], list(grads), runner.draws_random)
+        names = [o.name for o in model.graph.output]
+        self._fused = _Fused(runner, names, list(grads), runner.draws_random, self._halves(model, backward, names))
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
         return self._fused
+
+    def _halves(self, model: onnx.ModelProto, backward: onnx.ModelProto, names: list[str]) -> halves.Halves | None:
+        """The fused graph's runs as two halves of the batch (`halves`), where the exported forward computes its loss
+        sample by sample (`samples`) and runs may use two threads; None otherwise."""
+        config = self._backward_config()
+        if (not config.halves or not config.parallel or self._exported is None or not isinstance(self._fwd, Runner)
+                or self._fwd.draws_random):
+            return None
+        proven = samples.proven(self._exported)
+        return None if proven is None else halves.Halves(model, backward, config, self._fwd, proven, names)
 
     def _feeds(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[dict[str, C.OrtValue], bool]:
         if not isinstance(inputs, Mapping):

@@ -1,0 +1,187 @@
+"""A fused step (`fused`) run as two halves of the batch at once, each on a one-thread session of its own.
+
+Where the loss is computed sample by sample (`samples`), the loss and gradients of a batch are those of its halves
+combined: for a mean, each half's weighted by its share of the rows the loss counts (labels not ignored); for a
+sum, added. Two halves on one thread each beat the whole batch on two threads on this 2-core class of machine
+(session 47, fused LeNet runs: 2.05 against 2.75 ms with the VM's two CPUs near each other, 2.08 against 7.0 far
+apart; LeNet 3-32-64 at batch 32, far, 8.1 against 17.2): a kernel split over two threads makes each op's data
+move between the CPUs' caches, while each half's data stays on its own CPU. Each half's session has its own arena
+(sharing one, or one session run from two threads, lost the gain: 4.5 ms far).
+
+Whether it pays is the machine's to say: `Trial` times the whole run (arm 0, as the fused session chooses it) against
+the halves (arm 1), which take over only where 1.1x faster, and are tried again as `Trial` says. The first halves'
+run is compared with the whole run of the same call, as the fused run is with the split ones: a difference
+warns and the halves stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import onnx
+from onnxruntime.capi import _pybind_state as C
+
+from . import checks, exchange, lowering, openmp
+from .ort_session import Runner, SessionConfig, Trial
+from .samples import Rows
+
+MIN_ROWS = 8
+"""Batches below this run whole: halves of a few rows leave each thread too little work to gain."""
+
+Values = C.OrtValueVector | list[C.OrtValue]
+
+
+class Worker:
+    """A thread that runs the calls handed to it, one at a time, made again in a forked child (threads do not
+    survive a fork)."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+    def start(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the thread; `result` waits for it."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._jobs, self._done = queue.SimpleQueue(), queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(self._jobs, self._done), name="gradbuilder-half",
+                             daemon=True).start()
+        self._jobs.put((fn, args))
+
+    def result(self) -> Any:
+        """The last call's result; what it raised is raised here."""
+        ok, value = self._done.get()
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+        while True:
+            fn, args = jobs.get()
+            try:
+                done.put((True, fn(*args)))
+            except BaseException as e:  # handed to the caller, which raises it
+                done.put((False, e))
+
+
+class Halves:
+    """The halves of a fused graph's runs: two one-thread sessions of it, the worker running the second, and the
+    trial deciding whether they run at all."""
+
+    def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
+                 like: Runner, rows: Rows, names: Sequence[str]):
+        half = dataclasses.replace(config, threads=1, shared_arena=False, choose_threads=False,
+                                   narrow_when_crowded=False, park_openmp=False)
+        self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
+        self.rows = rows
+        self.names = list(names)
+        self.worker = Worker()
+        self.trial = Trial()
+        self.checked = False
+        """Whether a halves' run was compared with the whole run of the same call (at the first)."""
+        self.off = False
+        """The halves differed from the whole run: whole runs only."""
+
+    @property
+    def chosen(self) -> bool:
+        """Whether the last trial found the halves faster."""
+        return self.trial.chosen == 1
+
+    def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
+        """The fused graph's outputs for `feeds`: from the halves where they are chosen (or tried), else `whole`."""
+        cut = None if self.off else self._cut(feeds)
+        if cut is None:
+            return whole(feeds)
+        park, crowded = openmp.room(2)
+        if crowded:  # the halves' second thread would wait for a core
+            return whole(feeds)
+        trial = self.trial
+        if not self.checked:
+            self.checked = True
+            return self._checked(feeds, whole, cut, park)
+        if trial.due():
+            arm = trial.arm
+            start = time.perf_counter()
+            out = self._run(cut, park) if arm else whole(feeds)
+            trial.record(arm, time.perf_counter() - start)
+            return out
+        start = time.perf_counter()
+        out = self._run(cut, park) if trial.chosen == 1 else whole(feeds)
+        if trial.chosen is not None:
+            trial.watch(time.perf_counter() - start)
+        return out
+
+    def _cut(self, feeds: Mapping[str, C.OrtValue]) -> tuple[list[dict[str, C.OrtValue]], tuple[float, float]] | None:
+        """Each half's feeds and the weights of its loss and gradients; None where the batch runs whole (too few
+        rows, a half whose labels are all ignored)."""
+        rows = self.rows
+        n = feeds[rows.batched[0]].shape()[0]
+        if n < MIN_ROWS:
+            return None
+        h = n // 2
+        parts: list[dict[str, C.OrtValue]] = [dict(feeds), dict(feeds)]
+        for name in rows.batched:
+            t = exchange.to_torch(feeds[name])
+            if t.shape[0] != n:
+                return None
+            parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:h]), exchange.to_ortvalue(t[h:])
+        if not rows.mean:
+            return parts, (1.0, 1.0)
+        labels = exchange.to_torch(feeds[rows.labels])
+        if rows.ignore_index is None:
+            counts = (labels[:h].numel(), labels[h:].numel())
+        else:
+            counts = (int((labels[:h] != rows.ignore_index).sum()), int((labels[h:] != rows.ignore_index).sum()))
+        if 0 in counts:
+            return None
+        total = counts[0] + counts[1]
+        return parts, (counts[0] / total, counts[1] / total)
+
+    def _run(self, cut: tuple[list[dict[str, C.OrtValue]], tuple[float, float]], park: bool) -> list[C.OrtValue]:
+        """Both halves at once (the second on the worker), their outputs combined."""
+        (first, second), (a, b) = cut
+        entered = openmp.park() if park else None
+        try:
+            self.worker.start(self.runners[1].run_vector, second, self.names)
+            try:
+                mine = self.runners[0].run_vector(first, self.names)
+            finally:
+                theirs = self.worker.result()
+        finally:
+            if entered is not None:
+                openmp.release(entered)
+        x, y = exchange.vector_to_torch(mine), exchange.vector_to_torch(theirs)
+        if a == b == 1.0:
+            combined = [p.add(q) for p, q in zip(x, y)]
+        else:
+            combined = [p.mul(a).add_(q, alpha=b) for p, q in zip(x, y)]
+        return [exchange.to_ortvalue(t) for t in combined]
+
+    def _checked(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values],
+                 cut: tuple[list[dict[str, C.OrtValue]], tuple[float, float]], park: bool) -> Values:
+        """The whole run, and the halves' against it: the same math unless a rewrite of the graph reads the batch's
+        size (`samples` proved the exported graph). A difference warns and the halves stop."""
+        out = whole(feeds)
+        try:
+            halves = exchange.vector_to_torch(self._run(cut, park))
+        except RuntimeError as e:
+            problem: str | None = f"they failed: {e}"
+        else:
+            want = exchange.vector_to_torch(out)
+            problem = checks.mismatch(halves[:1], want[:1]) or checks.gradients_mismatch(halves[1:], want[1:])
+        if problem is not None:
+            self.off = True
+            warnings.warn(f"the halves of the batch, run at once, differ from the whole batch's run ({problem}), so "
+                          "the batch runs whole from now on; please report it with the module.", RuntimeWarning,
+                          stacklevel=4)
+        return out
+
