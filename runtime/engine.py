@@ -71,7 +71,7 @@ class Options:
         """Every session's; torch's dropout masks where the export made them drawable (`ExportOptions`); `choose`:
         runs on more than one thread try one too (`SessionConfig.choose_threads`)."""
         return SessionConfig(threads=threads, park_openmp=self.park_torch_threads, mem_pattern=self.mem_pattern,
-                             torch_masks=self.export.torch_dropout, choose_threads=choose)
+                             torch_masks=self.export.torch_dropout, choose_threads=choose, halves=self.threads != 1)
 
     def config_for(self, work: float) -> SessionConfig:
         """The sessions' config for a forward of this much work (`workload`): one thread below `workload.SMALL`

@@ -90,6 +90,8 @@ class Halves:
         """Whether a halves' run was compared with the whole run of the same call (at the first)."""
         self.off = False
         """The halves differed from the whole run: whole runs only."""
+        self.runs = 0
+        """Runs made as halves."""
 
     @property
     def chosen(self) -> bool:
@@ -149,6 +151,7 @@ class Halves:
     def _run(self, cut: tuple[list[dict[str, C.OrtValue]], tuple[float, float]], park: bool) -> list[C.OrtValue]:
         """Both halves at once (the second on the worker), their outputs combined."""
         (first, second), (a, b) = cut
+        self.runs += 1
         entered = openmp.park() if park else None
         try:
             self.worker.start(self.runners[1].run_vector, second, self.names)

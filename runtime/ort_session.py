@@ -81,9 +81,11 @@ class SessionConfig:
     fuse: bool = True
     """A module whose only differentiable output is a scalar runs its backward within its forward, seeded with 1,
     where the gradients are no larger than the stash (`fused`); backward then scales them by the host's gradient."""
-    halves: bool = True
+    halves: bool | None = None
     """A fused run (`fuse`) whose loss is computed sample by sample may run as two halves of the batch at once, on
-    one-thread sessions of their own, where a trial finds them faster (`halves`)."""
+    one-thread sessions of their own, where a trial finds them faster (`halves`), on a machine with two cores for
+    them. None: where runs may use more than one thread (`parallel`); ORTModule says True also for the sessions it
+    puts on one thread for a small forward (the halves need no intra-op threads), False where asked for one."""
     park_openmp: bool = True
     """Runs on more than one thread park torch's spinning OpenMP workers while they last (`openmp.park`), so
     that they do not share cores with onnxruntime's threads."""
@@ -112,6 +114,11 @@ class SessionConfig:
         """The intra-op threads runs use: `threads`, or where onnxruntime picks (None or 0) the cores this process
         may use (its affinity, not the machine's CPUs)."""
         return self.threads or openmp.usable_cores()
+
+    @property
+    def split_batch(self) -> bool:
+        """Whether fused runs may run as two halves of the batch (`halves`)."""
+        return (self.parallel if self.halves is None else self.halves) and openmp.usable_cores() >= 2
 
     @property
     def parallel(self) -> bool:
@@ -327,6 +334,10 @@ class Trial:
             return False
         apart = self.settings.apart
         return max(wide) * apart <= min(narrow) or max(narrow) * apart <= min(wide)
+
+    def pin(self, arm: int) -> None:
+        """Take `arm` from now on, never tried again (a caller that measured, a test)."""
+        self.chosen, self._wait, self._limit = arm, math.inf, math.inf
 
     def watch(self, seconds: float) -> None:
         """A run of the chosen session outside trials took `seconds`. Every `watched` runs, a median above the

@@ -536,7 +536,7 @@ class TrainingSession:
         """The fused graph's runs as two halves of the batch (`halves`), where the exported forward computes its loss
         sample by sample (`samples`) and runs may use two threads; None otherwise."""
         config = self._backward_config()
-        if (not config.halves or not config.parallel or self._exported is None or not isinstance(self._fwd, Runner)
+        if (not config.split_batch or self._exported is None or not isinstance(self._fwd, Runner)
                 or self._fwd.draws_random):
             return None
         proven = samples.proven(self._exported)

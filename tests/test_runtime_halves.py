@@ -1,0 +1,300 @@
+"""runtime/samples.py and runtime/halves.py: a loss computed sample by sample is proven so from the graph, and its
+fused step run as two halves of the batch at once gives torch's loss and gradients (unequal halves, ignored labels,
+sums), falling back to the whole batch where halves cannot be weighed or differ."""
+
+from __future__ import annotations
+
+import multiprocessing
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from runtime import ORTModule, exchange, halves, openmp, samples
+from runtime.session import TrainingSession
+
+
+def _graph(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], inits: list[onnx.TensorProto],
+           outputs: tuple[str, ...] = ("loss",)) -> onnx.ModelProto:
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [] if o == "loss" else ["N", 3]) for o in outputs]
+    return helper.make_model(helper.make_graph(nodes, "g", inputs, outs, inits),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _const(name: str, values: list[int] | np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(values, dtype=np.int64 if isinstance(values, list) else None), name)
+
+
+def _classifier(*middle: onnx.NodeProto, reduction: str = "mean", weights: bool = False, seq: int = 0,
+                outputs: tuple[str, ...] = ("loss",)) -> onnx.ModelProto:
+    """x [N, 4] (or [N, seq, 4]) -> `middle` from 'x' to 'h' (Identity where empty) -> Gemm -> a loss against y."""
+    rng = np.random.default_rng(0)
+    x_shape, y_shape = (["N", seq, 4], ["N", seq]) if seq else (["N", 4], ["N"])
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+              helper.make_tensor_value_info("y", TensorProto.INT64, y_shape)]
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w"),
+             _const("rows", [-1, 4]), _const("flat", [-1])]
+    nodes = list(middle) or [helper.make_node("Identity", ["x"], ["h"])]
+    nodes += [helper.make_node("Reshape", ["h", "rows"], ["h2"]), helper.make_node("MatMul", ["h2", "w"], ["s"]),
+              helper.make_node("Reshape", ["y", "flat"], ["t"])]
+    loss_in = ["s", "t"]
+    if weights:
+        inits.append(numpy_helper.from_array(np.ones(3, np.float32), "cw"))
+        loss_in.append("cw")
+    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", loss_in, ["loss"], reduction=reduction,
+                                  ignore_index=-100))
+    return _graph(nodes, inputs, inits, outputs)
+
+
+PROVEN = {
+    "plain": _classifier(),
+    "relu and a fixed bias": _classifier(helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["r", "w0"],
+                                                                                                   ["h"])),
+    "tokens: rows of a sequence": _classifier(seq=5),
+    "softmax along features": _classifier(helper.make_node("Softmax", ["x"], ["h"], axis=-1)),
+    "sum": _classifier(reduction="sum"),
+}
+REFUSED = {
+    "softmax along the batch": (_classifier(helper.make_node("Softmax", ["x"], ["h"], axis=0)), "batch's axis"),
+    "mean over the batch": (_classifier(helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
+                                        helper.make_node("Sub", ["x", "m"], ["h"])), "reduces over the batch"),
+    "batch statistics": (_classifier(helper.make_node("BatchNormalization", ["x", "one", "zero", "zero", "one"],
+                                                      ["h"], training_mode=1)), "batch statistics"),
+    "transposed": (_classifier(helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+                               helper.make_node("Transpose", ["xt"], ["h"], perm=[1, 0])), "first axis"),
+    "rows stacked": (_classifier(helper.make_node("Concat", ["x", "x"], ["h"], axis=0)), "batch's axis"),
+    "weighted": (_classifier(weights=True), "weighted"),
+    "two outputs": (_classifier(outputs=("loss", "s")), "2 outputs"),
+    "the batch's size as a number": (_classifier(
+        helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Cast", ["shape"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["f"], ["n"], keepdims=0), helper.make_node("Div", ["x", "n"], ["h"])),
+        "batch's size"),
+}
+
+
+def _with_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The fixed tensors the middles read: w0 [4], one/zero [4]."""
+    g = model.graph
+    g.initializer.extend([numpy_helper.from_array(np.full(4, v, np.float32), n)
+                          for n, v in (("w0", 0.5), ("one", 1.0), ("zero", 0.0))])
+    return model
+
+
+@pytest.mark.parametrize("case", PROVEN)
+def test_proven(case: str) -> None:
+    model = _with_constants(PROVEN[case])
+    onnx.checker.check_model(model, full_check=True)
+    assert samples.prove(model) == samples.Rows(("x", "y"), "y", -100, case != "sum")
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused(case: str) -> None:
+    model, why = REFUSED[case]
+    model = _with_constants(model)
+    with pytest.raises(samples.NotRows, match=why):
+        samples.prove(model)
+    assert samples.proven(model) is None
+
+
+@pytest.fixture
+def free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine read as free (the halves would step aside for a crowd, as tests running beside these make)."""
+    monkeypatch.setattr(openmp, "room", lambda threads: (False, False))
+
+
+class Net(nn.Module):
+    """Conv, pool and linear layers, then cross-entropy (mean, ignoring -100, or a sum)."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                 nn.Linear(4 * 6 * 6, 5), nn.Tanh(), nn.Linear(5, 5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y, reduction=self.reduction)
+
+
+def _halves_of(om: ORTModule) -> halves.Halves:
+    """The halves of the module's fused session (made at its second call: the first decides to fuse)."""
+    (session,) = om.training_sessions()
+    fused = session._fused
+    assert fused is not None and fused.halves is not None, "the step did not get halves"
+    return fused.halves
+
+
+def _step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    module.zero_grad(set_to_none=True)
+    loss = module(x, y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in module.parameters()]
+
+
+def _batch(rows: int, seed: int, ignored: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(rows, 1, 12, 12, generator=g), torch.randint(0, 5, (rows,), generator=g)
+    y[ignored] = -100
+    return x, y
+
+
+@pytest.mark.parametrize(("reduction", "rows", "ignored"), [
+    ("mean", 16, []), ("mean", 13, [0, 1, 2, 9]), ("sum", 11, [4])])
+def test_halves_match_torch(reduction: str, rows: int, ignored: list[int], free: None) -> None:
+    """The halves' loss and gradients against torch's in float64: halves of unequal rows and unequal counts of
+    labels not ignored, weighed by those counts (mean) or added (sum); and along a random direction of the
+    parameters, the loss's change matches the gradient (finite differences)."""
+    torch.manual_seed(0)
+    net = Net(reduction)
+    om = ORTModule(Net(reduction), threads=2)
+    om.load_state_dict(net.state_dict())
+    x, y = _batch(rows, 1, ignored)
+    _step(om, x, y)  # the first call: export, checks, the decision to fuse
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(om, x, y)  # the fused session, its halves compared with it
+        h = _halves_of(om)
+        h.trial.pin(1)
+        loss, grads = _step(om, x, y)
+    assert h.checked and not h.off and h.runs == 2  # the check's and the step's
+    double = net.double()
+    want_loss, want = _step(double, x.double(), y)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=2e-6, atol=1e-6)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=2e-6)
+    direction = [torch.randn_like(p) for p in double.parameters()]
+    eps = 1e-6
+    with torch.no_grad():
+        for p, t in zip(double.parameters(), direction):
+            p.add_(t, alpha=eps)
+        up = double(x.double(), y)
+        for p, t in zip(double.parameters(), direction):
+            p.sub_(t, alpha=2 * eps)
+        down = double(x.double(), y)
+    slope = float((up - down) / (2 * eps))
+    along = sum(float((g.double() * t).sum()) for g, t in zip(grads, direction))
+    assert along == pytest.approx(slope, rel=1e-4, abs=1e-6)
+
+
+def test_halves_all_ignored_runs_whole(free: None) -> None:
+    """A half whose labels are all ignored has no mean to weigh: the batch runs whole, its loss finite."""
+    torch.manual_seed(0)
+    net = Net()
+    om = ORTModule(Net(), threads=2)
+    om.load_state_dict(net.state_dict())
+    x, y = _batch(12, 2, list(range(6)))
+    _step(om, x, y)
+    _step(om, x, y)
+    h = _halves_of(om)
+    h.trial.pin(1)
+    assert h._cut({"x": exchange.to_ortvalue(x), "y": exchange.to_ortvalue(y)}) is None
+    runs = h.runs
+    loss, grads = _step(om, x, y)
+    assert h.runs == runs
+    want_loss, want = _step(net, x, y)
+    torch.testing.assert_close(loss, want_loss)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+class BatchStats(nn.Module):
+    """A loss over batch statistics (BatchNorm in training mode): halves would each normalize by their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                                 nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_batch_statistics_get_no_halves(monkeypatch: pytest.MonkeyPatch, free: None) -> None:
+    """The proof refuses a BatchNorm in training mode; forced past it, the first halves' run differs from the whole
+    run: a warning, the whole batch from then on, and torch's gradients all along."""
+    torch.manual_seed(0)
+    om = ORTModule(BatchStats(), threads=2)
+    x, y = _batch(16, 3, [])
+    _step(om, x, y)
+    _step(om, x, y)
+    (session,) = om.training_sessions()
+    assert session._fused is not None and session._fused.halves is None
+    forced = samples.Rows(("x", "y"), "y", -100, True)
+    monkeypatch.setattr(samples, "proven", lambda model: forced)
+    torch.manual_seed(0)
+    net = BatchStats()
+    om = ORTModule(BatchStats(), threads=2)
+    om.load_state_dict(net.state_dict())
+    _step(om, x, y)
+    with pytest.warns(RuntimeWarning, match="halves of the batch"):
+        _step(om, x, y)
+    h = _halves_of(om)
+    assert h.off and h.runs == 1
+    h.trial.pin(1)
+    loss, grads = _step(om, x, y)
+    assert h.runs == 1
+    net.load_state_dict(om.state_dict())  # the running statistics both calls updated
+    net.train()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = 0.0
+    want_loss, want = _step(net, x, y)
+    torch.testing.assert_close(loss, want_loss)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_halves_only_with_two_threads() -> None:
+    """On one thread the session gets no halves (their point is the second core)."""
+    om = ORTModule(Net(), threads=1)
+    _step(om, *_batch(16, 4, []))
+    _step(om, *_batch(16, 4, []))
+    (session,) = om.training_sessions()
+    assert session._fused is not None and session._fused.halves is None
+
+
+def test_halves_off_by_config() -> None:
+    from runtime.ort_session import SessionConfig
+
+    model = onnx.load_from_string(_with_constants(_classifier()).SerializeToString())
+    session = TrainingSession.from_forward(model, wrt=["w"], config=SessionConfig(threads=2, halves=False))
+    x = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
+    y = np.arange(16) % 3
+    for _ in range(2):
+        session.forward({"x": x, "y": y})
+    assert session._fused is not None and session._fused.halves is None
+
+
+def _raises() -> None:
+    raise ValueError("from the worker")
+
+
+def test_worker_errors_reach_the_caller() -> None:
+    w = halves.Worker()
+    w.start(_raises)
+    with pytest.raises(ValueError, match="from the worker"):
+        w.result()
+    w.start(sum, [1, 2])
+    assert w.result() == 3
+
+
+def _child(w: halves.Worker, out: multiprocessing.SimpleQueue) -> None:
+    w.start(sum, [3, 4])
+    out.put(w.result())
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
+def test_worker_survives_fork() -> None:
+    """A child forked after the worker ran gets a thread of its own (the parent's does not exist there)."""
+    w = halves.Worker()
+    w.start(sum, [1])
+    assert w.result() == 1
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.SimpleQueue()
+    p = ctx.Process(target=_child, args=(w, out))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0 and out.get() == 7
