@@ -92,6 +92,9 @@ class Halves:
         """The halves differed from the whole run: whole runs only."""
         self.runs = 0
         """Runs made as halves."""
+        self._busy = threading.Lock()
+        """Held while halves run: a second caller thread (two threads stepping one module) runs its batch whole
+        rather than hand the worker a second job whose result the first could take."""
 
     @property
     def chosen(self) -> bool:
@@ -100,26 +103,36 @@ class Halves:
 
     def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
         """The fused graph's outputs for `feeds`: from the halves where they are chosen (or tried), else `whole`."""
-        cut = None if self.off else self._cut(feeds)
-        if cut is None:
+        if self.off or not self._busy.acquire(blocking=False):
             return whole(feeds)
-        park, crowded = openmp.room(2)
-        if crowded:  # the halves' second thread would wait for a core
-            return whole(feeds)
+        try:
+            return self._run_or_whole(feeds, whole)
+        finally:
+            self._busy.release()
+
+    def _run_or_whole(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]
+                      ) -> Values:
+        """The arm the trial says (a trial's run timed and recorded), the halves at the first chance (checked);
+        the batch cut only where the halves run."""
         trial = self.trial
-        if not self.checked:
-            self.checked = True
-            return self._checked(feeds, whole, cut, park)
-        if trial.due():
-            arm = trial.arm
-            start = time.perf_counter()
-            out = self._run(cut, park) if arm else whole(feeds)
-            trial.record(arm, time.perf_counter() - start)
-            return out
+        tried = self.checked and trial.due()
+        arm = trial.arm if tried else 1 if not self.checked else trial.chosen or 0
+        cut, park = None, False
+        if arm:
+            cut = self._cut(feeds)
+            park, crowded = openmp.room(2) if cut is not None else (False, True)
+            if cut is None or crowded:  # nothing to weigh a half by, or the second thread would wait for a core
+                return whole(feeds)
+            if not self.checked:
+                self.checked = True
+                return self._checked(feeds, whole, cut, park)
         start = time.perf_counter()
-        out = self._run(cut, park) if trial.chosen == 1 else whole(feeds)
-        if trial.chosen is not None:
-            trial.watch(time.perf_counter() - start)
+        out = self._run(cut, park) if cut is not None else whole(feeds)
+        seconds = time.perf_counter() - start
+        if tried:
+            trial.record(arm, seconds)
+        elif trial.chosen is not None:
+            trial.watch(seconds)
         return out
 
     def _cut(self, feeds: Mapping[str, C.OrtValue]) -> tuple[list[dict[str, C.OrtValue]], tuple[float, float]] | None:

@@ -200,6 +200,24 @@ def test_halves_all_ignored_runs_whole(free: None) -> None:
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
+def test_second_caller_runs_whole(free: None) -> None:
+    """While one thread's halves run (their lock held), another thread's step runs its batch whole: the worker takes
+    one job at a time."""
+    torch.manual_seed(0)
+    om = ORTModule(Net(), threads=2)
+    x, y = _batch(16, 5, [])
+    _step(om, x, y)
+    _step(om, x, y)
+    h = _halves_of(om)
+    h.trial.pin(1)
+    runs = h.runs
+    _step(om, x, y)
+    assert h.runs == runs + 1
+    with h._busy:
+        _step(om, x, y)
+    assert h.runs == runs + 1
+
+
 class BatchStats(nn.Module):
     """A loss over batch statistics (BatchNorm in training mode): halves would each normalize by their own."""
 
