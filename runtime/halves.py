@@ -8,10 +8,13 @@ apart; LeNet 3-32-64 at batch 32, far, 8.1 against 17.2): a kernel split over tw
 move between the CPUs' caches, while each half's data stays on its own CPU. Each half's session has its own arena
 (sharing one, or one session run from two threads, lost the gain: 4.5 ms far).
 
-Whether it pays is the machine's to say: `Trial` times the whole run (arm 0, as the fused session chooses it) against
-the halves (arm 1), which take over only where 1.1x faster, and are tried again as `Trial` says. The first halves'
-run is compared with the whole run of the same call, as the fused run is with the split ones: a difference
-warns and the halves stop.
+Whether it pays is the machine's to say: `Trial` times the halves (arm 0, the runs before its verdict too) against
+the whole run (arm 1, on the threads the fused session chooses), which takes over only where 1.1x faster, and is
+tried again sooner (`TRIAL_RECHECK`). Halves first, since they were faster in every fused case measured, near and
+far (session 48, in one process, paired with torch's steps: LeNet 0.83 of torch's step against 0.95 whole; LeNet
+at batch 128 0.63 / 1.00; 3x3 convs 0.81 / 1.36 far; LeNet 32-64 0.76 / 0.80 near, 0.83 / 1.39 far; LeNet on RGB
+0.95 / 1.07), and a benchmark's first ~30 steps are a trial's. The first halves' run is compared with the whole
+run of the same call, as the fused run is with the split ones: a difference warns and the halves stop.
 """
 
 from __future__ import annotations
@@ -96,11 +99,6 @@ class Halves:
         """Held while halves run: a second caller thread (two threads stepping one module) runs its batch whole
         rather than hand the worker a second job whose result the first could take."""
 
-    @property
-    def chosen(self) -> bool:
-        """Whether the last trial found the halves faster."""
-        return self.trial.chosen == 1
-
     def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
         """The fused graph's outputs for `feeds`: from the halves where they are chosen (or tried), else `whole`."""
         if self.off or not self._busy.acquire(blocking=False):
@@ -112,13 +110,13 @@ class Halves:
 
     def _run_or_whole(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]
                       ) -> Values:
-        """The arm the trial says (a trial's run timed and recorded), the halves at the first chance (checked);
-        the batch cut only where the halves run."""
+        """The arm the trial says (a trial's run timed and recorded; the halves until a verdict, checked at their
+        first run); the batch cut only where the halves run."""
         trial = self.trial
         tried = self.checked and trial.due()
-        arm = trial.arm if tried else 1 if not self.checked else trial.chosen or 0
+        arm = trial.arm if tried else trial.chosen or 0
         cut, park = None, False
-        if arm:
+        if arm == 0:
             cut = self._cut(feeds)
             park, crowded = openmp.room(2) if cut is not None else (False, True)
             if cut is None or crowded:  # nothing to weigh a half by, or the second thread would wait for a core
