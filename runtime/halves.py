@@ -5,8 +5,8 @@ combined: for a mean, each half's weighted by its share of the rows the loss cou
 sum, added. Two halves on one thread each beat the whole batch on two threads on this 2-core class of machine
 (session 47, fused LeNet runs: 2.05 against 2.75 ms with the VM's two CPUs near each other, 2.08 against 7.0 far
 apart; LeNet 3-32-64 at batch 32, far, 8.1 against 17.2): a kernel split over two threads makes each op's data
-move between the CPUs' caches, while each half's data stays on its own CPU. Each half's session has its own arena
-(sharing one, or one session run from two threads, lost the gain: 4.5 ms far).
+move between the CPUs' caches, while each half's data stays on its own CPU. Each half has a session of its own (one
+session run from two threads lost the gain: 4.5 ms far); they allocate from the process-wide arena (`OWN_ARENAS`).
 
 Whether it pays is the machine's to say: `Trial` times the halves (arm 0, the runs before its verdict too) against
 the whole run (arm 1, on the threads the fused session chooses), which takes over only where 1.1x faster, and is
@@ -37,6 +37,13 @@ from .samples import Rows
 
 MIN_ROWS = 8
 """Batches below this run whole: halves of a few rows leave each thread too little work to gain."""
+
+OWN_ARENAS = False
+"""Each half's session allocating from an arena of its own instead of the process-wide one the whole run uses
+(`SessionConfig.shared_arena`): off. Own arenas keep a second copy of the activations' memory (each holds its half's
+peak, the shared one the whole run's from trials) for as long as the process lives, and bought little (session 48,
+3 processes each: LeNet near 0.860 of torch's step with them against 0.853 without; on RGB 1.029 / 1.014; at batch
+128, far, 0.552 / 0.586)."""
 
 Values = C.OrtValueVector | list[C.OrtValue]
 
@@ -82,8 +89,8 @@ class Halves:
 
     def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
                  like: Runner, rows: Rows, names: Sequence[str]):
-        half = dataclasses.replace(config, threads=1, shared_arena=False, choose_threads=False,
-                                   narrow_when_crowded=False, park_openmp=False)
+        half = dataclasses.replace(config, threads=1, shared_arena=config.shared_arena and not OWN_ARENAS,
+                                   choose_threads=False, narrow_when_crowded=False, park_openmp=False)
         self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
         self.rows = rows
         self.names = list(names)
