@@ -89,12 +89,12 @@ def prove(model: onnx.ModelProto) -> Rows:
     k: dict[str, int] = dict.fromkeys(batched, 1)  # batched tensor -> rows a sample
     for name in batched:
         _check_rows(name, shapes, k[name])
-    shapey: set[str] = set()
+    sizes: dict[str, tuple[bool, ...]] = {}  # integers computed from the batch's shapes -> which depend on the batch
     read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
     loss = None
     for node in g.node:
         ins = [x for x in node.input if x]
-        if not any(x in k or x in shapey for x in ins):
+        if not any(x in k or x in sizes for x in ins):
             continue
         where = f"node '{node.name or node.output[0]}' ({node.op_type})"
         if node.domain not in ("", "ai.onnx"):
@@ -105,25 +105,29 @@ def prove(model: onnx.ModelProto) -> Rows:
             loss = _loss(node, k, read, where)
             continue
         if node.op_type in ("Shape", "Size"):
-            shapey.update(o for o in node.output if o)
+            flags = _shape_flags(node, shapes)
+            if any(flags):
+                sizes[node.output[0]] = flags
             continue
-        read_shape = [i for i, x in enumerate(node.input) if x in shapey]
-        if read_shape:
-            if node.op_type in ("Reshape", "Expand") and read_shape == [1]:
+        read_size = [i for i, x in enumerate(node.input) if x in sizes]
+        if read_size:
+            if node.op_type in ("Reshape", "Expand") and read_size == [1]:
                 pass
             elif node.op_type in SHAPE_ARITHMETIC and not any(x in k for x in ins):
-                shapey.update(o for o in node.output if o)
+                flags = _picked(node, sizes, constants) or (True,)
+                if any(flags):
+                    sizes.update((o, flags) for o in node.output if o)
                 continue
             else:
                 raise NotRows(f"{where}: computes with the batch's size")
-        _check_op(node, k, constants, len(shapes[0].get(node.input[0], ())), where)
+        _check_op(node, k, constants, read, len(shapes[0].get(node.input[0], ())), where)
         ks = {k[x] for x in ins if x in k}
         regroups = node.op_type in ("Reshape", "Flatten") or (
             node.op_type in ("Gather", "Expand") and node.input[0] not in k)  # rows from the indices or the shape
         for j, out in enumerate(node.output):
             if not out:
                 continue
-            if node.op_type == "MaxPool" and j == 1:
+            if node.op_type == "MaxPool" and j == 1 and out in read:
                 raise NotRows(f"{where}: its indices count the samples before")
             rows_out = _check_rows(out, shapes, None, where)
             if not regroups and ks != {rows_out}:
@@ -137,6 +141,39 @@ def prove(model: onnx.ModelProto) -> Rows:
     ignore = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
     reduction = next((a.s.decode() for a in node.attribute if a.name == "reduction"), "mean")
     return Rows(batched, labels, ignore, reduction == "mean")
+
+
+def _shape_flags(node: onnx.NodeProto, shapes: list[dict[str, tuple[int | None, ...]]]) -> tuple[bool, ...]:
+    """Which elements of a Shape's output depend on the batch (those that differ at the two pins); a Size's one."""
+    if node.op_type == "Size":
+        return (True,)
+    a, b = (s.get(node.input[0]) for s in shapes)
+    if a is None or b is None:
+        return (True,)
+    flags = tuple(p is None or q is None or p != q for p, q in zip(a, b))
+    start, end = _attr(node, "start", 0), _attr(node, "end", None)
+    return flags[start:end]  # type: ignore[misc]
+
+
+def _picked(node: onnx.NodeProto, sizes: dict[str, tuple[bool, ...]], constants: dict[str, onnx.TensorProto]
+            ) -> tuple[bool, ...] | None:
+    """Which elements of a shape computation's output depend on the batch, where it picks elements of one size
+    tensor at constant positions (a Gather or Slice along axis 0) or keeps them in place; None where unknown."""
+    flags = sizes.get(node.input[0])
+    if flags is None or any(x in sizes for x in node.input[1:]):
+        return None
+    op = node.op_type
+    if op in ("Identity", "Cast", "Squeeze", "Unsqueeze"):
+        return flags
+    index = [numpy_helper.to_array(constants[x]).reshape(-1).tolist() if x in constants else None
+             for x in node.input[1:]]
+    if any(i is None for i in index):
+        return None
+    if op == "Gather" and _attr(node, "axis", 0) == 0:
+        return tuple(flags[i] for i in index[0])  # type: ignore[union-attr]
+    if op == "Slice" and len(index) >= 2 and index[2:3] in ([], [[0]], [[-1]]) and index[3:4] in ([], [[1]]):
+        return flags[index[0][0]:index[1][0]]  # type: ignore[index]
+    return None
 
 
 def _batch_dim(vi: onnx.ValueInfoProto) -> bool:
@@ -195,10 +232,10 @@ def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
     return default if a is None else helper.get_attribute_value(a)
 
 
-def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx.TensorProto], rank: int,
-              where: str) -> None:
+def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx.TensorProto], read: set[str],
+              rank: int, where: str) -> None:
     """NotRows unless the op keeps each sample's rows apart, given which inputs hold the batch (`rank`: its first
-    input's)."""
+    input's; `read`: the tensors read in the graph)."""
     op, first = node.op_type, node.input[0] if node.input else ""
     if op in ELEMENTWISE or op in LAYOUT:
         return
@@ -218,7 +255,9 @@ def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx
     if op == "MatMul":
         return  # the shapes decide: a product over the batch leaves no batch axis first
     if op == "Dropout":
-        raise NotRows(f"{where}: its mask would be drawn for each half")
+        if any(o in read for o in node.output[1:]) or not _inactive(node, constants):
+            raise NotRows(f"{where}: its mask would be drawn for each half")
+        return
     if op in REDUCE:
         axes = _attr(node, "axes")
         if axes is None and len(node.input) > 1 and node.input[1]:
@@ -248,6 +287,16 @@ def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx
             raise NotRows(f"{where}: indices from the batch pick from the batch")
         return
     raise NotRows(f"{where}: {op} is not known to keep samples apart")
+
+
+def _inactive(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> bool:
+    """Whether a Dropout drops nothing: a constant ratio of 0, or not in training mode."""
+    def const(i: int) -> float | None:
+        name = node.input[i] if len(node.input) > i else ""
+        return float(numpy_helper.to_array(constants[name])) if name in constants else None
+    ratio, training = const(1), const(2)
+    no_training = len(node.input) < 3 or not node.input[2] or training == 0
+    return ratio == 0 or no_training
 
 
 def _normal(axes: list[int], rank: int) -> list[int]:

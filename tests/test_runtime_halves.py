@@ -57,6 +57,13 @@ PROVEN = {
     "tokens: rows of a sequence": _classifier(seq=5),
     "softmax along features": _classifier(helper.make_node("Softmax", ["x"], ["h"], axis=-1)),
     "sum": _classifier(reduction="sum"),
+    "positions from the sequence's length": _classifier(
+        helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "i1"], ["length"]),
+        helper.make_node("Range", ["i0", "length", "i1"], ["steps"]),
+        helper.make_node("Cast", ["steps"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["f", "i1_1d"], ["positions"]),
+        helper.make_node("Add", ["x", "positions"], ["h"]), seq=5),
+    "a dropout that drops nothing": _classifier(helper.make_node("Dropout", ["x", "zero_ratio", "yes"], ["h"])),
 }
 REFUSED = {
     "softmax along the batch": (_classifier(helper.make_node("Softmax", ["x"], ["h"], axis=0)), "batch's axis"),
@@ -69,6 +76,13 @@ REFUSED = {
     "rows stacked": (_classifier(helper.make_node("Concat", ["x", "x"], ["h"], axis=0)), "batch's axis"),
     "weighted": (_classifier(weights=True), "weighted"),
     "two outputs": (_classifier(outputs=("loss", "s")), "2 outputs"),
+    "each sample's position in the batch": (_classifier(
+        helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "i0"], ["n"]),
+        helper.make_node("Range", ["i0", "n", "i1"], ["steps"]),
+        helper.make_node("Cast", ["steps"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["f", "i1_1d"], ["positions"]),
+        helper.make_node("Add", ["x", "positions"], ["h"])), "batch's size"),
+    "an active dropout": (_classifier(helper.make_node("Dropout", ["x", "half", "yes"], ["h"])), "mask"),
     "the batch's size as a number": (_classifier(
         helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Cast", ["shape"], ["f"], to=TensorProto.FLOAT),
         helper.make_node("ReduceSum", ["f"], ["n"], keepdims=0), helper.make_node("Div", ["x", "n"], ["h"])),
@@ -77,10 +91,15 @@ REFUSED = {
 
 
 def _with_constants(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The fixed tensors the middles read: w0 [4], one/zero [4]."""
+    """The fixed tensors the middles read: w0 [4], one/zero [4], index scalars, dropout ratios and mode."""
     g = model.graph
     g.initializer.extend([numpy_helper.from_array(np.full(4, v, np.float32), n)
                           for n, v in (("w0", 0.5), ("one", 1.0), ("zero", 0.0))])
+    g.initializer.extend([numpy_helper.from_array(np.array(0, np.int64), "i0"),
+                          numpy_helper.from_array(np.array(1, np.int64), "i1"), _const("i1_1d", [1]),
+                          numpy_helper.from_array(np.array(0.0, np.float32), "zero_ratio"),
+                          numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+                          numpy_helper.from_array(np.array(True), "yes")])
     return model
 
 
