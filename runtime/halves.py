@@ -26,9 +26,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
+import torch
 from onnxruntime.capi import _pybind_state as C
 
 from . import checks, exchange, lowering, openmp
@@ -83,19 +85,66 @@ class Worker:
                 done.put((False, e))
 
 
-class Halves:
-    """The halves of a fused graph's runs: two one-thread sessions of it, the worker running the second, and the
-    trial deciding whether they run at all."""
+@dataclass(frozen=True)
+class Cut:
+    """A batch cut in two: each half's feeds (parameters whole in both), and the weights of each half's loss and
+    gradients in the batch's."""
 
-    def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
-                 like: Runner, rows: Rows, names: Sequence[str]):
-        half = dataclasses.replace(config, threads=1, shared_arena=config.shared_arena and not OWN_ARENAS,
-                                   choose_threads=False, narrow_when_crowded=False, park_openmp=False)
-        self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
+    feeds: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]]
+    weights: tuple[float, float]
+
+
+def cut(feeds: Mapping[str, C.OrtValue], rows: Rows) -> Cut | None:
+    """`feeds` cut in halves along the batch, weighed by each half's rows the loss counts (labels not ignored) for a
+    mean, 1 each for a sum; None where the batch runs whole (too few rows, inputs of other batch sizes, a half whose
+    labels are all ignored)."""
+    n = feeds[rows.batched[0]].shape()[0]
+    if n < MIN_ROWS:
+        return None
+    h = n // 2
+    parts: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]] = (dict(feeds), dict(feeds))
+    for name in rows.batched:
+        t = exchange.to_torch(feeds[name])
+        if t.shape[0] != n:
+            return None
+        parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:h]), exchange.to_ortvalue(t[h:])
+    if not rows.mean:
+        return Cut(parts, (1.0, 1.0))
+    labels = exchange.to_torch(feeds[rows.labels])
+    if rows.ignore_index is None:
+        counts = (labels[:h].numel(), labels[h:].numel())
+    else:
+        counts = (int((labels[:h] != rows.ignore_index).sum()), int((labels[h:] != rows.ignore_index).sum()))
+    if 0 in counts:
+        return None
+    total = counts[0] + counts[1]
+    return Cut(parts, (counts[0] / total, counts[1] / total))
+
+
+def combined(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], weights: tuple[float, float]) -> list[torch.Tensor]:
+    """The halves' losses or gradients combined: weighed (a mean's) or added (a sum's)."""
+    a, b = weights
+    if a == b == 1.0:
+        return [p.add(q) for p, q in zip(x, y)]
+    return [p.mul(a).add_(q, alpha=b) for p, q in zip(x, y)]
+
+
+def _half_config(config: SessionConfig) -> SessionConfig:
+    """A half's sessions: one thread, nothing of the whole run's thread management."""
+    return dataclasses.replace(config, threads=1, shared_arena=config.shared_arena and not OWN_ARENAS,
+                               choose_threads=False, narrow_when_crowded=False, park_openmp=False)
+
+
+class _Halving:
+    """What both kinds of halves share: the worker, the lock that keeps it to one caller, the trial, the first
+    run's check and its verdict."""
+
+    def __init__(self, rows: Rows, halves_first: bool):
         self.rows = rows
-        self.names = list(names)
         self.worker = Worker()
         self.trial = Trial()
+        self.halves_arm = 0 if halves_first else 1
+        """The trial's arm of the halves: 0 (run until a verdict) where they were faster everywhere measured."""
         self.checked = False
         """Whether a halves' run was compared with the whole run of the same call (at the first)."""
         self.off = False
@@ -106,103 +155,104 @@ class Halves:
         """Held while halves run: a second caller thread (two threads stepping one module) runs its batch whole
         rather than hand the worker a second job whose result the first could take."""
 
-    def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
-        """The fused graph's outputs for `feeds`: from the halves where they are chosen (or tried), else `whole`."""
-        if self.off or not self._busy.acquire(blocking=False):
-            return whole(feeds)
-        try:
-            return self._run_or_whole(feeds, whole)
-        finally:
-            self._busy.release()
+    def pin(self, halves: bool) -> None:
+        """Run the halves (or the whole batch) from now on, never tried again."""
+        self.trial.pin(self.halves_arm if halves else 1 - self.halves_arm)
 
-    def _run_or_whole(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]
-                      ) -> Values:
-        """The arm the trial says (a trial's run timed and recorded; the halves until a verdict, checked at their
-        first run); the batch cut only where the halves run."""
+    def _arm(self) -> tuple[int, bool]:
+        """The arm this run takes (the halves' at the first chance, to check them) and whether it is a trial's."""
         trial = self.trial
-        tried = self.checked and trial.due()
-        arm = trial.arm if tried else trial.chosen or 0
-        cut, park = None, False
-        if arm == 0:
-            cut = self._cut(feeds)
-            park, crowded = openmp.room(2) if cut is not None else (False, True)
-            if cut is None or crowded:  # nothing to weigh a half by, or the second thread would wait for a core
-                return whole(feeds)
-            if not self.checked:
-                self.checked = True
-                return self._checked(feeds, whole, cut, park)
-        start = time.perf_counter()
-        out = self._run(cut, park) if cut is not None else whole(feeds)
-        seconds = time.perf_counter() - start
+        if not self.checked:
+            return self.halves_arm, False
+        tried = trial.due()
+        return (trial.arm if tried else trial.chosen if trial.chosen is not None else 0), tried
+
+    def _ready(self, feeds: Mapping[str, C.OrtValue]) -> tuple[Cut, bool] | None:
+        """The cut and whether to park torch's workers, where the halves can run now: not where the batch cannot
+        be weighed, nor on a crowded machine (the second thread would wait for a core)."""
+        halves = cut(feeds, self.rows)
+        if halves is None:
+            return None
+        park, crowded = openmp.room(2)
+        return None if crowded else (halves, park)
+
+    def _record(self, arm: int, tried: bool, seconds: float) -> None:
         if tried:
-            trial.record(arm, seconds)
-        elif trial.chosen is not None:
-            trial.watch(seconds)
-        return out
+            self.trial.record(arm, seconds)
+        elif self.trial.chosen is not None:
+            self.trial.watch(seconds)
 
-    def _cut(self, feeds: Mapping[str, C.OrtValue]) -> tuple[list[dict[str, C.OrtValue]], tuple[float, float]] | None:
-        """Each half's feeds and the weights of its loss and gradients; None where the batch runs whole (too few
-        rows, a half whose labels are all ignored)."""
-        rows = self.rows
-        n = feeds[rows.batched[0]].shape()[0]
-        if n < MIN_ROWS:
-            return None
-        h = n // 2
-        parts: list[dict[str, C.OrtValue]] = [dict(feeds), dict(feeds)]
-        for name in rows.batched:
-            t = exchange.to_torch(feeds[name])
-            if t.shape[0] != n:
-                return None
-            parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:h]), exchange.to_ortvalue(t[h:])
-        if not rows.mean:
-            return parts, (1.0, 1.0)
-        labels = exchange.to_torch(feeds[rows.labels])
-        if rows.ignore_index is None:
-            counts = (labels[:h].numel(), labels[h:].numel())
-        else:
-            counts = (int((labels[:h] != rows.ignore_index).sum()), int((labels[h:] != rows.ignore_index).sum()))
-        if 0 in counts:
-            return None
-        total = counts[0] + counts[1]
-        return parts, (counts[0] / total, counts[1] / total)
-
-    def _run(self, cut: tuple[list[dict[str, C.OrtValue]], tuple[float, float]], park: bool) -> list[C.OrtValue]:
-        """Both halves at once (the second on the worker), their outputs combined."""
-        (first, second), (a, b) = cut
-        self.runs += 1
+    def _both(self, run: Callable[[int], Any], park: bool) -> tuple[Any, Any]:
+        """`run(0)` here and `run(1)` on the worker, at once (torch's workers parked meanwhile where `park`)."""
         entered = openmp.park() if park else None
         try:
-            self.worker.start(self.runners[1].run_vector, second, self.names)
+            self.worker.start(run, 1)
             try:
-                mine = self.runners[0].run_vector(first, self.names)
+                mine = run(0)
             finally:
                 theirs = self.worker.result()
         finally:
             if entered is not None:
                 openmp.release(entered)
-        x, y = exchange.vector_to_torch(mine), exchange.vector_to_torch(theirs)
-        if a == b == 1.0:
-            combined = [p.add(q) for p, q in zip(x, y)]
-        else:
-            combined = [p.mul(a).add_(q, alpha=b) for p, q in zip(x, y)]
-        return [exchange.to_ortvalue(t) for t in combined]
+        return mine, theirs
 
-    def _checked(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values],
-                 cut: tuple[list[dict[str, C.OrtValue]], tuple[float, float]], park: bool) -> Values:
-        """The whole run, and the halves' against it: the same math unless a rewrite of the graph reads the batch's
-        size (`samples` proved the exported graph). A difference warns and the halves stop."""
-        out = whole(feeds)
-        try:
-            halves = exchange.vector_to_torch(self._run(cut, park))
-        except RuntimeError as e:
-            problem: str | None = f"they failed: {e}"
-        else:
-            want = exchange.vector_to_torch(out)
-            problem = checks.mismatch(halves[:1], want[:1]) or checks.gradients_mismatch(halves[1:], want[1:])
+    def _verdict(self, problem: str | None) -> None:
         if problem is not None:
             self.off = True
             warnings.warn(f"the halves of the batch, run at once, differ from the whole batch's run ({problem}), so "
                           "the batch runs whole from now on; please report it with the module.", RuntimeWarning,
-                          stacklevel=4)
-        return out
+                          stacklevel=5)
 
+
+class Halves(_Halving):
+    """The halves of a fused graph's runs: two one-thread sessions of it, the second run on the worker."""
+
+    def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
+                 like: Runner, rows: Rows, names: Sequence[str]):
+        super().__init__(rows, halves_first=True)
+        half = _half_config(config)
+        self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
+        self.names = list(names)
+
+    def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
+        """The fused graph's outputs for `feeds`: from the halves where they are chosen (or tried, or checked: the
+        first time they can), else `whole`. A trial's run is timed and recorded; the batch is cut only where the
+        halves run."""
+        if self.off or not self._busy.acquire(blocking=False):
+            return whole(feeds)
+        try:
+            arm, tried = self._arm()
+            ready = self._ready(feeds) if arm == self.halves_arm else None
+            if arm == self.halves_arm and ready is None:
+                return whole(feeds)
+            if ready is not None and not self.checked:
+                self.checked = True
+                return self._checked(feeds, whole, *ready)
+            start = time.perf_counter()
+            out = self._run(*ready) if ready is not None else whole(feeds)
+            self._record(arm, tried, time.perf_counter() - start)
+            return out
+        finally:
+            self._busy.release()
+
+    def _run(self, halves: Cut, park: bool) -> list[C.OrtValue]:
+        """Both halves at once, their outputs combined."""
+        self.runs += 1
+        mine, theirs = self._both(lambda i: self.runners[i].run_vector(halves.feeds[i], self.names), park)
+        together = combined(exchange.vector_to_torch(mine), exchange.vector_to_torch(theirs), halves.weights)
+        return [exchange.to_ortvalue(t) for t in together]
+
+    def _checked(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values],
+                 halves: Cut, park: bool) -> Values:
+        """The whole run, and the halves' against it: the same math unless a rewrite of the graph reads the batch's
+        size (`samples` proved the exported graph). A difference warns and the halves stop."""
+        out = whole(feeds)
+        try:
+            got = exchange.vector_to_torch(self._run(halves, park))
+        except RuntimeError as e:
+            problem: str | None = f"they failed: {e}"
+        else:
+            want = exchange.vector_to_torch(out)
+            problem = checks.mismatch(got[:1], want[:1]) or checks.gradients_mismatch(got[1:], want[1:])
+        self._verdict(problem)
+        return out

@@ -176,7 +176,7 @@ def test_halves_match_torch(reduction: str, rows: int, ignored: list[int], free:
         warnings.simplefilter("error")
         _step(om, x, y)  # the fused session, its halves compared with it
         h = _halves_of(om)
-        h.trial.pin(0)
+        h.pin(True)
         loss, grads = _step(om, x, y)
     assert h.checked and not h.off and h.runs == 2  # the check's and the step's
     double = net.double()
@@ -208,8 +208,8 @@ def test_halves_all_ignored_runs_whole(free: None) -> None:
     _step(om, x, y)
     _step(om, x, y)
     h = _halves_of(om)
-    h.trial.pin(0)
-    assert h._cut({"x": exchange.to_ortvalue(x), "y": exchange.to_ortvalue(y)}) is None
+    h.pin(True)
+    assert halves.cut({"x": exchange.to_ortvalue(x), "y": exchange.to_ortvalue(y)}, h.rows) is None
     runs = h.runs
     loss, grads = _step(om, x, y)
     assert h.runs == runs
@@ -228,7 +228,7 @@ def test_second_caller_runs_whole(free: None) -> None:
     _step(om, x, y)
     _step(om, x, y)
     h = _halves_of(om)
-    h.trial.pin(0)
+    h.pin(True)
     runs = h.runs
     _step(om, x, y)
     assert h.runs == runs + 1
@@ -270,7 +270,7 @@ def test_batch_statistics_get_no_halves(monkeypatch: pytest.MonkeyPatch, free: N
         _step(om, x, y)
     h = _halves_of(om)
     assert h.off and h.runs == 1
-    h.trial.pin(0)
+    h.pin(True)
     loss, grads = _step(om, x, y)
     assert h.runs == 1
     net.load_state_dict(om.state_dict())  # the running statistics both calls updated
