@@ -29,12 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
 from onnxruntime.capi import _pybind_state as C
 
 from . import checks, exchange, lowering, openmp
-from .ort_session import Runner, SessionConfig, Trial
+from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial
 from .samples import Rows
 
 MIN_ROWS = 8
@@ -110,11 +111,12 @@ def cut(feeds: Mapping[str, C.OrtValue], rows: Rows) -> Cut | None:
         parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:h]), exchange.to_ortvalue(t[h:])
     if not rows.mean:
         return Cut(parts, (1.0, 1.0))
-    labels = exchange.to_torch(feeds[rows.labels])
+    labels = exchange.to_numpy(feeds[rows.labels])  # numpy counts a few labels in ~1 µs, torch in ~5
     if rows.ignore_index is None:
-        counts = (labels[:h].numel(), labels[h:].numel())
+        counts = (labels[:h].size, labels[h:].size)
     else:
-        counts = (int((labels[:h] != rows.ignore_index).sum()), int((labels[h:] != rows.ignore_index).sum()))
+        counts = (int(np.count_nonzero(labels[:h] != rows.ignore_index)),
+                  int(np.count_nonzero(labels[h:] != rows.ignore_index)))
     if 0 in counts:
         return None
     total = counts[0] + counts[1]
@@ -256,3 +258,104 @@ class Halves(_Halving):
             problem = checks.mismatch(got[:1], want[:1]) or checks.gradients_mismatch(got[1:], want[1:])
         self._verdict(problem)
         return out
+
+
+@dataclass
+class Halved:
+    """A split forward run as halves: each half's values for its backward, and their weights."""
+
+    values: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]]
+    weights: tuple[float, float]
+
+
+class SplitHalves(_Halving):
+    """The halves of a split step (a forward, then its backward): one-thread sessions of the forward and of the full
+    backward for each half, the second half's runs on the worker; each half's forward values kept for its own
+    backward. Halves second in the trial: for MLPs they lost with the CPUs near (784-512-512-10 at batch 64, one
+    process, forward and backward: 1.57 against 1.40 ms whole) and gained far (session 47: 1.19 against 1.51), and
+    gained for Caffe's LeNet (11.97 against 13.65 ms near) and LeNet at batch 16 (1.25 / 1.32)."""
+
+    def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig, rows: Rows,
+                 forward_names: Sequence[str], output_names: Sequence[str], backward_names: Sequence[str]):
+        super().__init__(rows, halves_first=False)
+        half = _half_config(config)
+        self.forwards = [lowering.forward_runner(forward, half, "half of the forward") for _ in range(2)]
+        self.backwards = [Runner(backward, half, "half of the backward", BACKWARD_DISABLED_OPTIMIZERS)
+                          for _ in range(2)]
+        self.forward_names = list(forward_names)
+        self.output_names = list(output_names)
+        self.backward_names = list(backward_names)
+
+    def forward(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[], tuple[list[C.OrtValue], Any]],
+                check: Callable[[list[C.OrtValue], Any, list[C.OrtValue], Halved], str | None]
+                ) -> tuple[list[C.OrtValue], Any, Halved | None, tuple[int, bool, float] | None]:
+        """The module outputs, the whole forward's state (None where the halves ran), the halves' values (None
+        where the whole ran), and the timing the backward completes (`timed`: the arm, whether a trial's, the
+        forward's seconds; None outside trials and verdicts). `check(outputs, state, half outputs, halved)`: the
+        first halves against the whole forward and backward, a problem or None."""
+        if self.off or not self._busy.acquire(blocking=False):
+            outs, state = whole()
+            return outs, state, None, None
+        try:
+            arm, tried = self._arm()
+            ready = self._ready(feeds) if arm == self.halves_arm else None
+            if ready is None:
+                start = time.perf_counter()
+                outs, state = whole()
+                timed = (1 - self.halves_arm, tried, time.perf_counter() - start) if arm != self.halves_arm else None
+                return outs, state, None, timed if (tried or self.trial.chosen is not None) else None
+            if not self.checked:
+                self.checked = True
+                outs, state = whole()
+                try:
+                    half_outs, halved = self._forward(*ready)
+                    problem = check(outs, state, half_outs, halved)
+                except RuntimeError as e:
+                    problem = f"they failed: {e}"
+                self._verdict(problem)
+                return outs, state, None, None
+            start = time.perf_counter()
+            half_outs, halved = self._forward(*ready)
+            timed = (arm, tried, time.perf_counter() - start)
+            return half_outs, None, halved, timed if (tried or self.trial.chosen is not None) else None
+        finally:
+            self._busy.release()
+
+    def _forward(self, halves: Cut, park: bool) -> tuple[list[C.OrtValue], Halved]:
+        self.runs += 1
+
+        def run(i: int) -> dict[str, C.OrtValue]:
+            values = self.forwards[i].run(halves.feeds[i], self.forward_names)
+            env = dict(halves.feeds[i])
+            env.update(zip(self.forward_names, values))
+            return env
+
+        envs = self._both(run, park)
+        outs = combined([exchange.to_torch(envs[0][n]) for n in self.output_names],
+                        [exchange.to_torch(envs[1][n]) for n in self.output_names], halves.weights)
+        return [exchange.to_ortvalue(t) for t in outs], Halved(envs, halves.weights)
+
+    def backward(self, halved: Halved, seed: C.OrtValue, feeds: Callable[[dict[str, C.OrtValue], C.OrtValue],
+                 dict[str, C.OrtValue]]) -> list[torch.Tensor]:
+        """The full backward's outputs for the loss's host gradient `seed`, each half's run with its share of it
+        (`feeds(values, seed)`: a half's backward feeds), combined; both at once where the worker is free, else
+        one after the other."""
+        g = exchange.to_torch(seed).reshape(())
+        parts = [feeds(halved.values[i], exchange.to_ortvalue(g * halved.weights[i])) for i in range(2)]
+
+        def run(i: int) -> list[torch.Tensor]:
+            return exchange.vector_to_torch(self.backwards[i].run_vector(parts[i], self.backward_names))
+
+        if self._busy.acquire(blocking=False):
+            try:
+                mine, theirs = self._both(run, openmp.room(2)[0])
+            finally:
+                self._busy.release()
+        else:
+            mine, theirs = run(0), run(1)
+        return combined(mine, theirs, (1.0, 1.0))
+
+    def finish(self, timed: tuple[int, bool, float], seconds: float) -> None:
+        """A step's backward took `seconds` after a forward `timed`: the step's time goes to the trial."""
+        arm, tried, forward = timed
+        self._record(arm, tried, forward + seconds)

@@ -21,6 +21,7 @@ gradient.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -58,12 +59,17 @@ class ForwardState:
     redraw: Callable[[Collection[str]], dict[str, C.OrtValue]] | None = None
     """Draws again the host's Dropout masks left out of `values` (those of checkpointed regions), as the forward
     drew them."""
+    halved: halves.Halved | None = None
+    """A forward run as two halves of the batch (`halves.SplitHalves`): each half's values, instead of `values`."""
+    timed: tuple[int, bool, float] | None = None
+    """The forward's arm and time, for the trial of halves against the whole batch the backward completes."""
 
     def release(self) -> None:
         """Drop the stash (like torch freeing saved tensors after backward)."""
         self.values = {}
         self.gradients = None
         self.redraw = None
+        self.halved = None
         self.released = True
 
 
@@ -118,6 +124,8 @@ class _Backward:
     """wrt tensor -> backward output name, restricted to the tensors this subset reaches."""
     consts: dict[str, C.OrtValue] = field(default_factory=dict)
     specialised: bool = True
+    lowered: onnx.ModelProto | None = None
+    """The graph its runner runs (the halves' sessions run it too)."""
 
     def __post_init__(self) -> None:
         man = self.program.manifest
@@ -280,6 +288,10 @@ class TrainingSession:
         """While fused runs are paused (`fused.MAX_UNUSED`): split backwards since, counting up to resuming."""
         self.rows = rows
         """The batch the caller expects to run at mostly (`from_forward`), for layout choices in the backward."""
+        self._split: halves.SplitHalves | None = None
+        """Split steps as two halves of the batch (`halves.SplitHalves`), where they may pay; decided at the first
+        split forward after the first call (`_split_decided`)."""
+        self._split_decided = False
         self._exported: onnx.ModelProto | None = None
         """The forward as given to `from_forward`, before the runtime's rewrites: where `samples` proves its loss
         computed sample by sample, fused runs may split the batch (`halves`)."""
@@ -295,6 +307,7 @@ class TrainingSession:
         self._infer = None
         self._backwards.clear()
         self._fused = None
+        self._split, self._split_decided = None, False
 
     def _forward_runner(self) -> Runner | MaskedRunner:
         return lowering.forward_runner(self.full.forward, self.config, "forward")
@@ -369,6 +382,18 @@ class TrainingSession:
         if state.released:
             raise RuntimeError("backward through a ForwardState a second time: its stashed tensors were already "
                                "freed; pass retain=True to the first backward to keep them.")
+        timed, state.timed = state.timed, None
+        start = time.perf_counter()
+        if state.halved is not None:
+            result = self._halved_backward(state, grads, retain, as_torch)
+        else:
+            result = self._backward_run(state, grads, retain, as_torch)
+        if timed is not None and self._split is not None:
+            self._split.finish(timed, time.perf_counter() - start)
+        return result
+
+    def _backward_run(self, state: ForwardState, grads: Sequence[C.OrtValue | None], retain: bool, as_torch: bool
+                      ) -> dict[str, Any]:
         given = frozenset([i for i in self.differentiable if grads[i] is not None])
         if state.gradients is not None:
             g = grads[self.differentiable[0]]
@@ -404,17 +429,18 @@ class TrainingSession:
         gradients of a fused one (each distinct buffer once)."""
         if state.gradients is not None:
             return state.gradients.nbytes()
-        fed = {state.values[n].data_ptr() for n in self.input_names if n in state.values}
         seen: set[int] = set()
         total = 0
-        for name in self.full.manifest.stashed:
-            v = state.values.get(name)
-            if v is None or name in self.input_names:
-                continue
-            ptr = v.data_ptr()
-            if ptr not in seen and ptr not in fed:
-                seen.add(ptr)
-                total += v.tensor_size_in_bytes()
+        for values in ([state.values] if state.halved is None else state.halved.values):
+            fed = {values[n].data_ptr() for n in self.input_names if n in values}
+            for name in self.full.manifest.stashed:
+                v = values.get(name)
+                if v is None or name in self.input_names:
+                    continue
+                ptr = v.data_ptr()
+                if ptr not in seen and ptr not in fed:
+                    seen.add(ptr)
+                    total += v.tensor_size_in_bytes()
         return total
 
     # --- internals ----------------------------------------------------------------------------------
@@ -438,6 +464,73 @@ class TrainingSession:
         return total
 
     def _split_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
+                       ) -> tuple[list[C.OrtValue], ForwardState]:
+        split = self._split_halves()
+        if split is None:
+            return self._whole_forward(feeds, as_torch)
+        outs, state, halved, timed = split.forward(feeds, lambda: self._whole_forward(feeds, as_torch),
+                                                   self._halves_mismatch)
+        if state is None:
+            state = ForwardState({}, outs, as_torch, halved=halved)
+        state.timed = timed
+        return outs, state
+
+    def _split_halves(self) -> halves.SplitHalves | None:
+        """The split steps' halves (`halves.SplitHalves`), made at the first split forward after the first call
+        decided against fusing, where the exported forward computes its loss sample by sample (`samples`), runs may
+        use two threads, and the backward has nothing the halves would draw or recompute differently."""
+        if self._split_decided or self._fusing is None:
+            return self._split
+        self._split_decided = True
+        if (self._fusing or not self.config.split_batch or self._exported is None or not self._fusable()
+                or not isinstance(self._fwd, Runner) or self._fwd.draws_random or self._redrawn
+                or self._in_graph_order):
+            return None
+        proven = samples.proven(self._exported)
+        bw = self._backward_for(frozenset(self.differentiable)) if proven is not None else None
+        if proven is None or bw is None or bw.lowered is None or not bw.specialised or bw.runner is None:
+            return None
+        if bw.runner.draws_random:
+            return None
+        self._split = halves.SplitHalves(self.full.forward, bw.lowered, self._backward_config(), proven,
+                                         self._fwd_names, self.output_names, bw.out_names)
+        return self._split
+
+    def _half_feeds(self, bw: _Backward, values: dict[str, C.OrtValue], seed: C.OrtValue) -> dict[str, C.OrtValue]:
+        """A half's backward feeds: its forward's values, its share of the loss's host gradient."""
+        grads: list[C.OrtValue | None] = [None] * len(self.output_names)
+        grads[self.differentiable[0]] = seed
+        return self._backward_feeds(bw, ForwardState(values, [values[n] for n in self.output_names], True), grads)
+
+    def _halved_backward(self, state: ForwardState, grads: Sequence[C.OrtValue | None], retain: bool, as_torch: bool
+                         ) -> dict[str, Any]:
+        assert state.halved is not None and self._split is not None
+        seed = grads[self.differentiable[0]]
+        result: dict[str, Any] = {}
+        if seed is not None:
+            bw = self._backward_for(frozenset(self.differentiable))
+            together = self._split.backward(state.halved, seed, lambda values, g: self._half_feeds(bw, values, g))
+            result = {w: together[i] if as_torch else exchange.to_ortvalue(together[i]) for w, i in bw.results}
+        if not retain:
+            state.release()
+        return result
+
+    def _halves_mismatch(self, outs: list[C.OrtValue], state: ForwardState, half_outs: list[C.OrtValue],
+                         halved: halves.Halved) -> str | None:
+        """The first halves (forward and backward for a host gradient of 1) against the whole batch's: where they
+        differ, how (`checks`); None where they agree."""
+        index = self.differentiable[0]
+        one = exchange.to_ortvalue(np.ones((), dtype=exchange.to_numpy(outs[index]).dtype))
+        seeds: list[C.OrtValue | None] = [None] * len(outs)
+        seeds[index] = one
+        want = self._backward_run(state, seeds, retain=True, as_torch=True)
+        got = self._halved_backward(ForwardState({}, half_outs, True, halved=halved), seeds, retain=False,
+                                    as_torch=True)
+        names = [w for w in want if w in got]
+        return (checks.mismatch([exchange.to_torch(v) for v in half_outs], [exchange.to_torch(v) for v in outs])
+                or checks.gradients_mismatch([got[w] for w in names], [want[w] for w in names]))
+
+    def _whole_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
                        ) -> tuple[list[C.OrtValue], ForwardState]:
         redraw = None
         if self._redrawn and isinstance(self._fwd, MaskedRunner):
@@ -489,7 +582,7 @@ class TrainingSession:
         after = torch.random.get_rng_state()
         torch.random.set_rng_state(rng)
         try:
-            outs, state = self._split_forward(feeds, as_torch)
+            outs, state = self._whole_forward(feeds, as_torch)
         finally:
             torch.random.set_rng_state(after)
         index = self.differentiable[0]
@@ -586,11 +679,11 @@ class TrainingSession:
     def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool) -> _Backward:
         arrays = _backward_constants(program)
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
-        runner = None
+        runner, lowered = None, None
         if grads and program.manifest.backward_outputs:
             lowered = lowering.backward(program.backward, arrays, self.config, self.rows)
             runner = Runner(lowered, self._backward_config(), "backward", BACKWARD_DISABLED_OPTIMIZERS)
-        return _Backward(program, runner, grads, consts, specialised)
+        return _Backward(program, runner, grads, consts, specialised, lowered if runner is not None else None)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]
                         ) -> dict[str, C.OrtValue]:

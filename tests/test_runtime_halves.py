@@ -126,7 +126,8 @@ def free(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Net(nn.Module):
-    """Conv, pool and linear layers, then cross-entropy (mean, ignoring -100, or a sum)."""
+    """Conv, pool and linear layers, then cross-entropy (mean, ignoring -100, or a sum): its activations outweigh
+    its weights, so its step runs fused (`halves.Halves`)."""
 
     def __init__(self, reduction: str = "mean"):
         super().__init__()
@@ -138,12 +139,29 @@ class Net(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y, reduction=self.reduction)
 
 
-def _halves_of(om: ORTModule) -> halves.Halves:
-    """The halves of the module's fused session (made at its second call: the first decides to fuse)."""
+class Wide(Net):
+    """Dense layers whose weights outweigh the activations, so its step runs split (`halves.SplitHalves`)."""
+
+    def __init__(self, reduction: str = "mean"):
+        nn.Module.__init__(self)
+        self.reduction = reduction
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(144, 96), nn.ReLU(), nn.Linear(96, 5))
+
+
+KINDS = {"fused": Net, "split": Wide}
+
+
+def _halves_of(om: ORTModule, kind: str) -> halves.Halves | halves.SplitHalves:
+    """The halves of the module's session (made at its second call: the first decides whether to fuse)."""
     (session,) = om.training_sessions()
-    fused = session._fused
-    assert fused is not None and fused.halves is not None, "the step did not get halves"
-    return fused.halves
+    if kind == "fused":
+        assert session._fused is not None and session._split is None, "the step is not fused"
+        got = session._fused.halves
+    else:
+        assert session._fused is None, "the step is fused"
+        got = session._split
+    assert got is not None, "the step did not get halves"
+    return got
 
 
 def _step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -160,22 +178,23 @@ def _batch(rows: int, seed: int, ignored: list[int]) -> tuple[torch.Tensor, torc
     return x, y
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("reduction", "rows", "ignored"), [
     ("mean", 16, []), ("mean", 13, [0, 1, 2, 9]), ("sum", 11, [4])])
-def test_halves_match_torch(reduction: str, rows: int, ignored: list[int], free: None) -> None:
+def test_halves_match_torch(kind: str, reduction: str, rows: int, ignored: list[int], free: None) -> None:
     """The halves' loss and gradients against torch's in float64: halves of unequal rows and unequal counts of
     labels not ignored, weighed by those counts (mean) or added (sum); and along a random direction of the
     parameters, the loss's change matches the gradient (finite differences)."""
     torch.manual_seed(0)
-    net = Net(reduction)
-    om = ORTModule(Net(reduction), threads=2)
+    net = KINDS[kind](reduction)
+    om = ORTModule(KINDS[kind](reduction), threads=2)
     om.load_state_dict(net.state_dict())
     x, y = _batch(rows, 1, ignored)
     _step(om, x, y)  # the first call: export, checks, the decision to fuse
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _step(om, x, y)  # the fused session, its halves compared with it
-        h = _halves_of(om)
+        _step(om, x, y)  # the halves made, and compared with the whole batch's run
+        h = _halves_of(om, kind)
         h.pin(True)
         loss, grads = _step(om, x, y)
     assert h.checked and not h.off and h.runs == 2  # the check's and the step's
@@ -198,16 +217,17 @@ def test_halves_match_torch(reduction: str, rows: int, ignored: list[int], free:
     assert along == pytest.approx(slope, rel=1e-4, abs=1e-6)
 
 
-def test_halves_all_ignored_runs_whole(free: None) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_halves_all_ignored_runs_whole(kind: str, free: None) -> None:
     """A half whose labels are all ignored has no mean to weigh: the batch runs whole, its loss finite."""
     torch.manual_seed(0)
-    net = Net()
-    om = ORTModule(Net(), threads=2)
+    net = KINDS[kind]()
+    om = ORTModule(KINDS[kind](), threads=2)
     om.load_state_dict(net.state_dict())
     x, y = _batch(12, 2, list(range(6)))
-    _step(om, x, y)
-    _step(om, x, y)
-    h = _halves_of(om)
+    _step(om, *_batch(12, 2, []))
+    _step(om, *_batch(12, 2, []))
+    h = _halves_of(om, kind)
     h.pin(True)
     assert halves.cut({"x": exchange.to_ortvalue(x), "y": exchange.to_ortvalue(y)}, h.rows) is None
     runs = h.runs
@@ -219,15 +239,16 @@ def test_halves_all_ignored_runs_whole(free: None) -> None:
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
-def test_second_caller_runs_whole(free: None) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_caller_runs_whole(kind: str, free: None) -> None:
     """While one thread's halves run (their lock held), another thread's step runs its batch whole: the worker takes
     one job at a time."""
     torch.manual_seed(0)
-    om = ORTModule(Net(), threads=2)
+    om = ORTModule(KINDS[kind](), threads=2)
     x, y = _batch(16, 5, [])
     _step(om, x, y)
     _step(om, x, y)
-    h = _halves_of(om)
+    h = _halves_of(om, kind)
     h.pin(True)
     runs = h.runs
     _step(om, x, y)
@@ -249,26 +270,36 @@ class BatchStats(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def test_batch_statistics_get_no_halves(monkeypatch: pytest.MonkeyPatch, free: None) -> None:
+class WideStats(BatchStats):
+    """Batch statistics in a step that runs split."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(144, 96), nn.BatchNorm1d(96), nn.ReLU(), nn.Linear(96, 5))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_statistics_get_no_halves(kind: str, monkeypatch: pytest.MonkeyPatch, free: None) -> None:
     """The proof refuses a BatchNorm in training mode; forced past it, the first halves' run differs from the whole
     run: a warning, the whole batch from then on, and torch's gradients all along."""
+    make = BatchStats if kind == "fused" else WideStats
     torch.manual_seed(0)
-    om = ORTModule(BatchStats(), threads=2)
+    om = ORTModule(make(), threads=2)
     x, y = _batch(16, 3, [])
     _step(om, x, y)
     _step(om, x, y)
     (session,) = om.training_sessions()
-    assert session._fused is not None and session._fused.halves is None
+    assert session._split is None and (session._fused is None or session._fused.halves is None)
     forced = samples.Rows(("x", "y"), "y", -100, True)
     monkeypatch.setattr(samples, "proven", lambda model: forced)
     torch.manual_seed(0)
-    net = BatchStats()
-    om = ORTModule(BatchStats(), threads=2)
+    net = make()
+    om = ORTModule(make(), threads=2)
     om.load_state_dict(net.state_dict())
     _step(om, x, y)
     with pytest.warns(RuntimeWarning, match="halves of the batch"):
         _step(om, x, y)
-    h = _halves_of(om)
+    h = _halves_of(om, kind)
     assert h.off and h.runs == 1
     h.pin(True)
     loss, grads = _step(om, x, y)
@@ -276,7 +307,7 @@ def test_batch_statistics_get_no_halves(monkeypatch: pytest.MonkeyPatch, free: N
     net.load_state_dict(om.state_dict())  # the running statistics both calls updated
     net.train()
     for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):
+        if isinstance(m, nn.BatchNorm2d | nn.BatchNorm1d):
             m.momentum = 0.0
     want_loss, want = _step(net, x, y)
     torch.testing.assert_close(loss, want_loss)
@@ -284,13 +315,40 @@ def test_batch_statistics_get_no_halves(monkeypatch: pytest.MonkeyPatch, free: N
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
-def test_halves_only_with_two_threads() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_halves_only_with_two_threads(kind: str) -> None:
     """On one thread the session gets no halves (their point is the second core)."""
-    om = ORTModule(Net(), threads=1)
+    om = ORTModule(KINDS[kind](), threads=1)
     _step(om, *_batch(16, 4, []))
     _step(om, *_batch(16, 4, []))
     (session,) = om.training_sessions()
-    assert session._fused is not None and session._fused.halves is None
+    assert session._split is None and (session._fused is None or session._fused.halves is None)
+
+
+def test_split_halves_keep_their_stash(free: None) -> None:
+    """A split step's halves keep each half's stash for its backward: as many bytes as the whole batch's, and a
+    backward that keeps them (retain_graph) can run again."""
+    torch.manual_seed(0)
+    net = Wide()
+    om = ORTModule(Wide(), threads=2)
+    om.load_state_dict(net.state_dict())
+    x, y = _batch(16, 6, [3])
+    _step(om, x, y)
+    _step(om, x, y)
+    h = _halves_of(om, "split")
+    (session,) = om.training_sessions()
+    whole = om(x, y)
+    h.pin(True)
+    halved = om(x, y)
+    assert halved.grad_fn.state.halved is not None and whole.grad_fn.state.halved is None
+    assert session.stash_bytes(halved.grad_fn.state) == session.stash_bytes(whole.grad_fn.state)
+    om.zero_grad(set_to_none=True)
+    halved.backward(retain_graph=True)
+    halved.backward()
+    twice = [p.grad.clone() for p in om.parameters()]
+    _, want = _step(net, x, y)
+    for g, w in zip(twice, want, strict=True):
+        torch.testing.assert_close(g, 2 * w, rtol=1e-4, atol=1e-6)
 
 
 def test_halves_off_by_config() -> None:
