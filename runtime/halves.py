@@ -40,6 +40,17 @@ from .samples import Rows
 
 MIN_ROWS = 8
 """Batches below this run whole: halves of a few rows leave each thread too little work to gain."""
+SPLIT_MIN_ROWS = 32
+"""The same for split steps, whose halves pay twice for the handing over (forward and backward) and once for adding
+the weight gradients: LeNet at batch 16 ran 2-3% slower with them (0.952 of torch's step against 0.931 without,
+3 processes each)."""
+SPLIT_OPS = frozenset({"Conv", "ConvTranspose"})
+"""Split steps run as halves only where the forward has one of these: onnxruntime's convolutions gain from a
+thread each on half the batch, its matrix products at MLP sizes do not (one process, halves against the whole
+batch: 784-512-512-10 at batch 64 2.60 against 1.93 ms far, 784-1024-1024-10 at batch 128 8.14 / 7.19 near,
+784-512-256-10 at batch 256 4.52 / 4.28 far; 3 processes each against torch's step, halves in the trial / none:
+0.915 / 0.831 far and 1.010 / 0.994 near), while Caffe's LeNet (20 and 50 channels, dense 500) took 14.8 against
+25.7 ms far and 12.0 / 13.7 near (0.735 / 0.780 of torch's step, 3 processes each)."""
 
 OWN_ARENAS = False
 """Each half's session allocating from an arena of its own instead of the process-wide one the whole run uses
@@ -95,12 +106,12 @@ class Cut:
     weights: tuple[float, float]
 
 
-def cut(feeds: Mapping[str, C.OrtValue], rows: Rows) -> Cut | None:
+def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None) -> Cut | None:
     """`feeds` cut in halves along the batch, weighed by each half's rows the loss counts (labels not ignored) for a
     mean, 1 each for a sum; None where the batch runs whole (too few rows, inputs of other batch sizes, a half whose
     labels are all ignored)."""
     n = feeds[rows.batched[0]].shape()[0]
-    if n < MIN_ROWS:
+    if n < (MIN_ROWS if min_rows is None else min_rows):
         return None
     h = n // 2
     parts: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]] = (dict(feeds), dict(feeds))
@@ -141,8 +152,10 @@ class _Halving:
     """What both kinds of halves share: the worker, the lock that keeps it to one caller, the trial, the first
     run's check and its verdict."""
 
-    def __init__(self, rows: Rows, halves_first: bool):
+    def __init__(self, rows: Rows, halves_first: bool, min_rows: int | None = None):
         self.rows = rows
+        self.min_rows = min_rows
+        """Batches below this run whole (None: `MIN_ROWS`, read at each cut)."""
         self.worker = Worker()
         self.trial = Trial()
         self.halves_arm = 0 if halves_first else 1
@@ -172,7 +185,7 @@ class _Halving:
     def _ready(self, feeds: Mapping[str, C.OrtValue]) -> tuple[Cut, bool] | None:
         """The cut and whether to park torch's workers, where the halves can run now: not where the batch cannot
         be weighed, nor on a crowded machine (the second thread would wait for a core)."""
-        halves = cut(feeds, self.rows)
+        halves = cut(feeds, self.rows, self.min_rows)
         if halves is None:
             return None
         park, crowded = openmp.room(2)
@@ -268,16 +281,20 @@ class Halved:
     weights: tuple[float, float]
 
 
+def splits(model: onnx.ModelProto) -> bool:
+    """Whether a forward's split steps may run as halves (`SPLIT_OPS`)."""
+    return any(n.op_type in SPLIT_OPS for n in model.graph.node)
+
+
 class SplitHalves(_Halving):
     """The halves of a split step (a forward, then its backward): one-thread sessions of the forward and of the full
     backward for each half, the second half's runs on the worker; each half's forward values kept for its own
-    backward. Halves second in the trial: for MLPs they lost with the CPUs near (784-512-512-10 at batch 64, one
-    process, forward and backward: 1.57 against 1.40 ms whole) and gained far (session 47: 1.19 against 1.51), and
-    gained for Caffe's LeNet (11.97 against 13.65 ms near) and LeNet at batch 16 (1.25 / 1.32)."""
+    backward. Only for convolutional forwards (`SPLIT_OPS`) at 32 rows or more (`SPLIT_MIN_ROWS`), and second in the
+    trial."""
 
     def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig, rows: Rows,
                  forward_names: Sequence[str], output_names: Sequence[str], backward_names: Sequence[str]):
-        super().__init__(rows, halves_first=False)
+        super().__init__(rows, halves_first=False, min_rows=SPLIT_MIN_ROWS)
         half = _half_config(config)
         self.forwards = [lowering.forward_runner(forward, half, "half of the forward") for _ in range(2)]
         self.backwards = [Runner(backward, half, "half of the backward", BACKWARD_DISABLED_OPTIMIZERS)

@@ -486,7 +486,7 @@ class TrainingSession:
                 or not isinstance(self._fwd, Runner) or self._fwd.draws_random or self._redrawn
                 or self._in_graph_order):
             return None
-        proven = samples.proven(self._exported)
+        proven = samples.proven(self._exported) if halves.splits(self._exported) else None
         bw = self._backward_for(frozenset(self.differentiable)) if proven is not None else None
         if proven is None or bw is None or bw.lowered is None or not bw.specialised or bw.runner is None:
             return None

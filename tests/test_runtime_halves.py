@@ -121,8 +121,10 @@ def test_refused(case: str) -> None:
 
 @pytest.fixture
 def free(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The machine read as free (the halves would step aside for a crowd, as tests running beside these make)."""
+    """The machine read as free (the halves would step aside for a crowd, as tests running beside these make), and
+    split steps halved from the fused steps' `MIN_ROWS` (these batches are small)."""
     monkeypatch.setattr(openmp, "room", lambda threads: (False, False))
+    monkeypatch.setattr(halves, "SPLIT_MIN_ROWS", halves.MIN_ROWS)
 
 
 class Net(nn.Module):
@@ -140,12 +142,14 @@ class Net(nn.Module):
 
 
 class Wide(Net):
-    """Dense layers whose weights outweigh the activations, so its step runs split (`halves.SplitHalves`)."""
+    """A convolution and dense layers whose weights outweigh the activations, so its step runs split
+    (`halves.SplitHalves`)."""
 
     def __init__(self, reduction: str = "mean"):
         nn.Module.__init__(self)
         self.reduction = reduction
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(144, 96), nn.ReLU(), nn.Linear(96, 5))
+        self.net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(288, 96), nn.ReLU(),
+                                 nn.Linear(96, 5))
 
 
 KINDS = {"fused": Net, "split": Wide}
@@ -275,7 +279,8 @@ class WideStats(BatchStats):
 
     def __init__(self) -> None:
         nn.Module.__init__(self)
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(144, 96), nn.BatchNorm1d(96), nn.ReLU(), nn.Linear(96, 5))
+        self.net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(288, 96), nn.BatchNorm1d(96),
+                                 nn.ReLU(), nn.Linear(96, 5))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -316,13 +321,24 @@ def test_batch_statistics_get_no_halves(kind: str, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_halves_only_with_two_threads(kind: str) -> None:
+def test_halves_only_with_two_threads(kind: str, free: None) -> None:
     """On one thread the session gets no halves (their point is the second core)."""
     om = ORTModule(KINDS[kind](), threads=1)
     _step(om, *_batch(16, 4, []))
     _step(om, *_batch(16, 4, []))
     (session,) = om.training_sessions()
     assert session._split is None and (session._fused is None or session._fused.halves is None)
+
+
+def test_split_halves_only_for_convolutions(free: None) -> None:
+    """An MLP's split steps stay whole: its matrix products lost to the whole batch's run as halves."""
+    mlp = Wide()
+    mlp.net = nn.Sequential(nn.Flatten(), nn.Linear(144, 96), nn.ReLU(), nn.Linear(96, 5))
+    om = ORTModule(mlp, threads=2)
+    _step(om, *_batch(16, 7, []))
+    _step(om, *_batch(16, 7, []))
+    (session,) = om.training_sessions()
+    assert session._fused is None and session._split is None and session._split_decided
 
 
 def test_split_halves_keep_their_stash(free: None) -> None:
