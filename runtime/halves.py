@@ -295,10 +295,8 @@ class SplitHalves(_Halving):
     def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig, rows: Rows,
                  forward_names: Sequence[str], output_names: Sequence[str], backward_names: Sequence[str]):
         super().__init__(rows, halves_first=False, min_rows=SPLIT_MIN_ROWS)
-        half = _half_config(config)
-        self.forwards = [lowering.forward_runner(forward, half, "half of the forward") for _ in range(2)]
-        self.backwards = [Runner(backward, half, "half of the backward", BACKWARD_DISABLED_OPTIMIZERS)
-                          for _ in range(2)]
+        self._graphs = (forward, backward, _half_config(config))
+        self._sessions: tuple[list[Runner], list[Runner]] | None = None
         self.forward_names = list(forward_names)
         self.output_names = list(output_names)
         self.backward_names = list(backward_names)
@@ -338,11 +336,29 @@ class SplitHalves(_Halving):
         finally:
             self._busy.release()
 
+    @property
+    def forwards(self) -> list[Runner]:
+        """The halves' forward sessions, made at their first run (a batch below `SPLIT_MIN_ROWS` never makes them)."""
+        return self._made()[0]
+
+    @property
+    def backwards(self) -> list[Runner]:
+        return self._made()[1]
+
+    def _made(self) -> tuple[list[Runner], list[Runner]]:
+        if self._sessions is None:
+            forward, backward, half = self._graphs
+            self._sessions = ([lowering.forward_runner(forward, half, "half of the forward") for _ in range(2)],
+                              [Runner(backward, half, "half of the backward", BACKWARD_DISABLED_OPTIMIZERS)
+                               for _ in range(2)])
+        return self._sessions
+
     def _forward(self, halves: Cut, park: bool) -> tuple[list[C.OrtValue], Halved]:
         self.runs += 1
+        forwards = self.forwards  # made here, not by both threads at once
 
         def run(i: int) -> dict[str, C.OrtValue]:
-            values = self.forwards[i].run(halves.feeds[i], self.forward_names)
+            values = forwards[i].run(halves.feeds[i], self.forward_names)
             env = dict(halves.feeds[i])
             env.update(zip(self.forward_names, values))
             return env
@@ -359,9 +375,10 @@ class SplitHalves(_Halving):
         one after the other."""
         g = exchange.to_torch(seed).reshape(())
         parts = [feeds(halved.values[i], exchange.to_ortvalue(g * halved.weights[i])) for i in range(2)]
+        backwards = self.backwards
 
         def run(i: int) -> list[torch.Tensor]:
-            return exchange.vector_to_torch(self.backwards[i].run_vector(parts[i], self.backward_names))
+            return exchange.vector_to_torch(backwards[i].run_vector(parts[i], self.backward_names))
 
         if self._busy.acquire(blocking=False):
             try:
