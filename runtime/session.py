@@ -633,7 +633,12 @@ class TrainingSession:
                 or self._fwd.draws_random):
             return None
         proven = samples.proven(self._exported)
-        return None if proven is None else halves.Halves(model, backward, config, self._fwd, proven, names)
+        if proven is None:
+            return None
+        try:
+            return halves.Halves(model, backward, config, self._fwd, proven, names)
+        except RuntimeError:  # onnxruntime refusing a half's session: the whole batch's run serves on
+            return None
 
     def _feeds(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> tuple[dict[str, C.OrtValue], bool]:
         if not isinstance(inputs, Mapping):
