@@ -99,17 +99,18 @@ class Worker:
 
 @dataclass(frozen=True)
 class Cut:
-    """A batch cut in two: each half's feeds (parameters whole in both), and the weights of each half's loss and
-    gradients in the batch's."""
+    """A batch cut in two: each half's feeds (parameters whole in both), the first half's samples, and the weights
+    of each half's loss and gradients in the batch's."""
 
     feeds: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]]
+    first: int
     weights: tuple[float, float]
 
 
 def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None) -> Cut | None:
     """`feeds` cut in halves along the batch, weighed by each half's rows the loss counts (labels not ignored) for a
-    mean, 1 each for a sum; None where the batch runs whole (too few rows, inputs of other batch sizes, a half whose
-    labels are all ignored)."""
+    mean, 1 each for a sum or without a loss; None where the batch runs whole (too few rows, inputs of other batch
+    sizes, a half whose labels are all ignored)."""
     n = feeds[rows.batched[0]].shape()[0]
     if n < (MIN_ROWS if min_rows is None else min_rows):
         return None
@@ -120,18 +121,19 @@ def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None
         if t.shape[0] != n:
             return None
         parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:h]), exchange.to_ortvalue(t[h:])
-    if not rows.mean:
-        return Cut(parts, (1.0, 1.0))
-    labels = exchange.to_numpy(feeds[rows.labels])  # numpy counts a few labels in ~1 µs, torch in ~5
-    if rows.ignore_index is None:
+    loss = rows.loss
+    if loss is None or not loss.mean:
+        return Cut(parts, h, (1.0, 1.0))
+    labels = exchange.to_numpy(feeds[loss.labels])  # numpy counts a few labels in ~1 µs, torch in ~5
+    if loss.ignore_index is None:
         counts = (labels[:h].size, labels[h:].size)
     else:
-        counts = (int(np.count_nonzero(labels[:h] != rows.ignore_index)),
-                  int(np.count_nonzero(labels[h:] != rows.ignore_index)))
+        counts = (int(np.count_nonzero(labels[:h] != loss.ignore_index)),
+                  int(np.count_nonzero(labels[h:] != loss.ignore_index)))
     if 0 in counts:
         return None
     total = counts[0] + counts[1]
-    return Cut(parts, (counts[0] / total, counts[1] / total))
+    return Cut(parts, h, (counts[0] / total, counts[1] / total))
 
 
 def combined(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], weights: tuple[float, float]) -> list[torch.Tensor]:
@@ -275,9 +277,11 @@ class Halves(_Halving):
 
 @dataclass
 class Halved:
-    """A split forward run as halves: each half's values for its backward, and their weights."""
+    """A split forward run as halves: each half's values for its backward, the first half's samples, and the
+    halves' weights."""
 
     values: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]]
+    first: int
     weights: tuple[float, float]
 
 
@@ -300,6 +304,8 @@ class SplitHalves(_Halving):
         self.forward_names = list(forward_names)
         self.output_names = list(output_names)
         self.backward_names = list(backward_names)
+        self.per_sample = dict(rows.outputs)
+        """The outputs holding the batch, each with its rows a sample."""
 
     def forward(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[], tuple[list[C.OrtValue], Any]],
                 check: Callable[[list[C.OrtValue], Any, list[C.OrtValue], Halved], str | None]
@@ -364,21 +370,40 @@ class SplitHalves(_Halving):
             return env
 
         envs = self._both(run, park)
-        outs = combined([exchange.to_torch(envs[0][n]) for n in self.output_names],
-                        [exchange.to_torch(envs[1][n]) for n in self.output_names], halves.weights)
-        return [exchange.to_ortvalue(t) for t in outs], Halved(envs, halves.weights)
+        loss = self.rows.loss.output if self.rows.loss is not None else None
+        outs = []
+        for name in self.output_names:
+            a, b = exchange.to_torch(envs[0][name]), exchange.to_torch(envs[1][name])
+            outs.append(exchange.to_ortvalue(combined([a], [b], halves.weights)[0] if name == loss
+                                             else torch.cat([a, b])))
+        return outs, Halved(envs, halves.first, halves.weights)
 
-    def backward(self, halved: Halved, seed: C.OrtValue, feeds: Callable[[dict[str, C.OrtValue], C.OrtValue],
-                 dict[str, C.OrtValue]]) -> list[torch.Tensor]:
-        """The full backward's outputs for the loss's host gradient `seed`, each half's run with its share of it
-        (`feeds(values, seed)`: a half's backward feeds), combined; both at once where the worker is free, else
-        one after the other."""
-        g = exchange.to_torch(seed).reshape(())
-        parts = [feeds(halved.values[i], exchange.to_ortvalue(g * halved.weights[i])) for i in range(2)]
+    def backward(self, halved: Halved, grads: Sequence[C.OrtValue | None],
+                 feeds: Callable[[dict[str, C.OrtValue], list[C.OrtValue | None]], dict[str, C.OrtValue]]
+                 ) -> list[torch.Tensor]:
+        """The full backward's outputs for the module outputs' gradients `grads`, each half's run with its share of
+        them (a loss's scaled by the half's weight, others cut at the half's rows; `feeds(values, grads)`: a half's
+        backward feeds), added; both at once where the worker is free, else one after the other."""
+        shares: list[list[C.OrtValue | None]] = [[], []]
+        loss = self.rows.loss.output if self.rows.loss is not None else None
+        for name, g in zip(self.output_names, grads):
+            if g is None:
+                shares[0].append(None)
+                shares[1].append(None)
+                continue
+            t = exchange.to_torch(g)
+            if name == loss:
+                parts = [t * w for w in halved.weights]
+            else:
+                rows = halved.first * self.per_sample[name]
+                parts = [t[:rows], t[rows:]]
+            for i in range(2):
+                shares[i].append(exchange.to_ortvalue(parts[i]))
+        fed = [feeds(halved.values[i], shares[i]) for i in range(2)]
         backwards = self.backwards
 
         def run(i: int) -> list[torch.Tensor]:
-            return exchange.vector_to_torch(backwards[i].run_vector(parts[i], self.backward_names))
+            return exchange.vector_to_torch(backwards[i].run_vector(fed[i], self.backward_names))
 
         if self._busy.acquire(blocking=False):
             try:

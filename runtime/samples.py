@@ -1,13 +1,14 @@
-"""Whether a forward computes its loss sample by sample: every op maps each sample's rows to its own rows, and only
-the loss (a mean or sum of per-row terms) mixes them. Such a step can run as two halves of the batch whose losses and
-gradients combine exactly (`halves`).
+"""Whether a forward computes sample by sample: every op maps each sample's rows to its own rows, and only a loss (a
+mean or sum of per-row terms) mixes them. Such a step can run as two halves of the batch (`halves`): outputs that
+hold the batch are the halves' joined, a loss is the halves' weighed or added, and so are the gradients.
 
 The proof reads the graph twice, its batch pinned to two sizes (`PINS`), through onnx's shape inference: a tensor
 computed from the batch's inputs must hold each sample in `k` consecutive rows of its first axis, `k` the same at
 both sizes and the other axes of fixed size (so a Transpose, Flatten or Reshape that moved the batch, a Concat or a
 reduction over it shows), and its op must be one that keeps rows apart (an allowlist with each op's axis conditions:
-a Softmax over axis 0 keeps the shape and mixes). Integer tensors computed from the batch's shapes may only size a
-Reshape or an Expand.
+a Softmax over axis 0 keeps the shape and mixes). Integers computed from the batch's shapes may only size a Reshape
+or an Expand (those of the other axes, a sequence's length, are fixed sizes). Every graph output holds the batch,
+or is the loss.
 """
 
 from __future__ import annotations
@@ -55,11 +56,10 @@ class NotRows(Exception):
 
 
 @dataclass(frozen=True)
-class Rows:
-    """A loss computed sample by sample: how two halves of a batch combine."""
+class Loss:
+    """A loss over the batch's rows: how the halves' losses and gradients combine."""
 
-    batched: tuple[str, ...]
-    """Graph inputs whose axis 0 is the batch (cut in halves); the others (parameters) go whole to each half."""
+    output: str
     labels: str
     """The graph input holding the loss's targets (a half's weight in a mean counts those not ignored)."""
     ignore_index: int | None
@@ -67,8 +67,20 @@ class Rows:
     """The loss averages over its rows (else it sums them)."""
 
 
+@dataclass(frozen=True)
+class Rows:
+    """A forward computed sample by sample."""
+
+    batched: tuple[str, ...]
+    """Graph inputs whose axis 0 is the batch (cut in halves); the others (parameters) go whole to each half."""
+    outputs: tuple[tuple[str, int], ...]
+    """Graph outputs holding the batch, each with its rows a sample (the halves' are joined; their gradients cut)."""
+    loss: Loss | None = None
+    """The graph output that is a loss over the batch, if one is."""
+
+
 def proven(model: onnx.ModelProto) -> Rows | None:
-    """`Rows` where the model's only output is a loss computed sample by sample, else None."""
+    """`Rows` where the model computes sample by sample, else None."""
     try:
         return prove(model)
     except NotRows:
@@ -78,8 +90,6 @@ def proven(model: onnx.ModelProto) -> Rows | None:
 def prove(model: onnx.ModelProto) -> Rows:
     """`Rows` for the model, or NotRows saying which node or tensor mixes samples."""
     g = model.graph
-    if len(g.output) != 1:
-        raise NotRows(f"the graph has {len(g.output)} outputs: only a lone loss output is combined from halves")
     inits = {t.name for t in g.initializer}
     batched = tuple(i.name for i in g.input if i.name not in inits and _batch_dim(i))
     if not batched:
@@ -90,7 +100,8 @@ def prove(model: onnx.ModelProto) -> Rows:
     for name in batched:
         _check_rows(name, shapes, k[name])
     sizes: dict[str, tuple[bool, ...]] = {}  # integers computed from the batch's shapes -> which depend on the batch
-    read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+    consumed = {x for n in g.node for x in n.input}
+    read = consumed | {o.name for o in g.output}
     loss = None
     for node in g.node:
         ins = [x for x in node.input if x]
@@ -102,7 +113,11 @@ def prove(model: onnx.ModelProto) -> Rows:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             raise NotRows(f"{where}: a subgraph reads the batch")
         if node.op_type in LOSSES:
+            if loss is not None:
+                raise NotRows(f"{where}: a second loss (only one is weighed)")
             loss = _loss(node, k, read, where)
+            if loss[0] in consumed:
+                raise NotRows(f"{where}: its loss is computed with further (each half's would be)")
             continue
         if node.op_type in ("Shape", "Size"):
             flags = _shape_flags(node, shapes)
@@ -133,14 +148,20 @@ def prove(model: onnx.ModelProto) -> Rows:
             if not regroups and ks != {rows_out}:
                 raise NotRows(f"{where}: regroups the batch's rows ({sorted(ks)} rows a sample in, {rows_out} out)")
             k[out] = rows_out
-    if loss is None or loss[0] != g.output[0].name:
-        raise NotRows(f"the graph output '{g.output[0].name}' is not a SoftmaxCrossEntropyLoss or "
-                      "NegativeLogLikelihoodLoss over the batch")
-    _, node = loss
-    labels = _source(node.input[1], g, batched)
-    ignore = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
-    reduction = next((a.s.decode() for a in node.attribute if a.name == "reduction"), "mean")
-    return Rows(batched, labels, ignore, reduction == "mean")
+    found: Loss | None = None
+    outputs: list[tuple[str, int]] = []
+    for out in g.output:
+        if loss is not None and out.name == loss[0]:
+            node = loss[1]
+            found = Loss(out.name, _source(node.input[1], g, batched),
+                         next((a.i for a in node.attribute if a.name == "ignore_index"), None),
+                         _attr(node, "reduction", b"mean") == b"mean")
+        elif out.name in k:
+            outputs.append((out.name, k[out.name]))
+        else:
+            raise NotRows(f"the graph output '{out.name}' neither holds the batch nor is a "
+                          "SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss over it")
+    return Rows(batched, tuple(outputs), found)
 
 
 def _shape_flags(node: onnx.NodeProto, shapes: list[dict[str, tuple[int | None, ...]]]) -> tuple[bool, ...]:

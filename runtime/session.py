@@ -482,11 +482,14 @@ class TrainingSession:
         if self._split_decided or self._fusing is None:
             return self._split
         self._split_decided = True
-        if (self._fusing or not self.config.split_batch or self._exported is None or not self._fusable()
+        if (self._fusing or not self.config.split_batch or self._exported is None or not self.differentiable
                 or not isinstance(self._fwd, Runner) or self._fwd.draws_random or self._redrawn
                 or self._in_graph_order):
             return None
         proven = samples.proven(self._exported) if halves.splits(self._exported) else None
+        if proven is not None:
+            covered = {name for name, _ in proven.outputs} | ({proven.loss.output} if proven.loss else set())
+            proven = proven if covered == set(self.output_names) else None
         bw = self._backward_for(frozenset(self.differentiable)) if proven is not None else None
         if proven is None or bw is None or bw.lowered is None or not bw.specialised or bw.runner is None:
             return None
@@ -496,20 +499,18 @@ class TrainingSession:
                                          self._fwd_names, self.output_names, bw.out_names)
         return self._split
 
-    def _half_feeds(self, bw: _Backward, values: dict[str, C.OrtValue], seed: C.OrtValue) -> dict[str, C.OrtValue]:
-        """A half's backward feeds: its forward's values, its share of the loss's host gradient."""
-        grads: list[C.OrtValue | None] = [None] * len(self.output_names)
-        grads[self.differentiable[0]] = seed
+    def _half_feeds(self, bw: _Backward, values: dict[str, C.OrtValue], grads: list[C.OrtValue | None]
+                    ) -> dict[str, C.OrtValue]:
+        """A half's backward feeds: its forward's values, its share of the outputs' gradients."""
         return self._backward_feeds(bw, ForwardState(values, [values[n] for n in self.output_names], True), grads)
 
     def _halved_backward(self, state: ForwardState, grads: Sequence[C.OrtValue | None], retain: bool, as_torch: bool
                          ) -> dict[str, Any]:
         assert state.halved is not None and self._split is not None
-        seed = grads[self.differentiable[0]]
         result: dict[str, Any] = {}
-        if seed is not None:
+        if any(grads[i] is not None for i in self.differentiable):
             bw = self._backward_for(frozenset(self.differentiable))
-            together = self._split.backward(state.halved, seed, lambda values, g: self._half_feeds(bw, values, g))
+            together = self._split.backward(state.halved, grads, lambda values, g: self._half_feeds(bw, values, g))
             result = {w: together[i] if as_torch else exchange.to_ortvalue(together[i]) for w, i in bw.results}
         if not retain:
             state.release()
@@ -517,12 +518,11 @@ class TrainingSession:
 
     def _halves_mismatch(self, outs: list[C.OrtValue], state: ForwardState, half_outs: list[C.OrtValue],
                          halved: halves.Halved) -> str | None:
-        """The first halves (forward and backward for a host gradient of 1) against the whole batch's: where they
+        """The first halves (forward, and backward for gradients of ones) against the whole batch's: where they
         differ, how (`checks`); None where they agree."""
-        index = self.differentiable[0]
-        one = exchange.to_ortvalue(np.ones((), dtype=exchange.to_numpy(outs[index]).dtype))
         seeds: list[C.OrtValue | None] = [None] * len(outs)
-        seeds[index] = one
+        for i in self.differentiable:
+            seeds[i] = exchange.to_ortvalue(torch.ones_like(exchange.to_torch(outs[i])))
         want = self._backward_run(state, seeds, retain=True, as_torch=True)
         got = self._halved_backward(ForwardState({}, half_outs, True, halved=halved), seeds, retain=False,
                                     as_torch=True)
@@ -633,7 +633,7 @@ class TrainingSession:
                 or self._fwd.draws_random):
             return None
         proven = samples.proven(self._exported)
-        if proven is None:
+        if proven is None or proven.loss is None or proven.outputs:
             return None
         try:
             return halves.Halves(model, backward, config, self._fwd, proven, names)

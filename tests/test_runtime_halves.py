@@ -20,7 +20,8 @@ from runtime.session import TrainingSession
 
 def _graph(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], inits: list[onnx.TensorProto],
            outputs: tuple[str, ...] = ("loss",)) -> onnx.ModelProto:
-    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [] if o == "loss" else ["N", 3]) for o in outputs]
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [] if o in ("loss", "total") else ["N", 3])
+            for o in outputs]
     return helper.make_model(helper.make_graph(nodes, "g", inputs, outs, inits),
                              opset_imports=[helper.make_opsetid("", 17)])
 
@@ -30,7 +31,7 @@ def _const(name: str, values: list[int] | np.ndarray) -> onnx.TensorProto:
 
 
 def _classifier(*middle: onnx.NodeProto, reduction: str = "mean", weights: bool = False, seq: int = 0,
-                outputs: tuple[str, ...] = ("loss",)) -> onnx.ModelProto:
+                outputs: tuple[str, ...] = ("loss",), tail: tuple[onnx.NodeProto, ...] = ()) -> onnx.ModelProto:
     """x [N, 4] (or [N, seq, 4]) -> `middle` from 'x' to 'h' (Identity where empty) -> Gemm -> a loss against y."""
     rng = np.random.default_rng(0)
     x_shape, y_shape = (["N", seq, 4], ["N", seq]) if seq else (["N", 4], ["N"])
@@ -47,7 +48,7 @@ def _classifier(*middle: onnx.NodeProto, reduction: str = "mean", weights: bool 
         loss_in.append("cw")
     nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", loss_in, ["loss"], reduction=reduction,
                                   ignore_index=-100))
-    return _graph(nodes, inputs, inits, outputs)
+    return _graph(nodes + list(tail), inputs, inits, outputs)
 
 
 PROVEN = {
@@ -64,7 +65,10 @@ PROVEN = {
         helper.make_node("Unsqueeze", ["f", "i1_1d"], ["positions"]),
         helper.make_node("Add", ["x", "positions"], ["h"]), seq=5),
     "a dropout that drops nothing": _classifier(helper.make_node("Dropout", ["x", "zero_ratio", "yes"], ["h"])),
+    "the loss and the scores": _classifier(outputs=("loss", "s")),
 }
+SCORES = {"the loss and the scores": (("s", 1),)}
+"""The cases' outputs holding the batch besides the loss."""
 REFUSED = {
     "softmax along the batch": (_classifier(helper.make_node("Softmax", ["x"], ["h"], axis=0)), "batch's axis"),
     "mean over the batch": (_classifier(helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
@@ -75,7 +79,10 @@ REFUSED = {
                                helper.make_node("Transpose", ["xt"], ["h"], perm=[1, 0])), "first axis"),
     "rows stacked": (_classifier(helper.make_node("Concat", ["x", "x"], ["h"], axis=0)), "batch's axis"),
     "weighted": (_classifier(weights=True), "weighted"),
-    "two outputs": (_classifier(outputs=("loss", "s")), "2 outputs"),
+    "an output of the whole batch": (_classifier(outputs=("loss", "total"), tail=(
+        helper.make_node("ReduceSum", ["s"], ["total"], keepdims=0),)), "reduces every axis"),
+    "the loss computed with further": (_classifier(outputs=("total",), tail=(
+        helper.make_node("Mul", ["loss", "loss"], ["total"]),)), "computed with further"),
     "each sample's position in the batch": (_classifier(
         helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "i0"], ["n"]),
         helper.make_node("Range", ["i0", "n", "i1"], ["steps"]),
@@ -107,7 +114,8 @@ def _with_constants(model: onnx.ModelProto) -> onnx.ModelProto:
 def test_proven(case: str) -> None:
     model = _with_constants(PROVEN[case])
     onnx.checker.check_model(model, full_check=True)
-    assert samples.prove(model) == samples.Rows(("x", "y"), "y", -100, case != "sum")
+    assert samples.prove(model) == samples.Rows(("x", "y"), SCORES.get(case, ()),
+                                                samples.Loss("loss", "y", -100, case != "sum"))
 
 
 @pytest.mark.parametrize("case", REFUSED)
@@ -295,8 +303,11 @@ def test_batch_statistics_get_no_halves(kind: str, monkeypatch: pytest.MonkeyPat
     _step(om, x, y)
     (session,) = om.training_sessions()
     assert session._split is None and (session._fused is None or session._fused.halves is None)
-    forced = samples.Rows(("x", "y"), "y", -100, True)
-    monkeypatch.setattr(samples, "proven", lambda model: forced)
+    def forced(model: onnx.ModelProto) -> samples.Rows:  # a split step's running statistics taken for the batch's
+        others = tuple((o.name, 1) for o in model.graph.output if o.name != "output" and kind == "split")
+        return samples.Rows(("x", "y"), others, samples.Loss("output", "y", -100, True))
+
+    monkeypatch.setattr(samples, "proven", forced)
     torch.manual_seed(0)
     net = make()
     om = ORTModule(make(), threads=2)
@@ -328,6 +339,62 @@ def test_halves_only_with_two_threads(kind: str, free: None) -> None:
     _step(om, *_batch(16, 4, []))
     (session,) = om.training_sessions()
     assert session._split is None and (session._fused is None or session._fused.halves is None)
+
+
+class Scores(nn.Module):
+    """A classifier returning its scores (the loss computed outside, as most training loops do), and optionally its
+    loss beside them."""
+
+    def __init__(self, with_loss: bool = False):
+        super().__init__()
+        self.with_loss = with_loss
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                 nn.Linear(4 * 6 * 6, 5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        scores = self.net(x)
+        if self.with_loss:
+            return nn.functional.cross_entropy(scores, y), scores
+        return scores
+
+
+def _scores_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor, with_loss: bool
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss outside: cross-entropy of the scores, plus the module's own loss and a term in every score where it
+    returns both (gradients into both outputs)."""
+    module.zero_grad(set_to_none=True)
+    out = module(x, y)
+    if with_loss:
+        inner, scores = out
+        loss = inner + 0.1 * scores.square().mean()
+    else:
+        scores = out
+        loss = nn.functional.cross_entropy(scores, y.clamp(min=0))
+    loss.backward()
+    return scores.detach(), [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_halves_of_outputs_match_torch(with_loss: bool, free: None) -> None:
+    """Outputs holding the batch: the halves' joined (scores equal torch's), their gradients cut at the halves' rows;
+    with a loss beside them, the loss weighed; parameter gradients against torch's in float64."""
+    torch.manual_seed(0)
+    net = Scores(with_loss)
+    om = ORTModule(Scores(with_loss), threads=2)
+    om.load_state_dict(net.state_dict())
+    x, y = _batch(15, 8, [2, 3] if with_loss else [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _scores_step(om, x, y, with_loss)
+        _scores_step(om, x, y, with_loss)
+        h = _halves_of(om, "split")
+        h.pin(True)
+        scores, grads = _scores_step(om, x, y, with_loss)
+    assert h.checked and not h.off and h.runs == 2
+    want_scores, want = _scores_step(net.double(), x.double(), y, with_loss)
+    torch.testing.assert_close(scores.double(), want_scores, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=2e-6)
 
 
 def test_split_halves_only_for_convolutions(free: None) -> None:
