@@ -35,6 +35,7 @@ import torch
 from onnxruntime.capi import _pybind_state as C
 
 from . import checks, exchange, lowering, openmp
+from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial
 from .samples import Rows
 
@@ -136,6 +137,26 @@ def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None
     return Cut(parts, h, (counts[0] / total, counts[1] / total))
 
 
+@dataclass(frozen=True)
+class Ready:
+    """What one run of the halves takes (`_Halving._ready`)."""
+
+    cut: Cut
+    park: bool
+    drawn: dict[str, C.OrtValue]
+    """The whole batch's Dropout masks ({} without)."""
+    masks: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]]
+    """Each half's masks, cut from `drawn` at its rows."""
+
+
+def _run_half(runner: Runner | MaskedRunner, feeds: dict[str, C.OrtValue], masks: dict[str, C.OrtValue],
+              names: Sequence[str]) -> Values:
+    """One half's run: with its masks where its Dropouts take the host's."""
+    if isinstance(runner, MaskedRunner):
+        return runner.run_drawn(feeds, masks, names)
+    return runner.run_vector(feeds, names)
+
+
 def combined(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], weights: tuple[float, float]) -> list[torch.Tensor]:
     """The halves' losses or gradients combined: weighed (a mean's) or added (a sum's)."""
     a, b = weights
@@ -154,8 +175,10 @@ class _Halving:
     """What both kinds of halves share: the worker, the lock that keeps it to one caller, the trial, the first
     run's check and its verdict."""
 
-    def __init__(self, rows: Rows, halves_first: bool, min_rows: int | None = None):
+    def __init__(self, rows: Rows, halves_first: bool, masked: MaskedRunner | None, min_rows: int | None = None):
         self.rows = rows
+        self.masked = masked
+        """The whole batch's runner where it feeds the host's Dropout masks: the halves get theirs cut from its."""
         self.min_rows = min_rows
         """Batches below this run whole (None: `MIN_ROWS`, read at each cut)."""
         self.worker = Worker()
@@ -184,14 +207,27 @@ class _Halving:
         tried = trial.due()
         return (trial.arm if tried else trial.chosen if trial.chosen is not None else 0), tried
 
-    def _ready(self, feeds: Mapping[str, C.OrtValue]) -> tuple[Cut, bool] | None:
-        """The cut and whether to park torch's workers, where the halves can run now: not where the batch cannot
-        be weighed, nor on a crowded machine (the second thread would wait for a core)."""
+    def _ready(self, feeds: Mapping[str, C.OrtValue]) -> Ready | None:
+        """What the halves need to run now: the cut, whether to park torch's workers, and the host's Dropout masks
+        of the whole batch (drawn as the whole run would draw them, from torch's generator) with each half's cut
+        from them; None where the batch cannot be weighed, the masks' shapes are not known yet (the whole run
+        learns them), or the machine is crowded (the second thread would wait for a core)."""
         halves = cut(feeds, self.rows, self.min_rows)
-        if halves is None:
+        if halves is None or (self.masked is not None and not self.masked.drawn_for(feeds)):
             return None
         park, crowded = openmp.room(2)
-        return None if crowded else (halves, park)
+        if crowded:
+            return None
+        drawn = self.masked.drawn(feeds) if self.masked is not None else None
+        if not drawn:
+            return Ready(halves, park, {}, ({}, {}))
+        n = feeds[self.rows.batched[0]].shape()[0]
+        parts: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]] = ({}, {})
+        for name, mask in drawn.items():
+            t = exchange.to_torch(mask)
+            rows = halves.first * (t.shape[0] // n)
+            parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:rows]), exchange.to_ortvalue(t[rows:])
+        return Ready(halves, park, drawn, parts)
 
     def _record(self, arm: int, tried: bool, seconds: float) -> None:
         if tried:
@@ -225,8 +261,8 @@ class Halves(_Halving):
     """The halves of a fused graph's runs: two one-thread sessions of it, the second run on the worker."""
 
     def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
-                 like: Runner, rows: Rows, names: Sequence[str]):
-        super().__init__(rows, halves_first=True)
+                 whole: Runner | MaskedRunner, like: Runner | MaskedRunner, rows: Rows, names: Sequence[str]):
+        super().__init__(rows, halves_first=True, masked=whole if isinstance(whole, MaskedRunner) else None)
         half = _half_config(config)
         self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
         self.names = list(names)
@@ -244,28 +280,32 @@ class Halves(_Halving):
                 return whole(feeds)
             if ready is not None and not self.checked:
                 self.checked = True
-                return self._checked(feeds, whole, *ready)
+                return self._checked(feeds, whole, ready)
             start = time.perf_counter()
-            out = self._run(*ready) if ready is not None else whole(feeds)
+            out = self._run(ready) if ready is not None else whole(feeds)
             self._record(arm, tried, time.perf_counter() - start)
             return out
         finally:
             self._busy.release()
 
-    def _run(self, halves: Cut, park: bool) -> list[C.OrtValue]:
+    def _run(self, ready: Ready) -> list[C.OrtValue]:
         """Both halves at once, their outputs combined."""
         self.runs += 1
-        mine, theirs = self._both(lambda i: self.runners[i].run_vector(halves.feeds[i], self.names), park)
+        halves = ready.cut
+        mine, theirs = self._both(
+            lambda i: _run_half(self.runners[i], halves.feeds[i], ready.masks[i], self.names), ready.park)
         together = combined(exchange.vector_to_torch(mine), exchange.vector_to_torch(theirs), halves.weights)
         return [exchange.to_ortvalue(t) for t in together]
 
     def _checked(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values],
-                 halves: Cut, park: bool) -> Values:
-        """The whole run, and the halves' against it: the same math unless a rewrite of the graph reads the batch's
-        size (`samples` proved the exported graph). A difference warns and the halves stop."""
-        out = whole(feeds)
+                 ready: Ready) -> Values:
+        """The whole run (with the masks the halves cut theirs from), and the halves' against it: the same math
+        unless a rewrite of the graph reads the batch's size (`samples` proved the exported graph). A difference
+        warns and the halves stop."""
+        masked = self.masked
+        out = masked.run_drawn(feeds, ready.drawn, self.names) if masked is not None else whole(feeds)
         try:
-            got = exchange.vector_to_torch(self._run(halves, park))
+            got = exchange.vector_to_torch(self._run(ready))
         except RuntimeError as e:
             problem: str | None = f"they failed: {e}"
         else:
@@ -273,7 +313,6 @@ class Halves(_Halving):
             problem = checks.mismatch(got[:1], want[:1]) or checks.gradients_mismatch(got[1:], want[1:])
         self._verdict(problem)
         return out
-
 
 @dataclass
 class Halved:
@@ -300,53 +339,57 @@ class SplitHalves(_Halving):
     far)."""
 
     def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig, rows: Rows,
-                 forward_names: Sequence[str], output_names: Sequence[str], backward_names: Sequence[str]):
-        super().__init__(rows, halves_first=True, min_rows=SPLIT_MIN_ROWS)
+                 whole: Runner | MaskedRunner, forward_names: Sequence[str], output_names: Sequence[str],
+                 backward_names: Sequence[str]):
+        super().__init__(rows, halves_first=True, masked=whole if isinstance(whole, MaskedRunner) else None,
+                         min_rows=SPLIT_MIN_ROWS)
         self._graphs = (forward, backward, _half_config(config))
-        self._sessions: tuple[list[Runner], list[Runner]] | None = None
+        self._sessions: tuple[list[Runner | MaskedRunner], list[Runner]] | None = None
         self.forward_names = list(forward_names)
         self.output_names = list(output_names)
         self.backward_names = list(backward_names)
         self.per_sample = dict(rows.outputs)
         """The outputs holding the batch, each with its rows a sample."""
 
-    def forward(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[], tuple[list[C.OrtValue], Any]],
+    def forward(self, feeds: Mapping[str, C.OrtValue],
+                whole: Callable[[dict[str, C.OrtValue] | None], tuple[list[C.OrtValue], Any]],
                 check: Callable[[list[C.OrtValue], Any, list[C.OrtValue], Halved], str | None]
                 ) -> tuple[list[C.OrtValue], Any, Halved | None, tuple[int, bool, float] | None]:
         """The module outputs, the whole forward's state (None where the halves ran), the halves' values (None
         where the whole ran), and the timing the backward completes (`timed`: the arm, whether a trial's, the
-        forward's seconds; None outside trials and verdicts). `check(outputs, state, half outputs, halved)`: the
-        first halves against the whole forward and backward, a problem or None."""
+        forward's seconds; None outside trials and verdicts). `whole(masks)`: the whole batch's forward (with these
+        Dropout masks, or its own draws for None); `check(outputs, state, half outputs, halved)`: the first halves
+        against the whole forward and backward, a problem or None."""
         if self.off or not self._busy.acquire(blocking=False):
-            outs, state = whole()
+            outs, state = whole(None)
             return outs, state, None, None
         try:
             arm, tried = self._arm()
             ready = self._ready(feeds) if arm == self.halves_arm else None
             if ready is None:
                 start = time.perf_counter()
-                outs, state = whole()
+                outs, state = whole(None)
                 timed = (1 - self.halves_arm, tried, time.perf_counter() - start) if arm != self.halves_arm else None
                 return outs, state, None, timed if (tried or self.trial.chosen is not None) else None
             if not self.checked:
                 self.checked = True
-                outs, state = whole()
+                outs, state = whole(ready.drawn if self.masked is not None else None)
                 try:
-                    half_outs, halved = self._forward(*ready)
+                    half_outs, halved = self._forward(ready)
                     problem = check(outs, state, half_outs, halved)
                 except RuntimeError as e:
                     problem = f"they failed: {e}"
                 self._verdict(problem)
                 return outs, state, None, None
             start = time.perf_counter()
-            half_outs, halved = self._forward(*ready)
+            half_outs, halved = self._forward(ready)
             timed = (arm, tried, time.perf_counter() - start)
             return half_outs, None, halved, timed if (tried or self.trial.chosen is not None) else None
         finally:
             self._busy.release()
 
     @property
-    def forwards(self) -> list[Runner]:
+    def forwards(self) -> list[Runner | MaskedRunner]:
         """The halves' forward sessions, made at their first run (a batch below `SPLIT_MIN_ROWS` never makes them)."""
         return self._made()[0]
 
@@ -354,7 +397,7 @@ class SplitHalves(_Halving):
     def backwards(self) -> list[Runner]:
         return self._made()[1]
 
-    def _made(self) -> tuple[list[Runner], list[Runner]]:
+    def _made(self) -> tuple[list[Runner | MaskedRunner], list[Runner]]:
         if self._sessions is None:
             forward, backward, half = self._graphs
             self._sessions = ([lowering.forward_runner(forward, half, "half of the forward") for _ in range(2)],
@@ -362,17 +405,18 @@ class SplitHalves(_Halving):
                                for _ in range(2)])
         return self._sessions
 
-    def _forward(self, halves: Cut, park: bool) -> tuple[list[C.OrtValue], Halved]:
+    def _forward(self, ready: Ready) -> tuple[list[C.OrtValue], Halved]:
         self.runs += 1
+        halves = ready.cut
         forwards = self.forwards  # made here, not by both threads at once
 
         def run(i: int) -> dict[str, C.OrtValue]:
-            values = forwards[i].run(halves.feeds[i], self.forward_names)
+            values = _run_half(forwards[i], halves.feeds[i], ready.masks[i], self.forward_names)
             env = dict(halves.feeds[i])
-            env.update(zip(self.forward_names, values))
+            env.update(zip(self.forward_names, [values[j] for j in range(len(values))]))
             return env
 
-        envs = self._both(run, park)
+        envs = self._both(run, ready.park)
         loss = self.rows.loss.output if self.rows.loss is not None else None
         outs = []
         for name in self.output_names:

@@ -226,23 +226,39 @@ class MaskedRunner:
             if shapes is None or not self._config.torch_masks:
                 return values[:len(names)], None
             # torch's masks from the first call on: this run only told their shapes (a forward more per new size)
-        seed: int | torch.Tensor = torch.default_generator.get_state() if self._config.torch_masks else _seed()
+        seed = self._call_seed()
         drawn = self.draw(shapes, seed, fresh=True)
-        if self._masked is None:
-            assert self._masked_model is not None
-            self._masked = Runner(self._masked_model, self._config, self._what, self._disabled)
-            self._masked_model = None
-        computed = [n for n in names if n not in self._fed]
         try:
-            values = dict(zip(computed, self._masked.run({**feeds, **drawn}, computed)))
+            values = self.run_drawn(feeds, drawn, names)
         except RuntimeError:  # sizes recorded for these inputs may no longer hold (sizes read from values)
             del self.shapes[key]
             plain = self.run_redrawable(feeds, outputs)  # records them anew
             if self.shapes.get(key) == shapes:  # they did hold: the masked session itself failed
                 raise
             return plain
+        return values, functools.partial(self.draw, shapes, seed)
+
+    def drawn(self, feeds: Mapping[str, C.OrtValue]) -> dict[str, C.OrtValue] | None:
+        """The masks a call with these feeds gets, drawn as `run` draws them (the seed taken from torch's generator);
+        None at sizes not seen yet."""
+        shapes = self.shapes.get(tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds]))
+        return None if shapes is None else self.draw(shapes, self._call_seed(), fresh=True)
+
+    def _call_seed(self) -> int | torch.Tensor:
+        """A call's seed: torch's generator state where its masks are torch's, else a seed drawn from it."""
+        return torch.default_generator.get_state() if self._config.torch_masks else _seed()
+
+    def run_drawn(self, feeds: Mapping[str, C.OrtValue], drawn: Mapping[str, C.OrtValue], names: Sequence[str]
+                  ) -> list[C.OrtValue]:
+        """A run with the masks given (`drawn`, or a half of the batch's cut from them: `halves`)."""
+        if self._masked is None:
+            assert self._masked_model is not None
+            self._masked = Runner(self._masked_model, self._config, self._what, self._disabled)
+            self._masked_model = None
+        computed = [n for n in names if n not in self._fed]
+        values = dict(zip(computed, self._masked.run({**feeds, **drawn}, computed)))
         values.update(drawn)
-        return [values[n] for n in names], functools.partial(self.draw, shapes, seed)
+        return [values[n] for n in names]
 
     def draw(self, shapes: Mapping[str, tuple[int, ...]], seed: int | torch.Tensor,
              only: Collection[str] | None = None, fresh: bool = False) -> dict[str, C.OrtValue]:

@@ -275,9 +275,9 @@ def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx
         return
     if op == "MatMul":
         return  # the shapes decide: a product over the batch leaves no batch axis first
-    if op == "Dropout":
-        if any(o in read for o in node.output[1:]) or not _inactive(node, constants):
-            raise NotRows(f"{where}: its mask would be drawn for each half")
+    if op == "Dropout":  # each element its own draw: the runtime cuts the whole batch's mask (`halves`)
+        if any(o in read for o in node.output[1:]):
+            raise NotRows(f"{where}: its mask is read")
         return
     if op in REDUCE:
         axes = _attr(node, "axes")
@@ -308,16 +308,6 @@ def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx
             raise NotRows(f"{where}: indices from the batch pick from the batch")
         return
     raise NotRows(f"{where}: {op} is not known to keep samples apart")
-
-
-def _inactive(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> bool:
-    """Whether a Dropout drops nothing: a constant ratio of 0, or not in training mode."""
-    def const(i: int) -> float | None:
-        name = node.input[i] if len(node.input) > i else ""
-        return float(numpy_helper.to_array(constants[name])) if name in constants else None
-    ratio, training = const(1), const(2)
-    no_training = len(node.input) < 3 or not node.input[2] or training == 0
-    return ratio == 0 or no_training
 
 
 def _normal(axes: list[int], rank: int) -> list[int]:

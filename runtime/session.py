@@ -468,7 +468,7 @@ class TrainingSession:
         split = self._split_halves()
         if split is None:
             return self._whole_forward(feeds, as_torch)
-        outs, state, halved, timed = split.forward(feeds, lambda: self._whole_forward(feeds, as_torch),
+        outs, state, halved, timed = split.forward(feeds, lambda masks: self._whole_forward(feeds, as_torch, masks),
                                                    self._halves_mismatch)
         if state is None:
             state = ForwardState({}, outs, as_torch, halved=halved)
@@ -483,7 +483,7 @@ class TrainingSession:
             return self._split
         self._split_decided = True
         if (self._fusing or not self.config.split_batch or self._exported is None or not self.differentiable
-                or not isinstance(self._fwd, Runner) or self._fwd.draws_random or self._redrawn
+                or self._fwd.draws_random or self._redrawn
                 or self._in_graph_order):
             return None
         proven = samples.proven(self._exported) if halves.splits(self._exported) else None
@@ -495,7 +495,7 @@ class TrainingSession:
             return None
         if bw.runner.draws_random:
             return None
-        self._split = halves.SplitHalves(self.full.forward, bw.lowered, self._backward_config(), proven,
+        self._split = halves.SplitHalves(self.full.forward, bw.lowered, self._backward_config(), proven, self._fwd,
                                          self._fwd_names, self.output_names, bw.out_names)
         return self._split
 
@@ -530,10 +530,13 @@ class TrainingSession:
         return (checks.mismatch([exchange.to_torch(v) for v in half_outs], [exchange.to_torch(v) for v in outs])
                 or checks.gradients_mismatch([got[w] for w in names], [want[w] for w in names]))
 
-    def _whole_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool
-                       ) -> tuple[list[C.OrtValue], ForwardState]:
+    def _whole_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool,
+                       masks: dict[str, C.OrtValue] | None = None) -> tuple[list[C.OrtValue], ForwardState]:
+        """The forward of the whole batch (`masks`: its Dropouts' masks, drawn already)."""
         redraw = None
-        if self._redrawn and isinstance(self._fwd, MaskedRunner):
+        if masks is not None and isinstance(self._fwd, MaskedRunner):
+            values = self._fwd.run_drawn(feeds, masks, self._fwd_names)
+        elif self._redrawn and isinstance(self._fwd, MaskedRunner):
             values, redraw = self._fwd.run_redrawable(feeds, self._fwd_names)
         else:
             values = self._fwd.run(feeds, self._fwd_names)
@@ -620,23 +623,25 @@ class TrainingSession:
         if self.config.torch_masks and runner.draws_random:  # Dropouts onnxruntime draws (the joined graph has an If)
             return None
         names = [o.name for o in model.graph.output]
-        self._fused = _Fused(runner, names, list(grads), runner.draws_random, self._halves(model, backward, names))
+        self._fused = _Fused(runner, names, list(grads), runner.draws_random,
+                             self._halves(model, backward, runner, names))
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
         return self._fused
 
-    def _halves(self, model: onnx.ModelProto, backward: onnx.ModelProto, names: list[str]) -> halves.Halves | None:
+    def _halves(self, model: onnx.ModelProto, backward: onnx.ModelProto, runner: Runner | MaskedRunner,
+                names: list[str]) -> halves.Halves | None:
         """The fused graph's runs as two halves of the batch (`halves`), where the exported forward computes its loss
-        sample by sample (`samples`) and runs may use two threads; None otherwise."""
+        sample by sample (`samples`), runs may use two threads, and onnxruntime draws no random numbers (the host's
+        Dropout masks are cut); None otherwise."""
         config = self._backward_config()
-        if (not config.split_batch or self._exported is None or not isinstance(self._fwd, Runner)
-                or self._fwd.draws_random):
+        if not config.split_batch or self._exported is None or runner.draws_random:
             return None
         proven = samples.proven(self._exported)
         if proven is None or proven.loss is None or proven.outputs:
             return None
         try:
-            return halves.Halves(model, backward, config, self._fwd, proven, names)
+            return halves.Halves(model, backward, config, runner, self._fwd, proven, names)
         except RuntimeError:  # onnxruntime refusing a half's session: the whole batch's run serves on
             return None
 

@@ -66,6 +66,7 @@ PROVEN = {
         helper.make_node("Add", ["x", "positions"], ["h"]), seq=5),
     "a dropout that drops nothing": _classifier(helper.make_node("Dropout", ["x", "zero_ratio", "yes"], ["h"])),
     "the loss and the scores": _classifier(outputs=("loss", "s")),
+    "a dropout (the runtime cuts its mask)": _classifier(helper.make_node("Dropout", ["x", "half", "yes"], ["h"])),
 }
 SCORES = {"the loss and the scores": (("s", 1),)}
 """The cases' outputs holding the batch besides the loss."""
@@ -89,7 +90,10 @@ REFUSED = {
         helper.make_node("Cast", ["steps"], ["f"], to=TensorProto.FLOAT),
         helper.make_node("Unsqueeze", ["f", "i1_1d"], ["positions"]),
         helper.make_node("Add", ["x", "positions"], ["h"])), "batch's size"),
-    "an active dropout": (_classifier(helper.make_node("Dropout", ["x", "half", "yes"], ["h"])), "mask"),
+    "a dropout's mask read": (_classifier(
+        helper.make_node("Dropout", ["x", "half", "yes"], ["d", "m"]),
+        helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT), helper.make_node("Mul", ["d", "mf"], ["h"])),
+        "mask is read"),
     "the batch's size as a number": (_classifier(
         helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Cast", ["shape"], ["f"], to=TensorProto.FLOAT),
         helper.make_node("ReduceSum", ["f"], ["n"], keepdims=0), helper.make_node("Div", ["x", "n"], ["h"])),
@@ -397,6 +401,50 @@ def test_halves_of_outputs_match_torch(with_loss: bool, free: None) -> None:
     torch.testing.assert_close(scores.double(), want_scores, rtol=1e-5, atol=1e-6)
     for g, w in zip(grads, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=2e-6)
+
+
+class Dropped(Net):
+    """Dropout before the dense layers (most classifiers have one); weights outweighing the activations where
+    `wide` (a split step)."""
+
+    def __init__(self, wide: bool = False):
+        nn.Module.__init__(self)
+        self.reduction = "mean"
+        hidden = 96 if wide else 8
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                 nn.Dropout(0.3), nn.Linear(144, hidden), nn.ReLU(), nn.Dropout(0.2),
+                                 nn.Linear(hidden, 5))
+
+
+@pytest.mark.parametrize("torch_masks", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_halves_cut_the_dropout_masks(kind: str, torch_masks: bool, free: None) -> None:
+    """Dropouts whose masks the host draws: the halves run on the whole batch's masks cut at their rows (the first
+    halves' check runs the whole batch on the same masks), so with torch's own masks (`torch_dropout`) the step is
+    torch's, the same generator state giving the same loss and gradients."""
+    torch.manual_seed(0)
+    net = Dropped(wide=kind == "split")
+    om = ORTModule(Dropped(wide=kind == "split"), threads=2, torch_dropout=torch_masks)
+    om.load_state_dict(net.state_dict())
+    x, y = _batch(16, 9, [5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            _step(om, x, y)
+        h = _halves_of(om, kind)
+        h.pin(True)
+        runs = h.runs
+        torch.manual_seed(3)
+        loss, grads = _step(om, x, y)
+    assert h.checked and not h.off and h.runs == runs + 1 and h.masked is not None
+    if not torch_masks:  # numpy's masks: not torch's
+        return
+    torch.manual_seed(3)
+    want_loss, want = _step(net, x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
 def test_split_halves_only_for_convolutions(free: None) -> None:
