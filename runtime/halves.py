@@ -1,20 +1,25 @@
-"""A fused step (`fused`) run as two halves of the batch at once, each on a one-thread session of its own.
+"""A training step run as two halves of the batch at once, each on one-thread sessions of its own.
 
-Where the loss is computed sample by sample (`samples`), the loss and gradients of a batch are those of its halves
-combined: for a mean, each half's weighted by its share of the rows the loss counts (labels not ignored); for a
-sum, added. Two halves on one thread each beat the whole batch on two threads on this 2-core class of machine
-(session 47, fused LeNet runs: 2.05 against 2.75 ms with the VM's two CPUs near each other, 2.08 against 7.0 far
-apart; LeNet 3-32-64 at batch 32, far, 8.1 against 17.2): a kernel split over two threads makes each op's data
-move between the CPUs' caches, while each half's data stays on its own CPU. Each half has a session of its own (one
-session run from two threads lost the gain: 4.5 ms far); they allocate from the process-wide arena (`OWN_ARENAS`).
+Where the forward computes sample by sample (`samples`), a batch's step is its halves' combined: outputs holding the
+batch joined, a loss weighed by each half's share of the rows it counts (labels not ignored) for a mean, added for a
+sum, and the gradients alike. Two halves on one thread each beat the whole batch on two threads on this 2-core class
+of machine (session 47, fused LeNet runs: 2.05 against 2.75 ms with the VM's two CPUs near each other, 2.08 against
+7.0 far apart; LeNet 3-32-64 at batch 32, far, 8.1 against 17.2): a kernel split over two threads makes each op's
+data move between the CPUs' caches, while each half's data stays on its own CPU. Each half has a session of its own
+(one session run from two threads lost the gain: 4.5 ms far); they allocate from the process-wide arena
+(`OWN_ARENAS`). Dropouts whose masks the host draws get the whole batch's masks cut at each half's rows, so the step
+is the whole batch's, draw for draw.
 
-Whether it pays is the machine's to say: `Trial` times the halves (arm 0, the runs before its verdict too) against
-the whole run (arm 1, on the threads the fused session chooses), which takes over only where 1.1x faster, and is
-tried again sooner (`TRIAL_RECHECK`). Halves first, since they were faster in every fused case measured, near and
-far (session 48, in one process, paired with torch's steps: LeNet 0.83 of torch's step against 0.95 whole; LeNet
-at batch 128 0.63 / 1.00; 3x3 convs 0.81 / 1.36 far; LeNet 32-64 0.76 / 0.80 near, 0.83 / 1.39 far; LeNet on RGB
-0.95 / 1.07), and a benchmark's first ~30 steps are a trial's. The first halves' run is compared with the whole
-run of the same call, as the fused run is with the split ones: a difference warns and the halves stop.
+`Halves` runs a fused step (`fused`: forward and backward in one run) so; `SplitHalves` a split one (a forward, then
+its backward, each half's stash kept for its own backward) where the forward has convolutions (`SPLIT_OPS`: MLPs
+lost). Whether it pays is the machine's to say: `Trial` times the halves (arm 0, the runs before its verdict too)
+against the whole batch (arm 1, on the threads the session chooses), which takes over only where 1.1x faster, and is
+tried again sooner (`TRIAL_RECHECK`). Halves first, since they were faster in every case of these kinds measured,
+near and far (session 48, in one process, paired with torch's steps: LeNet 0.83 of torch's step against 0.95 whole;
+LeNet at batch 128 0.63 / 1.00; 3x3 convs 0.81 / 1.36 far; LeNet 32-64 0.76 / 0.80 near, 0.83 / 1.39 far; LeNet on
+RGB 0.95 / 1.07; the reference encoder 0.72 / 0.76 near, 0.61 / 0.84 far), and a benchmark's first ~30 steps are a
+trial's. The first halves' run is compared with the whole batch's run of the same call, as the fused run is with
+the split ones: a difference warns and the halves stop.
 """
 
 from __future__ import annotations

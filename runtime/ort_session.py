@@ -82,8 +82,8 @@ class SessionConfig:
     """A module whose only differentiable output is a scalar runs its backward within its forward, seeded with 1,
     where the gradients are no larger than the stash (`fused`); backward then scales them by the host's gradient."""
     halves: bool | None = None
-    """A fused run (`fuse`) whose loss is computed sample by sample may run as two halves of the batch at once, on
-    one-thread sessions of their own, where a trial finds them faster (`halves`), on a machine with two cores for
+    """A step whose forward computes sample by sample may run as two halves of the batch at once, on one-thread
+    sessions of their own, until a trial finds the whole batch faster (`halves`), on a machine with two cores for
     them. None: where runs may use more than one thread (`parallel`); ORTModule says True also for the sessions it
     puts on one thread for a small forward (the halves need no intra-op threads), False where asked for one."""
     park_openmp: bool = True
