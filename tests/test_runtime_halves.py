@@ -187,6 +187,15 @@ def _step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Te
     return loss.detach(), [p.grad.clone() for p in module.parameters()]
 
 
+def _like_torch(net: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: torch.Tensor, grads: list[torch.Tensor]
+                ) -> None:
+    """ORTModule's loss and gradients against torch's step of `net` in float32."""
+    want_loss, want = _step(net, x, y)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
 def _batch(rows: int, seed: int, ignored: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(rows, 1, 12, 12, generator=g), torch.randint(0, 5, (rows,), generator=g)
@@ -250,10 +259,7 @@ def test_halves_all_ignored_runs_whole(kind: str, free: None) -> None:
     runs = h.runs
     loss, grads = _step(om, x, y)
     assert h.runs == runs
-    want_loss, want = _step(net, x, y)
-    torch.testing.assert_close(loss, want_loss)
-    for g, w in zip(grads, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    _like_torch(net, x, y, loss, grads)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -330,10 +336,7 @@ def test_batch_statistics_get_no_halves(kind: str, monkeypatch: pytest.MonkeyPat
     for m in net.modules():
         if isinstance(m, nn.BatchNorm2d | nn.BatchNorm1d):
             m.momentum = 0.0
-    want_loss, want = _step(net, x, y)
-    torch.testing.assert_close(loss, want_loss)
-    for g, w in zip(grads, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    _like_torch(net, x, y, loss, grads)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -441,10 +444,7 @@ def test_halves_cut_the_dropout_masks(kind: str, torch_masks: bool, free: None) 
     if not torch_masks:  # numpy's masks: not torch's
         return
     torch.manual_seed(3)
-    want_loss, want = _step(net, x, y)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    for g, w in zip(grads, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    _like_torch(net, x, y, loss, grads)
 
 
 def test_split_halves_only_for_convolutions(free: None) -> None:
