@@ -103,6 +103,14 @@ class Worker:
                 done.put((False, e))
 
 
+WORKER = Worker()
+"""The process's one worker thread for second halves: a thread each would outlive its session (it waits on its queue
+for good), one for every input size and reconfiguration a process meets."""
+BUSY = threading.Lock()
+"""Held while halves run: a second caller thread (two threads stepping modules at once) runs its batch whole rather
+than hand the worker a second job whose result the first could take."""
+
+
 @dataclass(frozen=True)
 class Cut:
     """A batch cut in two: each half's feeds (parameters whole in both), the first half's samples, and the weights
@@ -186,7 +194,7 @@ class _Halving:
         """The whole batch's runner where it feeds the host's Dropout masks: the halves get theirs cut from its."""
         self.min_rows = min_rows
         """Batches below this run whole (None: `MIN_ROWS`, read at each cut)."""
-        self.worker = Worker()
+        self.worker = WORKER
         self.trial = Trial()
         self.halves_arm = 0 if halves_first else 1
         """The trial's arm of the halves: 0 (run until a verdict) where they were faster everywhere measured."""
@@ -196,9 +204,7 @@ class _Halving:
         """The halves differed from the whole run: whole runs only."""
         self.runs = 0
         """Runs made as halves."""
-        self._busy = threading.Lock()
-        """Held while halves run: a second caller thread (two threads stepping one module) runs its batch whole
-        rather than hand the worker a second job whose result the first could take."""
+        self._busy = BUSY
 
     def pin(self, halves: bool) -> None:
         """Run the halves (or the whole batch) from now on, never tried again."""

@@ -5,6 +5,7 @@ sums), falling back to the whole batch where halves cannot be weighed or differ.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import warnings
 
 import numpy as np
@@ -495,6 +496,21 @@ def test_halves_off_by_config() -> None:
     for _ in range(2):
         session.forward({"x": x, "y": y})
     assert session._fused is not None and session._fused.halves is None
+
+
+def test_one_worker_thread(free: None) -> None:
+    """Every session's halves share the process's one worker thread (a thread each would outlive its session), made
+    once: steps of several sessions leave one thread running their second halves."""
+    seen = set()
+    for kind in KINDS:
+        for rows in (16, 18):
+            om = ORTModule(KINDS[kind](), threads=2)
+            for _ in range(3):
+                _step(om, *_batch(rows, 10, []))
+            h = _halves_of(om, kind)
+            assert h.runs >= 1 and h.worker is halves.WORKER
+            seen.add(halves.WORKER._pid)
+    assert seen == {os.getpid()}
 
 
 def _raises() -> None:
