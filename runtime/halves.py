@@ -188,7 +188,7 @@ class _Halving:
     """What both kinds of halves share: the worker, the lock that keeps it to one caller, the trial, the first
     run's check and its verdict."""
 
-    def __init__(self, rows: Rows, halves_first: bool, masked: MaskedRunner | None, min_rows: int | None = None):
+    def __init__(self, rows: Rows, masked: MaskedRunner | None, min_rows: int | None = None):
         self.rows = rows
         self.masked = masked
         """The whole batch's runner where it feeds the host's Dropout masks: the halves get theirs cut from its."""
@@ -196,8 +196,8 @@ class _Halving:
         """Batches below this run whole (None: `MIN_ROWS`, read at each cut)."""
         self.worker = WORKER
         self.trial = Trial()
-        self.halves_arm = 0 if halves_first else 1
-        """The trial's arm of the halves: 0 (run until a verdict) where they were faster everywhere measured."""
+        self.halves_arm = 0
+        """The trial's arm of the halves: the first, run until a verdict (they were faster in every case measured)."""
         self.checked = False
         """Whether a halves' run was compared with the whole run of the same call (at the first)."""
         self.off = False
@@ -236,6 +236,8 @@ class _Halving:
         parts: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]] = ({}, {})
         for name, mask in drawn.items():
             t = exchange.to_torch(mask)
+            if t.shape[0] % n:  # not the batch's rows (the proof says they are): whole
+                return None
             rows = halves.first * (t.shape[0] // n)
             parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:rows]), exchange.to_ortvalue(t[rows:])
         return Ready(halves, park, drawn, parts)
@@ -273,7 +275,7 @@ class Halves(_Halving):
 
     def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
                  whole: Runner | MaskedRunner, like: Runner | MaskedRunner, rows: Rows, names: Sequence[str]):
-        super().__init__(rows, halves_first=True, masked=whole if isinstance(whole, MaskedRunner) else None)
+        super().__init__(rows, masked=whole if isinstance(whole, MaskedRunner) else None)
         half = _half_config(config)
         self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
         self.names = list(names)
@@ -325,6 +327,7 @@ class Halves(_Halving):
         self._verdict(problem)
         return out
 
+
 @dataclass
 class Halved:
     """A split forward run as halves: each half's values for its backward, the first half's samples, and the
@@ -352,8 +355,7 @@ class SplitHalves(_Halving):
     def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig, rows: Rows,
                  whole: Runner | MaskedRunner, forward_names: Sequence[str], output_names: Sequence[str],
                  backward_names: Sequence[str]):
-        super().__init__(rows, halves_first=True, masked=whole if isinstance(whole, MaskedRunner) else None,
-                         min_rows=SPLIT_MIN_ROWS)
+        super().__init__(rows, masked=whole if isinstance(whole, MaskedRunner) else None, min_rows=SPLIT_MIN_ROWS)
         self._graphs = (forward, backward, _half_config(config))
         self._sessions: tuple[list[Runner | MaskedRunner], list[Runner]] | None = None
         self.forward_names = list(forward_names)
