@@ -448,6 +448,33 @@ def test_halves_cut_the_dropout_masks(kind: str, torch_masks: bool, free: None) 
     _like_torch(net, x, y, loss, grads)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_in_halves_follows_torch(kind: str, free: None) -> None:
+    """Twenty Adam steps in halves (torch's Dropout masks, labels partly ignored) against torch's: the same losses
+    and parameters to float rounding, step after step."""
+    torch.manual_seed(0)
+    net = Dropped(wide=kind == "split")
+    om = ORTModule(Dropped(wide=kind == "split"), threads=2, torch_dropout=True)
+    om.load_state_dict(net.state_dict())
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (om, net)]
+    for step in range(20):
+        x, y = _batch(32, 100 + step, [step % 32, (7 * step) % 32])
+        losses = []
+        for module, opt in zip((om, net), opts):
+            torch.manual_seed(step)
+            loss, _ = _step(module, x, y)
+            opt.step()
+            losses.append(loss)
+        if step == 2:
+            h = _halves_of(om, kind)
+            h.pin(True)
+            runs = h.runs
+        torch.testing.assert_close(losses[0], losses[1], rtol=2e-5, atol=1e-6)
+    assert h.runs == runs + 17 and not h.off
+    for p, q in zip(om.parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5)
+
+
 def test_split_halves_only_for_convolutions(free: None) -> None:
     """An MLP's split steps stay whole: its matrix products lost to the whole batch's run as halves."""
     mlp = Wide()
