@@ -108,7 +108,16 @@ WORKER = Worker()
 for good), one for every input size and reconfiguration a process meets."""
 BUSY = threading.Lock()
 """Held while halves run: a second caller thread (two threads stepping modules at once) runs its batch whole rather
-than hand the worker a second job whose result the first could take."""
+than hand the worker a second job whose result the first could take. A forked child gets a free one (the thread
+that held it does not exist there)."""
+
+
+def _free_in_child() -> None:
+    global BUSY
+    BUSY = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_free_in_child)
 
 
 @dataclass(frozen=True)
@@ -204,7 +213,10 @@ class _Halving:
         """The halves differed from the whole run: whole runs only."""
         self.runs = 0
         """Runs made as halves."""
-        self._busy = BUSY
+
+    @property
+    def _busy(self) -> threading.Lock:
+        return BUSY
 
     def pin(self, halves: bool) -> None:
         """Run the halves (or the whole batch) from now on, never tried again."""

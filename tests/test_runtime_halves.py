@@ -558,6 +558,22 @@ def _child(w: halves.Worker, out: multiprocessing.SimpleQueue) -> None:
     out.put(w.result())
 
 
+def _child_lock(out: multiprocessing.SimpleQueue) -> None:
+    out.put(halves.BUSY.acquire(blocking=False))
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
+def test_fork_frees_the_lock() -> None:
+    """A child forked while the halves' lock is held (by a thread that does not exist there) gets a free one."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.SimpleQueue()
+    with halves.BUSY:
+        p = ctx.Process(target=_child_lock, args=(out,))
+        p.start()
+        p.join(30)
+    assert p.exitcode == 0 and out.get() is True
+
+
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
 def test_worker_survives_fork() -> None:
     """A child forked after the worker ran gets a thread of its own (the parent's does not exist there)."""
