@@ -134,9 +134,11 @@ def test_refused(case: str) -> None:
 
 @pytest.fixture
 def free(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The machine read as free (the halves would step aside for a crowd, as tests running beside these make), and
-    split steps halved from the fused steps' `MIN_ROWS` (these batches are small)."""
+    """The machine read as free with two cores (the halves would step aside for a crowd, as tests running beside
+    these make, and need a second core), and split steps halved from the fused steps' `MIN_ROWS` (these batches are
+    small)."""
     monkeypatch.setattr(openmp, "room", lambda threads: (False, False))
+    monkeypatch.setattr(openmp, "usable_cores", lambda: 2)
     monkeypatch.setattr(halves, "SPLIT_MIN_ROWS", halves.MIN_ROWS)
 
 
