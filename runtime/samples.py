@@ -16,8 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, shape_inference
+
+from .passes import constant_values
 
 PINS = (7, 11)
 """The two batch sizes the graph is read at: primes, unlikely to equal a model's own sizes."""
@@ -95,7 +98,7 @@ def prove(model: onnx.ModelProto) -> Rows:
     if not batched:
         raise NotRows("no graph input has a symbolic first axis (a batch)")
     shapes = [_shapes(model, batched, pin) for pin in PINS]
-    constants = _constants(g)
+    constants = constant_values(g, lambda t: t.data_type == onnx.TensorProto.INT64)  # axes, indices
     k: dict[str, int] = dict.fromkeys(batched, 1)  # batched tensor -> rows a sample
     for name in batched:
         _check_rows(name, shapes, k[name])
@@ -176,7 +179,7 @@ def _shape_flags(node: onnx.NodeProto, shapes: list[dict[str, tuple[int | None, 
     return flags[start:end]  # type: ignore[misc]
 
 
-def _picked(node: onnx.NodeProto, sizes: dict[str, tuple[bool, ...]], constants: dict[str, onnx.TensorProto]
+def _picked(node: onnx.NodeProto, sizes: dict[str, tuple[bool, ...]], constants: dict[str, np.ndarray]
             ) -> tuple[bool, ...] | None:
     """Which elements of a shape computation's output depend on the batch, where it picks elements of one size
     tensor at constant positions (a Gather or Slice along axis 0) or keeps them in place; None where unknown."""
@@ -186,7 +189,7 @@ def _picked(node: onnx.NodeProto, sizes: dict[str, tuple[bool, ...]], constants:
     op = node.op_type
     if op in ("Identity", "Cast", "Squeeze", "Unsqueeze"):
         return flags
-    index = [numpy_helper.to_array(constants[x]).reshape(-1).tolist() if x in constants else None
+    index = [constants[x].reshape(-1).tolist() if x in constants else None
              for x in node.input[1:]]
     if any(i is None for i in index):
         return None
@@ -240,20 +243,12 @@ def _check_rows(name: str, shapes: list[dict[str, tuple[int | None, ...]]], want
     return k
 
 
-def _constants(g: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
-    out = {t.name: t for t in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            out[n.output[0]] = n.attribute[0].t
-    return out
-
-
 def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
     a = next((a for a in node.attribute if a.name == name), None)
     return default if a is None else helper.get_attribute_value(a)
 
 
-def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx.TensorProto], read: set[str],
+def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, np.ndarray], read: set[str],
               rank: int, where: str) -> None:
     """NotRows unless the op keeps each sample's rows apart, given which inputs hold the batch (`rank`: its first
     input's; `read`: the tensors read in the graph)."""
@@ -285,7 +280,7 @@ def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx
             t = constants.get(node.input[1])
             if t is None:
                 raise NotRows(f"{where}: its axes are computed")
-            axes = numpy_helper.to_array(t).tolist()
+            axes = t.tolist()
         if not axes and not _attr(node, "noop_with_empty_axes", 0):
             raise NotRows(f"{where}: reduces every axis")
         if axes and 0 in _normal(axes, rank):
@@ -299,7 +294,7 @@ def _check_op(node: onnx.NodeProto, k: dict[str, int], constants: dict[str, onnx
             t = constants.get(node.input[1])
             if t is None:
                 raise NotRows(f"{where}: its axis is computed")
-            axis = int(numpy_helper.to_array(t))
+            axis = int(t)
         else:
             axis = _attr(node, "axis", default)
         if axis is None or 0 in _normal([axis], rank):
