@@ -39,7 +39,7 @@ import onnx
 import torch
 from onnxruntime.capi import _pybind_state as C
 
-from . import checks, exchange, lowering, openmp
+from . import checks, exchange, host_dropout, lowering, openmp
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial
 from .samples import Rows
@@ -425,7 +425,8 @@ class SplitHalves(_Halving):
     def _made(self) -> tuple[list[Runner | MaskedRunner], list[Runner]]:
         if self._sessions is None:
             forward, backward, half = self._graphs
-            self._sessions = ([lowering.forward_runner(forward, half, "half of the forward") for _ in range(2)],
+            lowered = lowering.forward(forward, half)  # once for both halves
+            self._sessions = ([host_dropout.forward_runner(lowered, half, "half of the forward") for _ in range(2)],
                               [Runner(backward, half, "half of the backward", BACKWARD_DISABLED_OPTIMIZERS)
                                for _ in range(2)])
         return self._sessions

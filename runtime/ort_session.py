@@ -117,7 +117,7 @@ class SessionConfig:
 
     @property
     def split_batch(self) -> bool:
-        """Whether fused runs may run as two halves of the batch (`halves`)."""
+        """Whether steps may run as two halves of the batch (`halves`): allowed (`halves`), and two cores for them."""
         return (self.parallel if self.halves is None else self.halves) and openmp.usable_cores() >= 2
 
     @property
@@ -260,7 +260,7 @@ class Trial:
     AVX-512 machine and `workload.mac_weight` on an AVX2 EPYC, which put the crossovers at a third of the
     work; the EPYC with AVX-512 is neither. And the answer can change while the process runs (`TRIAL_DRIFT`):
     the chosen session's runs are watched (`watch`), and a one-thread verdict is tried again soon
-    (`TRIAL_RECHECK`)."""
+    (`TRIAL_RECHECK`). `halves` uses the same trial for the batch's halves (arm 0) against the whole batch (arm 1)."""
 
     def __init__(self, settings: TrialSettings | None = None):
         self.settings = s = settings or TrialSettings.now()

@@ -20,6 +20,7 @@ gradient.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -293,8 +294,8 @@ class TrainingSession:
         split forward after the first call (`_split_decided`)."""
         self._split_decided = False
         self._exported: onnx.ModelProto | None = None
-        """The forward as given to `from_forward`, before the runtime's rewrites: where `samples` proves its loss
-        computed sample by sample, fused runs may split the batch (`halves`)."""
+        """The forward as given to `from_forward`, before the runtime's rewrites: where `samples` proves it computes
+        sample by sample (`_rows`), steps may run as two halves of the batch (`halves`)."""
         if self.save_dir is not None:
             self._save(full, "")
 
@@ -483,21 +484,26 @@ class TrainingSession:
             return self._split
         self._split_decided = True
         if (self._fusing or not self.config.split_batch or self._exported is None or not self.differentiable
-                or self._fwd.draws_random or self._redrawn
-                or self._in_graph_order):
+                or self._fwd.draws_random or self._redrawn or self._in_graph_order
+                or not halves.splits(self._exported)):
             return None
-        proven = samples.proven(self._exported) if halves.splits(self._exported) else None
-        if proven is not None:
-            covered = {name for name, _ in proven.outputs} | ({proven.loss.output} if proven.loss else set())
-            proven = proven if covered == set(self.output_names) else None
-        bw = self._backward_for(frozenset(self.differentiable)) if proven is not None else None
-        if proven is None or bw is None or bw.lowered is None or not bw.specialised or bw.runner is None:
+        proven = self._rows
+        if proven is None:
             return None
-        if bw.runner.draws_random:
+        covered = {name for name, _ in proven.outputs} | ({proven.loss.output} if proven.loss else set())
+        bw = self._backward_for(frozenset(self.differentiable))
+        if (covered != set(self.output_names) or bw.runner is None or bw.lowered is None or bw.runner.draws_random
+                or not bw.specialised):
             return None
         self._split = halves.SplitHalves(self.full.forward, bw.lowered, self._backward_config(), proven, self._fwd,
                                          self._fwd_names, self.output_names, bw.out_names)
         return self._split
+
+    @functools.cached_property
+    def _rows(self) -> samples.Rows | None:
+        """Whether the exported forward computes sample by sample (`samples.proven`), proved once for the fused and
+        the split halves alike."""
+        return samples.proven(self._exported) if self._exported is not None else None
 
     def _half_feeds(self, bw: _Backward, values: dict[str, C.OrtValue], grads: list[C.OrtValue | None]
                     ) -> dict[str, C.OrtValue]:
@@ -637,7 +643,7 @@ class TrainingSession:
         config = self._backward_config()
         if not config.split_batch or self._exported is None or runner.draws_random:
             return None
-        proven = samples.proven(self._exported)
+        proven = self._rows
         if proven is None or proven.loss is None or proven.outputs:
             return None
         try:
