@@ -42,6 +42,7 @@ from .hook_state import kept_hook_state
 from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
 from .session import TrainingSession
+from .steady import Steady, argument_kinds
 from .structure import Const, constants, flatten, numbers, unflatten, without_numbers
 
 SAVE_ENV = "GRADBUILDER_SAVE_ONNX"
@@ -370,6 +371,8 @@ class Engine:
         """Whether the module's exports depend on its input sizes (`_new_sizes`): schemas are then keyed by them."""
         self.scalar_exports = 0
         """Exports made because a Python attribute the forward reads changed (`_scalar_changed`)."""
+        self._steady: Steady | None = None
+        """The last training call's decisions, which the next may reuse (`steady`)."""
 
     def sessions(self) -> list[TrainingSession]:
         schemas = {id(schema): schema for schema in self.schemas.values() if isinstance(schema, Schema)}
@@ -384,6 +387,7 @@ class Engine:
         self._owners.clear()
         self._by_name = None
         self._module_list = None
+        self._steady = None
         self._watch.retake()
 
     # --- the call ------------------------------------------------------------------------------------
@@ -407,6 +411,9 @@ class Engine:
             warnings.warn(f"ORTModule({self.name}) computes in float32 under torch.autocast: the module runs as "
                           "exported without autocast (onnxruntime's CPU kernels have no bfloat16 matrix products), so "
                           "its outputs are float32.", RuntimeWarning, stacklevel=3)
+        steady = self._steady
+        if steady is not None and not kwargs and steady.holds(args):
+            return self._steady_call(steady, args)
         leaves, in_spec = self._flatten(args, kwargs)
         kinds = []
         empty = False
@@ -490,7 +497,7 @@ class Engine:
             sparse = tuple([i for i, w in enumerate(wrt) if w in schema.sparse]) if schema.sparse else ()
             call = function.Call(session, feeds, wrt, n, read, sparse)
             call.in_torch = functools.partial(self.in_torch, ex, in_spec, leaves, [t._version for t in leaves],
-                                              named, wrt)
+                                              list(named), list(named.values()), wrt)
             try:
                 user, stats = function.apply(call, [named[name] for name in wrt])
             except FIRST_RUN_ERRORS as e:
@@ -550,6 +557,56 @@ class Engine:
                 self.invalidate()
                 return self(args, kwargs)
             return result
+        if call is not None:
+            self._steady = self._record(schema, call, args, kwargs, in_spec, named)
+        return unflatten(ex.out_spec, user)
+
+    def _record(self, schema: Schema, call: function.Call, args: tuple[Any, ...],
+                kwargs: dict[str, Any], in_spec: Any, named: dict[str, torch.Tensor]) -> Steady | None:
+        """This training call's decisions for the next to reuse (`steady`); None where a call of its export does
+        more than feed and run (or its arguments were not tensors alone, in order)."""
+        ex = schema.exported
+        if (kwargs or self._positional.get(len(args)) is not in_spec or not schema.values_checked or self.per_size
+                or ex.updates
+                or ex.batch_stats or ex.internal or ex.hooks is not None or ex.ties or ex.unchecked):
+            return None
+        kinds = argument_kinds(args)
+        holders, attrs, tensors = [], [], []
+        for name, fqn in ex.state:
+            owner, attr = self._owners[fqn]
+            t = named[name]
+            holder = next((d for d in (owner._parameters, owner._buffers, owner.__dict__) if d.get(attr) is not None),
+                          None)
+            hit = self._ortvalues.get(name)
+            if holder is None or holder[attr] is not t or hit is None or hit[0] is not t:
+                return None  # not cached: fed anew at each call (a strided parameter)
+            holders.append(holder)
+            attrs.append(attr)
+            tensors.append(t)
+        if kinds is None:
+            return None
+        names: list[str | None] = [None] * len(args)
+        for name, k in ex.inputs:
+            names[k] = name
+        names += [name for name, _ in ex.state]
+        where = {name: i for i, name in enumerate(names) if name is not None}
+        return Steady(schema, call.session, kinds, list(self._module_list or ()),
+                      [m.training for m in self._module_list or ()], holders, attrs, tensors,
+                      [t.data_ptr() for t in tensors], [t.requires_grad for t in tensors],
+                      {name: call.feeds[name] for name, _ in ex.state}, list(ex.inputs), names, list(call.wrt),
+                      [where[w] for w in call.wrt], [where[n] for n in call.session.read_inputs if n in where],
+                      call.sparse, in_spec)
+
+    def _steady_call(self, steady: Steady, args: tuple[torch.Tensor, ...]) -> Any:
+        """A call that finds what the recorded one found: fed and run without looking anything up again."""
+        ex = steady.schema.exported
+        tensors = [*args, *steady.tensors]
+        call = function.Call(steady.session, steady.feeds(args, exchange.to_ortvalue), steady.wrt, len(ex.outputs),
+                             tuple([tensors[i] for i in steady.read]), steady.sparse)
+        leaves = list(args)
+        call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, leaves, [t._version for t in leaves],
+                                          steady.names, tensors, steady.wrt)
+        user, _ = function.apply(call, [tensors[i] for i in steady.differentiated])
         return unflatten(ex.out_spec, user)
 
     def _write_back(self, ex: Exported, values: Sequence[torch.Tensor], read: set[str]) -> None:
@@ -691,8 +748,8 @@ class Engine:
         return schema
 
     def in_torch(self, ex: Exported, in_spec: Any, leaves: list[torch.Tensor], versions: list[int],
-                 named: dict[str, torch.Tensor], wrt: list[str], aliased: bool = True, double: bool = False
-                 ) -> tuple[list[Any], list[torch.Tensor]]:
+                 names: list[str | None], values: list[torch.Tensor], wrt: list[str], aliased: bool = True,
+                 double: bool = False) -> tuple[list[Any], list[torch.Tensor]]:
         """One call computed again by torch's module with grad enabled: on the same inputs (unchanged since), the
         parameters the forward was fed (a `torch.func.functional_call`'s fast weights too, swapped back since),
         copies of the buffers and the RNG state put back after. Its flat outputs, and the tensors behind `wrt`.
@@ -707,6 +764,7 @@ class Engine:
         # call alone, as the first-call check takes them (`export.Reference.leaves`), still connected to the
         # caller's graph for the next differentiation. Not under vmap (a batched backward), where functorch's
         # gradients with respect to such views came out wrong: there the caller's tensors themselves.
+        named = {name: t for name, t in zip(names, values) if name is not None}
         position = dict(ex.inputs)
         if double:
             aliases, fed, tensors = _in_float64(self.module, ex, leaves, named, wrt)
