@@ -412,8 +412,8 @@ class Engine:
                           "exported without autocast (onnxruntime's CPU kernels have no bfloat16 matrix products), so "
                           "its outputs are float32.", RuntimeWarning, stacklevel=3)
         steady = self._steady
-        if steady is not None and not kwargs and steady.holds(args):
-            return self._steady_call(steady, args)
+        if steady is not None and steady.holds(args, kwargs):
+            return self._steady_call(steady, [*args, *kwargs.values()] if kwargs else args)
         leaves, in_spec = self._flatten(args, kwargs)
         kinds = []
         empty = False
@@ -558,19 +558,22 @@ class Engine:
                 return self(args, kwargs)
             return result
         if call is not None:
-            self._steady = self._record(schema, call, args, kwargs, in_spec, named)
+            self._steady = self._record(schema, call, args, kwargs, leaves, in_spec, named)
         return unflatten(ex.out_spec, user)
 
-    def _record(self, schema: Schema, call: function.Call, args: tuple[Any, ...],
-                kwargs: dict[str, Any], in_spec: Any, named: dict[str, torch.Tensor]) -> Steady | None:
+    def _record(self, schema: Schema, call: function.Call, args: tuple[Any, ...], kwargs: dict[str, Any],
+                leaves: list[torch.Tensor], in_spec: Any, named: dict[str, torch.Tensor]) -> Steady | None:
         """This training call's decisions for the next to reuse (`steady`); None where a call of its export does
-        more than feed and run (or its arguments were not tensors alone, in order)."""
+        more than feed and run, or its arguments were not distinct tensors alone (a call giving the same keywords
+        in the same order then has the same structure, its tensors flattened in the same order)."""
         ex = schema.exported
-        if (kwargs or self._positional.get(len(args)) is not in_spec or not schema.values_checked or self.per_size
-                or ex.updates
-                or ex.batch_stats or ex.internal or ex.hooks is not None or ex.ties or ex.unchecked):
+        given = [*args, *kwargs.values()]
+        position = {id(t): i for i, t in enumerate(given)}
+        if (len(position) != len(given) or len(leaves) != len(given) or any(id(t) not in position for t in leaves)
+                or not schema.values_checked or self.per_size or ex.updates or ex.batch_stats or ex.internal
+                or ex.hooks is not None or ex.ties or ex.unchecked):
             return None
-        kinds = argument_kinds(args)
+        kinds = argument_kinds(given)
         holders, attrs, tensors = [], [], []
         for name, fqn in ex.state:
             owner, attr = self._owners[fqn]
@@ -585,7 +588,7 @@ class Engine:
             tensors.append(t)
         if kinds is None:
             return None
-        names: list[str | None] = [None] * len(args)
+        names: list[str | None] = [None] * len(given)
         for name, k in ex.inputs:
             names[k] = name
         names += [name for name, _ in ex.state]
@@ -595,15 +598,16 @@ class Engine:
                       [t.data_ptr() for t in tensors], [t.requires_grad for t in tensors],
                       {name: call.feeds[name] for name, _ in ex.state}, list(ex.inputs), names, list(call.wrt),
                       [where[w] for w in call.wrt], [where[n] for n in call.session.read_inputs if n in where],
-                      call.sparse, in_spec)
+                      call.sparse, in_spec, tuple(kwargs), [position[id(t)] for t in leaves])
 
-    def _steady_call(self, steady: Steady, args: tuple[torch.Tensor, ...]) -> Any:
-        """A call that finds what the recorded one found: fed and run without looking anything up again."""
+    def _steady_call(self, steady: Steady, given: Sequence[torch.Tensor]) -> Any:
+        """A call that finds what the recorded one found (`given`: its tensors, positional then keyword), fed and
+        run without looking anything up again."""
         ex = steady.schema.exported
-        tensors = [*args, *steady.tensors]
-        call = function.Call(steady.session, steady.feeds(args, exchange.to_ortvalue), steady.wrt, len(ex.outputs),
+        leaves = [given[i] for i in steady.order]
+        tensors = [*leaves, *steady.tensors]
+        call = function.Call(steady.session, steady.feeds(leaves, exchange.to_ortvalue), steady.wrt, len(ex.outputs),
                              tuple([tensors[i] for i in steady.read]), steady.sparse)
-        leaves = list(args)
         call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, leaves, [t._version for t in leaves],
                                           steady.names, tensors, steady.wrt)
         user, _ = function.apply(call, [tensors[i] for i in steady.differentiated])

@@ -7,7 +7,8 @@ requiring grad and these sizes, checking each parameter against its cached OrtVa
 tiny model's step pays. `Steady` keeps what such a call found and checks only what can differ at the next one,
 with loops in C where there is one per tensor:
 
-- the arguments: plain CPU tensors, as many, of the same dtypes and sizes, requiring grad as before;
+- the arguments: plain CPU tensors, as many, the same keywords in the same order, of the same dtypes and sizes,
+  requiring grad as before;
 - every submodule's train/eval flag, and grad mode;
 - each parameter and buffer fed: the same tensor in the same slot of its module, on the same memory (`.data`
   assigned anew moves it), requiring grad as before;
@@ -53,7 +54,7 @@ class Steady:
     session: Any
     """The `TrainingSession` the call ran."""
     kinds: list[tuple[Any, ...]]
-    """`argument_kinds` of the call's positional tensors."""
+    """`argument_kinds` of the call's tensors as given, positional then keyword."""
     modules: list[torch.nn.Module]
     training: list[bool]
     holders: list[dict[str, Any]]
@@ -66,7 +67,7 @@ class Steady:
     """Whether each of `tensors` required grad."""
     state_feeds: dict[str, C.OrtValue]
     inputs: list[tuple[str, int]]
-    """Graph inputs fed from the call's tensors: (name, position)."""
+    """Graph inputs fed from the call's tensors (flattened: the signature's order): (name, position)."""
     names: list[str]
     """The graph name of each of the call's tensors followed by each of `tensors` (`Engine.in_torch`'s names)."""
     wrt: list[str]
@@ -77,11 +78,17 @@ class Steady:
     sparse: tuple[int, ...]
     in_spec: Any
     """The arguments' structure (`Engine.in_torch` rebuilds the call from it)."""
+    keywords: tuple[str, ...]
+    """The keywords the call gave, in its order."""
+    order: list[int]
+    """Where each flattened argument (the signature's order) is among the tensors given (positional, then keyword,
+    as `kinds`)."""
 
-    def holds(self, args: Sequence[Any]) -> bool:
-        """Whether a positional call of `args` would find everything this one found."""
+    def holds(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether a call of `args` and `kwargs` would find everything this one found."""
         tensors = self.tensors
-        return (argument_kinds(args) == self.kinds and torch.is_grad_enabled()
+        return (tuple(kwargs) == self.keywords and torch.is_grad_enabled()
+                and argument_kinds([*args, *kwargs.values()] if kwargs else args) == self.kinds
                 and list(map(_training, self.modules)) == self.training
                 and all(map(operator.is_, map(dict.get, self.holders, self.attrs), tensors))
                 and list(map(_data_ptr, tensors)) == self.pointers

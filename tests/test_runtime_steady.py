@@ -157,3 +157,70 @@ def test_no_grad_calls_after_steady_calls_keep_nothing(monkeypatch: pytest.Monke
     assert out.grad_fn is None
     torch.testing.assert_close(out, ref(x, y).detach())
     _same(model, ref, x, y)
+
+
+class Keywords(nn.Module):
+    """Keyword arguments, one of them optional (a default the export holds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.fc(x)
+        return nn.functional.cross_entropy(out if scale is None else out * scale, y)
+
+
+def test_keyword_calls_are_steady_in_the_order_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls giving the same keywords in the same order reuse the recorded call; another order, another keyword or
+    one left to its default take the general path and give torch's results."""
+    torch.manual_seed(0)
+    ref = Keywords()
+    model = ORTModule(copy.deepcopy(ref))
+    x, y, scale = torch.randn(5, 6), torch.randint(0, 3, (5,)), torch.tensor(2.0)
+    calls = [dict(x=x, y=y), dict(y=y, x=x), dict(x=x, y=y, scale=scale), dict(x=x, y=y)]
+
+    def step(m: nn.Module, kwargs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        m.zero_grad(set_to_none=True)
+        loss = m(**kwargs)
+        loss.backward()
+        return loss.detach(), m.fc.weight.grad, m.fc.bias.grad
+
+    for kwargs in calls:
+        for _ in range(3):
+            for got, want in zip(step(model, kwargs), step(ref, kwargs)):
+                torch.testing.assert_close(got, want)
+        assert model._engine._steady is not None and model._engine._steady.keywords == tuple(kwargs)
+
+    def looked_up(*_: object) -> None:
+        raise AssertionError("the steady call took the general path")
+
+    monkeypatch.setattr(Engine, "_flatten", looked_up)
+    for got, want in zip(step(model, calls[-1]), step(ref, calls[-1])):
+        torch.testing.assert_close(got, want)
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (self.w * a - b).square().mean()
+
+
+def test_one_tensor_given_twice_then_two() -> None:
+    """A call giving one tensor for two arguments records nothing a call of two tensors could misread."""
+    torch.manual_seed(0)
+    ref = Pair()
+    model = ORTModule(copy.deepcopy(ref))
+    t, u = torch.randn(4, 3), torch.randn(4, 3)
+    for keyword in (False, True):
+        for a, b in [(t, t)] * 3 + [(t, u)] * 3 + [(u, t)]:
+            model.zero_grad()
+            ref.zero_grad()
+            got, want = (m(a, b=b) if keyword else m(a, b) for m in (model, ref))
+            torch.testing.assert_close(got, want)
+            got.backward()
+            want.backward()
+            torch.testing.assert_close(model.w.grad, ref.w.grad)
