@@ -574,6 +574,7 @@ class Engine:
                 or ex.hooks is not None or ex.ties or ex.unchecked):
             return None
         kinds = argument_kinds(given)
+        order = [position[id(t)] for t in leaves]
         holders, attrs, tensors = [], [], []
         for name, fqn in ex.state:
             owner, attr = self._owners[fqn]
@@ -598,18 +599,18 @@ class Engine:
                       [t.data_ptr() for t in tensors], [t.requires_grad for t in tensors],
                       {name: call.feeds[name] for name, _ in ex.state}, list(ex.inputs), names, list(call.wrt),
                       [where[w] for w in call.wrt], [where[n] for n in call.session.read_inputs if n in where],
-                      call.sparse, in_spec, tuple(kwargs), [position[id(t)] for t in leaves])
+                      call.sparse, in_spec, tuple(kwargs), order if order != list(range(len(order))) else None)
 
     def _steady_call(self, steady: Steady, given: Sequence[torch.Tensor]) -> Any:
         """A call that finds what the recorded one found (`given`: its tensors, positional then keyword), fed and
         run without looking anything up again."""
         ex = steady.schema.exported
-        leaves = [given[i] for i in steady.order]
+        leaves = given if steady.order is None else [given[i] for i in steady.order]
         tensors = [*leaves, *steady.tensors]
         call = function.Call(steady.session, steady.feeds(leaves, exchange.to_ortvalue), steady.wrt, len(ex.outputs),
                              tuple([tensors[i] for i in steady.read]), steady.sparse)
-        call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, leaves, [t._version for t in leaves],
-                                          steady.names, tensors, steady.wrt)
+        call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, list(leaves),
+                                          [t._version for t in leaves], steady.names, tensors, steady.wrt)
         user, _ = function.apply(call, [tensors[i] for i in steady.differentiated])
         return unflatten(ex.out_spec, user)
 

@@ -8,6 +8,8 @@ backward specialised to the outputs that do get gradients.
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -77,15 +79,10 @@ class ORTFunction(torch.autograd.Function):
         values = [exchange.to_torch(v) for v in outs]
         ctx.call = call
         ctx.state = state
-        # as torch's: no grad for outputs that depend on nothing receiving gradients (an input passed through, a
-        # detached result), nor for ints and BatchNorm statistics
-        differentiable = call.session.differentiable
-        fixed = [t for k, t in enumerate(values)
-                 if k >= call.n_user or k not in differentiable or not t.is_floating_point()]
+        fixed, saved = call.session.output_roles(call.n_user, values)
         if fixed:
-            ctx.mark_non_differentiable(*fixed)
-        # outputs backward reads share memory with the stash: saving them lets torch detect in-place changes
-        ctx.save_for_backward(*[values[i] for i in call.session.stashed_outputs if i < call.n_user], *call.read)
+            ctx.mark_non_differentiable(*[values[i] for i in fixed])
+        ctx.save_for_backward(*[values[i] for i in saved], *call.read)
         call.read = ()
         return tuple(values)
 
@@ -93,35 +90,32 @@ class ORTFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         # create_graph=True: gradients that can be differentiated again; vmap over backward (is_grads_batched,
         # a vectorized jacobian): incoming gradients without storage
-        if torch.is_grad_enabled() or any(g is not None and not _has_storage(g) for g in grads):
+        if torch.is_grad_enabled() or not all(map(_has_storage, filter(_given, grads))):
             return _backward_in_torch(ctx, *grads)
-        return _backward(ctx, *grads)
+        call: Call = ctx.call
+        for name, ref in call.watched:
+            if reads_its_gradient(ref()):
+                raise RuntimeError(f"ORTModule: {partial_gradient(name)}")
+        ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
+        n_out = len(call.session.output_names)
+        ort_grads: list[C.OrtValue | None] = [None] * n_out
+        for i, g in enumerate(grads[:call.n_user]):
+            if g is not None:
+                ort_grads[i] = exchange.to_ortvalue(g)
+        result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
+        out = [result.get(w) for w in call.wrt]
+        if call.check is not None:
+            check, call.check = call.check, None
+            out = check(grads[:call.n_user], out)
+        if call.after_backward is not None:
+            call.after_backward()
+        for i in call.sparse:  # as torch's sparse embedding gradient: the rows, COO over the first axis
+            if out[i] is not None:
+                out[i] = out[i].to_sparse(1)
+        return (None, *out)
 
 
-def _backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    call: Call = ctx.call
-    for name, ref in call.watched:
-        if reads_its_gradient(ref()):
-            raise RuntimeError(f"ORTModule: {partial_gradient(name)}")
-    ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
-    n_out = len(call.session.output_names)
-    ort_grads: list[C.OrtValue | None] = [None] * n_out
-    for i, g in enumerate(grads[:call.n_user]):
-        if g is not None:
-            ort_grads[i] = exchange.to_ortvalue(g)
-    result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
-    out = [result.get(w) for w in call.wrt]
-    if call.check is not None:
-        check, call.check = call.check, None
-        out = check(grads[:call.n_user], out)
-    if call.after_backward is not None:
-        call.after_backward()
-    for i in call.sparse:  # as torch's sparse embedding gradient: the rows, COO over the first axis
-        if out[i] is not None:
-            out[i] = out[i].to_sparse(1)
-    return (None, *out)
-
-
+_given = functools.partial(operator.is_not, None)
 _has_storage = torch._C._has_storage
 """False for functorch's batch of gradients under vmap (is_grads_batched, a vectorized jacobian), which looks
 like a plain tensor in a Function's backward but has no memory onnxruntime could read."""

@@ -274,6 +274,7 @@ class TrainingSession:
         """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
         self.read_inputs: tuple[str, ...] = tuple(e.name for e in man.backward_inputs if e.role == "input")
         """Graph inputs backward reads (the same hazard, for the caller's input tensors)."""
+        self._roles: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._fwd = self._forward_runner()
         self._fwd_names = full.forward_outputs
         self._infer: Runner | MaskedRunner | None = None
@@ -359,6 +360,19 @@ class TrainingSession:
         result = self.backward_ortvalues(state, ort_grads, retain=retain)
         return {w: self._convert(v, state.as_torch) for w, v in result.items()}
 
+    def output_roles(self, n_user: int, values: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Of a forward's `values` whose first `n_user` are the caller's: the positions torch must see as not
+        differentiable (as torch's: outputs that depend on nothing receiving gradients, such as an input passed
+        through or a detached result; ints; BatchNorm statistics), and those to save for backward (outputs backward
+        reads share memory with the stash: saving them lets torch detect in-place changes). Found once per
+        `n_user` (the outputs' dtypes are the graph's)."""
+        roles = self._roles.get(n_user)
+        if roles is None:
+            fixed = tuple(k for k, t in enumerate(values)
+                          if k >= n_user or k not in self.differentiable or not t.is_floating_point())
+            roles = self._roles[n_user] = fixed, tuple(i for i in self.stashed_outputs if i < n_user)
+        return roles
+
     def run(self, inputs: Mapping[str, Tensor] | Sequence[Tensor]) -> list[Tensor]:
         """Inference: forward only, on the forward graph itself; nothing is stashed."""
         feeds, as_torch = self._feeds(inputs)
@@ -369,7 +383,10 @@ class TrainingSession:
                           ) -> tuple[list[C.OrtValue], ForwardState]:
         if self._fusing and not self._paused:
             return self._fused_forward(feeds, as_torch)
-        outs, state = self._split_forward(feeds, as_torch)
+        if self._split_decided and self._split is None:  # decided against halves: the whole batch, two frames fewer
+            outs, state = self._whole_forward(feeds, as_torch)
+        else:
+            outs, state = self._split_forward(feeds, as_torch)
         if not self._outputs_checked:
             declared.check_outputs(self.source.graph, feeds, self.output_names, outs)
             self._outputs_checked = True
@@ -410,7 +427,7 @@ class TrainingSession:
             self._paused += 1
             if self._paused > fused.MAX_UNUSED:  # backwards came back: fused runs pay again
                 self._paused, self._unused[0] = 0, 0
-        bw = self._backward_for(given)
+        bw = self._backwards.get(given) or self._backward_for(given)
         result: dict[str, Any] = {}
         if bw.runner is not None:
             vector = bw.runner.run_vector(self._backward_feeds(bw, state, grads), bw.out_names)

@@ -80,9 +80,9 @@ class Steady:
     """The arguments' structure (`Engine.in_torch` rebuilds the call from it)."""
     keywords: tuple[str, ...]
     """The keywords the call gave, in its order."""
-    order: list[int]
+    order: list[int] | None
     """Where each flattened argument (the signature's order) is among the tensors given (positional, then keyword,
-    as `kinds`)."""
+    as `kinds`); None where in the same order."""
 
     def holds(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether a call of `args` and `kwargs` would find everything this one found."""
