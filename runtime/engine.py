@@ -471,7 +471,7 @@ class Engine:
                 if t is None:  # a tensor requiring grad in a plain attribute (`edits.grad_attributes`)
                     t = where[0].__dict__.get(where[1])
             hit = cached.get(name)
-            if hit is not None and hit[0] is t and hit[1] == t.data_ptr() and hit[2] == t.shape:
+            if hit is not None and hit[0] is t and hit[1] == t.data_ptr() and hit[2] == t.shape and t.is_contiguous():
                 feeds[name] = hit[3]
             elif t is None or self._watch.kind_changed(fqn, t):  # gone, or resized: `weight.data = bigger`
                 self.invalidate()
@@ -596,7 +596,7 @@ class Engine:
         where = {name: i for i, name in enumerate(names) if name is not None}
         return Steady(schema, call.session, kinds, list(self._module_list or ()),
                       [m.training for m in self._module_list or ()], holders, attrs, tensors,
-                      [t.data_ptr() for t in tensors], [t.requires_grad for t in tensors],
+                      [t.data_ptr() for t in tensors], [t.shape for t in tensors], [t.requires_grad for t in tensors],
                       {name: call.feeds[name] for name, _ in ex.state}, list(ex.inputs), names, list(call.wrt),
                       [where[w] for w in call.wrt], [where[n] for n in call.session.read_inputs if n in where],
                       call.sparse, in_spec, tuple(kwargs), order if order != list(range(len(order))) else None)
@@ -970,7 +970,7 @@ class Engine:
         optimizer updates are seen by the next step through the shared memory."""
         hit = self._ortvalues.get(name)
         ptr, shape = t.data_ptr(), tuple(t.shape)
-        if hit is not None and hit[0] is t and hit[1] == ptr and hit[2] == shape:
+        if hit is not None and hit[0] is t and hit[1] == ptr and hit[2] == shape and t.is_contiguous():
             return hit[3]
         v = exchange.to_ortvalue(t)
         if t.is_contiguous():

@@ -11,7 +11,8 @@ with loops in C where there is one per tensor:
   requiring grad as before;
 - every submodule's train/eval flag, and grad mode;
 - each parameter and buffer fed: the same tensor in the same slot of its module, on the same memory (`.data`
-  assigned anew moves it), requiring grad as before;
+  assigned anew moves it), of the same sizes and contiguous (a view assigned to `.data` may keep the memory),
+  requiring grad as before;
 - the Python values the export holds as constants (`scalars`).
 
 What is not checked here is checked before it at every call (the module's layout: `edits.Watch`; torch.func
@@ -35,6 +36,8 @@ from onnxruntime.capi import _pybind_state as C
 _training = operator.attrgetter("training")
 _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
+_shape = operator.attrgetter("shape")
+_contiguous = torch.Tensor.is_contiguous
 
 
 def argument_kinds(args: Sequence[Any]) -> list[tuple[Any, ...]] | None:
@@ -63,6 +66,7 @@ class Steady:
     attrs: list[str]
     tensors: list[torch.Tensor]
     pointers: list[int]
+    shapes: list[torch.Size]
     grads: list[bool]
     """Whether each of `tensors` required grad."""
     state_feeds: dict[str, C.OrtValue]
@@ -92,6 +96,7 @@ class Steady:
                 and list(map(_training, self.modules)) == self.training
                 and all(map(operator.is_, map(dict.get, self.holders, self.attrs), tensors))
                 and list(map(_data_ptr, tensors)) == self.pointers
+                and list(map(_shape, tensors)) == self.shapes and all(map(_contiguous, tensors))
                 and list(map(_requires_grad, tensors)) == self.grads
                 and not self.schema.exported.unchecked
                 and (self.schema.exported.scalars is None or not self.schema.exported.scalars.held

@@ -224,3 +224,45 @@ def test_one_tensor_given_twice_then_two() -> None:
             got.backward()
             want.backward()
             torch.testing.assert_close(model.w.grad, ref.w.grad)
+
+
+def test_a_view_assigned_to_data_after_steady_calls() -> None:
+    """`.data` set to a view of its own memory (the same pointer: rows cut off, or a square weight transposed) is
+    seen at the next call, as the general path sees it."""
+    model, ref, x, y = _steady_pair()
+    y = y.clamp(max=1)
+    for _ in range(3):
+        _same(model, ref, x, y)
+    for m in (model.module, ref):
+        m.fc2.weight.data = m.fc2.weight.data[:2]
+        m.fc2.bias.data = m.fc2.bias.data[:2]
+    for _ in range(3):
+        _same(model, ref, x, y)
+
+    torch.manual_seed(0)
+    square = nn.Linear(4, 4, bias=False)
+    model, ref = ORTModule(copy.deepcopy(square)), square
+    x = torch.randn(3, 4)
+    for step in range(6):
+        if step == 3:
+            for m in (model.module, ref):
+                m.weight.data = m.weight.data.t()
+        got, want = (m(x).square().mean() for m in (model, ref))
+        torch.testing.assert_close(got, want)
+
+
+def test_double_backward_of_a_steady_call() -> None:
+    """A steady call's `in_torch` (what backward(create_graph=True) computes again in torch) has the call's own
+    tensors: a gradient penalty matches torch's."""
+    model, ref, x, y = _steady_pair()
+    x = x.clone().requires_grad_()
+    for _ in range(3):
+        _same(model, ref, x, y)
+    grads = []
+    for m in (model, ref):
+        m.zero_grad()
+        (g,) = torch.autograd.grad(m(x, y), x, create_graph=True)
+        g.square().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)
