@@ -74,13 +74,13 @@ class Options:
         return SessionConfig(threads=threads, park_openmp=self.park_torch_threads, mem_pattern=self.mem_pattern,
                              torch_masks=self.export.torch_dropout, choose_threads=choose, halves=self.threads != 1)
 
-    def config_for(self, work: float) -> SessionConfig:
+    def config_for(self, work: float, top: float = workload.TRIAL_TOP) -> SessionConfig:
         """The sessions' config for a forward of this much work (`workload`): one thread below `workload.SMALL`
-        by `TRIAL_BOTTOM`, the configured threads from `SMALL` times `TRIAL_TOP`, and between, the faster of the two
-        as runs measure it."""
+        by `TRIAL_BOTTOM`, the configured threads from `SMALL` times `top` (`workload.trial_top`), and between, the
+        faster of the two as runs measure it."""
         if work < workload.SMALL / workload.TRIAL_BOTTOM:
             return self.config(1)
-        return self.config(self.threads, choose=work < workload.SMALL * workload.TRIAL_TOP)
+        return self.config(self.threads, choose=work < workload.SMALL * top)
 
 
 MEM_PATTERN_MAX_BYTES = 64 * 2**20
@@ -156,6 +156,8 @@ class Schema:
         self._small: _Small | None = None
         """Set while a small first call keeps the sessions on one thread (`_fit_threads` watches the batch)."""
         self._batch = -1
+        self._trial_top = workload.TRIAL_TOP
+        """The top of the band that trials the thread count for this export's forward (`workload.trial_top`)."""
         if save_dir is not None:
             gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")
 
@@ -172,7 +174,8 @@ class Schema:
         batched = [(name, k, shapes[name][0]) for name, k in self.exported.inputs if shapes.get(name)]
         if work is not None and batched:
             name, k, batch = batched[0]
-            self.config = self.options.config_for(work)
+            self._trial_top = workload.trial_top(self.exported.model)
+            self.config = self.options.config_for(work, self._trial_top)
             if self.config.threads == 1:
                 self._small, self._batch = _Small(name, k, work / max(batch, 1)), batch
 
@@ -182,7 +185,7 @@ class Schema:
         if batch == self._batch or self._small is None:
             return
         self._batch = batch
-        config = self.options.config_for(batch * self._small.work_per_sample)
+        config = self.options.config_for(batch * self._small.work_per_sample, self._trial_top)
         if config.threads != 1:
             self._small = None
             self.config = config

@@ -47,6 +47,15 @@ highest of each the far placement's. Where the CPUs sat near, the trial's slower
 3-4%, and 6% the MLP 784-512-512-10 at batch 512 (172M), a product-bound model that two threads keep faster
 (the transformer, 150M, far: 23.4 ms on two threads, 25.6 on one), so the band stops below it."""
 
+DENSE_TRIAL_TOP = 1.0
+"""The band's top (a multiple of `SMALL`) for forwards whose products are all Gemms (`gemms_only`: an MLP) on a
+machine at `mac_weight` 1 (AVX-512): two threads won every such trial measured from `SMALL` up, near and far, so
+the trial's one-thread runs were a loss in a run's first steps. Session 49, `benchmarks.ab` (3 processes each,
+no trial above `SMALL / TRIAL_BOTTOM` / the band to `TRIAL_TOP`, ratios to torch's step): 784-256-10 at batch
+128 (13M units) 0.901 / 0.969 far, 784-512-512-10 at 64 (21M) 0.971 / 0.980, 784-1024-10 at 64 (26M) 0.999 /
+1.130, 784-800-800-10 at 50 (32M) 1.008 / 1.098, 784-512-512-10 at 100 (33M) 1.035 / 1.062, 3072-512-256-10 at
+64 (55M) 0.936 / 0.932; below `SMALL` the trial still chooses (100-200-200-10 at batch 64, 2M units, keeps one
+thread for its forward: 1.19 with the trial, 1.24 on two)."""
 GEMM_WEIGHT = 0.5
 """What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at
 ~25M multiply-adds, LeNets at ~10M units)."""
@@ -70,6 +79,19 @@ def mac_weight() -> float:
     (11M) 1.14 / 0.97, 784-300-100-10 at batch 64 (17M) 1.24 / 1.08; 784-128-10 (6.5M) and 100-200-200-10 (4M)
     still run faster on one (1.19 / 1.33, 1.25 / 1.32). Machines of other widths, unmeasured, keep 1."""
     return AVX2_WEIGHT if nchwc.vector_extension() == "AVX2" else 1.0
+
+
+def trial_top(model: onnx.ModelProto) -> float:
+    """The top of the band whose thread count a trial decides, as a multiple of `SMALL`, for this forward."""
+    return DENSE_TRIAL_TOP if mac_weight() == 1.0 and gemms_only(model) else TRIAL_TOP
+
+
+def gemms_only(model: onnx.ModelProto) -> bool:
+    """Whether the forward's products are all Gemms (torch's Linear on a batch of vectors: an MLP), none in a
+    subgraph, and there is one."""
+    kinds = {n.op_type for n in model.graph.node if n.op_type in PRODUCTS}
+    return kinds == {"Gemm"} and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                         for n in model.graph.node for a in n.attribute)
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:

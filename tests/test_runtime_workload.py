@@ -72,3 +72,28 @@ def test_multiply_adds_weigh_by_the_machine(monkeypatch) -> None:
     finally:
         monkeypatch.undo()
         workload.mac_weight.cache_clear()
+
+
+def test_dense_forwards_trial_their_threads_below_small_only(monkeypatch) -> None:
+    """A forward whose products are all Gemms (an MLP) gets the configured threads without a trial from `SMALL` up
+    on an AVX-512 machine (`DENSE_TRIAL_TOP`); with a MatMul or a Conv among them, or on an AVX2 machine, the band
+    reaches `TRIAL_TOP`; the engine's config follows."""
+    from runtime.engine import ExportOptions, Options
+
+    mlp = _model([helper.make_node("Gemm", ["x", "w"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["z"])],
+                 {"x": ["n", 16], "w": [8, 16]}, "z")
+    matmul = _model([helper.make_node("Gemm", ["x", "w"], ["h"], transB=1),
+                     helper.make_node("MatMul", ["h", "v"], ["z"])], {"x": ["n", 16], "w": [8, 16], "v": [8, 4]}, "z")
+    conv = _model([helper.make_node("Conv", ["x", "w"], ["z"])], {"x": ["n", 2, 8, 8], "w": [4, 2, 3, 3]}, "z")
+    none = _model([helper.make_node("Relu", ["x"], ["z"])], {"x": ["n", 16]}, "z")
+    assert workload.gemms_only(mlp) and not any(workload.gemms_only(m) for m in (matmul, conv, none))
+    options = Options(ExportOptions(), threads=2, specialise=True, fallback=False, save_dir=None)
+    for weight, tops in ((1.0, (workload.DENSE_TRIAL_TOP, workload.TRIAL_TOP)), (3.0, (workload.TRIAL_TOP,) * 2)):
+        monkeypatch.setattr(workload, "mac_weight", lambda weight=weight: weight)
+        assert (workload.trial_top(mlp), workload.trial_top(matmul)) == tops
+        assert workload.trial_top(conv) == workload.TRIAL_TOP
+        for top in tops:
+            for work, threads, choose in ((workload.SMALL / workload.TRIAL_BOTTOM / 2, 1, False),
+                                          (workload.SMALL * top / 2, 2, True), (workload.SMALL * top * 2, 2, False)):
+                config = options.config_for(work, top)
+                assert (config.threads, config.choose_threads) == (threads, choose), (weight, top, work)
