@@ -41,7 +41,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from . import checks, exchange, host_dropout, lowering, openmp
 from .host_dropout import MaskedRunner
-from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial
+from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial, TrialSettings
 from .samples import Rows
 
 MIN_ROWS = 8
@@ -204,7 +204,9 @@ class _Halving:
         self.min_rows = min_rows
         """Batches below this run whole (None: `MIN_ROWS`, read at each cut)."""
         self.worker = WORKER
-        self.trial = Trial()
+        self.trial = Trial(TrialSettings.now(warmup=0))
+        """The halves (arm 0) against the whole batch, whose runner ran already (the first halves' check): no
+        warm-up runs for it."""
         self.halves_arm = 0
         """The trial's arm of the halves: the first, run until a verdict (they were faster in every case measured)."""
         self.checked = False
