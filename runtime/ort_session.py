@@ -182,10 +182,10 @@ TRIAL_RUNS = 6
 TRIAL_APART = 1.2
 """Half of `TRIAL_RUNS` decide where every timed run of one session is this many times faster than every one of the
 other's: a trial's slower session then takes 6 runs instead of 10 (at batch 256 a LeNet's fused run took 16-17 ms
-on one thread and 11-12 on two). They decide for the configured threads too where the one-thread session's fastest
-run is no faster than their median (`Trial._apart`): the trial's slower runs land in a run's first steps, where a
-benchmark of a few dozen steps reads them (session 49: the CNN's halves against its whole batch, 2.4-2.7 against
-2.9-3.3 ms, took 10 of its first 28 steps on the whole batch)."""
+on one thread and 11-12 on two). They decide for arm 0 (the configured threads; in `halves`' trial, the halves)
+too where arm 1's fastest run is no faster than arm 0's median (`Trial._apart`): the trial's slower runs land in a
+run's first steps, where a benchmark of a few dozen steps reads them (session 49: the CNN's halves against its whole
+batch, 2.4-2.7 against 2.9-3.3 ms, took 10 of its first 28 steps on the whole batch, now 4)."""
 TRIAL_MARGIN = 1.1
 """One thread is chosen only where its median is this many times faster than the configured threads': its verdict
 holds `TRIAL_RECHECK` runs unwatched, while the configured threads' runs are watched (`TRIAL_DRIFT`). LeNet 1-16-32
@@ -332,9 +332,9 @@ class Trial:
         return self.chosen
 
     def _apart(self, wide: list[float], narrow: list[float]) -> bool:
-        """Whether half the timed runs each already tell the sessions apart (`TRIAL_APART`), or show that the
-        one-thread session cannot win: its fastest run no faster than the median of the configured threads' (it
-        would need a median `margin` times faster), so its further runs would only cost."""
+        """Whether half the timed runs each already tell the sessions apart (`TRIAL_APART`), or show that arm 1
+        (the one-thread session; the whole batch in `halves`' trial) cannot win: its fastest run no faster than arm
+        0's median (it would need a median `margin` times faster), so its further runs would only cost."""
         if 2 * min(len(wide), len(narrow)) < self.settings.runs:
             return False
         apart = self.settings.apart
