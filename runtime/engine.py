@@ -577,6 +577,8 @@ class Engine:
                 or ex.hooks is not None or ex.ties or ex.unchecked):
             return None
         kinds = argument_kinds(given)
+        if kinds is None:
+            return None
         order = [position[id(t)] for t in leaves]
         holders, attrs, tensors = [], [], []
         for name, fqn in ex.state:
@@ -590,8 +592,6 @@ class Engine:
             holders.append(holder)
             attrs.append(attr)
             tensors.append(t)
-        if kinds is None:
-            return None
         names: list[str | None] = [None] * len(given)
         for name, k in ex.inputs:
             names[k] = name
@@ -610,7 +610,7 @@ class Engine:
         ex = steady.schema.exported
         leaves = given if steady.order is None else [given[i] for i in steady.order]
         tensors = [*leaves, *steady.tensors]
-        call = function.Call(steady.session, steady.feeds(leaves, exchange.to_ortvalue), steady.wrt, len(ex.outputs),
+        call = function.Call(steady.session, steady.feeds(leaves), steady.wrt, len(ex.outputs),
                              tuple([tensors[i] for i in steady.read]), steady.sparse)
         call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, list(leaves),
                                           [t._version for t in leaves], steady.names, tensors, steady.wrt)

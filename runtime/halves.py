@@ -396,8 +396,8 @@ class SplitHalves(_Halving):
             if ready is None:
                 start = time.perf_counter()
                 outs, state = whole(None)
-                timed = (1 - self.halves_arm, tried, time.perf_counter() - start) if arm != self.halves_arm else None
-                return outs, state, None, timed if (tried or self.trial.chosen is not None) else None
+                timed = self._timed(arm, tried, start) if arm != self.halves_arm else None
+                return outs, state, None, timed
             if not self.checked:
                 self.checked = True
                 outs, state = whole(ready.drawn if self.masked is not None else None)
@@ -410,8 +410,7 @@ class SplitHalves(_Halving):
                 return outs, state, None, None
             start = time.perf_counter()
             half_outs, halved = self._forward(ready)
-            timed = (arm, tried, time.perf_counter() - start)
-            return half_outs, None, halved, timed if (tried or self.trial.chosen is not None) else None
+            return half_outs, None, halved, self._timed(arm, tried, start)
         finally:
             self._busy.release()
 
@@ -488,6 +487,12 @@ class SplitHalves(_Halving):
         else:
             mine, theirs = run(0), run(1)
         return combined(mine, theirs, (1.0, 1.0))
+
+    def _timed(self, arm: int, tried: bool, start: float) -> tuple[int, bool, float] | None:
+        """A forward of `arm` begun at `start`, for the backward to complete: None outside trials and verdicts."""
+        if tried or self.trial.chosen is not None:
+            return arm, tried, time.perf_counter() - start
+        return None
 
     def finish(self, timed: tuple[int, bool, float], seconds: float) -> None:
         """A step's backward took `seconds` after a forward `timed`: the step's time goes to the trial."""

@@ -199,18 +199,20 @@ class ORTModule(nn.Module):
         not compiled (`module.compile()`), no hooks on the wrapper nor global backward ones, not traced, `forward` not
         replaced. Two Python frames fewer a step (each step's Python runs with cold caches between torch's work)."""
         if (self._compiled_call_impl is None and self.__dict__.get("forward") is self._own_forward
-                and not self._forward_hooks and not self._forward_pre_hooks and not self._backward_hooks
-                and not self._backward_pre_hooks and not nn_module._global_backward_pre_hooks
-                and not nn_module._global_backward_hooks and not torch._C._get_tracing_state()):
+                and not self._hooked() and not torch._C._get_tracing_state()):
             return _forward(self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _hooked(self) -> bool:
+        """Whether torch's call has hooks to run around the wrapper's: its own, or global backward ones."""
+        return bool(self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks
+                    or nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks)
 
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
         """torch's call without its global forward hooks (`register_module_forward_hook`) for the wrapper: they run
         for the wrapped module inside the call, as torch runs them for it, and a hook changing outputs changed the
         result twice. Where the wrapper has hooks of its own, torch's call runs them (and the global ones) around."""
-        if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks or \
-                nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks:
+        if self._hooked():
             return super()._call_impl(*args, **kwargs)
         return (self._slow_forward if torch._C._get_tracing_state() else self.forward)(*args, **kwargs)
 

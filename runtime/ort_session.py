@@ -426,10 +426,7 @@ class Runner:
         feeds = feeds if isinstance(feeds, dict) else dict(feeds)
         trial = self._trial
         if trial is None and not self._parallel:  # one thread, nothing to try or park: the run itself
-            try:
-                return self._c.run_with_ort_values(feeds, names, self._run_options)
-            except Exception as e:
-                raise self._failed(e, feeds) from e
+            return self._run(self._c, False, feeds, names)
         if trial is not None and trial.due():
             return self._tried(trial, feeds, names)
         park, crowded = openmp.room(self._threads) if self._parallel else (False, False)
@@ -452,12 +449,9 @@ class Runner:
                     openmp.release(entered)
             return session.run_with_ort_values(feeds, names, self._run_options)
         except Exception as e:
-            raise self._failed(e, feeds) from e
-
-    def _failed(self, error: Exception, feeds: dict[str, C.OrtValue]) -> RuntimeError:
-        missing = [n for n in self.input_names if n not in feeds]
-        hint = f" (missing inputs: {missing})" if missing else ""
-        return RuntimeError(f"onnxruntime failed running the {self.what} model{hint}: {error}")
+            missing = [n for n in self.input_names if n not in feeds]
+            hint = f" (missing inputs: {missing})" if missing else ""
+            raise RuntimeError(f"onnxruntime failed running the {self.what} model{hint}: {e}") from e
 
     def _tried(self, trial: Trial, feeds: dict[str, C.OrtValue], names: Sequence[str]) -> C.OrtValueVector:
         """A trial's run: on the arm whose turn it is, timed with its parking. A run that finds the machine crowded

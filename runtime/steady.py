@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from . import exchange
+
 _training = operator.attrgetter("training")
 _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
@@ -102,8 +104,9 @@ class Steady:
                 and (self.schema.exported.scalars is None or not self.schema.exported.scalars.held
                      or self.schema.exported.scalars.changed() is None))
 
-    def feeds(self, args: Sequence[torch.Tensor], to_ortvalue: Any) -> dict[str, C.OrtValue]:
+    def feeds(self, leaves: Sequence[torch.Tensor]) -> dict[str, C.OrtValue]:
+        """The graph's feeds for a call of these flattened tensors: the recorded parameters' and the call's."""
         feeds = dict(self.state_feeds)
         for name, k in self.inputs:
-            feeds[name] = to_ortvalue(args[k])
+            feeds[name] = exchange.to_ortvalue(leaves[k])
         return feeds
