@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from onnxruntime.capi import _pybind_state as C
 
-from . import exchange
+from . import exchange, openmp
 from .checks import GradientCheck
 from .session import TrainingSession
 
@@ -102,7 +102,11 @@ class ORTFunction(torch.autograd.Function):
         for i, g in enumerate(grads[:call.n_user]):
             if g is not None:
                 ort_grads[i] = exchange.to_ortvalue(g)
-        result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
+        openmp.defer_joins()
+        try:
+            result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
+        finally:
+            openmp.join()
         out = [result.get(w) for w in call.wrt]
         if call.check is not None:
             check, call.check = call.check, None
@@ -153,5 +157,9 @@ outside functorch transforms."""
 def apply(call: Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Run `call` through autograd; returns (user outputs, BatchNorm statistics). Calls under torch.func
     transforms never get here (the engine runs them in torch)."""
-    out = _APPLY(call, *tensors)
+    openmp.defer_joins()  # the forward's run to autograd's wiring of its outputs: no parallel op, no user code
+    try:
+        out = _APPLY(call, *tensors)
+    finally:
+        openmp.join()
     return list(out[:call.n_user]), list(out[call.n_user:])

@@ -10,10 +10,12 @@ training loop calls ORTModule (after the optimizer's parallel ops) and where an 
 So when one of those workers is running (`_Workers`), the run happens inside a parallel region of the
 calling thread's own pool whose workers wait on a semaphore (asleep, in the kernel) until the run is over
 (`GOMP_parallel_start` with `sem_wait` as the body, the run, one `sem_post` a worker, `GOMP_parallel_end`): ~25
-µs, and the pool stays as it is. Ending the pool instead (`omp_pause_resource_all`, 60-110 µs) was as fast in
-an interleaved benchmark but not in training loops: torch's next parallel op makes a new worker, which, when
-the process slept in between, queued behind its spinning parent for up to 16 ms (Adam loops with 2-3 ms pauses
-ran 1.4-3x slower). Nothing runs inside the region but onnxruntime, which does not use OpenMP.
+µs, and the pool stays as it is. Inside the autograd bridge's forward and backward (`defer_joins`), the join
+waits until the run's outputs are handed to torch, so that the woken workers' way back overlaps that Python.
+Ending the pool instead (`omp_pause_resource_all`, 60-110 µs) was as fast in an interleaved benchmark but not in
+training loops: torch's next parallel op makes a new worker, which, when the process slept in between, queued
+behind its spinning parent for up to 16 ms (Adam loops with 2-3 ms pauses ran 1.4-3x slower). Nothing runs inside
+the region but onnxruntime, which does not use OpenMP, and the bridge's own Python.
 
 Only on a machine with a core to spare: letting the workers go costs a wake-up and a join (`GOMP_parallel_end`
 waits for them), 20-40 µs when a core is free, a scheduler slice (3-8 ms here) when another process runs, the
@@ -399,6 +401,9 @@ def park() -> Parked:
     entered: Parked = []
     if libc is None:
         return entered
+    pending = _local.__dict__.get("pending")
+    if pending:  # never a region inside one still open
+        _end(pending)
     try:
         for r, sem in _semaphores():
             r.start(libc.wait, sem, 0)
@@ -409,13 +414,42 @@ def park() -> Parked:
     return entered
 
 
-def release(entered: Parked) -> None:
-    """Let the workers `park` put to sleep go, and join them (their regions end)."""
+def release(entered: Parked, later: bool = False) -> None:
+    """Let the workers `park` put to sleep go, and join them (their regions end); with `later`, between
+    `defer_joins` and `join`, the join waits for `join`."""
     libc = _libc()
-    for r, sem, workers in reversed(entered):
+    for _, sem, workers in reversed(entered):
         for _ in range(workers):
             libc.post(sem)  # type: ignore[union-attr]
+    pending = _local.__dict__.get("pending") if later else None
+    if pending is not None:
+        pending.extend(reversed(entered))
+        return
+    for r, _, _ in reversed(entered):
         r.end()
+
+
+def defer_joins() -> None:
+    """Until `join`, `release` on this thread wakes the workers and leaves their join for later, so that a woken
+    worker's way back (a sleeping thread woken on a VM: 10-20 µs before it reaches the region's end) overlaps the
+    Python that follows the run instead of being waited for at its end. Only around code that runs no parallel
+    torch op and no user code: until `join`, the calling thread is inside the parked regions, where torch's
+    parallel ops would run on one thread. A window opened inside another ends with the inner one."""
+    _local.__dict__.setdefault("pending", [])
+
+
+def join() -> None:
+    """End the regions `release` left open since `defer_joins` (in the order entered: the last first), and stop
+    deferring."""
+    pending = _local.__dict__.pop("pending", None)
+    if pending:
+        _end(pending)
+
+
+def _end(pending: Parked) -> None:
+    for r, _, _ in pending:
+        r.end()
+    pending.clear()
 
 
 @contextmanager

@@ -446,7 +446,7 @@ class Runner:
                 try:
                     return session.run_with_ort_values(feeds, names, self._run_options)
                 finally:
-                    openmp.release(entered)
+                    openmp.release(entered, later=True)
             return session.run_with_ort_values(feeds, names, self._run_options)
         except Exception as e:
             missing = [n for n in self.input_names if n not in feeds]

@@ -326,8 +326,36 @@ def test_each_thread_watches_its_own_pool(two_threads) -> None:
     assert seen["workers"] and not seen["workers"] & main_workers
 
 
+def _in_region() -> bool:
+    """Whether the calling thread leads an open parallel region of torch's runtime (its team is then larger than
+    one)."""
+    return openmp._runtimes()[0].team() > 1
+
+
+def test_deferred_joins_wait_for_the_window_and_never_nest(two_threads) -> None:
+    _spinners()
+    openmp.defer_joins()
+    try:
+        openmp.release(openmp.park(), later=True)
+        assert _in_region()  # posted, not yet joined: the worker takes its post when it wakes
+        assert _wait_until(lambda: set(_semaphore_values()) == {0})
+        entered = openmp.park()  # ends the open region first: a region inside it would get no workers
+        assert _in_region() and len(entered) == 1 and entered[0][2] == 1
+        openmp.release(entered)  # not `later`: joined at once
+        assert not _in_region()
+        openmp.release(openmp.park(), later=True)
+        assert _in_region()
+    finally:
+        openmp.join()
+    assert not _in_region() and "pending" not in openmp._local.__dict__
+    openmp.release(openmp.park(), later=True)  # outside a window: joined at once
+    assert not _in_region()
+    x = torch.randn(300, 300, dtype=torch.float64)
+    np.testing.assert_allclose((x @ x).numpy(), x.numpy() @ x.numpy(), rtol=1e-10)
+
+
 @pytest.mark.parametrize("park", [True, False])
-def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool) -> None:
+def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool, monkeypatch) -> None:
     from runtime import ORTModule
 
     torch.manual_seed(0)
@@ -337,10 +365,17 @@ def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool) ->
     model(x).sum().backward()  # built on two threads (its forward work is above `workload.SMALL`)
     model(x).sum().backward()  # the second call exports again (engine's check): its trace lets the workers sleep
     entries.clear()
+    deferred = []
+    end = openmp._end
+    monkeypatch.setattr(openmp, "_end", lambda pending: (deferred.append(len(pending)), end(pending)))
     _spinners()
     model.zero_grad(set_to_none=True)
-    model(x).sum().backward()
+    loss = model(x).sum()
+    assert not _in_region()  # the forward's deferred join came before the call returned
+    loss.backward()
+    assert not _in_region() and "pending" not in openmp._local.__dict__
     assert bool(entries) == park
+    assert bool(deferred) == park  # the joins waited for the run's Python to be done
     expected = torch.autograd.grad(net(x).sum(), net[0].weight)[0]
     torch.testing.assert_close(net[0].weight.grad, expected, rtol=1e-4, atol=1e-4)
 
