@@ -148,6 +148,9 @@ def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Ten
     return (None, *found)
 
 
+_pack_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""The innermost `saved_tensors_hooks` in force (None without): their pack hook runs as the forward's outputs are
+saved."""
 _APPLY = super(torch.autograd.Function, ORTFunction).apply
 """The C++ apply under `Function.apply`, whose Python layer (default-argument binding for `setup_context`,
 functorch's pytree walk over the arguments) costs ~10 µs a step and does nothing for this Function
@@ -157,7 +160,8 @@ outside functorch transforms."""
 def apply(call: Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Run `call` through autograd; returns (user outputs, BatchNorm statistics). Calls under torch.func
     transforms never get here (the engine runs them in torch)."""
-    openmp.defer_joins()  # the forward's run to autograd's wiring of its outputs: no parallel op, no user code
+    if _pack_hooks(False) is None:  # saved-tensor hooks (user code) are called in there: then joined at once
+        openmp.defer_joins()  # the forward's run to autograd's wiring of its outputs: no parallel torch op
     try:
         out = _APPLY(call, *tensors)
     finally:

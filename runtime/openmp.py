@@ -303,6 +303,31 @@ def _forget() -> None:
 os.register_at_fork(after_in_child=_forget)
 
 
+FRESH_SECONDS = 0.1
+"""How long the intra-op workers of a session this process just made are taken for ours when the running threads
+are counted (`made_workers`). onnxruntime's workers spin from their session's creation until its first run ends
+(`session.force_spinning_stop`), or ~40 ms on the AVX-512 EPYC (a million spins): the backward's session, made at
+the first backward, then looked like another process's threads to the next runs. Three such crowds in a row at a
+module's first steps (the forward's, the backward's, then the backward's workers still spinning: its first run had
+gone to the one-thread session) held 35 of 126 runs of 784-256-10 at batch 128 on one thread in the benchmark's
+60 steps (1.14 of torch's step against 1.05). Taken for ours, they make a run on more threads than the cores then
+have for a moment, until its session's first run (or the spin) ends."""
+_fresh: list[tuple[float, int]] = []
+
+
+def made_workers(count: int) -> None:
+    """A session this process just made started `count` intra-op workers (`FRESH_SECONDS`)."""
+    _fresh.append((time.perf_counter(), count))
+
+
+def _fresh_workers(now: float) -> int:
+    """The workers of sessions made within `FRESH_SECONDS`."""
+    if not _fresh:
+        return 0
+    _fresh[:] = [made for made in _fresh if now - made[0] < FRESH_SECONDS]
+    return sum(count for _, count in _fresh)
+
+
 def _room(threads: int) -> tuple[bool, bool]:
     """For a run on `threads` intra-op threads: whether to park torch's workers (one spins, and what else runs on
     the machine fits in the cores the run leaves free: else a release waits for a core, and parked runs were
@@ -313,7 +338,8 @@ def _room(threads: int) -> tuple[bool, bool]:
     running = _running()
     if running is None:
         return bool(spinning), False
-    ours = running - (usable_cores() - threads)  # the running threads that must be ours: caller, spinning workers
+    # the running threads that must be ours: the caller, torch's spinning workers, sessions' fresh workers
+    ours = running - (usable_cores() - threads) - _fresh_workers(time.perf_counter())
     if ours <= 1:
         return bool(spinning), False
     fits = bool(spinning) and (ours <= 2 or 1 + contended(ours - 1) >= ours)

@@ -490,8 +490,11 @@ class Runner:
 
 
 def _session(data: bytes, config: SessionConfig, disabled: Sequence[str]) -> ort.InferenceSession:
-    return ort.InferenceSession(data, config.options(), providers=list(config.providers),
-                                disabled_optimizers=list(disabled))
+    session = ort.InferenceSession(data, config.options(), providers=list(config.providers),
+                                   disabled_optimizers=list(disabled))
+    if config.spin and config.thread_count > 1:  # its workers spin from now until its first run ends
+        openmp.made_workers(config.thread_count - 1)
+    return session
 
 
 def draws_random(graph: onnx.GraphProto) -> bool:

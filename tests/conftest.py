@@ -39,4 +39,5 @@ def _machine_load_unknown(monkeypatch):
 
     monkeypatch.setattr(openmp, "_LOADAVG", "/nonexistent/loadavg")
     monkeypatch.setattr(openmp, "ROOM_SECONDS", 0.0)
+    monkeypatch.setattr(openmp, "FRESH_SECONDS", 0.0)  # tests setting the load count every thread themselves
     openmp._forget()  # nor one made by an earlier test

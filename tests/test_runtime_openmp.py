@@ -220,6 +220,29 @@ def test_runs_are_parked_only_with_a_core_to_spare(two_threads, entries, monkeyp
     assert len(narrowed) == 3 and runner._narrow_c is narrow  # made once
 
 
+def test_the_fresh_workers_of_our_own_sessions_are_no_crowd(monkeypatch) -> None:
+    """A session's intra-op workers spin from its creation until its first run ends: read as another process's
+    threads, they put a module's first steps on one thread."""
+    monkeypatch.setattr(openmp, "usable_cores", lambda: 2)
+    monkeypatch.setattr(openmp, "contended", lambda *_: 0)  # torch's workers asleep
+    monkeypatch.setattr(openmp, "_running", lambda: 2)  # the caller and one more
+    monkeypatch.setattr(openmp, "_fresh", [])
+    assert openmp._room(2) == (False, True)
+    monkeypatch.setattr(openmp, "FRESH_SECONDS", 60.0)
+    for config, made in ((SessionConfig(threads=1), 0), (SessionConfig(threads=2, spin=False), 0),
+                         (SessionConfig(threads=3), 2)):
+        _runner(config)
+        assert sum(count for _, count in openmp._fresh) == made
+    openmp._fresh[:] = []
+    _runner(SessionConfig(threads=2))
+    assert openmp._room(2) == (False, False)
+    monkeypatch.setattr(openmp, "_running", lambda: 3)  # and one more beside: a crowd
+    assert openmp._room(2) == (False, True)
+    monkeypatch.setattr(openmp, "_running", lambda: 2)
+    monkeypatch.setattr(openmp, "FRESH_SECONDS", 0.0)  # past the window: theirs again
+    assert openmp._room(2) == (False, True) and not openmp._fresh
+
+
 def test_crowded_runs_keep_a_graph_drawing_random_numbers_on_its_session(two_threads, monkeypatch) -> None:
     """A second session would draw other random numbers: a graph with onnxruntime's random ops stays on one."""
     graph = helper.make_graph([helper.make_node("RandomUniformLike", ["x"], ["r"]),
@@ -370,6 +393,11 @@ def test_ortmodule_parks_unless_told_not_to(two_threads, entries, park: bool, mo
     monkeypatch.setattr(openmp, "_end", lambda pending: (deferred.append(len(pending)), end(pending)))
     _spinners()
     model.zero_grad(set_to_none=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(_in_region()) or t, lambda t: t):
+        model(x)  # saved-tensor hooks are user code: never run inside a parked region
+    assert packed and not any(packed)
+    _spinners()
     loss = model(x).sum()
     assert not _in_region()  # the forward's deferred join came before the call returned
     loss.backward()
