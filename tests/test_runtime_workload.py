@@ -74,10 +74,10 @@ def test_multiply_adds_weigh_by_the_machine(monkeypatch) -> None:
         workload.mac_weight.cache_clear()
 
 
-def test_dense_forwards_trial_their_threads_below_small_only(monkeypatch) -> None:
-    """A forward whose products are all Gemms (an MLP) gets the configured threads without a trial from `SMALL` up
-    on an AVX-512 machine (`DENSE_TRIAL_TOP`); with a MatMul or a Conv among them, or on an AVX2 machine, the band
-    reaches `TRIAL_TOP`; the engine's config follows."""
+def test_dense_forwards_trial_their_threads_in_a_narrower_band(monkeypatch) -> None:
+    """A forward whose products are all Gemms (an MLP) gets the configured threads without a trial from `SMALL`
+    times `DENSE_TRIAL_TOP` up on an AVX-512 machine; with a MatMul or a Conv among them, or on an AVX2 machine,
+    the band reaches `TRIAL_TOP`; the engine's config follows."""
     from runtime.engine import ExportOptions, Options
 
     mlp = _model([helper.make_node("Gemm", ["x", "w"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["z"])],
