@@ -444,15 +444,15 @@ def release(entered: Parked, later: bool = False) -> None:
     """Let the workers `park` put to sleep go, and join them (their regions end); with `later`, between
     `defer_joins` and `join`, the join waits for `join`."""
     libc = _libc()
-    for _, sem, workers in reversed(entered):
+    last_first = entered[::-1]
+    for _, sem, workers in last_first:
         for _ in range(workers):
             libc.post(sem)  # type: ignore[union-attr]
     pending = _local.__dict__.get("pending") if later else None
     if pending is not None:
-        pending.extend(reversed(entered))
-        return
-    for r, _, _ in reversed(entered):
-        r.end()
+        pending.extend(last_first)
+    else:
+        _end(last_first)
 
 
 def defer_joins() -> None:
@@ -472,10 +472,11 @@ def join() -> None:
         _end(pending)
 
 
-def _end(pending: Parked) -> None:
-    for r, _, _ in pending:
+def _end(regions: Parked) -> None:
+    """End `regions` in their order (the last entered first), emptying the list."""
+    for r, _, _ in regions:
         r.end()
-    pending.clear()
+    regions.clear()
 
 
 @contextmanager
