@@ -573,7 +573,7 @@ class Engine:
         given = [*args, *kwargs.values()]
         position = {id(t): i for i, t in enumerate(given)}
         if (len(position) != len(given) or len(leaves) != len(given) or any(id(t) not in position for t in leaves)
-                or not schema.values_checked or self.per_size or ex.updates or ex.batch_stats or ex.internal
+                or not schema.values_checked or self.per_size or ex.updates or ex.recomputed_stats or ex.internal
                 or ex.hooks is not None or ex.ties or ex.unchecked):
             return None
         kinds = argument_kinds(given)
@@ -614,7 +614,9 @@ class Engine:
                              tuple([tensors[i] for i in steady.read]), steady.sparse)
         call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, list(leaves),
                                           [t._version for t in leaves], steady.names, tensors, steady.wrt)
-        user, _ = function.apply(call, [tensors[i] for i in steady.differentiated])
+        user, stats = function.apply(call, [tensors[i] for i in steady.differentiated])
+        if ex.batch_stats:
+            update_running_stats(self._modules(), ex.batch_stats, stats)
         return unflatten(ex.out_spec, user)
 
     def _write_back(self, ex: Exported, values: Sequence[torch.Tensor], read: set[str]) -> None:

@@ -18,9 +18,10 @@ with loops in C where there is one per tensor:
 What is not checked here is checked before it at every call (the module's layout: `edits.Watch`; torch.func
 transforms), or drops the record (`Engine.invalidate`). The export stays right for the recorded call's kinds and
 sizes even where the engine's cache no longer holds it (a call of other sizes that made the module's exports per
-size re-keys the cache). Calls whose export has more to do per call (buffers it updates, BatchNorm statistics,
-forward hooks, outputs other outputs are computed from, tied weights, per-size exports) and the second call of an
-export (`Engine._new_values` checks it) never get a `Steady`.
+size re-keys the cache). A steady call updates BatchNorm's running statistics as the general path does. Calls
+whose export has more to do per call (buffers it updates, BatchNorm statistics updated again by a checkpointed
+region's recomputation, forward hooks, outputs other outputs are computed from, tied weights, per-size exports)
+and the second call of an export (`Engine._new_values` checks it) never get a `Steady`.
 """
 
 from __future__ import annotations

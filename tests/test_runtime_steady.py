@@ -117,6 +117,36 @@ CHANGES: dict[str, Callable[[nn.Module], object]] = {
 }
 
 
+class Normed(nn.Module):
+    def __init__(self, momentum: float | None):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(6, 8), nn.BatchNorm1d(8, momentum=momentum), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.fc2(torch.relu(self.bn(self.fc1(x)))), y)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_steady_calls_update_batchnorm_statistics(momentum: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module with BatchNorm steps steadily, and its running statistics and counter follow torch's (an
+    exponential average, and a cumulative one without a momentum), which eval mode then reads."""
+    torch.manual_seed(0)
+    ref = Normed(momentum)
+    model = ORTModule(copy.deepcopy(ref))
+    steady = []
+    call = Engine._steady_call
+    monkeypatch.setattr(Engine, "_steady_call", lambda self, *a: steady.append(1) or call(self, *a))
+    y = torch.randint(0, 3, (5,))
+    for _ in range(6):
+        _same(model, ref, torch.randn(5, 6), y, general=False)  # a new batch each step
+    assert len(steady) >= 3
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.module.bn, name), getattr(ref.bn, name), msg=name)
+    x = torch.randn(5, 6)
+    model.eval(), ref.eval()
+    torch.testing.assert_close(model(x, y), ref(x, y))
+
+
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_change_after_steady_calls_is_seen(change: str) -> None:
     """Each change the general path follows (new memory, a new tensor in a slot, grad flags, train/eval flags, a
