@@ -466,7 +466,7 @@ class Engine:
             if grad and t.requires_grad and name not in frozen:
                 wrt.append(name)
         owners, cached = self._owners, self._ortvalues
-        for name, fqn in ex.state:  # parameters and buffers: `_tensor` and `_ortvalue` inlined for their hits
+        for name, fqn in ex.state:  # parameters and buffers: their lookup and `_ortvalue` inlined for the hits
             where = owners.get(fqn) or self._owner(fqn)
             t = where[0]._parameters.get(where[1])
             if t is None:

@@ -25,6 +25,7 @@ from gradbuilder.inference import infer_shapes
 
 from . import nchwc
 from .export import pin_dims
+from .passes import has_subgraph
 
 SMALL = 12_000_000
 """Forward work (multiply-adds of convolutions, of products at `GEMM_WEIGHT`, plus elements every other node
@@ -97,8 +98,7 @@ def gemms_only(model: onnx.ModelProto) -> bool:
     """Whether the forward's products are all Gemms (torch's Linear on a batch of vectors: an MLP), none in a
     subgraph, and there is one."""
     kinds = {n.op_type for n in model.graph.node if n.op_type in PRODUCTS}
-    return kinds == {"Gemm"} and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                         for n in model.graph.node for a in n.attribute)
+    return kinds == {"Gemm"} and not any(map(has_subgraph, model.graph.node))
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list[int] | None:
