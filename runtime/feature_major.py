@@ -4,8 +4,12 @@ onnxruntime's SGEMM (MLAS) is faster with the features as rows at MLP shapes. Al
 products of a layer (forward, weight gradient, input gradient) took 0.83-0.98 of the batch-major ones at
 batch 32-256 and widths 256-1024; an MLP's whole step 0.89-0.97 (paired against the batch-major export). A
 chain pays one Transpose of what enters it (the flattened input) and one of what leaves (the logits), so it
-needs two layers at least, and a batch of `MIN_ROWS` at least: at batch 1 the MLP step was 1.08-1.12 of the
-batch-major one, at 4 1.00-1.07, at 8 0.97-0.99.
+needs two layers at least. And the batch must fill MLAS's strips of `ROW_BLOCK` columns (`fills_strips`): feature-major,
+the batch is the products' columns, batch-major the widths are. Two threads, the three products of a layer
+feature-major over batch-major (session 51): 0.82-0.95 at batch 64 and 128, but 1.08-1.24 at batch 50, 1.02-1.05
+at 100, 1.04-1.20 at 20-72 off the multiples of 16 and 1.13 at 8; a whole step paired (`benchmarks.ab`'s order):
+784-800-800-10 at batch 50 0.94 batch-major, at 100 even, while at 16, 32, 64, 128, 256 and 512 feature-major
+stayed 1-8% faster. (Session 14: at batch 1 the step was 1.08-1.12 of the batch-major one, at 4 1.00-1.07.)
 
 The rewrite is on the forward source, before the gradient is built: the Gemm rule then differentiates the
 feature-major products into products in the same orientation (dW = Gemm(dZᵀ, hᵀ, transB=1),
@@ -14,6 +18,7 @@ dhᵀ = Gemm(W, dZᵀ, transA=1)), and the elementwise activations between them 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -34,7 +39,17 @@ draws its mask element by element too (its mask output, in the chain's layout, m
 Dropout rule reads it later)."""
 
 MIN_LINEARS = 2
-MIN_ROWS = 8
+ROW_BLOCK = 16
+"""The columns MLAS's SGEMM kernels compute at a time (a strip of its packed B): a last strip holding fewer wastes
+the rest of it."""
+MIN_FILL = 0.98
+"""The least share of its strips a batch must fill to run feature-major: 127 rows (0.99) ran the products at 0.92
+of batch-major, 200 rows (0.96) at 1.02, 60, 90 and 150 (0.94) at 1.04-1.05."""
+
+
+def fills_strips(rows: int) -> bool:
+    """Whether `rows` samples, as the columns of feature-major products, fill MLAS's strips (`MIN_FILL`)."""
+    return rows >= ROW_BLOCK and rows / (ROW_BLOCK * math.ceil(rows / ROW_BLOCK)) >= MIN_FILL
 
 
 class _Linear(NamedTuple):
@@ -70,10 +85,10 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None, dropou
     elementwise ops, whose tensors nothing else reads, computed feature-major: `Gemm(h, B, b, transB=t)`
     becomes `Gemm(B, hᵀ, b[:, None], transA=1-t)`. What enters a component as a Linear's activations is
     transposed once; what leaves it (read elsewhere, or a graph output) is transposed back under its own
-    name. Not for fewer than `MIN_ROWS` rows: those of the entering activations when the graph fixes them,
-    else `rows` (the batch the caller expects) when given. `dropouts=False` ends components at Dropouts, whose
-    masks then keep torch's layout (`SessionConfig.torch_masks`). Returns a rewritten copy, or `model` itself
-    when nothing matches."""
+    name. Only for rows that fill MLAS's column strips (`fills_strips`): those of the entering activations when the
+    graph fixes them, else `rows` (the batch the caller expects) when given. `dropouts=False` ends components at
+    Dropouts, whose masks then keep torch's layout (`SessionConfig.torch_masks`). Returns a rewritten copy, or
+    `model` itself when nothing matches."""
     g = model.graph
     # torch's export declares few intermediate shapes; inference gives the ranks bias-free Linears need
     types = tensor_types(infer_shapes_safely(model) or g)
@@ -131,7 +146,7 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None, dropou
     def enough_rows(ks: list[int]) -> bool:
         entering = [dims.get(g.node[k].input[0]) for k in ks if k in linear and g.node[k].input[0] not in inner]
         first = [d[0] for d in entering if d and isinstance(d[0], int)]
-        return min(first) >= MIN_ROWS if first else rows is None or rows >= MIN_ROWS
+        return all(map(fills_strips, first)) if first else rows is None or fills_strips(rows)
 
     chosen: set[int] = set()
     for ks in groups.values():

@@ -180,7 +180,7 @@ def test_ortmodule_trains_an_mlp_feature_major():
     ort = ORTModule(model, threads=1)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
-        x, y = torch.randn(9, 3, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (9,), generator=g)
+        x, y = torch.randn(16, 3, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g)
         for m in (model, reference):
             for p in m.parameters():
                 p.grad = None
@@ -246,17 +246,22 @@ def test_ortmodule_inference_runs_feature_major_too(monkeypatch):
     assert seen == [["0.weight", "2.weight"]]
 
 
-def test_small_batches_stay_batch_major():
-    """Below MIN_ROWS rows a chain stays as it is: rows the graph fixes, else the batch the caller expects. An
-    ORTModule whose first call has 2 samples keeps its Linears batch-major, and its gradients are torch's."""
-    from runtime.feature_major import MIN_ROWS
-
+def test_batches_that_leave_mlas_strips_part_empty_stay_batch_major():
+    """A chain goes feature-major only for a batch filling MLAS's strips of 16 columns (`fills_strips`): rows the
+    graph fixes, else the batch the caller expects. Small batches and those off the multiples of 16 (50, 100)
+    stay as they are, 16, 64 and 127 (a last strip 15/16 full) do not. An ORTModule whose first call has 2
+    samples keeps its Linears batch-major, and its gradients are torch's."""
     model = _chain()
-    assert feature_major_chains(model, rows=MIN_ROWS - 1) is model
-    assert feature_major_chains(model, rows=MIN_ROWS) is not model
+    for rows in (2, 8, 15, 50, 60, 100, 200):
+        assert feature_major_chains(model, rows=rows) is model, rows
+    for rows in (16, 64, 127, 128, 512):
+        assert feature_major_chains(model, rows=rows) is not model, rows
+    assert feature_major_chains(model) is not model  # no batch known: feature-major
     fixed = _chain()
-    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = MIN_ROWS - 1  # x [7, 6]: fixed rows win
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 50  # x [50, 6]: fixed rows win
     assert feature_major_chains(fixed, rows=64) is fixed
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 32
+    assert feature_major_chains(fixed, rows=50) is not fixed
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     reference = copy.deepcopy(net)

@@ -72,7 +72,7 @@ def test_gelu_mlp_trains_as_torch(approximate: str) -> None:
     net = nn.Sequential(nn.Linear(12, 16), nn.GELU(approximate=approximate), nn.Linear(16, 16),
                         nn.GELU(approximate=approximate), nn.Linear(16, 3))
     reference, model = copy.deepcopy(net), ORTModule(net, threads=1)
-    x = torch.randn(10, 12) * 3
+    x = torch.randn(16, 12) * 3  # 16 rows fill MLAS's strips: feature-major
     for m in (model, reference):
         m(x).square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
