@@ -39,18 +39,19 @@ def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     bodies onnxruntime inlines; Dropouts that drop nothing removed (an inference graph's, not yet removed by
     `source`); activations onnxruntime computes element by element vectorized (`vectorized`); shape
     arithmetic folded where only the batch is unknown (`shape_folding`); Convs with weight inputs blocked
-    (`nchwc`). Always: gradbuilder's StopGradient as the Identity it is (an inference graph is the exported one,
-    never split), 1-D MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`:
-    onnxruntime's MatmulTransposeFusion computes those wrong), reducing ScatterNDs as ScatterElements
-    (`passes.ordered_scatters`: onnxruntime's threads lose updates of repeated indices), and ceil-mode pools and
-    `canonical_forms` as in `source` (an inference graph does not pass there)."""
+    (`nchwc`); shape ops that change nothing removed (`passes.idle_reshapes`). Always: gradbuilder's
+    StopGradient as the Identity it is (an inference graph is the exported one, never split), 1-D MatMul
+    operands of a Transpose's product as matrices (`passes.vectors_as_matrices`: onnxruntime's
+    MatmulTransposeFusion computes those wrong), reducing ScatterNDs as ScatterElements (`passes.ordered_scatters`:
+    onnxruntime's threads lose updates of repeated indices), and ceil-mode pools and `canonical_forms` as in
+    `source` (an inference graph does not pass there)."""
     model = stop_gradient.as_identity(model)
     model = passes.ceil_pools_as_floor(passes.ordered_scatters(passes.vectors_as_matrices(model)))
     model = passes.canonical_forms(model)
     if not config.lower:
         return model
     model = vectorized.vectorized_ops(crossentropy.lower_losses(passes.inactive_dropouts(model)))
-    return nchwc.blocked_convs(shape_folding.fold_shapes(model))
+    return passes.idle_reshapes(nchwc.blocked_convs(shape_folding.fold_shapes(model)))
 
 
 def forward_runner(model: onnx.ModelProto, config: SessionConfig, what: str) -> Runner | host_dropout.MaskedRunner:
@@ -76,7 +77,8 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
              ) -> onnx.ModelProto:
     """Slow onnxruntime patterns (`passes.lower`, `vectorized` recomputed in backward), then sums and
     contractions over rows (`reductions.lower_sums`), then large unfolded weight gradients in chunks of the batch
-    and the Convs and stride-1 ConvTransposes blocked (`nchwc`); `known`: values of the initializers backward
+    and the Convs and stride-1 ConvTransposes blocked (`nchwc`), then shape ops that change nothing removed
+    (`passes.idle_reshapes`); `known`: values of the initializers backward
     reads from the forward part; `rows`: the batch expected where the graph leaves it symbolic. Always: 1-D
     MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`) and reducing ScatterNDs
     as ScatterElements (`passes.ordered_scatters`), after the sums, which add into scatters of either kind."""
@@ -84,4 +86,4 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
     if not config.lower:
         return passes.ordered_scatters(model)
     lowered = passes.ordered_scatters(reductions.lower_sums(vectorized.vectorized_ops(passes.lower(model, known))))
-    return nchwc.blocked_convs(nchwc.unfolded_weight_grads(lowered, known, rows=rows))
+    return passes.idle_reshapes(nchwc.blocked_convs(nchwc.unfolded_weight_grads(lowered, known, rows=rows)))

@@ -843,3 +843,57 @@ def test_joined_selects_made_in_the_forward_only_where_backward_reads_no_conditi
             grads.append(session.backward(state, [None])["x"])
     np.testing.assert_array_equal(grads[0], grads[1])
     assert np.array_equal(np.signbit(grads[0]), np.signbit(grads[1]))
+
+
+def _idle_reshapes_case() -> onnx.ModelProto:
+    """x [N, 4]: a Flatten of a matrix (idle), read by a Relu and by an If's branch; a bias-gradient-like sum with
+    keepdims then a Reshape to the bias (an output); a sum read twice; a Reshape to a size computed at run time
+    (unprovable); an Unsqueeze that changes the shape; an Identity that is an output."""
+    f32 = TensorProto.FLOAT
+    axes0 = onnx.numpy_helper.from_array(np.array([0]), "axes0")
+    four = onnx.numpy_helper.from_array(np.array([4]), "four")
+    branch = helper.make_graph([helper.make_node("Neg", ["f"], ["b_out"])], "branch", [],
+                               [helper.make_tensor_value_info("b_out", f32, ["N", 4])])
+    nodes = [helper.make_node("Flatten", ["x"], ["f"], axis=1), helper.make_node("Relu", ["f"], ["r"]),
+             helper.make_node("ReduceSum", ["r", "axes0"], ["s"], keepdims=1),
+             helper.make_node("Reshape", ["s", "four"], ["bias_grad"]),
+             helper.make_node("ReduceSum", ["r", "axes0"], ["twice"]),
+             helper.make_node("Reshape", ["twice", "four"], ["twice_flat"]),
+             helper.make_node("Mul", ["twice", "twice"], ["twice_sq"]),
+             helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Reshape", ["r", "shape"], ["same"]),
+             helper.make_node("Unsqueeze", ["same", "axes0"], ["u"]),
+             helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+             helper.make_node("Greater", ["m", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["picked"], then_branch=branch, else_branch=branch),
+             helper.make_node("Identity", ["r"], ["r_out"])]
+    zero = onnx.numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    outputs = [helper.make_tensor_value_info(n, f32, None)
+               for n in ("bias_grad", "twice_flat", "twice_sq", "u", "picked", "r_out")]
+    graph = helper.make_graph(nodes, "idle", [helper.make_tensor_value_info("x", f32, ["N", 4])], outputs,
+                              [axes0, four, zero])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_idle_reshapes_are_removed_and_values_kept() -> None:
+    """The Flatten goes (its readers, the If's branch too, read x), the bias-gradient sum drops its kept axis
+    instead of a Reshape doing so; the sum read twice, the Reshape to a run-time size, the Unsqueeze and the
+    output's Identity stay. onnxruntime gives the same values at two batch sizes (no optimizations)."""
+    model = _idle_reshapes_case()
+    out = passes.idle_reshapes(model)
+    assert [n.op_type for n in out.graph.node] == [
+        "Relu", "ReduceSum", "ReduceSum", "Reshape", "Mul", "Shape", "Reshape", "Unsqueeze", "ReduceMax", "Greater",
+        "If", "Identity"]
+    summed = out.graph.node[1]
+    assert list(summed.output) == ["bias_grad"] and passes.int_attr(summed, "keepdims", 1) == 0
+    assert out.graph.node[0].input[0] == "x" and out.graph.node[10].attribute[0].g.node[0].input[0] == "x"
+    assert passes.idle_reshapes(out) is out
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    names = [o.name for o in model.graph.output]
+    for rows in (3, 8):
+        x = np.random.default_rng(rows).standard_normal((rows, 4)).astype(np.float32)
+        want = ort.InferenceSession(model.SerializeToString(), options).run(names, {"x": x})
+        got = ort.InferenceSession(out.SerializeToString(), options).run(names, {"x": x})
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_array_equal(g, w)
