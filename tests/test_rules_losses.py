@@ -167,3 +167,53 @@ def test_float16_losses():
              fd=False, rtol=1e-2, atol=1e-3)
     check_op("NegativeLogLikelihoodLoss", [("x", x), ("labels", labels)], lambda x, lab: F.nll_loss(x, lab),
              fd=False, rtol=1e-2, atol=1e-3)
+
+
+def _gradient_ops(model: onnx.ModelProto) -> set[str]:
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], loss="y0")
+    return {n.op_type for n in training.graph.node}
+
+
+@pytest.mark.parametrize("classes,ignore,onehot", [(4, None, True), (4, -100, True), (64, -100, True),
+                                                   (100, -100, False), (65, None, False), (4, -4, False),
+                                                   (4, 1, False)])
+def test_cross_entropy_over_few_classes_takes_onehot_form(classes, ignore, onehot):
+    """(N, C) scores of at most ONEHOT_CLASSES classes, an ignore_index (if any) outside OneHot's [-C, C): the
+    gradient is written with OneHot, else with the scatter; torch's gradients either way (float64 and float32)."""
+    for dtype in (np.float64, np.float32):
+        shape = (6, classes)
+        labels = _labels(shape, ignore)
+        xs = r(*shape).astype(dtype)
+        attrs = {} if ignore is None else {"ignore_index": ignore}
+        model = single_op_model("SoftmaxCrossEntropyLoss", [("x", xs), ("labels", labels)], **attrs)
+        assert ("OneHot" in _gradient_ops(model)) == onehot
+        check_op("SoftmaxCrossEntropyLoss", [("x", xs), ("labels", labels)],
+                 lambda x, lab: F.cross_entropy(x, lab, ignore_index=-100 if ignore is None else ignore), **attrs)
+
+
+def test_cross_entropy_with_every_label_ignored_has_zero_gradient():
+    """A batch of ignored labels: torch's loss is nan (0 / 0) and its gradient zeros; the one-hot form's count is
+    held at 1, so its gradient is zeros too, not nan."""
+    xs, labels = r(5, 4), np.full(5, -100, np.int64)
+    model = single_op_model("SoftmaxCrossEntropyLoss", [("x", xs), ("labels", labels)], ignore_index=-100)
+    assert "OneHot" in _gradient_ops(model)
+    _, grads = Trainer(gradbuilder.build_gradient_graph(model, wrt=["x"], loss="y0")).step({"x": xs, "labels": labels})
+    tx = torch.from_numpy(xs).requires_grad_()
+    F.cross_entropy(tx, torch.from_numpy(labels)).backward()
+    np.testing.assert_array_equal(grads["x"], tx.grad.numpy())
+    assert not np.any(grads["x"])
+
+
+def test_a_negative_label_picks_the_class_the_forward_picked():
+    """A label in [-C, 0) other than ignore_index (torch refuses it): onnxruntime's forward gathers the class it
+    counts from the end, and the one-hot gradient's OneHot counts the same way, so loss and gradient agree (those
+    of the label C - 1)."""
+    xs, labels = r(5, 4), np.array([0, -1, 2, -100, 1])
+    model = single_op_model("SoftmaxCrossEntropyLoss", [("x", xs), ("labels", labels)], ignore_index=-100)
+    (loss,), grads = Trainer(gradbuilder.build_gradient_graph(model, wrt=["x"], loss="y0")).step(
+        {"x": xs, "labels": labels})
+    tx = torch.from_numpy(xs).requires_grad_()
+    want = F.cross_entropy(tx, torch.from_numpy(np.where(labels == -1, 3, labels)))
+    want.backward()
+    np.testing.assert_allclose(loss, want.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(grads["x"], tx.grad.numpy(), rtol=1e-10, atol=1e-14)
