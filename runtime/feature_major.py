@@ -6,10 +6,10 @@ batch 32-256 and widths 256-1024; an MLP's whole step 0.89-0.97 (paired against 
 chain pays one Transpose of what enters it (the flattened input) and one of what leaves (the logits), so it
 needs two layers at least. And the batch must fill MLAS's strips of `ROW_BLOCK` columns (`fills_strips`): feature-major,
 the batch is the products' columns, batch-major the widths are. Two threads, the three products of a layer
-feature-major over batch-major (session 51): 0.82-0.95 at batch 64 and 128, but 1.08-1.24 at batch 50, 1.02-1.05
-at 100, 1.04-1.20 at 20-72 off the multiples of 16 and 1.13 at 8; a whole step paired (`benchmarks.ab`'s order):
+feature-major over batch-major (session 51): 0.82-1.01 at batch 64 and 128, but 1.03-1.24 at batch 50, 0.91-1.05
+at 100, 1.04-1.40 at 20-72 off the multiples of 16, 1.07-1.13 at 8 and 12; a whole step paired (after torch steps):
 784-800-800-10 at batch 50 0.94 batch-major, at 100 even, while at 16, 32, 64, 128, 256 and 512 feature-major
-stayed 1-8% faster. (Session 14: at batch 1 the step was 1.08-1.12 of the batch-major one, at 4 1.00-1.07.)
+stayed 1-8% faster. (Before: at batch 1 the step was 1.08-1.12 of the batch-major one, at 4 1.00-1.07.)
 
 The rewrite is on the forward source, before the gradient is built: the Gemm rule then differentiates the
 feature-major products into products in the same orientation (dW = Gemm(dZᵀ, hᵀ, transB=1),
