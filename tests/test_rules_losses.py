@@ -174,21 +174,24 @@ def _gradient_ops(model: onnx.ModelProto) -> set[str]:
     return {n.op_type for n in training.graph.node}
 
 
+@pytest.mark.parametrize("op,torch_loss", [("SoftmaxCrossEntropyLoss", F.cross_entropy),
+                                           ("NegativeLogLikelihoodLoss", F.nll_loss)], ids=["sce", "nll"])
 @pytest.mark.parametrize("classes,ignore,onehot", [(4, None, True), (4, -100, True), (64, -100, True),
                                                    (100, -100, False), (65, None, False), (4, -4, False),
                                                    (4, 1, False)])
-def test_cross_entropy_over_few_classes_takes_onehot_form(classes, ignore, onehot):
+def test_losses_over_few_classes_take_onehot_form(op, torch_loss, classes, ignore, onehot):
     """(N, C) scores of at most ONEHOT_CLASSES classes, an ignore_index (if any) outside OneHot's [-C, C): the
-    gradient is written with OneHot, else with the scatter; torch's gradients either way (float64 and float32)."""
+    gradient is written with OneHot, else as before (a scatter, a comparison with the classes); torch's gradients
+    either way (float64 and float32)."""
     for dtype in (np.float64, np.float32):
         shape = (6, classes)
         labels = _labels(shape, ignore)
         xs = r(*shape).astype(dtype)
         attrs = {} if ignore is None else {"ignore_index": ignore}
-        model = single_op_model("SoftmaxCrossEntropyLoss", [("x", xs), ("labels", labels)], **attrs)
+        model = single_op_model(op, [("x", xs), ("labels", labels)], **attrs)
         assert ("OneHot" in _gradient_ops(model)) == onehot
-        check_op("SoftmaxCrossEntropyLoss", [("x", xs), ("labels", labels)],
-                 lambda x, lab: F.cross_entropy(x, lab, ignore_index=-100 if ignore is None else ignore), **attrs)
+        check_op(op, [("x", xs), ("labels", labels)],
+                 lambda x, lab: torch_loss(x, lab, ignore_index=-100 if ignore is None else ignore), **attrs)
 
 
 def test_cross_entropy_with_every_label_ignored_has_zero_gradient():

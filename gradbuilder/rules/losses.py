@@ -152,23 +152,38 @@ def _few_classes(g: Grad, scores: str) -> int | None:
 
 
 def _onehot_gradient(g: Grad, prob: str, classes: int, dy: str) -> str:
-    """d scores = (prob * kept - onehot) * dy, over the number of kept labels for mean (at least 1: a batch of
-    ignored labels gets zeros, as torch's); `kept` is 1 on a row with a label, 0 on an ignored one."""
+    """d scores = (prob * kept - onehot) * coef (`_onehot_coefficient`); `kept` is 1 on a row with a label, 0 on an
+    ignored one."""
+    onehot = _labels_onehot(g, classes)
+    if g.attr("ignore_index") is not None:
+        prob = g.Mul(prob, g.reduce_sum(onehot, [1], keepdims=True))
+    return g.Mul(g.Sub(prob, onehot), _onehot_coefficient(g, onehot, dy))
+
+
+def _labels_onehot(g: Grad, classes: int) -> str:
+    """(N, C) one-hot of the labels in the scores' type, zero rows for the labels outside [-C, C) (`_few_classes`)."""
     onehot = g.OneHot(_labels(g), g.ints(classes), g.const([0.0, 1.0], elem_type=TensorProto.FLOAT), axis=-1)
     if g.dtype(g.I(0)) != TensorProto.FLOAT:  # onnxruntime's OneHot makes no doubles
         onehot = g.cast_like(onehot, g.I(0))
-    coef = dy
-    if g.attr("reduction", "mean") == "mean":
-        coef = g.Div(dy, g.Max(g.ReduceSum(onehot, keepdims=0), g.const(1.0, like=g.I(0))))
-    if g.attr("ignore_index") is not None:
-        prob = g.Mul(prob, g.reduce_sum(onehot, [1], keepdims=True))
-    return g.Mul(g.Sub(prob, onehot), coef)
+    return onehot
+
+
+def _onehot_coefficient(g: Grad, onehot: str, dy: str) -> str:
+    """dLoss/dloss_i of every counted sample: dy, over the number of counted labels for mean (at least 1: a batch of
+    ignored labels gets zeros, as torch's)."""
+    if g.attr("reduction", "mean") != "mean":
+        return dy
+    return g.Div(dy, g.Max(g.ReduceSum(onehot, keepdims=0), g.const(1.0, like=g.I(0))))
 
 
 @rule("NegativeLogLikelihoodLoss", since=13, nondiff=(1, 2))
 def negative_log_likelihood(g: Grad):
-    """d input = -coef * onehot(label)."""
+    """d input = -coef * onehot(label); over few classes (`_few_classes`) with onnx's OneHot, 6 nodes instead of 15."""
     x = g.I(0)
+    classes = _few_classes(g, x)
+    if classes is not None:
+        onehot = _labels_onehot(g, classes)
+        return (g.Mul(onehot, g.Neg(_onehot_coefficient(g, onehot, g.GO(0)))),)
     labels = _labels(g)
     kept, safe = _kept(g, labels)
     return (g.Neg(g.Mul(_onehot(g, x, labels), _coefficient(g, x, kept, safe, g.GO(0)))),)
