@@ -65,11 +65,14 @@ def fused_runner(model: onnx.ModelProto, backward: onnx.ModelProto, config: Sess
     """The session for a forward and `backward` joined (`fused.fused_model`, each half already lowered): its
     training Dropouts fed host masks as a forward's; onnxruntime's NCHWc layout kept for the forward's pools
     unless `backward` has Convs of constant weights (the one-hot unfolds `BACKWARD_DISABLED_OPTIMIZERS` is for);
-    `like`: the split forward's runner (its Dropout inputs' shapes)."""
+    `like`: the split forward's runner (its Dropout inputs' shapes). Shape ops that change nothing removed again
+    (`passes.idle_reshapes`): the forward's sizes prove more of the backward's (a LeNet's bias gradients)."""
     consts = {t.name for t in backward.graph.initializer}
     unfolds = any(n.op_type == "Conv" and not n.domain and len(n.input) > 1 and n.input[1] in consts
                   for n in backward.graph.node)
     disabled = BACKWARD_DISABLED_OPTIMIZERS if unfolds else DISABLED_OPTIMIZERS
+    if config.lower:
+        model = passes.idle_reshapes(model)
     return host_dropout.forward_runner(model, config, "forward and backward", disabled, like)
 
 
