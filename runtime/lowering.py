@@ -89,4 +89,4 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
     if not config.lower:
         return passes.ordered_scatters(model)
     lowered = passes.ordered_scatters(reductions.lower_sums(vectorized.vectorized_ops(passes.lower(model, known))))
-    return passes.idle_reshapes(nchwc.blocked_convs(nchwc.unfolded_weight_grads(lowered, known, rows=rows)))
+    return passes.idle_reshapes(nchwc.blocked_convs(nchwc.unfolded_weight_grads(lowered, known, rows=rows)), known)

@@ -1231,14 +1231,15 @@ def _reduction(node: onnx.NodeProto) -> bytes:
 RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
-def idle_reshapes(model: onnx.ModelProto) -> onnx.ModelProto:
+def idle_reshapes(model: onnx.ModelProto, known: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """Shape ops that leave their input as it is removed, their readers reading the input (a Flatten of a matrix;
     onnx's inference proves the dims equal, symbols included); and a ReduceSum keeping 1-sized axes only for a
     Reshape to drop them (a bias gradient's sum, then the Reshape back to the bias) computed without them instead.
     onnxruntime runs each such node, a node's dispatch costing ~1 µs on caches a torch step left cold (5 nodes of an
     MLP 100-200-200-10 step; steps paired against the same code without, each after a torch step: mlp-small
-    0.986-0.989, the MLP 0.996, the CNN 0.983-0.993). Graph outputs keep their names. Returns a rewritten copy,
-    or `model` itself when there is nothing to remove."""
+    0.986-0.989, the MLP 0.996, the CNN 0.983-0.993). Graph outputs keep their names. `known`: values of graph
+    inputs that are constants (a backward's, fed from the forward's). Returns a rewritten copy, or `model` itself
+    when there is nothing to remove."""
     g = model.graph
     if not any(n.op_type in RESHAPES or n.op_type == "ReduceSum" for n in g.node):
         return model
@@ -1246,7 +1247,8 @@ def idle_reshapes(model: onnx.ModelProto) -> onnx.ModelProto:
     if inferred is None:
         return model
     dims = {name: d for name, (_, d) in tensor_types(inferred).items()}
-    consts = constant_values(g, lambda t: len(t.dims) <= 1)
+    consts = {k: v for k, v in (known or {}).items() if v.ndim <= 1}
+    consts.update(constant_values(g, lambda t: len(t.dims) <= 1))
     nodes = [onnx.NodeProto() for _ in g.node]
     for node, new in zip(g.node, nodes):
         new.CopyFrom(node)
@@ -1265,7 +1267,7 @@ def idle_reshapes(model: onnx.ModelProto) -> onnx.ModelProto:
             dropped.add(k)
         elif n.op_type == "Reshape" and reads[x] == 1 and x not in outputs and x in producer:
             total = producer[x]
-            if _squeezes_reduced(total, dims.get(x), dims.get(y), consts):
+            if _squeezes_reduced(total, dims, dims.get(y), consts):
                 kept = [a for a in total.attribute if a.name != "keepdims"]
                 del total.attribute[:]
                 total.attribute.extend([*kept, helper.make_attribute("keepdims", 0)])
@@ -1288,15 +1290,16 @@ def _same_dims(a: list | None, b: list | None) -> bool:
     return a is not None and b is not None and a == b and all(d is not None for d in a)
 
 
-def _squeezes_reduced(total: onnx.NodeProto, reduced: list | None, squeezed: list | None,
+def _squeezes_reduced(total: onnx.NodeProto, dims: Mapping[str, list | None], squeezed: list | None,
                       consts: Mapping[str, np.ndarray]) -> bool:
-    """Whether `total` is a ReduceSum with keepdims over constant axes whose output (`reduced`) a Reshape turns
-    into `squeezed` by dropping exactly those axes (each of size 1 there)."""
+    """Whether `total` is a ReduceSum with keepdims over constant axes whose output a Reshape to `squeezed` gives
+    without those axes (the summed tensor's other dims, in `dims`, known sizes kept in order)."""
     if total.op_type != "ReduceSum" or total.domain not in ("", "ai.onnx") or not int_attr(total, "keepdims", 1) \
             or len(total.input) < 2 or total.input[1] not in consts or int_attr(total, "noop_with_empty_axes", 0):
         return False
-    if reduced is None or squeezed is None or not all(isinstance(d, int) for d in (*reduced, *squeezed)):
+    summed = dims.get(total.input[0])
+    if not summed or squeezed is None:
         return False
-    axes = {int(v) % len(reduced) for v in np.atleast_1d(consts[total.input[1]])} if reduced else set()
-    return bool(axes) and all(reduced[a] == 1 for a in axes) and \
-        [d for a, d in enumerate(reduced) if a not in axes] == list(squeezed)
+    axes = {int(v) % len(summed) for v in np.atleast_1d(consts[total.input[1]])}
+    rest = [d for a, d in enumerate(summed) if a not in axes]
+    return bool(axes) and all(isinstance(d, int) for d in rest) and rest == list(squeezed)

@@ -897,3 +897,36 @@ def test_idle_reshapes_are_removed_and_values_kept() -> None:
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape
             np.testing.assert_array_equal(g, w)
+
+
+def test_idle_reshapes_read_a_backwards_constant_inputs() -> None:
+    """A backward's ReduceSum whose axes are a graph input fed from the forward's constants (onnx's inference
+    cannot size its output): with the value `known`, the sum drops the axis itself and the Reshape goes; without,
+    both stay. The same values from onnxruntime."""
+    f32 = TensorProto.FLOAT
+    four = onnx.numpy_helper.from_array(np.array([4]), "four")
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["dy", "axes"], ["s"], keepdims=1),
+         helper.make_node("Reshape", ["s", "four"], ["bias_grad"])], "bias",
+        [helper.make_tensor_value_info("dy", f32, [4, "N"]), helper.make_tensor_value_info("axes", TensorProto.INT64,
+                                                                                          [1])],
+        [helper.make_tensor_value_info("bias_grad", f32, [4])], [four])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert passes.idle_reshapes(model) is model
+    out = passes.idle_reshapes(model, {"axes": np.array([1])})
+    assert [n.op_type for n in out.graph.node] == ["ReduceSum"] and list(out.graph.node[0].output) == ["bias_grad"]
+    feeds = {"dy": np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32), "axes": np.array([1])}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    np.testing.assert_array_equal(ort.InferenceSession(out.SerializeToString()).run(None, feeds)[0], want)
+
+
+def test_idle_reshapes_pass_over_a_reshaped_constant() -> None:
+    """A Reshape of a Constant node's output (no inputs to look at) stays, and nothing fails."""
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=onnx.numpy_helper.from_array(np.ones((2, 3), np.float32))),
+         helper.make_node("Reshape", ["c", "six"], ["flat"]), helper.make_node("Mul", ["flat", "x"], ["y"])], "c",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6])], [onnx.numpy_helper.from_array(np.array([6]),
+                                                                                                    "six")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert passes.idle_reshapes(model) is model
