@@ -1232,8 +1232,9 @@ RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
 def idle_reshapes(model: onnx.ModelProto, known: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
-    """Shape ops that leave their input as it is removed, their readers reading the input (a Flatten of a matrix;
-    onnx's inference proves the dims equal, symbols included); and a ReduceSum keeping 1-sized axes only for a
+    """Shape ops that leave their input as it is removed, their readers reading the input (a Flatten of a matrix,
+    onnx's inference proving the dims equal, symbols included; a Reshape to a constant target spelling the input's
+    sizes: `_names_own_sizes`); and a ReduceSum keeping 1-sized axes only for a
     Reshape to drop them (a bias gradient's sum, then the Reshape back to the bias) computed without them instead.
     onnxruntime runs each such node, a node's dispatch costing ~1 µs on caches a torch step left cold (5 nodes of an
     MLP 100-200-200-10 step; steps paired against the same code without, each after a torch step: mlp-small
@@ -1262,7 +1263,8 @@ def idle_reshapes(model: onnx.ModelProto, known: Mapping[str, np.ndarray] | None
         if n.domain not in ("", "ai.onnx") or not n.input or len(n.output) != 1 or has_subgraph(n):
             continue
         x, y = n.input[0], n.output[0]
-        if n.op_type in RESHAPES and y not in outputs and _same_dims(dims.get(x), dims.get(y)):
+        if n.op_type in RESHAPES and y not in outputs and (_same_dims(dims.get(x), dims.get(y))
+                                                           or _names_own_sizes(n, dims.get(x), consts)):
             renamed[y] = renamed.get(x, x)
             dropped.add(k)
         elif n.op_type == "Reshape" and reads[x] == 1 and x not in outputs and x in producer:
@@ -1283,6 +1285,18 @@ def idle_reshapes(model: onnx.ModelProto, known: Mapping[str, np.ndarray] | None
     forget_types(out.graph, [*renamed, *summed])
     rename_tensors(out.graph, renamed)
     return out
+
+
+def _names_own_sizes(node: onnx.NodeProto, dims: list | None, consts: Mapping[str, np.ndarray]) -> bool:
+    """Whether `node` is a Reshape to a constant target that spells its input's own sizes: each a known size, a 0
+    (copied) or the one -1 (then the rest of the elements: the input's size there), as torch's exports reshape
+    logits to [-1, C] and labels to [-1]."""
+    if node.op_type != "Reshape" or len(node.input) < 2 or node.input[1] not in consts or dims is None \
+            or int_attr(node, "allowzero", 0):
+        return False
+    target = [int(v) for v in np.atleast_1d(consts[node.input[1]])]
+    return len(target) == len(dims) and target.count(-1) <= 1 and all(
+        t in (-1, 0) or (isinstance(d, int) and d == t) for t, d in zip(target, dims))
 
 
 def _same_dims(a: list | None, b: list | None) -> bool:

@@ -930,3 +930,29 @@ def test_idle_reshapes_pass_over_a_reshaped_constant() -> None:
                                                                                                     "six")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert passes.idle_reshapes(model) is model
+
+
+def test_reshapes_to_their_own_sizes_are_idle() -> None:
+    """Reshapes whose constant target spells the input's sizes (torch's exports: logits to [-1, C], labels to [-1];
+    a 0 copies a size) go; one that moves elements between axes ([-1, 2] of [N, 4]) stays. The same values from
+    onnxruntime at two batch sizes."""
+    f32 = TensorProto.FLOAT
+    consts = [onnx.numpy_helper.from_array(np.array(v), name) for name, v in
+              (("logits_shape", [-1, 4]), ("flat", [-1]), ("copy", [0, -1]), ("pairs", [-1, 2]))]
+    nodes = [helper.make_node("Reshape", ["x", "logits_shape"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Reshape", ["b", "copy"], ["c"]), helper.make_node("Reshape", ["c", "pairs"], ["y"]),
+             helper.make_node("Reshape", ["labels", "flat"], ["l"]), helper.make_node("Neg", ["l"], ["m"])]
+    graph = helper.make_graph(nodes, "own", [helper.make_tensor_value_info("x", f32, ["N", 4]),
+                                             helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"])],
+                              [helper.make_tensor_value_info("y", f32, None),
+                               helper.make_tensor_value_info("m", TensorProto.INT64, None)], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    out = passes.idle_reshapes(model)
+    assert [n.op_type for n in out.graph.node] == ["Relu", "Reshape", "Neg"]
+    assert [list(n.input) for n in out.graph.node] == [["x"], ["b", "pairs"], ["labels"]]
+    for rows in (3, 8):
+        feeds = {"x": np.random.default_rng(rows).standard_normal((rows, 4)).astype(np.float32),
+                 "labels": np.arange(rows)}
+        want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)
+        for got, expected in zip(ort.InferenceSession(out.SerializeToString()).run(None, feeds), want, strict=True):
+            np.testing.assert_array_equal(got, expected)
