@@ -143,7 +143,7 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None, dropou
     for k in sorted(member):
         groups.setdefault(find(k), []).append(k)
 
-    def enough_rows(ks: list[int]) -> bool:
+    def rows_fill_strips(ks: list[int]) -> bool:
         entering = [dims.get(g.node[k].input[0]) for k in ks if k in linear and g.node[k].input[0] not in inner]
         first = [d[0] for d in entering if d and isinstance(d[0], int)]
         return all(map(fills_strips, first)) if first else rows is None or fills_strips(rows)
@@ -151,7 +151,7 @@ def feature_major_chains(model: onnx.ModelProto, rows: int | None = None, dropou
     chosen: set[int] = set()
     for ks in groups.values():
         # an elementwise member must read only chain tensors and single values; a Linear's activations may enter
-        if sum(k in linear for k in ks) >= MIN_LINEARS and enough_rows(ks) and all(
+        if sum(k in linear for k in ks) >= MIN_LINEARS and rows_fill_strips(ks) and all(
                 x in inner or single(x) or not x for k in ks if k in elementwise for x in g.node[k].input):
             chosen.update(ks)
     if not chosen:

@@ -81,8 +81,8 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
     """Slow onnxruntime patterns (`passes.lower`, `vectorized` recomputed in backward), then sums and
     contractions over rows (`reductions.lower_sums`), then large unfolded weight gradients in chunks of the batch
     and the Convs and stride-1 ConvTransposes blocked (`nchwc`), then shape ops that change nothing removed
-    (`passes.idle_reshapes`); `known`: values of the initializers backward
-    reads from the forward part; `rows`: the batch expected where the graph leaves it symbolic. Always: 1-D
+    (`passes.idle_reshapes`); `known`: values of the initializers backward reads from the forward part; `rows`:
+    the batch expected where the graph leaves it symbolic. Always: 1-D
     MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`) and reducing ScatterNDs
     as ScatterElements (`passes.ordered_scatters`), after the sums, which add into scatters of either kind."""
     model = passes.vectors_as_matrices(model)
