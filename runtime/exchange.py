@@ -65,12 +65,17 @@ def to_torch(v: C.OrtValue) -> torch.Tensor:
 _from_capsule = torch._C._from_dlpack
 
 
-def vector_to_torch(values: C.OrtValueVector | list[C.OrtValue]) -> list[torch.Tensor]:
+def vector_to_torch(values: C.OrtValueVector | list[C.OrtValue] | list[torch.Tensor]) -> list[torch.Tensor]:
     """Every OrtValue of a run's output vector as a torch tensor, in one C++ loop (~2 µs a tensor less
-    than `to_torch` on each); a list (a runner that assembles its outputs) tensor by tensor."""
+    than `to_torch` on each); a list (a runner that assembles its outputs) tensor by tensor, its torch tensors
+    (outputs combined on the host) as they are."""
     if isinstance(values, list):
-        return [to_torch(v) for v in values]
+        return [v if isinstance(v, torch.Tensor) else to_torch(v) for v in values]
     return values.to_dlpacks(_from_capsule)
+
+
+def nbytes(v: C.OrtValue | torch.Tensor) -> int:
+    return v.nbytes if isinstance(v, torch.Tensor) else v.tensor_size_in_bytes()
 
 
 def to_numpy(v: C.OrtValue) -> np.ndarray:

@@ -78,7 +78,7 @@ class ForwardState:
 class _Gradients:
     """The gradients a fused run computed for a host gradient of 1: `values[first:]`, one per `wrt`."""
 
-    values: C.OrtValueVector | list[C.OrtValue]
+    values: halves.Values
     first: int
     wrt: list[str]
     unused: list[int]
@@ -90,7 +90,7 @@ class _Gradients:
             self.unused[0] += 1
 
     def nbytes(self) -> int:
-        return sum(self.values[i].tensor_size_in_bytes() for i in range(self.first, len(self.values)))
+        return sum(exchange.nbytes(self.values[i]) for i in range(self.first, len(self.values)))
 
     def scaled(self, g: C.OrtValue, as_torch: bool, copy: bool) -> dict[str, Any]:
         """wrt -> gradient times the host's scalar g, as torch tensors or OrtValues: the values themselves when g
@@ -109,7 +109,7 @@ class _Gradients:
             elif copy:
                 grads = [t.clone() for t in grads]
         elif one and not copy:
-            grads = [vals[i] for i in range(k, len(vals))]
+            grads = [exchange.to_ortvalue(vals[i]) for i in range(k, len(vals))]
         else:
             grads = [exchange.to_ortvalue(exchange.to_numpy(vals[i]) * scale) for i in range(k, len(vals))]
         return dict(zip(self.wrt, grads))
@@ -162,12 +162,12 @@ class _Fused:
         no random ops of onnxruntime's, the Dropouts' masks drawn on the host."""
         return not self.random_ops and (not isinstance(self.runner, MaskedRunner) or self.runner.drawn_for(feeds))
 
-    def run(self, feeds: Mapping[str, C.OrtValue]) -> C.OrtValueVector | list[C.OrtValue]:
+    def run(self, feeds: Mapping[str, C.OrtValue]) -> halves.Values:
         if self.halves is not None:
             return self.halves.run(feeds, self.whole)
         return self.whole(feeds)
 
-    def whole(self, feeds: Mapping[str, C.OrtValue]) -> C.OrtValueVector | list[C.OrtValue]:
+    def whole(self, feeds: Mapping[str, C.OrtValue]) -> halves.Values:
         """The run of the whole batch."""
         if isinstance(self.runner, Runner):
             return self.runner.run_vector(feeds, self.names)
@@ -588,7 +588,7 @@ class TrainingSession:
             self._fusing = False
             return self.forward_ortvalues(feeds, as_torch)
         k = len(self.output_names)
-        outs = [values[i] for i in range(k)]
+        outs = [exchange.to_ortvalue(values[i]) for i in range(k)]  # OrtValues, as a split forward's outputs
         if rng is not None:
             one.checked = True
             split = self._composition_check(one, feeds, values, rng, as_torch)
@@ -597,7 +597,7 @@ class TrainingSession:
         return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt, self._unused))
 
     def _composition_check(self, one: _Fused, feeds: Mapping[str, C.OrtValue],
-                           values: C.OrtValueVector | list[C.OrtValue], rng: torch.Tensor, as_torch: bool
+                           values: halves.Values, rng: torch.Tensor, as_torch: bool
                            ) -> tuple[list[C.OrtValue], ForwardState] | None:
         """The first fused run against the split runs of the same call (the host's Dropout masks drawn again from
         the same generator state): the joined graph is the composition of the halves, which the first call's checks

@@ -515,6 +515,36 @@ def test_split_halves_keep_their_stash(free: None) -> None:
         torch.testing.assert_close(g, 2 * w, rtol=1e-4, atol=1e-6)
 
 
+
+def test_fused_halves_hand_their_gradients_over(free: None) -> None:
+    """A fused step's halves combine their gradients into torch tensors that the backward hands to `.grad` as they
+    are (no copy); kept for another backward (retain_graph), they are copied, so the first backward's `.grad` does
+    not accumulate into what the second hands over. The bytes kept from forward to backward are the gradients'."""
+    torch.manual_seed(0)
+    om = ORTModule(Net(), threads=2)
+    x, y = _batch(16, 2, [5])
+    _step(om, x, y)
+    _, want = _step(om, x, y)
+    h = _halves_of(om, "fused")
+    h.pin(True)
+    (session,) = om.training_sessions()
+    om.zero_grad(set_to_none=True)
+    loss = om(x, y)
+    kept = loss.grad_fn.state.gradients
+    assert session.stash_bytes(loss.grad_fn.state) == sum(p.numel() * p.element_size() for p in om.parameters())
+    pointers = {kept.values[i].data_ptr() for i in range(kept.first, len(kept.values))}
+    del kept  # a tensor referenced elsewhere is copied into .grad, as torch copies any gradient it cannot steal
+    loss.backward()
+    assert {p.grad.data_ptr() for p in om.parameters()} == pointers
+    om.zero_grad(set_to_none=True)
+    runs = h.runs
+    loss = om(x, y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert h.runs == runs + 1
+    for p, w in zip(om.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, 2 * w, rtol=1e-5, atol=1e-7)
+
 def test_halves_off_by_config() -> None:
     from runtime.ort_session import SessionConfig
 
