@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,12 +181,19 @@ def _run_half(runner: Runner | MaskedRunner, feeds: dict[str, C.OrtValue], masks
     return runner.run_vector(feeds, names)
 
 
-def combined(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], weights: tuple[float, float]) -> list[torch.Tensor]:
-    """The halves' losses or gradients combined: weighed (a mean's) or added (a sum's). torch's foreach ops take
-    the lists in one call each (on the CPU the same kernel per tensor as `p.mul(a).add_(q, alpha=b)`, so the same
-    values): two calls from Python instead of two a tensor, each slow on the caches the halves' runs leave (LeNet's
-    eleven outputs: ~150 µs in the step against ~60 warm)."""
+def combined(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor], weights: tuple[float, float],
+             joined: Collection[int] = ()) -> list[torch.Tensor]:
+    """The halves' losses or gradients combined: weighed (a mean's) or added (a sum's); those at `joined` (the
+    gradients of inputs holding the batch: each half's rows) weighed alike and joined along the batch. torch's
+    foreach ops take the lists in one call each (on the CPU the same kernel per tensor as `p.mul(a).add_(q,
+    alpha=b)`, so the same values): two calls from Python instead of two a tensor, each slow on the caches the
+    halves' runs leave (LeNet's eleven outputs: ~150 µs in the step against ~60 warm)."""
     a, b = weights
+    if joined:
+        rest = iter(combined([t for i, t in enumerate(x) if i not in joined],
+                             [t for i, t in enumerate(y) if i not in joined], weights))
+        return [(torch.cat([x[i], y[i]]) if a == b == 1.0 else torch.cat([x[i] * a, y[i] * b])) if i in joined
+                else next(rest) for i in range(len(x))]
     if a == b == 1.0:
         return list(torch._foreach_add(x, y))
     out = list(torch._foreach_mul(x, a))
@@ -295,11 +302,14 @@ class Halves(_Halving):
     """The halves of a fused graph's runs: two one-thread sessions of it, the second run on the worker."""
 
     def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
-                 whole: Runner | MaskedRunner, like: Runner | MaskedRunner, rows: Rows, names: Sequence[str]):
+                 whole: Runner | MaskedRunner, like: Runner | MaskedRunner, rows: Rows, names: Sequence[str],
+                 joined: Collection[int] = ()):
         super().__init__(rows, masked=whole if isinstance(whole, MaskedRunner) else None)
         half = _half_config(config)
         self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
         self.names = list(names)
+        self.joined = frozenset(joined)
+        """Positions in `names` of the gradients of inputs holding the batch: the halves' rows, joined."""
 
     def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
         """The fused graph's outputs for `feeds`: from the halves where they are chosen (or tried, or checked: the
@@ -329,7 +339,7 @@ class Halves(_Halving):
         halves = ready.cut
         mine, theirs = self._both(
             lambda i: _run_half(self.runners[i], halves.feeds[i], ready.masks[i], self.names), ready.park)
-        return combined(exchange.vector_to_torch(mine), exchange.vector_to_torch(theirs), halves.weights)
+        return combined(exchange.vector_to_torch(mine), exchange.vector_to_torch(theirs), halves.weights, self.joined)
 
     def _checked(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values],
                  ready: Ready) -> Values:
@@ -375,7 +385,7 @@ class SplitHalves(_Halving):
 
     def __init__(self, forward: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig, rows: Rows,
                  whole: Runner | MaskedRunner, forward_names: Sequence[str], output_names: Sequence[str],
-                 backward_names: Sequence[str]):
+                 backward_names: Sequence[str], joined: Collection[int] = ()):
         super().__init__(rows, masked=whole if isinstance(whole, MaskedRunner) else None, min_rows=SPLIT_MIN_ROWS)
         self._graphs = (forward, backward, _half_config(config))
         self._sessions: tuple[list[Runner | MaskedRunner], list[Runner]] | None = None
@@ -384,6 +394,8 @@ class SplitHalves(_Halving):
         self.backward_names = list(backward_names)
         self.per_sample = dict(rows.outputs)
         """The outputs holding the batch, each with its rows a sample."""
+        self.joined = frozenset(joined)
+        """Positions in `backward_names` of the gradients of inputs holding the batch: the halves' rows, joined."""
 
     def forward(self, feeds: Mapping[str, C.OrtValue],
                 whole: Callable[[dict[str, C.OrtValue] | None], tuple[list[C.OrtValue], Any]],
@@ -493,7 +505,7 @@ class SplitHalves(_Halving):
                 self._busy.release()
         else:
             mine, theirs = run(0), run(1)
-        return combined(mine, theirs, (1.0, 1.0))
+        return combined(mine, theirs, (1.0, 1.0), self.joined)
 
     def _timed(self, arm: int, tried: bool, start: float) -> tuple[int, bool, float] | None:
         """A forward of `arm` begun at `start`, for the backward to complete: None outside trials and verdicts."""

@@ -513,7 +513,8 @@ class TrainingSession:
                 or not bw.specialised):
             return None
         self._split = halves.SplitHalves(self.full.forward, bw.lowered, self._backward_config(), proven, self._fwd,
-                                         self._fwd_names, self.output_names, bw.out_names)
+                                         self._fwd_names, self.output_names, bw.out_names,
+                                         [i for w, i in bw.results if w in proven.batched])
         return self._split
 
     @functools.cached_property
@@ -647,16 +648,17 @@ class TrainingSession:
             return None
         names = [o.name for o in model.graph.output]
         self._fused = _Fused(runner, names, list(grads), runner.draws_random,
-                             self._halves(model, backward, runner, names))
+                             self._halves(model, backward, runner, names, list(grads)))
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
         return self._fused
 
     def _halves(self, model: onnx.ModelProto, backward: onnx.ModelProto, runner: Runner | MaskedRunner,
-                names: list[str]) -> halves.Halves | None:
+                names: list[str], wrt: list[str]) -> halves.Halves | None:
         """The fused graph's runs as two halves of the batch (`halves`), where the exported forward computes its loss
         sample by sample (`samples`), runs may use two threads, and onnxruntime draws no random numbers (the host's
-        Dropout masks are cut); None otherwise."""
+        Dropout masks are cut); None otherwise. `names`: the fused outputs, the module's then the gradients of
+        `wrt`."""
         config = self._backward_config()
         if not config.split_batch or self._exported is None or runner.draws_random:
             return None
@@ -664,7 +666,8 @@ class TrainingSession:
         if proven is None or proven.loss is None or proven.outputs:
             return None
         try:
-            return halves.Halves(model, backward, config, runner, self._fwd, proven, names)
+            joined = [i for i, w in enumerate(wrt, len(names) - len(wrt)) if w in proven.batched]
+            return halves.Halves(model, backward, config, runner, self._fwd, proven, names, joined)
         except RuntimeError:  # onnxruntime refusing a half's session: the whole batch's run serves on
             return None
 

@@ -247,6 +247,41 @@ def test_halves_match_torch(kind: str, reduction: str, rows: int, ignored: list[
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("reduction", "rows", "ignored"), [("mean", 16, [3]), ("sum", 19, [])])
+def test_halves_give_the_inputs_their_rows_gradient(kind: str, reduction: str, rows: int, ignored: list[int],
+                                                     free: None) -> None:
+    """An input requiring grad (a saliency map, an adversarial step) gets each half's rows of its gradient from that
+    half's run, weighed as the half's loss is, joined along the batch; its parameters' gradients are added as
+    without. Against torch's in float64, with the halves running (no warning of a mismatch: they once added the two
+    halves' input gradients, so the first check turned them off with a warning)."""
+    torch.manual_seed(0)
+    net = KINDS[kind](reduction)
+    om = ORTModule(KINDS[kind](reduction), threads=2)
+    om.load_state_dict(net.state_dict())
+    x, y = _batch(rows, 4, ignored)
+
+    def step(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_(True)
+        module(x, y).backward()
+        return x.grad, [p.grad.clone() for p in module.parameters()]
+
+    step(om, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(om, x)
+        h = _halves_of(om, kind)
+        h.pin(True)
+        runs = h.runs
+        got, grads = step(om, x)
+    assert h.checked and not h.off and h.runs == runs + 1
+    want, want_grads = step(net.double(), x.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-7)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_halves_all_ignored_runs_whole(kind: str, free: None) -> None:
     """A half whose labels are all ignored has no mean to weigh: the batch runs whole, its loss finite."""
     torch.manual_seed(0)
