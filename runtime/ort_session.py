@@ -438,6 +438,20 @@ class Runner:
         trial.watch(time.perf_counter() - start)
         return out
 
+    def binding(self) -> C.SessionIOBinding | None:
+        """An IOBinding for runs writing into the caller's buffers (`run_bound`): only for a runner whose runs all
+        take one session (one thread: nothing tried, parked or narrowed); None otherwise."""
+        if self._parallel or self._trial is not None:
+            return None
+        return C.SessionIOBinding(self._c)
+
+    def run_bound(self, binding: C.SessionIOBinding) -> None:
+        """A run of what `binding` (from `binding()`) binds: its outputs written where they are bound."""
+        try:
+            self._c.run_with_iobinding(binding, self._run_options)
+        except Exception as e:
+            raise RuntimeError(f"onnxruntime failed running the {self.what} model: {e}") from e
+
     def _run(self, session: C.InferenceSession, park: bool, feeds: dict[str, C.OrtValue], names: Sequence[str]
              ) -> C.OrtValueVector:
         try:

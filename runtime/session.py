@@ -666,8 +666,9 @@ class TrainingSession:
         if proven is None or proven.loss is None or proven.outputs:
             return None
         try:
-            joined = [i for i, w in enumerate(wrt, len(names) - len(wrt)) if w in proven.batched]
-            return halves.Halves(model, backward, config, runner, self._fwd, proven, names, joined)
+            first = len(names) - len(wrt)
+            joined = [i for i, w in enumerate(wrt, first) if w in proven.batched]
+            return halves.Halves(model, backward, config, runner, self._fwd, proven, names, first, joined)
         except RuntimeError:  # onnxruntime refusing a half's session: the whole batch's run serves on
             return None
 

@@ -571,6 +571,9 @@ def test_fused_halves_hand_their_gradients_over(free: None) -> None:
     del kept  # a tensor referenced elsewhere is copied into .grad, as torch copies any gradient it cannot steal
     loss.backward()
     assert {p.grad.data_ptr() for p in om.parameters()} == pointers
+    assert h.flats is not None and all(f.buffer is not None and f.checked for f in h.flats), "not from one buffer"
+    storages = {p.grad.untyped_storage().data_ptr() for p in om.parameters()}
+    assert loss.untyped_storage().data_ptr() not in storages, "a loss kept would keep the gradients' memory"
     om.zero_grad(set_to_none=True)
     runs = h.runs
     loss = om(x, y)
@@ -579,6 +582,13 @@ def test_fused_halves_hand_their_gradients_over(free: None) -> None:
     assert h.runs == runs + 1
     for p, w in zip(om.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, 2 * w, rtol=1e-5, atol=1e-7)
+    net = Net()
+    net.load_state_dict(om.state_dict())
+    for k, rows in enumerate((22, 16)):  # other batches, the same buffers (the gradients' sizes are the parameters')
+        x, y = _batch(rows, rows, [1])
+        loss, grads = _step(om, x, y)
+        assert h.runs == runs + 2 + k
+        _like_torch(net, x, y, loss, grads)
 
 def test_halves_off_by_config() -> None:
     from runtime.ort_session import SessionConfig
@@ -653,3 +663,29 @@ def test_worker_survives_fork() -> None:
     p.start()
     p.join(30)
     assert p.exitcode == 0 and out.get() == 7
+
+
+def test_flat_outputs_write_one_buffer() -> None:
+    """A runner's outputs written into one buffer (`FlatOutputs`): each at its offset, inputs bound again only when
+    fed another OrtValue; outputs of other sizes than the buffer's fail the run (the halves then lay it out again)."""
+    from runtime.ort_session import Runner, SessionConfig
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("r", TensorProto.FLOAT, ["n", 3]),
+         helper.make_tensor_value_info("s", TensorProto.FLOAT, [])])
+    runner = Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), SessionConfig(threads=1),
+                    "test")
+    flat = halves.FlatOutputs.of(runner, ["r", "s"])
+    assert flat is not None
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    feeds = {"x": exchange.to_ortvalue(a)}
+    flat.lay_out(exchange.vector_to_torch(runner.run_vector(feeds, ["r", "s"])))
+    for t in (a, b):
+        r, s = flat.unflattened(torch.from_numpy(flat.run(feeds if t is a else {"x": exchange.to_ortvalue(t)})))
+        torch.testing.assert_close(r, t.relu())
+        torch.testing.assert_close(s, t.sum())
+    assert flat.checked
+    with pytest.raises(RuntimeError, match="onnxruntime failed running the test model"):
+        flat.run({"x": exchange.to_ortvalue(torch.randn(5, 3))})
