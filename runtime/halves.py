@@ -2,13 +2,13 @@
 
 Where the forward computes sample by sample (`samples`), a batch's step is its halves' combined: outputs holding the
 batch joined, a loss weighed by each half's share of the rows it counts (labels not ignored) for a mean, added for a
-sum, and the gradients alike. Two halves on one thread each beat the whole batch on two threads on this 2-core class
-of machine (session 47, fused LeNet runs: 2.05 against 2.75 ms with the VM's two CPUs near each other, 2.08 against
-7.0 far apart; LeNet 3-32-64 at batch 32, far, 8.1 against 17.2): a kernel split over two threads makes each op's
-data move between the CPUs' caches, while each half's data stays on its own CPU. Each half has a session of its own
-(one session run from two threads lost the gain: 4.5 ms far); they allocate from the process-wide arena
-(`OWN_ARENAS`). Dropouts whose masks the host draws get the whole batch's masks cut at each half's rows, so the step
-is the whole batch's, draw for draw.
+sum, and the gradients alike (an input's gradient: each half's rows, so weighed, joined). Two halves on one thread
+each beat the whole batch on two threads on this 2-core class of machine (session 47, fused LeNet runs: 2.05 against
+2.75 ms with the VM's two CPUs near each other, 2.08 against 7.0 far apart; LeNet 3-32-64 at batch 32, far, 8.1
+against 17.2): a kernel split over two threads makes each op's data move between the CPUs' caches, while each half's
+data stays on its own CPU. Each half has a session of its own (one session run from two threads lost the gain: 4.5
+ms far); they allocate from the process-wide arena (`OWN_ARENAS`). Dropouts whose masks the host draws get the whole
+batch's masks cut at each half's rows, so the step is the whole batch's, draw for draw.
 
 `Halves` runs a fused step (`fused`: forward and backward in one run) so; `SplitHalves` a split one (a forward, then
 its backward, each half's stash kept for its own backward) where the forward has convolutions (`SPLIT_OPS`: MLPs
