@@ -433,3 +433,20 @@ def test_float64_dropout_follows_torch_exactly(exporter: str) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(4, 3, 6, generator=g, dtype=torch.float64) for _ in range(3)]
     check_parity(make, batches, lambda m, x: m(x).pow(2).sum(), sgd, rtol=1e-12, exporter=exporter, torch_dropout=True)
+
+
+def test_masks_keep_each_element_as_its_32_bit_draw_would() -> None:
+    """A mask element is kept where its uniform 32-bit draw is at least the threshold: the high 16 bits decide
+    alone above or below the threshold's, and where they tie, the low 16 bits come next from the same stream (none
+    drawn where the threshold's low bits are 0: every tie is kept)."""
+    top, low = 1234, 40000
+    high = np.random.default_rng(0).integers(top - 2, top + 3, 200_000).astype(np.uint16)
+    ties = high == top
+    kept = host_dropout._kept(np.random.SFC64(5), high, (top << 16) | low)
+    assert not kept[high < top].any() and kept[high > top].all()
+    drawn = np.random.SFC64(5).random_raw((int(ties.sum()) + 3) // 4).view(np.uint16)[:int(ties.sum())]
+    np.testing.assert_array_equal(kept[ties], drawn >= low)
+    assert abs(kept[ties].mean() - (65536 - low) / 65536) < 0.01
+    stream = np.random.SFC64(5)
+    assert host_dropout._kept(stream, high, top << 16)[ties].all()
+    assert stream.random_raw() == np.random.SFC64(5).random_raw(), "a tie drew bits it does not need"
