@@ -214,10 +214,12 @@ class FlatOutputs:
     DTYPES = (torch.float32, torch.float64, torch.float16)
     """Buffers numpy computes on (not bfloat16)."""
 
-    def __init__(self, runner: Runner, names: Sequence[str], binding: C.SessionIOBinding):
+    def __init__(self, runner: Runner | MaskedRunner, names: Sequence[str]):
         self.runner = runner
         self.names = list(names)
-        self.binding = binding
+        self._bound: Runner | None = None
+        """The runner whose session runs (`runner`, or for a MaskedRunner the one its drawn runs take)."""
+        self.binding: C.SessionIOBinding | None = None
         self.buffer: np.ndarray | None = None
         self.metas: list[torch.Tensor] = []
         """Each output's sizes (tensors without memory), for `unflattened`."""
@@ -226,17 +228,17 @@ class FlatOutputs:
         cannot write in place: then not bound)."""
         self._fed: dict[str, C.OrtValue] = {}
 
-    @staticmethod
-    def of(runner: Runner | MaskedRunner, names: Sequence[str]) -> FlatOutputs | None:
-        binding = runner.binding() if isinstance(runner, Runner) else None
-        return FlatOutputs(runner, names, binding) if binding is not None else None
-
     def lay_out(self, outputs: Sequence[torch.Tensor]) -> None:
         """Bind the outputs to one buffer laid out as `outputs` (a run's); none where they do not share a dtype
-        numpy computes on."""
+        numpy computes on, or the runner's runs cannot be bound (`Runner.binding`)."""
         self.buffer = None
         dtypes = {t.dtype for t in outputs}
         if len(dtypes) != 1 or outputs[0].dtype not in self.DTYPES:
+            return
+        runner = self.runner if isinstance(self.runner, Runner) else self.runner.drawn_runner(self.names)
+        if runner is not self._bound:
+            self._bound, self.binding, self._fed = runner, runner.binding() if runner else None, {}
+        if self.binding is None:
             return
         self.metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in outputs]
         buffer = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
@@ -245,15 +247,15 @@ class FlatOutputs:
             self.binding.bind_ortvalue_output(name, exchange.to_ortvalue(view))
         self.buffer, self.checked = buffer.numpy(), False
 
-    def run(self, feeds: Mapping[str, C.OrtValue]) -> np.ndarray:
-        """The buffer, after a run of `feeds`."""
+    def run(self, feeds: Mapping[str, C.OrtValue], masks: Mapping[str, C.OrtValue]) -> np.ndarray:
+        """The buffer, after a run of `feeds` (with the host's Dropout `masks` for a MaskedRunner)."""
         fed, binding = self._fed, self.binding
-        for name, v in feeds.items():
+        assert binding is not None and self._bound is not None and self.buffer is not None
+        for name, v in (*feeds.items(), *masks.items()):
             if fed.get(name) is not v:
                 binding.bind_ortvalue_input(name, v)
                 fed[name] = v
-        self.runner.run_bound(binding)
-        assert self.buffer is not None
+        self._bound.run_bound(binding)
         if not self.checked:
             got = binding.get_outputs()
             views = self.unflattened(torch.from_numpy(self.buffer))
@@ -383,10 +385,8 @@ class Halves(_Halving):
         """The module's outputs come first in `names`, the gradients after."""
         self.joined = frozenset(joined)
         """Positions in `names` of the gradients of inputs holding the batch: the halves' rows, joined."""
-        flats = [FlatOutputs.of(r, names) for r in self.runners]
-        self.flats: list[FlatOutputs] | None = None if self.joined or None in flats else flats  # type: ignore[assignment]
-        """Each half's outputs in one buffer (`FlatOutputs`); None where not (an input's gradient: its rows; host
-        Dropout masks)."""
+        self.flats = None if self.joined else [FlatOutputs(r, names) for r in self.runners]
+        """Each half's outputs in one buffer (`FlatOutputs`); None where not (an input's gradient: its rows)."""
 
     def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
         """The fused graph's outputs for `feeds`: from the halves where they are chosen (or tried, or checked: the
@@ -418,7 +418,7 @@ class Halves(_Halving):
         flats = self.flats
         if flats is not None and flats[0].buffer is not None and flats[1].buffer is not None:
             try:
-                mine, theirs = self._both(lambda i: flats[i].run(halves.feeds[i]), ready.park)
+                mine, theirs = self._both(lambda i: flats[i].run(halves.feeds[i], ready.masks[i]), ready.park)
             except _NotInPlace:
                 self.flats = None
             except RuntimeError:  # other sizes than the buffers': laid out again below

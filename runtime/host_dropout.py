@@ -249,6 +249,11 @@ class MaskedRunner:
         """A call's seed: torch's generator state where its masks are torch's, else a seed drawn from it."""
         return torch.default_generator.get_state() if self._config.torch_masks else _seed()
 
+    def drawn_runner(self, names: Sequence[str]) -> Runner | None:
+        """The runner `run_drawn` runs where it computes every one of `names` (none a mask it is given), for a caller
+        binding its inputs and outputs itself (`halves.FlatOutputs`); None before the first drawn run."""
+        return self._masked if self._masked is not None and not self._fed.intersection(names) else None
+
     def run_drawn(self, feeds: Mapping[str, C.OrtValue], drawn: Mapping[str, C.OrtValue], names: Sequence[str]
                   ) -> list[C.OrtValue]:
         """A run with the masks given (`drawn`, or a half of the batch's cut from them: `halves`)."""

@@ -479,6 +479,7 @@ def test_halves_cut_the_dropout_masks(kind: str, torch_masks: bool, free: None) 
         torch.manual_seed(3)
         loss, grads = _step(om, x, y)
     assert h.checked and not h.off and h.runs == runs + 1 and h.masked is not None
+    assert kind != "fused" or all(f.checked for f in h.flats), "the fused halves did not run bound, masks fed"
     if not torch_masks:  # numpy's masks: not torch's
         return
     torch.manual_seed(3)
@@ -677,15 +678,14 @@ def test_flat_outputs_write_one_buffer() -> None:
          helper.make_tensor_value_info("s", TensorProto.FLOAT, [])])
     runner = Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), SessionConfig(threads=1),
                     "test")
-    flat = halves.FlatOutputs.of(runner, ["r", "s"])
-    assert flat is not None
+    flat = halves.FlatOutputs(runner, ["r", "s"])
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     feeds = {"x": exchange.to_ortvalue(a)}
     flat.lay_out(exchange.vector_to_torch(runner.run_vector(feeds, ["r", "s"])))
     for t in (a, b):
-        r, s = flat.unflattened(torch.from_numpy(flat.run(feeds if t is a else {"x": exchange.to_ortvalue(t)})))
+        r, s = flat.unflattened(torch.from_numpy(flat.run(feeds if t is a else {"x": exchange.to_ortvalue(t)}, {})))
         torch.testing.assert_close(r, t.relu())
         torch.testing.assert_close(s, t.sum())
     assert flat.checked
     with pytest.raises(RuntimeError, match="onnxruntime failed running the test model"):
-        flat.run({"x": exchange.to_ortvalue(torch.randn(5, 3))})
+        flat.run({"x": exchange.to_ortvalue(torch.randn(5, 3))}, {})
