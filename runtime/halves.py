@@ -435,13 +435,14 @@ class Halves(_Halving):
     def _flat_combined(self, flat: FlatOutputs, mine: np.ndarray, theirs: np.ndarray, weights: tuple[float, float]
                        ) -> list[torch.Tensor]:
         """The halves' buffers combined as `combined` combines their outputs, in views of one new buffer; the
-        module's outputs (the loss) copied out of it, so that a loss kept (logged) keeps no gradients' memory."""
+        module's outputs (the loss) copied out of it, so that a loss kept (logged) keeps no gradients' memory. numpy's
+        ops run on this thread (a torch op over the buffers would wake torch's workers) and cost no dispatch."""
         a, b = weights
         if a == b:  # equal counts (0.5) or a sum's (1.0): scaling by a power of two, exact either way round
             together = np.add(mine, theirs)
             if a != 1.0:
                 together *= a
-        else:  # numpy's ops: one thread (torch's would wake its workers), no dispatch to pay
+        else:
             together = np.add(np.multiply(mine, a, out=mine), np.multiply(theirs, b, out=theirs))
         out = flat.unflattened(torch.from_numpy(together))
         for i in range(self.first):

@@ -3,9 +3,9 @@
 onnxruntime's CPU Dropout draws its mask one element at a time on one thread (a linear congruential
 generator behind `std::uniform_real_distribution`): ~7 ns an element here, 7.5 ms of a 2-layer encoder's
 21 ms forward, while the other core waits. numpy's SFC64 fills the same mask at ~0.65 ns an element (16 bits
-drawn an element, 32 where they tie with the threshold's: `_kept`), and the
-rewritten node, `mask * x / (1 - ratio)` (`passes.dropout_output`: bit for bit onnxruntime's Dropout, and the
-formula backward already recomputes Dropout outputs with), runs on every intra-op thread.
+drawn an element, 32 where they tie with the threshold's: `_kept`), and the rewritten node, `mask * x / (1 -
+ratio)` (`passes.dropout_output`: bit for bit onnxruntime's Dropout, and the formula backward already recomputes
+Dropout outputs with), runs on every intra-op thread.
 
 A mask has its Dropout input's shape, which the host only knows once onnxruntime has run the graph at those
 input sizes. So `MaskedRunner` keeps two sessions: the forward as it is, plus a `Shape` output for each
@@ -270,9 +270,8 @@ class MaskedRunner:
              only: Collection[str] | None = None, fresh: bool = False) -> dict[str, C.OrtValue]:
         """The masks of one call (`only` those named), from one stream seeded by `seed` (taken from torch's default
         generator): 16-bit draws for every element of every mask, then each mask's ties (`_kept`); each mask its own
-        buffer, so that one dropped frees its bytes. With
-        `torch_masks`, `seed` is torch's generator state at the call: `fresh` draws advance the default generator
-        as torch's dropouts do, a redraw reads a copy."""
+        buffer, so that one dropped frees its bytes. With `torch_masks`, `seed` is torch's generator state at the
+        call: `fresh` draws advance the default generator as torch's dropouts do, a redraw reads a copy."""
         if isinstance(seed, torch.Tensor):
             return self._draw_as_torch(shapes, seed, only, fresh)
         sizes = [int(np.prod(shapes[m.source])) for m in self.masks]
