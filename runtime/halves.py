@@ -37,11 +37,13 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
+from onnx import helper, numpy_helper
 from onnxruntime.capi import _pybind_state as C
 
 from . import checks, exchange, host_dropout, lowering, openmp
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial, TrialSettings
+from .passes import fresh_name, names_in_use
 from .samples import Rows
 
 MIN_ROWS = 8
@@ -129,13 +131,15 @@ class Cut:
 
     feeds: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]]
     first: int
-    weights: tuple[float, float]
+    weights: tuple[float, float] | None
+    """None where the halves' runs count their labels themselves (`Halves.counted`)."""
 
 
-def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None) -> Cut | None:
+def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None, counted: bool = False
+        ) -> Cut | None:
     """`feeds` cut in halves along the batch, weighed by each half's rows the loss counts (labels not ignored) for a
     mean, 1 each for a sum or without a loss; None where the batch runs whole (too few rows, inputs of other batch
-    sizes, a half whose labels are all ignored)."""
+    sizes, a half whose labels are all ignored). `counted`: the halves' runs count their labels (no weights)."""
     n = feeds[rows.batched[0]].shape()[0]
     if n < (MIN_ROWS if min_rows is None else min_rows):
         return None
@@ -149,6 +153,8 @@ def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None
     loss = rows.loss
     if loss is None or not loss.mean:
         return Cut(parts, h, (1.0, 1.0))
+    if counted:
+        return Cut(parts, h, None)
     labels = exchange.to_numpy(feeds[loss.labels])  # numpy counts a few labels in ~1 µs, torch in ~5
     if loss.ignore_index is None:
         counts = (labels[:h].size, labels[h:].size)
@@ -270,6 +276,37 @@ class FlatOutputs:
         return list(torch._C._nn.unflatten_dense_tensors(flat, self.metas))
 
 
+def _weights(mine: float, theirs: float) -> tuple[float, float]:
+    """A mean's halves weighed by the labels each keeps (counted by their runs); without any, the first half's
+    outputs (a nan loss, no gradient), as the whole batch's run gives."""
+    total = mine + theirs
+    return (mine / total, theirs / total) if total else (1.0, 0.0)
+
+
+def _counting(model: onnx.ModelProto, loss: str, labels: str, ignore_index: int) -> tuple[onnx.ModelProto, str]:
+    """A copy of `model` with one more output (named as returned): how many of `labels` are not `ignore_index`, in
+    the type of the `loss` output. The halves' runs count their labels so, where the host counted them before the
+    runs (~80 µs of numpy a step on the caches a torch step leaves, ~8 warm)."""
+    counting = onnx.ModelProto()
+    counting.CopyFrom(model)
+    g = counting.graph
+    taken = names_in_use(g)
+    label_type = next(i for i in g.input if i.name == labels).type.tensor_type.elem_type
+    loss_type = next(o for o in g.output if o.name == loss).type.tensor_type.elem_type
+    ignored, kept, count = (fresh_name(f"{labels}/{what}", taken) for what in ("ignored", "kept", "kept_count"))
+    for name in (ignored, kept):
+        taken.add(name)
+    g.initializer.append(numpy_helper.from_array(
+        np.array(ignore_index, dtype=helper.tensor_dtype_to_np_dtype(label_type)), f"{ignored}/index"))
+    g.node.extend([
+        helper.make_node("Equal", [labels, f"{ignored}/index"], [ignored], name=f"{ignored}_node"),
+        helper.make_node("Not", [ignored], [kept], name=f"{kept}_node"),
+        helper.make_node("Cast", [kept], [f"{kept}/cast"], to=loss_type, name=f"{kept}/cast_node"),
+        helper.make_node("ReduceSum", [f"{kept}/cast"], [count], keepdims=0, name=f"{count}_node")])
+    g.output.append(helper.make_tensor_value_info(count, loss_type, []))
+    return counting, count
+
+
 class _NotInPlace(RuntimeError):
     """onnxruntime did not write every output where it was bound."""
 
@@ -302,6 +339,8 @@ class _Halving:
         """The halves differed from the whole run: whole runs only."""
         self.runs = 0
         """Runs made as halves."""
+        self.counted = False
+        """Whether the halves' runs count the labels their loss keeps (`Halves`), instead of the host before them."""
 
     @property
     def _busy(self) -> threading.Lock:
@@ -324,7 +363,7 @@ class _Halving:
         of the whole batch (drawn as the whole run would draw them, from torch's generator) with each half's cut
         from them; None where the batch cannot be weighed, the masks' shapes are not known yet (the whole run
         learns them), or the machine is crowded (the second thread would wait for a core)."""
-        halves = cut(feeds, self.rows, self.min_rows)
+        halves = cut(feeds, self.rows, self.min_rows, self.counted)
         if halves is None or (self.masked is not None and not self.masked.drawn_for(feeds)):
             return None
         park, crowded = openmp.room(2)
@@ -379,13 +418,21 @@ class Halves(_Halving):
                  first: int, joined: Collection[int] = ()):
         super().__init__(rows, masked=whole if isinstance(whole, MaskedRunner) else None)
         half = _half_config(config)
-        self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
         self.names = list(names)
+        run_names = list(names)
+        loss = rows.loss
+        if loss is not None and loss.mean and loss.ignore_index is not None:
+            model, count = _counting(model, loss.output, loss.labels, loss.ignore_index)
+            run_names.append(count)
+            self.counted = True
+        self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
+        self.run_names = run_names
+        """`names`, then (`counted`) the labels each half's loss keeps."""
         self.first = first
         """The module's outputs come first in `names`, the gradients after."""
         self.joined = frozenset(joined)
         """Positions in `names` of the gradients of inputs holding the batch: the halves' rows, joined."""
-        self.flats = None if self.joined else [FlatOutputs(r, names) for r in self.runners]
+        self.flats = None if self.joined else [FlatOutputs(r, run_names) for r in self.runners]
         """Each half's outputs in one buffer (`FlatOutputs`); None where not (an input's gradient: its rows)."""
 
     def run(self, feeds: Mapping[str, C.OrtValue], whole: Callable[[Mapping[str, C.OrtValue]], Values]) -> Values:
@@ -424,13 +471,21 @@ class Halves(_Halving):
             except RuntimeError:  # other sizes than the buffers': laid out again below
                 pass
             else:
-                return self._flat_combined(flats[0], mine, theirs, halves.weights)
+                weights = _weights(float(mine[-1]), float(theirs[-1])) if self.counted else halves.weights
+                return self._flat_combined(flats[0], mine, theirs, weights)
         got = self._both(lambda i: exchange.vector_to_torch(
-            _run_half(self.runners[i], halves.feeds[i], ready.masks[i], self.names)), ready.park)
+            _run_half(self.runners[i], halves.feeds[i], ready.masks[i], self.run_names)), ready.park)
         if self.flats is not None:
             for flat, outputs in zip(self.flats, got):
                 flat.lay_out(outputs)
-        return combined(got[0], got[1], halves.weights, self.joined)
+        weights = halves.weights
+        if self.counted:
+            weights = _weights(float(got[0].pop()), float(got[1].pop()))
+        assert weights is not None
+        out = combined(got[0], got[1], weights, self.joined)
+        if 0.0 in weights:  # a half keeping no label: its loss nan (0 / 0), the batch's the other half's
+            out[:self.first] = got[1 if weights[0] == 0.0 else 0][:self.first]
+        return out
 
     def _flat_combined(self, flat: FlatOutputs, mine: np.ndarray, theirs: np.ndarray, weights: tuple[float, float]
                        ) -> list[torch.Tensor]:
@@ -444,7 +499,10 @@ class Halves(_Halving):
                 together *= a
         else:
             together = np.add(np.multiply(mine, a, out=mine), np.multiply(theirs, b, out=theirs))
-        out = flat.unflattened(torch.from_numpy(together))
+        if a == 0.0 or b == 0.0:  # a half keeping no label: its loss nan (0 / 0), the batch's the other half's
+            ahead = sum(m.numel() for m in flat.metas[:self.first])
+            together[:ahead] = (theirs if a == 0.0 else mine)[:ahead]
+        out = flat.unflattened(torch.from_numpy(together))[:len(self.names)]
         for i in range(self.first):
             out[i] = out[i].clone()
         return out

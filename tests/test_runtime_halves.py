@@ -282,22 +282,32 @@ def test_halves_give_the_inputs_their_rows_gradient(kind: str, reduction: str, r
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_halves_all_ignored_runs_whole(kind: str, free: None) -> None:
-    """A half whose labels are all ignored has no mean to weigh: the batch runs whole, its loss finite."""
+def test_a_half_with_every_label_ignored(kind: str, free: None) -> None:
+    """A half whose labels are all ignored has no mean of its own (its loss 0 / 0): split steps run the batch whole;
+    fused halves count their labels in their runs, and the batch's loss and gradients are the other half's (its
+    weight 1, the empty half's 0). A batch with every label ignored: torch's nan loss and zero gradients."""
     torch.manual_seed(0)
     net = KINDS[kind]()
     om = ORTModule(KINDS[kind](), threads=2)
     om.load_state_dict(net.state_dict())
-    x, y = _batch(12, 2, list(range(6)))
     _step(om, *_batch(12, 2, []))
     _step(om, *_batch(12, 2, []))
     h = _halves_of(om, kind)
     h.pin(True)
-    assert halves.cut({"x": exchange.to_ortvalue(x), "y": exchange.to_ortvalue(y)}, h.rows) is None
-    runs = h.runs
+    for ignored in (list(range(6)), list(range(6, 12))):
+        x, y = _batch(12, 2, ignored)
+        runs = h.runs
+        loss, grads = _step(om, x, y)
+        assert h.runs == runs + (kind == "fused")
+        cut = halves.cut({"x": exchange.to_ortvalue(x), "y": exchange.to_ortvalue(y)}, h.rows, counted=h.counted)
+        assert (cut is None) == (kind == "split") and h.counted == (kind == "fused")
+        _like_torch(net, x, y, loss, grads)
+    x, y = _batch(12, 2, list(range(12)))
     loss, grads = _step(om, x, y)
-    assert h.runs == runs
-    _like_torch(net, x, y, loss, grads)
+    want_loss, want = _step(net, x, y)
+    assert torch.isnan(loss) and torch.isnan(want_loss)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize("kind", KINDS)
