@@ -388,8 +388,9 @@ class _Halving:
         elif self.trial.chosen is not None:
             self.trial.watch(seconds)
 
-    def _both(self, run: Callable[[int], Any], park: bool) -> tuple[Any, Any]:
-        """`run(0)` here and `run(1)` on the worker, at once (torch's workers parked meanwhile where `park`)."""
+    def _both(self, run: Callable[[int], Any], park: bool, later: bool = False) -> tuple[Any, Any]:
+        """`run(0)` here and `run(1)` on the worker, at once (torch's workers parked meanwhile where `park`; with
+        `later`, joined at `openmp.join`, for callers whose next torch ops are not parallel: `openmp.defer_joins`)."""
         entered = openmp.park() if park else None
         try:
             self.worker.start(run, 1)
@@ -399,7 +400,7 @@ class _Halving:
                 theirs = self.worker.result()
         finally:
             if entered is not None:
-                openmp.release(entered)
+                openmp.release(entered, later)
         return mine, theirs
 
     def _verdict(self, problem: str | None) -> None:
@@ -465,7 +466,8 @@ class Halves(_Halving):
         flats = self.flats
         if flats is not None and flats[0].buffer is not None and flats[1].buffer is not None:
             try:
-                mine, theirs = self._both(lambda i: flats[i].run(halves.feeds[i], ready.masks[i]), ready.park)
+                mine, theirs = self._both(lambda i: flats[i].run(halves.feeds[i], ready.masks[i]), ready.park,
+                                          later=True)
             except _NotInPlace:
                 self.flats = None
             except RuntimeError:  # other sizes than the buffers': laid out again below
