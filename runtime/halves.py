@@ -293,16 +293,15 @@ def _counting(model: onnx.ModelProto, loss: str, labels: str, ignore_index: int)
     taken = names_in_use(g)
     label_type = next(i for i in g.input if i.name == labels).type.tensor_type.elem_type
     loss_type = next(o for o in g.output if o.name == loss).type.tensor_type.elem_type
-    ignored, kept, count = (fresh_name(f"{labels}/{what}", taken) for what in ("ignored", "kept", "kept_count"))
-    for name in (ignored, kept):
-        taken.add(name)
+    index, ignored, kept, cast, count = (fresh_name(f"{labels}/{what}", taken)
+                                         for what in ("ignore_index", "ignored", "kept", "kept_cast", "kept_count"))
     g.initializer.append(numpy_helper.from_array(
-        np.array(ignore_index, dtype=helper.tensor_dtype_to_np_dtype(label_type)), f"{ignored}/index"))
+        np.array(ignore_index, dtype=helper.tensor_dtype_to_np_dtype(label_type)), index))
     g.node.extend([
-        helper.make_node("Equal", [labels, f"{ignored}/index"], [ignored], name=f"{ignored}_node"),
+        helper.make_node("Equal", [labels, index], [ignored], name=f"{ignored}_node"),
         helper.make_node("Not", [ignored], [kept], name=f"{kept}_node"),
-        helper.make_node("Cast", [kept], [f"{kept}/cast"], to=loss_type, name=f"{kept}/cast_node"),
-        helper.make_node("ReduceSum", [f"{kept}/cast"], [count], keepdims=0, name=f"{count}_node")])
+        helper.make_node("Cast", [kept], [cast], to=loss_type, name=f"{cast}_node"),
+        helper.make_node("ReduceSum", [cast], [count], keepdims=0, name=f"{count}_node")])
     g.output.append(helper.make_tensor_value_info(count, loss_type, []))
     return counting, count
 
