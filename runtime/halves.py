@@ -283,16 +283,21 @@ def _weights(mine: float, theirs: float) -> tuple[float, float]:
     return (mine / total, theirs / total) if total else (1.0, 0.0)
 
 
-def _counting(model: onnx.ModelProto, loss: str, labels: str, ignore_index: int) -> tuple[onnx.ModelProto, str]:
+def _counting(model: onnx.ModelProto, loss: str, labels: str, ignore_index: int
+              ) -> tuple[onnx.ModelProto, str] | None:
     """A copy of `model` with one more output (named as returned): how many of `labels` are not `ignore_index`, in
-    the type of the `loss` output. The halves' runs count their labels so, where the host counted them before the
-    runs (~80 µs of numpy a step on the caches a torch step leaves, ~8 warm)."""
+    the type of the `loss` output (None unless float or double: a float count is exact up to 2^24 labels a half, and
+    past that off by float's rounding, as the loss is; zero stays exactly zero). The halves' runs count their labels
+    so, where the host counted them before the runs (~80 µs of numpy a step on the caches a torch step leaves, ~8
+    warm)."""
+    loss_type = next(o for o in model.graph.output if o.name == loss).type.tensor_type.elem_type
+    if loss_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
+        return None
     counting = onnx.ModelProto()
     counting.CopyFrom(model)
     g = counting.graph
     taken = names_in_use(g)
     label_type = next(i for i in g.input if i.name == labels).type.tensor_type.elem_type
-    loss_type = next(o for o in g.output if o.name == loss).type.tensor_type.elem_type
     index, ignored, kept, cast, count = (fresh_name(f"{labels}/{what}", taken)
                                          for what in ("ignore_index", "ignored", "kept", "kept_cast", "kept_count"))
     g.initializer.append(numpy_helper.from_array(
@@ -421,8 +426,10 @@ class Halves(_Halving):
         self.names = list(names)
         run_names = list(names)
         loss = rows.loss
-        if loss is not None and loss.mean and loss.ignore_index is not None:
-            model, count = _counting(model, loss.output, loss.labels, loss.ignore_index)
+        counting = (_counting(model, loss.output, loss.labels, loss.ignore_index)
+                    if loss is not None and loss.mean and loss.ignore_index is not None else None)
+        if counting is not None:
+            model, count = counting
             run_names.append(count)
             self.counted = True
         self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
