@@ -43,7 +43,7 @@ from onnxruntime.capi import _pybind_state as C
 from . import checks, exchange, host_dropout, lowering, openmp
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial, TrialSettings
-from .passes import fresh_name, names_in_use
+from .passes import Nodes, names_in_use
 from .samples import Rows
 
 MIN_ROWS = 8
@@ -296,17 +296,12 @@ def _counting(model: onnx.ModelProto, loss: str, labels: str, ignore_index: int
     counting = onnx.ModelProto()
     counting.CopyFrom(model)
     g = counting.graph
-    taken = names_in_use(g)
     label_type = next(i for i in g.input if i.name == labels).type.tensor_type.elem_type
-    index, ignored, kept, cast, count = (fresh_name(f"{labels}/{what}", taken)
-                                         for what in ("ignore_index", "ignored", "kept", "kept_cast", "kept_count"))
-    g.initializer.append(numpy_helper.from_array(
-        np.array(ignore_index, dtype=helper.tensor_dtype_to_np_dtype(label_type)), index))
-    g.node.extend([
-        helper.make_node("Equal", [labels, index], [ignored], name=f"{ignored}_node"),
-        helper.make_node("Not", [ignored], [kept], name=f"{kept}_node"),
-        helper.make_node("Cast", [kept], [cast], to=loss_type, name=f"{cast}_node"),
-        helper.make_node("ReduceSum", [cast], [count], keepdims=0, name=f"{count}_node")])
+    e = Nodes(f"{labels}/kept", names_in_use(g))
+    index = e("Constant", value=numpy_helper.from_array(
+        np.array(ignore_index, dtype=helper.tensor_dtype_to_np_dtype(label_type)), "v"))
+    count = e("ReduceSum", e("Cast", e("Not", e("Equal", labels, index)), to=loss_type), keepdims=0)
+    g.node.extend(e.nodes)
     g.output.append(helper.make_tensor_value_info(count, loss_type, []))
     return counting, count
 
