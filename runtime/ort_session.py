@@ -450,7 +450,7 @@ class Runner:
         try:
             self._c.run_with_iobinding(binding, self._run_options)
         except Exception as e:
-            raise RuntimeError(f"onnxruntime failed running the {self.what} model: {e}") from e
+            raise self._failure(e) from e
 
     def _run(self, session: C.InferenceSession, park: bool, feeds: dict[str, C.OrtValue], names: Sequence[str]
              ) -> C.OrtValueVector:
@@ -463,9 +463,13 @@ class Runner:
                     openmp.release(entered, later=True)
             return session.run_with_ort_values(feeds, names, self._run_options)
         except Exception as e:
-            missing = [n for n in self.input_names if n not in feeds]
-            hint = f" (missing inputs: {missing})" if missing else ""
-            raise RuntimeError(f"onnxruntime failed running the {self.what} model{hint}: {e}") from e
+            raise self._failure(e, feeds) from e
+
+    def _failure(self, error: Exception, feeds: Mapping[str, C.OrtValue] | None = None) -> RuntimeError:
+        """onnxruntime's error of a run, naming the model and the inputs `feeds` lacks."""
+        missing = [n for n in self.input_names if n not in feeds] if feeds is not None else []
+        hint = f" (missing inputs: {missing})" if missing else ""
+        return RuntimeError(f"onnxruntime failed running the {self.what} model{hint}: {error}")
 
     def _tried(self, trial: Trial, feeds: dict[str, C.OrtValue], names: Sequence[str]) -> C.OrtValueVector:
         """A trial's run: on the arm whose turn it is, timed with its parking. A run that finds the machine crowded
