@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -176,11 +178,12 @@ def stand_in_statistics(module: nn.Module) -> Iterator[dict[str, str]]:
 
 
 def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[BatchStats],
-                         values: Sequence[torch.Tensor]) -> None:
+                         values: Sequence[torch.Tensor], checked: bool = False) -> None:
     """torch's update: num_batches_tracked += 1; running = (1-t)*running + t*batch; a module called twice in a
     forward is counted and updated once a call, in order, as torch does. A batch of one value per channel
     raises torch's error, before any update: its unbiased variance, 0 * n / (n - 1), is NaN in every channel
-    (where the mean is finite), which poisoned the running variance and every evaluation after it.
+    (where the mean is finite), which poisoned the running variance and every evaluation after it. `checked`: the
+    call's sizes passed that check before (a steady call's are the recorded call's), which they alone decide.
 
     torch's kernel updates them inside its own op; here every torch op runs cold, right after onnxruntime's run
     has filled the caches, at 2-8 µs a tensor. So the counters and the statistics of all modules are updated by
@@ -188,11 +191,12 @@ def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[Batch
     variance's first element through numpy before it looks further, and nothing runs under grad mode's context
     (nothing here requires grad): 20 BatchNorms 0.85-1.00 -> 0.41-0.46 ms, 2 of them 151-185 -> 104-133 µs
     (benchmarks/notes.md)."""
-    for s, mean, var in zip(stats, values[0::2], values[1::2]):
-        if var.numel() and _first_is_nan(var) and bool(var.isnan().all()) and bool(mean.isfinite().all()):
-            raise ValueError(f"Expected more than 1 value per channel when training (BatchNorm {s.module or 'module'}"
-                             " got one, as torch's raises): drop the last incomplete batch "
-                             "(DataLoader(drop_last=True)), or call the module in eval mode for it.")
+    if not checked:
+        for s, mean, var in zip(stats, values[0::2], values[1::2]):
+            if var.numel() and _first_is_nan(var) and bool(var.isnan().all()) and bool(mean.isfinite().all()):
+                raise ValueError(f"Expected more than 1 value per channel when training (BatchNorm "
+                                 f"{s.module or 'module'} got one, as torch's raises): drop the last incomplete "
+                                 "batch (DataLoader(drop_last=True)), or call the module in eval mode for it.")
     for calls in _rounds(stats):
         mods = [modules[stats[k].module] for k in calls]
         counters = [c for c in (m._buffers.get("num_batches_tracked") for m in mods) if c is not None]
@@ -211,6 +215,81 @@ def update_running_stats(modules: Mapping[str, nn.Module], stats: Sequence[Batch
         for t, (running, batch) in blends.items():
             torch._foreach_mul_(running, 1 - t)
             torch._foreach_add_(running, batch, alpha=t)
+
+
+class FlatStatistics:
+    """The running statistics of the BatchNorms a call updates as views of one tensor, and their counters as views
+    of another, so that a steady call (`Engine._steady_call`) updates them all with four torch ops, however many
+    modules: the batch statistics joined, the counters counted, the running ones scaled and added to. Each torch op
+    costs 10-25 µs on the caches onnxruntime's run leaves, and `update_running_stats` takes three of them plus its
+    Python a round, and the check for one value a channel (benchmarks/notes.md). The same kernels as there, so the
+    same bits; the counters' versions move as torch's, the statistics' do not (updated through `.data`).
+
+    Made only where every call updates a module of its own, all with one momentum (not the cumulative average, whose
+    factor is each module's own count) and statistics of the buffers' type. The views take the buffers' place in
+    their modules once (their values copied in): a tensor taken from a module before holds the old values from then
+    on, as one taken before `module.to()` does."""
+
+    def __init__(self, holders: list[dict[str, Any]], names: list[str], views: list[torch.Tensor],
+                 flat: torch.Tensor, counters: torch.Tensor | None, momentum: float, modules: tuple[str, ...]):
+        self.holders, self.names, self.views = holders, names, views
+        self.data = flat.data  # its own version counter: the views' does not move, as torch's kernel leaves it
+        self.counters = counters
+        self.momentum = momentum
+        self.modules = modules
+
+    @staticmethod
+    def of(modules: Mapping[str, nn.Module], stats: Sequence[BatchStats], values: Sequence[torch.Tensor],
+           last: FlatStatistics | None = None) -> FlatStatistics | None:
+        """The flat statistics of the modules `stats` names (`last` where it still holds them), or None where a
+        module is updated twice a call, momenta differ or are cumulative, or types differ."""
+        names = tuple(s.module for s in stats)
+        if last is not None and last.modules == names and last.holds():
+            return last
+        mods = [modules[n] for n in names]
+        if len(set(names)) != len(names) or any(s.region is not None for s in stats):
+            return None
+        momenta = {m.momentum for m in mods}
+        if len(momenta) != 1 or None in momenta:
+            return None
+        holders = [m._buffers for m in mods for _ in range(2)]
+        slots = ["running_mean", "running_var"] * len(mods)
+        running = [h.get(n) for h, n in zip(holders, slots)]
+        if any(r is None for r in running):
+            return None
+        dtype = running[0].dtype
+        if any(r.dtype != dtype or r.dim() != 1 or r.requires_grad for r in running) or \
+                any(v.dtype != dtype for v in values):
+            return None
+        counts = [m._buffers.get("num_batches_tracked") for m in mods]
+        if any(c is None for c in counts) and any(c is not None for c in counts):
+            return None
+        flat = torch.empty(sum(r.numel() for r in running), dtype=dtype)
+        views, start = [], 0
+        for r in running:
+            flat.data[start:start + r.numel()].copy_(r)
+            views.append(flat[start:start + r.numel()])
+            start += r.numel()
+        counters = None
+        if counts[0] is not None:
+            counters = torch.tensor([int(c) for c in counts], dtype=counts[0].dtype)
+            holders += [m._buffers for m in mods]
+            slots += ["num_batches_tracked"] * len(mods)
+            views += [counters.select(0, k) for k in range(len(mods))]
+        for h, n, v in zip(holders, slots, views):
+            h[n] = v
+        return FlatStatistics(holders, slots, views, flat, counters, float(momenta.pop()), names)
+
+    def holds(self) -> bool:
+        """Whether each view is still its module's buffer."""
+        return all(map(operator.is_, map(dict.get, self.holders, self.names), self.views))
+
+    def update(self, values: Sequence[torch.Tensor]) -> None:
+        """torch's update (`update_running_stats`) from a call's batch statistics, mean and variance per module."""
+        if self.counters is not None:
+            self.counters.add_(1)
+        t = self.momentum
+        self.data.mul_(1 - t).add_(torch.cat(values), alpha=t)
 
 
 def _rounds(stats: Sequence[BatchStats]) -> list[list[int]]:

@@ -33,7 +33,7 @@ import gradbuilder
 from gradbuilder.errors import InvalidModelError, RuleError
 
 from . import checks, exchange, function, lowering, workload
-from .batchnorm import second_updates, update_running_stats
+from .batchnorm import FlatStatistics, second_updates, update_running_stats
 from .edits import Watch
 from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
 from .forward_hooks import HookChanged, HookError, forget, recorded
@@ -376,6 +376,8 @@ class Engine:
         """Exports made because a Python attribute the forward reads changed (`_scalar_changed`)."""
         self._steady: Steady | None = None
         """The last training call's decisions, which the next may reuse (`steady`)."""
+        self._statistics: FlatStatistics | None = None
+        """The last steady call's running statistics as one tensor, kept for the next recorded call."""
 
     def sessions(self) -> list[TrainingSession]:
         schemas = {id(schema): schema for schema in self.schemas.values() if isinstance(schema, Schema)}
@@ -561,11 +563,12 @@ class Engine:
                 return self(args, kwargs)
             return result
         if call is not None:
-            self._steady = self._record(schema, call, args, kwargs, leaves, in_spec, named)
+            self._steady = self._record(schema, call, args, kwargs, leaves, in_spec, named, stats)
         return unflatten(ex.out_spec, user)
 
     def _record(self, schema: Schema, call: function.Call, args: tuple[Any, ...], kwargs: dict[str, Any],
-                leaves: list[torch.Tensor], in_spec: Any, named: dict[str, torch.Tensor]) -> Steady | None:
+                leaves: list[torch.Tensor], in_spec: Any, named: dict[str, torch.Tensor],
+                stats: Sequence[torch.Tensor]) -> Steady | None:
         """This training call's decisions for the next to reuse (`steady`); None where a call of its export does
         more than feed and run, or its arguments were not distinct tensors alone (a call giving the same keywords
         in the same order then has the same structure, its tensors flattened in the same order)."""
@@ -602,7 +605,14 @@ class Engine:
                       [t.data_ptr() for t in tensors], [t.shape for t in tensors], [t.requires_grad for t in tensors],
                       {name: call.feeds[name] for name, _ in ex.state}, list(ex.inputs), names, list(call.wrt),
                       [where[w] for w in call.wrt], [where[n] for n in call.session.read_inputs if n in where],
-                      call.sparse, in_spec, tuple(kwargs), order if order != list(range(len(order))) else None)
+                      call.sparse, in_spec, tuple(kwargs), order if order != list(range(len(order))) else None,
+                      self._flat_statistics(ex, stats))
+
+    def _flat_statistics(self, ex: Exported, stats: Sequence[torch.Tensor]) -> FlatStatistics | None:
+        if not ex.batch_stats:
+            return None
+        self._statistics = FlatStatistics.of(self._modules(), ex.batch_stats, stats, self._statistics)
+        return self._statistics
 
     def _steady_call(self, steady: Steady, given: Sequence[torch.Tensor]) -> Any:
         """A call that finds what the recorded one found (`given`: its tensors, positional then keyword), fed and
@@ -615,8 +625,11 @@ class Engine:
         call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, list(leaves),
                                           [t._version for t in leaves], steady.names, tensors, steady.wrt)
         user, stats = function.apply(call, [tensors[i] for i in steady.differentiated])
-        if ex.batch_stats:
-            update_running_stats(self._modules(), ex.batch_stats, stats)
+        if ex.batch_stats:  # the sizes the recorded call's check of one value a channel passed
+            if steady.statistics is not None and steady.statistics.holds():
+                steady.statistics.update(stats)
+            else:
+                update_running_stats(self._modules(), ex.batch_stats, stats, checked=True)
         return unflatten(ex.out_spec, user)
 
     def _write_back(self, ex: Exported, values: Sequence[torch.Tensor], read: set[str]) -> None:

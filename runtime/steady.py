@@ -90,6 +90,9 @@ class Steady:
     order: list[int] | None
     """Where each flattened argument (the signature's order) is among the tensors given (positional, then keyword,
     as `kinds`); None where in the same order."""
+    statistics: Any = None
+    """The BatchNorms' running statistics the call updates, as one tensor (`batchnorm.FlatStatistics`), where they
+    can be."""
 
     def holds(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether a call of `args` and `kwargs` would find everything this one found."""

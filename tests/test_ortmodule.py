@@ -867,6 +867,61 @@ def test_batchnorm_running_statistics_over_steps(shared, dtype) -> None:
     assert int(om.module.c.num_batches_tracked) == (6 if shared else 3)
 
 
+def test_steady_steps_update_the_running_statistics_as_one_tensor() -> None:
+    """Steady steps of BatchNorms with one momentum update their statistics as views of one tensor (four torch ops
+    a step, `FlatStatistics`): the same bits and counter versions as `update_running_stats`, torch's statistics
+    step by step, and a buffer put in a module's place behind the engine's back (its `_buffers` entry) still
+    updated, by the per-tensor path."""
+    from runtime.batchnorm import BatchStats, FlatStatistics, update_running_stats
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 5), nn.BatchNorm1d(5, momentum=0.3),
+                        nn.ReLU(), nn.Linear(5, 2))
+    ref, om = pair(nn.Sequential(*[copy.deepcopy(m) for m in net]))
+    om.module[4].momentum = ref[4].momentum = 0.1
+    x = torch.randn(6, 3) * 2 + 1
+    for step in range(6):
+        if step == 4:  # a new tensor in the slot, behind the engine's back
+            for m in (om.module[1], ref[1]):
+                m._buffers["running_mean"] = torch.full((8,), 0.5)
+        for m in (om, ref):
+            m(x).square().sum().backward()
+        for k in (1, 4):
+            mine, theirs = om.module[k], ref[k]
+            assert int(mine.num_batches_tracked) == int(theirs.num_batches_tracked) == step + 1
+            torch.testing.assert_close(mine.running_mean, theirs.running_mean, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(mine.running_var, theirs.running_var, rtol=1e-6, atol=1e-7)
+        if step == 2:
+            flat = om._engine._steady.statistics
+            assert flat is not None and flat.holds()
+            storages = {om.module[k]._buffers[n].untyped_storage().data_ptr()
+                        for k in (1, 4) for n in ("running_mean", "running_var")}
+            assert len(storages) == 1
+    assert not flat.holds()
+
+    mods = {"a": nn.BatchNorm1d(5), "b": nn.BatchNorm2d(3), "c": nn.BatchNorm1d(4)}
+    for m in mods.values():
+        m.running_mean.normal_()
+        m.running_var.uniform_(0.5, 2.0)
+    theirs = copy.deepcopy(mods)
+    stats = [BatchStats(k, "", "") for k in "abc"]
+    draw = lambda: [t for s in stats for t in (torch.randn(mods[s.module].num_features),  # noqa: E731
+                                               torch.rand(mods[s.module].num_features))]
+    flat = FlatStatistics.of(mods, stats, draw())
+    versions = [[(m.num_batches_tracked._version, m.running_mean._version) for m in d.values()] for d in (mods, theirs)]
+    for _ in range(3):
+        values = draw()
+        assert FlatStatistics.of(mods, stats, values, flat) is flat
+        flat.update(values)
+        update_running_stats(theirs, stats, values)
+    for k in mods:
+        for n in ("running_mean", "running_var", "num_batches_tracked"):
+            assert torch.equal(getattr(mods[k], n), getattr(theirs[k], n)), (k, n)
+    for d, before in zip((mods, theirs), versions):
+        assert [(m.num_batches_tracked._version - c, m.running_mean._version - r)
+                for m, (c, r) in zip(d.values(), before)] == [(3, 0)] * 3
+
+
 def test_training_batchnorm_graphs_take_no_running_statistics() -> None:
     """In training, the BatchNorm nodes read constants (their running outputs are the batch's statistics) and the
     module's running buffers are updated from Python: the graph leaves them out of its inputs (they were fed at
