@@ -203,14 +203,14 @@ FAMILIES = {"mlp": "MLP", "lenet": "LeNet", "enc": "encoder"}
 """The grid's name prefixes and the families they stand for."""
 
 
-def _small_cnn(activation: Callable[[], nn.Module], norm: bool = False, size: int = 28, channels: int = 1,
-               pool: str = "max") -> nn.Module:
-    """Two 3x3 'same' convolutions (16 and 32 channels), each followed by the activation (then a BatchNorm when
-    `norm`, the Conv-ReLU-BN order) and a 2x2 pool, or global average pooling after the second (`pool='global'`),
-    then a Linear."""
+def _small_cnn(activation: Callable[..., nn.Module], norm: bool = False, size: int = 28, channels: int = 1,
+               pool: str = "max", channelwise: bool = False) -> nn.Module:
+    """Two 3x3 'same' convolutions (16 and 32 channels), each followed by the activation (given the channels when
+    `channelwise`: PReLU's slope a channel) (then a BatchNorm when `norm`, the Conv-ReLU-BN order) and a 2x2 pool,
+    or global average pooling after the second (`pool='global'`), then a Linear."""
     layers: list[nn.Module] = []
     for c_in, c_out in ((channels, 16), (16, 32)):
-        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), activation()]
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), activation(c_out) if channelwise else activation()]
         if norm:
             layers.append(nn.BatchNorm2d(c_out))
         if pool == "max" or c_out == 16:
@@ -263,6 +263,8 @@ VARIANTS: dict[str, Case] = {c.name: c for c in [
     Case("cnn-leaky", "the same CNN with LeakyReLU, no BatchNorm", lambda: WithLoss(_small_cnn(nn.LeakyReLU)),
          _images(64, (1, 28, 28), 10), 30),
     Case("cnn-elu", "the same CNN with ELU", lambda: WithLoss(_small_cnn(nn.ELU)), _images(64, (1, 28, 28), 10), 30),
+    Case("cnn-prelu", "the same CNN with PReLU, a slope a channel",
+         lambda: WithLoss(_small_cnn(nn.PReLU, channelwise=True)), _images(64, (1, 28, 28), 10), 30),
     Case("cnn-gap", "3x3 CNN 3 -> 16 -> 32 on 3x32x32, ReLU, a max pool, then global average pooling, batch 64",
          lambda: WithLoss(_small_cnn(nn.ReLU, size=32, channels=3, pool="global")), _images(64, (3, 32, 32), 10), 30),
     Case("mlp-relu-ln", "MLP 784-512-512-10, ReLU then LayerNorm, batch 64",

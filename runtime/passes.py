@@ -741,18 +741,30 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
                  for t, c in ((a, cond), (b, fast("Not", cond) if b is not None else None)) if t is not None]
         if len(terms) > 1:
             fast("Add", *terms)
-        sums = [outer("ReduceSum", t, keepdims=0) for t in (a, b) if t is not None]
-        total = sums[0] if len(sums) == 1 else outer("Add", *sums)
-        broken = outer("IsNaN", outer("Sub", total, total))  # inf - inf and nan - nan are nan
-        exact = fresh_name(f"{base}/exact", taken)
-        branches = [helper.make_graph([helper.make_node("Where", list(where.input), [exact])], exact, [],
-                                      [helper.make_tensor_value_info(exact, elem, None)]),
-                    helper.make_graph(fast.nodes, f"{base}/fast", [],
-                                      [helper.make_tensor_value_info(fast.nodes[-1].output[0], elem, None)])]
-        outer("If", broken, out=base, then_branch=branches[0], else_branch=branches[1])
+        finite_or_exact(outer, [t for t in (a, b) if t is not None], where, fast, elem)
         return outer.nodes
 
     return rewrite_nodes(model, plan, build)
+
+
+def finite_or_exact(outer: Nodes, checked: Iterable[str], exact: onnx.NodeProto, fast: Nodes, elem: int) -> None:
+    """`exact`'s output computed by `fast`'s nodes (their last output) where every element of `checked` is finite,
+    else by `exact` itself: an If on whether their sum is finite (its difference with itself is nan for an inf or a
+    nan; an overflow only sends a finite case to `exact`), emitted by `outer`. The fast nodes write onnxruntime's
+    output directly inside their branch (a value made outside and returned by a branch was copied: 0.55 against
+    0.39 ms for a Where's product)."""
+    out = exact.output[0]
+    sums = [outer("ReduceSum", t, keepdims=0) for t in checked]
+    total = sums[0] if len(sums) == 1 else outer("Add", *sums)
+    broken = outer("IsNaN", outer("Sub", total, total))
+    kept = fresh_name(f"{out}/exact", outer.taken)
+    branches = [helper.make_graph([helper.make_node(exact.op_type, list(exact.input), [kept], domain=exact.domain)],
+                                  kept, [],
+                                  [helper.make_tensor_value_info(kept, elem, None)]),
+                helper.make_graph(fast.nodes, f"{out}/fast", [],
+                                  [helper.make_tensor_value_info(fast.nodes[-1].output[0], elem, None)])]
+    branches[0].node[0].attribute.extend(exact.attribute)
+    outer("If", broken, out=out, then_branch=branches[0], else_branch=branches[1])
 
 
 def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:

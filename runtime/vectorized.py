@@ -35,15 +35,29 @@ import onnx
 from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely
-from gradbuilder.inference import tensor_types
+from gradbuilder.inference import Dims, tensor_types
 
-from .passes import Nodes, constant_values, drop_unread, int_attr, rewrite_nodes
+from .passes import (
+    FLOATS,
+    GUARD_MIN_ELEMENTS,
+    Nodes,
+    constant_values,
+    drop_unread,
+    finite_or_exact,
+    int_attr,
+    rewrite_nodes,
+)
 
 SLOW = frozenset({"Elu", "Selu", "Celu", "Softplus", "Mish"})
 IMPRECISE = frozenset({"Sigmoid"})
 """MLAS's logistic is accurate to ~1e-7 absolute, not relative: sigmoid(-17.9) came out 8.9e-8 (torch's 1.6e-8)
 and below -18 zero, so log(sigmoid(x)) was -inf where torch's is finite."""
 SOFTMAX = frozenset({"Softmax", "LogSoftmax"})
+LARGE = frozenset({"Sign", "PRelu"})
+"""Kernels slow over large tensors only, rewritten from `GUARD_MIN_ELEMENTS` known elements: Sign (~1.2 ns an
+element, 0.93-1.2 ms over [64, 16, 28, 28] against 0.61 for its comparisons) and PRelu with a slope of more than one
+value (one a channel: its broadcast loop, ~2.5 ns an element, 2.0-2.1 ms against 0.46; a single slope's kernel is
+as fast as the formula)."""
 MIN_OPSET = 15
 """The constants take x's type through CastLike (opset 15), so the rewrite needs no shape inference."""
 SELU_ALPHA = 1.67326319217681884765625
@@ -83,10 +97,20 @@ class _Ops:
         return e("Add", e("Relu", self.x), log1p, out=out)
 
 
-def _build(node: onnx.NodeProto, axis: int | None, taken: set[str], *, opset: int) -> list[onnx.NodeProto]:
+def _build(node: onnx.NodeProto, axis: int | None, elem: int | None, taken: set[str], *, opset: int
+           ) -> list[onnx.NodeProto]:
     e = Nodes(node.name or node.output[0], taken)
     ops, y = _Ops(e, node.input[0]), node.output[0]
-    if axis is not None:  # Softmax or LogSoftmax over `axis`
+    if node.op_type == "Sign":  # (x > 0) - (x < 0): 0 for nan, as torch's sign (onnxruntime's kernel gives nan)
+        zero = ops.const(0.0)
+        e("Sub", *[e("CastLike", e(op, node.input[0], zero), node.input[0]) for op in ("Greater", "Less")], out=y)
+    elif node.op_type == "PRelu":  # Relu(x) + s min(x, 0), the kernel where a slope is not finite
+        fast = Nodes(y, taken)
+        inner = _Ops(fast, node.input[0])
+        fast("Add", fast("Relu", node.input[0]), fast("Mul", fast("Min", node.input[0], inner.const(0.0)),
+                                                       node.input[1]))
+        finite_or_exact(e, [node.input[1]], node, fast, elem)  # type: ignore[arg-type]
+    elif axis is not None:  # Softmax or LogSoftmax over `axis`
         top = e("ReduceMax", node.input[0], e.axes([axis]), keepdims=1) if opset >= 18 else \
             e("ReduceMax", node.input[0], axes=[axis], keepdims=1)  # axes an input from opset 18
         centered = e("Sub", node.input[0], top)
@@ -186,16 +210,27 @@ def vectorized_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     if opset < MIN_OPSET:
         return model
     nodes = [(k, n) for k, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx")]
-    plan: list[tuple[int, int | None]] = [(k, None) for k, n in nodes if n.op_type in IMPRECISE or (
+    plan: list[tuple[int, int | None, int | None]] = [(k, None, None) for k, n in nodes if n.op_type in IMPRECISE or (
         n.op_type in SLOW and math.isfinite(_float(n, "alpha", 1.0)) and _float(n, "alpha", 1.0) != 0)]
-    softmaxes = [(k, n) for k, n in nodes if n.op_type in SOFTMAX]
-    if softmaxes:
+    shaped = [(k, n) for k, n in nodes if n.op_type in SOFTMAX or n.op_type in LARGE]
+    if shaped:
         shapes = tensor_types(model.graph)
-        if any(shapes.get(n.input[0], (0, None))[1] is None for _, n in softmaxes):
+        if any(shapes.get(t, (0, None))[1] is None for _, n in shaped for t in n.input):
             shapes = tensor_types(infer_shapes_safely(model) or model.graph)
-        for k, n in softmaxes:
-            dims = shapes.get(n.input[0], (0, None))[1]
+        for k, n in shaped:
+            elem, dims = shapes.get(n.input[0], (0, None))
+            if n.op_type in LARGE:
+                slope = shapes.get(n.input[-1], (0, None))[1]  # PRelu's: one value a channel, or more
+                if elem in FLOATS and dims is not None and _static(dims) >= GUARD_MIN_ELEMENTS and \
+                        (n.op_type == "Sign" or (slope is not None and _static(slope) > 1)):
+                    plan.append((k, None, elem))
+                continue
             axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
             if dims is not None and len(dims) > 1 and axis % len(dims) != len(dims) - 1:
-                plan.append((k, axis % len(dims)))
+                plan.append((k, axis % len(dims), None))
     return _bound_selects_as_clips(rewrite_nodes(model, sorted(plan), functools.partial(_build, opset=opset)))
+
+
+def _static(dims: Dims) -> int:
+    """The elements of the dimensions known (a sample's, where the batch is symbolic)."""
+    return math.prod(d for d in dims if isinstance(d, int))
