@@ -230,24 +230,24 @@ class FlatStatistics:
     their modules once (their values copied in): a tensor taken from a module before holds the old values from then
     on, as one taken before `module.to()` does."""
 
-    def __init__(self, holders: list[dict[str, Any]], names: list[str], views: list[torch.Tensor],
-                 flat: torch.Tensor, counters: torch.Tensor | None, momentum: float, modules: tuple[str, ...]):
-        self.holders, self.names, self.views = holders, names, views
+    def __init__(self, mods: list[nn.Module], holders: list[dict[str, Any]], names: list[str],
+                 views: list[torch.Tensor], flat: torch.Tensor, counters: torch.Tensor | None, momentum: float):
+        self.mods, self.holders, self.names, self.views = mods, holders, names, views
         self.data = flat.data  # its own version counter: the views' does not move, as torch's kernel leaves it
         self.counters = counters
         self.momentum = momentum
-        self.modules = modules
+        self.momenta = [momentum] * len(mods)
 
     @staticmethod
     def of(modules: Mapping[str, nn.Module], stats: Sequence[BatchStats], values: Sequence[torch.Tensor],
            last: FlatStatistics | None = None) -> FlatStatistics | None:
-        """The flat statistics of the modules `stats` names (`last` where it still holds them), or None where a
-        module is updated twice a call, momenta differ or are cumulative, or types differ."""
-        names = tuple(s.module for s in stats)
-        if last is not None and last.modules == names and last.holds():
+        """The flat statistics of the modules `stats` names (`last` where it holds the same modules still), or None
+        where a module is updated twice a call, momenta differ or are cumulative, or types differ."""
+        mods = [modules[s.module] for s in stats]
+        if last is not None and len(last.mods) == len(mods) and all(map(operator.is_, last.mods, mods)) and \
+                last.holds():
             return last
-        mods = [modules[n] for n in names]
-        if len(set(names)) != len(names) or any(s.region is not None for s in stats):
+        if len({id(m) for m in mods}) != len(mods) or any(s.region is not None for s in stats):
             return None
         momenta = {m.momentum for m in mods}
         if len(momenta) != 1 or None in momenta:
@@ -278,11 +278,13 @@ class FlatStatistics:
             views += [counters.select(0, k) for k in range(len(mods))]
         for h, n, v in zip(holders, slots, views):
             h[n] = v
-        return FlatStatistics(holders, slots, views, flat, counters, float(momenta.pop()), names)
+        return FlatStatistics(mods, holders, slots, views, flat, counters, float(momenta.pop()))
 
     def holds(self) -> bool:
-        """Whether each view is still its module's buffer."""
-        return all(map(operator.is_, map(dict.get, self.holders, self.names), self.views))
+        """Whether each view is still its module's buffer, and each module's momentum the one recorded (torch reads
+        it at every call: a schedule may change it)."""
+        return all(map(operator.is_, map(dict.get, self.holders, self.names), self.views)) and \
+            list(map(_momentum, self.mods)) == self.momenta
 
     def update(self, values: Sequence[torch.Tensor]) -> None:
         """torch's update (`update_running_stats`) from a call's batch statistics, mean and variance per module."""
@@ -290,6 +292,9 @@ class FlatStatistics:
             self.counters.add_(1)
         t = self.momentum
         self.data.mul_(1 - t).add_(torch.cat(values), alpha=t)
+
+
+_momentum = operator.attrgetter("momentum")
 
 
 def _rounds(stats: Sequence[BatchStats]) -> list[list[int]]:

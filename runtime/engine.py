@@ -393,6 +393,7 @@ class Engine:
         self._by_name = None
         self._module_list = None
         self._steady = None
+        self._statistics = None
         self._watch.retake()
 
     # --- the call ------------------------------------------------------------------------------------

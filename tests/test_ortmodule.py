@@ -870,8 +870,8 @@ def test_batchnorm_running_statistics_over_steps(shared, dtype) -> None:
 def test_steady_steps_update_the_running_statistics_as_one_tensor() -> None:
     """Steady steps of BatchNorms with one momentum update their statistics as views of one tensor (four torch ops
     a step, `FlatStatistics`): the same bits and counter versions as `update_running_stats`, torch's statistics
-    step by step, and a buffer put in a module's place behind the engine's back (its `_buffers` entry) still
-    updated, by the per-tensor path."""
+    step by step, and a momentum changed (a schedule) or a buffer put in a module's place behind the engine's back
+    (its `_buffers` entry) still followed, by the per-tensor path."""
     from runtime.batchnorm import BatchStats, FlatStatistics, update_running_stats
 
     torch.manual_seed(0)
@@ -880,12 +880,15 @@ def test_steady_steps_update_the_running_statistics_as_one_tensor() -> None:
     ref, om = pair(nn.Sequential(*[copy.deepcopy(m) for m in net]))
     om.module[4].momentum = ref[4].momentum = 0.1
     x = torch.randn(6, 3) * 2 + 1
-    for step in range(6):
-        if step == 4:  # a new tensor in the slot, behind the engine's back
+    for step in range(7):
+        if step == 4:
+            om.module[4].momentum = ref[4].momentum = 0.2
+        if step == 5:  # a new tensor in the slot, behind the engine's back
             for m in (om.module[1], ref[1]):
                 m._buffers["running_mean"] = torch.full((8,), 0.5)
-        for m in (om, ref):
-            m(x).square().sum().backward()
+        with pytest.warns(RuntimeWarning, match="momentum") if step == 4 else contextlib.nullcontext():
+            for m in (om, ref):  # a changed momentum: exported again (the graph holds it), as warned
+                m(x).square().sum().backward()
         for k in (1, 4):
             mine, theirs = om.module[k], ref[k]
             assert int(mine.num_batches_tracked) == int(theirs.num_batches_tracked) == step + 1
@@ -897,7 +900,8 @@ def test_steady_steps_update_the_running_statistics_as_one_tensor() -> None:
             storages = {om.module[k]._buffers[n].untyped_storage().data_ptr()
                         for k in (1, 4) for n in ("running_mean", "running_var")}
             assert len(storages) == 1
-    assert not flat.holds()
+        if step == 4:
+            assert not flat.holds()
 
     mods = {"a": nn.BatchNorm1d(5), "b": nn.BatchNorm2d(3), "c": nn.BatchNorm1d(4)}
     for m in mods.values():
