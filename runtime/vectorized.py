@@ -18,12 +18,15 @@ segmentation loss) 6.5 ms, a row of 16 at a time, against 0.46 written out. So t
   (`functions._strict_clip`): Where(x >= H, H, b) with b = x, Relu(x) (H > 0) or max(x, L) (L <= H) is
   Clip(b, -inf, H), and Where(x <= L, L, x) is Clip(x, L, inf), for bounds other than 0 (where the Where picks
   +0 for x = -0): onnxruntime's Where takes ~5 ns an element (ReLU6 over [32, 96, 32, 32] as Relu,
-  GreaterOrEqual and Where 18.7 ms, as Clip 1.0).
+  GreaterOrEqual and Where 18.7 ms, as Clip 1.0);
+- over tensors of `GUARD_MIN_ELEMENTS` known elements or more (`LARGE`), Sign(x) = (x > 0) - (x < 0), 0 for nan
+  as torch's sign (the Abs gradient of an L1 loss), where onnxruntime's kernel gives nan; and PRelu with more than
+  one slope (one a channel) = Relu(x) + s min(x, 0), its kernel where a slope is not finite (s 0 would be nan).
 
 The same values up to the last bits of exp and log (and the sign of a zero: Elu(-0) is +0 here), nan and
-infinities included (the Clips' values are the Wheres', bit for bit). Only the forward and backward graphs
-onnxruntime runs change, never the source the gradient is built from: the rules' own gradients (Elu's from its
-output, Softplus' a sigmoid, hardtanh's strict masks) stay.
+infinities included (the Clips' values are the Wheres', bit for bit; Sign's nan is torch's). Only the forward and
+backward graphs onnxruntime runs change, never the source the gradient is built from: the rules' own gradients
+(Elu's from its output, Softplus' a sigmoid, hardtanh's strict masks) stay.
 """
 
 from __future__ import annotations
@@ -204,8 +207,8 @@ def _bound_selects_as_clips(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def vectorized_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every Sigmoid, Softplus, Elu, Selu, Celu and Mish of the main graph, every Softmax and LogSoftmax over
-    an axis other than the last, and the Wheres that pick a bound, in the formulas above; `model` itself when it
-    has none (or its opset is below `MIN_OPSET`)."""
+    an axis other than the last, the large Signs and per-channel PRelus, and the Wheres that pick a bound, in the
+    formulas above; `model` itself when it has none (or its opset is below `MIN_OPSET`)."""
     opset = default_opset(model)
     if opset < MIN_OPSET:
         return model
