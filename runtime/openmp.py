@@ -313,19 +313,24 @@ gone to the one-thread session) held 35 of 126 runs of 784-256-10 at batch 128 o
 60 steps (1.14 of torch's step against 1.05). Taken for ours, they make a run on more threads than the cores then
 have for a moment, until its session's first run (or the spin) ends."""
 _fresh: list[tuple[float, int]] = []
+_fresh_lock = threading.Lock()
+"""Sessions made and runs deciding in several threads: a list rebuilt while another thread appended to it lost
+the new entry."""
 
 
 def made_workers(count: int) -> None:
     """A session this process just made started `count` intra-op workers (`FRESH_SECONDS`)."""
-    _fresh.append((time.perf_counter(), count))
+    with _fresh_lock:
+        _fresh.append((time.perf_counter(), count))
 
 
 def _fresh_workers(now: float) -> int:
     """The workers of sessions made within `FRESH_SECONDS`."""
     if not _fresh:
         return 0
-    _fresh[:] = [made for made in _fresh if now - made[0] < FRESH_SECONDS]
-    return sum(count for _, count in _fresh)
+    with _fresh_lock:
+        _fresh[:] = [made for made in _fresh if now - made[0] < FRESH_SECONDS]
+        return sum(count for _, count in _fresh)
 
 
 def _room(threads: int) -> tuple[bool, bool]:
