@@ -74,13 +74,14 @@ class Options:
         return SessionConfig(threads=threads, park_openmp=self.park_torch_threads, mem_pattern=self.mem_pattern,
                              torch_masks=self.export.torch_dropout, choose_threads=choose, halves=self.threads != 1)
 
-    def config_for(self, work: float, top: float = workload.TRIAL_TOP) -> SessionConfig:
+    def config_for(self, work: float, band: tuple[float, float] = (1 / workload.TRIAL_BOTTOM, workload.TRIAL_TOP)
+                   ) -> SessionConfig:
         """The sessions' config for a forward of this much work (`workload`): one thread below `workload.SMALL`
-        by `TRIAL_BOTTOM`, the configured threads from `SMALL` times `top` (`workload.trial_top`), and between, the
-        faster of the two as runs measure it."""
-        if work < workload.SMALL / workload.TRIAL_BOTTOM:
+        times the band's bottom, the configured threads from `SMALL` times its top (`workload.trial_band`), and
+        between, the faster of the two as runs measure it."""
+        if work < workload.SMALL * band[0]:
             return self.config(1)
-        return self.config(self.threads, choose=work < workload.SMALL * top)
+        return self.config(self.threads, choose=work < workload.SMALL * band[1])
 
 
 MEM_PATTERN_MAX_BYTES = 64 * 2**20
@@ -156,8 +157,8 @@ class Schema:
         self._small: _Small | None = None
         """Set while a small first call keeps the sessions on one thread (`_fit_threads` watches the batch)."""
         self._batch = -1
-        self._trial_top = workload.TRIAL_TOP
-        """The top of the band that trials the thread count for this export's forward (`workload.trial_top`)."""
+        self._trial_band = (1 / workload.TRIAL_BOTTOM, workload.TRIAL_TOP)
+        """The band that trials the thread count for this export's forward (`workload.trial_band`)."""
         if save_dir is not None:
             gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")
 
@@ -174,8 +175,8 @@ class Schema:
         batched = [(name, k, shapes[name][0]) for name, k in self.exported.inputs if shapes.get(name)]
         if work is not None and batched:
             name, k, batch = batched[0]
-            self._trial_top = workload.trial_top(self.exported.model)
-            self.config = self.options.config_for(work, self._trial_top)
+            self._trial_band = workload.trial_band(self.exported.model)
+            self.config = self.options.config_for(work, self._trial_band)
             if self.config.threads == 1:
                 self._small, self._batch = _Small(name, k, work / max(batch, 1)), batch
 
@@ -185,7 +186,7 @@ class Schema:
         if batch == self._batch or self._small is None:
             return
         self._batch = batch
-        config = self.options.config_for(batch * self._small.work_per_sample, self._trial_top)
+        config = self.options.config_for(batch * self._small.work_per_sample, self._trial_band)
         if config.threads != 1:
             self._small = None
             self.config = config

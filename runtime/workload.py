@@ -48,22 +48,27 @@ highest of each the far placement's. Where the CPUs sat near, the trial's slower
 3-4%, and 6% the MLP 784-512-512-10 at batch 512 (172M), a product-bound model that two threads keep faster
 (the transformer, 150M, far: 23.4 ms on two threads, 25.6 on one), so the band stops below it."""
 
-DENSE_TRIAL_TOP = 0.25
-"""The band's top (a multiple of `SMALL`) for forwards whose products are all Gemms (`gemms_only`: an MLP) on a
-machine at `mac_weight` 1 (AVX-512): two threads won every such trial measured from a quarter of `SMALL` up, near
-and far, so the trial's one-thread runs were a loss in a run's first steps. Session 50 (1.0 before), trials'
-medians on two threads / one (µs): 784-512-512-10 at batch 32 (10.7M units) forward 413 / 563, backward 638 / 990;
-784-300-100-10 at 64 (8.5M) 292 / 368, 322 / 450; 784-256x4-10 at 32 (6.4M) 263 / 394, 384 / 716, 349 / 364;
-784-512-512-10 at 16 (5.4M) 405 / 609, 304 / 317, 508 / 501; 784-128-10 at 64 (3.2M) even (155 / 160, 147 / 169,
-207 / 174, 196 / 160, 169 / 172). `benchmarks.ab` over the benchmark's 60 steps (4 processes each, ratios to
-torch's step, the band to 1.0 / to 0.5 or 0.25): 784-512-512-10 at 32 1.095 / 0.994, 784-300-100-10 1.040 /
-0.985, 784-512-512-10 at 16 1.100 / 1.045, 784-128-10 1.265 / 1.212, 784-256x4-10 1.044 / 1.067 and 1.029 /
-0.999. Session 49 (the band's top from `TRIAL_TOP` to 1.0), `benchmarks.ab` (3 processes each, no trial above
-`SMALL / TRIAL_BOTTOM` / the band to `TRIAL_TOP`, ratios to torch's step): 784-256-10 at batch 128 (13M units)
-0.901 / 0.969 far, 784-512-512-10 at 64 (21M) 0.971 / 0.980, 784-1024-10 at 64 (26M) 0.999 / 1.130, 784-800-800-10
-at 50 (32M) 1.008 / 1.098, 784-512-512-10 at 100 (33M) 1.035 / 1.062, 3072-512-256-10 at 64 (55M) 0.936 / 0.932.
-In the band the trial still chooses: 100-200-200-10 at batch 64 (2M units) keeps one thread for its forward (1.19
-of torch's step with the trial, 1.24 on two)."""
+DENSE_SPLIT = 1 / 3
+"""An MLP (`gemms_only`) on a machine at `mac_weight` 1 (AVX-512) gets no trial: one thread below this multiple of
+`SMALL` (4M units), the configured threads from it. Session 53 (a trial band from a quarter of `SMALL` before, two
+threads above it), the same module on one thread and on two in one process, steps paired, each right after torch's
+(3 blocks of 400): 784-128-10 at batch 64 (3.2M units) 0.86-0.91 of the two-thread step with the CPUs far, 0.95-1.02
+near; 100-200-200-10 at 64 (2M) 0.93-0.99 near; above it two threads stayed ahead or even: 784-512-512-10 at 16
+(5.4M) 0.92-0.98 far but 1.00-1.09 near, 784-300-100-10 at 64 (8.5M) 1.10-1.13, 784-256x4-10 at 32 (6.4M) 0.97-1.16.
+Before that, a trial band for MLPs up to a quarter of `SMALL`: two threads had won every trial measured from there
+up, near and far, so the trial's one-thread runs were a loss in a run's first steps. Session 50 (the band's top 1.0
+before), trials' medians on two threads / one (µs): 784-512-512-10 at batch 32 (10.7M units) forward 413 / 563,
+backward 638 / 990; 784-300-100-10 at 64 (8.5M) 292 / 368, 322 / 450; 784-256x4-10 at 32 (6.4M) 263 / 394, 384 /
+716, 349 / 364; 784-512-512-10 at 16 (5.4M) 405 / 609, 304 / 317, 508 / 501; 784-128-10 at 64 (3.2M) even (155 /
+160, 147 / 169, 207 / 174, 196 / 160, 169 / 172). `benchmarks.ab` over the benchmark's 60 steps (4 processes each,
+ratios to torch's step, the band to 1.0 / to 0.5 or 0.25): 784-512-512-10 at 32 1.095 / 0.994, 784-300-100-10 1.040
+/ 0.985, 784-512-512-10 at 16 1.100 / 1.045, 784-128-10 1.265 / 1.212, 784-256x4-10 1.044 / 1.067 and 1.029 / 0.999.
+Session 49 (the band's top from `TRIAL_TOP` to 1.0), `benchmarks.ab` (3 processes each, no trial above `SMALL /
+TRIAL_BOTTOM` / the band to `TRIAL_TOP`, ratios to torch's step): 784-256-10 at batch 128 (13M units) 0.901 / 0.969
+far, 784-512-512-10 at 64 (21M) 0.971 / 0.980, 784-1024-10 at 64 (26M) 0.999 / 1.130, 784-800-800-10 at 50 (32M)
+1.008 / 1.098, 784-512-512-10 at 100 (33M) 1.035 / 1.062, 3072-512-256-10 at 64 (55M) 0.936 / 0.932. In that band the
+trial chose one thread for the forward of 100-200-200-10 at batch 64 (2M units; 1.19 of torch's step with the
+trial, 1.24 on two)."""
 GEMM_WEIGHT = 0.5
 """What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at
 ~25M multiply-adds, LeNets at ~10M units)."""
@@ -89,9 +94,12 @@ def mac_weight() -> float:
     return AVX2_WEIGHT if nchwc.vector_extension() == "AVX2" else 1.0
 
 
-def trial_top(model: onnx.ModelProto) -> float:
-    """The top of the band whose thread count a trial decides, as a multiple of `SMALL`, for this forward."""
-    return DENSE_TRIAL_TOP if mac_weight() == 1.0 and gemms_only(model) else TRIAL_TOP
+def trial_band(model: onnx.ModelProto) -> tuple[float, float]:
+    """The band whose thread count a trial decides, as multiples of `SMALL`, for this forward: one thread below it,
+    the configured threads above."""
+    if mac_weight() == 1.0 and gemms_only(model):
+        return DENSE_SPLIT, DENSE_SPLIT
+    return 1 / TRIAL_BOTTOM, TRIAL_TOP
 
 
 def gemms_only(model: onnx.ModelProto) -> bool:

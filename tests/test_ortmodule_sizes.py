@@ -120,10 +120,10 @@ def _mlp(width: int) -> nn.Module:
 
 
 def test_small_forwards_run_on_one_thread_until_the_batch_grows() -> None:
-    """Below `workload.SMALL / workload.TRIAL_BOTTOM` forward work the sessions get one intra-op thread (threads cost
-    more than they save there); a batch making the work reach it brings back the configured threads (with a trial of
-    one against them, `ort_session.Trial`), for good, with gradients still torch's; a big model keeps them from the
-    start."""
+    """Below the bottom of `workload.trial_band` (`SMALL / TRIAL_BOTTOM` forward work, `SMALL * DENSE_SPLIT` for an
+    MLP on AVX-512) the sessions get one intra-op thread (threads cost more than they save there); a batch making the
+    work reach it brings back the configured threads (with a trial of one against them where the band has room,
+    `ort_session.Trial`), for good, with gradients still torch's; a big model keeps them from the start."""
     model = _mlp(32)
     ref, om = copy.deepcopy(model), ORTModule(model, threads=2)
 
@@ -145,8 +145,10 @@ def test_small_forwards_run_on_one_thread_until_the_batch_grows() -> None:
     assert per_sample is not None and products <= per_sample < products + 200  # two products, a few elementwise
     step(8 * 64)  # still small
     assert session.config.threads == 1
-    step(int(workload.SMALL / workload.TRIAL_BOTTOM // per_sample) + 1)
-    assert schema.config.threads == 2 and session.config.threads == 2 and session.config.choose_threads
+    bottom, top = workload.trial_band(schema.exported.model)
+    step(int(workload.SMALL * bottom // per_sample) + 1)
+    assert schema.config.threads == 2 and session.config.threads == 2
+    assert session.config.choose_threads == (bottom < top)
     step(8)  # never back to one thread
     assert session.config.threads == 2
     big = ORTModule(_mlp(2048), threads=2)

@@ -74,10 +74,11 @@ def test_multiply_adds_weigh_by_the_machine(monkeypatch) -> None:
         workload.mac_weight.cache_clear()
 
 
-def test_dense_forwards_trial_their_threads_in_a_narrower_band(monkeypatch) -> None:
-    """A forward whose products are all Gemms (an MLP) gets the configured threads without a trial from `SMALL`
-    times `DENSE_TRIAL_TOP` up on an AVX-512 machine; with a MatMul or a Conv among them, or on an AVX2 machine,
-    the band reaches `TRIAL_TOP`; the engine's config follows."""
+def test_dense_forwards_split_their_threads_without_a_trial(monkeypatch) -> None:
+    """A forward whose products are all Gemms (an MLP) on an AVX-512 machine runs on one thread below `SMALL` times
+    `DENSE_SPLIT` and on the configured threads from it, without a trial; with a MatMul or a Conv among them, or on
+    an AVX2 machine, one thread below `SMALL / TRIAL_BOTTOM` and a trial up to `TRIAL_TOP`; the engine's config
+    follows."""
     from runtime.engine import ExportOptions, Options
 
     mlp = _model([helper.make_node("Gemm", ["x", "w"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["z"])],
@@ -88,12 +89,15 @@ def test_dense_forwards_trial_their_threads_in_a_narrower_band(monkeypatch) -> N
     none = _model([helper.make_node("Relu", ["x"], ["z"])], {"x": ["n", 16]}, "z")
     assert workload.gemms_only(mlp) and not any(workload.gemms_only(m) for m in (matmul, conv, none))
     options = Options(ExportOptions(), threads=2, specialise=True, fallback=False, save_dir=None)
-    for weight, tops in ((1.0, (workload.DENSE_TRIAL_TOP, workload.TRIAL_TOP)), (3.0, (workload.TRIAL_TOP,) * 2)):
+    dense, usual = (workload.DENSE_SPLIT,) * 2, (1 / workload.TRIAL_BOTTOM, workload.TRIAL_TOP)
+    for weight, bands in ((1.0, (dense, usual)), (3.0, (usual, usual))):
         monkeypatch.setattr(workload, "mac_weight", lambda weight=weight: weight)
-        assert (workload.trial_top(mlp), workload.trial_top(matmul)) == tops
-        assert workload.trial_top(conv) == workload.TRIAL_TOP
-        for top in tops:
-            for work, threads, choose in ((workload.SMALL / workload.TRIAL_BOTTOM / 2, 1, False),
-                                          (workload.SMALL * top / 2, 2, True), (workload.SMALL * top * 2, 2, False)):
-                config = options.config_for(work, top)
-                assert (config.threads, config.choose_threads) == (threads, choose), (weight, top, work)
+        assert (workload.trial_band(mlp), workload.trial_band(matmul)) == bands
+        assert workload.trial_band(conv) == usual
+        for bottom, top in set(bands):
+            cases = [(workload.SMALL * bottom * 0.9, 1, False), (workload.SMALL * max(bottom, top) * 1.1, 2, False)]
+            if bottom < top:
+                cases.append((workload.SMALL * (bottom + top) / 2, 2, True))
+            for work, threads, choose in cases:
+                config = options.config_for(work, (bottom, top))
+                assert (config.threads, config.choose_threads) == (threads, choose), (weight, bottom, top, work)
