@@ -74,8 +74,7 @@ class Options:
         return SessionConfig(threads=threads, park_openmp=self.park_torch_threads, mem_pattern=self.mem_pattern,
                              torch_masks=self.export.torch_dropout, choose_threads=choose, halves=self.threads != 1)
 
-    def config_for(self, work: float, band: tuple[float, float] = (1 / workload.TRIAL_BOTTOM, workload.TRIAL_TOP)
-                   ) -> SessionConfig:
+    def config_for(self, work: float, band: tuple[float, float] = workload.BAND) -> SessionConfig:
         """The sessions' config for a forward of this much work (`workload`): one thread below `workload.SMALL`
         times the band's bottom, the configured threads from `SMALL` times its top (`workload.trial_band`), and
         between, the faster of the two as runs measure it."""
@@ -157,7 +156,7 @@ class Schema:
         self._small: _Small | None = None
         """Set while a small first call keeps the sessions on one thread (`_fit_threads` watches the batch)."""
         self._batch = -1
-        self._trial_band = (1 / workload.TRIAL_BOTTOM, workload.TRIAL_TOP)
+        self._trial_band = workload.BAND
         """The band that trials the thread count for this export's forward (`workload.trial_band`)."""
         if save_dir is not None:
             gradbuilder.save_model_atomic(exported.model, save_dir / "exported.onnx")

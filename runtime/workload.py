@@ -48,6 +48,9 @@ highest of each the far placement's. Where the CPUs sat near, the trial's slower
 3-4%, and 6% the MLP 784-512-512-10 at batch 512 (172M), a product-bound model that two threads keep faster
 (the transformer, 150M, far: 23.4 ms on two threads, 25.6 on one), so the band stops below it."""
 
+BAND = (1 / TRIAL_BOTTOM, TRIAL_TOP)
+"""The band, as multiples of `SMALL`, for forwards other than `DENSE_SPLIT`'s (`trial_band`)."""
+
 DENSE_SPLIT = 1 / 3
 """An MLP (`gemms_only`) on a machine at `mac_weight` 1 (AVX-512) gets no trial: one thread below this multiple of
 `SMALL` (4M units), the configured threads from it. Session 53 (a trial band from a quarter of `SMALL` before, two
@@ -99,7 +102,7 @@ def trial_band(model: onnx.ModelProto) -> tuple[float, float]:
     the configured threads above."""
     if mac_weight() == 1.0 and gemms_only(model):
         return DENSE_SPLIT, DENSE_SPLIT
-    return 1 / TRIAL_BOTTOM, TRIAL_TOP
+    return BAND
 
 
 def gemms_only(model: onnx.ModelProto) -> bool:

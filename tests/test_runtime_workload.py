@@ -89,7 +89,7 @@ def test_dense_forwards_split_their_threads_without_a_trial(monkeypatch) -> None
     none = _model([helper.make_node("Relu", ["x"], ["z"])], {"x": ["n", 16]}, "z")
     assert workload.gemms_only(mlp) and not any(workload.gemms_only(m) for m in (matmul, conv, none))
     options = Options(ExportOptions(), threads=2, specialise=True, fallback=False, save_dir=None)
-    dense, usual = (workload.DENSE_SPLIT,) * 2, (1 / workload.TRIAL_BOTTOM, workload.TRIAL_TOP)
+    dense, usual = (workload.DENSE_SPLIT,) * 2, workload.BAND
     for weight, bands in ((1.0, (dense, usual)), (3.0, (usual, usual))):
         monkeypatch.setattr(workload, "mac_weight", lambda weight=weight: weight)
         assert (workload.trial_band(mlp), workload.trial_band(matmul)) == bands
