@@ -8,8 +8,9 @@ graph computes, except `lower`'s masked multiply (see there). Measured effects a
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -695,8 +696,8 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
         """The element type of a float Where with at least GUARD_MIN_ELEMENTS static elements in its output or
         an input (shape inference often knows only the condition's: a mask stashed from the forward), else None."""
         elem = types.get(n.output[0], (0, None))[0]
-        sizes = [int(np.prod([d for d in dims if isinstance(d, int)] or [1]))
-                 for _, dims in (types.get(t, (0, None)) for t in (*n.input, n.output[0])) if dims]
+        sizes = [known_elements(dims) for _, dims in (types.get(t, (0, None)) for t in (*n.input, n.output[0]))
+                 if dims]
         return elem if elem in FLOATS and max(sizes, default=0) >= GUARD_MIN_ELEMENTS else None
 
     def sign_mask(name: str) -> bool:
@@ -745,6 +746,11 @@ def guarded_selects(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
         return outer.nodes
 
     return rewrite_nodes(model, plan, build)
+
+
+def known_elements(dims: Sequence[int | str | None]) -> int:
+    """The elements of the dimensions known (a sample's, where the batch is symbolic)."""
+    return math.prod(d for d in dims if isinstance(d, int))
 
 
 def finite_or_exact(outer: Nodes, checked: Iterable[str], exact: onnx.NodeProto, fast: Nodes, elem: int) -> None:

@@ -38,7 +38,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from gradbuilder.graph import default_opset, infer_shapes_safely
-from gradbuilder.inference import Dims, tensor_types
+from gradbuilder.inference import tensor_types
 
 from .passes import (
     FLOATS,
@@ -48,6 +48,7 @@ from .passes import (
     drop_unread,
     finite_or_exact,
     int_attr,
+    known_elements,
     rewrite_nodes,
 )
 
@@ -100,8 +101,9 @@ class _Ops:
         return e("Add", e("Relu", self.x), log1p, out=out)
 
 
-def _build(node: onnx.NodeProto, axis: int | None, elem: int | None, taken: set[str], *, opset: int
+def _build(node: onnx.NodeProto, axis: int | None, elem: int, taken: set[str], *, opset: int
            ) -> list[onnx.NodeProto]:
+    """`node` written out; `axis`: a Softmax's, `elem`: a `LARGE` op's element type (0 for the others)."""
     e = Nodes(node.name or node.output[0], taken)
     ops, y = _Ops(e, node.input[0]), node.output[0]
     if node.op_type == "Sign":  # (x > 0) - (x < 0): 0 for nan, as torch's sign (onnxruntime's kernel gives nan)
@@ -112,7 +114,7 @@ def _build(node: onnx.NodeProto, axis: int | None, elem: int | None, taken: set[
         inner = _Ops(fast, node.input[0])
         fast("Add", fast("Relu", node.input[0]), fast("Mul", fast("Min", node.input[0], inner.const(0.0)),
                                                        node.input[1]))
-        finite_or_exact(e, [node.input[1]], node, fast, elem)  # type: ignore[arg-type]
+        finite_or_exact(e, [node.input[1]], node, fast, elem)
     elif axis is not None:  # Softmax or LogSoftmax over `axis`
         top = e("ReduceMax", node.input[0], e.axes([axis]), keepdims=1) if opset >= 18 else \
             e("ReduceMax", node.input[0], axes=[axis], keepdims=1)  # axes an input from opset 18
@@ -213,7 +215,7 @@ def vectorized_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     if opset < MIN_OPSET:
         return model
     nodes = [(k, n) for k, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx")]
-    plan: list[tuple[int, int | None, int | None]] = [(k, None, None) for k, n in nodes if n.op_type in IMPRECISE or (
+    plan: list[tuple[int, int | None, int]] = [(k, None, 0) for k, n in nodes if n.op_type in IMPRECISE or (
         n.op_type in SLOW and math.isfinite(_float(n, "alpha", 1.0)) and _float(n, "alpha", 1.0) != 0)]
     shaped = [(k, n) for k, n in nodes if n.op_type in SOFTMAX or n.op_type in LARGE]
     if shaped:
@@ -223,17 +225,13 @@ def vectorized_ops(model: onnx.ModelProto) -> onnx.ModelProto:
         for k, n in shaped:
             elem, dims = shapes.get(n.input[0], (0, None))
             if n.op_type in LARGE:
-                slope = shapes.get(n.input[-1], (0, None))[1]  # PRelu's: one value a channel, or more
-                if elem in FLOATS and dims is not None and _static(dims) >= GUARD_MIN_ELEMENTS and \
-                        (n.op_type == "Sign" or (slope is not None and _static(slope) > 1)):
+                slope = shapes.get(n.input[1], (0, None))[1] if n.op_type == "PRelu" else None  # one a channel?
+                if elem in FLOATS and dims is not None and known_elements(dims) >= GUARD_MIN_ELEMENTS and \
+                        (n.op_type == "Sign" or (slope is not None and known_elements(slope) > 1)):
                     plan.append((k, None, elem))
                 continue
             axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
             if dims is not None and len(dims) > 1 and axis % len(dims) != len(dims) - 1:
-                plan.append((k, axis % len(dims), None))
+                plan.append((k, axis % len(dims), 0))
     return _bound_selects_as_clips(rewrite_nodes(model, sorted(plan), functools.partial(_build, opset=opset)))
 
-
-def _static(dims: Dims) -> int:
-    """The elements of the dimensions known (a sample's, where the batch is symbolic)."""
-    return math.prod(d for d in dims if isinstance(d, int))
