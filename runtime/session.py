@@ -92,25 +92,29 @@ class _Gradients:
     def nbytes(self) -> int:
         return sum(exchange.nbytes(self.values[i]) for i in range(self.first, len(self.values)))
 
-    def scaled(self, g: C.OrtValue, as_torch: bool, copy: bool) -> dict[str, Any]:
-        """wrt -> gradient times the host's scalar g, as torch tensors or OrtValues: the values themselves when g
-        is 1, unless `copy` (a backward that will run again must not hand out what it keeps)."""
+    def scaled(self, g: Tensor, as_torch: bool, copy: bool) -> dict[str, Any]:
+        """wrt -> gradient times the host's scalar g (an OrtValue, or the torch tensor autograd gave), as torch
+        tensors or OrtValues: the values themselves when g is 1, unless `copy` (a backward that will run again must
+        not hand out what it keeps)."""
         self.taken = True
         self.unused[0] = 0
         vals, k = self.values, self.first
-        scale = exchange.to_numpy(g).reshape(())  # a scalar's gradient: one element
-        one = scale == 1
+        host = g if isinstance(g, torch.Tensor) else exchange.to_torch(g)
+        # a scalar's gradient: one element, read by torch (a LeNet step: 40 µs through numpy's DLPack, which the
+        # caches the runs leave made 10x its 3 µs warm)
+        one = host.item() == 1
         grads: list[Any]
         if as_torch:
             grads = exchange.vector_to_torch(vals)[k:]
             if not one:
-                factor = exchange.to_torch(g).reshape(())
+                factor = host.reshape(())
                 grads = [t * factor for t in grads]
             elif copy:
                 grads = [t.clone() for t in grads]
         elif one and not copy:
             grads = [exchange.to_ortvalue(vals[i]) for i in range(k, len(vals))]
         else:
+            scale = host.detach().numpy().reshape(())
             grads = [exchange.to_ortvalue(exchange.to_numpy(vals[i]) * scale) for i in range(k, len(vals))]
         return dict(zip(self.wrt, grads))
 
@@ -394,9 +398,10 @@ class TrainingSession:
             self._fusing = self._gradient_bytes(feeds) <= fused.MAX_KEPT * self.stash_bytes(state)
         return outs, state
 
-    def backward_ortvalues(self, state: ForwardState, grads: Sequence[C.OrtValue | None], *,
+    def backward_ortvalues(self, state: ForwardState, grads: Sequence[Tensor | None], *,
                            retain: bool = False, as_torch: bool = False) -> dict[str, Any]:
-        """Gradients as OrtValues, or as torch tensors on their memory with `as_torch`."""
+        """Gradients as OrtValues, or as torch tensors on their memory with `as_torch`. `grads` are OrtValues, or
+        torch tensors where `state` holds a fused run's gradients (no run to feed: only scaled)."""
         if state.released:
             raise RuntimeError("backward through a ForwardState a second time: its stashed tensors were already "
                                "freed; pass retain=True to the first backward to keep them.")
@@ -410,7 +415,7 @@ class TrainingSession:
             self._split.finish(timed, time.perf_counter() - start)
         return result
 
-    def _backward_run(self, state: ForwardState, grads: Sequence[C.OrtValue | None], retain: bool, as_torch: bool
+    def _backward_run(self, state: ForwardState, grads: Sequence[Tensor | None], retain: bool, as_torch: bool
                       ) -> dict[str, Any]:
         given = frozenset([i for i in self.differentiable if grads[i] is not None])
         if state.gradients is not None:
