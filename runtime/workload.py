@@ -20,6 +20,7 @@ import functools
 import math
 
 import onnx
+from onnx import helper
 
 from gradbuilder.inference import infer_shapes
 
@@ -53,7 +54,8 @@ BAND = (1 / TRIAL_BOTTOM, TRIAL_TOP)
 
 DENSE_SPLIT = 1 / 3
 """An MLP (`gemms_only`) on a machine at `mac_weight` 1 (AVX-512) gets no trial: one thread below this multiple of
-`SMALL` (4M units), the configured threads from it. Session 53 (a trial band from a quarter of `SMALL` before, two
+`SMALL` (4M units), the configured threads from it (and from `STREAMED_ROWS` rows where its weights outgrow a core's
+cache: `STREAMED_BYTES`). Session 53 (a trial band from a quarter of `SMALL` before, two
 threads above it), the same module on one thread and on two in one process, steps paired, each right after torch's
 (3 blocks of 400): 784-128-10 at batch 64 (3.2M units) 0.86-0.91 of the two-thread step with the CPUs far, 0.95-1.02
 near; 100-200-200-10 at 64 (2M) 0.93-0.99 near; above it two threads stayed ahead or even: 784-512-512-10 at 16
@@ -72,6 +74,20 @@ far, 784-512-512-10 at 64 (21M) 0.971 / 0.980, 784-1024-10 at 64 (26M) 0.999 / 1
 1.008 / 1.098, 784-512-512-10 at 100 (33M) 1.035 / 1.062, 3072-512-256-10 at 64 (55M) 0.936 / 0.932. In that band the
 trial chose one thread for the forward of 100-200-200-10 at batch 64 (2M units; 1.19 of torch's step with the
 trial, 1.24 on two)."""
+STREAMED_BYTES = 2 * 2**20
+"""An MLP whose products' weights take more than this many bytes gets the configured threads from
+`STREAMED_ROWS` rows, whatever its work (`trial_band`): at small batches its products stream the weights from
+beyond a core's cache (1 MB of L2 on the AVX-512 EPYC), and two cores read them faster than one. Session 54, the same
+module on one thread and on two in one process, steps paired, each right after torch's (3 blocks of 400; one
+thread's step over two's): 784-512-512-10 (2.7 MB) at batch 1 0.86-0.91, 2 1.02-1.04, 4 1.05-1.08, 6 1.07-1.12, 8
+1.10-1.15; 784-1024-10 (3.3 MB) at 4 1.08-1.13; 3072-256-10 (3.2 MB) at 8 1.05-1.08; 784-1024-1024-10 (7.4 MB) at 1
+1.09-1.15, at 2 1.18-1.24; below: 784-384-384-10 (1.8 MB) at 8 0.98-0.99, 784-256-256-10 (1.1 MB) at 8 0.89-0.91, at
+16 0.95-0.97."""
+
+STREAMED_ROWS = 2
+"""The rows from which `STREAMED_BYTES`' MLPs take the configured threads: one row is a product with a vector,
+which two threads made slower at 2.7 MB (above)."""
+
 GEMM_WEIGHT = 0.5
 """What a MatMul's or Gemm's multiply-add counts for against a convolution's (the crossovers above: MLPs at
 ~25M multiply-adds, LeNets at ~10M units)."""
@@ -97,12 +113,28 @@ def mac_weight() -> float:
     return AVX2_WEIGHT if nchwc.vector_extension() == "AVX2" else 1.0
 
 
-def trial_band(model: onnx.ModelProto) -> tuple[float, float]:
-    """The band whose thread count a trial decides, as multiples of `SMALL`, for this forward: one thread below it,
-    the configured threads above."""
+def trial_band(model: onnx.ModelProto, per_row: float) -> tuple[float, float]:
+    """The band whose thread count a trial decides, as multiples of `SMALL`, for this forward of `per_row` work a
+    row of its batch: one thread below it, the configured threads above."""
     if mac_weight() == 1.0 and gemms_only(model):
-        return DENSE_SPLIT, DENSE_SPLIT
+        split = DENSE_SPLIT
+        if gemm_weight_bytes(model) > STREAMED_BYTES:  # half a row below STREAMED_ROWS: no rounding at the edge
+            split = min(split, (STREAMED_ROWS - 0.5) * per_row / SMALL)
+        return split, split
     return BAND
+
+
+def gemm_weight_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of the Gemms' weights (second inputs) that are graph inputs or initializers of static sizes."""
+    g = model.graph
+    static = {vi.name: (_dims(vi), vi.type.tensor_type.elem_type) for vi in g.input}
+    static.update({t.name: (list(t.dims), t.data_type) for t in g.initializer})
+    total = 0
+    for n in g.node:
+        dims, elem = static.get(n.input[1], (None, 0)) if n.op_type == "Gemm" and len(n.input) > 1 else (None, 0)
+        if dims is not None and elem:
+            total += math.prod(dims) * helper.tensor_dtype_to_np_dtype(elem).itemsize
+    return total
 
 
 def gemms_only(model: onnx.ModelProto) -> bool:

@@ -92,8 +92,8 @@ def test_dense_forwards_split_their_threads_without_a_trial(monkeypatch) -> None
     dense, usual = (workload.DENSE_SPLIT,) * 2, workload.BAND
     for weight, bands in ((1.0, (dense, usual)), (3.0, (usual, usual))):
         monkeypatch.setattr(workload, "mac_weight", lambda weight=weight: weight)
-        assert (workload.trial_band(mlp), workload.trial_band(matmul)) == bands
-        assert workload.trial_band(conv) == usual
+        assert (workload.trial_band(mlp, 1.0), workload.trial_band(matmul, 1.0)) == bands
+        assert workload.trial_band(conv, 1.0) == usual
         for bottom, top in set(bands):
             cases = [(workload.SMALL * bottom * 0.9, 1, False), (workload.SMALL * max(bottom, top) * 1.1, 2, False)]
             if bottom < top:
@@ -101,3 +101,23 @@ def test_dense_forwards_split_their_threads_without_a_trial(monkeypatch) -> None
             for work, threads, choose in cases:
                 config = options.config_for(work, (bottom, top))
                 assert (config.threads, config.choose_threads) == (threads, choose), (weight, bottom, top, work)
+
+
+def test_mlps_streaming_their_weights_split_from_two_rows(monkeypatch) -> None:
+    """An MLP on an AVX-512 machine whose Gemms' weights outgrow `STREAMED_BYTES` runs on the configured threads from
+    `STREAMED_ROWS` rows of its batch, whatever its work: one row stays on one thread, and so do smaller weights."""
+    from runtime.engine import ExportOptions, Options
+
+    monkeypatch.setattr(workload, "mac_weight", lambda: 1.0)
+    options = Options(ExportOptions(), threads=2, specialise=True, fallback=False, save_dir=None)
+    rows = workload.STREAMED_BYTES // 4 // 1000 + 1  # float32 weights of [rows, 1000]: just past the bytes
+    for out_rows, streamed in ((rows, True), (rows - 1, False)):
+        mlp = _model([helper.make_node("Gemm", ["x", "w"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["z"])],
+                     {"x": ["n", 1000], "w": [out_rows, 1000]}, "z")
+        assert (workload.gemm_weight_bytes(mlp) > workload.STREAMED_BYTES) == streamed
+        per_row = forward_work(mlp, {"x": (1, 1000)})
+        band = workload.trial_band(mlp, per_row)
+        for n in (1, workload.STREAMED_ROWS, 4):
+            config = options.config_for(n * per_row, band)
+            want = 2 if streamed and n >= workload.STREAMED_ROWS else 1
+            assert (config.threads, config.choose_threads) == (want, False), (out_rows, n)
