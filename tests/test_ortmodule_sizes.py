@@ -145,7 +145,7 @@ def test_small_forwards_run_on_one_thread_until_the_batch_grows() -> None:
     assert per_sample is not None and products <= per_sample < products + 200  # two products, a few elementwise
     step(8 * 64)  # still small
     assert session.config.threads == 1
-    bottom, top = workload.trial_band(schema.exported.model)
+    bottom, top = workload.trial_band(schema.exported.model, per_sample)
     step(int(workload.SMALL * bottom // per_sample) + 1)
     assert schema.config.threads == 2 and session.config.threads == 2
     assert session.config.choose_threads == (bottom < top)
