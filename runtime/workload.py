@@ -74,6 +74,7 @@ far, 784-512-512-10 at 64 (21M) 0.971 / 0.980, 784-1024-10 at 64 (26M) 0.999 / 1
 1.008 / 1.098, 784-512-512-10 at 100 (33M) 1.035 / 1.062, 3072-512-256-10 at 64 (55M) 0.936 / 0.932. In that band the
 trial chose one thread for the forward of 100-200-200-10 at batch 64 (2M units; 1.19 of torch's step with the
 trial, 1.24 on two)."""
+
 STREAMED_BYTES = 2 * 2**20
 """An MLP whose products' weights take more than this many bytes gets the configured threads from
 `STREAMED_ROWS` rows, whatever its work (`trial_band`): at small batches its products stream the weights from
