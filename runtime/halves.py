@@ -25,6 +25,7 @@ the split ones: a difference warns and the halves stop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import threading
@@ -41,6 +42,7 @@ from onnx import helper, numpy_helper
 from onnxruntime.capi import _pybind_state as C
 
 from . import checks, exchange, host_dropout, lowering, openmp
+from .export import pin_dims
 from .host_dropout import MaskedRunner
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig, Trial, TrialSettings
 from .passes import Nodes, names_in_use
@@ -133,6 +135,8 @@ class Cut:
     first: int
     weights: tuple[float, float] | None
     """None where the halves' runs count their labels themselves (`Halves.counted`)."""
+    rows: int
+    """The batch's."""
 
 
 def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None, counted: bool = False
@@ -152,9 +156,9 @@ def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None
         parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:h]), exchange.to_ortvalue(t[h:])
     loss = rows.loss
     if loss is None or not loss.mean:
-        return Cut(parts, h, (1.0, 1.0))
+        return Cut(parts, h, (1.0, 1.0), n)
     if counted:
-        return Cut(parts, h, None)
+        return Cut(parts, h, None, n)
     labels = exchange.to_numpy(feeds[loss.labels])  # numpy counts a few labels in ~1 µs, torch in ~5
     if loss.ignore_index is None:
         counts = (labels[:h].size, labels[h:].size)
@@ -164,7 +168,7 @@ def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None
     if 0 in counts:
         return None
     total = counts[0] + counts[1]
-    return Cut(parts, h, (counts[0] / total, counts[1] / total))
+    return Cut(parts, h, (counts[0] / total, counts[1] / total), n)
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,13 @@ class Ready:
     """The whole batch's Dropout masks ({} without)."""
     masks: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]]
     """Each half's masks, cut from `drawn` at its rows."""
+
+
+def _pinned_runner(model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
+                   like: Runner | MaskedRunner, shapes: dict[str, tuple[int, ...]] | None = None
+                   ) -> Runner | MaskedRunner:
+    """A half's session of the fused graph, its inputs in `shapes` pinned to those sizes (batch included)."""
+    return lowering.fused_runner(pin_dims(model, shapes, batch=True) if shapes else model, backward, config, like)
 
 
 def _run_half(runner: Runner | MaskedRunner, feeds: dict[str, C.OrtValue], masks: dict[str, C.OrtValue],
@@ -417,7 +428,7 @@ class Halves(_Halving):
 
     def __init__(self, model: onnx.ModelProto, backward: onnx.ModelProto, config: SessionConfig,
                  whole: Runner | MaskedRunner, like: Runner | MaskedRunner, rows: Rows, names: Sequence[str],
-                 first: int, joined: Collection[int] = ()):
+                 first: int, joined: Collection[int] = (), batch: Mapping[str, tuple[int, ...]] | None = None):
         super().__init__(rows, masked=whole if isinstance(whole, MaskedRunner) else None)
         half = _half_config(config)
         self.names = list(names)
@@ -429,7 +440,15 @@ class Halves(_Halving):
             model, count = counting
             run_names.append(count)
             self.counted = True
-        self.runners = [lowering.fused_runner(model, backward, half, like) for _ in range(2)]
+        self._runner = functools.partial(_pinned_runner, model, backward, half, like)
+        shapes = {k: v for k, v in (batch or {}).items() if k in rows.batched}
+        n = next(iter(shapes.values()))[0] if shapes else 0
+        self.sizes = (n // 2, n - n // 2) if n >= 2 and all(v[0] == n for v in shapes.values()) else None
+        """The rows each half's session is pinned to (the halves of the batch `batch` gives: onnxruntime then folds
+        the shape arithmetic the rules wrote for a symbolic batch); halves of other sizes run on `others`."""
+        self.runners = ([self._runner({k: (r, *v[1:]) for k, v in shapes.items()}) for r in self.sizes]
+                        if self.sizes is not None else [self._runner() for _ in range(2)])
+        self._others: list[Runner | MaskedRunner] | None = None
         self.run_names = run_names
         """`names`, then (`counted`) the labels each half's loss keeps."""
         self.first = first
@@ -466,7 +485,9 @@ class Halves(_Halving):
         then lay the buffers out."""
         self.runs += 1
         halves = ready.cut
-        flats = self.flats
+        runners, flats = self.runners, self.flats
+        if self.sizes is not None and (halves.first, halves.rows - halves.first) != self.sizes:
+            runners, flats = self.others(), None
         if flats is not None and flats[0].buffer is not None and flats[1].buffer is not None:
             try:
                 mine, theirs = self._both(lambda i: flats[i].run(halves.feeds[i], ready.masks[i]), ready.park,
@@ -479,9 +500,9 @@ class Halves(_Halving):
                 weights = _weights(float(mine[-1]), float(theirs[-1])) if self.counted else halves.weights
                 return self._flat_combined(flats[0], mine, theirs, weights)
         got = self._both(lambda i: exchange.vector_to_torch(
-            _run_half(self.runners[i], halves.feeds[i], ready.masks[i], self.run_names)), ready.park)
-        if self.flats is not None:
-            for flat, outputs in zip(self.flats, got):
+            _run_half(runners[i], halves.feeds[i], ready.masks[i], self.run_names)), ready.park)
+        if flats is not None:
+            for flat, outputs in zip(flats, got):
                 flat.lay_out(outputs)
         weights = halves.weights
         if self.counted:
@@ -491,6 +512,12 @@ class Halves(_Halving):
         if 0.0 in weights:  # a half keeping no label: its loss nan (0 / 0), the batch's the other half's
             out[:self.first] = got[1 if weights[0] == 0.0 else 0][:self.first]
         return out
+
+    def others(self) -> list[Runner | MaskedRunner]:
+        """The halves' sessions for batches of other sizes than `sizes` (symbolic, made at the first such batch)."""
+        if self._others is None:
+            self._others = self.runners if self.sizes is None else [self._runner() for _ in range(2)]
+        return self._others
 
     def _flat_combined(self, flat: FlatOutputs, mine: np.ndarray, theirs: np.ndarray, weights: tuple[float, float]
                        ) -> list[torch.Tensor]:

@@ -584,7 +584,7 @@ class TrainingSession:
             return self.forward_ortvalues(feeds, as_torch)
         rng = torch.random.get_rng_state() if self._fused is None or not self._fused.checked else None
         try:
-            one = self._fused or self._make_fused()
+            one = self._fused or self._make_fused(feeds)
             values = one.run(feeds) if one is not None else None
         except RuntimeError as e:  # onnxruntime refusing the joined graph: the split runs are the same math
             warnings.warn(f"the forward and backward joined in one onnxruntime run failed, so they run as two: {e}",
@@ -636,7 +636,8 @@ class TrainingSession:
         self._fusing = False
         return outs, state
 
-    def _make_fused(self) -> _Fused | None:
+    def _make_fused(self, feeds: Mapping[str, C.OrtValue]) -> _Fused | None:
+        """The joined graph's runner, and its halves (their sessions pinned to the halves of `feeds`' batch)."""
         program, man = self.full, self.full.manifest
         grads = program.gradients
         if not grads:
@@ -653,17 +654,18 @@ class TrainingSession:
             return None
         names = [o.name for o in model.graph.output]
         self._fused = _Fused(runner, names, list(grads), runner.draws_random,
-                             self._halves(model, backward, runner, names, list(grads)))
+                             self._halves(model, backward, runner, names, list(grads),
+                                          {n: tuple(v.shape()) for n, v in feeds.items()}))
         if self.save_dir is not None:
             gradbuilder.save_model_atomic(model, self.save_dir / "fused.onnx")
         return self._fused
 
     def _halves(self, model: onnx.ModelProto, backward: onnx.ModelProto, runner: Runner | MaskedRunner,
-                names: list[str], wrt: list[str]) -> halves.Halves | None:
+                names: list[str], wrt: list[str], batch: dict[str, tuple[int, ...]]) -> halves.Halves | None:
         """The fused graph's runs as two halves of the batch (`halves`), where the exported forward computes its loss
         sample by sample (`samples`), runs may use two threads, and onnxruntime draws no random numbers (the host's
         Dropout masks are cut); None otherwise. `names`: the fused outputs, the module's then the gradients of
-        `wrt`."""
+        `wrt`; `batch`: the call's input sizes, whose halves the halves' sessions are pinned to."""
         config = self._backward_config()
         if not config.split_batch or self._exported is None or runner.draws_random:
             return None
@@ -673,7 +675,7 @@ class TrainingSession:
         try:
             first = len(names) - len(wrt)
             joined = [i for i, w in enumerate(wrt, first) if w in proven.batched]
-            return halves.Halves(model, backward, config, runner, self._fwd, proven, names, first, joined)
+            return halves.Halves(model, backward, config, runner, self._fwd, proven, names, first, joined, batch)
         except RuntimeError:  # onnxruntime refusing a half's session: the whole batch's run serves on
             return None
 

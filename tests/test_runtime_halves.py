@@ -4,6 +4,7 @@ sums), falling back to the whole batch where halves cannot be weighed or differ.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import warnings
@@ -16,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from runtime import ORTModule, exchange, halves, openmp, samples
+from runtime.ort_session import Runner
 from runtime.session import TrainingSession
 
 
@@ -562,6 +564,31 @@ def test_split_halves_keep_their_stash(free: None) -> None:
 
 
 
+def test_fused_halves_run_on_sessions_pinned_to_their_rows(free: None) -> None:
+    """The fused halves' sessions take the halves of the batch that made them as fixed sizes (so onnxruntime folds the
+    shape arithmetic written for a symbolic batch: the MaxPool gradient's plane indices); a batch of other sizes runs
+    on symbolic sessions made when it comes, and both give torch's loss and gradients."""
+    torch.manual_seed(0)
+    net = Net()
+    om = ORTModule(copy.deepcopy(net), threads=2)
+    x, y = _batch(13, 0, [1])
+    for _ in range(2):  # the first call decides to fuse, the second makes the halves
+        _like_torch(net, x, y, *_step(om, x, y))
+    h = _halves_of(om, "fused")
+    h.pin(True)
+
+    def rows(runner: Runner) -> int | str:
+        return next(i.shape[0] for i in runner.session.get_inputs() if i.name == "x")
+
+    assert h.sizes == (6, 7) and [rows(r) for r in h.runners] == [6, 7] and h._others is None
+    runs = h.runs
+    x2, y2 = _batch(10, 1, [2])
+    _like_torch(net, x2, y2, *_step(om, x2, y2))
+    assert h.runs == runs + 1 and h._others is not None and all(isinstance(rows(r), str) for r in h._others)
+    _like_torch(net, x, y, *_step(om, x, y))
+    assert h.runs == runs + 2
+
+
 def test_fused_halves_hand_their_gradients_over(free: None) -> None:
     """A fused step's halves combine their gradients into torch tensors that the backward hands to `.grad` as they
     are (no copy); kept for another backward (retain_graph), they are copied, so the first backward's `.grad` does
@@ -680,7 +707,7 @@ def test_worker_survives_fork() -> None:
 def test_flat_outputs_write_one_buffer() -> None:
     """A runner's outputs written into one buffer (`FlatOutputs`): each at its offset, inputs bound again only when
     fed another OrtValue; outputs of other sizes than the buffer's fail the run (the halves then lay it out again)."""
-    from runtime.ort_session import Runner, SessionConfig
+    from runtime.ort_session import SessionConfig
 
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0)], "g",
