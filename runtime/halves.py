@@ -139,6 +139,11 @@ class Cut:
     """The batch's."""
 
 
+def halved_rows(n: int) -> tuple[int, int]:
+    """The rows of each half of a batch of `n`: the first half the smaller."""
+    return n // 2, n - n // 2
+
+
 def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None, counted: bool = False
         ) -> Cut | None:
     """`feeds` cut in halves along the batch, weighed by each half's rows the loss counts (labels not ignored) for a
@@ -147,7 +152,7 @@ def cut(feeds: Mapping[str, C.OrtValue], rows: Rows, min_rows: int | None = None
     n = feeds[rows.batched[0]].shape()[0]
     if n < (MIN_ROWS if min_rows is None else min_rows):
         return None
-    h = n // 2
+    h = halved_rows(n)[0]
     parts: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]] = (dict(feeds), dict(feeds))
     for name in rows.batched:
         t = exchange.to_torch(feeds[name])
@@ -441,11 +446,9 @@ class Halves(_Halving):
             run_names.append(count)
             self.counted = True
         self._runner = functools.partial(_pinned_runner, model, backward, half, like)
-        shapes = {k: v for k, v in (batch or {}).items() if k in rows.batched}
-        if not any(node.op_type in SPLIT_OPS for node in model.graph.node):
-            shapes = {}
+        shapes = {k: v for k, v in (batch or {}).items() if k in rows.batched} if convolutional(model) else {}
         n = next(iter(shapes.values()))[0] if shapes else 0
-        self.sizes = (n // 2, n - n // 2) if n >= 2 and all(v[0] == n for v in shapes.values()) else None
+        self.sizes = halved_rows(n) if n >= 2 and all(v[0] == n for v in shapes.values()) else None
         """The rows each half's session is pinned to, in a convolutional graph (the halves of the batch `batch` gives:
         onnxruntime then folds the shape arithmetic the pools' and convolutions' gradients write for a symbolic batch,
         a LeNet half's 160 nodes to 134; an encoder's 406 to 393, measured level or slower); halves of other sizes run
@@ -490,7 +493,7 @@ class Halves(_Halving):
         self.runs += 1
         halves = ready.cut
         runners, flats = self.runners, self.flats
-        if self.sizes is not None and (halves.first, halves.rows - halves.first) != self.sizes:
+        if self.sizes is not None and halved_rows(halves.rows) != self.sizes:
             runners, flats = self.others(), None
         if flats is not None and flats[0].buffer is not None and flats[1].buffer is not None:
             try:
@@ -570,8 +573,9 @@ class Halved:
     weights: tuple[float, float]
 
 
-def splits(model: onnx.ModelProto) -> bool:
-    """Whether a forward's split steps may run as halves (`SPLIT_OPS`)."""
+def convolutional(model: onnx.ModelProto) -> bool:
+    """Whether a graph has convolutions (`SPLIT_OPS`): where a forward's split steps may run as halves, and where the
+    halves' sessions are pinned to their rows (`Halves.sizes`)."""
     return any(n.op_type in SPLIT_OPS for n in model.graph.node)
 
 

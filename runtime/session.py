@@ -507,7 +507,7 @@ class TrainingSession:
         self._split_decided = True
         if (self._fusing or not self.config.split_batch or self._exported is None or not self.differentiable
                 or self._fwd.draws_random or self._redrawn or self._in_graph_order
-                or not halves.splits(self._exported)):
+                or not halves.convolutional(self._exported)):
             return None
         proven = self._rows
         if proven is None:
