@@ -98,14 +98,10 @@ class ORTFunction(torch.autograd.Function):
                 raise RuntimeError(f"ORTModule: {partial_gradient(name)}")
         ctx.saved_tensors  # noqa: B018 - raises if a tensor backward reads was modified in place
         n_out = len(call.session.output_names)
-        ort_grads: list[Any] = [None] * n_out
-        scaled = ctx.state.gradients is not None  # a fused run's: scaled by the host's gradient, read from torch
-        for i, g in enumerate(grads[:call.n_user]):
-            if g is not None:
-                ort_grads[i] = g if scaled else exchange.to_ortvalue(g)
+        host = [*grads[:call.n_user], *[None] * (n_out - call.n_user)]  # none for the BatchNorm statistics
         openmp.defer_joins()
         try:
-            result = call.session.backward_ortvalues(ctx.state, ort_grads, retain=_keep_graph(), as_torch=True)
+            result = call.session.backward_ortvalues(ctx.state, host, retain=_keep_graph(), as_torch=True)
         finally:
             openmp.join()
         out = [result.get(w) for w in call.wrt]

@@ -400,11 +400,14 @@ class TrainingSession:
 
     def backward_ortvalues(self, state: ForwardState, grads: Sequence[Tensor | None], *,
                            retain: bool = False, as_torch: bool = False) -> dict[str, Any]:
-        """Gradients as OrtValues, or as torch tensors on their memory with `as_torch`. `grads` are OrtValues, or
-        torch tensors where `state` holds a fused run's gradients (no run to feed: only scaled)."""
+        """Gradients as OrtValues, or as torch tensors on their memory with `as_torch`. `grads`: OrtValues or torch
+        tensors, made OrtValues only where a run reads them (a fused run's gradients are only scaled: read from
+        torch)."""
         if state.released:
             raise RuntimeError("backward through a ForwardState a second time: its stashed tensors were already "
                                "freed; pass retain=True to the first backward to keep them.")
+        if state.gradients is None:  # a run to feed: OrtValues (a torch tensor's memory shared through DLPack)
+            grads = [None if g is None else exchange.to_ortvalue(g) for g in grads]
         timed, state.timed = state.timed, None
         start = time.perf_counter()
         if state.halved is not None:
