@@ -174,10 +174,11 @@ class Schema:
         batched = [(name, k, shapes[name][0]) for name, k in self.exported.inputs if shapes.get(name)]
         if work is not None and batched:
             name, k, batch = batched[0]
-            self._trial_band = workload.trial_band(self.exported.model, work / max(batch, 1))
+            per_row = work / max(batch, 1)
+            self._trial_band = workload.trial_band(self.exported.model, per_row)
             self.config = self.options.config_for(work, self._trial_band)
             if self.config.threads == 1:
-                self._small, self._batch = _Small(name, k, work / max(batch, 1)), batch
+                self._small, self._batch = _Small(name, k, per_row), batch
 
     def _fit_threads(self, batch: int) -> None:
         """Off one thread, for good, once a batch makes the forward's work leave the small ones

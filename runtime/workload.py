@@ -130,12 +130,9 @@ def gemm_weight_bytes(model: onnx.ModelProto) -> int:
     g = model.graph
     static = {vi.name: (_dims(vi), vi.type.tensor_type.elem_type) for vi in g.input}
     static.update({t.name: (list(t.dims), t.data_type) for t in g.initializer})
-    total = 0
-    for n in g.node:
-        dims, elem = static.get(n.input[1], (None, 0)) if n.op_type == "Gemm" and len(n.input) > 1 else (None, 0)
-        if dims is not None and elem:
-            total += math.prod(dims) * helper.tensor_dtype_to_np_dtype(elem).itemsize
-    return total
+    weights = [static.get(n.input[1], (None, 0)) for n in g.node if n.op_type == "Gemm" and len(n.input) > 1]
+    return sum(math.prod(dims) * helper.tensor_dtype_to_np_dtype(elem).itemsize
+               for dims, elem in weights if dims is not None and elem)
 
 
 def gemms_only(model: onnx.ModelProto) -> bool:
