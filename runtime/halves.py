@@ -301,6 +301,13 @@ def _weights(mine: float, theirs: float) -> tuple[float, float]:
     return (mine / total, theirs / total) if total else (1.0, 0.0)
 
 
+def _standing(weights: tuple[float, float]) -> int | None:
+    """The half whose module outputs (the loss) stand for the batch's where the other keeps no label (its loss nan,
+    0 / 0, weighed by 0); None where both keep some."""
+    a, b = weights
+    return 1 if a == 0.0 else 0 if b == 0.0 else None
+
+
 def _counting(model: onnx.ModelProto, loss: str, labels: str, ignore_index: int
               ) -> tuple[onnx.ModelProto, str] | None:
     """A copy of `model` with one more output (named as returned): how many of `labels` are not `ignore_index`, in
@@ -516,8 +523,9 @@ class Halves(_Halving):
             weights = _weights(float(got[0].pop()), float(got[1].pop()))
         assert weights is not None
         out = combined(got[0], got[1], weights, self.joined)
-        if 0.0 in weights:  # a half keeping no label: its loss nan (0 / 0), the batch's the other half's
-            out[:self.first] = got[1 if weights[0] == 0.0 else 0][:self.first]
+        standing = _standing(weights)
+        if standing is not None:
+            out[:self.first] = got[standing][:self.first]
         return out
 
     def others(self) -> list[Runner | MaskedRunner]:
@@ -539,9 +547,10 @@ class Halves(_Halving):
         else:
             together = np.add(np.multiply(mine, a, out=mine), np.multiply(theirs, b, out=theirs))
         first = self.first
-        if a == 0.0 or b == 0.0:  # a half keeping no label: its loss nan (0 / 0), the batch's the other half's
+        standing = _standing(weights)
+        if standing is not None:
             ahead = flat.spans[first - 1][1] if first else 0
-            together[:ahead] = (theirs if a == 0.0 else mine)[:ahead]
+            together[:ahead] = (mine, theirs)[standing][:ahead]
         return [torch.from_numpy(v.copy() if i < first else v)
                 for i, v in enumerate(flat.views(together)[:len(self.names)])]
 
