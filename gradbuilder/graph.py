@@ -357,6 +357,11 @@ class ForwardGraph:
                 f"{hazard}: onnx's shape inference would crash the process on this model. Fix the shape (a wrong "
                 "constant or declaration) or re-export the model.")
         self._largest = max((_check_tensor(t, f"initializer '{t.name}'") for t in self.graph.initializer), default=0)
+        for n, op in zip(self.nodes, self.node_ops):  # a Constant's value is read by rules as an initializer's is
+            if op == "Constant":
+                for a in n.attribute:
+                    if a.type == onnx.AttributeProto.TENSOR:
+                        _check_tensor(a.t, f"the {a.name} of node {describe(n)}")
         self.info: dict[str, TensorInfo] = self._infer_types() if infer else self._declared_types()
         self._check_inferred_tensors()
         for node, inputs, op, dom in zip(self.nodes, self.node_inputs, self.node_ops, self.node_domains):
@@ -1109,6 +1114,14 @@ def _check_tensor(t: TensorProto, what: str) -> int:
         onnx.checker.C.check_tensor(t.SerializeToString(), onnx.checker.DEFAULT_CONTEXT)
     except Exception as e:  # ValidationError, or whatever else a broken tensor makes the checker raise
         raise InvalidModelError(f"{what} is not a valid tensor: {_first_line(e)}; {fix}.") from None
+    if not raw:  # values in a typed field (int64_data, ...): the checker takes any count, a rule reading them not
+        try:
+            onnx.numpy_helper.to_array(t)
+        except ValueError:
+            field = next((f for f in _TYPED_FIELDS if len(getattr(t, f))), None)
+            held = f"{len(getattr(t, field)):,} values in {field}" if field else "no values"
+            raise InvalidModelError(f"{what} holds {held}, which do not fit its type {type_name(data_type)} and "
+                                    f"shape {list(dims)}; {fix}.") from None
     if raw and want is not None:
         have = len(t.raw_data)
         if want != have:
@@ -1117,6 +1130,10 @@ def _check_tensor(t: TensorProto, what: str) -> int:
                 f"{want:,}; {fix}."
             )
     return size
+
+
+_TYPED_FIELDS = ("float_data", "double_data", "int32_data", "int64_data", "uint64_data", "string_data")
+"""Where a tensor without raw_data keeps its values."""
 
 
 FIXED_SIZE_TYPES = {

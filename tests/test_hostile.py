@@ -129,6 +129,22 @@ def _bad_initializer() -> onnx.ModelProto:
     return m
 
 
+def _index_values(constant: bool) -> Callable[[], onnx.ModelProto]:
+    """A Gather's constant index holding 3 int64 values in int64_data for its shape [2] (found by the fuzzer): onnx's
+    checker takes it, numpy's reshape in the Gather rule did not."""
+    def make() -> onnx.ModelProto:
+        idx = helper.make_tensor("idx", TP.INT64, [2], [0, 2])
+        idx.int64_data.append(1)
+        nodes = [node("Gather", ["W", "idx"], ["g"], "gather", axis=0), node("Mul", ["x", "g"], ["y"], "mul")]
+        inits = _params()
+        if constant:
+            nodes.insert(0, node("Constant", [], ["idx"], "index", value=idx))
+        else:
+            inits.append(idx)
+        return make_model(nodes, [vi("x", shape=[2])], [vi("y", shape=[2])], inits)
+    return make
+
+
 def _sparse_initializer() -> onnx.ModelProto:
     m = tiny()
     values = f32("S", [1.0])
@@ -396,6 +412,10 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "too many inputs": (lambda: make_model([node("Mul", ["x", "W", "x"], ["y"], "mul3")], [vi("x")], [vi("y")],
                                            _params()), ["'mul3'", "input size 3"]),
     "initializer bytes do not match its shape": (_bad_initializer, ["initializer 'W'", "12 bytes"]),
+    "initializer values do not match its shape": (_index_values(False), ["initializer 'idx'", "3 values in int64_data",
+                                                                         "shape [2]", "re-export"]),
+    "Constant's values do not match its shape": (_index_values(True), ["value of node 'index'", "3 values",
+                                                                        "shape [2]"]),
     "sparse initializer": (_sparse_initializer, ["sparse initializers", "dense"]),
     "mixed input types": (lambda: make_model([node("Add", ["x", "d"], ["y"], "adder")], [vi("x"), vi("d", TP.DOUBLE)],
                                              [vi("y")]), ["'adder'", "'x'", "'d'", "same type", "Cast"]),
