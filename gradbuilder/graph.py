@@ -1117,11 +1117,11 @@ def _check_tensor(t: TensorProto, what: str) -> int:
     if not raw:  # values in a typed field (int64_data, ...): the checker takes any count, a rule reading them not
         try:
             onnx.numpy_helper.to_array(t)
-        except ValueError:
+        except Exception as e:  # numpy's reshape (a count off), or whatever else the values make numpy raise
             field = next((f for f in _TYPED_FIELDS if len(getattr(t, f))), None)
             held = f"{len(getattr(t, field)):,} values in {field}" if field else "no values"
             raise InvalidModelError(f"{what} holds {held}, which do not fit its type {type_name(data_type)} and "
-                                    f"shape {list(dims)}; {fix}.") from None
+                                    f"shape {list(dims)} ({_first_line(e)}); {fix}.") from None
     if raw and want is not None:
         have = len(t.raw_data)
         if want != have:
