@@ -198,6 +198,26 @@ def _insert_on_edge(m: onnx.ModelProto, r: random.Random) -> None:
     nodes.insert(k, new)
 
 
+def _constant_values(m: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [a.t for n in m.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+
+
+TYPED_FIELDS = {TP.FLOAT: "float_data", TP.DOUBLE: "double_data", TP.INT64: "int64_data", TP.INT32: "int32_data",
+                TP.BOOL: "int32_data", TP.FLOAT16: "int32_data", TP.UINT64: "uint64_data"}
+
+
+def _typed_values(t: onnx.TensorProto, r: random.Random) -> None:
+    """`t`'s values moved out of raw_data into the typed field its type uses (onnx's checker counts neither)."""
+    field = TYPED_FIELDS.get(t.data_type)
+    if field is None:
+        return
+    count = max(0, int(np.prod(t.dims)) + r.choice([0, 0, -1, 1, 3]))
+    t.ClearField("raw_data")
+    for f in set(TYPED_FIELDS.values()):
+        t.ClearField(f)
+    getattr(t, field).extend([r.randrange(3) for _ in range(min(count, 64))])
+
+
 def mutate(m: onnx.ModelProto, r: random.Random) -> None:
     """One random structural change, in place; the kinds that keep a model valid are the likely ones."""
     g = m.graph
@@ -241,17 +261,19 @@ def mutate(m: onnx.ModelProto, r: random.Random) -> None:
                         d.dim_param = "n"
                     else:  # the last two: onnx's 32-bit dimensions wrap, and its inference aborts on negatives
                         d.dim_value = r.choice([0, 1, 2, 3, 5, 0, 1, 2, 3, 5, -1, 2**31])
-    elif kind == 8 and g.initializer:
-        t = r.choice(g.initializer)
-        change = r.randrange(4)
+    elif kind == 8 and (g.initializer or _constant_values(m)):
+        t = r.choice([*g.initializer, *_constant_values(m)])
+        change = r.randrange(5)
         if change == 0:
             t.data_type = r.choice(DTYPES)
         elif change == 1:
             t.dims.append(r.choice([0, 1, 2, 3]))
         elif change == 2:
             del t.dims[:]
-        else:
+        elif change == 3:
             t.raw_data = bytes(r.randrange(256) for _ in range(r.randrange(16)))
+        else:  # the values in the field of their type, as many as the shape takes or a few more or fewer
+            _typed_values(t, r)
     elif kind == 9:
         version = r.choice([7, 12, 13, 14, 15, 17, 18, 21, 23, 24, 99])
         if r.random() < 0.2:  # a second entry for the domain: tools disagree on which one counts
