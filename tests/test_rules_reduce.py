@@ -1,7 +1,8 @@
 import numpy as np
+import onnx
 import pytest
 import torch
-from harness import check_op, single_op_model, sweep_tests
+from harness import Trainer, check_op, single_op_model, sweep_tests
 from test_rules_shape import check_dynamic
 
 import gradbuilder
@@ -323,3 +324,30 @@ def test_float16(opset):
     for op, fn in [("ReduceSum", SUM), ("ReduceMean", MEAN), ("ReduceMax", lambda x, d, k: torch.amax(x, d, bool(k))),
                    ("ReduceL2", L2)]:
         _reduce_check(op, fn, x, (1,), 0, opset, **kw)
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax"])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_runtime_axes_of_a_scalar_of_unknown_rank(op, keepdims):
+    """A scalar whose rank the build cannot see, reduced over axes computed at run time: onnxruntime reduces it to
+    itself whatever the axes, so its gradient is the output's; the axes were made non-negative modulo the rank, a
+    division by zero at run time (found by tests/fuzz/test_runtime_replay.py at seed 2)."""
+    helper = onnx.helper
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, None)  # no shape: rank unknown
+    a = helper.make_tensor_value_info("a", onnx.TensorProto.INT64, [2])
+    y = helper.make_tensor_value_info("y0", onnx.TensorProto.DOUBLE, None)
+    node = helper.make_node(op, ["x", "a"], ["y0"], keepdims=keepdims)
+    model = helper.make_model(helper.make_graph([node], "g", [x, a], [y]), opset_imports=[helper.make_opsetid("", 18)])
+    training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
+    trainer = Trainer(training)
+    for value in (np.float64(1.5), np.arange(6.0).reshape(2, 3)):  # the scalar, then a matrix over both axes
+        feeds = {"x": np.asarray(value), "a": i64(5, -7) if value.ndim == 0 else i64(1, -2)}
+        outs, _ = trainer.run_forward(feeds)
+        dy = np.asarray(np.full(outs[0].shape, 2.0))
+        _, grads = trainer.step(feeds, [dy])
+        tx = torch.tensor(value, requires_grad=True)
+        ty = {"ReduceSum": SUM, "ReduceMean": MEAN, "ReduceMax": lambda t, d, k: t.amax(d, keepdim=bool(k))}[op](
+            tx, (0, 1), keepdims) if value.ndim else tx * 1
+        (want,) = torch.autograd.grad(ty, tx, torch.from_numpy(dy))
+        assert grads["x"].shape == value.shape
+        np.testing.assert_allclose(grads["x"], want.numpy(), rtol=1e-12)
