@@ -42,8 +42,9 @@ def _axes(g: Grad) -> _Axes:
     if g.I(1) is None or scalar:
         return _Axes((), None, keepdims, noop)
     value = g.const_input(1)
-    if value is None:  # computed at run time: made non-negative and distinct there; none for a scalar at run time
-        r = g.Size(g.shape_of(g.I(0)))  # (its rank unknown here; onnxruntime reduces it to itself whatever the axes)
+    if value is None:  # computed at run time: made non-negative and distinct there, and none for an input that is a
+        # scalar at run time (its rank unknown here), which onnxruntime reduces to itself whatever the axes
+        r = g.Size(g.shape_of(g.I(0)))
         distinct = g.op("Unique", g.Mod(g.Add(g.I(1), r), g.Max(r, g.ints(1))), sorted=1)
         return _Axes(None, g.Slice(distinct, g.ints([0]), g.unsqueeze(r, [0])), keepdims, noop)
     return _Axes(_distinct(g, value.ravel().tolist(), rank), g.I(1), keepdims, noop)

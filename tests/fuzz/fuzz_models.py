@@ -207,7 +207,7 @@ TYPED_FIELDS = {TP.FLOAT: "float_data", TP.DOUBLE: "double_data", TP.INT64: "int
 
 
 def _typed_values(t: onnx.TensorProto, r: random.Random) -> None:
-    """`t`'s values moved out of raw_data into the typed field its type uses (onnx's checker counts neither)."""
+    """`t`'s values moved out of raw_data into the typed field its type uses; onnx's checker does not count them."""
     field = TYPED_FIELDS.get(t.data_type)
     if field is None:
         return
@@ -261,8 +261,8 @@ def mutate(m: onnx.ModelProto, r: random.Random) -> None:
                         d.dim_param = "n"
                     else:  # the last two: onnx's 32-bit dimensions wrap, and its inference aborts on negatives
                         d.dim_value = r.choice([0, 1, 2, 3, 5, 0, 1, 2, 3, 5, -1, 2**31])
-    elif kind == 8 and (g.initializer or _constant_values(m)):
-        t = r.choice([*g.initializer, *_constant_values(m)])
+    elif kind == 8 and (tensors := [*g.initializer, *_constant_values(m)]):
+        t = r.choice(tensors)
         change = r.randrange(5)
         if change == 0:
             t.data_type = r.choice(DTYPES)
