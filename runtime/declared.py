@@ -70,3 +70,22 @@ def check_outputs(graph: onnx.GraphProto, feeds: Mapping[str, C.OrtValue], names
                 f"graph output '{name}' came out of the forward with shape {shape}: {problem} ({dims}). The "
                 "backward takes its gradient in the declared shape and was built on it. Fix the output's declared "
                 "shape (or leave the dims unknown) and build again.")
+
+
+PLAN_BROKEN = "Shape mismatch attempting to re-use buffer"
+"""onnxruntime's words when a run's sizes break the dims its memory plan took from the model's declarations (an
+output declared [batch, 3] that a Concat along the batch makes [2 batch, 3]): the run fails before any output
+exists to hold to its declaration."""
+
+
+def run_failure(error: Exception) -> InvalidModelError | None:
+    """The error a first forward's failed run stands for where onnxruntime's plan from the declared shapes broke,
+    else None."""
+    if PLAN_BROKEN not in str(error):
+        return None
+    said = next((line.strip() for line in str(error).splitlines() if PLAN_BROKEN in line), str(error))
+    return InvalidModelError(
+        "the forward failed where onnxruntime planned its memory from the shapes the model declares, which the run "
+        f"breaks ({said}). Fix the declared shapes of the graph outputs and value_info (or leave the dims unknown) "
+        "and build again.")
+

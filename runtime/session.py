@@ -387,10 +387,16 @@ class TrainingSession:
                           ) -> tuple[list[C.OrtValue], ForwardState]:
         if self._fusing and not self._paused:
             return self._fused_forward(feeds, as_torch)
-        if self._split_decided and self._split is None:  # decided against halves: the whole batch, two frames fewer
-            outs, state = self._whole_forward(feeds, as_torch)
-        else:
-            outs, state = self._split_forward(feeds, as_torch)
+        try:
+            if self._split_decided and self._split is None:  # decided against halves: the whole batch, two frames fewer
+                outs, state = self._whole_forward(feeds, as_torch)
+            else:
+                outs, state = self._split_forward(feeds, as_torch)
+        except RuntimeError as e:
+            problem = None if self._outputs_checked else declared.run_failure(e)
+            if problem is not None:
+                raise problem from e
+            raise
         if not self._outputs_checked:
             declared.check_outputs(self.source.graph, feeds, self.output_names, outs)
             self._outputs_checked = True

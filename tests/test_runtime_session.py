@@ -416,6 +416,22 @@ def test_outputs_are_held_to_their_declared_shapes(x_dims, y_dims, target, said)
     np.testing.assert_array_equal(np.asarray(grads["W"]), x)
 
 
+def test_a_declared_shape_the_run_breaks_before_any_output_is_refused() -> None:
+    """y declared [batch, 3] but a Concat along the batch: onnxruntime plans y's consumer's buffer from the
+    declaration and fails mid-run ("Shape mismatch attempting to re-use buffer"), before any output exists for the
+    check above; the first forward says so as a declaration the run breaks (runtime replay seed 45 met it)."""
+    nodes = [helper.make_node("Add", ["x", "b"], ["t"]), helper.make_node("Concat", ["t", "x"], ["y"], axis=0),
+             helper.make_node("Neg", ["y"], ["n"], name="negate"), helper.make_node("Min", ["n", "y"], ["m"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3]),
+                               helper.make_tensor_value_info("m", TensorProto.FLOAT, None)],
+                              [onnx.numpy_helper.from_array(np.array([0.1, 0.2, 0.3], np.float32), "b")])
+    session = TrainingSession.from_forward(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                           threads=1)
+    with pytest.raises(InvalidModelError, match=r"shapes the model declares, which the run breaks .*re-use buffer"):
+        session.forward({"x": np.ones((2, 3), np.float32)})
+
+
 def test_a_graph_onnxruntime_optimizes_wrong_runs_unoptimized() -> None:
     """onnxruntime's optimizers fail on some graphs its kernels run (here a scalar reduced over axes computed from a
     constant: folding them, its shape inference refuses what the kernel copies; runtime replay seed 155 met its
