@@ -81,9 +81,9 @@ exists to hold to its declaration."""
 def run_failure(error: Exception) -> InvalidModelError | None:
     """The error a first forward's failed run stands for where onnxruntime's plan from the declared shapes broke,
     else None."""
-    if PLAN_BROKEN not in str(error):
+    said = str(error)
+    if PLAN_BROKEN not in said:
         return None
-    said = next((line.strip() for line in str(error).splitlines() if PLAN_BROKEN in line), str(error))
     return InvalidModelError(
         "the forward failed where onnxruntime planned its memory from the shapes the model declares, which the run "
         f"breaks ({said}). Fix the declared shapes of the graph outputs and value_info (or leave the dims unknown) "
