@@ -138,6 +138,28 @@ def test_conv_weight_only_stashes_no_output():
              conv_ref([1, 1], [1, 1], [1, 1], [1, 1], 1), pads=[1] * 4, wrt=["w", "b"])
 
 
+@pytest.mark.parametrize("op,xs,ws,group,unknown", [
+    ("Conv", (2, 6, 5, 5), (6, 1, 3, 3), 6, [0, 1]),
+    ("Conv", (2, 4, 5, 5), (6, 2, 3, 3), 2, [0, 1]),
+    ("ConvTranspose", (2, 4, 4, 4), (4, 3, 3, 3), 2, [0]),
+])
+def test_conv_weight_of_unknown_shape(op, xs, ws, group, unknown):
+    """A weight computed in the graph whose shape inference loses (torch's legacy export of `w.expand(...)`
+    targets a Where of its sizes): a Conv's channels per group come from its input's channels."""
+    nd = len(xs) - 2
+    ref = conv_ref([1] * nd, [1] * nd, [1] * nd, [1] * nd, group) if op == "Conv" else \
+        conv_transpose_ref([1] * nd, [1] * nd, [1] * nd, [1] * nd, [0] * nd, group)
+    check_op(op, [("x", f32(*xs)), ("w", f32(*ws))], ref, pads=[1] * 2 * nd, group=group,
+             kernel_shape=list(ws[2:]), symbolic={"x": [0], "w": unknown})
+
+
+def test_conv_transpose_weight_of_unknown_channels_fails_clearly():
+    """ConvTranspose's channels per group are dim 1 of its weight, which only its output's channels tell."""
+    model = single_op_model("ConvTranspose", [("x", f32(2, 4, 4, 4)), ("w", f32(4, 3, 3, 3))], group=2,
+                            kernel_shape=[3, 3], symbolic={"w": [1]})
+    with pytest.raises(RuleError, match=r"its weight 'w' \(channels per group\) and dim 1 of 'y0' are unknown"):
+        gradbuilder.build_gradient_graph(model, wrt=["w"], outputs=["y0"])
+
 # --- ConvTranspose -------------------------------------------------------------------------------
 def conv_transpose_ref(strides, dilations, begin, end, extra, group):
     def fn(x, w, b=None):

@@ -95,12 +95,16 @@ def _kernel(g: Grad, w: str) -> list[int]:
     return list(kernel)
 
 
-def _static_dim(g: Grad, t: str, axis: int) -> int:
-    """A dim the emitted graph bakes in (channels per group of a weight)."""
-    shape = g.info(t).shape
-    if shape is None or not isinstance(shape[axis], int):
-        g.fail(f"dim {axis} of '{t}' must be static")
-    return shape[axis]  # type: ignore[index, return-value]
+def _per_group(g: Grad, w: str, channels: str, group: int) -> int:
+    """The channels a group reads or writes, which the emitted graph bakes in: dim 1 of the weight, or where
+    shape inference lost it (a weight computed in the graph) `channels`' dim 1 (Conv's input, ConvTranspose's
+    output) over the groups."""
+    for t, n in ((w, 1), (channels, group)):
+        shape = g.info(t).shape
+        if shape is not None and len(shape) > 1 and isinstance(shape[1], int):
+            return shape[1] // n
+    g.fail(f"dim 1 of its weight '{w}' (channels per group) and dim 1 of '{channels}' are unknown when building; "
+           "declare the weight's shape")
 
 
 def _ends_deficit(tails: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -511,7 +515,7 @@ def conv(g: Grad):
         dx = g.declare(_onto_input(g, dy, w, win, tails, kernel_shape=kernel, group=group), g.info(x))
     if g.needs(1):
         nd = len(kernel)
-        dw = _weight_grad(g, x, _sizes(g, x, nd), dy, g.O(0), win, tails, group, _static_dim(g, w, 1),
+        dw = _weight_grad(g, x, _sizes(g, x, nd), dy, g.O(0), win, tails, group, _per_group(g, w, x, group),
                           _count(g, w, [0]), _count(g, g.O(0), range(2, 2 + nd)))
     if g.I(2) is not None and g.needs(2):
         db = _channel_sum(g, dy, len(kernel) + 2)
@@ -572,7 +576,8 @@ def conv_transpose(g: Grad):
     if g.needs(1):
         outs = _sizes(g, g.O(0), nd)
         reached = g.Sub(outs, g.ints(short)) if isinstance(outs, str) else [o - c for o, c in zip(outs, short)]
-        dw = _weight_grad(g, dy_used, reached, x, x, win, tails, group, _static_dim(g, w, 1), _count(g, w, [0]),
+        dw = _weight_grad(g, dy_used, reached, x, x, win, tails, group, _per_group(g, w, g.O(0), group),
+                          _count(g, w, [0]),
                           _count(g, x, range(2, 2 + nd)))
     if g.I(2) is not None and g.needs(2):
         db = _channel_sum(g, dy, nd + 2)
