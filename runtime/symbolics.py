@@ -19,6 +19,7 @@ negative source dim into perm; `embedding` ignores padding_idx (`F.embedding` of
 where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b; `scatter_reduce`
 wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it), and
 `repeat_interleave` by a tensor of repeats is a Loop (no gradient): ours are one ScatterElements and a Gather.
+`batch_norm` without running statistics refused a batch sized at run time: ours normalizes by the batch's.
 Ties as torch's backward breaks them: `fmax` / `fmin` give a tie's gradient to the first operand, `median` of every
 element splits it evenly, `clamp` with tensor bounds gives it to x (torch's Max / Min split it with the bound).
 `const_like` writes float constants in float64.
@@ -45,6 +46,7 @@ from torch.onnx._internal.torchscript_exporter import (
     symbolic_opset11,
     symbolic_opset12,
     symbolic_opset13,
+    symbolic_opset14,
     symbolic_opset16,
     symbolic_opset18,
 )
@@ -62,7 +64,7 @@ TORCH_OWN: dict[str, int | tuple[int, ...]] = {
     11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16, "aten::repeat_interleave": 13,
     "aten::amax": 18, "aten::amin": 18, "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12, "aten::aminmax":
     18, "aten::split": (11, 13), "aten::fake_quantize_per_tensor_affine": (10, 13),
-    "aten::fake_quantize_per_channel_affine": 13}
+    "aten::fake_quantize_per_channel_affine": 13, "aten::batch_norm": 14}
 """The opsets of torch's own conversions of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -1077,6 +1079,27 @@ def _div(g: Any, a: Any, b: Any, *args: Any) -> Any:
     return (symbolic_opset10.div if g.opset >= 10 else symbolic_opset9.div)(g, a, b, *args)
 
 
+
+def _batch_norm(g: Any, x: Any, weight: Any, bias: Any, mean: Any, var: Any, training: Any, *rest: Any) -> Any:
+    """torch.batch_norm without running statistics (`F.batch_norm(x, None, None, w, b, training=True)`, as functional
+    networks call it): stand-ins of x's channel count in their place (and in a missing weight's and bias's) under a
+    training-mode node, whose batch statistics normalize and whose running outputs nothing reads (what
+    `batchnorm.training_batchnorm` makes of a module's). torch's conversion computed the statistics by a Reshape to
+    the batch's size and refused a batch sized at run time ("batch_size and channel_size must be non-None"). The
+    rest, torch's. The statistics' stand-ins are ConstantOfShapes and the weight's and bias's Expands: onnxruntime's
+    common-subexpression elimination merged a zero bias made as the zero mean is, and the node writes its running
+    mean in place (the bias read was then overwritten: outputs off by up to 0.4, differing from run to run)."""
+    own = symbolic_opset14.batch_norm if g.opset >= 14 else symbolic_opset9.batch_norm
+    if g.opset < 14 or not (_none(mean) or _none(var)) or not symbolic_helper._maybe_get_const(training, "b"):
+        return own(g, x, weight, bias, mean, var, training, *rest)
+    channels = g.op("Slice", g.op("Shape", x), *[g.op("Constant", value_t=torch.tensor([i])) for i in (1, 2)])
+    dtype = _type_utils.JitScalarType.from_value(x).dtype()
+    mean, var = (g.op("ConstantOfShape", channels, value_t=torch.tensor([v], dtype=dtype)) for v in (0.0, 1.0))
+    weight, bias = (g.op("Expand", g.op("Constant", value_t=torch.tensor(v, dtype=dtype)), channels) if _none(t)
+                    else t for t, v in ((weight, 1.0), (bias, 0.0)))
+    return own(g, x, weight, bias, mean, var, training, *rest)
+
+
 MISSING: dict[str, Callable[..., Any]] = {
     **{f"aten::{name}": _unary(op) for name, op in [
         ("sinh", "Sinh"), ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"),
@@ -1112,7 +1135,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::amax": _amax(True), "aten::amin": _amax(False), "aten::round": _round, "aten::addmm": _addmm,
     "aten::addbmm": _addbmm, "aten::movedim": _movedim,
     "aten::argmax": _arg_extremum(True), "aten::argmin": _arg_extremum(False), "aten::embedding": _embedding,
-    "aten::aminmax": _aminmax, "aten::split": _split,
+    "aten::aminmax": _aminmax, "aten::split": _split, "aten::batch_norm": _batch_norm,
     "aten::fake_quantize_per_tensor_affine": _fake_quantize(False),
     "aten::fake_quantize_per_channel_affine": _fake_quantize(True),
 }

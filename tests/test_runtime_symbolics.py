@@ -8,7 +8,8 @@ inverse, fmax / fmin, median's and clamp's ties (tensor bounds), div's floor mod
 sizes), repeat_interleave by a tensor (a Loop), amax / amin, max of every element and argmax (NaN dropped), round
 to decimals and addmm (float32 constants in float64), addbmm, frac, movedim (negative dims), embedding's
 padding_idx, integers clamped by floats, cumsum of a 0-d tensor, attention with a query masked out and xlogy's
-gradient at x = 0. The float64 entries hold to `DOUBLE_RTOL`."""
+gradient at x = 0, and batch_norm without running statistics (a batch sized at run time
+refused). The float64 entries hold to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -267,6 +268,10 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "addmm, addbmm": lambda h: (torch.addmm(h, h, h.T @ h, beta=0.3, alpha=1.7) + torch.addmm(h, h, h.T @ h)
                                 + torch.addbmm(h[:2, :2], h.reshape(-1, 2, 6), h.reshape(-1, 6, 2).flip(0), beta=0.7,
                                                alpha=0.1).sum()),
+    # no running statistics, a batch sized at run time (torch's conversion refused it); no weight, no bias
+    "batch_norm without running statistics": lambda h: (
+        F.batch_norm(h, None, None, training=True) + F.batch_norm(h, None, None, h[0].exp(), h[1], True, 0.1, 1e-3)
+        + F.batch_norm(h.reshape(-1, 3, 2), None, None, h[2, :3], None, training=True).reshape(-1, 6)),
     # a negative source dim (torch's conversion wrote it into Transpose's perm: onnxruntime refused the model)
     "movedim with negative dims": lambda h: (h.reshape(-1, 2, 3).movedim(-1, 1).reshape(-1, 6)
                                              + torch.moveaxis(h.reshape(-1, 2, 3), (0, -1), (-1, 1)).reshape(6, -1).T),
@@ -276,7 +281,8 @@ DOUBLE = ["frac", "xlogy at x = 0", "clamp of integers by floats", "amax, amin, 
           "logaddexp of -infs", "logcumsumexp", "max, min along a dim with ties", "max, min along a dim with NaN",
           "logaddexp2", "var, std over every axis", "var, std along dims", "log2, log10, addcmul",
           "elu, selu, leaky_relu, rrelu", "roll", "chunk", "unique", "fmax, fmin with ties", "fmax, fmin with NaN",
-          "div floor", "median with ties", "clamp with tensor bounds, ties", "clamp with tensor bounds, NaN"]
+          "div floor", "median with ties", "clamp with tensor bounds, ties", "clamp with tensor bounds, NaN",
+          "batch_norm without running statistics"]
 """The entries also run in float64, to `DOUBLE_RTOL`."""
 DOUBLE_RTOL = 1e-10
 """float64's tolerance: a float32 constant or step puts ~1e-8 into it."""
