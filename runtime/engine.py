@@ -945,7 +945,7 @@ class Engine:
         except (gradbuilder.GradBuilderError, RuntimeError) as e:
             self.failed[key, frozenset(wrt)] = None
             try:
-                self._fail(e, "gradient build")
+                self._fail(e, "onnxruntime session creation" if isinstance(e, SessionLoadError) else "gradient build")
             except ORTModuleError as refused:
                 self.failed[key, frozenset(wrt)] = _Refused(refused)
                 raise

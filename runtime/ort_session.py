@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import statistics
 import time
 import warnings
@@ -159,6 +160,23 @@ def shared_arena() -> bool:
 
 RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial")
 """onnxruntime's random ops besides Dropout: each session draws from its own generators."""
+
+
+def _computes_in_float64(model: onnx.ModelProto, error: Exception) -> bool:
+    """Whether the node onnxruntime found no kernel for ("... node with name 'n'") reads float64: its CPU
+    provider has float64 kernels for few ops besides the elementwise ones (no Conv, Atan, HardSigmoid, Det,
+    AveragePool, Resize). Types from shape inference, on this failure's path only."""
+    found = re.search(r"node with name '([^']*)'", str(error))
+    node = next((n for n in model.graph.node if found and n.name == found.group(1)), None)
+    if node is None:
+        return False
+    try:
+        graph = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # a model inference refuses has no types to tell
+        graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
+    types.update((t.name, t.data_type) for t in graph.initializer)
+    return any(types.get(i) == onnx.TensorProto.DOUBLE for i in node.input)
 
 
 def _half_precision(model: onnx.ModelProto) -> bool:
@@ -371,6 +389,11 @@ class Runner:
                     "(a torch.autocast or .bfloat16()/.half() inside the forward), which onnxruntime's CPU kernels "
                     "mostly do not: compute in float32 (ORTModule runs autocast around the call in float32 already), "
                     "or run the module in torch.") from e
+            if "Could not find an implementation" in str(e) and _computes_in_float64(model, e):
+                raise SessionLoadError(
+                    f"onnxruntime cannot load the {what} model: {e} That node computes in float64, for which "
+                    "onnxruntime's CPU provider has no kernel of this op: train the module in float32, or run it in "
+                    "torch.") from e
             config = self._unoptimized(data, config, disabled, e)
         self._c = self.session._sess
         self._run_options = C.RunOptions()
