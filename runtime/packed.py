@@ -175,8 +175,8 @@ def _layers(module: nn.RNNBase, x: torch.Tensor, lengths: torch.Tensor | None, s
     layers = range(module.num_layers) if layers is None else layers
     dirs = 2 if module.bidirectional else 1
     if torch.jit.is_tracing():  # the export then follows the time axis even where it is the batch axis (time first)
-        warnings.warn(f"{type(module).__name__} on a packed sequence unrolls its {x.shape[0]} padded steps",
-                      torch.jit.TracerWarning, stacklevel=2)
+        what = "on a packed sequence unrolls its padded" if lengths is not None else "unrolls its"
+        warnings.warn(f"{type(module).__name__} {what} {x.shape[0]} steps", torch.jit.TracerWarning, stacklevel=2)
     inside = None if lengths is None else _inside(lengths, x.shape[0], 3, x.device)
     cell = _cell(module.mode)
     finals: list[tuple[torch.Tensor, ...]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -187,17 +188,23 @@ def test_double_layers_match_torch(layer: str, initial: bool, unbatched: bool) -
 
 @pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=SLOW)])
 def test_projected_lstm_matches_torch(exporter: str) -> None:
-    """LSTM projections (the legacy exporter refuses them, torch.export's graph failed to build) are unrolled."""
+    """LSTM projections (the legacy exporter refuses them, torch.export's graph failed to build) are unrolled, and
+    the legacy export's warning says so (it named a packed sequence where there is none)."""
     torch.manual_seed(0)
     reference = Plain(nn.LSTM(5, 7, proj_size=3, num_layers=2, batch_first=True), False)
     model = ORTModule(copy.deepcopy(reference), exporter=exporter)
-    for x, lengths in _calls(torch.Generator().manual_seed(4), torch.float32):
-        seed = x.shape[1]
-        got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(seed))
-        want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(seed))
-        for g, w in zip(got + got_grads, want + want_grads):
-            torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, lengths in _calls(torch.Generator().manual_seed(4), torch.float32):
+            seed = x.shape[1]
+            got, got_grads = _step(model, x, lengths, torch.Generator().manual_seed(seed))
+            want, want_grads = _step(reference, x, lengths, torch.Generator().manual_seed(seed))
+            for g, w in zip(got + got_grads, want + want_grads):
+                torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
     assert model.stats["fallbacks"] == 0
+    baked = [str(w.message) for w in caught if "baked a traced value" in str(w.message)]
+    assert (exporter == "dynamo" or any("LSTM unrolls its" in m for m in baked)) and \
+        not any("packed sequence" in m for m in baked), baked
 
 
 @pytest.mark.parametrize(("layer", "unbatched"), [("lstm-2-layers-bidirectional", False),
