@@ -51,6 +51,18 @@ def test_gather_runtime_int32_indices(opset):
              opset=opset, axis=1)
 
 
+@pytest.mark.parametrize("shape,index,axis", [((4, 0), 1, 0), ((3, 0, 2), [1, 2], 0), ((2, 3, 0), [[0], [2]], 1)])
+@pytest.mark.parametrize("opset", [OLD, NEW, 18])
+def test_gather_of_an_empty_tensor_by_run_time_indices(shape, index, axis, opset):
+    """A size of 0 beside the gathered axis (runtime replay seed 61): the gradient's Reshape took that 0 for "copy
+    the input's size" (no allowzero) and failed, or made another shape; where the index is no constant. Known when
+    building, then sized at run time (allowzero: opset 14 on)."""
+    check_op("Gather", [("x", r(*shape)), ("i", idx(index))], lambda x, i: _torch_gather(x, index, axis),
+             opset=opset, axis=axis)
+    if opset >= 14:
+        check_dynamic({"x": list(range(len(shape)))}, "Gather", [("x", r(*shape)), ("i", idx(index))],
+                      lambda x, i: _torch_gather(x, index, axis), opset=opset, axis=axis)
+
 @pytest.mark.parametrize("opset", [OLD, NEW])
 def test_gather_dynamic(opset):
     index = [[0, 2, -1], [1, 1, 0]]

@@ -116,7 +116,7 @@ def axis_adjoint(g: Grad, t: str, axis: int, rank: int, src: str, d: int | str, 
     else:
         summed = rows_adjoint(g, g.Flatten(moved, axis=1), src, d, like, add=add)
         rest = g.Slice(g.Shape(moved), g.ints([1]), g.ints([rank]))
-        summed = g.Reshape(summed, g.Concat(as_tensor(g, d), rest, axis=0))
+        summed = g.reshape_exact(summed, g.Concat(as_tensor(g, d), rest, axis=0))
     return g.Transpose(summed, perm=[int(p) for p in np.argsort(front)]) if axis else summed
 
 
@@ -157,6 +157,8 @@ def gather(g: Grad):
     data, dy = g.I(0), g.GO(0)
     r = g.require_rank(data)
     a = g.axis(g.attr("axis", 0), r)
+    if 0 in (g.info(data).static_shape or ()):  # empty: so is its gradient (a Reshape's target of 0 copies a size)
+        return (g.zeros_like(data),)
     d = size_along(g, data, a)
     i = _constant_position(g, d)
     if i is not None and g.dtype(data) != TensorProto.BFLOAT16:  # onnxruntime's CPU Pad has no bfloat16
@@ -166,7 +168,7 @@ def gather(g: Grad):
     count = [int(np.prod(index_shape, dtype=np.int64))] if index_shape is not None else [-1]
     parts = [dims_of(g, data, range(a))] if a else []
     parts += [g.ints(count)] + ([dims_of(g, data, range(a + 1, r))] if a + 1 < r else [])
-    one_axis = g.Reshape(dy, g.Concat(*parts, axis=0) if len(parts) > 1 else parts[0])
+    one_axis = g.reshape_exact(dy, g.Concat(*parts, axis=0) if len(parts) > 1 else parts[0])
     return (axis_adjoint(g, one_axis, a, r, src, d, like=data),)
 
 
