@@ -1079,7 +1079,6 @@ def _div(g: Any, a: Any, b: Any, *args: Any) -> Any:
     return (symbolic_opset10.div if g.opset >= 10 else symbolic_opset9.div)(g, a, b, *args)
 
 
-
 def _batch_norm(g: Any, x: Any, weight: Any, bias: Any, mean: Any, var: Any, training: Any, *rest: Any) -> Any:
     """torch.batch_norm without running statistics (`F.batch_norm(x, None, None, w, b, training=True)`, as functional
     networks call it): stand-ins of x's channel count in their place (and in a missing weight's and bias's) under a

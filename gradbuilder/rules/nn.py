@@ -577,8 +577,7 @@ def conv_transpose(g: Grad):
         outs = _sizes(g, g.O(0), nd)
         reached = g.Sub(outs, g.ints(short)) if isinstance(outs, str) else [o - c for o, c in zip(outs, short)]
         dw = _weight_grad(g, dy_used, reached, x, x, win, tails, group, _per_group(g, w, g.O(0), group),
-                          _count(g, w, [0]),
-                          _count(g, x, range(2, 2 + nd)))
+                          _count(g, w, [0]), _count(g, x, range(2, 2 + nd)))
     if g.I(2) is not None and g.needs(2):
         db = _channel_sum(g, dy, nd + 2)
     return (dx, dw, db)
