@@ -84,9 +84,71 @@ def _drop_unread_constants(g: onnx.GraphProto, names: set[str]) -> None:
             values.remove(v)
 
 
+def _batch_statistics(g: onnx.GraphProto, node: onnx.NodeProto, p: str, channels: int, types: Mapping[str, int]
+                      ) -> tuple[int, list[onnx.NodeProto]]:
+    """The training node made to give its batch's mean as `{p}.mean` (its running outputs at momentum 0, over
+    constant running inputs) and the nodes giving the unbiased batch variance as `{p}.var` (the biased one times
+    n / (n-1), n the elements a channel); returns the statistics' element type and those nodes."""
+    elem = _constant_statistics(g, node, p, channels, types)
+    _attr(node, "training_mode", 1)
+    _attr(node, "momentum", 0.0)
+    while len(node.output) < 3:
+        node.output.append("")
+    node.output[1], node.output[2] = f"{p}.mean", f"{p}.biased_var"
+    return elem, [
+        helper.make_node("Size", [node.input[0]], [f"{p}.numel"]),
+        helper.make_node("Size", [f"{p}.mean"], [f"{p}.channels"]),
+        helper.make_node("Div", [f"{p}.numel", f"{p}.channels"], [f"{p}.n_int"]),
+        helper.make_node("CastLike", [f"{p}.n_int", f"{p}.mean"], [f"{p}.n"]),
+        helper.make_node("CastLike", [_ONE, f"{p}.mean"], [f"{p}.one"]),
+        helper.make_node("Sub", [f"{p}.n", f"{p}.one"], [f"{p}.n_minus_1"]),
+        helper.make_node("Div", [f"{p}.n", f"{p}.n_minus_1"], [f"{p}.factor"]),
+        helper.make_node("Mul", [f"{p}.biased_var", f"{p}.factor"], [f"{p}.var"]),
+    ]
+
+
+def _updated_in_graph(g: onnx.GraphProto, node: onnx.NodeProto, p: str, current: dict[str, str],
+                      types: Mapping[str, int]) -> list[onnx.NodeProto] | None:
+    """A training node no BatchNorm module owns (`F.batch_norm` on a module's own buffers, which torch updates in
+    place: the legacy export carries them out as their unchanged inputs, the update being invisible to its trace):
+    the running statistics as torch updates them, `running * (1 - m) + batch * m` with the unbiased batch variance,
+    from their values after any earlier such update (`current`, which then names the new ones). None where neither
+    statistic is carried out (`current` holds the carried ones) or their length is unknown."""
+    old = list(node.input[3:5])
+    channels = _length(g, old[0])
+    if not any(name in current for name in old) or channels is None or \
+            not any(a.name == "training_mode" and a.i for a in node.attribute):
+        return None
+    kept = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)  # ONNX's: the share of the old value
+    elem, nodes = _batch_statistics(g, node, p, channels, types)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+    g.initializer.extend([onnx.numpy_helper.from_array(np.array(kept, dtype), f"{p}.kept"),
+                          onnx.numpy_helper.from_array(np.array(1.0 - kept, dtype), f"{p}.taken")])
+    for running, batch in zip(old, (f"{p}.mean", f"{p}.var")):
+        new = f"{batch}/updated"
+        nodes += [helper.make_node("Mul", [current.get(running, running), f"{p}.kept"], [f"{new}/kept"]),
+                  helper.make_node("Mul", [batch, f"{p}.taken"], [f"{new}/taken"]),
+                  helper.make_node("Add", [f"{new}/kept", f"{new}/taken"], [new])]
+        current[running] = new
+    return nodes
+
+
+def _length(g: onnx.GraphProto, name: str) -> int | None:
+    """The static length of a 1-D graph input, initializer or typed tensor."""
+    for t in g.initializer:
+        if t.name == name:
+            return int(t.dims[0]) if len(t.dims) == 1 else None
+    for v in [*g.input, *g.value_info]:
+        if v.name == name:
+            dims = v.type.tensor_type.shape.dim
+            return int(dims[0].dim_value) if len(dims) == 1 and dims[0].HasField("dim_value") else None
+    return None
+
+
 def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules: Mapping[str, nn.Module]
                        ) -> list[BatchStats]:
-    """Rewrite the BatchNormalization nodes of BatchNorm modules in training mode (see module doc).
+    """Rewrite the BatchNormalization nodes of BatchNorm modules in training mode (see module doc), and those
+    updating statistics no BatchNorm module owns as torch updates them (`_updated_in_graph`).
 
     owner: name of the tensor feeding a BatchNorm module's running mean -> the module's qualified name.
     """
@@ -96,6 +158,11 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
     nodes: list[onnx.NodeProto] = []
     calls: dict[str, int] = {}
     replaced: set[str] = set()
+    outputs = {o.name for o in g.output}
+    carriers = [n for n in g.node if n.op_type == "Identity" and n.output and n.output[0] in outputs]
+    current = {n.input[0]: n.input[0] for n in carriers}  # statistics carried out -> their latest value
+    made = False  # nodes reading `_ONE`
+    functional = 0  # the training nodes no BatchNorm module owns, named apart
     # the dynamo exporter feeds a module's second call the running mean through an Identity of the first's input
     alias = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Identity" and n.input and n.output}
     for node in g.node:
@@ -108,6 +175,11 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         fqn = owner.get(running)
         mod = modules.get(fqn) if fqn is not None else None
         if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            extra = _updated_in_graph(g, node, f"batchnorm.functional{functional}", current, types)
+            functional += 1
+            if extra is not None:
+                nodes += extra
+                made = True
             continue
         p = f"batchnorm.{fqn}" if fqn else "batchnorm"
         calls[p] = calls.get(p, 0) + 1
@@ -123,27 +195,16 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
             continue
         if not mod.training:
             continue
-        elem = _constant_statistics(g, node, p, int(mod.num_features), types)
         channels = int(mod.num_features)
-        _attr(node, "training_mode", 1)
-        _attr(node, "momentum", 0.0)
-        while len(node.output) < 3:
-            node.output.append("")
-        node.output[1], node.output[2] = f"{p}.mean", f"{p}.biased_var"
-        nodes += [
-            helper.make_node("Size", [node.input[0]], [f"{p}.numel"]),
-            helper.make_node("Size", [f"{p}.mean"], [f"{p}.channels"]),
-            helper.make_node("Div", [f"{p}.numel", f"{p}.channels"], [f"{p}.n_int"]),
-            helper.make_node("CastLike", [f"{p}.n_int", f"{p}.mean"], [f"{p}.n"]),
-            helper.make_node("CastLike", [_ONE, f"{p}.mean"], [f"{p}.one"]),
-            helper.make_node("Sub", [f"{p}.n", f"{p}.one"], [f"{p}.n_minus_1"]),
-            helper.make_node("Div", [f"{p}.n", f"{p}.n_minus_1"], [f"{p}.factor"]),
-            helper.make_node("Mul", [f"{p}.biased_var", f"{p}.factor"], [f"{p}.var"]),
-        ]
+        elem, extra = _batch_statistics(g, node, p, channels, types)
+        nodes += extra
+        made = True
         g.output.extend([helper.make_tensor_value_info(f"{p}.mean", elem, [channels]),  # sized, or the backward's
                          helper.make_tensor_value_info(f"{p}.var", elem, [channels])])  # inference loses its sizes
         stats.append(BatchStats(fqn, f"{p}.mean", f"{p}.var", region(node)))  # type: ignore[arg-type]
-    if stats:
+    for n in carriers:  # the carried statistics' new values
+        n.input[0] = current[n.input[0]]
+    if made:
         g.initializer.append(onnx.numpy_helper.from_array(np.array(1.0, dtype=np.float32), _ONE))
     del g.node[:]
     g.node.extend(nodes)

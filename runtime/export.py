@@ -896,6 +896,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     carried = _updates(model, outputs[len(wanted):], updates)
     outputs = outputs[:len(wanted)]
     lost = [name for name in mutated if name not in {fqn for _, fqn in carried}]
+    _batch_norm_on_lost_buffers(model, lost, options.exporter)
     if lost:
         warnings.warn(f"ORTModule({type(module).__name__}): the forward changes {_listed(lost)} in place, "
                       "which the exported graph does not carry back to the module (buffers are, with the legacy "
@@ -933,6 +934,21 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                     carried, reference, Scalars.of(flat._result.get("scalar_reads", set()), module),
                     not differentiable and custom_functions.unchecked(applied),
                     flat._result.get("guards"), _consumed(model, outputs), hooks, ties)
+
+
+def _batch_norm_on_lost_buffers(model: onnx.ModelProto, lost: Sequence[str], exporter: str) -> None:
+    """Refuse a BatchNormalization reading, as its running statistics, buffers the forward changed in place and the
+    graph does not carry out: `F.batch_norm` in training on a module's own buffers under dynamo, which writes it in
+    inference mode (normalizing by the running statistics, not the batch's) and drops the update, so that every
+    step would compute something else than torch, unchecked (the first call's check cannot run where a buffer's
+    change is lost). The legacy exporter carries them (`batchnorm.training_batchnorm`)."""
+    lost_set = set(lost)
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization" and len(node.input) >= 5 and lost_set & set(node.input[3:5]):
+            raise ExportError(f"the forward calls batch_norm on {_listed(node.input[3:5])} in training (node "
+                              f"{node.name or node.output[0]!r}), which the {exporter} exporter writes in inference "
+                              "mode, dropping their update: use exporter='torchscript' (the default), or an "
+                              "nn.BatchNorm module.")
 
 
 def _consumed(model: onnx.ModelProto, outputs: Sequence[str]) -> frozenset[int]:

@@ -2042,6 +2042,56 @@ def test_batchnorm_without_running_stats(frozen: bool) -> None:
     assert om.stats["exports"] == 2, om.stats
 
 
+
+class FunctionalNorm(nn.Module):
+    """A normalization layer of its own (a conditional or meta-learned BatchNorm's shape): F.batch_norm on its own
+    buffers, which torch updates in place."""
+
+    def __init__(self, channels: int, momentum: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(channels) + 0.5)
+        self.bias = nn.Parameter(torch.randn(channels))
+        self.register_buffer("running_mean", torch.randn(channels))
+        self.register_buffer("running_var", torch.rand(channels) + 0.5)
+        self.momentum = momentum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                            self.momentum, 1e-5)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_batch_norm_called_on_a_modules_own_buffers_updates_them_as_torch(dims: int) -> None:
+    """ONNX's training BatchNormalization updates the running variance by the batch's biased variance, torch by the
+    unbiased one: the first call's check refused such a module (its buffers' new values differed). Now its
+    statistics follow torch's over training steps, and evaluation reads them."""
+    conv = dims == 2
+    module = nn.Sequential(nn.Conv2d(2, 3, 3) if conv else nn.Linear(5, 3), FunctionalNorm(3, 0.3), nn.ReLU(),
+                           nn.Flatten(), nn.Linear(3 * 4 * 4 if conv else 3, 2))
+    ref, om = pair(module)
+    for mode in (True, True, False, True):
+        om.train(mode)
+        ref.train(mode)
+        om.zero_grad()
+        ref.zero_grad()
+        x, w = torch.randn(4, 2, 6, 6) if conv else torch.randn(6, 5), torch.randn(1, 2)
+        got, want = om(x), ref(x)
+        torch.testing.assert_close(got, want)
+        (got * w).sum().backward()
+        (want * w).sum().backward()
+        assert_grads_equal(om, ref)
+        for (name, b), c in zip(om.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_batch_norm_called_on_a_modules_own_buffers_is_refused_under_dynamo() -> None:
+    """dynamo writes that call in inference mode (normalizing by the running statistics) and drops the update; the
+    first call's check cannot run where a buffer's change is lost, so its steps computed something else, silently."""
+    om = ORTModule(nn.Sequential(nn.Linear(5, 3), FunctionalNorm(3, 0.3)), exporter="dynamo")
+    with pytest.raises(ORTModuleError, match=r"batch_norm on 1.running_mean, 1.running_var in training .*dynamo "
+                                             r"exporter writes in inference mode"):
+        om(torch.randn(6, 5))
+
 def test_batchnorm_without_affine_or_running_stats_in_float64() -> None:
     """Its stand-in statistics were torch.zeros' float32 (no weight to take the type from): the float64 module's
     export failed ("mixed dtype")."""
