@@ -7,7 +7,8 @@ for `amax` / `amin`), and `clamp` with tensor bounds (float64 clamps' bounds are
 margin losses) as Max / Min, which split a gradient at a bound reached (torch's gives it to x, bounds inclusive).
 `xlogy` cut x's gradient at x = 0, `detach` was an Identity, and float64 `elu`, `selu`, `celu`, `leaky_relu` and
 `log2` computed with float32 constants (or in float32); `bernoulli_(p)` compared its uniforms with a CastLike
-of p, which `host_dropout` does not read as p (under `torch_dropout`, onnxruntime's draw stood for torch's mask).
+of p, which `host_dropout` does not read as p (under `torch_dropout`, onnxruntime's draw stood for torch's mask);
+`conv3d` without a bias gave its Conv a bias of the wrong rank.
 The legacy exporter's conversions of the same ops (`symbolics.py`) follow torch: these follow the same
 conventions. (Attention under a mask emptying a row is mended before either exporter sees it, in `functions.py`.)
 Where onnxscript's are right (scalar bounds: a Clip; float32 activations) they are kept."""
@@ -245,6 +246,19 @@ def _bernoulli_p(x: Any, p: float, generator: Any = None) -> Any:
     return op.CastLike(op.Less(op.RandomUniformLike(like, low=0.0, high=1.0), p_like), x)
 
 
+
+def _conv3d(x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+            groups: int = 1) -> Any:
+    """aten conv3d: one Conv, without a bias input where there is none (onnxscript's made a zero bias shaped
+    [out channels, 3], which onnxruntime refused at the first run: 3-D convolutions without bias, as before a
+    BatchNorm3d, failed under dynamo)."""
+    def three(v: Any) -> list[int]:
+        return [int(v)] * 3 if isinstance(v, int) else [int(e) for e in v]
+
+    pads = three(padding)
+    inputs = [x, w] if bias is None else [x, w, bias]
+    return _op().Conv(*inputs, strides=three(stride), pads=[*pads, *pads], dilations=three(dilation), group=groups)
+
 @functools.cache
 def translations() -> dict[Any, Any]:
     """aten overload -> translation, for `torch.onnx.export(..., custom_translation_table=)`."""
@@ -256,6 +270,6 @@ def translations() -> dict[Any, Any]:
         aten.elu.default: _elu, aten.selu.default: _selu, aten.celu.default: _celu,
         aten.leaky_relu.default: _leaky_relu, aten.log2.default: _log2,
         aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
-        aten.detach.default: _detach, aten.bernoulli.p: _bernoulli_p,
+        aten.detach.default: _detach, aten.bernoulli.p: _bernoulli_p, aten.conv3d.default: _conv3d,
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
     }

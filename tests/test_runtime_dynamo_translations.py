@@ -4,8 +4,8 @@ pooling (a tie's gradient to the index returned; NaN kept), amax / amin (NaN kep
 bound reached: x's gradient; float64 clamps' bounds are tensors, margin losses' clamp_min too), attention under a
 boolean mask leaving a query no key, binary cross-entropy at p = target = 0 or 1 (runtime's replacement detaches,
 which onnxscript drops), xlogy's gradient at x = 0, and float64 activations' constants (elu, selu, leaky_relu,
-log2); bernoulli_(p) under `torch_dropout` draws torch's mask. Every entry runs in float32 and in float64,
-the latter to `DOUBLE_RTOL`."""
+log2); bernoulli_(p) under `torch_dropout` draws torch's mask; conv3d without bias runs. Every entry of `OPS` runs in
+float32 and in float64, the latter to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -145,3 +145,33 @@ def test_bernoulli_of_a_number_draws_torchs_mask(dtype: torch.dtype) -> None:
         for (key, p), q in zip(ours.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=f"call {step}: {key}")
     assert model.stats["exports"] == 1 and model.stats["fallbacks"] == 0, model.stats
+
+
+class Conv3d(nn.Module):
+    """Two 3-D convolutions, without and with a bias (strided, padded, dilated, grouped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv3d(2, 4, 3, padding=1, bias=False)
+        self.second = nn.Conv3d(4, 4, (2, 3, 1), stride=(1, 2, 1), padding=(1, 0, 0), dilation=(2, 1, 1), groups=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).relu())
+
+
+def test_conv3d_without_bias_trains_like_torch() -> None:
+    """onnxscript gave a 3-D convolution without bias a zero bias of the wrong rank: onnxruntime refused the first
+    run (3-D CNNs convolve without bias before a BatchNorm3d). Two calls, the batch changing."""
+    torch.manual_seed(0)
+    ours, reference = Conv3d(), Conv3d()
+    reference.load_state_dict(ours.state_dict())
+    model = ORTModule(ours, exporter="dynamo")
+    for batch in (2, 3):
+        x = torch.randn(batch, 2, 5, 6, 4)
+        got, want = model(x), reference(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got.square().sum().backward()
+        want.square().sum().backward()
+    for (key, p), q in zip(ours.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=key)
+    assert model.stats["fallbacks"] == 0, model.stats
