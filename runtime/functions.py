@@ -10,7 +10,8 @@ running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
 on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`,
-and writes a convolution padded "same" with a dilation as an auto_pad onnxruntime refuses at the first run;
+and writes a convolution padded "same" with a dilation as an auto_pad onnxruntime refuses at the first run (and a
+float64 convolution as a Conv, which onnxruntime has no double kernel of);
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder does
 not differentiate; and some exports compute something else, without an error: `avg_pool2d` and `avg_pool3d` ignore a
 constant `divisor_override`, `pairwise_distance` adds eps to the exponent, `softplus` ignores its threshold,
@@ -49,6 +50,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
   weights per axis, built from the run-time n;
 - linear interpolation (linear, bilinear, trilinear) in float64, which onnxruntime's Resize lacks (and dynamo's 1-D
   form weighted in float32): the same products with torch's linear weights;
+- a float64 convolution: the input padded, each kernel tap's strided window stacked, times the weight as [out /
+  groups, in / groups * taps], one product a group (`_conv_by_taps`);
 - cosine similarity: each input over its norm clamped to eps (the gradient kept below it, as in gaussian NLL), the
   products summed (torch's; the exporter's sqrt of the product of squared norms has a NaN gradient at a zero vector);
 - std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
@@ -106,6 +109,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -215,23 +219,61 @@ def _per_axis(value: Sequence[int] | int, dims: int) -> list[int]:
     return [value] * dims if isinstance(value, int) else list(value) * (dims if len(value) == 1 else 1)
 
 
-def _same_padding_conv(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
-    """A convolution with padding="same" and a dilation, which the legacy exporter writes as auto_pad SAME_UPPER
-    with dilations, which onnxruntime refuses at the first run ("Dilation not supported for AutoPadType"): torch's
-    own padding, dilation * (kernel - 1) per axis, half before (rounded down) and the rest after (a zero Pad of the
-    odd one), as explicit pads. Undilated "same" keeps the exporter's auto_pad, which onnxruntime computes alike."""
+def _conv(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
+    """A float64 convolution as `_conv_by_taps` (onnxruntime has no double Conv: such a module was refused at its
+    session's load). One padded "same" with a dilation, which the legacy exporter writes as auto_pad SAME_UPPER with
+    dilations, which onnxruntime refuses at the first run ("Dilation not supported for AutoPadType"), with torch's
+    own padding as explicit pads (`_conv_pads`; a zero Pad of the odd one). Undilated "same" keeps the exporter's
+    auto_pad, which onnxruntime computes alike."""
     def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              stride: Sequence[int] | int = 1, padding: Any = 0, dilation: Sequence[int] | int = 1,
              groups: int = 1) -> torch.Tensor:
         dilations = _per_axis(dilation, dims)
+        if input.dtype == torch.float64:
+            return _conv_by_taps(input, weight, bias, _per_axis(stride, dims), padding, dilations, groups)
         if not (isinstance(padding, str) and padding == "same") or all(d == 1 for d in dilations):
             return original(input, weight, bias, stride, padding, dilation, groups)
-        totals = [d * (k - 1) for d, k in zip(dilations, untraced_ints(*weight.shape[2:]))]
-        odd = [p for total in reversed(totals) for p in (0, total % 2)]  # F.pad's order: last axis first
+        begin, end = _conv_pads(padding, dilations, untraced_ints(*weight.shape[2:]))
+        odd = [p for b, e in zip(reversed(begin), reversed(end)) for p in (0, e - b)]  # F.pad's order: last axis first
         padded = F.pad(input, odd) if any(odd) else input
-        return original(padded, weight, bias, stride, [total // 2 for total in totals], dilation, groups)
+        return original(padded, weight, bias, stride, begin, dilation, groups)
 
     return conv
+
+
+def _conv_pads(padding: Any, dilations: Sequence[int], kernel: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A convolution's pads before and after, per axis: "same" as torch pads, dilation * (kernel - 1) in all, half
+    before (rounded down) and the rest after; "valid" none; numbers both sides."""
+    if isinstance(padding, str):
+        totals = [d * (k - 1) if padding == "same" else 0 for d, k in zip(dilations, kernel)]
+        return [t // 2 for t in totals], [t - t // 2 for t in totals]
+    pads = _per_axis(padding, len(kernel))
+    return pads, pads
+
+
+def _conv_by_taps(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, strides: Sequence[int], padding: Any,
+                  dilations: Sequence[int], groups: int) -> torch.Tensor:
+    """The convolution as one product a group over its kernel's taps: x padded, each tap's strided window (a slice,
+    sized from x's run-time sizes: one export for every size) stacked on a new axis after the channels, then the
+    weight as [out / groups, in / groups * taps] times those columns: ops onnxruntime runs in double (Pad, Slice,
+    Concat, MatMul), and whose gradients are the Slices' and the product's."""
+    kernel = untraced_ints(*w.shape[2:])
+    out_channels, per_group = untraced_ints(*w.shape[:2])
+    begin, end = _conv_pads(padding, dilations, kernel)
+    padded = F.pad(x, [p for b, e in zip(reversed(begin), reversed(end)) for p in (b, e)])
+    outs = [(padded.shape[2 + a] - d * (k - 1) - 1) // s + 1 for a, (k, s, d) in enumerate(zip(kernel, strides,
+                                                                                                  dilations))]
+    windows = []
+    for tap in itertools.product(*[range(k) for k in kernel]):
+        window = padded
+        for a, (t, s, d, o) in enumerate(zip(tap, strides, dilations, outs)):
+            window = window.narrow(2 + a, t * d, (o - 1) * s + 1)[(slice(None),) * (2 + a) + (slice(None, None, s),)]
+        windows.append(window)
+    taps = len(windows)
+    cols = torch.stack(windows, 2).reshape(x.shape[0], groups, per_group * taps, -1)  # [N, G, C/G * T, P]
+    rows = w.reshape(groups, out_channels // groups, per_group * taps)  # the taps after each channel, as cols
+    y = torch.matmul(rows, cols).reshape(x.shape[0], out_channels, *outs)
+    return y if bias is None else y + bias.reshape(1, -1, *[1] * len(kernel))
 
 
 EXPORTED_ORDERS = (1, 2, math.inf, -math.inf)
@@ -1368,7 +1410,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
     nn_ops = torch._C._nn
     return replaced([
         (nn_ops, "adaptive_avg_pool2d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool2d, 2)),
-        *((owner, f"conv{d}d", _same_padding_conv(getattr(torch, f"conv{d}d"), d)) for d in (1, 2, 3)
+        *((owner, f"conv{d}d", _conv(getattr(torch, f"conv{d}d"), d)) for d in (1, 2, 3)
           for owner in (torch, F)),
         *((owner, f"avg_pool{d}d", _batched(_divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d), d + 1))
           for d in (2, 3) for owner in (nn_ops, F)),

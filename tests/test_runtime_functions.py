@@ -961,6 +961,37 @@ def test_dilated_same_padding_convolutions_train_like_torch(dims: int) -> None:
     assert om.stats["exports"] == 1, om.stats
 
 
+
+class DoubleConvs(nn.Module):
+    """float64 convolutions of every kind the layer has: strided, dilated, grouped, padded by numbers, "same" (with a
+    dilation and an even kernel: the odd pad after) and "valid", reflected, with and without bias."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        self.layers = nn.Sequential(
+            conv(2, 4, 3, stride=2, padding=1, bias=False),
+            conv(4, 4, (2, 3, 2)[:dims], padding="same", dilation=(2, 1, 2)[:dims], groups=2),
+            conv(4, 6, (3, 1, 2)[:dims], padding="valid", groups=2, padding_mode="zeros"),
+            conv(6, 3, 3, padding=1, padding_mode="reflect"),
+        ).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+@pytest.mark.parametrize(("dims", "exporter"), [(1, "torchscript"), (2, "torchscript"), (3, "torchscript"),
+                                                (1, "dynamo")])
+def test_float64_convolutions_train_like_torch(dims: int, exporter: str) -> None:
+    """onnxruntime has no double Conv: a float64 convolution was refused at its session's load. Written as products
+    over its kernel's taps, its values and gradients are torch's to float64's tolerance, at two sizes from one
+    export."""
+    g = torch.Generator().manual_seed(dims)
+    sizes = [(9, 8, 7), (12, 7, 8)]
+    om = _as_torch(lambda: DoubleConvs(dims), [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64)
+                                               for size in sizes], exporter, **TOLERANCE[torch.float64])
+    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
+
 class Floored(nn.Module):
     """Values torch clamps to eps in place under no_grad, from a Linear of the batch and a scale the batch gives
     (above eps at the first step, below it for some rows at the next ones): a Gaussian NLL's variance (one a
