@@ -10,8 +10,8 @@ running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
 on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`,
-and writes a convolution padded "same" with a dilation as an auto_pad onnxruntime refuses at the first run (and a
-float64 convolution as a Conv, which onnxruntime has no double kernel of);
+and writes a convolution padded "same" with a dilation as an auto_pad onnxruntime refuses at the first run (and
+float64 convolutions and average pools as a Conv and an AveragePool, which onnxruntime has no double kernels of);
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder does
 not differentiate; and some exports compute something else, without an error: `avg_pool2d` and `avg_pool3d` ignore a
 constant `divisor_override`, `pairwise_distance` adds eps to the exponent, `softplus` ignores its threshold,
@@ -52,6 +52,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
   form weighted in float32): the same products with torch's linear weights;
 - a float64 convolution: the input padded, each kernel tap's strided window stacked, times the weight as [out /
   groups, in / groups * taps], one product a group (`_conv_by_taps`);
+- a float64 average pool: the windows' sums (a strided slice a tap, added) over torch's divisor (the override, or
+  each window's count of input and, with count_include_pad, padding elements, summed the same way over ones);
+  global average pooling as a mean;
 - cosine similarity: each input over its norm clamped to eps (the gradient kept below it, as in gaussian NLL), the
   products summed (torch's; the exporter's sqrt of the product of squared norms has a NaN gradient at a zero vector);
 - std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
@@ -108,6 +111,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import math
@@ -140,8 +144,9 @@ def _pooling_matrix(n: Any, k: int, like: torch.Tensor) -> torch.Tensor:
 def _adaptive_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
     def pool(x: torch.Tensor, output_size: Sequence[int | None] | int) -> torch.Tensor:
         sizes = [output_size] * dims if isinstance(output_size, int) else list(output_size)
-        if all(k == 1 for k in sizes):  # exported as GlobalAveragePool
-            return original(x, output_size)
+        if all(k == 1 for k in sizes):  # exported as GlobalAveragePool, which onnxruntime lacks in float64
+            return x.mean(list(range(x.dim() - dims, x.dim())), keepdim=True) if x.dtype == torch.float64 else \
+                original(x, output_size)
         rank = x.dim()
         # non-negative axes: the exporter writes a negative movedim axis into a Transpose's perm as it is
         for axis, k in zip(range(rank - dims, rank), sizes):
@@ -201,7 +206,7 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
     def pool(x: torch.Tensor, kernel_size: Sequence[int] | int, stride: Sequence[int] | int | None = None,
              padding: Sequence[int] | int = 0, ceil_mode: bool = False, count_include_pad: bool = True,
              divisor_override: int | None = None) -> torch.Tensor:
-        if divisor_override is None:
+        if divisor_override is None and x.dtype != torch.float64:
             return original(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
         kernel, pads = _per_axis(kernel_size, dims), _per_axis(padding, dims)
         strides = _per_axis(stride, dims) if stride else kernel
@@ -209,8 +214,20 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
                     else 0 for i in range(dims)]
         framed = F.pad(x, [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])])
         # every window now lies inside the zero-framed input: its mean times its size is the sum torch divides
-        mean = original(framed, kernel, strides, 0, False, True)
-        return mean * (math.prod(kernel) / divisor_override)
+        if x.dtype != torch.float64:
+            return original(framed, kernel, strides, 0, False, True) * (math.prod(kernel) / divisor_override)
+        # float64, which onnxruntime's AveragePool lacks: the windows' sums over the count torch divides by, the
+        # elements of each window inside the input (and its padding, with count_include_pad), or the override
+        sums = _window_sum(framed, kernel, strides)
+        if divisor_override is not None:
+            return sums / divisor_override
+        inside = torch.ones_like(x.narrow(0, 0, 1).narrow(1, 0, 1))
+        if count_include_pad:
+            inside = F.pad(inside, [p for i in reversed(range(dims)) for p in (pads[i], pads[i])], value=1.0)
+            framing = [p for i in reversed(range(dims)) for p in (0, overhang[i])]
+        else:
+            framing = [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])]
+        return sums / _window_sum(F.pad(inside, framing), kernel, strides)
 
     return pool
 
@@ -251,6 +268,30 @@ def _conv_pads(padding: Any, dilations: Sequence[int], kernel: Sequence[int]) ->
     return pads, pads
 
 
+def _window_counts(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
+                   ) -> list[Any]:
+    """How many windows fit along each spatial axis of t (no padding), from its run-time sizes."""
+    return [(t.shape[2 + a] - d * (k - 1) - 1) // s + 1 for a, (k, s, d) in enumerate(zip(kernel, strides, dilations))]
+
+
+def _windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
+             ) -> list[torch.Tensor]:
+    """Per kernel tap, the strided slice of t (spatial axes after two) each window reads there."""
+    outs = _window_counts(t, kernel, strides, dilations)
+    windows = []
+    for tap in itertools.product(*[range(k) for k in kernel]):
+        window = t
+        for a, (i, s, d, o) in enumerate(zip(tap, strides, dilations, outs)):
+            window = window.narrow(2 + a, i * d, (o - 1) * s + 1)[(slice(None),) * (2 + a) + (slice(None, None, s),)]
+        windows.append(window)
+    return windows
+
+
+def _window_sum(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+    """Each window's sum, over undilated windows of t."""
+    return functools.reduce(torch.add, _windows(t, kernel, strides, [1] * len(kernel)))
+
+
 def _conv_by_taps(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, strides: Sequence[int], padding: Any,
                   dilations: Sequence[int], groups: int) -> torch.Tensor:
     """The convolution as one product a group over its kernel's taps: x padded, each tap's strided window (a slice,
@@ -261,14 +302,8 @@ def _conv_by_taps(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, s
     out_channels, per_group = untraced_ints(*w.shape[:2])
     begin, end = _conv_pads(padding, dilations, kernel)
     padded = F.pad(x, [p for b, e in zip(reversed(begin), reversed(end)) for p in (b, e)])
-    outs = [(padded.shape[2 + a] - d * (k - 1) - 1) // s + 1 for a, (k, s, d) in enumerate(zip(kernel, strides,
-                                                                                                  dilations))]
-    windows = []
-    for tap in itertools.product(*[range(k) for k in kernel]):
-        window = padded
-        for a, (t, s, d, o) in enumerate(zip(tap, strides, dilations, outs)):
-            window = window.narrow(2 + a, t * d, (o - 1) * s + 1)[(slice(None),) * (2 + a) + (slice(None, None, s),)]
-        windows.append(window)
+    outs = _window_counts(padded, kernel, strides, dilations)
+    windows = _windows(padded, kernel, strides, dilations)
     taps = len(windows)
     cols = torch.stack(windows, 2).reshape(x.shape[0], groups, per_group * taps, -1)  # [N, G, C/G * T, P]
     rows = w.reshape(groups, out_channels // groups, per_group * taps)  # the taps after each channel, as cols
@@ -1414,7 +1449,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
           for owner in (torch, F)),
         *((owner, f"avg_pool{d}d", _batched(_divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d), d + 1))
           for d in (2, 3) for owner in (nn_ops, F)),
-        *((owner, "avg_pool1d", _batched(torch.avg_pool1d, 2)) for owner in (torch, F)),
+        *((owner, "avg_pool1d", _batched(_divided_avg_pool(torch.avg_pool1d, 1), 2)) for owner in (torch, F)),
         *((owner, name, _batched(getattr(owner, name), rank)) for owner, name, rank in (
             (torch, "max_pool1d", 2), (torch, "max_pool1d_with_indices", 2), (torch, "max_pool2d", 3),
             (nn_ops, "max_pool2d_with_indices", 3), (nn_ops, "im2col", 3))),

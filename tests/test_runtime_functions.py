@@ -8,6 +8,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -990,6 +991,37 @@ def test_float64_convolutions_train_like_torch(dims: int, exporter: str) -> None
     sizes = [(9, 8, 7), (12, 7, 8)]
     om = _as_torch(lambda: DoubleConvs(dims), [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64)
                                                for size in sizes], exporter, **TOLERANCE[torch.float64])
+    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
+
+
+class DoubleAveragePools(nn.Module):
+    """float64 average pools: padded with and without counting the padding, ceil mode (a last window over the edge),
+    a divisor override (not in 1-D), overlapping strides, and global average pooling."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        def pool(*args: Any, **kwargs: Any) -> torch.Tensor:  # looked up at the call, as nn.AvgPool1d does
+            return getattr(F, f"avg_pool{dims}d")(*args, **kwargs)
+
+        overridden = [] if dims == 1 else [lambda x: pool(x, 3, 2, 0, ceil_mode=False, divisor_override=4)]
+        self.pools = [lambda x: pool(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+                      lambda x: pool(x, 2, 1, 1, ceil_mode=True, count_include_pad=True), *overridden,
+                      lambda x: pool(x, 2), getattr(nn, f"AdaptiveAvgPool{dims}d")(1)]
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2, dtype=torch.float64).view(2, *[1] * dims))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([pool(x * self.w).flatten(1) for pool in self.pools], 1)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_float64_average_pools_train_like_torch(dims: int) -> None:
+    """onnxruntime has no double AveragePool or GlobalAveragePool: a float64 average pool was refused at its
+    session's load. As window sums over torch's divisors (and a mean), its values and gradients are torch's, at two
+    sizes from one export."""
+    g = torch.Generator().manual_seed(dims)
+    sizes = [(9, 8, 7), (10, 7, 6)]
+    om = _as_torch(lambda: DoubleAveragePools(dims), [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64)
+                                                      for size in sizes], **TOLERANCE[torch.float64])
     assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
 
 class Floored(nn.Module):
