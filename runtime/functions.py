@@ -11,7 +11,8 @@ without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lga
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
 on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`,
 and writes a convolution padded "same" with a dilation as an auto_pad onnxruntime refuses at the first run (and
-float64 convolutions and average pools as a Conv and an AveragePool, which onnxruntime has no double kernels of);
+float64 convolutions, transposed ones and average pools as a Conv, a ConvTranspose and an AveragePool, which
+onnxruntime has no double kernels of);
 `local_response_norm` and `embedding_bag` export with an If or a Loop on the gradient path, which gradbuilder does
 not differentiate; and some exports compute something else, without an error: `avg_pool2d` and `avg_pool3d` ignore a
 constant `divisor_override`, `pairwise_distance` adds eps to the exponent, `softplus` ignores its threshold,
@@ -52,6 +53,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
   form weighted in float32): the same products with torch's linear weights;
 - a float64 convolution: the input padded, each kernel tap's strided window stacked, times the weight as [out /
   groups, in / groups * taps], one product a group (`_conv_by_taps`);
+- a float64 transposed convolution: the convolution it is the adjoint of, over the input with stride - 1 zeros
+  between its elements, framed by dilation * (kernel - 1) - padding (and the output padding), the weight's taps
+  flipped and its channel axes exchanged within each group;
 - a float64 average pool: the windows' sums (a strided slice a tap, added) over torch's divisor (the override, or
   each window's count of input and, with count_include_pad, padding elements, summed the same way over ones);
   global average pooling as a mean;
@@ -256,6 +260,36 @@ def _conv(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., tor
         return original(padded, weight, bias, stride, begin, dilation, groups)
 
     return conv
+
+
+
+def _conv_transpose(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
+    """A float64 transposed convolution (onnxruntime has no double ConvTranspose) as the convolution it is the
+    adjoint of: the input with stride - 1 zeros between its elements, padded by dilation * (kernel - 1) - padding
+    (and the output padding at the end; cropped where negative), convolved by `_conv_by_taps` with the weight's
+    taps flipped and its channel axes exchanged within each group."""
+    def conv_transpose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       stride: Sequence[int] | int = 1, padding: Sequence[int] | int = 0,
+                       output_padding: Sequence[int] | int = 0, groups: int = 1,
+                       dilation: Sequence[int] | int = 1) -> torch.Tensor:
+        if input.dtype != torch.float64:
+            return original(input, weight, bias, stride, padding, output_padding, groups, dilation)
+        strides, pads, extra, dilations = (_per_axis(v, dims) for v in (stride, padding, output_padding, dilation))
+        kernel = untraced_ints(*weight.shape[2:])
+        x = input
+        for a, s in enumerate(strides):  # stride - 1 zeros after each element, the last one's dropped
+            if s > 1:
+                axis = 2 + a
+                x = torch.stack([x, *[torch.zeros_like(x)] * (s - 1)], axis + 1).flatten(axis, axis + 1)
+                x = x.narrow(axis, 0, x.shape[axis] - (s - 1))
+        frame = [d * (k - 1) - p for d, k, p in zip(dilations, kernel, pads)]
+        x = F.pad(x, [q for f, e in zip(reversed(frame), reversed(extra)) for q in (f, f + e)])
+        ins, per_group = untraced_ints(*weight.shape[:2])
+        flipped = weight.flip(list(range(2, 2 + dims))).reshape(groups, ins // groups, per_group, *kernel)
+        swapped = flipped.transpose(1, 2).reshape(groups * per_group, ins // groups, *kernel)
+        return _conv_by_taps(x, swapped, bias, [1] * dims, 0, dilations, groups)
+
+    return conv_transpose
 
 
 def _conv_pads(padding: Any, dilations: Sequence[int], kernel: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -1447,6 +1481,8 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (nn_ops, "adaptive_avg_pool2d", _adaptive_avg_pool(nn_ops.adaptive_avg_pool2d, 2)),
         *((owner, f"conv{d}d", _conv(getattr(torch, f"conv{d}d"), d)) for d in (1, 2, 3)
           for owner in (torch, F)),
+        *((owner, f"conv_transpose{d}d", _conv_transpose(getattr(torch, f"conv_transpose{d}d"), d))
+          for d in (1, 2, 3) for owner in (torch, F)),
         *((owner, f"avg_pool{d}d", _batched(_divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d), d + 1))
           for d in (2, 3) for owner in (nn_ops, F)),
         *((owner, "avg_pool1d", _batched(_divided_avg_pool(torch.avg_pool1d, 1), 2)) for owner in (torch, F)),
