@@ -51,6 +51,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
   weights per axis, built from the run-time n;
 - linear interpolation (linear, bilinear, trilinear) in float64, which onnxruntime's Resize lacks (and dynamo's 1-D
   form weighted in float32): the same products with torch's linear weights;
+- nearest interpolation in float64: each axis gathered at torch's source indices (floor(i * scale) in float32, as
+  its kernel);
 - a float64 convolution: the input padded, each kernel tap's strided window stacked, times the weight as [out /
   groups, in / groups * taps], one product a group (`_conv_by_taps`);
 - a float64 transposed convolution: the convolution it is the adjoint of, over the input with stride - 1 zeros
@@ -1418,6 +1420,30 @@ def _float64_linear(original: Callable[..., torch.Tensor], dims: int) -> Callabl
     return resample
 
 
+
+def _float64_nearest(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
+    """interpolate(mode="nearest") in float64 (onnxruntime's Resize has no double kernel): each axis gathered at
+    torch's source indices, floor(i * scale) in float32 as its kernel computes them (scale the factor's reciprocal,
+    else n / out), clamped to the last input. Other types keep torch's function."""
+    def resample(x: torch.Tensor, output_size: Sequence[Any] | None, scale_factors: Sequence[float] | None = None,
+                 *scales: float | None) -> torch.Tensor:
+        per_axis = bool(scales) or not (scale_factors is None or isinstance(scale_factors, (list, tuple)))
+        if x.dtype != torch.float64 or x.dim() != dims + 2 or per_axis:
+            return original(x, output_size, scale_factors, *scales)
+        for k in range(dims):
+            axis = x.dim() - dims + k
+            factor = None if scale_factors is None else scale_factors[k]
+            n = _size_tensor(x.shape[axis])
+            out = output_size[k] if output_size is not None else _scaled_size(x.shape[axis], factor)
+            scale = torch.tensor(1 / factor, dtype=torch.float32) if factor else \
+                n.to(torch.float32) / _size_tensor(out).to(torch.float32)
+            index = torch.floor(torch.arange(out, dtype=torch.float32) * scale).to(torch.int64)
+            x = x.index_select(axis, torch.minimum(index, n - 1))
+        return x
+
+    return resample
+
+
 def _batched(original: Callable[..., Any], rank: int, leading: bool = False) -> Callable[..., Any]:
     """`original` of an unbatched input (`rank` axes: (C, L) for a 1-d pool, (C, H, W) for a 2-d one, F.unfold and
     pixel shuffling) with a batch axis of 1 added around the call, as torch's kernels treat it: the legacy exporter
@@ -1508,6 +1534,8 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (nn_ops, "_upsample_bicubic2d_aa", _antialiased(nn_ops._upsample_bicubic2d_aa, 4, _bicubic_filter)),
         *((nn_ops, name, _float64_linear(getattr(nn_ops, name), d))
           for d, name in enumerate(("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"), 1)),
+        *((nn_ops, name, _float64_nearest(getattr(nn_ops, name), d))
+          for d, name in enumerate(("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d"), 1)),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity), (nn_ops, "col2im", _col2im),
         *((owner, "pdist", _pdist) for owner in (torch, F)),
         *((owner, name, fn) for fn, names in ((_lgamma, ("lgamma", "gammaln")), (_digamma, ("digamma", "psi")))

@@ -1024,6 +1024,34 @@ def test_float64_transposed_convolutions_train_like_torch(dims: int) -> None:
                    **TOLERANCE[torch.float64])
     assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
 
+
+class DoubleNearest(nn.Module):
+    """float64 nearest interpolation by a whole factor, a fractional one up and down, and to a given size."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2, dtype=torch.float64).view(2, *[1] * dims))
+        self.size = (7, 5, 3)[:dims]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.w
+        return torch.cat([F.interpolate(h, scale_factor=2.0, mode="nearest").flatten(1),
+                          F.interpolate(h, scale_factor=1.5, mode="nearest").flatten(1),
+                          F.interpolate(h, scale_factor=0.7, mode="nearest").flatten(1),
+                          F.interpolate(h, size=self.size, mode="nearest").flatten(1)], 1)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_float64_nearest_interpolation_trains_like_torch(dims: int) -> None:
+    """onnxruntime's Resize has no double kernel: a float64 U-Net's nearest upsampling was refused at its session's
+    load. Gathered at torch's source indices, its values and gradients are torch's, at two sizes from one export."""
+    g = torch.Generator().manual_seed(dims)
+    sizes = [(5, 4, 3), (6, 5, 4)]
+    om = _as_torch(lambda: DoubleNearest(dims),
+                   [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64) for size in sizes],
+                   **TOLERANCE[torch.float64])
+    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
+
 class DoubleAveragePools(nn.Module):
     """float64 average pools: padded with and without counting the padding, ceil mode (a last window over the edge),
     a divisor override (not in 1-D), overlapping strides, and global average pooling."""
