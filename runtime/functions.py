@@ -310,7 +310,7 @@ def _window_counts(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int
     return [(t.shape[2 + a] - d * (k - 1) - 1) // s + 1 for a, (k, s, d) in enumerate(zip(kernel, strides, dilations))]
 
 
-def _windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
+def _tap_windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
              ) -> list[torch.Tensor]:
     """Per kernel tap, the strided slice of t (spatial axes after two) each window reads there."""
     outs = _window_counts(t, kernel, strides, dilations)
@@ -325,7 +325,7 @@ def _windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int], dil
 
 def _window_sum(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
     """Each window's sum, over undilated windows of t."""
-    return functools.reduce(torch.add, _windows(t, kernel, strides, [1] * len(kernel)))
+    return functools.reduce(torch.add, _tap_windows(t, kernel, strides, [1] * len(kernel)))
 
 
 def _conv_by_taps(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, strides: Sequence[int], padding: Any,
@@ -339,7 +339,7 @@ def _conv_by_taps(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, s
     begin, end = _conv_pads(padding, dilations, kernel)
     padded = F.pad(x, [p for b, e in zip(reversed(begin), reversed(end)) for p in (b, e)])
     outs = _window_counts(padded, kernel, strides, dilations)
-    windows = _windows(padded, kernel, strides, dilations)
+    windows = _tap_windows(padded, kernel, strides, dilations)
     taps = len(windows)
     cols = torch.stack(windows, 2).reshape(x.shape[0], groups, per_group * taps, -1)  # [N, G, C/G * T, P]
     rows = w.reshape(groups, out_channels // groups, per_group * taps)  # the taps after each channel, as cols
