@@ -962,7 +962,6 @@ def test_dilated_same_padding_convolutions_train_like_torch(dims: int) -> None:
     assert om.stats["exports"] == 1, om.stats
 
 
-
 class DoubleConvs(nn.Module):
     """float64 convolutions of every kind the layer has: strided, dilated, grouped, padded by numbers, "same" (with a
     dilation and an even kernel: the odd pad after) and "valid", reflected, with and without bias."""
@@ -979,20 +978,6 @@ class DoubleConvs(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
-
-
-@pytest.mark.parametrize(("dims", "exporter"), [(1, "torchscript"), (2, "torchscript"), (3, "torchscript"),
-                                                (1, "dynamo")])
-def test_float64_convolutions_train_like_torch(dims: int, exporter: str) -> None:
-    """onnxruntime has no double Conv: a float64 convolution was refused at its session's load. Written as products
-    over its kernel's taps, its values and gradients are torch's to float64's tolerance, at two sizes from one
-    export."""
-    g = torch.Generator().manual_seed(dims)
-    sizes = [(9, 8, 7), (12, 7, 8)]
-    om = _as_torch(lambda: DoubleConvs(dims), [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64)
-                                               for size in sizes], exporter, **TOLERANCE[torch.float64])
-    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
-
 
 
 class DoubleTransposedConvs(nn.Module):
@@ -1012,19 +997,6 @@ class DoubleTransposedConvs(nn.Module):
         return self.layers(x)
 
 
-@pytest.mark.parametrize("dims", [1, 2, 3])
-def test_float64_transposed_convolutions_train_like_torch(dims: int) -> None:
-    """onnxruntime has no double ConvTranspose: a float64 decoder was refused at its session's load. As the
-    convolution of the zero-stuffed input it is the adjoint of, its values and gradients are torch's, at two sizes
-    from one export."""
-    g = torch.Generator().manual_seed(dims)
-    sizes = [(5, 4, 3), (6, 3, 4)]
-    om = _as_torch(lambda: DoubleTransposedConvs(dims),
-                   [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64) for size in sizes],
-                   **TOLERANCE[torch.float64])
-    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
-
-
 class DoubleNearest(nn.Module):
     """float64 nearest interpolation by a whole factor, a fractional one up and down, and to a given size."""
 
@@ -1040,17 +1012,6 @@ class DoubleNearest(nn.Module):
                           F.interpolate(h, scale_factor=0.7, mode="nearest").flatten(1),
                           F.interpolate(h, size=self.size, mode="nearest").flatten(1)], 1)
 
-
-@pytest.mark.parametrize("dims", [1, 2, 3])
-def test_float64_nearest_interpolation_trains_like_torch(dims: int) -> None:
-    """onnxruntime's Resize has no double kernel: a float64 U-Net's nearest upsampling was refused at its session's
-    load. Gathered at torch's source indices, its values and gradients are torch's, at two sizes from one export."""
-    g = torch.Generator().manual_seed(dims)
-    sizes = [(5, 4, 3), (6, 5, 4)]
-    om = _as_torch(lambda: DoubleNearest(dims),
-                   [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64) for size in sizes],
-                   **TOLERANCE[torch.float64])
-    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
 
 class DoubleAveragePools(nn.Module):
     """float64 average pools: padded with and without counting the padding, ceil mode (a last window over the edge),
@@ -1071,15 +1032,26 @@ class DoubleAveragePools(nn.Module):
         return torch.cat([pool(x * self.w).flatten(1) for pool in self.pools], 1)
 
 
-@pytest.mark.parametrize("dims", [1, 2, 3])
-def test_float64_average_pools_train_like_torch(dims: int) -> None:
-    """onnxruntime has no double AveragePool or GlobalAveragePool: a float64 average pool was refused at its
-    session's load. As window sums over torch's divisors (and a mean), its values and gradients are torch's, at two
-    sizes from one export."""
+FLOAT64_LAYERS: dict[str, tuple[Callable[[int], nn.Module], list[tuple[int, ...]]]] = {
+    "convolutions": (DoubleConvs, [(9, 8, 7), (12, 7, 8)]),
+    "transposed convolutions": (DoubleTransposedConvs, [(5, 4, 3), (6, 3, 4)]),
+    "average pools": (DoubleAveragePools, [(9, 8, 7), (10, 7, 6)]),
+    "nearest interpolation": (DoubleNearest, [(5, 4, 3), (6, 5, 4)]),
+}
+"""Layers onnxruntime has no double kernel of, and the input sizes they are called at."""
+
+
+@pytest.mark.parametrize(("layer", "dims", "exporter"), [
+    *((layer, dims, "torchscript") for layer in FLOAT64_LAYERS for dims in (1, 2, 3)), ("convolutions", 1, "dynamo")])
+def test_float64_layers_train_like_torch(layer: str, dims: int, exporter: str) -> None:
+    """onnxruntime has no double Conv, ConvTranspose, AveragePool, GlobalAveragePool or Resize: a float64 CNN,
+    decoder or U-Net was refused at its session's load. Written out (products over a kernel's taps, the adjoint
+    convolution of the zero-stuffed input, window sums over torch's divisors, gathers at torch's source indices),
+    their values and gradients are torch's to float64's tolerance, at two sizes from one export."""
+    make, sizes = FLOAT64_LAYERS[layer]
     g = torch.Generator().manual_seed(dims)
-    sizes = [(9, 8, 7), (10, 7, 6)]
-    om = _as_torch(lambda: DoubleAveragePools(dims), [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64)
-                                                      for size in sizes], **TOLERANCE[torch.float64])
+    om = _as_torch(lambda: make(dims), [torch.randn(2, 2, *size[:dims], generator=g, dtype=torch.float64)
+                                        for size in sizes], exporter, **TOLERANCE[torch.float64])
     assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
 
 class Floored(nn.Module):
