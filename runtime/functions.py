@@ -304,16 +304,11 @@ def _conv_pads(padding: Any, dilations: Sequence[int], kernel: Sequence[int]) ->
     return pads, pads
 
 
-def _window_counts(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
-                   ) -> list[Any]:
-    """How many windows fit along each spatial axis of t (no padding), from its run-time sizes."""
-    return [(t.shape[2 + a] - d * (k - 1) - 1) // s + 1 for a, (k, s, d) in enumerate(zip(kernel, strides, dilations))]
-
-
 def _tap_windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
-             ) -> list[torch.Tensor]:
-    """Per kernel tap, the strided slice of t (spatial axes after two) each window reads there."""
-    outs = _window_counts(t, kernel, strides, dilations)
+                 ) -> list[torch.Tensor]:
+    """Per kernel tap, the strided slice of t (spatial axes after two) each window reads there, as many as fit along
+    each axis at t's run-time sizes."""
+    outs = [(t.shape[2 + a] - d * (k - 1) - 1) // s + 1 for a, (k, s, d) in enumerate(zip(kernel, strides, dilations))]
     windows = []
     for tap in itertools.product(*[range(k) for k in kernel]):
         window = t
@@ -338,12 +333,11 @@ def _conv_by_taps(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, s
     out_channels, per_group = untraced_ints(*w.shape[:2])
     begin, end = _conv_pads(padding, dilations, kernel)
     padded = F.pad(x, [p for b, e in zip(reversed(begin), reversed(end)) for p in (b, e)])
-    outs = _window_counts(padded, kernel, strides, dilations)
     windows = _tap_windows(padded, kernel, strides, dilations)
     taps = len(windows)
     cols = torch.stack(windows, 2).reshape(x.shape[0], groups, per_group * taps, -1)  # [N, G, C/G * T, P]
     rows = w.reshape(groups, out_channels // groups, per_group * taps)  # the taps after each channel, as cols
-    y = torch.matmul(rows, cols).reshape(x.shape[0], out_channels, *outs)
+    y = torch.matmul(rows, cols).reshape(x.shape[0], out_channels, *windows[0].shape[2:])
     return y if bias is None else y + bias.reshape(1, -1, *[1] * len(kernel))
 
 
@@ -1418,7 +1412,6 @@ def _float64_linear(original: Callable[..., torch.Tensor], dims: int) -> Callabl
         return x
 
     return resample
-
 
 
 def _float64_nearest(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
