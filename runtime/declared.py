@@ -88,4 +88,3 @@ def run_failure(error: Exception) -> InvalidModelError | None:
         "the forward failed where onnxruntime planned its memory from the shapes the model declares, which the run "
         f"breaks ({said}). Fix the declared shapes of the graph outputs and value_info (or leave the dims unknown) "
         "and build again.")
-
