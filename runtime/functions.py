@@ -44,7 +44,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - vector norms of other orders (`torch.linalg.vector_norm`, through which torch.norm and Tensor.norm go, and
   `torch.linalg.norm` of one axis), `dist` and the Frobenius norm: `vector_norm`'s, 2 as a ReduceL2;
 - hardtanh and relu6 (nn.Hardtanh, nn.ReLU6, in place too) where a gradient reaches them: the bound x reached, else
-  x, by Where (a Relu for ReLU6's 0), whose rules pass no gradient at the bounds, as torch's;
+  x, by Where (a Relu for ReLU6's 0), whose rules pass no gradient at the bounds, as torch's; float64 hardsigmoid and
+  hardswish so too, as torch's relu6(x + 3) / 6 and x relu6(x + 3) / 6 (the exporters' HardSigmoid holds 1/6 as a
+  float32 attribute: 4e-9 off);
 - diagonals: views of the input where its two axes flatten (as torch's, so writes through them reach it in torch's
   run, and the first call's check sees the export's), else copies that refuse the export if written to;
 - antialiased interpolation by a scale factor (bilinear, bicubic): a product with a [n, out] matrix of torch's
@@ -765,6 +767,20 @@ def _relu6(original: Callable[..., torch.Tensor], in_place: bool = False) -> Cal
     """F.relu6 (its own ATen function, torch's hardtanh from 0 to 6) as `_hardtanh`."""
     strict = _hardtanh(lambda x, low, high: original(x), in_place)
     return lambda x: strict(x, 0.0, 6.0)
+
+
+def _hard(original: Callable[..., torch.Tensor], in_place: bool = False, swish: bool = False
+          ) -> Callable[..., torch.Tensor]:
+    """F.hardsigmoid (F.hardswish: x times it) in float64 as `_strict_clip`(x + 3, 0, 6) / 6, torch's formula and
+    gradient."""
+    def hard(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float64:
+            return original(x)
+        clipped = _strict_clip(x + 3, 0.0, 6.0)
+        y = (x * clipped if swish else clipped) / 6
+        return x.copy_(y) if in_place else y
+
+    return hard
 
 
 def _local_response_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -1521,7 +1537,9 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch.linalg, "norm", _linalg_norm(torch.linalg.norm)),
         *((owner, "dist", _dist(owner.dist)) for owner in (torch, torch.Tensor)),
         *((nn_ops, name, wrap(getattr(nn_ops, name), name.endswith("_")))
-          for wrap, names in ((_hardtanh, ("hardtanh", "hardtanh_")), (_relu6, ("relu6", "relu6_")))
+          for wrap, names in ((_hardtanh, ("hardtanh", "hardtanh_")), (_relu6, ("relu6", "relu6_")),
+                              (_hard, ("hardsigmoid", "hardsigmoid_")),
+                              (functools.partial(_hard, swish=True), ("hardswish", "hardswish_")))
           for name in names),
         (nn_ops, "_upsample_bilinear2d_aa", _antialiased(nn_ops._upsample_bilinear2d_aa, 2, _bilinear_filter)),
         (nn_ops, "_upsample_bicubic2d_aa", _antialiased(nn_ops._upsample_bicubic2d_aa, 4, _bicubic_filter)),

@@ -29,7 +29,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from gradbuilder.graph import graph_nodes
 
-from . import openmp
+from . import double_forms, openmp
 
 DISABLED_OPTIMIZERS = ("EliminateDropout", "ConstantSharing")
 BACKWARD_DISABLED_OPTIMIZERS = (*DISABLED_OPTIMIZERS, "NchwcTransformer")
@@ -162,21 +162,17 @@ RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifor
 """onnxruntime's random ops besides Dropout: each session draws from its own generators."""
 
 
+def _lacks_kernel(error: Exception) -> bool:
+    return "Could not find an implementation" in str(error)
+
+
 def _computes_in_float64(model: onnx.ModelProto, error: Exception) -> bool:
     """Whether the node onnxruntime found no kernel for ("... node with name 'n'") reads float64: its CPU
-    provider has float64 kernels for few ops besides the elementwise ones (no Conv, Atan, HardSigmoid, Det,
-    AveragePool, Resize). Types from shape inference, on this failure's path only."""
+    provider has float64 kernels for few ops besides the elementwise ones (no Conv, Det, AveragePool, Resize).
+    Types from shape inference, on this failure's path only."""
     found = re.search(r"node with name '([^']*)'", str(error))
     node = next((n for n in model.graph.node if found and n.name == found.group(1)), None)
-    if node is None:
-        return False
-    try:
-        graph = onnx.shape_inference.infer_shapes(model).graph
-    except Exception:  # a model inference refuses has no types to tell
-        graph = model.graph
-    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
-    types.update((t.name, t.data_type) for t in graph.initializer)
-    return any(types.get(i) == onnx.TensorProto.DOUBLE for i in node.input)
+    return node is not None and bool(double_forms.float64_tensors(model).intersection(node.input))
 
 
 def _half_precision(model: onnx.ModelProto) -> bool:
@@ -383,13 +379,17 @@ class Runner:
         try:
             self.session = _session(data, config, disabled)
         except Exception as e:  # onnxruntime raises its own zoo of types
-            if "Could not find an implementation" in str(e) and _half_precision(model):
+            written = double_forms.written_out(model) if _lacks_kernel(e) else model
+            if written is not model:  # float64 nodes onnxruntime has no kernel of, written out: loaded again
+                self.__init__(written, config, what, disabled)
+                return
+            if _lacks_kernel(e) and _half_precision(model):
                 raise SessionLoadError(
                     f"onnxruntime cannot load the {what} model: {e} The graph computes in bfloat16 or float16 "
                     "(a torch.autocast or .bfloat16()/.half() inside the forward), which onnxruntime's CPU kernels "
                     "mostly do not: compute in float32 (ORTModule runs autocast around the call in float32 already), "
                     "or run the module in torch.") from e
-            if "Could not find an implementation" in str(e) and _computes_in_float64(model, e):
+            if _lacks_kernel(e) and _computes_in_float64(model, e):
                 raise SessionLoadError(
                     f"onnxruntime cannot load the {what} model: {e} That node computes in float64, for which "
                     "onnxruntime's CPU provider has no kernel of this op: train the module in float32, or run it in "

@@ -900,6 +900,10 @@ def inactive_dropouts(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def float_attr(node: onnx.NodeProto, name: str, default: float) -> float:
+    return next((a.f for a in node.attribute if a.name == name), default)
+
+
 def int_attr(node: onnx.NodeProto, name: str, default: int) -> int:
     return next((a.i for a in node.attribute if a.name == name), default)
 

@@ -47,6 +47,7 @@ from .passes import (
     constant_values,
     drop_unread,
     finite_or_exact,
+    float_attr,
     int_attr,
     known_elements,
     rewrite_nodes,
@@ -66,10 +67,6 @@ MIN_OPSET = 15
 """The constants take x's type through CastLike (opset 15), so the rewrite needs no shape inference."""
 SELU_ALPHA = 1.67326319217681884765625
 SELU_GAMMA = 1.05070102214813232421875
-
-
-def _float(node: onnx.NodeProto, name: str, default: float) -> float:
-    return next((a.f for a in node.attribute if a.name == name), default)
 
 
 class _Ops:
@@ -126,13 +123,13 @@ def _build(node: onnx.NodeProto, axis: int | None, elem: int, taken: set[str], *
         else:
             e("Sub", centered, e("Log", total), out=y)
     elif node.op_type == "Elu":
-        ops.exp_minus_one(_float(node, "alpha", 1.0), out=y)
+        ops.exp_minus_one(float_attr(node, "alpha", 1.0), out=y)
     elif node.op_type == "Celu":
-        alpha = _float(node, "alpha", 1.0)
+        alpha = float_attr(node, "alpha", 1.0)
         ops.exp_minus_one(alpha, alpha, out=y)
     elif node.op_type == "Selu":
-        gamma = _float(node, "gamma", SELU_GAMMA)
-        e("Mul", ops.exp_minus_one(_float(node, "alpha", SELU_ALPHA)), ops.const(gamma), out=y)
+        gamma = float_attr(node, "gamma", SELU_GAMMA)
+        e("Mul", ops.exp_minus_one(float_attr(node, "alpha", SELU_ALPHA)), ops.const(gamma), out=y)
     elif node.op_type == "Softplus":
         ops.softplus(out=y)
     elif node.op_type == "Sigmoid":  # 1 / (1 + exp(-x)), torch's: exact in relative terms (0 below x ~ -88)
@@ -140,6 +137,11 @@ def _build(node: onnx.NodeProto, axis: int | None, elem: int, taken: set[str], *
     else:  # Mish
         e("Mul", node.input[0], e("Tanh", ops.softplus()), out=y)
     return e.nodes
+
+
+def activation(node: onnx.NodeProto, taken: set[str], opset: int) -> list[onnx.NodeProto]:
+    """An Elu, Selu, Celu, Softplus or Mish (`SLOW`) written out, for `double_forms` too (float64 has no kernels)."""
+    return _build(node, None, 0, taken, opset=opset)
 
 
 def _bound_selects(graph: onnx.GraphProto) -> list[tuple[int, str, str | None, str | None]]:
@@ -216,7 +218,7 @@ def vectorized_ops(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     nodes = [(k, n) for k, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx")]
     plan: list[tuple[int, int | None, int]] = [(k, None, 0) for k, n in nodes if n.op_type in IMPRECISE or (
-        n.op_type in SLOW and math.isfinite(_float(n, "alpha", 1.0)) and _float(n, "alpha", 1.0) != 0)]
+        n.op_type in SLOW and math.isfinite(float_attr(n, "alpha", 1.0)) and float_attr(n, "alpha", 1.0) != 0)]
     shaped = [(k, n) for k, n in nodes if n.op_type in SOFTMAX or n.op_type in LARGE]
     if shaped:
         shapes = tensor_types(model.graph)

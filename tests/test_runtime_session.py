@@ -456,22 +456,26 @@ def test_a_graph_onnxruntime_optimizes_wrong_runs_unoptimized() -> None:
 
 @pytest.mark.parametrize("read", ["x", "m", "o"])
 def test_an_op_without_a_float64_kernel_is_refused_as_such(read: str) -> None:
-    """onnxruntime's CPU provider has no float64 Atan (nor Conv, HardSigmoid, Det, ...): a module made .double()
-    learns that this node computes in float64 and what to do, not only onnxruntime's "Could not find an
-    implementation"; the Atan's input a graph input, a tensor computed before it, or one also a graph output (a
-    forward's stashed tensor). A float32 Atan loads."""
+    """onnxruntime's CPU provider has no float64 Det (nor Conv, Atan, Erf, ...; the elementwise ones are written out,
+    `double_forms`): a module made .double() learns that this node computes in float64 and what to do, not only
+    onnxruntime's "Could not find an implementation"; the Det's input a graph input, a tensor computed before it,
+    or one also a graph output (a forward's stashed tensor). The Erf beside it is written out first. In float32
+    both load."""
     for elem, refused in ((TensorProto.DOUBLE, True), (TensorProto.FLOAT, False)):
         nodes = [helper.make_node("Mul", ["x", "x"], ["m"]), helper.make_node("Neg", ["x"], ["o"]),
-                 helper.make_node("Atan", [read], ["y"], name="the_atan")]
-        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, [2, 3])],
-                                  [helper.make_tensor_value_info(o, elem, [2, 3]) for o in ("y", "o")])
+                 helper.make_node("Erf", ["x"], ["e"], name="the_erf"),
+                 helper.make_node("Det", [read], ["y"], name="the_det")]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, [3, 3])],
+                                  [helper.make_tensor_value_info("y", elem, []),
+                                   *(helper.make_tensor_value_info(o, elem, [3, 3]) for o in ("o", "e"))])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
         if not refused:
             Runner(model, SessionConfig(threads=1), "test")
             continue
-        with pytest.raises(SessionLoadError, match=r"Atan.*'the_atan'.* That node computes in float64, .*train the "
+        with pytest.raises(SessionLoadError, match=r"Det.*'the_det'.* That node computes in float64, .*train the "
                                                    r"module in float32"):
             Runner(model, SessionConfig(threads=1), "test")
+
 
 def test_a_sequence_output_is_refused_by_name() -> None:
     """The builder now leaves a sequence output out of the gradients; the session's forward then failed in DLPack
