@@ -123,6 +123,7 @@ import functools
 import inspect
 import itertools
 import math
+import struct
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -618,9 +619,16 @@ def _layer_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     """layer_norm over a normalized shape taken from the input's own sizes (`F.layer_norm(x, x.shape[-1:])`,
     MAE's normalized pixel targets): the trace makes those sizes tensors, which the exporter's LayerNormalization
     cannot take ("Failed to export a node"); they are the input's trailing sizes, read as Python ints (another
-    size at another call is the size check's to find)."""
-    def layer_norm(x: torch.Tensor, normalized_shape: Sequence[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        return original(x, [_python_int(d) for d in normalized_shape], *args, **kwargs)
+    size at another call is the size check's to find). In float64, eps as the float32 its attribute holds, f, over
+    x scaled by sqrt(f / eps): layer_norm(s x, f) = layer_norm(x, f / s^2), torch's eps to float64's precision
+    (the attribute alone was 1e-9 off through a ViT's pre-norms), for one product more and nothing more kept."""
+    def layer_norm(x: torch.Tensor, normalized_shape: Sequence[Any], weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, eps: float = 1e-5, *rest: Any) -> torch.Tensor:
+        shape = [_python_int(d) for d in normalized_shape]
+        held = struct.unpack("f", struct.pack("f", eps))[0]
+        if x.dtype == torch.float64 and held != eps and held > 0:  # a tensor: both exporters read Python numbers
+            x = x * torch.tensor(math.sqrt(held / eps), dtype=x.dtype)  # that round to one float32 as one
+        return original(x, shape, weight, bias, held if x.dtype == torch.float64 else eps, *rest)
 
     return layer_norm
 

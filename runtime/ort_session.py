@@ -23,8 +23,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 from onnxruntime.capi import _pybind_state as C
 
 from gradbuilder.graph import graph_nodes
@@ -173,6 +175,17 @@ def _computes_in_float64(model: onnx.ModelProto, error: Exception) -> bool:
     found = re.search(r"node with name '([^']*)'", str(error))
     node = next((n for n in model.graph.node if found and n.name == found.group(1)), None)
     return node is not None and bool(double_forms.float64_tensors(model).intersection(node.input))
+
+
+def _float32_noops(model: onnx.ModelProto) -> bool:
+    """Whether a one-element float64 constant of the main graph rounds to 1 or 0 in float32 without being it.
+    onnxruntime's NoopElimination reads such a constant in float32 and removes the Mul or Div by it: a factor of
+    1 - 1e-8 (`functions._layer_norm`'s) was lost, the gradient through it 1.3e-8 off."""
+    tensors = [*model.graph.initializer, *(a.t for n in model.graph.node if n.op_type == "Constant"
+                                           for a in n.attribute if a.name == "value")]
+    values = [float(numpy_helper.to_array(t).reshape(())) for t in tensors
+              if t.data_type == onnx.TensorProto.DOUBLE and math.prod(t.dims) == 1]
+    return any(v not in (0.0, 1.0) and abs(v) < 2 and float(np.float32(v)) in (0.0, 1.0) for v in values)
 
 
 def _half_precision(model: onnx.ModelProto) -> bool:
@@ -375,6 +388,8 @@ class Runner:
     def __init__(self, model: onnx.ModelProto, config: SessionConfig, what: str,
                  disabled: Sequence[str] = DISABLED_OPTIMIZERS):
         self.what = what
+        if "NoopElimination" not in disabled and _float32_noops(model):
+            disabled = (*disabled, "NoopElimination")
         data = model.SerializeToString()
         try:
             self.session = _session(data, config, disabled)

@@ -11,8 +11,8 @@ at run time: ours slices. Some of torch's own compute something else than torch,
 a dim split the gradient of a tie (torch gives it to the index returned) and drop NaNs; `var` / `std` over every
 axis compute in float32 (a float64 module's came back float32) and drop keepdim's axes; `log2`, `log10`,
 `addcmul`, `elu`, `selu`, `celu`, `leaky_relu`, eval's `rrelu`, `round` to decimals and `addmm`'s beta and alpha
-use float32 constants (1e-8 off in float64; `layer_norm`'s eps is LayerNormalization's float32 attribute too, kept:
-written out in float64 its backward stashed more than torch saves); `amax`, `amin`, `aminmax` and `max` / `min` of every
+use float32 constants (1e-8 off in float64; `layer_norm`'s eps, LayerNormalization's float32 attribute, is made
+torch's by scaling its input, `functions._layer_norm`); `amax`, `amin`, `aminmax` and `max` / `min` of every
 element drop a NaN that does not come first (onnxruntime's ReduceMax), `argmax` / `argmin` skip NaNs; `movedim` writes a
 negative source dim into perm; `embedding` ignores padding_idx (`F.embedding` of a weight no nn.Embedding owns);
 `roll` slices at -shift unwrapped (wrong for |shift| >= size) and fails without dims; `chunk` writes too many chunks

@@ -1261,3 +1261,28 @@ def test_functions_at_ties_and_edges_give_torch_s_values_and_gradients(case: str
     tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {}
     torch.testing.assert_close(model(w), reference(w), **tol)
     torch.testing.assert_close(model.p.grad, reference.p.grad, equal_nan=True, **tol)
+
+
+class SmallVarianceNorms(nn.Module):
+    """Layer norms over features of variance near their eps (a pre-norm transformer's class token starts so), with
+    and without an affine part, of eps 1e-5 and 1e-6 (neither a float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.outer = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.inner(x) * 0.003)
+        return self.outer(h + F.layer_norm(h * 0.001, (8,), eps=1e-6))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float64_layer_norm_has_torchs_eps(exporter: str) -> None:
+    """LayerNormalization holds eps as a float32 attribute: 1e-5 was 9.99999975e-6 in the graph, 1e-9 off torch's
+    values through a ViT's pre-norms. Over x scaled by sqrt(f / eps) (f the float32), torch's values and gradients to
+    1e-13; onnxruntime's NoopElimination had dropped that factor of 1 - 1.3e-8 (it reads a scalar in float32)."""
+    g = torch.Generator().manual_seed(4)
+    _as_torch(lambda: SmallVarianceNorms().double(), [torch.randn(5, 6, generator=g, dtype=torch.float64)], exporter,
+              rtol=1e-13, atol=1e-15)

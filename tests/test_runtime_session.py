@@ -477,6 +477,23 @@ def test_an_op_without_a_float64_kernel_is_refused_as_such(read: str) -> None:
             Runner(model, SessionConfig(threads=1), "test")
 
 
+@pytest.mark.parametrize("op", ["Mul", "Div"])
+def test_float64_factors_near_one_are_kept(op: str) -> None:
+    """onnxruntime's NoopElimination reads a scalar constant in float32: it removed a float64 Mul by 1 - 1e-9 (and a
+    Div by 1 + 1e-9) as a Mul by 1. Sessions of graphs holding such constants run without it."""
+    factor = 1 - 1e-9 if op == "Mul" else 1 + 1e-9
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Constant", [], ["c"], value=onnx.numpy_helper.from_array(np.array(factor))),
+             helper.make_node(op, ["r", "c"], ["m"]), helper.make_node("Neg", ["m"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [3])])
+    runner = Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), SessionConfig(threads=1),
+                    "test")
+    x = np.array([1.0, 2.0, 3.0])
+    got = to_numpy(runner.run({"x": to_ortvalue(x)}, ["y"])[0])
+    np.testing.assert_array_equal(got, -(x * factor if op == "Mul" else x / factor))
+
+
 def test_a_sequence_output_is_refused_by_name() -> None:
     """The builder now leaves a sequence output out of the gradients; the session's forward then failed in DLPack
     ("Only tensor type OrtValues are supported") at its first run. Refused when the session is made, named."""
