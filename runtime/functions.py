@@ -1401,12 +1401,13 @@ def _linear_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) 
     `compute_source_index_and_lambda`): the source position i (n - 1) / (out - 1) with align_corners, else
     (i + 1/2) / factor - 1/2 (n / out for the factor where none is given) clamped at 0; the two inputs around it
     weighted by their distance, the upper one at the last input the lower one; the identity where out is n."""
-    size, cells = _size_tensor(n).to(torch.float64), _size_tensor(out).to(torch.float64)
+    # the sizes as vectors of one: the legacy exporter computes 0-d arithmetic with Python numbers in float32
+    # (align_corners' (n - 1) / (out - 1) was 1e-8 off); dynamo writes the factor's reciprocal as a float32 constant
+    size, cells = (_size_tensor(k).to(torch.float64).reshape(1) for k in (n, out))
     i = torch.arange(out, dtype=torch.float64)
     if align_corners:
         source = i * torch.where(cells > 1, (size - 1) / (cells - 1).clamp(min=1), torch.zeros_like(size))
     else:
-        # the factor's reciprocal as a float64 tensor: dynamo writes a Python number as a float32 constant
         scale = torch.tensor(1 / factor, dtype=torch.float64) if factor else size / cells
         source = ((i + 0.5) * scale - 0.5).clamp(min=0)
     lower = torch.minimum(torch.floor(source), size - 1)
