@@ -133,6 +133,38 @@ def _updated_in_graph(g: onnx.GraphProto, node: onnx.NodeProto, p: str, current:
     return nodes
 
 
+def _torchs_eps(g: onnx.GraphProto, nodes: list[onnx.NodeProto], node: onnx.NodeProto, p: str, eps: float,
+                elem: int, running: bool = False) -> float | None:
+    """A float64 node of a module whose eps no float32 holds (ONNX's attribute is one, f): its input scaled by s =
+    sqrt(f / eps) through a Mul put before it in `nodes` (the running statistics it reads too where `running`, by s
+    and s^2), since BN(s x, s mean, s^2 var; f) = BN(x, mean, var; eps): torch's eps to float64's precision (the
+    attribute alone was 4e-10 off through a float64 CNN). Returns s, by which batch statistics the node outputs are
+    too large; None where nothing is scaled."""
+    held = float(np.float32(eps))
+    if elem != onnx.TensorProto.DOUBLE or held == eps or held <= 0:
+        return None
+    scale = math.sqrt(held / eps)
+    scaled = [(0, scale), *(((3, scale), (4, scale * scale)) if running else ())]
+    for k, factor in scaled:
+        name = f"{p}.eps_scale{k}"
+        g.initializer.append(onnx.numpy_helper.from_array(np.array(factor), name))
+        nodes.insert(len(nodes) - 1, helper.make_node("Mul", [node.input[k], name], [f"{name}/scaled"]))
+        node.input[k] = f"{name}/scaled"
+    return scale
+
+
+def _unscaled_statistics(g: onnx.GraphProto, node: onnx.NodeProto, scale: float) -> list[onnx.NodeProto]:
+    """Divs giving the node's batch mean and biased variance (outputs 1 and 2, renamed) of its input before
+    `_torchs_eps` scaled it by `scale`."""
+    divs = []
+    for k, factor in ((1, scale), (2, scale * scale)):
+        name = node.output[k]
+        g.initializer.append(onnx.numpy_helper.from_array(np.array(factor), f"{name}/eps_scale"))
+        node.output[k] = f"{name}/scaled"
+        divs.append(helper.make_node("Div", [node.output[k], f"{name}/eps_scale"], [name]))
+    return divs
+
+
 def _length(g: onnx.GraphProto, name: str) -> int | None:
     """The static length of a 1-D graph input, initializer or typed tensor."""
     for t in g.initializer:
@@ -188,16 +220,18 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
         if batch_statistics_only(mod):
             _attr(node, "training_mode", 1)
             replaced.update(node.input[3:5])
-            _constant_statistics(g, node, p, int(mod.num_features), types)
+            _torchs_eps(g, nodes, node, p, mod.eps, _constant_statistics(g, node, p, int(mod.num_features), types))
             for k, what in ((1, "unused_mean"), (2, "unused_var")):
                 if len(node.output) <= k:
                     node.output.append(f"{p}.{what}")
             continue
         if not mod.training:
+            _torchs_eps(g, nodes, node, p, mod.eps, types.get(node.input[3], 0), running=True)
             continue
         channels = int(mod.num_features)
         elem, extra = _batch_statistics(g, node, p, channels, types)
-        nodes += extra
+        scale = _torchs_eps(g, nodes, node, p, mod.eps, elem)
+        nodes += (_unscaled_statistics(g, node, scale) if scale is not None else []) + extra
         made = True
         g.output.extend([helper.make_tensor_value_info(f"{p}.mean", elem, [channels]),  # sized, or the backward's
                          helper.make_tensor_value_info(f"{p}.var", elem, [channels])])  # inference loses its sizes

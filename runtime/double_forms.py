@@ -10,7 +10,8 @@ derivatives stay: erf's is an Exp).
 The forms are accurate to a few units in the last place against mpmath at 40 digits (erf 2, atan 3, asin 4, the
 rest 1-2; torch's own within 1), nan, infinities and the domains' edges as torch's: erf by its Taylor polynomial
 at the nearest quarter (`erf_taylor`); atan by two argument halvings and its series; asin, acos through atan;
-log1p in Kahan's form (the hyperbolic inverses); sinh by its series below 1. An attribute (a LeakyRelu's slope)
+tan after a reduction by pi / 2 in two parts; log1p in Kahan's form (the hyperbolic inverses); sinh by its series
+below 1. An attribute (a LeakyRelu's slope)
 is a float32 as ONNX stores it: torch's exporters write torch's own float64 constants for those (`symbolics`,
 `dynamo_translations`), so these meet them only in other graphs.
 """
@@ -33,8 +34,8 @@ from .passes import Nodes, float_attr, rewrite_nodes
 
 ERF_STEP = 0.25
 """The spacing of `erf_taylor`'s points: |x| at most 1/8 from one."""
-ERF_DEGREE = 14
-"""The Taylor polynomials' degree: 13 left 2 units in the last place, 12 left 8."""
+ERF_DEGREE = 13
+"""The Taylor polynomials' degree: 13 and 14 were within 2 units in the last place of mpmath's erf, 12 within 8."""
 ERF_ONE = 6.0
 """erf rounds to 1 in float64 from 5.93 on: |x| beyond this reads the polynomial at it."""
 ATAN_HALVINGS = 2
@@ -43,10 +44,10 @@ ATAN_SERIES = [(-1) ** k / (2 * k + 1) for k in range(13)]
 """atan(v) = v (1 - v^2 / 3 + ...): the 13th term below 1e-17 of it for |v| <= 0.199."""
 SINH_SERIES = [1 / math.factorial(2 * k + 1) for k in range(10)]
 """sinh(x) = x (1 + x^2 / 6 + ...) for |x| < 1, where exp(x) - exp(-x) would cancel."""
-HALF_PI = (math.ldexp(math.floor(math.ldexp(math.pi / 2, 31)), -31),)
-HALF_PI += (math.pi / 2 - HALF_PI[0] + math.sin(math.pi) / 2,)
-"""pi / 2 as a sum of two: the first of 32 bits (k times it exact for |k| < 2^21), the second the rest, pi's own
-rounding error included (sin(math.pi) is pi - math.pi to float64's precision)."""
+HALF_PI_HIGH = math.ldexp(math.floor(math.ldexp(math.pi / 2, 31)), -31)
+"""pi / 2 to 32 bits: k times it is exact for |k| < 2^21."""
+HALF_PI_LOW = math.pi / 2 - HALF_PI_HIGH + math.sin(math.pi) / 2
+"""The rest of pi / 2, pi's own rounding error included (sin(math.pi) is pi - math.pi to float64's precision)."""
 HUGE = 2.0 ** 28
 """Beyond it asinh(x) = log(2x) and acosh(x) = log(2x) in float64 (and x^2 would overflow further on)."""
 
@@ -76,8 +77,8 @@ class _Forms:
     def const(self, value: float | np.ndarray) -> str:
         return self.e("Constant", value=numpy_helper.from_array(np.asarray(value, dtype=np.float64), "v"))
 
-    def where(self, condition: str, a: str, b: str, out: str | None = None) -> str:
-        return self.e("Where", condition, a, b, out=out)
+    def where(self, condition: str, a: str, b: str) -> str:
+        return self.e("Where", condition, a, b)
 
     def odd(self, x: str, y: str) -> str:
         """x's sign times y (0 for x = 0, nan for nan)."""
@@ -124,7 +125,7 @@ class _Forms:
         kahan = e("Mul", e("Log", u), e("Div", x, e("Sub", u, self.const(1.0))))
         return self.where(e("Equal", u, self.const(1.0)), x, kahan)
 
-    def log_twice(self, x: str) -> str:
+    def log_of_twice(self, x: str) -> str:
         return self.e("Add", self.e("Log", x), self.const(math.log(2.0)))
 
     def clipped(self, v: str, top: float) -> str:
@@ -171,12 +172,12 @@ def _cosh(f: _Forms, x: str, node: onnx.NodeProto) -> str:
 
 
 def _tan(f: _Forms, x: str, node: onnx.NodeProto) -> str:
-    """sin(r) / cos(r), or -cos(r) / sin(r) for an odd k, where r = x - k pi / 2 is within pi / 4 of 0
-    (`HALF_PI`'s parts): onnxruntime's Cos is exact near its zeros in absolute terms only, so sin(x) / cos(x) was
-    1e-14 off there, relatively."""
+    """sin(r) / cos(r), or -cos(r) / sin(r) for an odd k, where r = x - k pi / 2 is within pi / 4 of 0 (pi / 2
+    in `HALF_PI_HIGH` and `HALF_PI_LOW`): onnxruntime's Cos is exact near its zeros in absolute terms only, so
+    sin(x) / cos(x) was 1e-14 off there, relatively."""
     e = f.e
     k = e("Round", e("Div", x, f.const(math.pi / 2)))
-    r = e("Sub", e("Sub", x, e("Mul", k, f.const(HALF_PI[0]))), e("Mul", k, f.const(HALF_PI[1])))
+    r = e("Sub", e("Sub", x, e("Mul", k, f.const(HALF_PI_HIGH))), e("Mul", k, f.const(HALF_PI_LOW)))
     sin, cos = e("Sin", r), e("Cos", r)
     half = e("Mul", k, f.const(0.5))
     odd = e("Not", e("Equal", e("Floor", half), half))
@@ -189,7 +190,7 @@ def _asinh(f: _Forms, x: str, node: onnx.NodeProto) -> str:
     r = e("Abs", x)
     square = e("Mul", r, r)
     near = f.log1p(e("Add", r, e("Div", square, e("Add", one, e("Sqrt", e("Add", one, square))))))
-    return f.odd(x, f.where(e("Greater", r, f.const(HUGE)), f.log_twice(r), near))
+    return f.odd(x, f.where(e("Greater", r, f.const(HUGE)), f.log_of_twice(r), near))
 
 
 def _acosh(f: _Forms, x: str, node: onnx.NodeProto) -> str:
@@ -197,7 +198,7 @@ def _acosh(f: _Forms, x: str, node: onnx.NodeProto) -> str:
     e = f.e
     t = e("Sub", x, f.const(1.0))
     near = f.log1p(e("Add", t, e("Sqrt", e("Add", e("Mul", t, f.const(2.0)), e("Mul", t, t)))))
-    return f.where(e("Greater", x, f.const(HUGE)), f.log_twice(x), near)
+    return f.where(e("Greater", x, f.const(HUGE)), f.log_of_twice(x), near)
 
 
 def _atanh(f: _Forms, x: str, node: onnx.NodeProto) -> str:

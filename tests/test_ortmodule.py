@@ -2103,6 +2103,30 @@ def test_batchnorm_without_affine_or_running_stats_in_float64() -> None:
     assert_grads_equal(om, ref, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float64_batchnorm_has_torchs_eps(exporter: str) -> None:
+    """BatchNormalization holds eps as a float32 attribute (1e-5 is 9.99999975e-6 there): 4e-10 off torch's
+    gradients through a float64 CNN whose channels vary little. Over inputs scaled by sqrt(f / eps) (the running
+    statistics too, in evaluation) and batch statistics scaled back: torch's outputs, gradients and running
+    statistics to 1e-11 (they were 3e-8 off; the rest is rounding, which centering inputs this small amplifies), in
+    training (tracked statistics, none) and in evaluation."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, eps=1e-5), nn.Tanh(), nn.Conv2d(4, 3, 1),
+                        nn.BatchNorm2d(3, eps=3e-4, track_running_stats=False)).double()
+    ref, om = pair(net, exporter=exporter)
+    for training in (True, True, False):
+        for m in (ref, om):
+            m.train(training)
+        x = torch.randn(3, 2, 5, 5, dtype=torch.float64) * 0.003
+        got, want = om(x), ref(x)
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        assert_grads_equal(om, ref, rtol=1e-11, atol=1e-11)  # the biases before a norm: 0 but for rounding
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(getattr(om.module[1], name), getattr(ref[1], name), rtol=1e-11, atol=1e-16)
+
+
 def test_batchnorm_on_one_value_per_channel_raises_as_torch() -> None:
     """A last batch of one in training: torch raises; the graph computed its unbiased variance as NaN (0 * n / (n -
     1)) and wrote it into the running variance, so every evaluation after it was NaN."""

@@ -1169,7 +1169,8 @@ def test_float64_group_and_instance_norms_train_like_torch() -> None:
 
 class Resampled(nn.Module):
     """float64 linear resampling: 1-D by a factor, 2-D by a factor (a whole one too: a diffusion UNet's upsampling),
-    to a size and with align_corners (by a factor too: (n - 1) / (2n - 1) is no float32), 3-D by a factor (1 along an axis of 1: torch's identity there)."""
+    to a size and with align_corners (by a factor too: (n - 1) / (2n - 1) is no float32), 3-D by a factor (1 along
+    an axis of 1: torch's identity there)."""
 
     def __init__(self) -> None:
         super().__init__()
