@@ -2,8 +2,9 @@
 SGD steps through ORTModule next to torch eager, from the same weights on the same batches, with the
 losses, gradients, parameters and buffers within 1e-4 relative (tests/parity.py).
 
-Every case runs with the default (legacy) exporter. Dynamo exports take 4-30 s each here, so CI runs two
-models with it (`DYNAMO_IN_CI`) and the rest are slow (GRADBUILDER_SLOW=1).
+Every case runs with the default (legacy) exporter; six also in float64, to 1e-10 (`IN_FLOAT64`). Dynamo
+exports take 4-30 s each here, so CI runs two models with it (`DYNAMO_IN_CI`) and the rest are slow
+(GRADBUILDER_SLOW=1).
 """
 
 from __future__ import annotations
