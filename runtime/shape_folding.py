@@ -140,7 +140,40 @@ def _evaluate(node: onnx.NodeProto, values: dict[str, Value], dims: dict[str, li
         return _elementwise(op, args[0], args[1])
     if op in ("Identity", "Cast") and (op == "Identity" or int_attr(node, "to", 0) == TensorProto.INT64):
         return args[0]
+    if op == "Reshape" and len(args) > 1 and args[1] is not None and args[1][1] in ([-1], [len(args[0][1])]):
+        return False, args[0][1]  # a vector (or a scalar) as a vector: the legacy exporter's Expand targets
+    if op == "ConstantOfShape" and not args[0][0] and len(args[0][1]) <= 1 and None not in args[0][1]:
+        fill = next((a.t for a in node.attribute if a.name == "value"), None)
+        if fill is not None and fill.data_type == TensorProto.INT64 and (args[0][1] or [1])[0] <= MAX_ELEMENTS:
+            value = int(onnx.numpy_helper.to_array(fill).ravel()[0])
+            return (False, [value] * args[0][1][0]) if args[0][1] else (True, [value])
     return None
+
+
+Flags = tuple[bool, list[bool | None]]
+"""(is a scalar, a comparison's elements, None where unknown)."""
+
+
+def _broadcast(*lengths: int) -> int | None:
+    longest = max(lengths)
+    return longest if all(n in (1, longest) for n in lengths) else None
+
+
+def _compared(op: str, a: Value | None, b: Value | None) -> Flags | None:
+    """A comparison of two int64 vectors (or scalars), elementwise, None where an operand is unknown."""
+    if a is None or b is None or (n := _broadcast(len(a[1]), len(b[1]))) is None:
+        return None
+    xa, xb = (x * n if len(x) == 1 else x for x in (a[1], b[1]))
+    return a[0] and b[0], [None if u is None or v is None else bool(COMPARISONS[op](u, v)) for u, v in zip(xa, xb)]
+
+
+def _selected(flags: Flags, a: Value | None, b: Value | None) -> Value | None:
+    """Where(flags, a, b) over int64 vectors, elementwise, None where the flag is unknown: the legacy exporter
+    writes an Expand's target as Where(target == -1, 1, target)."""
+    if a is None or b is None or (n := _broadcast(len(flags[1]), len(a[1]), len(b[1]))) is None:
+        return None
+    f, xa, xb = (x * n if len(x) == 1 else x for x in (flags[1], a[1], b[1]))
+    return flags[0] and a[0] and b[0], [None if c is None else u if c else v for c, u, v in zip(f, xa, xb)]
 
 
 MAX_HINTS = 256
@@ -213,6 +246,7 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
     values = _constant_values(graph)
     constant = set(values)
     truth: dict[str, bool] = {}
+    flags: dict[str, Flags] = {}
     sized: dict[str, list[int | None]] = {}
     for n in graph.node:
         if len(n.output) != 1 or n.domain not in ("", "ai.onnx") or n.output[0] in constant:
@@ -224,11 +258,17 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
             if found is not None and found != dims.get(n.output[0]):
                 dims[n.output[0]] = sized[n.output[0]] = found
         if n.op_type in COMPARISONS and len(n.input) == 2:
-            a, b = values.get(n.input[0]), values.get(n.input[1])
-            if a is not None and b is not None and len(a[1]) == len(b[1]) == 1 and None not in a[1] + b[1]:
-                truth[n.output[0]] = bool(COMPARISONS[n.op_type](a[1][0], b[1][0]))
+            compared = _compared(n.op_type, values.get(n.input[0]), values.get(n.input[1]))
+            if compared is not None:
+                flags[n.output[0]] = compared
+                if compared[1] in ([True], [False]):
+                    truth[n.output[0]] = bool(compared[1][0])
         elif n.op_type == "Not" and n.input[0] in truth:
             truth[n.output[0]] = not truth[n.input[0]]
+        elif n.op_type == "Where" and n.input[0] in flags:
+            picked = _selected(flags[n.input[0]], values.get(n.input[1]), values.get(n.input[2]))
+            if picked is not None:
+                values[n.output[0]] = picked
         else:
             v = _evaluate(n, values, dims)
             if v is not None and len(v[1]) <= MAX_ELEMENTS:
@@ -238,13 +278,14 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
 
 def _expanded_dims(shape: list[int | None] | None, target: Value | None) -> list[int | None] | None:
     """An Expand's output dims from its input's and its computed target (numpy broadcasting, from the right): a
-    target dim of 1 or unknown gives the input's where that is not 1."""
+    target dim of 1 gives the input's, an unknown one the input's where that is not 1 (else unknown: it was 1,
+    a batch broadcast from 1 taken for 1)."""
     if shape is None or target is None or target[0]:
         return None
     rank = max(len(shape), len(target[1]))
     ins = [1] * (rank - len(shape)) + list(shape)
     outs = [1] * (rank - len(target[1])) + list(target[1])
-    return [d if t == 1 or t is None else t if d is None or d == 1 or d == t else None
+    return [d if t == 1 else (d if d != 1 else None) if t is None else t if d in (None, 1, t) else None
             for d, t in zip(ins, outs)]
 
 

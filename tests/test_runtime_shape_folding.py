@@ -185,3 +185,44 @@ def test_a_categorical_policy_trains_like_torch():
     batches = [(torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g), torch.randn(n, generator=g))
                for n in (8, 5, 8)]
     check_parity(Policy, batches, lambda m, b: m(*b), optimizer=sgd, threads=1)
+
+
+def test_an_expand_from_one_to_an_unknown_size_stays_unknown():
+    """A dim of 1 expanded to a size known only at run time (the batch) is that size, not 1: taken for 1, it would
+    decide an If on it (a squeeze's) for every batch."""
+    assert shape_folding._expanded_dims([1, 3], (False, [None, 3])) == [None, 3]
+    assert shape_folding._expanded_dims([1, 1, 8], (False, [None, 1, 1])) == [None, 1, 8]
+    assert shape_folding._expanded_dims([5, 3], (False, [None, 3])) == [5, 3]
+    assert shape_folding._expanded_dims([1, 3], (False, [4, 1])) == [4, 3]
+
+
+class ExpandedRow(nn.Module):
+    """A row expanded over the batch, then squeezed: the legacy exporter writes the expand's sizes as
+    Where(sizes == -1, 1, sizes) and the squeeze of the dim it then cannot size as an If."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3).view(1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w.expand(x.shape[0], 3).squeeze(0) * x).sum(-1)
+
+
+@pytest.mark.parametrize("batch,kept", [(1, "Squeeze"), (4, "Identity")])
+def test_ifs_on_the_legacy_exporters_expand_sizes_are_decided(tmp_path, batch, kept):
+    """The Where, its Equal and its ConstantOfShape are evaluated: exported for any batch, then pinned to one, the
+    squeeze's If is decided (it was left for the build, which refused control flow), and the model computes what
+    it did."""
+    path = tmp_path / "expanded.onnx"
+    x = torch.randn(batch, 3)
+    torch.onnx.export(ExpandedRow(), (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
+                      keep_initializers_as_inputs=True, dynamic_axes={"x": {0: "batch"}})
+    model = onnx.load(str(path))
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = batch
+    inlined = shape_folding.inline_constant_ifs(model)
+    ops = [n.op_type for n in inlined.graph.node]
+    assert "If" not in ops and kept in ops, ops
+    feeds = {"x": x.numpy(), "w": ExpandedRow().w.detach().numpy()}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    got = ort.InferenceSession(inlined.SerializeToString()).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, want)
