@@ -177,15 +177,25 @@ def _computes_in_float64(model: onnx.ModelProto, error: Exception) -> bool:
     return node is not None and bool(double_forms.float64_tensors(model).intersection(node.input))
 
 
-def _float32_noops(model: onnx.ModelProto) -> bool:
-    """Whether a one-element float64 constant of the main graph rounds to 1 or 0 in float32 without being it.
-    onnxruntime's NoopElimination reads such a constant in float32 and removes the Mul or Div by it: a factor of
-    1 - 1e-8 (`functions._layer_norm`'s) was lost, the gradient through it 1.3e-8 off."""
-    tensors = [*model.graph.initializer, *(a.t for n in model.graph.node if n.op_type == "Constant"
-                                           for a in n.attribute if a.name == "value")]
-    values = [float(numpy_helper.to_array(t).reshape(())) for t in tensors
-              if t.data_type == onnx.TensorProto.DOUBLE and math.prod(t.dims) == 1]
-    return any(v not in (0.0, 1.0) and abs(v) < 2 and float(np.float32(v)) in (0.0, 1.0) for v in values)
+def _misled_optimizers(model: onnx.ModelProto) -> list[str]:
+    """onnxruntime's optimizers that would compute this graph wrongly, to run without:
+    - NoopElimination reads a one-element float64 constant in float32 and removes a Mul or Div by one that rounds
+      to 1 there: a factor of 1 - 1e-8 (`functions._layer_norm`'s) was lost, the gradient through it 1.3e-8 off;
+    - ExpandElimination takes an Expand of ones to a constant size holding 0 for a no-op: [1, 1] to [0, 1] gave
+      [1, 1], which the backward, sized by the graph's [0, 1], refused (runtime replay fuzz, seed 97)."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    tensors.update((n.output[0], a.t) for n in model.graph.node if n.op_type == "Constant" and n.output
+                   for a in n.attribute if a.name == "value")
+    scalars = [float(numpy_helper.to_array(t).reshape(())) for t in tensors.values()
+               if t.data_type == onnx.TensorProto.DOUBLE and math.prod(t.dims) == 1]
+    misled = []
+    if any(v not in (0.0, 1.0) and abs(v) < 2 and float(np.float32(v)) in (0.0, 1.0) for v in scalars):
+        misled.append("NoopElimination")
+    targets = [tensors[n.input[1]] for n in model.graph.node if n.op_type == "Expand" and len(n.input) > 1
+               and n.input[1] in tensors]
+    if any(0 in numpy_helper.to_array(t).ravel() for t in targets if t.data_type == onnx.TensorProto.INT64):
+        misled.append("ExpandElimination")
+    return misled
 
 
 def _half_precision(model: onnx.ModelProto) -> bool:
@@ -388,8 +398,7 @@ class Runner:
     def __init__(self, model: onnx.ModelProto, config: SessionConfig, what: str,
                  disabled: Sequence[str] = DISABLED_OPTIMIZERS):
         self.what = what
-        if "NoopElimination" not in disabled and _float32_noops(model):
-            disabled = (*disabled, "NoopElimination")
+        disabled = (*disabled, *(name for name in _misled_optimizers(model) if name not in disabled))
         data = model.SerializeToString()
         try:
             self.session = _session(data, config, disabled)

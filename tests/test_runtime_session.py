@@ -494,6 +494,21 @@ def test_float64_factors_near_one_are_kept(op: str) -> None:
     np.testing.assert_array_equal(got, -(x * factor if op == "Mul" else x / factor))
 
 
+def test_an_expand_to_an_empty_size_is_kept() -> None:
+    """onnxruntime's ExpandElimination took an Expand of [1, 1] to the constant size [0, 1] for a no-op (its
+    result [1, 1], the backward sized [0, 1] by the graph refused it: replay fuzz seed 97); such graphs run
+    without it, the result empty as ONNX and numpy broadcast."""
+    nodes = [helper.make_node("ReduceMean", ["x"], ["r"]), helper.make_node("Expand", ["r", "size"], ["e"]),
+             helper.make_node("Softmax", ["e"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("size", TensorProto.INT64, [2], [0, 1])])
+    runner = Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), SessionConfig(threads=1),
+                    "test")
+    got = to_numpy(runner.run({"x": to_ortvalue(np.ones((2, 3), np.float32))}, ["y"])[0])
+    assert got.shape == (0, 1)
+
+
 def test_a_sequence_output_is_refused_by_name() -> None:
     """The builder now leaves a sequence output out of the gradients; the session's forward then failed in DLPack
     ("Only tensor type OrtValues are supported") at its first run. Refused when the session is made, named."""
