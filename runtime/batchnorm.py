@@ -133,17 +133,23 @@ def _updated_in_graph(g: onnx.GraphProto, node: onnx.NodeProto, p: str, current:
     return nodes
 
 
+def eps_scale(eps: float) -> float | None:
+    """s = sqrt(f / eps), f the float32 that ONNX's epsilon attribute keeps of eps: a normalization of s x with
+    epsilon f is one of x with eps (BN(s x, s mean, s^2 var; f) = BN(x, mean, var; eps), layer norm's alike), so
+    float64 normalizations get torch's eps to float64's precision (the attribute alone was 4e-10 off through a
+    float64 CNN, 1e-9 through a ViT's pre-norms). None where f is eps, or 0."""
+    held = float(np.float32(eps))
+    return math.sqrt(held / eps) if held != eps and held > 0 else None
+
+
 def _torchs_eps(g: onnx.GraphProto, nodes: list[onnx.NodeProto], node: onnx.NodeProto, p: str, eps: float,
                 elem: int, running: bool = False) -> float | None:
-    """A float64 node of a module whose eps no float32 holds (ONNX's attribute is one, f): its input scaled by s =
-    sqrt(f / eps) through a Mul put before it in `nodes` (the running statistics it reads too where `running`, by s
-    and s^2), since BN(s x, s mean, s^2 var; f) = BN(x, mean, var; eps): torch's eps to float64's precision (the
-    attribute alone was 4e-10 off through a float64 CNN). Returns s, by which batch statistics the node outputs are
-    too large; None where nothing is scaled."""
-    held = float(np.float32(eps))
-    if elem != onnx.TensorProto.DOUBLE or held == eps or held <= 0:
+    """A float64 node of a module, last in `nodes`, given torch's eps (`eps_scale`): its input scaled by s
+    through a Mul put before it (the running statistics it reads too where `running`, by s and s^2). Returns s,
+    by which the batch statistics the node outputs are too large; None where nothing is scaled."""
+    scale = eps_scale(eps) if elem == onnx.TensorProto.DOUBLE else None
+    if scale is None:
         return None
-    scale = math.sqrt(held / eps)
     scaled = [(0, scale), *(((3, scale), (4, scale * scale)) if running else ())]
     for k, factor in scaled:
         name = f"{p}.eps_scale{k}"

@@ -123,7 +123,6 @@ import functools
 import inspect
 import itertools
 import math
-import struct
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -132,6 +131,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.utils import spectral_norm as spectral_norm_module
 
+from .batchnorm import eps_scale
 from .patching import replaced, untraced_ints
 
 
@@ -619,16 +619,15 @@ def _layer_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     """layer_norm over a normalized shape taken from the input's own sizes (`F.layer_norm(x, x.shape[-1:])`,
     MAE's normalized pixel targets): the trace makes those sizes tensors, which the exporter's LayerNormalization
     cannot take ("Failed to export a node"); they are the input's trailing sizes, read as Python ints (another
-    size at another call is the size check's to find). In float64, eps as the float32 its attribute holds, f, over
-    x scaled by sqrt(f / eps): layer_norm(s x, f) = layer_norm(x, f / s^2), torch's eps to float64's precision
-    (the attribute alone was 1e-9 off through a ViT's pre-norms), for one product more and nothing more kept."""
+    size at another call is the size check's to find). In float64, over x scaled by `batchnorm.eps_scale` (torch's
+    eps, for one product more and nothing more kept)."""
     def layer_norm(x: torch.Tensor, normalized_shape: Sequence[Any], weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, eps: float = 1e-5, *rest: Any) -> torch.Tensor:
         shape = [_python_int(d) for d in normalized_shape]
-        held = struct.unpack("f", struct.pack("f", eps))[0]
-        if x.dtype == torch.float64 and held != eps and held > 0:  # a tensor: both exporters read Python numbers
-            x = x * torch.tensor(math.sqrt(held / eps), dtype=x.dtype)  # that round to one float32 as one
-        return original(x, shape, weight, bias, held if x.dtype == torch.float64 else eps, *rest)
+        scale = eps_scale(eps) if x.dtype == torch.float64 else None
+        if scale is not None:  # a tensor: both exporters read Python numbers that round to one float32 as one
+            x = x * torch.tensor(scale, dtype=x.dtype)
+        return original(x, shape, weight, bias, eps, *rest)
 
     return layer_norm
 
