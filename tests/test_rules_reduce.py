@@ -326,22 +326,31 @@ def test_float16(opset):
         _reduce_check(op, fn, x, (1,), 0, opset, **kw)
 
 
-@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax"])
 @pytest.mark.parametrize("keepdims", [0, 1])
-def test_reduce_runtime_axes_of_a_scalar_of_unknown_rank(op, keepdims):
-    """A scalar whose rank the build cannot see, reduced over axes computed at run time: onnxruntime reduces it to
-    itself whatever the axes, so its gradient is the output's; the axes were made non-negative modulo the rank, a
-    division by zero at run time (found by tests/fuzz/test_runtime_replay.py at seed 2)."""
+@pytest.mark.parametrize("op, axes", [(op, axes) for op in ("ReduceSum", "ReduceMean", "ReduceMax")
+                                      for axes in ("computed", "constant", "attribute")
+                                      if (op, axes) != ("ReduceSum", "attribute")])  # an input from opset 13
+def test_reduce_axes_of_a_scalar_of_unknown_rank(op, keepdims, axes):
+    """A scalar whose rank the build cannot see, reduced over axes computed at run time or given: onnxruntime
+    reduces it to itself whatever the axes, so its gradient is the output's. Computed axes were made non-negative
+    modulo the rank, a division by zero at run time (found by tests/fuzz/test_runtime_replay.py at seed 2); given
+    ones unsqueezed the gradient to [1, 1] (seed 104)."""
     helper = onnx.helper
     x = helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, None)  # no shape: rank unknown
     a = helper.make_tensor_value_info("a", onnx.TensorProto.INT64, [2])
     y = helper.make_tensor_value_info("y0", onnx.TensorProto.DOUBLE, None)
-    node = helper.make_node(op, ["x", "a"], ["y0"], keepdims=keepdims)
-    model = helper.make_model(helper.make_graph([node], "g", [x, a], [y]), opset_imports=[helper.make_opsetid("", 18)])
+    opset = 13 if axes == "attribute" else 18
+    given = {"axes": [0, -1]} if axes == "attribute" else {}
+    node = helper.make_node(op, ["x"] + ([] if given else ["a"]), ["y0"], keepdims=keepdims, **given)
+    constants = [helper.make_tensor("a", onnx.TensorProto.INT64, [2], [0, -1])] if axes == "constant" else []
+    graph = helper.make_graph([node], "g", [x] + ([a] if axes == "computed" else []), [y], constants)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     training = gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
     trainer = Trainer(training)
     for value in (np.float64(1.5), np.arange(6.0).reshape(2, 3)):  # the scalar, then a matrix over both axes
-        feeds = {"x": np.asarray(value), "a": i64(5, -7) if value.ndim == 0 else i64(1, -2)}
+        feeds = {"x": np.asarray(value)}
+        if axes == "computed":
+            feeds["a"] = i64(5, -7) if value.ndim == 0 else i64(1, -2)
         outs, _ = trainer.run_forward(feeds)
         dy = np.asarray(np.full(outs[0].shape, 2.0))
         _, grads = trainer.step(feeds, [dy])

@@ -37,17 +37,27 @@ def _axes(g: Grad) -> _Axes:
     rank = g.rank(g.I(0))
     scalar = rank == 0  # reduces to itself, whatever axes onnxruntime is given
     if not as_input:
-        return _Axes(() if scalar else _distinct(g, g.attr("axes", None) or (), rank), None, keepdims, False)
+        axes = g.attr("axes", None) or ()
+        if axes and rank is None:  # maybe a scalar at run time
+            return _at_run_time(g, g.ints(list(axes)), keepdims, False)
+        return _Axes(() if scalar else _distinct(g, axes, rank), None, keepdims, False)
     noop = int(g.attr("noop_with_empty_axes", 0)) == 1  # 0 or 1: the forward graph refuses others
     if g.I(1) is None or scalar:
         return _Axes((), None, keepdims, noop)
     value = g.const_input(1)
-    if value is None:  # computed at run time: made non-negative and distinct there, and none for an input that is a
-        # scalar at run time (its rank unknown here), which onnxruntime reduces to itself whatever the axes
-        r = g.Size(g.shape_of(g.I(0)))
-        distinct = g.op("Unique", g.Mod(g.Add(g.I(1), r), g.Max(r, g.ints(1))), sorted=1)
-        return _Axes(None, g.Slice(distinct, g.ints([0]), g.unsqueeze(r, [0])), keepdims, noop)
+    if value is None or rank is None:
+        return _at_run_time(g, g.I(1), keepdims, noop)
     return _Axes(_distinct(g, value.ravel().tolist(), rank), g.I(1), keepdims, noop)
+
+
+def _at_run_time(g: Grad, axes: str, keepdims: bool, noop: bool) -> _Axes:
+    """Axes computed at run time, or given for an input whose rank the build does not know: made non-negative and
+    distinct there, and none for an input that is a scalar at run time, which onnxruntime reduces to itself
+    whatever the axes (given [0, 1] for one, the gradient was unsqueezed to [1, 1] and spread over four axes
+    after: runtime replay fuzz, seed 104)."""
+    r = g.Size(g.shape_of(g.I(0)))
+    distinct = g.op("Unique", g.Mod(g.Add(axes, r), g.Max(r, g.ints(1))), sorted=1)
+    return _Axes(None, g.Slice(distinct, g.ints([0]), g.unsqueeze(r, [0])), keepdims, noop)
 
 
 def _distinct(g: Grad, axes: Iterable[int], rank: int | None) -> tuple[int, ...]:
