@@ -203,6 +203,12 @@ def training_batchnorm(model: onnx.ModelProto, owner: Mapping[str, str], modules
     functional = 0  # the training nodes no BatchNorm module owns, named apart
     # the dynamo exporter feeds a module's second call the running mean through an Identity of the first's input
     alias = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Identity" and n.input and n.output}
+    for name in alias:  # typed as their source: a float64 module's second call took float32 stand-ins, no kernel
+        source = name
+        while source in alias and source not in types:
+            source = alias[source]
+        if source in types:
+            types.setdefault(name, types[source])
     for node in g.node:
         nodes.append(node)
         if node.op_type != "BatchNormalization" or len(node.input) < 5:

@@ -90,13 +90,15 @@ def _in_float64(batch: Batch) -> Batch:
     return batch.double() if isinstance(batch, torch.Tensor) and batch.is_floating_point() else batch
 
 
-@pytest.mark.parametrize("name", IN_FLOAT64)
-def test_zoo_parity_in_float64(name: str) -> None:
-    """Made .double(), they train as torch's to 1e-10 (measured: 4e-14 at most): before, the ViT and BERT were
-    refused at their sessions' load, the U-Net with norms was 3e-8 off."""
+@pytest.mark.parametrize("name, exporter", [*((name, "torchscript") for name in IN_FLOAT64), ("siamese", "dynamo")])
+def test_zoo_parity_in_float64(name: str, exporter: str) -> None:
+    """Made .double(), they train as torch's to 1e-10 (measured: 5e-14 at most, either exporter): before, the ViT
+    and BERT were refused at their sessions' load, the U-Net with norms was 3e-8 off, and under dynamo the
+    Siamese encoder's second call (its BatchNorms' statistics through Identities) took float32 stand-in
+    statistics, for which onnxruntime has no kernel."""
     case = CASES[name]
     if case.needs:
         pytest.importorskip(case.needs)
     batches = [_in_float64(b) for b in case.batches(STEPS)]
-    _, _, report = check_parity(lambda: case.make().double(), batches, case.loss, sgd, rtol=1e-10)
-    print(f"{name} (float64): {report}")
+    _, _, report = check_parity(lambda: case.make().double(), batches, case.loss, sgd, rtol=1e-10, exporter=exporter)
+    print(f"{name} (float64, {exporter}): {report}")
