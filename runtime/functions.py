@@ -221,7 +221,7 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
         strides = _per_axis(stride, dims) if stride else kernel
         overhang = [_ceil_overhang(x.shape[x.dim() - dims + i], kernel[i], strides[i], pads[i]) if ceil_mode
                     else 0 for i in range(dims)]
-        framed = F.pad(x, [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])])
+        framed = _padded(x, [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])])
         # every window now lies inside the zero-framed input: its mean times its size is the sum torch divides
         if x.dtype != torch.float64:
             return original(framed, kernel, strides, 0, False, True) * (math.prod(kernel) / divisor_override)
@@ -230,19 +230,30 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
         sums = _window_sum(framed, kernel, strides)
         if divisor_override is not None:
             return sums / divisor_override
-        inside = torch.ones_like(x.narrow(0, 0, 1).narrow(1, 0, 1))
+        inside = torch.ones_like(x[0, 0])[None, None]  # (a Gather: inference sizes it whatever the batch)
         if count_include_pad:
-            inside = F.pad(inside, [p for i in reversed(range(dims)) for p in (pads[i], pads[i])], value=1.0)
+            inside = _padded(inside, [p for i in reversed(range(dims)) for p in (pads[i], pads[i])], value=1.0)
             framing = [p for i in reversed(range(dims)) for p in (0, overhang[i])]
         else:
             framing = [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])]
-        return sums / _window_sum(F.pad(inside, framing), kernel, strides)
+        return sums / _window_sum(_padded(inside, framing), kernel, strides)
 
     return pool
 
 
+def _padded(x: torch.Tensor, pads: Sequence[Any], value: float = 0.0) -> torch.Tensor:
+    """F.pad, or x where every pad is the int 0: the legacy exporter writes F.pad's pads through a chain of shape
+    ops (their reversal into ONNX's order) that hides the sizes after it from inference, so a squeeze's If after a
+    float64 global average pool was left undecided (torchaudio's M5)."""
+    return x if all(isinstance(p, int) and p == 0 for p in pads) else F.pad(x, list(pads), value=value)
+
+
 def _per_axis(value: Sequence[int] | int, dims: int) -> list[int]:
-    return [value] * dims if isinstance(value, int) else list(value) * (dims if len(value) == 1 else 1)
+    """One int an axis; traced sizes (a float64 global pool's kernel `x.shape[-1]`, which failed the export) as the
+    ints the export keeps (`_python_int`)."""
+    single = isinstance(value, int) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+    ints = [_python_int(v) for v in ([value] if single else value)]
+    return ints * (dims if len(ints) == 1 else 1)
 
 
 def _conv(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
@@ -311,7 +322,8 @@ def _tap_windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int],
                  ) -> list[torch.Tensor]:
     """Per kernel tap, the strided slice of t (spatial axes after two) each window reads there, as many as fit along
     each axis at t's run-time sizes."""
-    outs = [(t.shape[2 + a] - d * (k - 1) - 1) // s + 1 for a, (k, s, d) in enumerate(zip(kernel, strides, dilations))]
+    outs = [_whole_windows(t.shape[2 + a] - d * (k - 1) - 1, s) for a, (k, s, d) in enumerate(zip(kernel, strides,
+                                                                                                     dilations))]
     windows = []
     for tap in itertools.product(*[range(k) for k in kernel]):
         window = t
@@ -319,6 +331,15 @@ def _tap_windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int],
             window = window.narrow(2 + a, i * d, (o - 1) * s + 1)[(slice(None),) * (2 + a) + (slice(None, None, s),)]
         windows.append(window)
     return windows
+
+
+def _whole_windows(rest: Any, stride: int) -> Any:
+    """rest // stride + 1 windows, rest >= 0 (the input at least one window long): a traced size's by truncating
+    division, which the legacy exporter writes as one Div (its floor division's seven ops hid the count from the
+    evaluation that decides a squeeze's If after a float64 global pool: torchaudio's M5)."""
+    if isinstance(rest, torch.Tensor):
+        return torch.div(rest, stride, rounding_mode="trunc") + 1
+    return rest // stride + 1
 
 
 def _window_sum(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
@@ -335,7 +356,7 @@ def _conv_by_taps(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, s
     kernel = untraced_ints(*w.shape[2:])
     out_channels, per_group = untraced_ints(*w.shape[:2])
     begin, end = _conv_pads(padding, dilations, kernel)
-    padded = F.pad(x, [p for b, e in zip(reversed(begin), reversed(end)) for p in (b, e)])
+    padded = _padded(x, [p for b, e in zip(reversed(begin), reversed(end)) for p in (b, e)])
     windows = _tap_windows(padded, kernel, strides, dilations)
     taps = len(windows)
     cols = torch.stack(windows, 2).reshape(x.shape[0], groups, per_group * taps, -1)  # [N, G, C/G * T, P]

@@ -11,6 +11,7 @@ such as attention's 1/sqrt(head size)), and a Reshape target unknown in one entr
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -240,7 +241,8 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
     values (`_evaluate`), the names already constant before it (initializers, Constants), the one-element booleans
     the dims decide (comparisons of that arithmetic, their negations), and the dims found on the way where
     inference left them unknown: Slices sized from their computed starts and ends (torch exports them computed),
-    Expands from their computed targets (torch's broadcast_tensors)."""
+    Expands and Reshapes from their computed targets (torch's broadcast_tensors, a float64 convolution's columns),
+    ConstantOfShapes from their computed shapes (`ones_like`)."""
     graph = model.graph
     dims = _known_dims(model, hints)
     values = _constant_values(graph)
@@ -251,10 +253,8 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
     for n in graph.node:
         if len(n.output) != 1 or n.domain not in ("", "ai.onnx") or n.output[0] in constant:
             continue
-        if n.op_type in ("Slice", "Expand") and len(n.input) > 1 and None in dims.get(n.output[0], [None]):
-            args = [values.get(i) for i in n.input[1:]]
-            found = _sliced_dims(dims.get(n.input[0]), args) if n.op_type == "Slice" else \
-                _expanded_dims(dims.get(n.input[0]), args[0])
+        if n.op_type in SIZED and n.input and None in dims.get(n.output[0], [None]):
+            found = _sized(n, dims, values)
             if found is not None and found != dims.get(n.output[0]):
                 dims[n.output[0]] = sized[n.output[0]] = found
         if n.op_type in COMPARISONS and len(n.input) == 2:
@@ -287,6 +287,37 @@ def _expanded_dims(shape: list[int | None] | None, target: Value | None) -> list
     outs = [1] * (rank - len(target[1])) + list(target[1])
     return [d if t == 1 else (d if d != 1 else None) if t is None else t if d in (None, 1, t) else None
             for d, t in zip(ins, outs)]
+
+
+SIZED = frozenset({"Slice", "Expand", "Reshape", "ConstantOfShape"})
+"""Ops whose output dims `_evaluated` finds from their computed inputs where inference leaves them unknown."""
+
+
+def _sized(n: onnx.NodeProto, dims: dict[str, list[int | None]], values: dict[str, Value]) -> list[int | None] | None:
+    args = [values.get(i) for i in n.input[1:]]
+    if n.op_type == "ConstantOfShape":
+        shape = values.get(n.input[0])
+        return None if shape is None or shape[0] else shape[1]
+    if not args:
+        return None
+    if n.op_type == "Slice":
+        return _sliced_dims(dims.get(n.input[0]), args)
+    if n.op_type == "Expand":
+        return _expanded_dims(dims.get(n.input[0]), args[0])
+    return _reshaped_dims(dims.get(n.input[0]), args[0], bool(int_attr(n, "allowzero", 0)))
+
+
+def _reshaped_dims(shape: list[int | None] | None, target: Value | None, allowzero: bool) -> list[int | None] | None:
+    """A Reshape's output dims from its computed target: a 0 copies the input's dim (unless allowzero), a -1 is
+    what the other dims leave of the input's size where all are known."""
+    if target is None or target[0]:
+        return None
+    out = [shape[i] if v == 0 and not allowzero and shape is not None and i < len(shape) else v
+           for i, v in enumerate(target[1])]
+    if out.count(-1) == 1 and shape is not None and None not in shape and None not in out:
+        rest = math.prod(v for v in out if v != -1)
+        out[out.index(-1)] = math.prod(shape) // rest if rest else None  # type: ignore[type-var]
+    return [v if v is not None and v >= 0 else None for v in out]
 
 
 def _sliced_dims(shape: list[int | None] | None, args: list[Value | None]) -> list[int | None] | None:
