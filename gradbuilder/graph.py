@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 from onnx import TensorProto
 
 from .errors import InvalidModelError, ModelLoadError, SaveError
-from .inference import infer_shapes
+from .inference import declared_dims, infer_shapes
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
@@ -685,6 +685,7 @@ def _check_interface(graph: onnx.GraphProto) -> None:
             "does not support; store them as dense initializers."
         )
     init_types = {t.name: t.data_type for t in graph.initializer}
+    init_dims = {t.name: list(t.dims) for t in graph.initializer}
     declared: dict[str, tuple[str, int]] = {}
     for kind, vis in (("graph input", graph.input), ("graph output", graph.output), ("value_info", graph.value_info)):
         for vi in vis:
@@ -702,6 +703,13 @@ def _check_interface(graph: onnx.GraphProto) -> None:
                 raise InvalidModelError(
                     f"{kind} '{vi.name}' is declared {type_name(t.elem_type)}, but the initializer of that name is "
                     f"{type_name(init_types[vi.name])}; fix the declaration or re-export the model."
+                )
+            dims, held = declared_dims(vi), init_dims.get(vi.name)
+            if dims is not None and held is not None and (
+                    len(dims) != len(held) or any(isinstance(d, int) and d != n for d, n in zip(dims, held))):
+                raise InvalidModelError(  # the runtime read the declaration (a Squeeze of it found idle: seed 122)
+                    f"{kind} '{vi.name}' is declared of shape {dims}, but the initializer of that name has "
+                    f"{list(held)}; fix the declaration or re-export the model."
                 )
             first = declared.setdefault(vi.name, (kind, t.elem_type))
             if first[1] != t.elem_type:

@@ -111,6 +111,13 @@ def _output_declared_string() -> onnx.ModelProto:
     return m
 
 
+def _output_declared_of_another_shape() -> onnx.ModelProto:
+    """W ([3]) returned, declared [3, 1]: the runtime read the declaration (replay fuzz seed 122)."""
+    m = tiny()
+    m.graph.output.append(vi("W", shape=[3, 1]))
+    return m
+
+
 def _value_info_wrong_shape() -> onnx.ModelProto:
     m = tiny()
     m.graph.value_info.append(vi("u", shape=["batch", 4]))
@@ -407,6 +414,8 @@ BROKEN: dict[str, tuple[Callable[[], onnx.ModelProto], list[str]]] = {
     "duplicate graph input": (_duplicate_input, ["graph input 'x'", "listed twice"]),
     "declared type contradicts the initializer": (_output_declared_string, ["graph output 'W'", "declared STRING",
                                                                              "initializer of that name is FLOAT"]),
+    "declared shape contradicts the initializer": (_output_declared_of_another_shape, [
+        "graph output 'W'", "declared of shape [3, 1]", "initializer of that name has [3]"]),
     "declared shape contradicts a node": (_value_info_wrong_shape, ["inconsistent", "'mul'", "(3) vs (4)"]),
     "unknown attribute": (_unknown_attribute, ["'mul'", "Unrecognized attribute: frobnication"]),
     "too many inputs": (lambda: make_model([node("Mul", ["x", "W", "x"], ["y"], "mul3")], [vi("x")], [vi("y")],
