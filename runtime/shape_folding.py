@@ -297,7 +297,7 @@ def _sized(n: onnx.NodeProto, dims: dict[str, list[int | None]], values: dict[st
     args = [values.get(i) for i in n.input[1:]]
     if n.op_type == "ConstantOfShape":
         shape = values.get(n.input[0])
-        return None if shape is None or shape[0] else shape[1]
+        return None if shape is None or shape[0] else [v if v is not None and v >= 0 else None for v in shape[1]]
     if not args:
         return None
     if n.op_type == "Slice":
@@ -312,8 +312,10 @@ def _reshaped_dims(shape: list[int | None] | None, target: Value | None, allowze
     what the other dims leave of the input's size where all are known."""
     if target is None or target[0]:
         return None
-    out = [shape[i] if v == 0 and not allowzero and shape is not None and i < len(shape) else v
-           for i, v in enumerate(target[1])]
+    out = list(target[1])
+    for i, v in enumerate(out):
+        if v == 0 and not allowzero:  # a copy of the input's dim
+            out[i] = shape[i] if shape is not None and i < len(shape) else None
     if out.count(-1) == 1 and shape is not None and None not in shape and None not in out:
         rest = math.prod(v for v in out if v != -1)
         out[out.index(-1)] = math.prod(shape) // rest if rest else None  # type: ignore[type-var]

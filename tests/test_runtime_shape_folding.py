@@ -226,3 +226,15 @@ def test_ifs_on_the_legacy_exporters_expand_sizes_are_decided(tmp_path, batch, k
     want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
     got = ort.InferenceSession(inlined.SerializeToString()).run(None, feeds)[0]
     np.testing.assert_array_equal(got, want)
+
+
+def test_reshapes_sized_from_computed_targets():
+    """A 0 copies the input's dim (unknown where that is), unless allowzero; a -1 takes what the other dims leave
+    of a size fully known."""
+    sized = shape_folding._reshaped_dims
+    assert sized([2, 3, 4], (False, [None, 4, 10]), False) == [None, 4, 10]
+    assert sized([2, 3, 4], (False, [-1, 4]), False) == [6, 4]
+    assert sized([None, 5], (False, [0, -1]), False) == [None, None]
+    assert sized(None, (False, [0, 4]), False) == [None, 4]
+    assert sized([3, 5], (False, [0, 5]), True) == [0, 5]
+    assert sized([3, 5], (True, [15]), False) is None  # a Reshape's target is a vector
