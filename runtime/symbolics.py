@@ -55,6 +55,8 @@ from gradbuilder.rules.linalg import MICROSOFT
 from gradbuilder.stop_gradient import OP_TYPE as STOP_GRADIENT
 from gradbuilder.yield_op import DOMAIN
 
+from .batchnorm import eps_scale
+
 OPSET = 9
 """The default-domain opset from which these conversions apply (every opset the legacy exporter writes)."""
 
@@ -1096,6 +1098,10 @@ def _batch_norm(g: Any, x: Any, weight: Any, bias: Any, mean: Any, var: Any, tra
     mean, var = (g.op("ConstantOfShape", channels, value_t=torch.tensor([v], dtype=dtype)) for v in (0.0, 1.0))
     weight, bias = (g.op("Expand", g.op("Constant", value_t=torch.tensor(v, dtype=dtype)), channels) if _none(t)
                     else t for t, v in ((weight, 1.0), (bias, 0.0)))
+    eps = symbolic_helper._maybe_get_const(rest[1], "f") if len(rest) > 1 else None
+    scale = eps_scale(eps) if _is_double(x) and isinstance(eps, float) else None
+    if scale is not None:  # torch's eps in float64, its statistics unread (`batchnorm.eps_scale`)
+        x = g.op("Mul", x, const_like(g, scale, x))
     return own(g, x, weight, bias, mean, var, training, *rest)
 
 
