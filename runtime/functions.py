@@ -251,7 +251,7 @@ def _padded(x: torch.Tensor, pads: Sequence[Any], value: float = 0.0) -> torch.T
 def _per_axis(value: Sequence[int] | int, dims: int) -> list[int]:
     """One int an axis; traced sizes (a float64 global pool's kernel `x.shape[-1]`, which failed the export) as the
     ints the export keeps (`_python_int`)."""
-    single = isinstance(value, int) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+    single = isinstance(value, (int, torch.SymInt)) or (isinstance(value, torch.Tensor) and value.dim() == 0)
     ints = [_python_int(v) for v in ([value] if single else value)]
     return ints * (dims if len(ints) == 1 else 1)
 
