@@ -1033,6 +1033,15 @@ def _sinc(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.where(zero, torch.ones_like(x), torch.sin(scaled) / scaled)
 
 
+def _degrees(original: Callable[..., torch.Tensor], factor: float) -> Callable[..., torch.Tensor]:
+    """deg2rad and rad2deg as x times pi / 180 (180 / pi) kept at its value (`exact`): both exporters wrote the
+    factor in float32, 8.7e-9 off in float64."""
+    def convert(x: torch.Tensor) -> torch.Tensor:
+        return x * exact(factor, x) if x.is_floating_point() else original(x)
+
+    return convert
+
+
 def _diff(x: torch.Tensor, n: int = 1, dim: int = -1, prepend: torch.Tensor | None = None,
           append: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The n-th forward difference along `dim` as torch's: `prepend` and `append` joined first, then n times a
@@ -1600,6 +1609,8 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         *((owner, "expm1", _expm1) for owner in (torch, torch.Tensor, torch.special)),
         (torch, "addcdiv", _addcdiv), (torch.Tensor, "addcdiv", _addcdiv),
         *((owner, "sinc", _sinc) for owner in (torch, torch.Tensor, torch.special)),
+        *((owner, name, _degrees(getattr(torch, name), factor)) for owner in (torch, torch.Tensor)
+          for name, factor in (("deg2rad", math.pi / 180), ("rad2deg", 180 / math.pi))),
         *((torch.Tensor, name, property(_matrix_transpose)) for name in ("mT", "mH")),
         (torch.Tensor, "adjoint", _matrix_transpose), (torch, "adjoint", _matrix_transpose),
         (torch, "tile", _tile), (torch.Tensor, "tile", lambda x, *dims: _tile(x, _sizes(dims))),

@@ -1288,3 +1288,22 @@ def test_float64_layer_norm_has_torchs_eps(exporter: str) -> None:
     g = torch.Generator().manual_seed(4)
     _as_torch(lambda: SmallVarianceNorms().double(), [torch.randn(5, 6, generator=g, dtype=torch.float64)], exporter,
               rtol=1e-13, atol=1e-15)
+
+
+class Degrees(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.deg2rad(h).sin() + h.rad2deg()
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float64_degree_conversions_are_exact(exporter: str) -> None:
+    """deg2rad and rad2deg multiply by pi / 180 and 180 / pi, which both exporters wrote in float32 (8.7e-9 off in
+    float64)."""
+    g = torch.Generator().manual_seed(6)
+    _as_torch(lambda: Degrees().double(), [torch.randn(5, 6, generator=g, dtype=torch.float64) * 50], exporter,
+              **TOLERANCE[torch.float64])
