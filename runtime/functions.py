@@ -646,8 +646,8 @@ def _layer_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
                    bias: torch.Tensor | None = None, eps: float = 1e-5, *rest: Any) -> torch.Tensor:
         shape = [_python_int(d) for d in normalized_shape]
         scale = eps_scale(eps) if x.dtype == torch.float64 else None
-        if scale is not None:  # a tensor: both exporters read Python numbers that round to one float32 as one
-            x = x * torch.tensor(scale, dtype=x.dtype)
+        if scale is not None:  # `exact`: both exporters read Python numbers that round to one float32 as one
+            x = x * exact(scale, x)
         return original(x, shape, weight, bias, eps, *rest)
 
     return layer_norm
@@ -1437,7 +1437,7 @@ def _linear_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) 
     if align_corners:
         source = i * torch.where(cells > 1, (size - 1) / (cells - 1).clamp(min=1), torch.zeros_like(size))
     else:
-        scale = torch.tensor(1 / factor, dtype=torch.float64) if factor else size / cells
+        scale = exact(1 / factor, i) if factor else size / cells
         source = ((i + 0.5) * scale - 0.5).clamp(min=0)
     lower = torch.minimum(torch.floor(source), size - 1)
     upper_weight = (source - lower).clamp(0, 1)
