@@ -1447,46 +1447,56 @@ def _linear_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) 
     return torch.where(cells == size, (position == i).to(torch.float64), weights)
 
 
+def _per_axis_resampled(x: torch.Tensor, output_size: Sequence[Any] | None, scale_factors: Any, scales: Sequence[Any],
+                        dims: int, one_axis: Callable[[torch.Tensor, int, Any, float | None], torch.Tensor]
+                        ) -> torch.Tensor | None:
+    """x resampled axis by axis by `one_axis(x, axis, out size, factor or None where a size is given)`; None where
+    torch's own function runs: not float64, unbatched, or the overload of per-axis scales (scales_h, scales_w),
+    which F.interpolate does not call."""
+    per_axis = bool(scales) or not (scale_factors is None or isinstance(scale_factors, (list, tuple)))
+    if x.dtype != torch.float64 or x.dim() != dims + 2 or per_axis:
+        return None
+    for k in range(dims):
+        axis = x.dim() - dims + k
+        factor = None if output_size is not None or scale_factors is None else scale_factors[k]
+        out = output_size[k] if output_size is not None else _scaled_size(x.shape[axis], factor)
+        x = one_axis(x, axis, out, factor)
+    return x
+
+
 def _float64_linear(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
     """interpolate(mode="linear", "bilinear", "trilinear") in float64: a product with each axis's `_linear_matrix`
     (the exporters' Resize has no double kernel in onnxruntime, and dynamo's 1-D form computed its weights in
     float32, 2e-7 off). Other types keep torch's function."""
     def resample(x: torch.Tensor, output_size: Sequence[Any] | None, align_corners: bool,
                  scale_factors: Sequence[float] | None = None, *scales: float | None) -> torch.Tensor:
-        # the overload of per-axis scales (scales_h, scales_w), which F.interpolate does not call, is torch's
-        per_axis = bool(scales) or not (scale_factors is None or isinstance(scale_factors, (list, tuple)))
-        if x.dtype != torch.float64 or x.dim() != dims + 2 or per_axis:
-            return original(x, output_size, align_corners, scale_factors, *scales)
-        for k in range(dims):
-            axis = x.dim() - dims + k
-            factor = None if scale_factors is None else scale_factors[k]
-            out = output_size[k] if output_size is not None else _scaled_size(x.shape[axis], factor)
-            matrix = _linear_matrix(x.shape[axis], out, None if output_size is not None else factor, align_corners)
-            x = torch.matmul(x.movedim(axis, -1), matrix).movedim(-1, axis)
-        return x
+        def one_axis(x: torch.Tensor, axis: int, out: Any, factor: float | None) -> torch.Tensor:
+            matrix = _linear_matrix(x.shape[axis], out, factor, align_corners)
+            return torch.matmul(x.movedim(axis, -1), matrix).movedim(-1, axis)
+
+        y = _per_axis_resampled(x, output_size, scale_factors, scales, dims, one_axis)
+        return original(x, output_size, align_corners, scale_factors, *scales) if y is None else y
 
     return resample
 
 
+def _nearest_axis(x: torch.Tensor, axis: int, out: Any, factor: float | None) -> torch.Tensor:
+    """One axis gathered at torch's source indices, floor(i * scale) in float32 as its kernel computes them (scale
+    the factor's reciprocal, else n / out), clamped to the last input."""
+    n = _size_tensor(x.shape[axis])
+    scale = torch.tensor(1 / factor, dtype=torch.float32) if factor else \
+        n.to(torch.float32) / _size_tensor(out).to(torch.float32)
+    index = torch.floor(torch.arange(out, dtype=torch.float32) * scale).to(torch.int64)
+    return x.index_select(axis, torch.minimum(index, n - 1))
+
+
 def _float64_nearest(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
-    """interpolate(mode="nearest") in float64 (onnxruntime's Resize has no double kernel): each axis gathered at
-    torch's source indices, floor(i * scale) in float32 as its kernel computes them (scale the factor's reciprocal,
-    else n / out), clamped to the last input. Other types keep torch's function."""
+    """interpolate(mode="nearest") in float64 (onnxruntime's Resize has no double kernel): `_nearest_axis` per
+    axis. Other types keep torch's function."""
     def resample(x: torch.Tensor, output_size: Sequence[Any] | None, scale_factors: Sequence[float] | None = None,
                  *scales: float | None) -> torch.Tensor:
-        per_axis = bool(scales) or not (scale_factors is None or isinstance(scale_factors, (list, tuple)))
-        if x.dtype != torch.float64 or x.dim() != dims + 2 or per_axis:
-            return original(x, output_size, scale_factors, *scales)
-        for k in range(dims):
-            axis = x.dim() - dims + k
-            factor = None if scale_factors is None else scale_factors[k]
-            n = _size_tensor(x.shape[axis])
-            out = output_size[k] if output_size is not None else _scaled_size(x.shape[axis], factor)
-            scale = torch.tensor(1 / factor, dtype=torch.float32) if factor else \
-                n.to(torch.float32) / _size_tensor(out).to(torch.float32)
-            index = torch.floor(torch.arange(out, dtype=torch.float32) * scale).to(torch.int64)
-            x = x.index_select(axis, torch.minimum(index, n - 1))
-        return x
+        y = _per_axis_resampled(x, output_size, scale_factors, scales, dims, _nearest_axis)
+        return original(x, output_size, scale_factors, *scales) if y is None else y
 
     return resample
 
