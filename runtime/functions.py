@@ -242,9 +242,8 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
 
 
 def _padded(x: torch.Tensor, pads: Sequence[Any], value: float = 0.0) -> torch.Tensor:
-    """F.pad, or x where every pad is the int 0: the legacy exporter writes F.pad's pads through a chain of shape
-    ops (their reversal into ONNX's order) that hides the sizes after it from inference, so a squeeze's If after a
-    float64 global average pool was left undecided (torchaudio's M5)."""
+    """F.pad, or x where every pad is the int 0: the legacy exporter writes F.pad's pads through a chain of
+    shape ops (their reversal into ONNX's order) and a Pad, none of which a zero padding needs."""
     return x if all(isinstance(p, int) and p == 0 for p in pads) else F.pad(x, list(pads), value=value)
 
 
@@ -335,8 +334,7 @@ def _tap_windows(t: torch.Tensor, kernel: Sequence[int], strides: Sequence[int],
 
 def _whole_windows(rest: Any, stride: int) -> Any:
     """rest // stride + 1 windows, rest >= 0 (the input at least one window long): a traced size's by truncating
-    division, which the legacy exporter writes as one Div (its floor division's seven ops hid the count from the
-    evaluation that decides a squeeze's If after a float64 global pool: torchaudio's M5)."""
+    division, which agrees there and which the legacy exporter writes as one Div (floor division as seven ops)."""
     if isinstance(rest, torch.Tensor):
         return torch.div(rest, stride, rounding_mode="trunc") + 1
     return rest // stride + 1

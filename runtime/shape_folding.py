@@ -20,12 +20,8 @@ from onnx import TensorProto
 
 from gradbuilder.inference import infer_shapes, static_dims
 
+from .partial_ints import MAX_ELEMENTS, Value, evaluate, onnx_slice
 from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, names_in_use
-
-MAX_ELEMENTS = 16
-"""Longest int64 vector evaluated (shape vectors are as long as a tensor's rank)."""
-Value = tuple[bool, list[int | None]]
-"""(is a scalar, elements, None where unknown)."""
 
 
 def _is_constant(n: onnx.NodeProto) -> bool:
@@ -75,106 +71,11 @@ def _declare(vi: onnx.ValueInfoProto, dims: list[int | None]) -> None:
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
-    """The graph's constant int64 scalars and short vectors."""
-    def small_ints(t: onnx.TensorProto) -> bool:
-        return t.data_type == TensorProto.INT64 and len(t.dims) <= 1 and np.prod(t.dims) <= MAX_ELEMENTS
+    """The graph's constant small int64 and bool tensors."""
+    def small(t: onnx.TensorProto) -> bool:
+        return t.data_type in (TensorProto.INT64, TensorProto.BOOL) and np.prod(t.dims) <= MAX_ELEMENTS
 
-    return {name: (a.ndim == 0, [int(v) for v in a.ravel()]) for name, a in constant_values(graph, small_ints).items()}
-
-
-def _elementwise(op: str, a: Value, b: Value) -> Value | None:
-    (sa, xa), (sb, xb) = a, b
-    if len(xa) != len(xb) and 1 not in (len(xa), len(xb)):
-        return None
-    n = max(len(xa), len(xb))
-    xa, xb = xa * n if len(xa) == 1 else xa, xb * n if len(xb) == 1 else xb
-    out: list[int | None] = []
-    for u, v in zip(xa, xb):
-        if u is None or v is None or (op in ("Div", "Mod") and v == 0):
-            out.append(None)
-        elif op == "Div":  # integer Div truncates toward zero
-            out.append(abs(u) // abs(v) * (1 if (u < 0) == (v < 0) else -1))
-        else:
-            out.append(u + v if op == "Add" else u - v if op == "Sub" else u * v if op == "Mul" else u % v)
-    return sa and sb, out
-
-
-def _sliced(values: list[int | None], start: int, end: int) -> list[int | None]:
-    """values[start:end] with ONNX's clamping (Shape's start/end, Slice of step 1)."""
-    n = len(values)
-    return values[slice(*[max(0, min(n, v + n if v < 0 else v)) for v in (start, end)])]
-
-
-def _evaluate(node: onnx.NodeProto, values: dict[str, Value], dims: dict[str, list[int | None]]) -> Value | None:
-    """The node's output as a partially known int64 vector or scalar, or None when it is not one."""
-    op, ins = node.op_type, list(node.input)
-    args = [values.get(i) for i in ins]
-    if op == "Shape":
-        shape = dims.get(ins[0])
-        if shape is None:
-            return None
-        return False, _sliced(shape, int_attr(node, "start", 0), int_attr(node, "end", len(shape)))
-    if op == "Size":
-        shape = dims.get(ins[0])
-        return None if shape is None else (True, [None if None in shape else int(np.prod(shape))])
-    if any(a is None for a in args[:1]):
-        return None
-    if op == "Gather" and int_attr(node, "axis", 0) == 0 and args[1] is not None and not args[0][0]:
-        data = args[0][1]
-        picked = [data[i] if -len(data) <= i < len(data) else None for i in args[1][1]]
-        return (args[1][0], picked) if None not in args[1][1] else None
-    if op == "Slice" and not args[0][0] and all(a is not None for a in args[1:]):
-        data, starts, ends = args[0][1], args[1][1], args[2][1]
-        steps = args[4][1] if len(args) > 4 else [1]
-        if args[1][0] or args[2][0] or len(starts) != 1 or steps != [1] or None in starts + ends or \
-                (len(args) > 3 and args[3][1] != [0]):
-            return None
-        return False, _sliced(data, starts[0], ends[0])
-    if op == "Unsqueeze" and args[0][0] and len(args) > 1 and args[1] is not None and args[1][1] == [0]:
-        return False, args[0][1]
-    if op == "Squeeze" and not args[0][0] and len(args[0][1]) == 1 and (len(args) < 2 or args[1] is not None):
-        return True, args[0][1]
-    if op == "Concat" and int_attr(node, "axis", 0) in (0, -1) and all(a is not None and not a[0] for a in args):
-        return False, [v for a in args for v in a[1]]
-    if op in ("Add", "Sub", "Mul", "Div", "Mod") and len(args) == 2 and args[1] is not None and \
-            not (op == "Mod" and int_attr(node, "fmod", 0)):
-        return _elementwise(op, args[0], args[1])
-    if op in ("Identity", "Cast") and (op == "Identity" or int_attr(node, "to", 0) == TensorProto.INT64):
-        return args[0]
-    if op == "Reshape" and len(args) > 1 and args[1] is not None and args[1][1] in ([-1], [len(args[0][1])]):
-        return False, args[0][1]  # a vector (or a scalar) as a vector: the legacy exporter's Expand targets
-    if op == "ConstantOfShape" and not args[0][0] and len(args[0][1]) <= 1 and None not in args[0][1]:
-        fill = next((a.t for a in node.attribute if a.name == "value"), None)
-        if fill is not None and fill.data_type == TensorProto.INT64 and (args[0][1] or [1])[0] <= MAX_ELEMENTS:
-            value = int(onnx.numpy_helper.to_array(fill).ravel()[0])
-            return (False, [value] * args[0][1][0]) if args[0][1] else (True, [value])
-    return None
-
-
-Flags = tuple[bool, list[bool | None]]
-"""(is a scalar, a comparison's elements, None where unknown)."""
-
-
-def _broadcast(*lengths: int) -> int | None:
-    longest = max(lengths)
-    return longest if all(n in (1, longest) for n in lengths) else None
-
-
-def _compared(op: str, a: Value | None, b: Value | None) -> Flags | None:
-    """A comparison of two int64 vectors (or scalars), elementwise, None where an operand is unknown."""
-    if a is None or b is None or (n := _broadcast(len(a[1]), len(b[1]))) is None:
-        return None
-    xa, xb = (x * n if len(x) == 1 else x for x in (a[1], b[1]))
-    return a[0] and b[0], [None if u is None or v is None else bool(COMPARISONS[op](u, v)) for u, v in zip(xa, xb)]
-
-
-def _selected(flags: Flags, a: Value | None, b: Value | None) -> Value | None:
-    """Where(flags, a, b) over int64 vectors, elementwise, None where the flag is unknown: the legacy exporter
-    writes an Expand's target as Where(target == -1, 1, target)."""
-    if a is None or b is None or (n := _broadcast(len(flags[1]), len(a[1]), len(b[1]))) is None:
-        return None
-    f, xa, xb = (x * n if len(x) == 1 else x for x in (flags[1], a[1], b[1]))
-    return flags[0] and a[0] and b[0], [None if c is None else u if c else v for c, u, v in zip(f, xa, xb)]
+    return {name: Value.of(a) for name, a in constant_values(graph, small).items()}
 
 
 MAX_HINTS = 256
@@ -202,14 +103,14 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     values, constant, _, _ = _evaluated(model)
     outputs = {o.name for o in graph.output}
-    folded = {name: v for name, v in values.items()
-              if name not in constant and name not in outputs and None not in v[1]}
+    folded = {name: v for name, v in values.items() if name not in constant and name not in outputs and v.complete}
     targets = {}
     for n in graph.node:
         if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] not in folded and not int_attr(n, "allowzero", 0):
             v = values.get(n.input[1])
-            if v is not None and not v[0] and v[1].count(None) == 1 and -1 not in v[1]:
-                targets[n.input[1]] = [-1 if d is None else d for d in v[1]]
+            items = [] if v is None or v.data.ndim != 1 else v.items()
+            if items.count(None) == 1 and -1 not in items:
+                targets[n.input[1]] = [-1 if d is None else d for d in items]
     if not folded and not targets:
         return model
     out = onnx.ModelProto()
@@ -217,8 +118,7 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     taken = names_in_use(out.graph)
     renamed = {name: fresh_name(f"{name}/batch_as_-1", taken) for name in targets}
     for name, v in folded.items():
-        out.graph.initializer.append(onnx.numpy_helper.from_array(
-            np.array(v[1][0] if v[0] else v[1], dtype=np.int64), name))
+        out.graph.initializer.append(onnx.numpy_helper.from_array(np.array(v.data), name))
     for name, new in renamed.items():
         out.graph.initializer.append(onnx.numpy_helper.from_array(np.array(targets[name], dtype=np.int64), new))
     nodes = [n for n in out.graph.node if not (len(n.output) == 1 and n.output[0] in folded)]
@@ -229,10 +129,6 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
-
-
-COMPARISONS = {"Equal": lambda a, b: a == b, "Greater": lambda a, b: a > b, "Less": lambda a, b: a < b,
-               "GreaterOrEqual": lambda a, b: a >= b, "LessOrEqual": lambda a, b: a <= b}
 
 
 def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None = None
@@ -247,8 +143,6 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
     dims = _known_dims(model, hints)
     values = _constant_values(graph)
     constant = set(values)
-    truth: dict[str, bool] = {}
-    flags: dict[str, Flags] = {}
     sized: dict[str, list[int | None]] = {}
     for n in graph.node:
         if len(n.output) != 1 or n.domain not in ("", "ai.onnx") or n.output[0] in constant:
@@ -257,22 +151,11 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
             found = _sized(n, dims, values)
             if found is not None and found != dims.get(n.output[0]):
                 dims[n.output[0]] = sized[n.output[0]] = found
-        if n.op_type in COMPARISONS and len(n.input) == 2:
-            compared = _compared(n.op_type, values.get(n.input[0]), values.get(n.input[1]))
-            if compared is not None:
-                flags[n.output[0]] = compared
-                if compared[1] in ([True], [False]):
-                    truth[n.output[0]] = bool(compared[1][0])
-        elif n.op_type == "Not" and n.input[0] in truth:
-            truth[n.output[0]] = not truth[n.input[0]]
-        elif n.op_type == "Where" and n.input[0] in flags:
-            picked = _selected(flags[n.input[0]], values.get(n.input[1]), values.get(n.input[2]))
-            if picked is not None:
-                values[n.output[0]] = picked
-        else:
-            v = _evaluate(n, values, dims)
-            if v is not None and len(v[1]) <= MAX_ELEMENTS:
-                values[n.output[0]] = v
+        v = evaluate(n, values, dims)
+        if v is not None:
+            values[n.output[0]] = v
+    truth = {name: bool(v.data.ravel()[0]) for name, v in values.items()
+             if v.boolean and v.data.size == 1 and v.complete}
     return values, constant, truth, sized
 
 
@@ -280,64 +163,93 @@ def _expanded_dims(shape: list[int | None] | None, target: Value | None) -> list
     """An Expand's output dims from its input's and its computed target (numpy broadcasting, from the right): a
     target dim of 1 gives the input's, an unknown one the input's where that is not 1 (else unknown: it was 1,
     a batch broadcast from 1 taken for 1)."""
-    if shape is None or target is None or target[0]:
+    if shape is None or target is None or target.data.ndim != 1:
         return None
-    rank = max(len(shape), len(target[1]))
+    sizes = target.items()
+    rank = max(len(shape), len(sizes))
     ins = [1] * (rank - len(shape)) + list(shape)
-    outs = [1] * (rank - len(target[1])) + list(target[1])
+    outs = [1] * (rank - len(sizes)) + sizes
     return [d if t == 1 else (d if d != 1 else None) if t is None else t if d in (None, 1, t) else None
             for d, t in zip(ins, outs)]
 
 
-SIZED = frozenset({"Slice", "Expand", "Reshape", "ConstantOfShape"})
+SIZED = frozenset({"Slice", "Expand", "Reshape", "ConstantOfShape", "Pad"})
 """Ops whose output dims `_evaluated` finds from their computed inputs where inference leaves them unknown."""
 
 
 def _sized(n: onnx.NodeProto, dims: dict[str, list[int | None]], values: dict[str, Value]) -> list[int | None] | None:
-    args = [values.get(i) for i in n.input[1:]]
+    args = [values.get(i) if i else None for i in n.input]
+    shape = dims.get(n.input[0])
     if n.op_type == "ConstantOfShape":
-        shape = values.get(n.input[0])
-        return None if shape is None or shape[0] else [v if v is not None and v >= 0 else None for v in shape[1]]
-    if not args:
+        return None if args[0] is None or args[0].data.ndim != 1 else _sizes(args[0].items())
+    if len(args) < 2:
         return None
     if n.op_type == "Slice":
-        return _sliced_dims(dims.get(n.input[0]), args)
+        return _sliced_dims(shape, [a.items() if a is not None and a.complete else None for a in args[1:]],
+                            [bool(i) for i in n.input[1:]])
     if n.op_type == "Expand":
-        return _expanded_dims(dims.get(n.input[0]), args[0])
-    return _reshaped_dims(dims.get(n.input[0]), args[0], bool(int_attr(n, "allowzero", 0)))
+        return _expanded_dims(shape, args[1])
+    if n.op_type == "Pad":
+        if len(n.input) <= 3 or not n.input[3]:
+            return _padded_dims(shape, args[1], None)
+        axes = args[3]
+        return None if axes is None or not axes.complete else _padded_dims(shape, args[1], axes.items())
+    return _reshaped_dims(shape, args[1], bool(int_attr(n, "allowzero", 0)))
+
+
+def _sizes(items: list[int | None]) -> list[int | None]:
+    """Dims from computed sizes: a negative one (a bad graph, or -1 for "infer") as unknown."""
+    return [v if v is not None and v >= 0 else None for v in items]
 
 
 def _reshaped_dims(shape: list[int | None] | None, target: Value | None, allowzero: bool) -> list[int | None] | None:
     """A Reshape's output dims from its computed target: a 0 copies the input's dim (unless allowzero), a -1 is
     what the other dims leave of the input's size where all are known."""
-    if target is None or target[0]:
+    if target is None or target.data.ndim != 1:
         return None
-    out = list(target[1])
+    out = target.items()
     for i, v in enumerate(out):
         if v == 0 and not allowzero:  # a copy of the input's dim
             out[i] = shape[i] if shape is not None and i < len(shape) else None
     if out.count(-1) == 1 and shape is not None and None not in shape and None not in out:
         rest = math.prod(v for v in out if v != -1)
         out[out.index(-1)] = math.prod(shape) // rest if rest else None  # type: ignore[type-var]
-    return [v if v is not None and v >= 0 else None for v in out]
+    return _sizes(out)
 
 
-def _sliced_dims(shape: list[int | None] | None, args: list[Value | None]) -> list[int | None] | None:
-    """A Slice's output dims from its input's and its starts, ends, axes and steps where those are known (torch
-    exports them computed: inference alone does not size the output); positive steps only."""
-    if shape is None or len(args) < 2 or any(a is None or None in a[1] for a in args):
+def _sliced_dims(shape: list[int | None] | None, args: list[list[int | None] | None], given: list[bool]
+                 ) -> list[int | None] | None:
+    """A Slice's output dims from its input's and its starts, ends, axes and steps (`given`: which inputs are)
+    where those are known (torch exports them computed: inference alone does not size the output)."""
+    if shape is None or len(args) < 2 or any(a is None and g for a, g in zip(args, given)):
         return None
-    starts, ends = args[0][1], args[1][1]
-    axes = args[2][1] if len(args) > 2 else list(range(len(starts)))
-    steps = args[3][1] if len(args) > 3 else [1] * len(starts)
+    starts, ends = args[0], args[1]
+    axes = args[2] if len(args) > 2 and given[2] else list(range(len(starts)))
+    steps = args[3] if len(args) > 3 and given[3] else [1] * len(starts)
     out = list(shape)
-    for start, end, axis, step in zip(starts, ends, axes, steps):  # type: ignore[arg-type]
+    for start, end, axis, step in zip(starts, ends, axes, steps):
         n = shape[axis]
-        if n is None or step <= 0:
+        if n is None or step == 0:
             return None
-        first, last = (max(0, min(n, v + n if v < 0 else v)) for v in (start, end))
-        out[axis] = max(0, -(-(last - first) // step))
+        out[axis] = len(range(n)[onnx_slice(n, start, end, step)])
     return out
+
+
+def _padded_dims(shape: list[int | None] | None, pads: Value | None, axes: list[int | None] | None
+                 ) -> list[int | None] | None:
+    """A Pad's output dims from its input's and its computed pads (all begins, then all ends, over `axes` or every
+    axis): F.pad's pads are computed through a chain of shape ops that inference does not follow."""
+    if shape is None or pads is None or pads.data.ndim != 1:
+        return None
+    axes = list(range(len(shape))) if axes is None else axes
+    amounts = pads.items()
+    if len(amounts) != 2 * len(axes):
+        return None
+    out = list(shape)
+    for axis, begin, end in zip(axes, amounts, amounts[len(axes):]):
+        d = out[axis]
+        out[axis] = None if d is None or begin is None or end is None else d + begin + end
+    return _sizes(out)
 
 
 def _inlined(branch: onnx.GraphProto, outputs: Sequence[str], taken: set[str]) -> list[onnx.NodeProto] | None:
@@ -388,11 +300,12 @@ def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
         if not ifs:
             return model
         hints: dict[str, list[int | None]] = {}
-        while True:  # the dims evaluation found, fed back to inference, size what follows them
+        for _ in range(MAX_HINTS):  # the dims evaluation found, fed back to inference, size what follows them
             _, _, truth, sized = _evaluated(model, hints)
-            if all(n.input[0] in truth for n in ifs) or not sized.keys() - hints.keys() or len(hints) > MAX_HINTS:
+            grown = {name: found for name, found in sized.items() if hints.get(name) != found}
+            if all(n.input[0] in truth for n in ifs) or not grown or len(hints) > MAX_HINTS:
                 break
-            hints.update(sized)
+            hints.update(grown)
         taken = names_in_use(graph)
         replaced: dict[int, list[onnx.NodeProto]] = {}
         for n in ifs:

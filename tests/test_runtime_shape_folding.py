@@ -1,8 +1,7 @@
 """runtime/shape_folding.py: shape arithmetic over a symbolic batch folds to constants (a Reshape target to -1
-in the batch's place) and the folded model computes what the original does, at every batch size; integer
-arithmetic folds exactly as onnxruntime computes it."""
+in the batch's place) and the folded model computes what the original does, at every batch size; Ifs the known
+sizes decide are replaced by their branch."""
 
-import itertools
 
 import numpy as np
 import onnx
@@ -10,10 +9,12 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
-from parity import check_parity, sgd
+from parity import RTOL, check_parity, sgd
 from torch import nn
+from torch.nn import functional as F
 
 from runtime import shape_folding
+from runtime.partial_ints import Value
 
 
 def _ints(name: str, values) -> onnx.TensorProto:
@@ -84,24 +85,6 @@ def test_graph_outputs_and_models_without_shapes_stay():
         [helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]), opset_imports=[helper.make_opsetid("", 17)])
     assert shape_folding.fold_shapes(plain) is plain
-
-
-@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Mod"])
-def test_integer_arithmetic_folds_as_onnxruntime_computes_it(op):
-    values = [-7, -3, -1, 0, 1, 2, 5, 9]
-    pairs = list(itertools.product(values, values))
-    a = np.array([p[0] for p in pairs], dtype=np.int64)
-    b = np.array([p[1] for p in pairs], dtype=np.int64)
-    keep = b != 0 if op in ("Div", "Mod") else np.ones_like(b, dtype=bool)
-    graph = helper.make_graph([helper.make_node(op, ["a", "b"], ["c"])], "g",
-                              [helper.make_tensor_value_info(k, TensorProto.INT64, [len(a)]) for k in "ab"],
-                              [helper.make_tensor_value_info("c", TensorProto.INT64, [len(a)])])
-    session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-                                   .SerializeToString(), providers=["CPUExecutionProvider"])
-    want = session.run(None, {"a": a, "b": np.where(keep, b, 1)})[0]
-    _, got = shape_folding._elementwise(op, (False, a.tolist()), (False, b.tolist()))
-    for w, g, k in zip(want.tolist(), got, keep):
-        assert g == (w if k else None)
 
 
 def _squeeze_if(length) -> onnx.ModelProto:
@@ -190,10 +173,10 @@ def test_a_categorical_policy_trains_like_torch():
 def test_an_expand_from_one_to_an_unknown_size_stays_unknown():
     """A dim of 1 expanded to a size known only at run time (the batch) is that size, not 1: taken for 1, it would
     decide an If on it (a squeeze's) for every batch."""
-    assert shape_folding._expanded_dims([1, 3], (False, [None, 3])) == [None, 3]
-    assert shape_folding._expanded_dims([1, 1, 8], (False, [None, 1, 1])) == [None, 1, 8]
-    assert shape_folding._expanded_dims([5, 3], (False, [None, 3])) == [5, 3]
-    assert shape_folding._expanded_dims([1, 3], (False, [4, 1])) == [4, 3]
+    assert shape_folding._expanded_dims([1, 3], Value.partly([None, 3])) == [None, 3]
+    assert shape_folding._expanded_dims([1, 1, 8], Value.partly([None, 1, 1])) == [None, 1, 8]
+    assert shape_folding._expanded_dims([5, 3], Value.partly([None, 3])) == [5, 3]
+    assert shape_folding._expanded_dims([1, 3], Value.partly([4, 1])) == [4, 3]
 
 
 class ExpandedRow(nn.Module):
@@ -232,9 +215,38 @@ def test_reshapes_sized_from_computed_targets():
     """A 0 copies the input's dim (unknown where that is), unless allowzero; a -1 takes what the other dims leave
     of a size fully known."""
     sized = shape_folding._reshaped_dims
-    assert sized([2, 3, 4], (False, [None, 4, 10]), False) == [None, 4, 10]
-    assert sized([2, 3, 4], (False, [-1, 4]), False) == [6, 4]
-    assert sized([None, 5], (False, [0, -1]), False) == [None, None]
-    assert sized(None, (False, [0, 4]), False) == [None, 4]
-    assert sized([3, 5], (False, [0, 5]), True) == [0, 5]
-    assert sized([3, 5], (True, [15]), False) is None  # a Reshape's target is a vector
+    assert sized([2, 3, 4], Value.partly([None, 4, 10]), False) == [None, 4, 10]
+    assert sized([2, 3, 4], Value.partly([-1, 4]), False) == [6, 4]
+    assert sized([None, 5], Value.partly([0, -1]), False) == [None, None]
+    assert sized(None, Value.partly([0, 4]), False) == [None, 4]
+    assert sized([3, 5], Value.partly([0, 5]), True) == [0, 5]
+    assert sized([3, 5], Value.of(15), False) is None  # a Reshape's target is a vector
+
+
+class PaddedGlobalPool(nn.Module):
+    """A global pool (its kernel the traced length) after a padding, squeezed: the legacy exporter writes F.pad's
+    pads through a 2-D Reshape, a reversing Slice and a Transpose, and the squeeze of the length it cannot size as
+    an If; a float64 convolution with padding pads by F.pad too (`functions._conv_by_taps`)."""
+
+    def __init__(self, pad: tuple[int, int], conv_padding: int, pool: str):
+        super().__init__()
+        self.conv, self.pad, self.pool = nn.Conv1d(2, 3, 3, padding=conv_padding, stride=2), pad, pool
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.pad(self.conv(x), self.pad)
+        pool = F.max_pool1d if self.pool == "max" else F.avg_pool1d  # looked up here: the export replaces them
+        return self.head(pool(y, y.shape[-1]).squeeze(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("pad, conv_padding, pool", [((1, 2), 0, "max"), ((0, 0), 1, "avg"),
+                                                     ((2, 0), 1, "avg")])
+def test_squeezes_after_padded_global_pools_are_decided(dtype, pad, conv_padding, pool):
+    """The pads are evaluated and the Pad sized from them: the squeeze's If is decided (the build refused it as
+    control flow on the gradient path), and the module trains as torch's."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(n, 2, 17, generator=g, dtype=dtype),) for n in (4, 3)]
+    check_parity(lambda: PaddedGlobalPool(pad, conv_padding, pool).to(dtype), batches,
+                 lambda m, b: m(*b).square().sum(), optimizer=sgd, threads=1,
+                 rtol=1e-10 if dtype == torch.float64 else RTOL)
