@@ -5,7 +5,8 @@ then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x
 VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle`
 (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models), `bilinear` (nn.Bilinear),
 `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw), `Tensor.unfold` (sliding windows:
-"input size not accessible"), `layer_norm` over a shape read from the input's sizes, `instance_norm` in training with
+"input size not accessible"), `layer_norm` over a shape read from the input's sizes, pools whose window sizes are
+read from the input's (`max_pool2d(y, y.shape[-2:])`, 2-d and 3-d, max and average), `instance_norm` in training with
 running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
@@ -96,6 +97,7 @@ While exporting, `exportable_functions` computes them as torch defines them:
   ((C, L), (C, H, W)), which torch accepts: a batch axis of 1 around the call (the exporter wrote ONNX pools and
   im2col's Pad on the unbatched tensor, which ONNX does not allow, and refuses pixel_shuffle but of 4-d inputs;
   pixel shuffling's several batch axes, (B, T, C, H, W), flattened into one);
+- pools' window sizes, strides and pads read from the input's sizes: as the Python ints the export keeps;
 - cross-entropy and NLL of one sample (1-D scores): a batch axis of 1 around the call, the result 0-d;
 - channel shuffle in g groups: channels [g, C/g] transposed to [C/g, g];
 - local response norm: x / (k + alpha * mean of x^2 over `size` channels around, zeros past the ends)^beta;
@@ -622,6 +624,25 @@ def _std(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 def _std_mean(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     var, mean = torch.var_mean(x, *args, **kwargs)
     return root(var), mean
+
+
+def _int_windows(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A pool whose window sizes the trace holds as tensors (`F.max_pool2d(y, y.shape[-2:])`, a global pool over the
+    map's own size) given them as the Python ints the export keeps (`_python_int`): the legacy exporter refused a
+    list of them ("Failed to export a node ... because it is not constant")."""
+    def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return original(x, *map(_untraced_sizes, args), **{k: _untraced_sizes(v) for k, v in kwargs.items()})
+
+    return call
+
+
+def _untraced_sizes(value: Any) -> Any:
+    """A traced size, or a sequence holding one, as Python ints; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        return _python_int(value)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return [_untraced_sizes(v) for v in value]
+    return value
 
 
 def _python_int(size: Any) -> int:
@@ -1564,12 +1585,16 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
           for owner in (torch, F)),
         *((owner, f"conv_transpose{d}d", _conv_transpose(getattr(torch, f"conv_transpose{d}d"), d))
           for d in (1, 2, 3) for owner in (torch, F)),
-        *((owner, f"avg_pool{d}d", _batched(_divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d), d + 1))
-          for d in (2, 3) for owner in (nn_ops, F)),
-        *((owner, "avg_pool1d", _batched(_divided_avg_pool(torch.avg_pool1d, 1), 2)) for owner in (torch, F)),
-        *((owner, name, _batched(getattr(owner, name), rank)) for owner, name, rank in (
+        *((owner, f"avg_pool{d}d", _batched(_int_windows(_divided_avg_pool(getattr(nn_ops, f"avg_pool{d}d"), d)),
+                                             d + 1)) for d in (2, 3) for owner in (nn_ops, F)),
+        *((owner, "avg_pool1d", _batched(_int_windows(_divided_avg_pool(torch.avg_pool1d, 1)), 2))
+          for owner in (torch, F)),
+        *((owner, name, _batched(_int_windows(getattr(owner, name)), rank)) for owner, name, rank in (
             (torch, "max_pool1d", 2), (torch, "max_pool1d_with_indices", 2), (torch, "max_pool2d", 3),
-            (nn_ops, "max_pool2d_with_indices", 3), (nn_ops, "im2col", 3))),
+            (nn_ops, "max_pool2d_with_indices", 3))),
+        *((owner, name, _int_windows(getattr(owner, name))) for owner, name in (
+            (torch, "max_pool3d"), (nn_ops, "max_pool3d_with_indices"))),
+        (nn_ops, "im2col", _batched(nn_ops.im2col, 3)),
         *((owner, name, _batched(getattr(torch, name), 3, leading=True)) for owner in (torch, F)
           for name in ("pixel_shuffle", "pixel_unshuffle")),
         (nn_ops, "adaptive_max_pool2d", _adaptive_max_pool2d(nn_ops.adaptive_max_pool2d)),

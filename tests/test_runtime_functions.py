@@ -67,6 +67,25 @@ class Windows(nn.Module):
         return x.flatten(2).unfold(-1, 3, 2) if self.overlapping else x.unfold(2, 2, 2).unfold(3, 2, 2)
 
 
+class OwnSizePool(nn.Module):
+    """A global pool written with the map's own traced sizes as its window (and stride): the legacy exporter refused
+    a list of them ("Failed to export a node ... because it is not constant")."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind.endswith("3d"):
+            x = x.unsqueeze(1)
+            pool = F.max_pool3d if self.kind == "max3d" else F.avg_pool3d
+            return pool(x, x.shape[-3:])
+        if self.kind == "max indices":
+            return F.max_pool2d(x, x.shape[-2:], return_indices=True)[0]
+        pool = F.max_pool2d if self.kind == "max" else F.avg_pool2d
+        return pool(x, x.shape[-2:], stride=[x.shape[-2], x.shape[-1]])
+
+
 class Unpool(nn.Module):
     """A max pool's values put back where they came from (SegNet's decoder), into the pool's input size or a given
     one; with overlapping windows an element can be several windows' maximum."""
@@ -118,6 +137,8 @@ CASES = {
     "local response norm": (lambda: nn.LocalResponseNorm(3, alpha=0.1, beta=0.75, k=2.0), 4 * 36, (6, 6)),
     "Tensor.unfold patches": (lambda: Windows(False), 4 * 36, (6, 6)),
     "Tensor.unfold overlapping windows": (lambda: Windows(True), 4 * 17 * 3, (6, 6)),
+    **{f"{kind} pool over the map's own size": (lambda kind=kind: OwnSizePool(kind), 1 if kind.endswith("3d") else 4,
+                                                 (6, 7)) for kind in ("max", "avg", "max indices", "max3d", "avg3d")},
 }
 
 
