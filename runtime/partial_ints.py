@@ -1,10 +1,10 @@
-"""Small int64 and bool tensors computed from shapes, with the elements the known dims leave unknown marked, and
-the ONNX ops torch's exporters write over them evaluated as onnxruntime computes them.
+"""Small int64, bool and float tensors computed from shapes and constants, with the elements the known dims leave
+unknown marked, and the ONNX ops torch's exporters write over them evaluated as onnxruntime computes them.
 
 Shape arithmetic decides what the gradient build and onnxruntime's constant folding cannot see: a Reshape's target,
 the pads F.pad writes through a 2-D Reshape, a reversing Slice and a Transpose, a squeeze's condition behind an
-Expand's sizes, a floor division's seven ops. Where the batch is symbolic, every element computed from it is
-unknown, and only those: the rest is exact.
+Expand's sizes, a floor division's seven ops, a Resize's scales. Where the batch is symbolic, every element
+computed from it is unknown, and only those: the rest is exact.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ MAX_ELEMENTS = 16
 
 @dataclass(frozen=True)
 class Value:
-    """An int64 or bool tensor; `known` (of its shape) marks the elements decided, `data` holds them (anything
-    elsewhere)."""
+    """An int64, bool, float32 or float64 tensor; `known` (of its shape) marks the elements decided, `data` holds
+    them (anything elsewhere)."""
 
     data: np.ndarray
     known: np.ndarray
@@ -50,12 +50,16 @@ class Value:
         return self.data.dtype == np.bool_
 
     @property
+    def integral(self) -> bool:
+        return self.data.dtype == np.int64
+
+    @property
     def complete(self) -> bool:
         return bool(self.known.all())
 
     def items(self) -> list[int | None]:
-        """The elements in order, None where unknown (bools as 0 and 1)."""
-        return [int(v) if k else None for v, k in zip(self.data.ravel().tolist(), self.known.ravel().tolist())]
+        """An int64 tensor's elements in order, None where unknown."""
+        return [v if k else None for v, k in zip(self.data.ravel().tolist(), self.known.ravel().tolist())]
 
     def moved(self, f: Callable[[np.ndarray], np.ndarray]) -> Value:
         """The same rearrangement of data and of what is known."""
@@ -82,8 +86,8 @@ def evaluate(node: onnx.NodeProto, values: Mapping[str, Value], dims: Dims) -> V
 
 
 def _vector(v: Value | None) -> list[int] | None:
-    """A complete vector's (or scalar's) elements."""
-    return None if v is None or not v.complete or v.data.ndim > 1 else [int(x) for x in v.data.ravel()]
+    """A complete int64 vector's (or scalar's) elements."""
+    return None if v is None or not v.complete or not v.integral or v.data.ndim > 1 else v.data.ravel().tolist()
 
 
 def _fits(shape: Sequence[int]) -> bool:
@@ -114,7 +118,7 @@ def _size(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
 
 def _gather(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
     data, indices = args[0], args[1]
-    if data is None or indices is None or not indices.complete or data.scalar:
+    if data is None or indices is None or not indices.complete or not indices.integral or data.scalar:
         return None
     axis = int_attr(node, "axis", 0) % data.data.ndim
     n = data.data.shape[axis]
@@ -174,7 +178,7 @@ def _squeeze(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
 
 
 def _concat(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
-    if any(a is None or a.scalar for a in args) or len({a.boolean for a in args}) != 1:
+    if any(a is None or a.scalar for a in args) or not _alike(args):
         return None
     axis = int_attr(node, "axis", 0)
     return Value(np.concatenate([a.data for a in args], axis), np.concatenate([a.known for a in args], axis))
@@ -202,10 +206,12 @@ def _expand(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
 
 
 def _filled(node: onnx.NodeProto, shape: Sequence[int]) -> Value | None:
+    """ConstantOfShape's fill (a float32 0 when not given)."""
     fill = next((a.t for a in node.attribute if a.name == "value"), None)
-    if fill is None or fill.data_type not in (TensorProto.INT64, TensorProto.BOOL) or not _fits(shape):
+    if (fill is not None and fill.data_type not in TYPES) or not _fits(shape):
         return None
-    return Value.of(np.full(tuple(shape), onnx.numpy_helper.to_array(fill).ravel()[0]))
+    value = np.float32(0) if fill is None else onnx.numpy_helper.to_array(fill).ravel()[0]
+    return Value.of(np.full(tuple(shape), value))
 
 
 def _constant_of_shape(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
@@ -215,7 +221,7 @@ def _constant_of_shape(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | 
 
 def _range(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
     ends = [_vector(a) for a in args]
-    if len(ends) != 3 or any(e is None or len(e) != 1 for e in ends) or args[0].boolean:
+    if len(ends) != 3 or any(e is None or len(e) != 1 for e in ends):
         return None
     (start,), (limit,), (delta,) = ends
     if delta == 0 or not _fits([max(0, -(-(limit - start) // delta))]):
@@ -223,11 +229,17 @@ def _range(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
     return Value.of(np.arange(start, limit, delta, dtype=np.int64))
 
 
+TYPES = {TensorProto.INT64: np.int64, TensorProto.BOOL: np.bool_, TensorProto.FLOAT: np.float32,
+         TensorProto.DOUBLE: np.float64}
+"""The element types evaluated, by ONNX's number."""
+
+
 def _cast(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
-    to = int_attr(node, "to", 0)
-    if args[0] is None or to not in (TensorProto.INT64, TensorProto.BOOL):
+    """To bool as != 0, floats to ints toward zero (onnxruntime's static_cast)."""
+    to = TYPES.get(int_attr(node, "to", 0))
+    if args[0] is None or to is None:
         return None
-    return Value(args[0].data.astype(np.int64) if to == TensorProto.INT64 else args[0].data != 0, args[0].known)
+    return Value(args[0].data != 0 if to is np.bool_ else args[0].data.astype(to), args[0].known)
 
 
 def _identity(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
@@ -239,14 +251,20 @@ def _broadcast(args: Sequence[Value]) -> tuple[list[np.ndarray], list[np.ndarray
     return [np.broadcast_to(a.data, shape) for a in args], [np.broadcast_to(a.known, shape) for a in args]
 
 
-def _ints(*args: Value | None) -> bool:
-    return all(a is not None and not a.boolean for a in args)
+def _alike(args: Args) -> bool:
+    """All given, of one element type (as ONNX's elementwise ops take them)."""
+    return all(a is not None for a in args) and len({a.data.dtype for a in args}) == 1
+
+
+def _numbers(args: Args) -> bool:
+    return bool(args) and _alike(args) and not args[0].boolean
 
 
 def _elementwise(f: Callable[[np.ndarray, np.ndarray], np.ndarray], divides: bool = False):
-    """A binary int64 op (variadic for Min and Max); `divides`: unknown where the divisor is 0."""
+    """A binary op over numbers (variadic for Min and Max); `divides`: over ints, unknown where the divisor is 0
+    (onnxruntime refuses it)."""
     def op(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
-        if not args or not _ints(*args):
+        if not _numbers(args) or (divides and not args[0].integral):
             return None
         (first, *rest), (known, *rest_known) = _broadcast(args)
         out, decided = first, known
@@ -256,8 +274,12 @@ def _elementwise(f: Callable[[np.ndarray, np.ndarray], np.ndarray], divides: boo
             else:
                 decided = decided & kb
             out = f(out, b)
-        return Value(np.asarray(out, dtype=np.int64), np.asarray(decided))
+        return Value(np.asarray(out, dtype=first.dtype), np.asarray(decided))
     return op
+
+
+def _div(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
+    return (_INT_DIV if _numbers(args) and args[0].integral else _FLOAT_DIV)(node, args, dims)
 
 
 def _divided(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -272,11 +294,13 @@ def _mod(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
 
 _FMOD = _elementwise(np.fmod, divides=True)
 _PYTHON_MOD = _elementwise(np.mod, divides=True)  # the divisor's sign, as ONNX's integer Mod
+_INT_DIV = _elementwise(_divided, divides=True)
+_FLOAT_DIV = _elementwise(np.divide)
 
 
 def _compared(f: Callable[[np.ndarray, np.ndarray], np.ndarray]):
     def op(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
-        if len(args) != 2 or any(a is None for a in args) or args[0].boolean != args[1].boolean:
+        if len(args) != 2 or not _alike(args):
             return None
         (a, b), (ka, kb) = _broadcast(args)
         return Value(np.asarray(f(a, b)), np.asarray(ka & kb))
@@ -302,17 +326,19 @@ def _not(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
     return None if args[0] is None or not args[0].boolean else Value(~args[0].data, args[0].known)
 
 
-def _unary(f: Callable[[np.ndarray], np.ndarray]):
+def _unary(f: Callable[[np.ndarray], np.ndarray], floats: bool = False):
+    """A unary op over numbers; `floats`: over floats only (Floor, Ceil)."""
     def op(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
-        return Value(np.asarray(f(args[0].data)), args[0].known) if _ints(args[0]) else None
+        if not _numbers(args[:1]) or (floats and args[0].integral):
+            return None
+        return Value(np.asarray(f(args[0].data), dtype=args[0].data.dtype), args[0].known)
     return op
 
 
 def _where(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
     """Decided where the condition is and the branch it takes is: the legacy exporter writes an Expand's sizes as
     Where(sizes == -1, 1, sizes), with the batch's size unknown."""
-    if len(args) != 3 or any(a is None for a in args) or not args[0].boolean or \
-            args[1].boolean != args[2].boolean:
+    if len(args) != 3 or args[0] is None or not args[0].boolean or not _alike(args[1:]):
         return None
     (c, x, y), (kc, kx, ky) = _broadcast(args)
     return Value(np.where(c, x, y), kc & np.where(c, kx, ky))
@@ -323,7 +349,7 @@ OPS: dict[str, Callable[[onnx.NodeProto, Args, Dims], Value | None]] = {
     "Squeeze": _squeeze, "Concat": _concat, "Reshape": _reshape, "Transpose": _transpose, "Expand": _expand,
     "ConstantOfShape": _constant_of_shape, "Range": _range, "Cast": _cast, "Identity": _identity,
     "Add": _elementwise(np.add), "Sub": _elementwise(np.subtract), "Mul": _elementwise(np.multiply),
-    "Div": _elementwise(_divided, divides=True), "Mod": _mod,
+    "Div": _div, "Mod": _mod, "Floor": _unary(np.floor, floats=True), "Ceil": _unary(np.ceil, floats=True),
     "Min": _elementwise(np.minimum), "Max": _elementwise(np.maximum), "Neg": _unary(np.negative),
     "Abs": _unary(np.abs),
     "Equal": _compared(np.equal), "Greater": _compared(np.greater), "Less": _compared(np.less),

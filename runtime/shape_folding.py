@@ -16,12 +16,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
 from gradbuilder.inference import infer_shapes, static_dims
 
-from .partial_ints import MAX_ELEMENTS, Value, evaluate, onnx_slice
-from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, names_in_use
+from .partial_ints import MAX_ELEMENTS, TYPES, Value, evaluate, onnx_slice
+from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, ints_attr, names_in_use
 
 
 def _is_constant(n: onnx.NodeProto) -> bool:
@@ -71,9 +70,9 @@ def _declare(vi: onnx.ValueInfoProto, dims: list[int | None]) -> None:
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
-    """The graph's constant small int64 and bool tensors."""
+    """The graph's constant small tensors of the types evaluated."""
     def small(t: onnx.TensorProto) -> bool:
-        return t.data_type in (TensorProto.INT64, TensorProto.BOOL) and np.prod(t.dims) <= MAX_ELEMENTS
+        return t.data_type in TYPES and np.prod(t.dims) <= MAX_ELEMENTS
 
     return {name: Value.of(a) for name, a in constant_values(graph, small).items()}
 
@@ -103,12 +102,13 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     values, constant, _, _ = _evaluated(model)
     outputs = {o.name for o in graph.output}
-    folded = {name: v for name, v in values.items() if name not in constant and name not in outputs and v.complete}
+    folded = {name: v for name, v in values.items()  # float arithmetic left to onnxruntime
+              if name not in constant and name not in outputs and v.complete and v.data.dtype.kind != "f"}
     targets = {}
     for n in graph.node:
         if n.op_type == "Reshape" and len(n.input) > 1 and n.input[1] not in folded and not int_attr(n, "allowzero", 0):
             v = values.get(n.input[1])
-            items = [] if v is None or v.data.ndim != 1 else v.items()
+            items = [] if v is None or v.data.ndim != 1 or not v.integral else v.items()
             if items.count(None) == 1 and -1 not in items:
                 targets[n.input[1]] = [-1 if d is None else d for d in items]
     if not folded and not targets:
@@ -173,13 +173,17 @@ def _expanded_dims(shape: list[int | None] | None, target: Value | None) -> list
             for d, t in zip(ins, outs)]
 
 
-SIZED = frozenset({"Slice", "Expand", "Reshape", "ConstantOfShape", "Pad"})
+SIZED = frozenset({"Slice", "Expand", "Reshape", "ConstantOfShape", "Pad", "Resize", "Range"})
 """Ops whose output dims `_evaluated` finds from their computed inputs where inference leaves them unknown."""
 
 
 def _sized(n: onnx.NodeProto, dims: dict[str, list[int | None]], values: dict[str, Value]) -> list[int | None] | None:
-    args = [values.get(i) if i else None for i in n.input]
     shape = dims.get(n.input[0])
+    if n.op_type == "Resize":
+        return _resized_dims(n, shape, [values.get(i) if i else None for i in n.input])
+    if n.op_type == "Range":
+        return _range_dims([values.get(i) for i in n.input])
+    args = [v if v is not None and v.integral else None for v in (values.get(i) if i else None for i in n.input)]
     if n.op_type == "ConstantOfShape":
         return None if args[0] is None or args[0].data.ndim != 1 else _sizes(args[0].items())
     if len(args) < 2:
@@ -195,6 +199,42 @@ def _sized(n: onnx.NodeProto, dims: dict[str, list[int | None]], values: dict[st
         axes = args[3]
         return None if axes is None or not axes.complete else _padded_dims(shape, args[1], axes.items())
     return _reshaped_dims(shape, args[1], bool(int_attr(n, "allowzero", 0)))
+
+
+def _resized_dims(n: onnx.NodeProto, shape: list[int | None] | None, args: list[Value | None]
+                  ) -> list[int | None] | None:
+    """A Resize's output dims from its computed sizes, or its scales (each dim times its scale in float32, rounded
+    down, as onnxruntime sizes it), over `axes` (opset 18) or every axis: torch's exporters write interpolate's
+    scales as a Concat, which inference does not read."""
+    if shape is None or next((a.s for a in n.attribute if a.name == "keep_aspect_ratio_policy"), b"stretch") \
+            != b"stretch":
+        return None
+    axes = ints_attr(n, "axes") or list(range(len(shape)))
+    sizes = args[3] if len(args) > 3 else None
+    scales = args[2] if len(args) > 2 else args[1] if len(args) == 2 else None  # opset 10: (X, scales)
+    if sizes is not None and sizes.integral and sizes.data.shape == (len(axes),):
+        found = sizes.items()
+    elif sizes is None and scales is not None and scales.data.dtype == np.float32 and \
+            scales.data.shape == (len(axes),):
+        found = [None if shape[a] is None or f is None else int(np.float32(shape[a]) * np.float32(f))
+                 for a, f in zip(axes, scales.items())]
+    else:
+        return None
+    out = list(shape)
+    for a, v in zip(axes, found):
+        out[a] = v
+    return _sizes(out)
+
+
+def _range_dims(args: list[Value | None]) -> list[int | None] | None:
+    """A Range's length from its computed start, limit and delta, in their type (ints or floats: a float64
+    interpolation's sample positions), where inference reads constants only."""
+    if len(args) != 3 or any(a is None or not a.complete or a.data.size != 1 or a.boolean for a in args):
+        return None
+    start, limit, delta = (a.data.ravel()[0] for a in args)
+    with np.errstate(all="ignore"):
+        length = np.ceil((limit - start) / delta) if delta else np.nan
+    return [int(max(length, 0))] if np.isfinite(length) else None
 
 
 def _sizes(items: list[int | None]) -> list[int | None]:

@@ -1,5 +1,5 @@
-"""runtime/partial_ints.py: every op evaluated computes what onnxruntime computes, shapes and elements alike, and an
-element it calls known is the same whatever the unknown elements of its inputs hold."""
+"""runtime/partial_ints.py: every op evaluated computes what onnxruntime computes, shapes, types and elements alike,
+and an element it calls known is the same whatever the unknown elements of its inputs hold."""
 
 import numpy as np
 import onnx
@@ -61,13 +61,22 @@ def _cases(rng):
     yield "Range", [np.array(5), np.array(1), np.array(2)], {}, [0, 1, 2]
     yield "ConstantOfShape", [np.array([2, 3])], {"value": onnx.numpy_helper.from_array(np.array([7]))}, [0]
     yield "ConstantOfShape", [np.array([4])], {"value": helper.make_tensor("v", BOOL, [1], [True])}, [0]
+    yield "ConstantOfShape", [np.array([2, 2])], {}, [0]
+    f = lambda *shape, dtype=np.float32: (rng.standard_normal(shape) * 4).astype(dtype)  # noqa: E731
+    yield from [(op, [f(2, 3), f(3)], {}, []) for op in ("Add", "Sub", "Mul", "Div", "Max")]
+    yield from [(op, [f(5, dtype=np.float64)], {}, []) for op in ("Floor", "Ceil", "Neg", "Abs")]
+    yield "Less", [f(4), f(1)], {}, []
+    yield "Concat", [f(2), f(3)], {"axis": 0}, []
+    yield "Where", [b(3), f(3), f(1)], {}, []
+    yield from [("Cast", [f(5)], {"to": to}, []) for to in (INT, BOOL, TensorProto.DOUBLE)]
+    yield "Cast", [i(4)], {"to": TensorProto.FLOAT}, []
 
 
 def _run(op, inputs, attrs, n_outputs=1):
     names = [f"in{k}" for k in range(len(inputs))]
     node = helper.make_node(op, names, ["out"], **attrs)
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info(n, BOOL if a.dtype == bool else INT, a.shape)
+        [node], "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
                       for n, a in zip(names, inputs)], [helper.make_empty_tensor_value_info("out")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -105,7 +114,7 @@ def test_what_is_called_known_holds_whatever_the_unknown_elements_hold(case):
     assert got is not None
     for _ in range(3):
         filled = [np.where(m, a, rng.random(a.shape) < 0.5 if a.dtype == bool else
-                           _ints(rng, a.shape, nonzero=op in ("Div", "Mod") and k == 1))
+                           _ints(rng, a.shape, nonzero=op in ("Div", "Mod") and k == 1)).astype(a.dtype)
                   for k, (a, m) in enumerate(zip(inputs, masks))]
         _, want = _run(op, filled, attrs)
         assert got.data.shape == want.shape
@@ -162,7 +171,8 @@ def test_large_and_refused_results_are_not_values():
     assert evaluate(helper.make_node("ConstantOfShape", ["t"], ["o"], value=fill), big, {}) is not None
     assert evaluate(helper.make_node("ConstantOfShape", ["t"], ["o"], value=fill),
                     {"t": Value.of(np.array([4, 5]))}, {}) is None  # 20 elements
-    assert evaluate(helper.make_node("ConstantOfShape", ["t"], ["o"]), big, {}) is None  # a float fill
+    half = onnx.numpy_helper.from_array(np.array([1], dtype=np.float16))
+    assert evaluate(helper.make_node("ConstantOfShape", ["t"], ["o"], value=half), big, {}) is None  # not evaluated
     bad = {"x": Value.of(np.arange(6)), "t": Value.of(np.array([4, -1]))}
     assert evaluate(helper.make_node("Reshape", ["x", "t"], ["o"]), bad, {}) is None  # 6 does not split by 4
     outside = {"x": Value.of(np.arange(3)), "i": Value.of(np.array([3]))}

@@ -250,3 +250,27 @@ def test_squeezes_after_padded_global_pools_are_decided(dtype, pad, conv_padding
     check_parity(lambda: PaddedGlobalPool(pad, conv_padding, pool).to(dtype), batches,
                  lambda m, b: m(*b).square().sum(), optimizer=sgd, threads=1,
                  rtol=1e-10 if dtype == torch.float64 else RTOL)
+
+
+class ResampledGlobalPool(nn.Module):
+    """A global pool after an interpolation by a scale factor, squeezed: the exporter writes the scales as a
+    Concat of constants, which inference does not read, so it left the length, and the squeeze's If, unknown."""
+
+    def __init__(self, mode: str, scale: float):
+        super().__init__()
+        self.conv, self.mode, self.scale, self.head = nn.Conv1d(2, 3, 3), mode, scale, nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.interpolate(self.conv(x), scale_factor=self.scale, mode=self.mode)
+        return self.head(F.max_pool1d(y, y.shape[-1]).squeeze(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode, scale", [("nearest", 2.0), ("linear", 1.5), ("linear", 0.7)])
+def test_squeezes_after_resampling_are_decided(mode, scale, dtype):
+    """The Resize sized from its computed scales (float64 resampling, written out as products, from its Ranges'
+    computed lengths): the squeeze's If is decided, and the module trains as torch's."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(n, 2, 17, generator=g, dtype=dtype),) for n in (4, 3)]
+    check_parity(lambda: ResampledGlobalPool(mode, scale).to(dtype), batches, lambda m, b: m(*b).square().sum(),
+                 optimizer=sgd, threads=1, rtol=1e-10 if dtype == torch.float64 else RTOL)
