@@ -58,7 +58,7 @@ class Value:
         return bool(self.known.all())
 
     def items(self) -> list[int | None]:
-        """An int64 tensor's elements in order, None where unknown."""
+        """The elements in order as Python numbers, None where unknown."""
         return [v if k else None for v, k in zip(self.data.ravel().tolist(), self.known.ravel().tolist())]
 
     def moved(self, f: Callable[[np.ndarray], np.ndarray]) -> Value:
@@ -105,8 +105,7 @@ def _shape(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
     if shape is None:
         return None
     n = len(shape)
-    start, end = (max(0, min(n, v + n if v < 0 else v)) for v in (int_attr(node, "start", 0), int_attr(node, "end", n)))
-    return Value.partly(shape[start:end])
+    return Value.partly(shape[onnx_slice(n, int_attr(node, "start", 0), int_attr(node, "end", n), 1)])
 
 
 def _size(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:

@@ -3,9 +3,10 @@
 Exported models compute reshape targets and scales from `Shape` at run time because the batch is a symbolic
 dimension: in a 2-layer encoder exported from torch, 140 of the 246 forward nodes onnxruntime runs are Shape,
 Gather, Unsqueeze, Concat and their arithmetic. onnxruntime folds a Shape only when every dim of its input is
-known. Here every small int64 tensor computed from shapes is evaluated with the dims ONNX shape inference
-knows: the entirely known ones become initializers (onnxruntime then folds the float arithmetic after them,
-such as attention's 1/sqrt(head size)), and a Reshape target unknown in one entry only gets -1 there.
+known. Here every small tensor computed from shapes and constants is evaluated (`partial_ints`) with the dims ONNX
+shape inference knows: the entirely known int64 and bool ones become initializers (onnxruntime then folds the
+float arithmetic after them, such as attention's 1/sqrt(head size)), and a Reshape target unknown in one entry
+only gets -1 there.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
 
 
 MAX_HINTS = 256
-"""Most dims found by evaluation fed back to inference while an If is undecided (a round of inference each)."""
+"""Most dims found by evaluation fed back to inference while an If is undecided, and most rounds of inference
+that feeding takes (one each time the dims found grow)."""
 
 ROUNDS = 4
 """Rounds of inference and folding: a Reshape whose target was computed at run time hides the shape of
@@ -133,12 +135,13 @@ def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None = None
                ) -> tuple[dict[str, Value], set[str], dict[str, bool], dict[str, list[int | None]]]:
-    """One pass over the graph with the dims shape inference knows (and `hints`): the int64 shape arithmetic's
-    values (`_evaluate`), the names already constant before it (initializers, Constants), the one-element booleans
-    the dims decide (comparisons of that arithmetic, their negations), and the dims found on the way where
-    inference left them unknown: Slices sized from their computed starts and ends (torch exports them computed),
-    Expands and Reshapes from their computed targets (torch's broadcast_tensors, a float64 convolution's columns),
-    ConstantOfShapes from their computed shapes (`ones_like`)."""
+    """One pass over the graph with the dims shape inference knows (and `hints`): the shape arithmetic's values
+    (`partial_ints.evaluate`), the names already constant before it (initializers, Constants), the one-element
+    booleans known (a squeeze's condition), and the dims found on the way where inference left them unknown: Slices
+    sized from their computed starts and ends (torch exports them computed), Expands and Reshapes from their
+    computed targets (torch's broadcast_tensors, a float64 convolution's columns), ConstantOfShapes from their
+    computed shapes (`ones_like`), Pads from their computed pads (F.pad), Resizes from their computed scales or
+    sizes (interpolate), Ranges from their computed bounds."""
     graph = model.graph
     dims = _known_dims(model, hints)
     values = _constant_values(graph)
