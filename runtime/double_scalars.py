@@ -14,6 +14,9 @@ at comparisons (`torch.where(loss > 0, loss, 0.3)`, read in float64), whose resu
 cast to float64, where it meets them (`(loss > 0) * loss`); where it reaches anything else (another op, a float32
 tensor), the model is left as exported.
 
+`sizes_in_double` computes in float64 what both exporters compute from sizes in float32 and cast to float64 at once
+(`x * x.shape[0] ** -0.5`, a Python number torch computes in double).
+
 `constants_in_double` does the same for the dynamo exporter's float32 Constants cast to float64 (a float64 module's
 `x * 2.7`, 2e-8 off), each read as the Python number of the exported program that rounds to it where one does
 (`numbers_in`: a float64 flow's `0.5 * d * math.log(2 * math.pi)`, which no short decimal writes).
@@ -78,13 +81,7 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = (), numbers: Co
     g = model.graph
     if not doubles and not any(_cast_to(n) == TensorProto.DOUBLE for n in g.node):  # no way back to float64
         return model
-    types = tensor_types(g)
-    if not all(n.input[0] in types for n in g.node if _cast_to(n) == TensorProto.FLOAT):
-        inferred = infer_shapes_safely(model)
-        types = types if inferred is None else tensor_types(inferred)
-    constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output}
-    floats = {name for name, n in constants.items()
-              if any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
+    types, constants, floats = _float32_sources(model)
     starts = [n for n in g.node if _cast_to(n) == TensorProto.FLOAT
               and types.get(n.input[0], (0,))[0] == TensorProto.DOUBLE and not types[n.input[0]][1]]
     if not starts:
@@ -109,43 +106,103 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = (), numbers: Co
         if id(n) not in ok and _cast_to(n) != TensorProto.DOUBLE and n.op_type not in ("Shape", "Size") and \
                 any(x in inside for x in n.input):  # (a shape read does not depend on the type)
             return model  # a float32 value the stretch makes is read by something else: left as exported
-    taken = names_in_use(g)
     for n in starts:
         next(a for a in n.attribute if a.name == "to").i = TensorProto.DOUBLE
-    nodes: list[onnx.NodeProto] = []
-    copies: dict[str, str] = {}
-
-    def in_float64(x: str) -> str:
-        """x's float64 copy (made once, its nodes appended to `nodes`): a constant at the decimal written, an
-        integer cast to float64, an elementwise op of such copies."""
-        if x not in copies:
-            name = fresh_name(f"{x}/double", taken)
-            if x in floats:
-                value = _as_written(numpy_helper.to_array(constants[x].attribute[0].t), numbers)
-                nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
-            elif x in masks or _cast_to(sizes[x]) == TensorProto.FLOAT:
-                source = (masks.get(x) or sizes[x]).input[0]
-                nodes.append(helper.make_node("Cast", [source], [name], to=TensorProto.DOUBLE))
-            else:
-                n = sizes[x]
-                inputs = [in_float64(i) for i in n.input]
-                nodes.append(helper.make_node(n.op_type, inputs, [name], domain=n.domain))
-                nodes[-1].attribute.extend(n.attribute)
-            copies[x] = name
-        return copies[x]
-
+    copies = _Copies(g, constants, {**sizes, **masks}, numbers)
     for n in g.node:
         if id(n) in ok:
             for k, x in enumerate(n.input):
                 if x in (_values(n) or ()) and (x in floats or x in sizes or x in masks):
-                    n.input[k] = in_float64(x)
-        nodes.append(n)
+                    n.input[k] = copies.of(x)
+        copies.nodes.append(n)
     del g.node[:]
-    g.node.extend(_live(nodes, g, {*sizes, *masks}))
+    g.node.extend(_live(copies.nodes, g, {*sizes, *masks}))
     for vi in (*g.value_info, *g.output):
         if vi.name in inside:
             vi.type.tensor_type.elem_type = TensorProto.DOUBLE
     return model
+
+
+def sizes_in_double(model: onnx.ModelProto, numbers: Collection[float] = ()) -> onnx.ModelProto:
+    """`model` with sizes' arithmetic cast to float64 computed in float64, in place: `x * x.shape[-1] ** -0.5` of a
+    float64 x multiplies by a Python number torch computes in double, which both exporters write in float32 (the
+    size cast to float32, the op on a float32 constant) and cast to float64 (1.7e-8 off torch's, relative). Each
+    such Cast of 0-d values reads a float64 copy of what it cast (`_sizes`, its constants `_as_written`)."""
+    g = model.graph
+    if not any(_cast_to(n) == TensorProto.DOUBLE for n in g.node):
+        return model
+    types, constants, floats = _float32_sources(model)
+    sizes = _sizes(g, types, floats)
+
+    def scalar(x: str) -> bool:
+        """Made of 0-d values only: a tensor cast to float32 (`indices.float() / 10`) is the module's own float32
+        arithmetic, which torch computes in float32 too."""
+        if x in constants:
+            return not constants[x].attribute[0].t.dims
+        n = sizes[x]
+        if _cast_to(n) == TensorProto.FLOAT and n.input[0] not in sizes and n.input[0] not in constants:
+            return types.get(n.input[0], (0, None))[1] == []
+        return all(scalar(i) for i in n.input)
+
+    ends = {n.output[0] for n in g.node if _cast_to(n) == TensorProto.DOUBLE and n.input[0] in sizes
+            and scalar(n.input[0])}
+    if not ends:
+        return model
+    copies = _Copies(g, constants, sizes, numbers)
+    for n in g.node:
+        if n.output and n.output[0] in ends:
+            n.input[0] = copies.of(n.input[0])
+        copies.nodes.append(n)
+    del g.node[:]
+    g.node.extend(_live(copies.nodes, g, set(sizes)))
+    return model
+
+
+def _float32_sources(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeProto], set[str]]:
+    """The graph's tensor types (inferred where a Cast to float32 reads an untyped tensor), its Constants by
+    output, and the names of its float32 ones."""
+    g = model.graph
+    types = tensor_types(g)
+    if not all(n.input[0] in types for n in g.node if _cast_to(n) == TensorProto.FLOAT):
+        inferred = infer_shapes_safely(model)
+        types = types if inferred is None else tensor_types(inferred)
+    constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output}
+    floats = {name for name, n in constants.items()
+              if any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
+    return types, constants, floats
+
+
+class _Copies:
+    """float64 copies of float32 values, each made once, its nodes appended to `nodes` (the rewritten graph's, in
+    order): a constant at the decimal written (`_as_written`), a size or a comparison's mask cast to float32 (by
+    the node that made it, of `made`) cast to float64 instead, an elementwise op of such copies."""
+
+    def __init__(self, g: onnx.GraphProto, constants: dict[str, onnx.NodeProto], made: dict[str, onnx.NodeProto],
+                 numbers: Collection[float]):
+        self.constants, self.made, self.numbers = constants, made, numbers
+        self.taken = names_in_use(g)
+        self.nodes: list[onnx.NodeProto] = []
+        self.copies: dict[str, str] = {}
+
+    def of(self, x: str) -> str:
+        if x not in self.copies:
+            n = self.made.get(x)
+            if n is not None and _cast_to(n) == TensorProto.FLOAT and (n.input[0] in self.made or
+                                                                      n.input[0] in self.constants):
+                self.copies[x] = self.of(n.input[0])  # a float32 value cast to float32 (dynamo's)
+                return self.copies[x]
+            name = fresh_name(f"{x}/double", self.taken)
+            if n is None:
+                value = _as_written(numpy_helper.to_array(self.constants[x].attribute[0].t), self.numbers)
+                self.nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+            elif _cast_to(n) == TensorProto.FLOAT:
+                self.nodes.append(helper.make_node("Cast", [n.input[0]], [name], to=TensorProto.DOUBLE))
+            else:
+                inputs = [self.of(i) for i in n.input]
+                self.nodes.append(helper.make_node(n.op_type, inputs, [name], domain=n.domain))
+                self.nodes[-1].attribute.extend(n.attribute)
+            self.copies[x] = name
+        return self.copies[x]
 
 
 def _sizes(g: onnx.GraphProto, types: dict, floats: set[str]) -> dict[str, onnx.NodeProto]:
@@ -156,7 +213,8 @@ def _sizes(g: onnx.GraphProto, types: dict, floats: set[str]) -> dict[str, onnx.
     for n in g.node:
         if n.domain or len(n.output) != 1:
             continue
-        cast = _cast_to(n) == TensorProto.FLOAT and types.get(n.input[0], (0,))[0] in INTEGERS
+        cast = _cast_to(n) == TensorProto.FLOAT and (types.get(n.input[0], (0,))[0] in INTEGERS or n.input[0] in made
+                                                     or n.input[0] in floats)  # (dynamo casts float32 to float32)
         if cast or (n.op_type in ELEMENTWISE and any(x in made for x in n.input)
                      and all(x in made or x in floats for x in n.input)):
             made[n.output[0]] = n

@@ -1284,7 +1284,9 @@ def _linspace_from_neg_one(n: Any, align_corners: bool, dtype: torch.dtype) -> t
     if isinstance(n, int) and n <= 1:
         return torch.zeros(n, dtype=dtype)  # torch's single position: the centre
     i = torch.arange(n, dtype=torch.float64)
-    step = (torch.tensor(2.0, dtype=torch.float32) / (n - 1)).double()
+    # float32's step, kept so as a vector: `double_scalars.sizes_in_double` computes 0-d float32 arithmetic on sizes
+    # cast to float64 in float64 (a Python number's, `d ** -0.5`, which torch computes in double)
+    step = (torch.tensor(2.0, dtype=torch.float32) / (n - 1)).reshape(1).double()
     axis = torch.where(i < n // 2, step * i - 1, 1 - step * (n - 1 - i)).to(dtype)
     if not align_corners:
         axis = axis * (n - 1) / n

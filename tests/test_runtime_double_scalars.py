@@ -1,5 +1,6 @@
 """float64 arithmetic on 0-d tensors through the legacy exporter (runtime/double_scalars.py), which writes
-`aux * 3` on a 0-d float64 tensor in float32: ORTModule's outputs and gradients against torch's in float64."""
+`aux * 3` on a 0-d float64 tensor in float32, and on numbers computed from sizes through both exporters: ORTModule's
+outputs and gradients against torch's in float64."""
 
 from __future__ import annotations
 
@@ -145,6 +146,41 @@ def test_sizes_cast_to_float_join_the_stretch() -> None:
             torch.testing.assert_close(g, w, rtol=1e-13, atol=0)
         for g, w in zip(got_grads, want_grads, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=0)
+
+
+SCALED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "a power": lambda h: h * h.shape[0] ** -0.5,
+    "a reciprocal": lambda h: h * (1.0 / h.shape[0]),
+    "a product": lambda h: h * (h.shape[0] * 0.1),
+    "a ratio of sums": lambda h: h * (h.shape[-1] / (h.shape[0] + 3)),
+}
+"""A float64 tensor times a Python number computed from a size read at run time (the batch's; attention's
+`d ** -0.5` where d varies): both exporters wrote it in float32 and cast it to float64, 4e-9 to 2.8e-8 off torch's,
+relative."""
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("scale", list(SCALED))
+def test_sizes_arithmetic_cast_to_float64_is_computed_in_float64(scale: str, exporter: str) -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 7)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return SCALED[scale](self.a(x)).sum(-1)
+
+    torch.manual_seed(0)
+    reference = Scaled().double()
+    model = ORTModule(copy.deepcopy(reference), exporter=exporter)
+    for n in (3, 5):
+        x = torch.randn(n, 6, dtype=torch.float64)
+        got, want = model(x), reference(x)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
 
 
 SELECTED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
