@@ -637,7 +637,8 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     traced = flat._result.get("outputs") or ()
     doubles = [o.name for o, t in zip(model.graph.output, traced)
                if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
-    return checkpoints.tag_regions(double_scalars.in_double(model, doubles, numbers))
+    return checkpoints.tag_regions(double_scalars.sizes_in_double(double_scalars.in_double(model, doubles, numbers),
+                                                                  numbers))
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:
@@ -650,22 +651,44 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
         raise ExportError(f"the dynamo exporter loses torch's no_grad blocks, and this forward has one "
                           f"({finder.found}): its gradients would flow where torch's do not. Use detach() "
                           "instead, or exporter='torchscript' (the default), which keeps them.")
-    dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in leaves)
+    from torch.onnx._internal.exporter._errors import TorchExportError
+
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()), _quiet(_DYNAMO_LOGGERS), _plain_parameters_wrapped(flat):
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
-                                    input_names=names, dynamic_shapes=(dims,), verbose=False,
-                                    custom_translation_table={**checkpoints.translations(),
-                                                              **dynamo_translations()})
+        for k, dims in enumerate(_dynamic_dims(leaves)):
+            try:
+                program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
+                                            input_names=names, dynamic_shapes=(dims,), verbose=False,
+                                            custom_translation_table={**checkpoints.translations(),
+                                                                      **dynamo_translations()})
+                break
+            except TorchExportError:
+                if k == len(DYNAMIC_AXES) - 1:
+                    raise
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     # float64 arithmetic's Python numbers read as written (onnxscript casts float32 Constants: 1e-8 off)
     numbers = double_scalars.numbers_in(program.exported_program.graph.nodes)  # type: ignore[union-attr]
-    model = checkpoints.tag_regions(double_scalars.constants_in_double(program.model_proto, numbers))  # type: ignore[union-attr]
+    model = checkpoints.tag_regions(double_scalars.sizes_in_double(double_scalars.constants_in_double(
+        program.model_proto, numbers), numbers))  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     _outputs_sized_by_inputs(model)
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model
+
+
+DYNAMIC_AXES = ("every", "first", "none")
+"""Which input axes the dynamo export leaves symbolic, tried in turn where torch.export fails: its symbolic
+reasoning refuses some sizes computed from dynamic ones ("Eq(((s63 + 1)//18), 4) is inconsistent!" for
+`torch.cat([y, y.flip(-1)], -1)[..., ::3]`, a matmul's "must have same reduction dim" after `unflatten`), which
+static ones pass. An axis left static is an int in the export's `SizeGuards`: another size there exports again."""
+
+
+def _dynamic_dims(leaves: Sequence[torch.Tensor]) -> Iterator[tuple[dict[int, Any], ...]]:
+    for which in DYNAMIC_AXES:
+        axes = {"every": lambda t: range(t.dim()), "first": lambda t: range(min(1, t.dim())),
+                "none": lambda t: range(0)}[which]
+        yield tuple({d: torch.export.Dim.AUTO for d in axes(t)} for t in leaves)
 
 
 @contextlib.contextmanager

@@ -456,3 +456,32 @@ def test_size_guards_refusal() -> None:
                         ([(4, 4), (4, 2), (1,)], "for 2 to 9"), ([(6, 4), (6, 6), (3,)], "assumption"),
                         ([(4, 4), (4, 6), (3, 1)], "rank"), ([(4, 4), (4, 6)], "2 inputs")]:
         assert why in (g.refusal(shapes) or ""), (shapes, g.refusal(shapes))
+
+
+class ReversedStrided(nn.Module):
+    """A map and its reversal joined, every third position kept, globally pooled and squeezed."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(2, 4, 3, padding=1), nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = torch.cat([y, y.flip(-1)], -1)[..., ::3]
+        return self.head(nn.functional.max_pool1d(y, y.shape[-1]).squeeze(-1))
+
+
+def test_dynamo_exports_what_torch_export_refuses_with_every_axis_symbolic() -> None:
+    """torch.export refused the module with every input axis symbolic ("Eq(((s63 + 1)//18), 4) is inconsistent!");
+    with the batch symbolic alone it exports: another batch reuses that export, another length exports again."""
+    model = ReversedStrided()
+    ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
+    for shape, exports in [((4, 2, 17), 1), ((6, 2, 17), 1), ((4, 2, 20), 2), ((3, 2, 17), 2)]:
+        x = torch.randn(shape)
+        for m in (om, ref):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        torch.testing.assert_close(om(x), ref(x), rtol=1e-5, atol=1e-6, msg=f"outputs at {shape}")
+        for (name, p), q in zip(om.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {shape}")
+        assert om.stats["exports"] == exports, shape
