@@ -77,6 +77,8 @@ def evaluate(node: onnx.NodeProto, values: Mapping[str, Value], dims: Dims) -> V
     if op is None or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
         return None
     args = [values.get(i) if i else None for i in node.input]
+    if not args or (args[0] is None and op not in (_shape, _size)):  # (most nodes: no numpy set-up for them)
+        return None
     try:
         with np.errstate(all="ignore"):  # int64 wraps around as onnxruntime's does
             out = op(node, args, dims)

@@ -73,7 +73,7 @@ def _declare(vi: onnx.ValueInfoProto, dims: list[int | None]) -> None:
 def _constant_values(graph: onnx.GraphProto) -> dict[str, Value]:
     """The graph's constant small tensors of the types evaluated."""
     def small(t: onnx.TensorProto) -> bool:
-        return t.data_type in TYPES and np.prod(t.dims) <= MAX_ELEMENTS
+        return t.data_type in TYPES and math.prod(t.dims) <= MAX_ELEMENTS
 
     return {name: Value.of(a) for name, a in constant_values(graph, small).items()}
 
