@@ -283,7 +283,9 @@ def traced_numbers() -> Iterator[set[float]]:
 
     def traced(*args: Any, **kwargs: Any) -> Any:
         result = create(*args, **kwargs)
-        for n in result[0].nodes():
+        folded = result[0].copy()  # 0-d results of constants too (`w[y].sum()` of captured tensors), which the
+        torch._C._jit_pass_constant_propagation(folded)  # exporter folds to float32 constants
+        for n in (*result[0].nodes(), *folded.nodes()):
             if n.kind() == "prim::Constant" and n.hasAttribute("value") and n.kindOf("value") == "t":
                 value = n.t("value")
                 if value.numel() == 1 and value.dtype == torch.float64:  # (a float32 one is no Python number)

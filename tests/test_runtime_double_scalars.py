@@ -297,3 +297,30 @@ def test_legacy_constants_read_as_the_trace_s_numbers() -> None:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"h": h.numpy()})
     torch.testing.assert_close(torch.from_numpy(got), Flow()(h), rtol=1e-15, atol=0)
+
+
+def test_zero_d_results_of_captured_tensors_stay_in_float64() -> None:
+    """0-d results of tensors the module holds as plain attributes (constants of the trace: neither parameters nor
+    buffers), a normalizer `h.sum() / self.counts[self.picked].sum()`: the legacy exporter folded each into a
+    float32 constant (7.6e-9 off, relative); `traced_numbers` folds the trace's constants alike, in float64."""
+    class Normalized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 5)
+            self.counts = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5
+            self.picked = torch.tensor([0, 3, 3, 1])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return h.square().sum() / self.counts[self.picked].sum() + h.mean() * self.counts.prod()
+
+    torch.manual_seed(0)
+    reference = Normalized().double()
+    model = ORTModule(copy.deepcopy(reference))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    got, want = model(x), reference(x)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+    got.backward()
+    want.backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=0)
