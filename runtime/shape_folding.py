@@ -148,6 +148,10 @@ def _evaluated(model: onnx.ModelProto, hints: dict[str, list[int | None]] | None
     constant = set(values)
     sized: dict[str, list[int | None]] = {}
     for n in graph.node:
+        if n.op_type == "Split" and n.domain in ("", "ai.onnx"):
+            for name, found in zip(n.output, _split_dims(n, dims.get(n.input[0]), values)):
+                if None in dims.get(name, [None]) and found != dims.get(name):
+                    dims[name] = sized[name] = found
         if len(n.output) != 1 or n.domain not in ("", "ai.onnx") or n.output[0] in constant:
             continue
         if n.op_type in SIZED and n.input and None in dims.get(n.output[0], [None]):
@@ -238,6 +242,19 @@ def _range_dims(args: list[Value | None]) -> list[int | None] | None:
     with np.errstate(all="ignore"):
         length = np.ceil((limit - start) / delta) if delta else np.nan
     return [int(max(length, 0))] if np.isfinite(length) else None
+
+
+def _split_dims(n: onnx.NodeProto, shape: list[int | None] | None, values: dict[str, Value]
+                ) -> list[list[int | None]]:
+    """A Split's outputs' dims from its computed sizes (an input from opset 13, an attribute before): torch.split
+    by a size read from the input writes them as a Concat of its whole parts and the remainder, which inference
+    does not read. [] where they are not known."""
+    given = values.get(n.input[1]) if len(n.input) > 1 and n.input[1] else None
+    sizes = given.items() if given is not None and given.integral and given.data.ndim == 1 else ints_attr(n, "split")
+    if shape is None or not sizes or len(sizes) != len(n.output):
+        return []
+    axis = int_attr(n, "axis", 0) % len(shape)
+    return [[v if a == axis else d for a, d in enumerate(shape)] for v in _sizes(list(sizes))]
 
 
 def _sizes(items: list[int | None]) -> list[int | None]:
@@ -366,5 +383,28 @@ def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
         del out.graph.node[:]
         out.graph.node.extend(drop_dead(kept, [], outputs))
         _forget_shapes(out.graph, {o for n in ifs if id(n) in replaced for o in n.output})
+        _declare_found(out, {**hints, **sized})
         model = out
     return model
+
+
+def _declare_found(model: onnx.ModelProto, found: dict[str, list[int | None]]) -> None:
+    """The dims the evaluation found written into the model's value_info (typed by inference), in place: the
+    gradient build infers shapes anew and, without them, did not know the rank of a Split's outputs sized by a
+    computed Concat (torch.split by a size read from the input), which a MaxPool's rule needs."""
+    made = {o for n in model.graph.node for o in n.output}
+    wanted = {name: dims for name, dims in found.items() if name in made}
+    try:
+        inferred = {vi.name: vi for vi in infer_shapes(model).graph.value_info if vi.name in wanted}
+    except Exception:  # a model inference cannot follow keeps what it declares
+        return
+    declared = []
+    for name, vi in inferred.items():
+        if vi.type.HasField("tensor_type"):
+            declared.append(onnx.ValueInfoProto())
+            declared[-1].CopyFrom(vi)
+            _declare(declared[-1], wanted[name])
+    replaced = {vi.name for vi in declared}
+    kept = [vi for vi in model.graph.value_info if vi.name not in replaced]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend([*kept, *declared])
