@@ -656,7 +656,8 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()), _quiet(_DYNAMO_LOGGERS), _plain_parameters_wrapped(flat):
         warnings.simplefilter("ignore")
-        for k, dims in enumerate(_dynamic_dims(leaves)):
+        attempts = [_dynamic_dims(leaves, leading) for leading in SYMBOLIC_AXES]
+        for k, dims in enumerate(attempts):
             try:
                 program = torch.onnx.export(flat, tuple(leaves), dynamo=True, optimize=False, opset_version=opset,
                                             input_names=names, dynamic_shapes=(dims,), verbose=False,
@@ -664,7 +665,7 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
                                                                       **dynamo_translations()})
                 break
             except TorchExportError:
-                if k == len(DYNAMIC_AXES) - 1:
+                if k == len(attempts) - 1:
                     raise
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     # float64 arithmetic's Python numbers read as written (onnxscript casts float32 Constants: 1e-8 off)
@@ -677,18 +678,17 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     return model
 
 
-DYNAMIC_AXES = ("every", "first", "none")
-"""Which input axes the dynamo export leaves symbolic, tried in turn where torch.export fails: its symbolic
+SYMBOLIC_AXES = (None, 1, 0)
+"""How many leading axes of each input the dynamo export leaves symbolic (None: every one), tried in turn where
+torch.export fails: its symbolic
 reasoning refuses some sizes computed from dynamic ones ("Eq(((s63 + 1)//18), 4) is inconsistent!" for
 `torch.cat([y, y.flip(-1)], -1)[..., ::3]`, a matmul's "must have same reduction dim" after `unflatten`), which
 static ones pass. An axis left static is an int in the export's `SizeGuards`: another size there exports again."""
 
 
-def _dynamic_dims(leaves: Sequence[torch.Tensor]) -> Iterator[tuple[dict[int, Any], ...]]:
-    for which in DYNAMIC_AXES:
-        axes = {"every": lambda t: range(t.dim()), "first": lambda t: range(min(1, t.dim())),
-                "none": lambda t: range(0)}[which]
-        yield tuple({d: torch.export.Dim.AUTO for d in axes(t)} for t in leaves)
+def _dynamic_dims(leaves: Sequence[torch.Tensor], leading: int | None) -> tuple[dict[int, Any], ...]:
+    return tuple({d: torch.export.Dim.AUTO for d in range(t.dim() if leading is None else min(leading, t.dim()))}
+                 for t in leaves)
 
 
 @contextlib.contextmanager

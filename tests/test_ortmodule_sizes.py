@@ -336,15 +336,7 @@ def test_sizes_dynamo_fixed_get_an_export_each() -> None:
     model = RNNSteps()
     ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
     with pytest.warns(RuntimeWarning, match="assumes what these sizes break") as caught:
-        for shape, exports in [((4, 10, 3), 1), ((6, 10, 3), 1), ((4, 12, 3), 2), ((2, 7, 3), 3), ((3, 12, 3), 3)]:
-            x = torch.randn(shape)
-            for m in (om, ref):
-                m.zero_grad()
-                m(x).square().sum().backward()
-            torch.testing.assert_close(om(x), ref(x), rtol=1e-5, atol=1e-6, msg=f"outputs at {shape}")
-            for (name, p), q in zip(om.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at {shape}")
-            assert om.stats["exports"] == exports, shape
+        _train_at_sizes(om, ref, [((4, 10, 3), 1), ((6, 10, 3), 1), ((4, 12, 3), 2), ((2, 7, 3), 3), ((3, 12, 3), 3)])
     assert sum("assumes what these sizes break" in str(w.message) for w in caught) == 1
 
 
@@ -476,7 +468,12 @@ def test_dynamo_exports_what_torch_export_refuses_with_every_axis_symbolic() -> 
     with the batch symbolic alone it exports: another batch reuses that export, another length exports again."""
     model = ReversedStrided()
     ref, om = copy.deepcopy(model), ORTModule(model, exporter="dynamo")
-    for shape, exports in [((4, 2, 17), 1), ((6, 2, 17), 1), ((4, 2, 20), 2), ((3, 2, 17), 2)]:
+    _train_at_sizes(om, ref, [((4, 2, 17), 1), ((6, 2, 17), 1), ((4, 2, 20), 2), ((3, 2, 17), 2)])
+
+
+def _train_at_sizes(om: ORTModule, ref: nn.Module, steps: list[tuple[tuple[int, ...], int]]) -> None:
+    """A step of both at each input shape: outputs and gradients alike, and the exports made so far as given."""
+    for shape, exports in steps:
         x = torch.randn(shape)
         for m in (om, ref):
             m.zero_grad()
