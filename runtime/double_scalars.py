@@ -108,7 +108,7 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = (), numbers: Co
             return model  # a float32 value the stretch makes is read by something else: left as exported
     for n in starts:
         next(a for a in n.attribute if a.name == "to").i = TensorProto.DOUBLE
-    copies = _Copies(g, constants, {**sizes, **masks}, numbers)
+    copies = _Copies(g, constants, floats, {**sizes, **masks}, numbers)
     for n in g.node:
         if id(n) in ok:
             for k, x in enumerate(n.input):
@@ -148,7 +148,7 @@ def sizes_in_double(model: onnx.ModelProto, numbers: Collection[float] = ()) -> 
             and scalar(n.input[0])}
     if not ends:
         return model
-    copies = _Copies(g, constants, sizes, numbers)
+    copies = _Copies(g, constants, floats, sizes, numbers)
     for n in g.node:
         if n.output and n.output[0] in ends:
             n.input[0] = copies.of(n.input[0])
@@ -174,12 +174,12 @@ def _float32_sources(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeP
 
 class _Copies:
     """float64 copies of float32 values, each made once, its nodes appended to `nodes` (the rewritten graph's, in
-    order): a constant at the decimal written (`_as_written`), a size or a comparison's mask cast to float32 (by
-    the node that made it, of `made`) cast to float64 instead, an elementwise op of such copies."""
+    order): a constant (of `floats`) at the decimal written (`_as_written`), a size or a comparison's mask cast to
+    float32 (by the node that made it, of `made`) cast to float64 instead, an elementwise op of such copies."""
 
-    def __init__(self, g: onnx.GraphProto, constants: dict[str, onnx.NodeProto], made: dict[str, onnx.NodeProto],
-                 numbers: Collection[float]):
-        self.constants, self.made, self.numbers = constants, made, numbers
+    def __init__(self, g: onnx.GraphProto, constants: dict[str, onnx.NodeProto], floats: set[str],
+                 made: dict[str, onnx.NodeProto], numbers: Collection[float]):
+        self.constants, self.floats, self.made, self.numbers = constants, floats, made, numbers
         self.taken = names_in_use(g)
         self.nodes: list[onnx.NodeProto] = []
         self.copies: dict[str, str] = {}
@@ -188,7 +188,7 @@ class _Copies:
         if x not in self.copies:
             n = self.made.get(x)
             if n is not None and _cast_to(n) == TensorProto.FLOAT and (n.input[0] in self.made or
-                                                                      n.input[0] in self.constants):
+                                                                      n.input[0] in self.floats):
                 self.copies[x] = self.of(n.input[0])  # a float32 value cast to float32 (dynamo's)
                 return self.copies[x]
             name = fresh_name(f"{x}/double", self.taken)
