@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -225,9 +226,18 @@ def _range(node: onnx.NodeProto, args: Args, dims: Dims) -> Value | None:
     if len(ends) != 3 or any(e is None or len(e) != 1 for e in ends):
         return None
     (start,), (limit,), (delta,) = ends
-    if delta == 0 or not _fits([max(0, -(-(limit - start) // delta))]):
+    length = range_length(start, limit, delta)
+    if length is None or not _fits([length]):
         return None
     return Value.of(np.arange(start, limit, delta, dtype=np.int64))
+
+
+def range_length(start: Any, limit: Any, delta: Any) -> int | None:
+    """ONNX Range's element count, max(ceil((limit - start) / delta), 0), ints or floats; None for a zero or
+    non-finite step."""
+    with np.errstate(all="ignore"):
+        length = np.ceil((limit - start) / delta) if delta else np.nan
+    return int(max(length, 0)) if np.isfinite(length) else None
 
 
 TYPES = {TensorProto.INT64: np.int64, TensorProto.BOOL: np.bool_, TensorProto.FLOAT: np.float32,

@@ -20,7 +20,7 @@ import onnx
 
 from gradbuilder.inference import infer_shapes, static_dims
 
-from .partial_ints import MAX_ELEMENTS, TYPES, Value, evaluate, onnx_slice
+from .partial_ints import MAX_ELEMENTS, TYPES, Value, evaluate, onnx_slice, range_length
 from .passes import constant_values, drop_dead, forget_types, fresh_name, int_attr, ints_attr, names_in_use
 
 
@@ -238,10 +238,8 @@ def _range_dims(args: list[Value | None]) -> list[int | None] | None:
     interpolation's sample positions), where inference reads constants only."""
     if len(args) != 3 or any(a is None or not a.complete or a.data.size != 1 or a.boolean for a in args):
         return None
-    start, limit, delta = (a.data.ravel()[0] for a in args)
-    with np.errstate(all="ignore"):
-        length = np.ceil((limit - start) / delta) if delta else np.nan
-    return [int(max(length, 0))] if np.isfinite(length) else None
+    length = range_length(*(a.data.ravel()[0] for a in args))
+    return None if length is None else [length]
 
 
 def _split_dims(n: onnx.NodeProto, shape: list[int | None] | None, values: dict[str, Value]
