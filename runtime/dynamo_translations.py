@@ -6,8 +6,8 @@ max gives it to the index it returns) and which keeps a NaN only where it comes 
 for `amax` / `amin`), and `clamp` with tensor bounds (float64 clamps' bounds are 0-d tensors, `clamp_min` in torch's
 margin losses) as Max / Min, which split a gradient at a bound reached (torch's gives it to x, bounds inclusive).
 `xlogy` cut x's gradient at x = 0, `detach` was an Identity, and float64 `elu`, `selu`, `celu`, `leaky_relu` and
-`log2` computed with float32 constants (or in float32); `bernoulli_(p)` compared its uniforms with a CastLike
-of p, which `host_dropout` does not read as p (under `torch_dropout`, onnxruntime's draw stood for torch's mask);
+`log2` computed with float32 constants (or in float32); `bernoulli_(p)`, `normal_(mean, std)` and `uniform_(a, b)`
+(which onnxscript lacks) are `torch_draws`' markers, as under the legacy exporter;
 `conv3d` without a bias gave its Conv a bias of the wrong rank.
 The legacy exporter's conversions of the same ops (`symbolics.py`) follow torch: these follow the same
 conventions. (Attention under a mask emptying a row is mended before either exporter sees it, in `functions.py`.)
@@ -25,6 +25,8 @@ import torch
 
 from gradbuilder.stop_gradient import OP_TYPE as STOP_GRADIENT
 from gradbuilder.yield_op import DOMAIN
+
+from . import torch_draws
 
 
 @functools.cache
@@ -235,16 +237,33 @@ def _detach(x: Any) -> Any:
     return _stop_gradient(x)
 
 
-def _bernoulli_p(x: Any, p: float, generator: Any = None) -> Any:
-    """aten bernoulli.p (`x.new_empty(n, 1).bernoulli_(keep)`, timm's drop_path): rand_like(x) < p, p a Constant
-    in x's type, the form the legacy exporter writes and `host_dropout` draws as torch's Bernoulli kernel under
-    `torch_dropout` (onnxscript's compares with a CastLike of p, which the host does not read as p: onnxruntime's
-    uniforms then stood for torch's mask, silently another one)."""
-    op = _op()
-    like = x if _floating(x) else op.Cast(x, to=1)
-    p_like = _const(p, x) if _floating(x) else _tensor(np.array(p, dtype=np.float32))
-    return op.CastLike(op.Less(op.RandomUniformLike(like, low=0.0, high=1.0), p_like), x)
+def _draw(like: Any, fill: str, *params: float) -> Any:
+    """torch's `fill` of a tensor shaped and typed as `like`, as `torch_draws`' marker (expanded after the export into
+    the random op, tagged for the host)."""
+    from onnxscript import ir, values
+    dtype = like.dtype if _floating(like) or fill == "bernoulli_" else None
+    if dtype is None:
+        raise TypeError(f"torch's {fill} of a {like.dtype} tensor")
+    return getattr(values.Opset(DOMAIN, 1), torch_draws.OP_TYPE)(
+        like, fill=fill, params=ir.tensor(np.array(params, np.float64)), dtype=int(dtype))
 
+
+def _bernoulli_p(x: Any, p: float, generator: Any = None) -> Any:
+    """aten bernoulli.p (`x.new_empty(n, 1).bernoulli_(keep)`, timm's drop_path): torch's fill, which the host
+    draws as torch's Bernoulli kernel under `torch_dropout` (onnxscript's compared uniforms with a CastLike of p,
+    which it did not read as p: onnxruntime's uniforms then stood for torch's mask, silently another one)."""
+    return _draw(x, "bernoulli_", float(p))
+
+
+def _normal(x: Any, mean: float = 0.0, std: float = 1.0, generator: Any = None) -> Any:
+    """aten normal_functional (`x.normal_(mean, std)`): torch's fill (onnxscript's wrote the numbers as float32
+    attributes, which the host read back as other numbers in float64)."""
+    return _draw(x, "normal_", float(mean), float(std))
+
+
+def _uniform(x: Any, low: float = 0.0, high: float = 1.0, generator: Any = None) -> Any:
+    """aten uniform (`x.uniform_(low, high)`): torch's fill (onnxscript has no translation)."""
+    return _draw(x, "uniform_", float(low), float(high))
 
 
 def _conv3d(x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
@@ -271,5 +290,6 @@ def translations() -> dict[Any, Any]:
         aten.leaky_relu.default: _leaky_relu, aten.log2.default: _log2,
         aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
         aten.detach.default: _detach, aten.bernoulli.p: _bernoulli_p, aten.conv3d.default: _conv3d,
+        aten.normal_functional.default: _normal, aten.uniform.default: _uniform,
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
     }

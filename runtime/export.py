@@ -46,7 +46,17 @@ from torch.overrides import TorchFunctionMode
 from gradbuilder.graph import graph_nodes, infer_shapes_safely
 from gradbuilder.inference import infer_shapes, tensor_types
 
-from . import accumulation, checkpoints, custom_functions, double_scalars, exchange, scalars, stop_gradients, symbolics
+from . import (
+    accumulation,
+    checkpoints,
+    custom_functions,
+    double_scalars,
+    exchange,
+    scalars,
+    stop_gradients,
+    symbolics,
+    torch_draws,
+)
 from .attention import lean_attention
 from .batchnorm import BatchStats, stand_in_statistics, training_batchnorm
 from .dropouts import exportable_dropouts
@@ -632,7 +642,7 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
             warnings.warn(f"ORTModule({type(flat._target).__name__}): the export baked a traced value in and may be "
                           f"wrong for other inputs: {w.message} ({w.filename}:{w.lineno}). ORTModule exports it "
                           "again at new input sizes, the batch's too, and compares", ExportWarning, stacklevel=2)
-    model = onnx.load_from_string(buf.getvalue())
+    model = torch_draws.expand(onnx.load_from_string(buf.getvalue()))
     _refuse_bfloat16_casts(model)
     traced = flat._result.get("outputs") or ()
     doubles = [o.name for o, t in zip(model.graph.output, traced)
@@ -671,7 +681,7 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     # float64 arithmetic's Python numbers read as written (onnxscript casts float32 Constants: 1e-8 off)
     numbers = double_scalars.numbers_in(program.exported_program.graph.nodes)  # type: ignore[union-attr]
     model = checkpoints.tag_regions(double_scalars.sizes_in_double(double_scalars.constants_in_double(
-        program.model_proto, numbers), numbers))  # type: ignore[union-attr]
+        torch_draws.expand(program.model_proto), numbers), numbers))  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     _outputs_sized_by_inputs(model)
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]

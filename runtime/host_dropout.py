@@ -39,8 +39,9 @@ from onnx import TensorProto, helper
 from onnxruntime.capi import _pybind_state as C
 
 from gradbuilder.graph import graph_nodes
+from gradbuilder.inference import infer_shapes
 
-from . import exchange
+from . import exchange, torch_draws
 from .ort_session import DISABLED_OPTIMIZERS, RANDOM_OPS, Runner, SessionConfig, draws_random
 from .passes import (
     FLOATS,
@@ -108,7 +109,9 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     taken = names_in_use(g)
     types = tensor_types(g)
     nodes = list(g.node)
-    masks: list[Mask] = [_fed_draw(nodes, k, g, types, consts) for k in likes]
+    if any(nodes[k].input[0] not in types for k in likes):  # a like op's type is its input's, which may be unsaid
+        types = {**tensor_types(infer_shapes(out).graph), **types}
+    masks: list[Mask] = [_fed_draw(nodes, k, g, types) for k in likes]
     for k in reversed(likes):
         del nodes[k]
     for k, ratio, threshold in reversed(chosen):
@@ -132,24 +135,20 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
     return out, sorted(masks, key=lambda m: order.get(m.output, -1))
 
 
-def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Mapping,
-              consts: Mapping[str, np.ndarray]) -> Mask:
-    """A randn_like or rand_like whose values the host draws as torch does: its output becomes a graph input.
-    A rand_like read only by `Less(u, p)` is torch's `bernoulli_(p)` as exported (timm's drop_path): torch draws
-    that mask with its Bernoulli kernel, not as uniforms, so the host draws it so and feeds u = 1 - mask."""
+def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Mapping) -> Mask:
+    """A random op whose values the host draws as torch does: its output becomes a graph input. One of torch's
+    fills with parameters (`torch_draws`) is drawn as that fill, with them as written (bernoulli_(p): torch's
+    Bernoulli kernel, not its uniforms compared; the op's uniforms are fed as u = 1 - mask, which its `Less(u, p)`
+    turns back into the mask); a randn_like or rand_like as `normal_` or `uniform_` from its attributes."""
     n = nodes[k]
     fill, first, first_default, second, second_default = LIKE_DRAWS[n.op_type]
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
     elem, dims = types.get(n.input[0], (0, None))
     elem = int(attrs.get("dtype", elem or TensorProto.FLOAT))
     g.input.append(helper.make_tensor_value_info(n.output[0], elem, dims))
-    draw = (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem)
-    readers = [r for r in nodes if n.output[0] in r.input]
-    if fill == "uniform_" and len(readers) == 1 and readers[0].op_type == "Less" and not readers[0].domain \
-            and list(readers[0].input).index(n.output[0]) == 0 and readers[0].input[1] in consts:
-        p = float(str(np.float32(consts[readers[0].input[1]])))  # as written, as torch draws with it
-        if 0 < p <= 1 and draw[1:3] == (0.0, 1.0):
-            draw = ("bernoulli_", p, 0.0, elem)
+    torch_fill = torch_draws.tagged(n)
+    draw = (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem) \
+        if torch_fill is None else (*torch_fill, elem)
     return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0, draw)
 
 
@@ -220,12 +219,9 @@ class MaskedRunner:
         key = tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds])
         shapes = self.shapes.get(key)
         if shapes is None:
-            values = self.plain.run(feeds, [*names, *self._shape_names])
-            if len(self.shapes) < MAX_SIZES:
-                found = [tuple(exchange.to_numpy(v).tolist()) for v in values[len(names):]]
-                shapes = self.shapes[key] = dict(zip(self._sources, found))
+            values, shapes = self._recorded(feeds, key, names)
             if shapes is None or not self._config.torch_masks:
-                return values[:len(names)], None
+                return values, None
             # torch's masks from the first call on: this run only told their shapes (a forward more per new size)
         seed = self._call_seed()
         drawn = self.draw(shapes, seed, fresh=True)
@@ -233,11 +229,21 @@ class MaskedRunner:
             values = self.run_drawn(feeds, drawn, names)
         except RuntimeError:  # sizes recorded for these inputs may no longer hold (sizes read from values)
             del self.shapes[key]
-            plain = self.run_redrawable(feeds, outputs)  # records them anew
-            if self.shapes.get(key) == shapes:  # they did hold: the masked session itself failed
+            if self._recorded(feeds, key, names)[1] == shapes:  # they did hold: the masked session itself failed
                 raise
-            return plain
+            return self.run_redrawable(feeds, outputs)  # at the sizes recorded anew
         return values, functools.partial(self.draw, shapes, seed)
+
+    def _recorded(self, feeds: Mapping[str, C.OrtValue], key: tuple, names: Sequence[str]
+                  ) -> tuple[list[C.OrtValue], dict[str, tuple[int, ...]] | None]:
+        """A run of the forward as it is (onnxruntime's masks), and the mask shapes it records for `key` (None once
+        `MAX_SIZES` are)."""
+        values = self.plain.run(feeds, [*names, *self._shape_names])
+        if len(self.shapes) >= MAX_SIZES:
+            return values[:len(names)], None
+        found = [tuple(exchange.to_numpy(v).tolist()) for v in values[len(names):]]
+        self.shapes[key] = dict(zip(self._sources, found))
+        return values[:len(names)], self.shapes[key]
 
     def drawn(self, feeds: Mapping[str, C.OrtValue]) -> dict[str, C.OrtValue] | None:
         """The masks a call with these feeds gets, drawn as `run` draws them (the seed taken from torch's generator);

@@ -22,7 +22,8 @@ wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build 
 `batch_norm` without running statistics refused a batch sized at run time: ours normalizes by the batch's.
 Ties as torch's backward breaks them: `fmax` / `fmin` give a tie's gradient to the first operand, `median` of every
 element splits it evenly, `clamp` with tensor bounds gives it to x (torch's Max / Min split it with the bound).
-`const_like` writes float constants in float64.
+`const_like` writes float constants in float64. `bernoulli_(p)`, `normal_(mean, std)` and `uniform_(a, b)` (torch has
+no conversion of the last, and its `normal` wrote a float32 tensor's noise in float64) are `torch_draws`' markers.
 `registered` also serves the other symbolics the export installs (`accumulation`, `stop_gradients`).
 """
 
@@ -47,6 +48,7 @@ from torch.onnx._internal.torchscript_exporter import (
     symbolic_opset12,
     symbolic_opset13,
     symbolic_opset14,
+    symbolic_opset15,
     symbolic_opset16,
     symbolic_opset18,
 )
@@ -55,6 +57,7 @@ from gradbuilder.rules.linalg import MICROSOFT
 from gradbuilder.stop_gradient import OP_TYPE as STOP_GRADIENT
 from gradbuilder.yield_op import DOMAIN
 
+from . import torch_draws
 from .batchnorm import eps_scale
 
 OPSET = 9
@@ -66,7 +69,7 @@ TORCH_OWN: dict[str, int | tuple[int, ...]] = {
     11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16, "aten::repeat_interleave": 13,
     "aten::amax": 18, "aten::amin": 18, "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12, "aten::aminmax":
     18, "aten::split": (11, 13), "aten::fake_quantize_per_tensor_affine": (10, 13),
-    "aten::fake_quantize_per_channel_affine": 13, "aten::batch_norm": 14}
+    "aten::fake_quantize_per_channel_affine": 13, "aten::batch_norm": 14, "aten::bernoulli": 15, "aten::normal": 11}
 """The opsets of torch's own conversions of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -1105,6 +1108,52 @@ def _batch_norm(g: Any, x: Any, weight: Any, bias: Any, mean: Any, var: Any, tra
     return own(g, x, weight, bias, mean, var, training, *rest)
 
 
+def _draw(g: Any, like: Any, fill: str, *params: float) -> Any:
+    """torch's `fill` of a tensor shaped and typed as `like`, as `torch_draws`' marker (expanded after the export
+    into the random op, tagged for the host)."""
+    dtype = _type_utils.JitScalarType.from_value(like, _type_utils.JitScalarType.FLOAT)
+    marker = g.op(f"{DOMAIN}::{torch_draws.OP_TYPE}", like, fill_s=fill, dtype_i=dtype.onnx_type(),
+                  params_t=torch.tensor(params, dtype=torch.float64))
+    marker.setType(like.type())
+    return marker
+
+
+def _numbers(*values: Any) -> list[float] | None:
+    """The Python numbers the values hold; None where one is a tensor."""
+    found = [symbolic_helper._maybe_get_const(v, "f") for v in values]
+    return None if any(symbolic_helper._is_value(f) for f in found) else [float(f) for f in found]
+
+
+def _bernoulli(g: Any, x: Any, p: Any = None, generator: Any = None, out: Any = None) -> Any:
+    """`x.bernoulli_(p)` of a number p (timm's drop_path) as torch's fill; of probabilities, torch's."""
+    number = None if p is None or _none(p) or not _none(generator) else _numbers(p)
+    if number is None:
+        return (symbolic_opset15.bernoulli if g.opset >= 15 else symbolic_opset9.bernoulli)(g, x, p, generator, out)
+    return _draw(g, x, "bernoulli_", *number)
+
+
+def _normal(g: Any, mean: Any, std: Any, sizes: Any = None, generator: Any = None, *rest: Any) -> Any:
+    """`x.normal_(mean, std)` (traced as `normal(mean, std, x.size())`) as torch's fill, in x's type: torch's
+    conversion wrote the numbers in float64 and so the noise (onnxruntime refused a float32 tensor's); of tensors,
+    torch's."""
+    numbers = _numbers(mean, std) if sizes is not None and not _none(sizes) and _none(generator) else None
+    if numbers is None:
+        return symbolic_opset11.normal(g, mean, std, sizes, generator, *rest)
+    shape = symbolic_helper._maybe_get_const(sizes, "is")
+    shape = g.op("Constant", value_t=torch.tensor(shape, dtype=torch.int64)) if isinstance(shape, list) else sizes
+    dtype = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.FLOAT)
+    like = g.op("ConstantOfShape", shape, value_t=torch.zeros(1, dtype=dtype.dtype()))
+    return _draw(g, like, "normal_", *numbers)
+
+
+def _uniform(g: Any, x: Any, low: Any, high: Any, generator: Any = None) -> Any:
+    """`x.uniform_(low, high)` as torch's fill (torch has no conversion)."""
+    numbers = _numbers(low, high) if _none(generator) else None
+    if numbers is None:
+        return symbolic_helper._unimplemented("uniform", "bounds given as tensors or a generator", x)
+    return _draw(g, x, "uniform_", *numbers)
+
+
 MISSING: dict[str, Callable[..., Any]] = {
     **{f"aten::{name}": _unary(op) for name, op in [
         ("sinh", "Sinh"), ("cosh", "Cosh"), ("asinh", "Asinh"), ("acosh", "Acosh"), ("atanh", "Atanh"),
@@ -1143,6 +1192,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::aminmax": _aminmax, "aten::split": _split, "aten::batch_norm": _batch_norm,
     "aten::fake_quantize_per_tensor_affine": _fake_quantize(False),
     "aten::fake_quantize_per_channel_affine": _fake_quantize(True),
+    "aten::bernoulli": _bernoulli, "aten::normal": _normal, "aten::uniform": _uniform,
 }
 
 

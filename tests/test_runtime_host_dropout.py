@@ -180,11 +180,13 @@ def test_stale_sizes_fall_back_to_onnxruntime_dropout() -> None:
     assert runner.shapes[key] == {m.source: s for m, s in zip(runner.masks, [(8, 16), (8, 5)])}
 
 
-def test_a_failing_masked_session_is_not_hidden(monkeypatch) -> None:
+@pytest.mark.parametrize("torch_dropout", [False, True])
+def test_a_failing_masked_session_is_not_hidden(monkeypatch, torch_dropout: bool) -> None:
     """When the sizes recorded still hold and the masked session fails anyway, its error reaches the caller
-    instead of every call quietly running the forward twice."""
+    instead of every call quietly running the forward twice (with torch's masks, which draw again after recording
+    the sizes, the retry recursed until Python's limit)."""
     torch.manual_seed(0)
-    om = ORTModule(TwoDrops(), threads=1)
+    om = ORTModule(TwoDrops(), threads=1, torch_dropout=torch_dropout)
     x, c = torch.randn(8, 6), torch.randn(8, 5)
     om(x, c)
     runner = _runner(om)
@@ -433,6 +435,61 @@ def test_float64_dropout_follows_torch_exactly(exporter: str) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(4, 3, 6, generator=g, dtype=torch.float64) for _ in range(3)]
     check_parity(make, batches, lambda m, x: m(x).pow(2).sum(), sgd, rtol=1e-12, exporter=exporter, torch_dropout=True)
+
+
+class Fills(nn.Module):
+    """torch's fills with parameters (multiplicative and additive noise, drop_path's bernoulli_) and a dropout
+    written by hand as uniforms compared with keep, which exports as bernoulli_ does."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        h = h * torch.empty_like(h).normal_(1.0, 0.1) + torch.empty_like(h).uniform_(-0.05, 0.05)
+        by_hand = (torch.rand_like(h) < 0.8).to(h.dtype)
+        per_sample = h.new_empty((h.shape[0], 1)).bernoulli_(0.7)
+        return self.out(h * by_hand * per_sample / 0.56)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_torch_dropout_draws_torch_s_fills(exporter: str, dtype: torch.dtype) -> None:
+    """Under torch_dropout, `normal_(mean, std)`, `uniform_(a, b)`, `bernoulli_(p)` and `rand_like(x) < p` are
+    drawn as torch draws them, with the numbers as written: outputs and gradients are torch's to rounding at each
+    call (batch sizes changing). Before: `rand_like(x) < p` was drawn as bernoulli_(p) (another mask in float32),
+    the legacy exporter's normal_ could not load, neither exporter converted uniform_, and float64 normal_ drew
+    with float32's 0.1 (2e-9 off)."""
+    torch.manual_seed(0)
+    ref = Fills().to(dtype)
+    om = ORTModule(copy.deepcopy(ref), torch_dropout=True, exporter=exporter)
+    tol = {"rtol": 1e-13, "atol": 1e-14} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    for call, rows in enumerate((6, 4, 6)):
+        x = torch.randn(rows, 6, dtype=dtype)
+        results = []
+        for m in (ref, om):
+            torch.manual_seed(call)
+            out = m(x)
+            results.append((out, *torch.autograd.grad(out.square().sum(), list(m.parameters()))))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, **tol)
+
+
+def test_fills_as_onnxruntime_draws_them() -> None:
+    """Without torch_dropout onnxruntime draws the fills, in the tensor's type and within the bounds given (the legacy
+    exporter's normal_ returned float64 for a float32 module, and uniform_ did not export)."""
+    class Noise(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * torch.empty_like(x).normal_(3.0, 0.5), x * torch.empty_like(x).uniform_(2.0, 2.5)
+
+    x = torch.ones(400, 50, requires_grad=True)
+    normal, uniform = ORTModule(Noise())(x)
+    assert normal.dtype == uniform.dtype == torch.float32
+    assert abs(float(normal.mean()) - 3.0) < 0.01 and abs(float(normal.std()) - 0.5) < 0.01
+    assert float(uniform.min()) >= 2.0 and float(uniform.max()) < 2.5 and abs(float(uniform.mean()) - 2.25) < 0.01
+    (grad,) = torch.autograd.grad((normal + uniform).sum(), x)
+    torch.testing.assert_close(grad, (normal + uniform).detach())
 
 
 def test_masks_keep_each_element_as_its_32_bit_draw_would() -> None:
