@@ -13,6 +13,7 @@ the graph draws random numbers or the forward changed state in place (`export`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,7 +151,10 @@ def _within_rounding(ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor
 
     def relative(a: torch.Tensor, e: torch.Tensor) -> float:
         """L2 distance over e's norm, or over `GRADIENT_FLOOR` of the largest gradient an element where e is zero
-        by the math (a bias before a BatchNorm), whose rounding noise is no distance."""
+        by the math (a bias before a BatchNorm), whose rounding noise is no distance. Infinite where a is not finite
+        and e is: no rounding does that (the NaNs were read as no distance, and NaN gradients passed)."""
+        if not bool(torch.isfinite(a)[torch.isfinite(e)].all()):
+            return math.inf
         norm = max(float(e.nan_to_num(0.0, 0.0, 0.0).norm()), GRADIENT_FLOOR * largest * e.numel() ** 0.5)
         return float((a - e).nan_to_num(0.0, 0.0, 0.0).norm()) / norm if norm else 0.0
 

@@ -2712,7 +2712,8 @@ def test_the_gradient_check_lets_float64_arbitrate_a_relu_flipped_by_rounding() 
     """A ResNet's ReLU after a BatchNorm whose input is within float32 rounding of 0 passes its gradient in one run
     and not in the other; the BatchNorm spreads that element over its channel and every layer below, and the
     float32 comparison refused ResNet-18s half the time. torch's float64 gradients of the call now arbitrate:
-    onnxruntime's as such a run computes them pass, a wrong gradient still fails, named with both distances."""
+    onnxruntime's as such a run computes them pass, a wrong gradient still fails, named with both distances, and
+    so does a NaN where torch's gradient is finite."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 4))
     x = torch.randn(128, 8)
@@ -2740,6 +2741,10 @@ def test_the_gradient_check_lets_float64_arbitrate_a_relu_flipped_by_rounding() 
     check(wrong, arbiter=True)
     assert re.search(r"gradient 0 of 6 .* \(from torch's float64 gradients of the call, onnxruntime's are up to "
                      r"0\.\d+ apart relatively in L2, torch's float32 ones \d", str(refusals[0]))
+    nan = [g.clone() for g in flipped]
+    nan[2][3] = float("nan")  # one NaN where torch's gradient is finite (the arbiter read NaNs as no distance)
+    assert check(nan, arbiter=True) is not nan
+    assert "from torch's float64 gradients of the call, onnxruntime's are up to inf apart" in str(refusals[0])
 
 
 def test_a_resnet_with_a_relu_flipped_by_rounding_trains() -> None:
