@@ -25,7 +25,7 @@ tensor), the model is left as exported.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -304,33 +304,86 @@ def traced_numbers() -> Iterator[set[float]]:
 def constants_in_double(model: onnx.ModelProto, numbers: Collection[float] = ()) -> onnx.ModelProto:
     """After a dynamo export, in place: the Python numbers of float64 arithmetic read at the decimal written in
     float64. onnxscript writes `x * 2.7` of a float64 x as Mul(x, Cast(Constant(float32 2.7), to=DOUBLE)) (clamp's
-    bounds, lerp's and where's scalars as CastLike of a float32 Constant to x): 1e-8 off torch's, relative. Each such
-    Cast or CastLike to float64 becomes the Identity of a float64 copy of the Constant (`_as_written`, read as
-    the one of `numbers`, the exported program's Python floats, that rounds to it)."""
+    bounds, lerp's and where's scalars, addcmul's value, addmv's and softplus' beta as CastLike of a float32 Constant
+    to x, the Constant's `value` or `value_float`): 1e-8 off torch's, relative. Each such Cast or CastLike to float64
+    becomes the Identity of a float64 copy of the Constant (`_as_written`, read as the one of `numbers`, the
+    exported program's Python floats, that rounds to it). addmm's alpha and beta, a float64 Gemm's float32
+    attributes, become products by such copies (`_gemm_in_double`)."""
     g = model.graph
-    constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output
-                 and any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
-    if not constants:
+    constants = {n.output[0]: value for n in g.node if (value := _float32_constant(n)) is not None}
+    gemms = {k for k, n in enumerate(g.node) if n.op_type == "Gemm" and not n.domain and _scaled(n)}
+    if not constants and not gemms:
         return model
     types = tensor_types(g)
-    if any(n.op_type == "CastLike" and n.input[0] in constants and n.input[1] not in types for n in g.node):
+    if gemms or any(n.op_type == "CastLike" and n.input[0] in constants and n.input[1] not in types for n in g.node):
         inferred = infer_shapes_safely(model)
         types = types if inferred is None else tensor_types(inferred)
     taken = names_in_use(g)
     copies: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []
-    for n in g.node:
+
+    def double(value: np.ndarray) -> str:
+        name = fresh_name("double_constant", taken)
+        nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
+            _as_written(value, numbers), name)))
+        return name
+
+    for k, n in enumerate(g.node):
         to_double = _cast_to(n) == TensorProto.DOUBLE or (
             n.op_type == "CastLike" and not n.domain and types.get(n.input[1], (0,))[0] == TensorProto.DOUBLE)
         if to_double and n.input[0] in constants:
             if n.input[0] not in copies:
-                copies[n.input[0]] = name = fresh_name(f"{n.input[0]}/double", taken)
-                value = _as_written(numpy_helper.to_array(constants[n.input[0]].attribute[0].t), numbers)
-                nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+                copies[n.input[0]] = double(constants[n.input[0]])
             n.input[0] = copies[n.input[0]]
             del n.input[1:], n.attribute[:]
             n.op_type = "Identity"  # (a CastLike from float64 to float64: onnxruntime warns it cannot fold it)
+        if k in gemms and types.get(n.output[0], (0,))[0] == TensorProto.DOUBLE:
+            nodes.extend(_gemm_in_double(n, double, taken))
+            continue
         nodes.append(n)
     del g.node[:]
     g.node.extend(_live(nodes, g, set(copies)))
     return model
+
+
+def _float32_constant(node: onnx.NodeProto) -> np.ndarray | None:
+    """The value of a float32 Constant (its `value` tensor or `value_float`), else None."""
+    if node.op_type != "Constant" or node.domain or not node.output:
+        return None
+    for a in node.attribute:
+        if a.name == "value" and a.t.data_type == TensorProto.FLOAT:
+            return numpy_helper.to_array(a.t)
+        if a.name == "value_float":
+            return np.array(a.f, np.float32)
+    return None
+
+
+def _scaled(gemm: onnx.NodeProto) -> dict[str, float]:
+    """A Gemm's alpha and beta where they are not 1 (float32 attributes)."""
+    return {a.name: a.f for a in gemm.attribute if a.name in ("alpha", "beta") and a.f != 1.0}
+
+
+def _gemm_in_double(gemm: onnx.NodeProto, double: Callable[[np.ndarray], str], taken: set[str]
+                    ) -> list[onnx.NodeProto]:
+    """A float64 Gemm's alpha and beta as products by float64 constants at the decimal written (`double` makes
+    one): alpha (A B) + beta C, torch's addmm."""
+    scales = _scaled(gemm)
+    y = gemm.output[0]
+    product = fresh_name(f"{y}/product", taken)
+    transposes = [a for a in gemm.attribute if a.name in ("transA", "transB")]
+    nodes = [helper.make_node("Gemm", list(gemm.input[:2]), [product], name=f"{product}_node")]
+    nodes[0].attribute.extend(transposes)
+    terms = [product]
+    if "alpha" in scales:
+        terms[0] = fresh_name(f"{y}/scaled", taken)
+        nodes.append(helper.make_node("Mul", [product, double(np.array(scales["alpha"], np.float32))], [terms[0]],
+                                      name=f"{terms[0]}_node"))
+    if len(gemm.input) > 2 and gemm.input[2] and scales.get("beta", 1.0) != 0.0:
+        c = gemm.input[2]
+        if "beta" in scales:
+            c = fresh_name(f"{y}/bias", taken)
+            nodes.append(helper.make_node("Mul", [gemm.input[2], double(np.array(scales["beta"], np.float32))],
+                                          [c], name=f"{c}_node"))
+        terms.append(c)
+    nodes.append(helper.make_node("Add" if len(terms) == 2 else "Identity", terms, [y], name=gemm.name or f"{y}_node"))
+    return nodes

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from runtime import ORTModule, double_scalars
 
@@ -258,6 +259,31 @@ def test_dynamo_constants_read_in_float64() -> None:
         m(x).square().sum().backward()
     torch.testing.assert_close(om(x), ref(x), rtol=1e-13, atol=0)
     torch.testing.assert_close(om.w.grad, ref.w.grad, rtol=1e-12, atol=0)
+
+
+class Scaling(nn.Module):
+    """float64 ops whose numbers onnxscript writes as float32 attributes (addmm's Gemm) or `value_float` Constants
+    (addmv, addcmul, softplus' beta), each 1e-8 to 4e-8 off torch's before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.3, 36, dtype=torch.float64).reshape(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.addmm(x, x, self.w, beta=0.3, alpha=0.7) + torch.addmm(x, x, self.w, beta=0.0, alpha=1.3)
+                + torch.addmv(x[0], self.w, x[1], beta=0.3, alpha=0.7) + torch.addcmul(x, x, self.w, value=0.3)
+                + F.softplus(x @ self.w, beta=0.3, threshold=7.0))
+
+
+def test_dynamo_scalings_read_in_float64() -> None:
+    torch.manual_seed(0)
+    ref = Scaling()
+    om = ORTModule(copy.deepcopy(ref), exporter="dynamo")
+    x = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for m in (om, ref):
+        m(x).square().sum().backward()
+    torch.testing.assert_close(om(x), ref(x), rtol=1e-14, atol=0)
+    torch.testing.assert_close(om.w.grad, ref.w.grad, rtol=1e-13, atol=0)
 
 
 def test_dynamo_constants_read_as_the_program_s_numbers() -> None:
