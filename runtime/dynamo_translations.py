@@ -237,6 +237,38 @@ def _detach(x: Any) -> Any:
     return _stop_gradient(x)
 
 
+def _logaddexp(a: Any, b: Any, base: float = 1.0) -> Any:
+    """aten logaddexp (logaddexp2: `base` ln 2): max(a, b) + log(1 + exp(-|a - b|)), a where a and b are the same
+    infinity (`symbolics`' form; onnxscript's gave two -infs, the log of two zero probabilities, a NaN gradient that
+    a masked_fill before did not stop)."""
+    op = _op()
+    scale, one = _const(base, a), _const(1.0, a)  # (a's type, which the ops' results do not carry here)
+    if base != 1.0:
+        a, b = op.Mul(a, scale), op.Mul(b, scale)
+    out = op.Add(op.Max(a, b), op.Log(op.Add(one, op.Exp(op.Neg(op.Abs(op.Sub(a, b)))))))
+    out = op.Where(op.And(op.IsInf(a), op.Equal(a, b)), a, out)
+    return out if base == 1.0 else op.Div(out, scale)
+
+
+def _logcumsumexp(x: Any, dim: int) -> Any:
+    """aten logcumsumexp: y_i = logsumexp_j (x_j where j <= i, else -inf), a ReduceLogSumExp over a triangle
+    (`symbolics`' form; onnxscript's, log(cumsum(exp(x - max))), gave NaN gradients to every element before an
+    output of -inf, a run of leading -infs: log-probabilities of 0)."""
+    op = _op()
+    rank = len(x.shape)
+    if rank == 0:
+        return op.Identity(x)
+    axis = dim % rank
+    trailing = list(range(rank - axis - 1))
+    n = op.Squeeze(op.Shape(x, start=axis, end=axis + 1), _axes(0))
+    j = op.Range(_tensor(np.array(0, np.int64)), n, _tensor(np.array(1, np.int64)))
+    below = op.LessOrEqual(op.Unsqueeze(j, _axes(0)), op.Unsqueeze(j, _axes(1)))  # [i, j]: j <= i
+    if trailing:
+        below = op.Unsqueeze(below, _axes(*[2 + k for k in trailing]))
+    spread = op.Where(below, op.Unsqueeze(x, _axes(axis)), _const(-math.inf, x))
+    return op.ReduceLogSumExp(spread, _axes(axis + 1), keepdims=0)
+
+
 def _draw(like: Any, fill: str, *params: float) -> Any:
     """torch's `fill` of a tensor shaped and typed as `like`, as `torch_draws`' marker (expanded after the export into
     the random op, tagged for the host)."""
@@ -291,5 +323,7 @@ def translations() -> dict[Any, Any]:
         aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
         aten.detach.default: _detach, aten.bernoulli.p: _bernoulli_p, aten.conv3d.default: _conv3d,
         aten.normal_functional.default: _normal, aten.uniform.default: _uniform,
+        aten.logaddexp.default: _logaddexp, aten.logcumsumexp.default: _logcumsumexp,
+        aten.logaddexp2.default: lambda a, b: _logaddexp(a, b, math.log(2.0)),
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
     }

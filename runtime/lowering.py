@@ -76,17 +76,20 @@ def fused_runner(model: onnx.ModelProto, backward: onnx.ModelProto, config: Sess
     return host_dropout.forward_runner(model, config, "forward and backward", disabled, like)
 
 
-def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig, rows: int | None = None
-             ) -> onnx.ModelProto:
+def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: SessionConfig, rows: int | None = None,
+             forward: onnx.ModelProto | None = None) -> onnx.ModelProto:
     """Slow onnxruntime patterns (`passes.lower`, `vectorized` recomputed in backward), then sums and
     contractions over rows (`reductions.lower_sums`), then large unfolded weight gradients in chunks of the batch
     and the Convs and stride-1 ConvTransposes blocked (`nchwc`), then shape ops that change nothing removed
     (`passes.idle_reshapes`); `known`: values of the initializers backward reads from the forward part; `rows`:
-    the batch expected where the graph leaves it symbolic. Always: 1-D
+    the batch expected where the graph leaves it symbolic; `forward`: the forward half, whose infinite fills keep
+    their gradients' Wheres (`passes.infinite_fills`). Always: 1-D
     MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`) and reducing ScatterNDs
     as ScatterElements (`passes.ordered_scatters`), after the sums, which add into scatters of either kind."""
     model = passes.vectors_as_matrices(model)
     if not config.lower:
         return passes.ordered_scatters(model)
-    lowered = passes.ordered_scatters(reductions.lower_sums(vectorized.vectorized_ops(passes.lower(model, known))))
+    keep = passes.infinite_fills(forward) if forward is not None else frozenset()
+    lowered = passes.ordered_scatters(reductions.lower_sums(vectorized.vectorized_ops(passes.lower(model, known,
+                                                                                                    keep))))
     return passes.idle_reshapes(nchwc.blocked_convs(nchwc.unfolded_weight_grads(lowered, known, rows=rows)), known)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -773,11 +773,13 @@ def finite_or_exact(outer: Nodes, checked: Iterable[str], exact: onnx.NodeProto,
     outer("If", broken, out=out, then_branch=branches[0], else_branch=branches[1])
 
 
-def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+def lower(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None, keep: Collection[str] = ()
+          ) -> onnx.ModelProto:
     """Rewrites for onnxruntime's CPU kernels (`masked_products`, `guarded_selects`, `transposed_products`);
     `known`: values of graph inputs that are constants (a backward half's initializers shared with the
-    forward). Returns a rewritten copy, or `model` itself when nothing changes."""
-    out = transposed_products(guarded_selects(masked_products(model, known), known))
+    forward); `keep`: conditions whose Wheres stay (`infinite_fills`). Returns a rewritten copy, or `model`
+    itself when nothing changes."""
+    out = transposed_products(guarded_selects(masked_products(model, known, keep), known))
     if out is not model:  # the products the rewrites replaced
         drop_unread(out)
     return out
@@ -963,13 +965,43 @@ def transposed_products(model: onnx.ModelProto) -> onnx.ModelProto:
     return rewrite_nodes(model, plan, build)
 
 
-def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+def infinite_fills(forward: onnx.ModelProto) -> frozenset[str]:
+    """The conditions of the forward's Wheres that pick a non-finite constant (`masked_fill(mask, -inf)`, seen
+    through casts and broadcasts): where such a Where picked it, the incoming gradient of what reads the infinity
+    can be NaN (a logaddexp or logcumsumexp of two -infs: torch's too), and torch's backward of the Where, a
+    `where`, stops it; the backward's Wheres on these conditions stay Wheres (`masked_products` would multiply
+    the NaN by 0: a flipped masked_fill's gradient, a scatter, gave NaN weight gradients)."""
+    g = forward.graph
+    consts = constant_values(g)
+    producer = {o: n for n in g.node for o in n.output}
+
+    def constant(name: str) -> np.ndarray | None:
+        while name not in consts:
+            n = producer.get(name)
+            if n is None or n.domain or n.op_type not in ("Cast", "CastLike", "Identity", "Expand"):
+                return None
+            name = n.input[0]
+        return consts[name]
+
+    found = set()
+    for n in g.node:
+        if n.op_type == "Where" and not n.domain and len(n.input) == 3:
+            values = [constant(x) for x in n.input[1:]]
+            if any(v is not None and v.dtype.kind == "f" and not np.isfinite(v).all() for v in values):
+                found.add(n.input[0])
+    return frozenset(found)
+
+
+def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None = None,
+                    keep: Collection[str] = ()) -> onnx.ModelProto:
     """`Where(c, a, 0)` becomes `a * Cast(c)` (and `Where(c, 0, a)` becomes `a * Cast(Not(c))`) when `a` is
     a float tensor made by `MASKABLE` ops, seen through rearrangements, broadcasts, and multiplications and
     divisions by constants:
     onnxruntime's CPU Where costs ~6 ns an element, Cast + Mul ~0.6 ns. The results differ only where `a`
     holds inf or nan at a masked position, which for these producers means the incoming gradient or a
-    weight is non-finite already; Where guarding a singular expression (a division, a log) is kept."""
+    weight is non-finite already; Where guarding a singular expression (a division, a log) is kept, and so is a
+    Where on a condition of `keep` (`infinite_fills`: there the incoming gradient may be NaN, which torch's
+    Where stops)."""
     g = model.graph
     ctx = Selects.of(g, known)
     consts, producer, booleans = ctx
@@ -1023,7 +1055,7 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
 
     plan = []
     for k, n in enumerate(g.node):
-        how = lowering(n)
+        how = lowering(n) if not n.input or n.input[0] not in keep else None
         if how is not None:
             plan.append((k, n.input[0], *how))
 

@@ -653,7 +653,7 @@ class TrainingSession:
             return None
         seed = next(e.name for e in man.backward_inputs if e.role == "output_grad")
         arrays = _backward_constants(program)
-        backward = lowering.backward(program.backward, arrays, self.config, self.rows)
+        backward = lowering.backward(program.backward, arrays, self.config, self.rows, program.forward)
         model = fused.fused_model(lowering.forward(program.forward, self.config), backward, self.output_names, seed,
                                   arrays, list(grads.values()))
         if model is None:
@@ -734,7 +734,7 @@ class TrainingSession:
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner, lowered = None, None
         if grads and program.manifest.backward_outputs:
-            lowered = lowering.backward(program.backward, arrays, self.config, self.rows)
+            lowered = lowering.backward(program.backward, arrays, self.config, self.rows, program.forward)
             runner = Runner(lowered, self._backward_config(), "backward", BACKWARD_DISABLED_OPTIMIZERS)
         return _Backward(program, runner, grads, consts, specialised, lowered if runner is not None else None)
 

@@ -4,7 +4,9 @@ pooling (a tie's gradient to the index returned; NaN kept), amax / amin (NaN kep
 bound reached: x's gradient; float64 clamps' bounds are tensors, margin losses' clamp_min too), attention under a
 boolean mask leaving a query no key, binary cross-entropy at p = target = 0 or 1 (runtime's replacement detaches,
 which onnxscript drops), xlogy's gradient at x = 0, and float64 activations' constants (elu, selu, leaky_relu,
-log2); bernoulli_(p) under `torch_dropout` draws torch's mask; conv3d without bias runs. Every entry of `OPS` runs in
+log2), logaddexp and logcumsumexp of -infs (onnxscript's gave NaN gradients, which masked_fill's backward, once a
+product by its mask, did not stop either); bernoulli_(p) under `torch_dropout` draws torch's mask; conv3d without
+bias runs. Every entry of `OPS` runs in
 float32 and in float64, the latter to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ Y = torch.tensor([[2.0, 0.5, 3, 1.5, 2, 0.25], [0.5, 2, 3, 1.5, 2.5, 4], [2, 0, 
 is inf, ours 0: the value 0 * log(inf) there would be NaN, torch's 0.)"""
 KEYS = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]]).bool()
 """An attention mask leaving query 1 no key: torch's output there is zeros, without a gradient."""
+NO_PROBABILITY = torch.tensor([[1, 0, 0, 0, 0, 1], [1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 0, 0, 1, 1, 0]]).bool()
+"""Log-probabilities of 0 (-inf): leading runs (logcumsumexp's outputs -inf) and pairs both -inf under flip(1) (row 0)
+and flip(0) (rows 0 and 3): torch's gradients there are NaN, which masked_fill's backward stops."""
 DOUBLE_RTOL = 1e-10
 
 Op = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,6 +41,10 @@ Op = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def _max_and_index(h: torch.Tensor, dim: int, largest: bool = True, keepdim: bool = False) -> torch.Tensor:
     values, indices = h.max(dim, keepdim) if largest else h.min(dim, keepdim)
     return values * (1 + indices / 10)
+
+
+def _log_masked(h: torch.Tensor) -> torch.Tensor:
+    return h.masked_fill(NO_PROBABILITY, -float("inf"))
 
 
 def _pooled(h: torch.Tensor, size: int | tuple[int, int]) -> torch.Tensor:
@@ -72,6 +81,10 @@ OPS: dict[str, Op] = {
     "selu": lambda h, b: F.selu(h / 2),
     "leaky_relu": lambda h, b: F.leaky_relu(h / 3, 0.1),
     "log2": lambda h, b: torch.log2(h + 5),
+    "logaddexp_of_neg_infs": lambda h, b: (torch.logaddexp(_log_masked(h), _log_masked(h).flip(1)).exp()
+                                           + torch.logaddexp2(_log_masked(h), _log_masked(h).flip(0)).exp2()),
+    "logcumsumexp_of_neg_infs": lambda h, b: (_log_masked(h).logcumsumexp(1).exp()
+                                              + _log_masked(h / 4).logcumsumexp(0).exp()),
 }
 
 
