@@ -114,6 +114,16 @@ def has_subgraph(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
+REMAT = "__remat"
+"""The suffix of a forward tensor's copy in backward (`rematerialize`; `fresh_name` may add digits)."""
+
+
+def forward_name(name: str) -> str:
+    """The forward tensor a backward copy (`REMAT`) recomputes; other names as they are."""
+    base, found, digits = name.rpartition(REMAT)
+    return base if found and (not digits or digits.isdigit()) else name
+
+
 def fresh_name(base: str, taken: set[str]) -> str:
     name, k = base, 0
     while name in taken:
@@ -396,7 +406,7 @@ def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int
                 stack.append((x, True))
                 stack.extend((i, False) for i in sources if i in makers and i not in rename)
             elif dropout:
-                rename[x] = fresh_name(f"{x}__remat", taken)
+                rename[x] = fresh_name(f"{x}{REMAT}", taken)
                 mask = src.output[1]
                 ratio = training_ratio(src, consts) or 0.0
                 out.extend(dropout_output(rename.get(src.input[0], src.input[0]), mask, ratio, rename[x], g, taken,
@@ -405,12 +415,12 @@ def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int
                 clone = onnx.NodeProto()
                 clone.CopyFrom(src)
                 del clone.metadata_props[:]
-                clone.name = fresh_name(f"{src.name or src.op_type}__remat", taken)
+                clone.name = fresh_name(f"{src.name or src.op_type}{REMAT}", taken)
                 for i, v in enumerate(clone.input):
                     clone.input[i] = rename.get(v, v)
                 for i, o in enumerate(clone.output):
                     if o:
-                        rename[o] = clone.output[i] = fresh_name(f"{o}__remat", taken)
+                        rename[o] = clone.output[i] = fresh_name(f"{o}{REMAT}", taken)
                 out.append(clone)
 
     backward: list[onnx.NodeProto] = []
@@ -1000,8 +1010,8 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
     onnxruntime's CPU Where costs ~6 ns an element, Cast + Mul ~0.6 ns. The results differ only where `a`
     holds inf or nan at a masked position, which for these producers means the incoming gradient or a
     weight is non-finite already; Where guarding a singular expression (a division, a log) is kept, and so is a
-    Where on a condition of `keep` (`infinite_fills`: there the incoming gradient may be NaN, which torch's
-    Where stops)."""
+    Where on a condition of `keep`, or on backward's copy of one (`infinite_fills`: there the incoming gradient
+    may be NaN, which torch's Where stops)."""
     g = model.graph
     ctx = Selects.of(g, known)
     consts, producer, booleans = ctx
@@ -1055,7 +1065,7 @@ def masked_products(model: onnx.ModelProto, known: dict[str, np.ndarray] | None 
 
     plan = []
     for k, n in enumerate(g.node):
-        how = lowering(n) if not n.input or n.input[0] not in keep else None
+        how = lowering(n) if not n.input or forward_name(n.input[0]) not in keep else None
         if how is not None:
             plan.append((k, n.input[0], *how))
 

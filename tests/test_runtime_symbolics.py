@@ -186,6 +186,9 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     # max-shifted conversion underflows them)
     "logcumsumexp": lambda h: (_log_masked(h).logcumsumexp(1).exp() + _log_masked(h).logcumsumexp(0).exp()
                                + torch.logcumsumexp(30 * h, -1) / 30 + torch.logcumsumexp(h.T, 1).T),
+    # reversed: the flip's gradient a scatter, whose NaNs at the -infs the masked_fill's backward, a Where, stops (a
+    # product by its mask did not; its condition recomputed in backward)
+    "logcumsumexp reversed": lambda h: _log_masked(h).flip(1).logcumsumexp(1).exp(),
     # ties: the whole gradient to the first occurrence, as torch's (ReduceMax splits it)
     "max, min along a dim with ties": lambda h: (_with_indices(_tied(h).max(1)).unsqueeze(1)
                                                  + _with_indices(_tied(h).min(0, keepdim=True))
@@ -280,7 +283,8 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 DOUBLE = ["frac", "xlogy at x = 0", "clamp of integers by floats", "amax, amin, aminmax, max of every element with NaN",
           "round with decimals", "addmm, addbmm", "floor_divide", "floor_divide of ints",
-          "logaddexp of -infs", "logcumsumexp", "max, min along a dim with ties", "max, min along a dim with NaN",
+          "logaddexp of -infs", "logcumsumexp", "logcumsumexp reversed", "max, min along a dim with ties",
+          "max, min along a dim with NaN",
           "logaddexp2", "var, std over every axis", "var, std along dims", "log2, log10, addcmul",
           "elu, selu, leaky_relu, rrelu", "roll", "chunk", "unique", "fmax, fmin with ties", "fmax, fmin with NaN",
           "div floor", "median with ties", "clamp with tensor bounds, ties", "clamp with tensor bounds, NaN",
