@@ -350,20 +350,15 @@ def _forget_shapes(graph: onnx.GraphProto, names: set[str]) -> None:
 def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every If whose condition the known dims decide replaced by the branch it takes: the legacy exporter writes
     `squeeze(d)` of a dim it cannot size as If(shape[d] == 1, Squeeze, Identity) (torchaudio's M5 after its global
-    average pool), which the gradient builder cannot differentiate, while the pinned build knows that size. Returns
-    a rewritten copy, or `model` itself when no If is decided."""
+    average pool), which the gradient builder cannot differentiate, while the pinned build knows that size. Where
+    inference leaves a tensor's rank unknown, the dims the evaluation finds are declared (`_declare_found`).
+    Returns a rewritten copy, or `model` itself when nothing changes."""
     for _ in range(ROUNDS):
         graph = model.graph
         ifs = [n for n in graph.node if n.op_type == "If" and n.domain in ("", "ai.onnx")]
         if not ifs:
-            return model
-        hints: dict[str, list[int | None]] = {}
-        for _ in range(MAX_HINTS):  # the dims evaluation found, fed back to inference, size what follows them
-            _, _, truth, sized = _evaluated(model, hints)
-            grown = {name: found for name, found in sized.items() if hints.get(name) != found}
-            if all(n.input[0] in truth for n in ifs) or not grown or len(hints) > MAX_HINTS:
-                break
-            hints.update(grown)
+            return _ranked(model)
+        truth, found = _found(model, ifs)
         taken = names_in_use(graph)
         replaced: dict[int, list[onnx.NodeProto]] = {}
         for n in ifs:
@@ -381,9 +376,47 @@ def inline_constant_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
         del out.graph.node[:]
         out.graph.node.extend(drop_dead(kept, [], outputs))
         _forget_shapes(out.graph, {o for n in ifs if id(n) in replaced for o in n.output})
-        _declare_found(out, {**hints, **sized})
+        _declare_found(out, found)
         model = out
     return model
+
+
+def _found(model: onnx.ModelProto, ifs: Sequence[onnx.NodeProto] = ()
+           ) -> tuple[dict[str, bool], dict[str, list[int | None]]]:
+    """The booleans the evaluation decides and the dims it finds, fed back to inference while they grow (they size
+    what follows them), until every If of `ifs` is decided."""
+    hints: dict[str, list[int | None]] = {}
+    for _ in range(MAX_HINTS):
+        _, _, truth, sized = _evaluated(model, hints)
+        grown = {name: found for name, found in sized.items() if hints.get(name) != found}
+        if (ifs and all(n.input[0] in truth for n in ifs)) or not grown or len(hints) > MAX_HINTS:
+            break
+        hints.update(grown)
+    return truth, {**hints, **sized}
+
+
+def _ranked(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`, or a copy with the dims the evaluation finds declared where inference leaves the rank of a node's
+    output unknown: the gradient build infers shapes anew, and Whisper's decoder positions (an Expand to a
+    ConstantOfShape of a Shape), ViTMAE's decoder, lost the rank of everything after them, which a MatMul's rule
+    needs."""
+    outputs = [o for n in model.graph.node for o in n.output if o]
+    declared = static_dims(model.graph)
+    if all(o in declared for o in outputs):  # as the exporter declared them (no inference: GPT-2's takes 27 ms)
+        return model
+    try:
+        ranked = static_dims(infer_shapes(model).graph)
+    except Exception:  # a model inference cannot follow keeps what it declares
+        return model
+    if all(o in ranked for o in outputs):
+        return model
+    _, found = _found(model)
+    if not found:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    _declare_found(out, found)
+    return out
 
 
 def _declare_found(model: onnx.ModelProto, found: dict[str, list[int | None]]) -> None:

@@ -497,10 +497,16 @@ def _tensor_split(g: Any, x: Any, indices_or_sections: Any, dim: Any, _outputs: 
     """torch.tensor_split as Slices, which gradbuilder differentiates. Indices idx (a 1-D constant): chunk k is
     x[idx[k-1]:idx[k]], Slice clamping negative, past-the-end and decreasing bounds as Python's slicing does;
     sections (a 0-D constant): `_section_bounds`. Either computed at run time: torch's own (a tensor sequence)."""
+    got = _rank_and_axis(g, x, dim, "tensor_split")
+    if symbolic_helper._is_packed_list(indices_or_sections) and got is not None:  # indices read from sizes (Hugging
+        # Face's Mamba; torch's own took them for a count of sections: a Tile by a rank-2 count, refused)
+        items = symbolic_helper._unpack_list(indices_or_sections)
+        bounds = [symbolic_helper._unsqueeze_helper(g, i, [0]) for i in items]
+        return _slices(g, x, got[1], [g.op("Constant", value_t=torch.tensor([0])), *bounds,
+                                      g.op("Constant", value_t=torch.tensor([_END]))])
     value = symbolic_helper._maybe_get_const(indices_or_sections, "t")
     if not isinstance(value, torch.Tensor):
         return symbolic_opset13.tensor_split(g, x, indices_or_sections, dim, _outputs)
-    got = _rank_and_axis(g, x, dim, "tensor_split")
     if got is None:
         return None
     axis = got[1]

@@ -322,6 +322,9 @@ RUN_TIME: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "unique of the batch": lambda h: h * torch.unique(_ints(2 * h), return_inverse=True)[1],
     # 6 in chunks of 4 along an axis the graph sizes at run time (torch's conversion: 4 and 4)
     "split unevenly": lambda h: torch.cat([c.sin() * (i + 1) for i, c in enumerate(h.split(4, 1))], 1),
+    # Hugging Face's Mamba: indices read from a size (torch's conversion took them for a count of sections)
+    "tensor_split at a size": lambda h: torch.cat([c.exp() * (i + 1) for i, c in enumerate(
+        torch.tensor_split(h, [h.shape[0] - 1], dim=0))], 0),
 }
 
 

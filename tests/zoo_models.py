@@ -433,6 +433,11 @@ def seq2seq_batch(g: torch.Generator) -> Batch:
             "labels": torch.randint(3, 99, (4, 7), generator=g)}
 
 
+def speech_batch(g: torch.Generator) -> Batch:
+    """Log-mel features (8 bins, 32 frames) and the transcript's token ids."""
+    return {"input_features": torch.randn(2, 8, 32, generator=g), "labels": torch.randint(1, 99, (2, 6), generator=g)}
+
+
 def pixel_batch(size: int, classes: int = 10) -> Callable[[torch.Generator], Batch]:
     return lambda g: {"pixel_values": torch.randn(4, 3, size, size, generator=g),
                       "labels": torch.randint(0, classes, (4,), generator=g)}
@@ -549,9 +554,17 @@ CASES: dict[str, Case] = {
                     hidden_dropout=0.0, attention_dropout=0.0),
     "hf-gptneox": _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", lm_batch, **TEXT, max_position_embeddings=64,
                       hidden_dropout=0.0, attention_dropout=0.0),
+    # a state-space model: its scan a Python loop over the steps, its inputs cut by tensor_split at a size read
+    "hf-mamba": _hf("MambaForCausalLM", "MambaConfig", lm_batch, vocab_size=99, hidden_size=32, state_size=4,
+                    num_hidden_layers=2, expand=2, conv_kernel=4),
     # encoder-decoders
     "hf-t5": _hf("T5ForConditionalGeneration", "T5Config", seq2seq_batch, vocab_size=99, d_model=32, d_kv=16, d_ff=37,
                  num_layers=2, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0),
+    # its decoder positions repeated over the batch: ranks inference leaves unknown, declared from the evaluation
+    "hf-whisper": _hf("WhisperForConditionalGeneration", "WhisperConfig", speech_batch, vocab_size=99, d_model=32,
+                      encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                      encoder_ffn_dim=37, decoder_ffn_dim=37, num_mel_bins=8, max_source_positions=16,
+                      max_target_positions=32, dropout=0.0, decoder_start_token_id=0, pad_token_id=0),
     "hf-bart": _hf("BartForConditionalGeneration", "BartConfig", seq2seq_batch, vocab_size=99, d_model=32,
                    encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
                    encoder_ffn_dim=37, decoder_ffn_dim=37, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
