@@ -1016,7 +1016,7 @@ def _known_cause(module: nn.Module, exporter: str, error: Exception) -> str:
     """What to do, where an export failure has a cause known to be the model's and not the exporter's bug: a
     buffer registered as None that the forward sets, an input requiring grad changed in place, a BatchNorm
     averaging its statistics over all batches (momentum=None: its factor from num_batches_tracked as a Python
-    number, a value torch.export cannot trace, "data-dependent")."""
+    number, a value torch.export cannot trace, "data-dependent"), Hugging Face's experts by grouped_mm."""
     if "state_dict changed after running the tracer" in str(error):
         unset = [f"{prefix}.{attr}" if prefix else attr for prefix, m in module.named_modules()
                  for attr, b in m._buffers.items() if b is None]
@@ -1027,6 +1027,11 @@ def _known_cause(module: nn.Module, exporter: str, error: Exception) -> str:
     if "leaf Variable that requires grad is being used in an in-place operation" in str(error):
         return ("the forward changes an input that requires grad in place, which ORTModule's graph cannot do to the "
                 "caller's tensor: change a copy (x = x * 0.5 instead of x.mul_(0.5)), or run the module in torch. ")
+    if "grouped_mm" in str(error):
+        return ("its mixture-of-experts layers compute the experts with torch's grouped_mm (Hugging Face's default "
+                "experts_implementation), which neither exporter converts: build the model with "
+                "experts_implementation=\"eager\" (a keyword of from_pretrained and of the config), whose experts "
+                "ORTModule exports. ")
     if exporter != "dynamo" or "data-dependent" not in str(error):
         return ""
     cumulative = [name or type(m).__name__ for name, m in module.named_modules()

@@ -1141,6 +1141,27 @@ def _count_nonzero(x: torch.Tensor, dim: Any = None) -> torch.Tensor:
     return nonzero.sum() if dim is None else nonzero.sum(dim)
 
 
+def _histc(x: torch.Tensor, bins: int = 100, min: float = 0.0, max: float = 0.0, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.histc (a mixture-of-experts load-balancing loss counts its routed tokens so; no gradient): element e
+    in bin k where edge k <= e < edge k + 1 (the last bin to max included), the edges torch's linspace(min, max,
+    bins + 1), elements outside ignored; min == max takes the data's (widened by 1 where equal). A comparison with
+    every edge and with every bin (O(elements x bins) booleans); the legacy exporter has no histc."""
+    _without_out(out, "torch.histc")
+    flat = x.detach().reshape(-1)
+    if min == max:
+        low, high = flat.min(), flat.max()
+        same = (low == high).to(x.dtype)
+        low, high = low - same, high + same
+        edges = low + (high - low) * (torch.arange(bins + 1, dtype=x.dtype) / bins)
+        inside = (flat >= low) & (flat <= high)
+    else:
+        edges = torch.linspace(min, max, bins + 1, dtype=x.dtype)
+        inside = (flat >= min) & (flat <= max)
+    index = (flat[:, None] >= edges[1:-1]).sum(1)
+    return ((index[:, None] == torch.arange(bins)) & inside[:, None]).sum(0).to(x.dtype)
+
+
 def _trace(x: torch.Tensor) -> torch.Tensor:
     """The sum of a matrix's diagonal (`_diagonal`); the legacy exporter has no trace."""
     return _diagonal(x).sum()
@@ -1688,6 +1709,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "fliplr", lambda x: x.flip(1)), (torch, "flipud", lambda x: x.flip(0)),
         *((owner, name, fn) for name, fn in (("diff", _diff), ("kthvalue", _kthvalue), ("nansum", _nansum),
                                               ("nanmean", _nanmean), ("count_nonzero", _count_nonzero),
+                                              ("histc", _histc),
                                               ("trace", _trace))
           for owner in (torch, torch.Tensor)),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),

@@ -651,8 +651,8 @@ def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None
     """The legacy exporter has none of them: written out (sinc with torch's value 1 and derivative 0 at 0, as
     SincNet's filters meet it at their centre tap; diff with prepend and append, twice; kthvalue as TopK's k-th
     smallest, its gradient to that element; nansum and nanmean with no gradient to the NaNs; count_nonzero;
-    trace), so the module keeps the legacy exporter (no warning of a switch to dynamo, which would refuse a
-    module with stop-gradients)."""
+    trace; histc, no gradient, as Mixtral's load-balancing loss counts its routed tokens), so the module keeps the
+    legacy exporter (no warning of a switch to dynamo, which would refuse a module with stop-gradients)."""
     class Filters(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -669,8 +669,12 @@ def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None
             nan = torch.stack([torch.nansum(holes), holes.nansum(1).sum(), torch.nanmean(holes, 0).sum(),
                                torch.trace(h[:, :5]), torch.trace(h[:4])])
             counted = h[0] * torch.count_nonzero(h > 0, 0)
+            # a load-balancing loss's counts of routed tokens (integers, bins of one each), and of values in a range
+            # (edges inside the data, values past both ends) and the data's own
+            routed = h.argmax(1).double().histc(6, 0, 6) * h.softmax(1).mean(0)
+            binned = torch.cat([torch.histc(h, 4, -0.5, 0.5), h.histc(3)]) * h[1, :1]
             return torch.cat([band.flatten(), h.diff(dim=1).flatten(), steps.flatten(), kth.flatten(), nan,
-                              counted])
+                              counted, routed, binned])
 
     _trains_under_the_legacy_exporter(Filters, rows=5)
     zero = torch.tensor([0.0, 0.5, -1.25], dtype=torch.float64, requires_grad=True)

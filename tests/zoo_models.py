@@ -554,6 +554,12 @@ CASES: dict[str, Case] = {
                     hidden_dropout=0.0, attention_dropout=0.0),
     "hf-gptneox": _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", lm_batch, **TEXT, max_position_embeddings=64,
                       hidden_dropout=0.0, attention_dropout=0.0),
+    # a mixture of experts: top-2 routing, its experts as Hugging Face's eager loop (its default, grouped_mm, has no
+    # export), the load-balancing loss counting routed tokens by histc
+    "hf-mixtral": _hf("MixtralForCausalLM", "MixtralConfig", lm_batch, vocab_size=99, hidden_size=32,
+                      intermediate_size=40, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+                      output_router_logits=True, router_aux_loss_coef=0.02, experts_implementation="eager"),
     # a state-space model: its scan a Python loop over the steps, its inputs cut by tensor_split at a size read
     "hf-mamba": _hf("MambaForCausalLM", "MambaConfig", lm_batch, vocab_size=99, hidden_size=32, state_size=4,
                     num_hidden_layers=2, expand=2, conv_kernel=4),
