@@ -1162,6 +1162,35 @@ def _histc(x: torch.Tensor, bins: int = 100, min: float = 0.0, max: float = 0.0,
     return ((index[:, None] == torch.arange(bins)) & inside[:, None]).sum(0).to(x.dtype)
 
 
+def _copysign(a: torch.Tensor, b: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """|a| with b's sign, -0.0's included (a float result for integers, as torch's); a's gradient torch's, 0 at
+    a = 0, none to b. Neither exporter has copysign."""
+    _without_out(out, "torch.copysign")
+    a = a if a.is_floating_point() else a.to(torch.get_default_dtype())
+    if not isinstance(b, torch.Tensor):
+        return a.abs() * math.copysign(1.0, b)
+    negative = (b < 0) | ((b == 0) & (1 / b < 0))
+    return torch.where(negative, -a.abs(), a.abs())
+
+
+def _searchsorted(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.searchsorted of a tensor of values (NeRF's hierarchical sampling) as counts of the sorted values below
+    each (at most each, `right` or side="right"), along the sequence's last axis (its leading ones the values'),
+    after `sorter` where given; int64, or int32 with out_int32. O(values x sequence) booleans; neither exporter
+    has searchsorted. A Python number: torch's own."""
+    def searchsorted(seq: torch.Tensor, values: Any, *, out_int32: bool = False, right: bool = False,
+                     side: str | None = None, sorter: torch.Tensor | None = None, out: Any = None) -> torch.Tensor:
+        if not isinstance(values, torch.Tensor):
+            return original(seq, values, out_int32=out_int32, right=right, side=side, sorter=sorter)
+        _without_out(out, "torch.searchsorted")
+        seq = seq if sorter is None else seq.gather(-1, sorter)
+        seq = seq if seq.dim() == 1 else seq.unsqueeze(-2)
+        before = seq <= values.unsqueeze(-1) if right or side == "right" else seq < values.unsqueeze(-1)
+        return before.sum(-1).to(torch.int32 if out_int32 else torch.int64)
+
+    return searchsorted
+
+
 def _trace(x: torch.Tensor) -> torch.Tensor:
     """The sum of a matrix's diagonal (`_diagonal`); the legacy exporter has no trace."""
     return _diagonal(x).sum()
@@ -1713,6 +1742,8 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
                                               ("trace", _trace))
           for owner in (torch, torch.Tensor)),
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
+        (torch, "copysign", _copysign), (torch.Tensor, "copysign", _copysign),
+        (torch, "searchsorted", _searchsorted(torch.searchsorted)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),

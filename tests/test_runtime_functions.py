@@ -651,8 +651,9 @@ def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None
     """The legacy exporter has none of them: written out (sinc with torch's value 1 and derivative 0 at 0, as
     SincNet's filters meet it at their centre tap; diff with prepend and append, twice; kthvalue as TopK's k-th
     smallest, its gradient to that element; nansum and nanmean with no gradient to the NaNs; count_nonzero;
-    trace; histc, no gradient, as Mixtral's load-balancing loss counts its routed tokens), so the module keeps the
-    legacy exporter (no warning of a switch to dynamo, which would refuse a module with stop-gradients)."""
+    trace; histc, no gradient, as Mixtral's load-balancing loss counts its routed tokens; copysign; searchsorted,
+    as NeRF places its samples), so the module keeps the legacy exporter (no warning of a switch to dynamo, which
+    would refuse a module with stop-gradients)."""
     class Filters(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -673,8 +674,15 @@ def test_functions_the_legacy_exporter_lacks_train_like_torch_under_it() -> None
             # (edges inside the data, values past both ends) and the data's own
             routed = h.argmax(1).double().histc(6, 0, 6) * h.softmax(1).mean(0)
             binned = torch.cat([torch.histc(h, 4, -0.5, 0.5), h.histc(3)]) * h[1, :1]
+            # |h| with signs of its rows reversed (a -0.0 in it), and of a number; samples placed by searchsorted
+            # (NeRF's hierarchical sampling: bins from sorted values, uniforms placed in them, gathered)
+            signs = torch.copysign(h, h.flip(1) * (h.flip(1) > -0.2)) + h.copysign(-2.0)
+            cdf = h.detach().sigmoid().sort(1).values
+            drawn = torch.linspace(0.1, 0.9, 4, dtype=h.dtype).expand(h.shape[0], 4)
+            below = torch.searchsorted(cdf, drawn, right=True).clamp(max=5)
+            placed = h.gather(1, below) * (1 + torch.searchsorted(cdf[0], drawn[0], side="left"))
             return torch.cat([band.flatten(), h.diff(dim=1).flatten(), steps.flatten(), kth.flatten(), nan,
-                              counted, routed, binned])
+                              counted, routed, binned, signs.flatten(), placed.flatten()])
 
     _trains_under_the_legacy_exporter(Filters, rows=5)
     zero = torch.tensor([0.0, 0.5, -1.25], dtype=torch.float64, requires_grad=True)
