@@ -322,8 +322,8 @@ def constants_in_double(model: onnx.ModelProto, numbers: Collection[float] = ())
     copies: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []
 
-    def double(value: np.ndarray) -> str:
-        name = fresh_name("double_constant", taken)
+    def double(value: np.ndarray, base: str) -> str:
+        name = fresh_name(f"{base}/double", taken)
         nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
             _as_written(value, numbers), name)))
         return name
@@ -333,7 +333,7 @@ def constants_in_double(model: onnx.ModelProto, numbers: Collection[float] = ())
             n.op_type == "CastLike" and not n.domain and types.get(n.input[1], (0,))[0] == TensorProto.DOUBLE)
         if to_double and n.input[0] in constants:
             if n.input[0] not in copies:
-                copies[n.input[0]] = double(constants[n.input[0]])
+                copies[n.input[0]] = double(constants[n.input[0]], n.input[0])
             n.input[0] = copies[n.input[0]]
             del n.input[1:], n.attribute[:]
             n.op_type = "Identity"  # (a CastLike from float64 to float64: onnxruntime warns it cannot fold it)
@@ -363,10 +363,10 @@ def _scaled(gemm: onnx.NodeProto) -> dict[str, float]:
     return {a.name: a.f for a in gemm.attribute if a.name in ("alpha", "beta") and a.f != 1.0}
 
 
-def _gemm_in_double(gemm: onnx.NodeProto, double: Callable[[np.ndarray], str], taken: set[str]
+def _gemm_in_double(gemm: onnx.NodeProto, double: Callable[[np.ndarray, str], str], taken: set[str]
                     ) -> list[onnx.NodeProto]:
     """A float64 Gemm's alpha and beta as products by float64 constants at the decimal written (`double` makes
-    one): alpha (A B) + beta C, torch's addmm."""
+    one, named from its second argument): alpha (A B) + beta C, torch's addmm."""
     scales = _scaled(gemm)
     y = gemm.output[0]
     product = fresh_name(f"{y}/product", taken)
@@ -376,14 +376,14 @@ def _gemm_in_double(gemm: onnx.NodeProto, double: Callable[[np.ndarray], str], t
     terms = [product]
     if "alpha" in scales:
         terms[0] = fresh_name(f"{y}/scaled", taken)
-        nodes.append(helper.make_node("Mul", [product, double(np.array(scales["alpha"], np.float32))], [terms[0]],
-                                      name=f"{terms[0]}_node"))
+        alpha = double(np.array(scales["alpha"], np.float32), f"{y}/alpha")
+        nodes.append(helper.make_node("Mul", [product, alpha], [terms[0]], name=f"{terms[0]}_node"))
     if len(gemm.input) > 2 and gemm.input[2] and scales.get("beta", 1.0) != 0.0:
         c = gemm.input[2]
         if "beta" in scales:
             c = fresh_name(f"{y}/bias", taken)
-            nodes.append(helper.make_node("Mul", [gemm.input[2], double(np.array(scales["beta"], np.float32))],
-                                          [c], name=f"{c}_node"))
+            beta = double(np.array(scales["beta"], np.float32), f"{y}/beta")
+            nodes.append(helper.make_node("Mul", [gemm.input[2], beta], [c], name=f"{c}_node"))
         terms.append(c)
     nodes.append(helper.make_node("Add" if len(terms) == 2 else "Identity", terms, [y], name=gemm.name or f"{y}_node"))
     return nodes

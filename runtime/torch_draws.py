@@ -39,9 +39,6 @@ register_identity_schema(OP_TYPE, "torch's fill of a tensor shaped and typed as 
 KEY = "gradbuilder.torch_draw"
 """The metadata key of an expanded draw: torch's fill and its parameters, as `Draw` writes them."""
 
-FILLS = ("bernoulli_", "normal_", "uniform_")
-
-
 class Draw(NamedTuple):
     """One of torch's fills: `torch.empty(shape, dtype).<fill>(a, b)` (`bernoulli_` takes p = a alone)."""
 
