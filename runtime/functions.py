@@ -4,8 +4,9 @@ The runtime exports with every dimension dynamic (one export serves every batch 
 then stops at `adaptive_avg_pool2d` and `adaptive_max_pool2d` to any size but 1x1 ("input size not accessible":
 VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold"), and at `channel_shuffle`
 (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models), `bilinear` (nn.Bilinear),
-`hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw), `Tensor.unfold` (sliding windows:
-"input size not accessible"), `layer_norm` over a shape read from the input's sizes, pools whose window sizes are
+`hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw), `randperm` and `randint` with
+bounds read from sizes (a batch shuffled for mixup), `histc`, `copysign` and `searchsorted`, `Tensor.unfold`
+(sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's sizes, pools whose window sizes are
 read from the input's (`max_pool2d(y, y.shape[-2:])`, 2-d and 3-d, max and average), `instance_norm` in training with
 running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
@@ -1356,6 +1357,30 @@ def _gumbel_softmax(logits: torch.Tensor, tau: float = 1.0, hard: bool = False, 
     return torch.zeros_like(logits).scatter(dim, index, 1.0) - soft.detach() + soft  # straight through
 
 
+def _randint(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.randint(low, high, size) as floor(low + (high - low) u), u uniform in float64 (the legacy exporter's
+    conversion needs constant bounds: `randint(0, x.shape[0], ...)`, indices drawn within the batch, failed). Draws
+    of the law torch's have, not its values (other random ops keep onnxruntime's draws, module docstring)."""
+    def randint(*args: Any, generator: Any = None, dtype: torch.dtype | None = None, **options: Any) -> torch.Tensor:
+        named = {k: options.pop(k) for k in ("low", "high", "size") if k in options}
+        if generator is not None or options.get("out") is not None:
+            return original(*args, generator=generator, dtype=dtype, **named, **options)
+        bound = dict(zip(("low", "high", "size") if len(args) + len(named) == 3 else ("high", "size"), args))
+        bound.update(named)  # bounds may be the legacy trace's sizes (0-d tensors)
+        u = torch.rand(bound["size"], dtype=torch.float64, device=options.get("device"))
+        low = bound.get("low", 0)
+        return (low + (bound["high"] - low) * u).floor().to(dtype or torch.int64)
+
+    return randint
+
+
+def _randperm(n: Any, *, generator: Any = None, dtype: torch.dtype = torch.int64, device: Any = None,
+              **options: Any) -> torch.Tensor:
+    """torch.randperm(n) as the order of n uniforms (neither exporter has randperm: a batch shuffled inside the
+    forward, mixup's partners); a permutation of the law torch's have, not its values."""
+    return torch.rand(n, device=device).argsort().to(dtype)
+
+
 def _linspace_from_neg_one(n: Any, align_corners: bool, dtype: torch.dtype) -> torch.Tensor:
     """torch's affine_grid axis, bit for bit in float32: its linspace(-1, 1, n) (the first half -1 + step*i, the
     rest 1 - step*(n-1-i), each one rounding from float64, as its fused multiply-add), times (n-1)/n without
@@ -1744,7 +1769,8 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "vdot", _vdot(torch.vdot)), (torch.Tensor, "vdot", _vdot(torch.Tensor.vdot)),
         (torch, "copysign", _copysign), (torch.Tensor, "copysign", _copysign),
         (torch, "searchsorted", _searchsorted(torch.searchsorted)),
-        (F, "gumbel_softmax", _gumbel_softmax), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
+        (F, "gumbel_softmax", _gumbel_softmax), (torch, "randint", _randint(torch.randint)),
+        (torch, "randperm", _randperm), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))])

@@ -484,6 +484,46 @@ def test_lgamma_and_digamma_train_like_torch() -> None:
     check_parity(CountModel, batches, lambda m, b: m(*b), threads=1)
 
 
+class Shuffled(nn.Module):
+    """Mixup inside the forward: the batch mixed with itself shuffled (randperm) and with rows drawn (randint within
+    the batch, a size the trace reads); the draws returned, so that torch's computation can be replayed on them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        perm = torch.randperm(x.shape[0])
+        rows = torch.randint(0, x.shape[0], (x.shape[0],))
+        return self.mixed(x, perm, rows), perm, rows
+
+    def mixed(self, x: torch.Tensor, perm: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return 0.7 * h + 0.2 * h[perm] + 0.1 * h[rows]
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_batch_shuffled_by_randperm_and_randint_trains(exporter: str) -> None:
+    """Neither exporter has randperm, and the legacy one takes randint's bounds as constants only: a permutation
+    (the order of uniforms) and indices drawn below a size read from the input, one export for every batch size,
+    the module's outputs and gradients torch's for the draws made."""
+    torch.manual_seed(0)
+    reference = Shuffled()
+    model = ORTModule(copy.deepcopy(reference), exporter=exporter)
+    for rows in (8, 5, 8):
+        x = torch.randn(rows, 6)
+        out, perm, drawn = model(x)
+        assert sorted(perm.tolist()) == list(range(rows)) and drawn.dtype == perm.dtype == torch.int64
+        assert int(drawn.min()) >= 0 and int(drawn.max()) < rows
+        want = reference.mixed(x, perm, drawn)
+        torch.testing.assert_close(out, want)
+        weights = torch.randn(want.shape)
+        got = torch.autograd.grad((out * weights).sum(), list(model.parameters()))
+        for g, w in zip(got, torch.autograd.grad((want * weights).sum(), list(reference.parameters())), strict=True):
+            torch.testing.assert_close(g, w)
+    assert model.stats["exports"] == 1, model.stats
+
+
 class Gammas(nn.Module):
     def __init__(self, points: torch.Tensor) -> None:
         super().__init__()
