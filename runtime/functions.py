@@ -6,9 +6,9 @@ VGG's and AlexNet's heads), at a `threshold` other than 0 ("non-zero threshold")
 (ShuffleNet), and it has no export for `rms_norm` (nn.RMSNorm, LLaMA-style models), `bilinear` (nn.Bilinear),
 `hypot`, `vdot` (spectral norm), `gumbel_softmax` (its in-place exponential draw), `randperm` and `randint` with
 bounds read from sizes (a batch shuffled for mixup), `histc`, `copysign` and `searchsorted`, `Tensor.unfold`
-(sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's sizes, pools whose window sizes are
-read from the input's (`max_pool2d(y, y.shape[-2:])`, 2-d and 3-d, max and average), `instance_norm` in training with
-running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
+(sliding windows: "input size not accessible"), `layer_norm` over a shape read from the input's sizes, pools whose
+window sizes are read from the input's (`max_pool2d(y, y.shape[-2:])`, 2-d and 3-d, max and average),
+`instance_norm` in training with running statistics ("unknown batch size"), `scatter_reduce` by "mean" or
 without self, `embedding` with `scale_grad_by_freq`, `fold` below opset 18, `lgamma` and `digamma`
 (torch.distributions' Gamma, Beta, Poisson), or, before opset 20, `affine_grid` (spatial transformers), and it fails
 on `max_unpool` (SegNet's decoder) comparing run-time sizes and at `scaled_dot_product_attention` with `enable_gqa`,
