@@ -1374,11 +1374,16 @@ def _randint(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
     return randint
 
 
-def _randperm(n: Any, *, generator: Any = None, dtype: torch.dtype = torch.int64, device: Any = None,
-              **options: Any) -> torch.Tensor:
+def _randperm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """torch.randperm(n) as the order of n uniforms (neither exporter has randperm: a batch shuffled inside the
-    forward, mixup's partners); a permutation of the law torch's have, not its values."""
-    return torch.rand(n, device=device).argsort().to(dtype)
+    forward, mixup's partners); a permutation of the law torch's have, not its values. With a generator or `out`:
+    torch's own."""
+    def randperm(n: Any, *, generator: Any = None, dtype: torch.dtype | None = None, **options: Any) -> torch.Tensor:
+        if generator is not None or options.get("out") is not None:
+            return original(n, generator=generator, dtype=dtype, **options)
+        return torch.rand(n, device=options.get("device")).argsort().to(dtype or torch.int64)
+
+    return randperm
 
 
 def _linspace_from_neg_one(n: Any, align_corners: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -1770,7 +1775,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "copysign", _copysign), (torch.Tensor, "copysign", _copysign),
         (torch, "searchsorted", _searchsorted(torch.searchsorted)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch, "randint", _randint(torch.randint)),
-        (torch, "randperm", _randperm), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
+        (torch, "randperm", _randperm(torch.randperm)), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))])
