@@ -293,6 +293,11 @@ def _normal(x: Any, mean: float = 0.0, std: float = 1.0, generator: Any = None) 
     return _draw(x, "normal_", float(mean), float(std))
 
 
+def _exponential(x: Any, rate: float = 1.0, generator: Any = None) -> Any:
+    """aten exponential (`x.exponential_(rate)`, torch's gumbel_softmax): torch's fill (onnxscript has none)."""
+    return _draw(x, "exponential_", float(rate))
+
+
 def _uniform(x: Any, low: float = 0.0, high: float = 1.0, generator: Any = None) -> Any:
     """aten uniform (`x.uniform_(low, high)`): torch's fill (onnxscript has no translation)."""
     return _draw(x, "uniform_", float(low), float(high))
@@ -323,6 +328,7 @@ def translations() -> dict[Any, Any]:
         aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
         aten.detach.default: _detach, aten.bernoulli.p: _bernoulli_p, aten.conv3d.default: _conv3d,
         aten.normal_functional.default: _normal, aten.uniform.default: _uniform,
+        aten.exponential.default: _exponential,
         aten.logaddexp.default: _logaddexp, aten.logcumsumexp.default: _logcumsumexp,
         aten.logaddexp2.default: lambda a, b: _logaddexp(a, b, math.log(2.0)),
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,

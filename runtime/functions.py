@@ -1349,7 +1349,7 @@ def _tensor_unfold(original: Callable[..., torch.Tensor]) -> Callable[..., torch
 
 def _gumbel_softmax(logits: torch.Tensor, tau: float = 1.0, hard: bool = False, eps: float = 1e-10,
                     dim: int = -1) -> torch.Tensor:
-    gumbels = -torch.log(-torch.log(torch.rand_like(logits)))  # torch's -log(Exp(1)), Exp(1) drawn as -log(U)
+    gumbels = -torch.empty_like(logits).exponential_().log()  # torch's (`torch_draws`: its draws under torch_dropout)
     soft = ((logits + gumbels) / tau).softmax(dim)
     if not hard:
         return soft

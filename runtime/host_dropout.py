@@ -47,6 +47,7 @@ from .passes import (
     FLOATS,
     constant_values,
     default_opset,
+    drop_dead,
     dropout_output,
     fresh_name,
     has_subgraph,
@@ -99,8 +100,12 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
         threshold = round(ratio * 2.0 ** 32) if ratio is not None else 0
         if ratio is not None and 0 < threshold < 2 ** 32:
             chosen.append((k, ratio, threshold))
-    likes = [k for k, n in enumerate(model.graph.node) if as_torch and n.op_type in LIKE_DRAWS
-             and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)]
+    fills = [k for k, n in enumerate(model.graph.node) if as_torch and n.op_type not in LIKE_DRAWS
+             and torch_draws.tagged(n) is not None]  # exponential_: fed whole, its uniforms unread then
+    under = _random_sources(model.graph, fills)
+    likes = sorted([k for k, n in enumerate(model.graph.node) if as_torch and n.op_type in LIKE_DRAWS
+                    and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
+                    and n.output[0] not in under] + fills)
     if not chosen and not likes:
         return model, []
     out = onnx.ModelProto()
@@ -125,10 +130,10 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
         nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None, as_torch)
         g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, dims))
         masks.append(Mask(mask, x, threshold, y, ratio))
-    del g.node[:]
-    g.node.extend(nodes)
     fed = {m.input for m in masks}
     kept = [o for o in g.output if o.name not in fed]
+    del g.node[:]
+    g.node.extend(drop_dead(nodes, [], {o.name for o in kept}) if fills else nodes)
     del g.output[:]
     g.output.extend(kept)
     order = {n.output[0]: k for k, n in enumerate(model.graph.node) if n.output}
@@ -141,15 +146,33 @@ def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Ma
     Bernoulli kernel, not its uniforms compared; the op's uniforms are fed as u = 1 - mask, which its `Less(u, p)`
     turns back into the mask); a randn_like or rand_like as `normal_` or `uniform_` from its attributes."""
     n = nodes[k]
-    fill, first, first_default, second, second_default = LIKE_DRAWS[n.op_type]
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
     elem, dims = types.get(n.input[0], (0, None))
     elem = int(attrs.get("dtype", elem or TensorProto.FLOAT))
     g.input.append(helper.make_tensor_value_info(n.output[0], elem, dims))
     torch_fill = torch_draws.tagged(n)
-    draw = (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem) \
-        if torch_fill is None else (*torch_fill, elem)
+    if torch_fill is None:
+        fill, first, first_default, second, second_default = LIKE_DRAWS[n.op_type]
+        draw = (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem)
+    else:
+        draw = (*torch_fill, elem)
     return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0, draw)
+
+
+def _random_sources(g: onnx.GraphProto, fills: Sequence[int]) -> set[str]:
+    """The outputs of the random ops the nodes `fills` compute from (through one-input ops): unread once the host
+    feeds those nodes' outputs, so not drawn."""
+    producer = {o: n for n in g.node for o in n.output}
+    found = set()
+    for k in fills:
+        name = g.node[k].input[0]
+        while name in producer:
+            n = producer[name]
+            if n.op_type in LIKE_DRAWS:
+                found.add(name)
+                break
+            name = n.input[0] if n.input else ""
+    return found
 
 
 class MaskedRunner:
@@ -305,6 +328,10 @@ class MaskedRunner:
         for m in self.masks:
             if m.draw is None:
                 values = torch.empty(shapes[m.source], dtype=torch.bool).bernoulli_(1.0 - m.ratio, generator=generator)
+            elif m.draw[0] == "exponential_":
+                _, rate, _, elem = m.draw
+                values = torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]).exponential_(
+                    rate, generator=generator)
             elif m.draw[0] == "bernoulli_":  # fed to `Less(u, p)`: u = 1 - mask
                 _, p, _, elem = m.draw
                 values = 1 - torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]).bernoulli_(

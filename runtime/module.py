@@ -102,8 +102,8 @@ class ORTModule(nn.Module):
     torch_dropout: draw training Dropouts' masks with torch's own generator and kernel, as torch's dropout does: the
         same masks as the module run in torch from the same generator state, so a training run with dropout
         tracks torch's (from `torch.manual_seed`) instead of drawing other masks of the same law, and so do
-        randn_like, rand_like, bernoulli_(p), normal_(mean, std) and uniform_(a, b) (a VAE's sample, drop_path,
-        noise; `runtime.torch_draws`); the masks then cost ~3x the default
+        randn_like, rand_like, bernoulli_(p), normal_(mean, std), uniform_(a, b) and exponential_(rate) (a VAE's
+        sample, drop_path, noise, gumbel_softmax; `runtime.torch_draws`); the masks then cost ~3x the default
         draws, and a forward more runs at each new set of input sizes (to learn their shapes). Other random ops
         keep onnxruntime's draws.
     check_export: compare onnxruntime's outputs of each call that exports, and its first gradients, with

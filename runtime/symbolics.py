@@ -1152,6 +1152,14 @@ def _normal(g: Any, mean: Any, std: Any, sizes: Any = None, generator: Any = Non
     return _draw(g, like, "normal_", *numbers)
 
 
+def _exponential(g: Any, x: Any, rate: Any = None, generator: Any = None) -> Any:
+    """`x.exponential_(rate)` as torch's fill (torch has no conversion)."""
+    numbers = _numbers(rate) if rate is not None and _none(generator) else None
+    if numbers is None:
+        return symbolic_helper._unimplemented("exponential", "a rate given as a tensor or a generator", x)
+    return _draw(g, x, "exponential_", *numbers)
+
+
 def _uniform(g: Any, x: Any, low: Any, high: Any, generator: Any = None) -> Any:
     """`x.uniform_(low, high)` as torch's fill (torch has no conversion)."""
     numbers = _numbers(low, high) if _none(generator) else None
@@ -1199,6 +1207,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::fake_quantize_per_tensor_affine": _fake_quantize(False),
     "aten::fake_quantize_per_channel_affine": _fake_quantize(True),
     "aten::bernoulli": _bernoulli, "aten::normal": _normal, "aten::uniform": _uniform,
+    "aten::exponential": _exponential,
 }
 
 

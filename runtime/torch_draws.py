@@ -32,7 +32,8 @@ OP_TYPE = "TorchDraw"
 
 _attribute = defs.OpSchema.Attribute
 register_identity_schema(OP_TYPE, "torch's fill of a tensor shaped and typed as its input (expanded after the export).",
-                         [_attribute("fill", defs.OpSchema.AttrType.STRING, "bernoulli_, normal_ or uniform_"),
+                         [_attribute("fill", defs.OpSchema.AttrType.STRING,
+                                     "bernoulli_, normal_, uniform_ or exponential_"),
                           _attribute("params", defs.OpSchema.AttrType.TENSOR, "its numbers, float64"),
                           _attribute("dtype", defs.OpSchema.AttrType.INT, "the input's element type")])
 
@@ -40,7 +41,8 @@ KEY = "gradbuilder.torch_draw"
 """The metadata key of an expanded draw: torch's fill and its parameters, as `Draw` writes them."""
 
 class Draw(NamedTuple):
-    """One of torch's fills: `torch.empty(shape, dtype).<fill>(a, b)` (`bernoulli_` takes p = a alone)."""
+    """One of torch's fills: `torch.empty(shape, dtype).<fill>(a, b)` (`bernoulli_` and `exponential_` take a
+    alone)."""
 
     fill: str
     a: float
@@ -62,7 +64,8 @@ def tagged(node: onnx.NodeProto) -> Draw | None:
 def expand(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with each marker (in bodies too) replaced by the ops it stands for, in place: bernoulli_ as
     `Cast(Less(RandomUniformLike(x), p))` (the legacy exporter's form), normal_ as `RandomNormalLike(x, mean,
-    scale)`, uniform_ as `RandomUniformLike(x, low, high)`, the random op tagged (`KEY`)."""
+    scale)`, uniform_ as `RandomUniformLike(x, low, high)`, the random op tagged (`KEY`); exponential_ as
+    `Log(RandomUniformLike(x)) / -rate`, the quotient tagged."""
     if not any(_is_marker(n) for n in graph_nodes(model.graph)):
         return model
     taken = names_in_use(model.graph)
@@ -99,6 +102,15 @@ def _expanded(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
         random = helper.make_node("RandomNormalLike", [x], [y], name=fresh_name(f"{y}/normal", taken), dtype=dtype,
                                   mean=draw.a, scale=draw.b)
         extra: list[onnx.NodeProto] = []
+    elif fill == "exponential_":  # -log(u) / rate; the host feeds the quotient, the node tagged (`host_dropout`)
+        u, logged, rate = (fresh_name(f"{y}/{part}", taken) for part in ("uniform", "log", "rate"))
+        nodes = [helper.make_node("RandomUniformLike", [x], [u], name=f"{u}_node", dtype=dtype),
+                 helper.make_node("Log", [u], [logged], name=f"{logged}_node"),
+                 helper.make_node("Constant", [], [rate], name=f"{rate}_node", value=onnx.numpy_helper.from_array(
+                     np.array(-draw.a, helper.tensor_dtype_to_np_dtype(dtype))))]
+        random = helper.make_node("Div", [logged, rate], [y], name=fresh_name(f"{y}/exponential", taken))
+        random.metadata_props.add(key=KEY, value=draw.tag())
+        return [*nodes, random]
     else:
         u = y if fill == "uniform_" else fresh_name(f"{y}/uniform", taken)
         low, high = (draw.a, draw.b) if fill == "uniform_" else (0.0, 1.0)

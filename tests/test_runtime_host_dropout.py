@@ -11,6 +11,7 @@ import torch
 from harness import random_body_model
 from onnx import TensorProto, helper
 from torch import nn
+from torch.nn import functional as F
 
 from runtime import ORTModule, fused, host_dropout
 from runtime.exchange import to_numpy, to_ortvalue
@@ -438,8 +439,9 @@ def test_float64_dropout_follows_torch_exactly(exporter: str) -> None:
 
 
 class Fills(nn.Module):
-    """torch's fills with parameters (multiplicative and additive noise, drop_path's bernoulli_) and a dropout
-    written by hand as uniforms compared with keep, which exports as bernoulli_ does."""
+    """torch's fills with parameters (multiplicative and additive noise, drop_path's bernoulli_, exponential waits
+    and gumbel_softmax's) and a dropout written by hand as uniforms compared with keep, which exports as bernoulli_
+    does."""
 
     def __init__(self):
         super().__init__()
@@ -450,17 +452,20 @@ class Fills(nn.Module):
         h = h * torch.empty_like(h).normal_(1.0, 0.1) + torch.empty_like(h).uniform_(-0.05, 0.05)
         by_hand = (torch.rand_like(h) < 0.8).to(h.dtype)
         per_sample = h.new_empty((h.shape[0], 1)).bernoulli_(0.7)
-        return self.out(h * by_hand * per_sample / 0.56)
+        waits = torch.empty_like(h).exponential_(2.5)
+        relaxed = F.gumbel_softmax(h, tau=0.7)
+        return self.out(h * by_hand * per_sample / 0.56 + waits + relaxed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_torch_dropout_draws_torch_s_fills(exporter: str, dtype: torch.dtype) -> None:
-    """Under torch_dropout, `normal_(mean, std)`, `uniform_(a, b)`, `bernoulli_(p)` and `rand_like(x) < p` are
-    drawn as torch draws them, with the numbers as written: outputs and gradients are torch's to rounding at each
-    call (batch sizes changing). Before: `rand_like(x) < p` was drawn as bernoulli_(p) (another mask in float32),
-    the legacy exporter's normal_ could not load, neither exporter converted uniform_, and float64 normal_ drew
-    with float32's 0.1 (2e-9 off)."""
+    """Under torch_dropout, `normal_(mean, std)`, `uniform_(a, b)`, `bernoulli_(p)`, `exponential_(rate)` (and
+    gumbel_softmax, which draws with it) and `rand_like(x) < p` are drawn as torch draws them, with the numbers as
+    written: outputs and gradients are torch's to rounding at each call (batch sizes changing). Before:
+    `rand_like(x) < p` was drawn as bernoulli_(p) (another mask in float32), the legacy exporter's normal_ could
+    not load, neither exporter converted uniform_ or exponential_, gumbel_softmax drew uniforms, and float64
+    normal_ drew with float32's 0.1 (2e-9 off)."""
     torch.manual_seed(0)
     ref = Fills().to(dtype)
     om = ORTModule(copy.deepcopy(ref), torch_dropout=True, exporter=exporter)
