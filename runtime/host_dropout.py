@@ -160,8 +160,8 @@ def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Ma
 
 
 def _random_sources(g: onnx.GraphProto, fills: Sequence[int]) -> set[str]:
-    """The outputs of the random ops the nodes `fills` compute from (through one-input ops): unread once the host
-    feeds those nodes' outputs, so not drawn."""
+    """The outputs of the random ops the nodes `fills` compute from (through their first inputs, or a Sub's
+    second: 1 - u): unread once the host feeds those nodes' outputs, so not drawn."""
     producer = {o: n for n in g.node for o in n.output}
     found = set()
     for k in fills:
@@ -171,7 +171,7 @@ def _random_sources(g: onnx.GraphProto, fills: Sequence[int]) -> set[str]:
             if n.op_type in LIKE_DRAWS:
                 found.add(name)
                 break
-            name = n.input[0] if n.input else ""
+            name = n.input[1] if n.op_type == "Sub" and len(n.input) > 1 else n.input[0] if n.input else ""
     return found
 
 

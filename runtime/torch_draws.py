@@ -65,7 +65,7 @@ def expand(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with each marker (in bodies too) replaced by the ops it stands for, in place: bernoulli_ as
     `Cast(Less(RandomUniformLike(x), p))` (the legacy exporter's form), normal_ as `RandomNormalLike(x, mean,
     scale)`, uniform_ as `RandomUniformLike(x, low, high)`, the random op tagged (`KEY`); exponential_ as
-    `Log(RandomUniformLike(x)) / -rate`, the quotient tagged."""
+    `Log(1 - RandomUniformLike(x)) / -rate`, the quotient tagged."""
     if not any(_is_marker(n) for n in graph_nodes(model.graph)):
         return model
     taken = names_in_use(model.graph)
@@ -102,12 +102,17 @@ def _expanded(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
         random = helper.make_node("RandomNormalLike", [x], [y], name=fresh_name(f"{y}/normal", taken), dtype=dtype,
                                   mean=draw.a, scale=draw.b)
         extra: list[onnx.NodeProto] = []
-    elif fill == "exponential_":  # -log(u) / rate; the host feeds the quotient, the node tagged (`host_dropout`)
-        u, logged, rate = (fresh_name(f"{y}/{part}", taken) for part in ("uniform", "log", "rate"))
+    elif fill == "exponential_":  # -log(1 - u) / rate (finite: u < 1); the host feeds the quotient (`host_dropout`)
+        u, one, rest, logged, rate = (fresh_name(f"{y}/{part}", taken) for part in ("uniform", "one", "rest", "log",
+                                                                                   "rate"))
+        numpy_type = helper.tensor_dtype_to_np_dtype(dtype)
         nodes = [helper.make_node("RandomUniformLike", [x], [u], name=f"{u}_node", dtype=dtype),
-                 helper.make_node("Log", [u], [logged], name=f"{logged}_node"),
-                 helper.make_node("Constant", [], [rate], name=f"{rate}_node", value=onnx.numpy_helper.from_array(
-                     np.array(-draw.a, helper.tensor_dtype_to_np_dtype(dtype))))]
+                 helper.make_node("Constant", [], [one], name=f"{one}_node",
+                                  value=onnx.numpy_helper.from_array(np.array(1, numpy_type))),
+                 helper.make_node("Sub", [one, u], [rest], name=f"{rest}_node"),
+                 helper.make_node("Log", [rest], [logged], name=f"{logged}_node"),
+                 helper.make_node("Constant", [], [rate], name=f"{rate}_node",
+                                  value=onnx.numpy_helper.from_array(np.array(-draw.a, numpy_type)))]
         random = helper.make_node("Div", [logged, rate], [y], name=fresh_name(f"{y}/exponential", taken))
         random.metadata_props.add(key=KEY, value=draw.tag())
         return [*nodes, random]

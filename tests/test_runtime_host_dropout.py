@@ -485,12 +485,14 @@ def test_fills_as_onnxruntime_draws_them() -> None:
     """Without torch_dropout onnxruntime draws the fills, in the tensor's type and within the bounds given (the legacy
     exporter's normal_ returned float64 for a float32 module, and uniform_ did not export)."""
     class Noise(nn.Module):
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return x * torch.empty_like(x).normal_(3.0, 0.5), x * torch.empty_like(x).uniform_(2.0, 2.5)
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (x * torch.empty_like(x).normal_(3.0, 0.5), x * torch.empty_like(x).uniform_(2.0, 2.5),
+                    x * torch.empty_like(x).exponential_(2.0))
 
     x = torch.ones(400, 50, requires_grad=True)
-    normal, uniform = ORTModule(Noise())(x)
-    assert normal.dtype == uniform.dtype == torch.float32
+    normal, uniform, waits = ORTModule(Noise())(x)
+    assert normal.dtype == uniform.dtype == waits.dtype == torch.float32
+    assert float(waits.min()) >= 0 and bool(waits.isfinite().all()) and abs(float(waits.mean()) - 0.5) < 0.01
     assert abs(float(normal.mean()) - 3.0) < 0.01 and abs(float(normal.std()) - 0.5) < 0.01
     assert float(uniform.min()) >= 2.0 and float(uniform.max()) < 2.5 and abs(float(uniform.mean()) - 2.25) < 0.01
     (grad,) = torch.autograd.grad((normal + uniform).sum(), x)
