@@ -102,10 +102,9 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
             chosen.append((k, ratio, threshold))
     fills = [k for k, n in enumerate(model.graph.node) if as_torch and n.op_type not in LIKE_DRAWS
              and torch_draws.tagged(n) is not None]  # exponential_: fed whole, its uniforms unread then
-    under = _random_sources(model.graph, fills)
     likes = sorted([k for k, n in enumerate(model.graph.node) if as_torch and n.op_type in LIKE_DRAWS
                     and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
-                    and n.output[0] not in under] + fills)
+                    and not torch_draws.under_a_draw(n)] + fills)
     if not chosen and not likes:
         return model, []
     out = onnx.ModelProto()
@@ -157,22 +156,6 @@ def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Ma
     else:
         draw = (*torch_fill, elem)
     return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0, draw)
-
-
-def _random_sources(g: onnx.GraphProto, fills: Sequence[int]) -> set[str]:
-    """The outputs of the random ops the nodes `fills` compute from (through their first inputs, or a Sub's
-    second: 1 - u): unread once the host feeds those nodes' outputs, so not drawn."""
-    producer = {o: n for n in g.node for o in n.output}
-    found = set()
-    for k in fills:
-        name = g.node[k].input[0]
-        while name in producer:
-            n = producer[name]
-            if n.op_type in LIKE_DRAWS:
-                found.add(name)
-                break
-            name = n.input[1] if n.op_type == "Sub" and len(n.input) > 1 else n.input[0] if n.input else ""
-    return found
 
 
 class MaskedRunner:

@@ -40,6 +40,10 @@ register_identity_schema(OP_TYPE, "torch's fill of a tensor shaped and typed as 
 KEY = "gradbuilder.torch_draw"
 """The metadata key of an expanded draw: torch's fill and its parameters, as `Draw` writes them."""
 
+UNDER = "gradbuilder.under_torch_draw"
+"""The metadata key of a random op an expanded draw computes from (exponential_'s uniforms), valued the draw's
+output: where the host feeds that output, the op is unread and not drawn."""
+
 class Draw(NamedTuple):
     """One of torch's fills: `torch.empty(shape, dtype).<fill>(a, b)` (`bernoulli_` and `exponential_` take a
     alone)."""
@@ -59,6 +63,11 @@ def tagged(node: onnx.NodeProto) -> Draw | None:
             fill, a, b = p.value.split()
             return Draw(fill, float(a), float(b))
     return None
+
+
+def under_a_draw(node: onnx.NodeProto) -> bool:
+    """Whether `node` is a random op an expanded draw computes from (`UNDER`)."""
+    return any(p.key == UNDER for p in node.metadata_props)
 
 
 def expand(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -106,7 +115,9 @@ def _expanded(n: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
         u, one, rest, logged, rate = (fresh_name(f"{y}/{part}", taken) for part in ("uniform", "one", "rest", "log",
                                                                                    "rate"))
         numpy_type = helper.tensor_dtype_to_np_dtype(dtype)
-        nodes = [helper.make_node("RandomUniformLike", [x], [u], name=f"{u}_node", dtype=dtype),
+        uniforms = helper.make_node("RandomUniformLike", [x], [u], name=f"{u}_node", dtype=dtype)
+        uniforms.metadata_props.add(key=UNDER, value=y)
+        nodes = [uniforms,
                  helper.make_node("Constant", [], [one], name=f"{one}_node",
                                   value=onnx.numpy_helper.from_array(np.array(1, numpy_type))),
                  helper.make_node("Sub", [one, u], [rest], name=f"{rest}_node"),
