@@ -55,8 +55,9 @@ While exporting, `exportable_functions` computes them as torch defines them:
   weights per axis, built from the run-time n;
 - linear interpolation (linear, bilinear, trilinear) in float64, which onnxruntime's Resize lacks (and dynamo's 1-D
   form weighted in float32): the same products with torch's linear weights;
-- nearest interpolation in float64: each axis gathered at torch's source indices (floor(i * scale) in float32, as
-  its kernel);
+- nearest and nearest-exact interpolation: each axis gathered at torch's source indices (floor(i * scale) in
+  float32, as its kernels), where the exporters' Resize reads other pixels at some factors or has no kernel
+  (float64);
 - a float64 convolution: the input padded, each kernel tap's strided window stacked, times the weight as [out /
   groups, in / groups * taps], one product a group (`_conv_by_taps`);
 - a float64 transposed convolution: the convolution it is the adjoint of, over the input with stride - 1 zeros
@@ -469,7 +470,9 @@ MM_ROWS = 25
 def _size_tensor(n: Any) -> torch.Tensor:
     """A size as a 0-d tensor: the trace's own (so comparisons of it are traced ops, not Python booleans baked in)
     or a number's."""
-    return n if isinstance(n, torch.Tensor) else torch.tensor(n)
+    if isinstance(n, torch.Tensor):
+        return n
+    return torch.scalar_tensor(n, dtype=torch.int64) if isinstance(n, torch.SymInt) else torch.tensor(n)
 
 
 def _euclidean_dist(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
@@ -1583,10 +1586,10 @@ def _per_axis_resampled(x: torch.Tensor, output_size: Sequence[Any] | None, scal
                         dims: int, one_axis: Callable[[torch.Tensor, int, Any, float | None], torch.Tensor]
                         ) -> torch.Tensor | None:
     """x resampled axis by axis by `one_axis(x, axis, out size, factor or None where a size is given)`; None where
-    torch's own function runs: not float64, unbatched, or the overload of per-axis scales (scales_h, scales_w),
-    which F.interpolate does not call."""
+    torch's own function runs: unbatched, or the overload of per-axis scales (scales_h, scales_w), which
+    F.interpolate does not call."""
     per_axis = bool(scales) or not (scale_factors is None or isinstance(scale_factors, (list, tuple)))
-    if x.dtype != torch.float64 or x.dim() != dims + 2 or per_axis:
+    if x.dim() != dims + 2 or per_axis:
         return None
     for k in range(dims):
         axis = x.dim() - dims + k
@@ -1606,29 +1609,74 @@ def _float64_linear(original: Callable[..., torch.Tensor], dims: int) -> Callabl
             matrix = _linear_matrix(x.shape[axis], out, factor, align_corners)
             return torch.matmul(x.movedim(axis, -1), matrix).movedim(-1, axis)
 
-        y = _per_axis_resampled(x, output_size, scale_factors, scales, dims, one_axis)
+        y = _per_axis_resampled(x, output_size, scale_factors, scales, dims, one_axis) \
+            if x.dtype == torch.float64 else None
         return original(x, output_size, align_corners, scale_factors, *scales) if y is None else y
 
     return resample
 
 
-def _nearest_axis(x: torch.Tensor, axis: int, out: Any, factor: float | None) -> torch.Tensor:
-    """One axis gathered at torch's source indices, floor(i * scale) in float32 as its kernel computes them (scale
-    the factor's reciprocal, else n / out), clamped to the last input."""
+def _nearest_axis(x: torch.Tensor, axis: int, out: Any, factor: float | None, exact_mode: bool, halving: bool,
+                  wide: bool) -> torch.Tensor:
+    """One axis gathered at torch's source indices, floor(i * scale) (nearest-exact: floor((i + 1/2) * scale)) as
+    its kernels compute them, with scale the factor's reciprocal (else n / out), clamped to the last input: in
+    float32; `wide` (its 1-d and 3-d kernels of float64) the product in float64, rounded to float32 before the
+    floor. `halving`: its 2-d nearest kernel (`nearest_idx`) copies where out is n and halves where out is 2 n,
+    whatever the factor. (Found by comparing with torch's indices over 2 types, 3 ranks, 280 factors and 7 sizes
+    from 6 input sizes.)"""
     n = _size_tensor(x.shape[axis])
-    scale = torch.tensor(1 / factor, dtype=torch.float32) if factor else \
-        n.to(torch.float32) / _size_tensor(out).to(torch.float32)
-    index = torch.floor(torch.arange(out, dtype=torch.float32) * scale).to(torch.int64)
-    return x.index_select(axis, torch.minimum(index, n - 1))
+    kind = torch.float64 if wide else torch.float32
+    scale = torch.tensor([1 / factor], dtype=kind) if factor else n.to(kind) / _size_tensor(out).to(kind)
+    if halving:
+        cells = _size_tensor(out)
+        scale = torch.where(cells == n, 1.0, torch.where(cells == 2 * n, 0.5, scale))
+    positions = torch.arange(out, dtype=kind)
+    source = ((positions + 0.5 if exact_mode else positions) * scale).to(torch.float32)
+    return x.index_select(axis, torch.minimum(torch.floor(source).to(torch.int64), n - 1))
 
 
-def _float64_nearest(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
-    """interpolate(mode="nearest") in float64 (onnxruntime's Resize has no double kernel): `_nearest_axis` per
-    axis. Other types keep torch's function."""
+def _has_values(x: torch.Tensor) -> bool:
+    """Whether x holds values (not a fake tensor of torch.export's trace)."""
+    return torch._C._has_storage(x) and not isinstance(x, torch._subclasses.FakeTensor)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether two results of a trace are equal (read quietly: the comparison is not part of the graph)."""
+    if b is None:
+        return True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _power_of_two(factor: float) -> bool:
+    return factor > 0 and math.frexp(factor)[0] == 0.5
+
+
+def _nearest(original: Callable[..., torch.Tensor], dims: int, exact_mode: bool) -> Callable[..., torch.Tensor]:
+    """interpolate(mode="nearest" / "nearest-exact") of float32 and float64: `_nearest_axis` per axis. The exporters'
+    Resize computes the source index as i / factor (nearest-exact: (i + 1/2) / factor - 1/2, rounded half up)
+    where torch's kernels multiply by float32(1 / factor) (or n / out) and floor: where i / factor is a whole number
+    the two round to either side of it and read the pixel before or after (12 rows scaled by 1.7: 2 of the 20 output
+    rows), which the first call's check refused; and onnxruntime's Resize has no float64 kernel. float32 scaled by
+    powers of two (x2 upsampling) keeps torch's function: Resize's index is then exact, and its kernel one op.
+    Other types keep torch's function.
+
+    torch's 2-d kernels round a few more cases their own way (4 of ~1000 sizes and factors tried, at 26 and 33 rows
+    by 1.98 to 2.7): where the export runs on values (the legacy exporter's trace), the gathers are compared with
+    torch's function there, and where they differ torch's function is exported instead (its Resize, which the first
+    call's check then holds to torch's values)."""
     def resample(x: torch.Tensor, output_size: Sequence[Any] | None, scale_factors: Sequence[float] | None = None,
                  *scales: float | None) -> torch.Tensor:
-        y = _per_axis_resampled(x, output_size, scale_factors, scales, dims, _nearest_axis)
-        return original(x, output_size, scale_factors, *scales) if y is None else y
+        y = None
+        kept = x.dtype == torch.float32 and output_size is None and isinstance(scale_factors, (list, tuple)) \
+            and all(_power_of_two(float(f)) for f in scale_factors)
+        if x.dtype in (torch.float32, torch.float64) and not kept:
+            y = _per_axis_resampled(x, output_size, scale_factors, scales, dims, functools.partial(
+                _nearest_axis, exact_mode=exact_mode, halving=dims == 2 and not exact_mode,
+                wide=dims != 2 and x.dtype == torch.float64))
+        want = None if y is not None and not _has_values(x) else original(x, output_size, scale_factors, *scales)
+        return want if y is None or not _same(y, want) else y
 
     return resample
 
@@ -1729,8 +1777,9 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (nn_ops, "_upsample_bicubic2d_aa", _antialiased(nn_ops._upsample_bicubic2d_aa, 4, _bicubic_filter)),
         *((nn_ops, name, _float64_linear(getattr(nn_ops, name), d))
           for d, name in enumerate(("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"), 1)),
-        *((nn_ops, name, _float64_nearest(getattr(nn_ops, name), d))
-          for d, name in enumerate(("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d"), 1)),
+        *((nn_ops, f"{prefix}{d}d", _nearest(getattr(nn_ops, f"{prefix}{d}d"), d, exact_mode))
+          for d in (1, 2, 3)
+          for prefix, exact_mode in (("upsample_nearest", False), ("_upsample_nearest_exact", True))),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity), (nn_ops, "col2im", _col2im),
         *((owner, "pdist", _pdist) for owner in (torch, F)),
         *((owner, name, fn) for fn, names in ((_lgamma, ("lgamma", "gammaln")), (_digamma, ("digamma", "psi")))

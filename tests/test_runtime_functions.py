@@ -1162,6 +1162,50 @@ def test_float64_layers_train_like_torch(layer: str, dims: int, exporter: str) -
                                         for size in sizes], exporter, **TOLERANCE[torch.float64])
     assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
 
+class Nearest(nn.Module):
+    """nearest and nearest-exact interpolation by factors whose source indices onnxruntime's Resize rounds to the
+    other side of a whole number (1.7, 2.3, 0.6 at 12 or 19 rows), to a given size, by 2 (kept a Resize in float32),
+    and in 2-d by 2.01 and 1.05, where torch's 2-d nearest kernel copies (out = n) or halves (out = 2 n)
+    whatever the factor."""
+
+    def __init__(self, dims: int, dtype: torch.dtype, modes: Sequence[str] = ("nearest", "nearest-exact")) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2, dtype=dtype).view(2, *[1] * dims))
+        self.size = (7, 5, 3)[:dims]
+        self.factors = [1.7, 2.3, 0.6, 2.0, *([2.01, 1.05] if dims == 2 else [])]
+        self.modes = modes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.w
+        return torch.cat([F.interpolate(h, scale_factor=f, mode=mode).flatten(1) for f in self.factors
+                          for mode in self.modes] +
+                         [F.interpolate(h, size=self.size, mode=mode).flatten(1) for mode in self.modes], 1)
+
+
+@pytest.mark.parametrize(("exporter", "dtype", "dims"), [
+    ("torchscript", torch.float32, 1), ("torchscript", torch.float32, 2), ("torchscript", torch.float32, 3),
+    ("torchscript", torch.float64, 1), ("torchscript", torch.float64, 2), ("dynamo", torch.float32, 2),
+    ("dynamo", torch.float64, 3)])
+def test_nearest_interpolation_reads_torch_s_pixels(exporter: str, dtype: torch.dtype, dims: int) -> None:
+    """The exporters' Resize computes a nearest source index as i / factor, torch's kernels as i * float32(1 /
+    factor), floored: at 1.7 from 12 rows 2 of the 20 output rows read the row before or after torch's, and the
+    first call's check refused the module (nearest-exact likewise; and onnxruntime has no float64 Resize).
+    Gathered at torch's indices, values and gradients are torch's, at two sizes from one export. (torch's float64
+    1-d and 3-d nearest-exact kernels compute the forward's indices in float64, which ours follow, and the
+    backward's in float32: at 2.3 from 19 rows its gradient is not the adjoint of its output, so only the values
+    are compared there.)"""
+    g = torch.Generator().manual_seed(dims)
+    inputs = [torch.randn(2, 2, *size[:dims], generator=g, dtype=dtype) for size in [(19, 12, 10), (12, 19, 7)]]
+    torch_s_own = dims != 2 and dtype == torch.float64
+    om = _as_torch(lambda: Nearest(dims, dtype, ("nearest",) if torch_s_own else ("nearest", "nearest-exact")),
+                   inputs, exporter, **TOLERANCE[dtype])
+    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
+    if torch_s_own:
+        exact = ORTModule(Nearest(dims, dtype, ("nearest-exact",)), exporter=exporter)
+        for x in inputs:
+            assert torch.equal(exact(x), Nearest(dims, dtype, ("nearest-exact",))(x))
+
+
 class Floored(nn.Module):
     """Values torch clamps to eps in place under no_grad, from a Linear of the batch and a scale the batch gives
     (above eps at the first step, below it for some rows at the next ones): a Gaussian NLL's variance (one a
