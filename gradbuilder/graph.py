@@ -502,7 +502,14 @@ class ForwardGraph:
         # values of shape tensors: static shapes through Shape/Concat/Reshape (a second pass, when it can differ)
         matters = _data_propagation_matters(copy, bool(self.hidden_inputs), known if copy is self.model else None)
         if matters and _cheap_data_propagation(graph):
-            graph = self._inferred(copy, untyped, data_prop=True) or graph
+            try:
+                graph = self._inferred(copy, untyped, data_prop=True) or graph
+            except InvalidModelError:
+                if not _computed_slices(copy.graph):
+                    raise
+                # seen wrong: the legacy export of nn.MultiheadAttention(add_bias_kv=True), whose unflatten(-1)
+                # slices a shape at bounds computed by Mod, got rank 7 for a Reshape of rank 4 (as declared, and
+                # as the plain pass and onnxruntime have it); where slices are computed, the plain pass's types stand
         memo: dict[Any, TensorInfo] = {}
         info = dict(_infos(memo, graph.value_info))
         for name, declared in _infos(memo, graph.input, graph.output):
@@ -1267,6 +1274,13 @@ def _local_call(model: onnx.ModelProto) -> onnx.NodeProto | None:
 
 
 DATA_PROP_MAX_LENGTH = 2**16
+
+
+def _computed_slices(graph: onnx.GraphProto) -> bool:
+    """Whether a Slice's starts, ends, axes or steps are computed by nodes other than Constants."""
+    constant = {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    return any(n.op_type == "Slice" and not n.domain and any(i and i not in constant for i in n.input[1:])
+               for n in graph.node)
 
 
 def _cheap_data_propagation(graph: onnx.GraphProto) -> bool:

@@ -217,3 +217,35 @@ def test_a_decoder_with_padding_masks_exports_once_for_every_length() -> None:
         for p, q in zip(wrapped.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     assert wrapped.stats == {"exports": 1, "builds": 2, "fallbacks": 0}
+
+
+class CrossAttention(nn.Module):
+    """Queries attending to one tensor as keys and values, with add_bias_kv's extra key and value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(D, H, add_bias_kv=True).double()
+
+    def forward(self, q: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.attention(q, memory, memory)[0]
+
+
+@pytest.mark.parametrize("lengths", [(T, T + 1), (T + 2, T)])
+def test_extra_key_value_biases_train_as_torch(lengths: tuple[int, int]) -> None:
+    """add_bias_kv with keys that are the values: the legacy export's unflatten(-1) of their packed projection
+    slices its shape at bounds computed by Mod, which onnx's data propagation takes for the whole shape (a rank-4
+    Reshape inferred rank 7), and the gradient build refused the export's own declared shapes. Trained through
+    ORTModule, outputs and gradients are torch's, at two query lengths from one export."""
+    torch.manual_seed(0)
+    ref = CrossAttention()
+    om = ORTModule(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(1)
+    for length in lengths:
+        q, memory = (torch.randn(n, B, D, generator=g, dtype=torch.float64) for n in (length, T))
+        got, want = om(q, memory), ref(q, memory)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for (name, a), b in zip(om.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+    assert om.stats["exports"] == 1 and om.stats["fallbacks"] == 0, om.stats
