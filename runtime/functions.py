@@ -1389,6 +1389,28 @@ def _randperm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     return randperm
 
 
+def _linspace(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.linspace of float64 over a traced number of steps (`torch.linspace(-1, 1, x.shape[1])`): the legacy
+    exporter's conversion computes start + step * i in float32 whatever the dtype (5e-8 off); written out as torch's
+    kernel computes it, in float64, the first half from start and the rest back from end (a single step is
+    start). Other calls keep torch's function (a constant number of steps is folded by the exporter, dynamo's is
+    exact)."""
+    def linspace(start: Any, end: Any, steps: Any, *args: Any, dtype: torch.dtype | None = None,
+                 **options: Any) -> torch.Tensor:
+        plain = isinstance(start, (int, float)) and isinstance(end, (int, float)) and not args
+        if not (plain and isinstance(steps, torch.Tensor) and options.get("out") is None
+                and (dtype or torch.get_default_dtype()) == torch.float64):
+            return original(start, end, steps, *args, dtype=dtype, **options)
+        n = steps.to(torch.float64).reshape(1)
+        i = torch.arange(steps, dtype=torch.float64)
+        first, last = exact(start, i), exact(end, i)  # the numbers in float64 (the exporter writes float32 ones)
+        step = (last - first) / torch.clamp(n - 1, min=1)
+        values = torch.where(i < steps // 2, first + step * i, last - step * (n - 1 - i))
+        return torch.where(steps == 1, first, values)
+
+    return linspace
+
+
 def _linspace_from_neg_one(n: Any, align_corners: bool, dtype: torch.dtype) -> torch.Tensor:
     """torch's affine_grid axis, bit for bit in float32: its linspace(-1, 1, n) (the first half -1 + step*i, the
     rest 1 - step*(n-1-i), each one rounding from float64, as its fused multiply-add), times (n-1)/n without
@@ -1780,6 +1802,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         *((nn_ops, f"{prefix}{d}d", _nearest(getattr(nn_ops, f"{prefix}{d}d"), d, exact_mode))
           for d in (1, 2, 3)
           for prefix, exact_mode in (("upsample_nearest", False), ("_upsample_nearest_exact", True))),
+        (torch, "linspace", _linspace(torch.linspace)),
         (torch, "cdist", _cdist), (torch, "cosine_similarity", _cosine_similarity), (nn_ops, "col2im", _col2im),
         *((owner, "pdist", _pdist) for owner in (torch, F)),
         *((owner, name, fn) for fn, names in ((_lgamma, ("lgamma", "gammaln")), (_digamma, ("digamma", "psi")))

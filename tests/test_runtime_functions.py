@@ -1206,6 +1206,30 @@ def test_nearest_interpolation_reads_torch_s_pixels(exporter: str, dtype: torch.
             assert torch.equal(exact(x), Nearest(dims, dtype, ("nearest-exact",))(x))
 
 
+class Ramps(nn.Module):
+    """float64 ramps over a number of steps read from the input's sizes (positions, a schedule over a sequence), one
+    step among them, weighting the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.linspace(0.1, 2.7, x.shape[0], dtype=torch.float64)[:, None]
+        cols = torch.linspace(3, -0.3, x.shape[1] * 3, dtype=torch.float64)[:x.shape[1]]
+        return (x * self.w + rows) * cols
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float64_linspace_over_traced_steps_is_torch_s(exporter: str) -> None:
+    """The legacy exporter's linspace computes start + step * i in float32 whatever the dtype (5e-8 off in float64,
+    with its numbers written in float32): now torch's kernel, in float64, the second half counted back from end; a
+    single step is start."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, 5, generator=g, dtype=torch.float64) for rows in (3, 1, 7)]
+    _as_torch(Ramps, inputs if exporter == "torchscript" else inputs[:1], exporter, rtol=1e-13, atol=1e-14)
+
+
 class Floored(nn.Module):
     """Values torch clamps to eps in place under no_grad, from a Linear of the batch and a scale the batch gives
     (above eps at the first step, below it for some rows at the next ones): a Gaussian NLL's variance (one a
