@@ -1684,10 +1684,10 @@ def _nearest(original: Callable[..., torch.Tensor], dims: int, exact_mode: bool)
     powers of two (x2 upsampling) keeps torch's function: Resize's index is then exact, and its kernel one op.
     Other types keep torch's function.
 
-    torch's 2-d kernels round a few more cases their own way (4 of ~1000 sizes and factors tried, at 26 and 33 rows
-    by 1.98 to 2.7): where the export runs on values (the legacy exporter's trace), the gathers are compared with
-    torch's function there, and where they differ torch's function is exported instead (its Resize, which the first
-    call's check then holds to torch's values)."""
+    torch's 2-d kernels round a few more cases their own way when every axis is scaled (1-4 of ~880 sizes and
+    factors a type and mode, at 26 and 33 rows by 1.98 to 2.7): where the export runs on values (the legacy
+    exporter's trace), the gathers are compared with torch's function there, and where they differ torch's
+    function is exported instead (its Resize, which the first call's check then holds to torch's values)."""
     def resample(x: torch.Tensor, output_size: Sequence[Any] | None, scale_factors: Sequence[float] | None = None,
                  *scales: float | None) -> torch.Tensor:
         y = None
