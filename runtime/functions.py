@@ -53,8 +53,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
   run, and the first call's check sees the export's), else copies that refuse the export if written to;
 - antialiased interpolation by a scale factor (bilinear, bicubic): a product with a [n, out] matrix of torch's
   weights per axis, built from the run-time n;
-- linear interpolation (linear, bilinear, trilinear) in float64, which onnxruntime's Resize lacks (and dynamo's 1-D
-  form weighted in float32): the same products with torch's linear weights;
+- linear interpolation (linear, bilinear, trilinear) and bicubic in float64, which onnxruntime's Resize lacks (and
+  dynamo's 1-D linear form weighted in float32): the same products with torch's linear or cubic weights;
 - nearest and nearest-exact interpolation: each axis gathered at torch's source indices (floor(i * scale) in
   float32, as its kernels), where the exporters' Resize reads other pixels at some factors or has no kernel
   (float64);
@@ -1604,6 +1604,33 @@ def _linear_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) 
     return torch.where(cells == size, (position == i).to(torch.float64), weights)
 
 
+def _cubic_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) -> torch.Tensor:
+    """[n, out] float64: the weights of input j in output i of torch's bicubic resampling of an axis of n (its
+    `upsample_bicubic2d` kernel): the source position as `_linear_matrix`'s but not clamped at 0, the four inputs
+    around it (clamped to the axis) weighted by Keys' cubic convolution with A = -0.75, written as torch's."""
+    size, cells = (_size_tensor(k).to(torch.float64).reshape(1) for k in (n, out))
+    i = torch.arange(out, dtype=torch.float64)
+    if align_corners:
+        source = i * torch.where(cells > 1, (size - 1) / (cells - 1).clamp(min=1), torch.zeros_like(size))
+    else:
+        scale = exact(1 / factor, i) if factor else size / cells
+        source = (i + 0.5) * scale - 0.5
+    floor = torch.floor(source)
+    t = source - floor
+    a = -0.75
+    def near(x: torch.Tensor) -> torch.Tensor:  # cubic_convolution1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x: torch.Tensor) -> torch.Tensor:  # cubic_convolution2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    position = torch.arange(n, dtype=torch.float64)[:, None]
+    taps = [(floor + k - 1).clamp(min=0) for k in range(4)]
+    taps = [torch.minimum(tap, size - 1) for tap in taps]
+    weights = [far(t + 1), near(t), near(1 - t), far(2 - t)]
+    return sum((position == tap) * w for tap, w in zip(taps, weights))
+
+
 def _per_axis_resampled(x: torch.Tensor, output_size: Sequence[Any] | None, scale_factors: Any, scales: Sequence[Any],
                         dims: int, one_axis: Callable[[torch.Tensor, int, Any, float | None], torch.Tensor]
                         ) -> torch.Tensor | None:
@@ -1621,15 +1648,16 @@ def _per_axis_resampled(x: torch.Tensor, output_size: Sequence[Any] | None, scal
     return x
 
 
-def _float64_linear(original: Callable[..., torch.Tensor], dims: int) -> Callable[..., torch.Tensor]:
-    """interpolate(mode="linear", "bilinear", "trilinear") in float64: a product with each axis's `_linear_matrix`
-    (the exporters' Resize has no double kernel in onnxruntime, and dynamo's 1-D form computed its weights in
-    float32, 2e-7 off). Other types keep torch's function."""
+def _float64_resampling(original: Callable[..., torch.Tensor], dims: int,
+                        matrix: Callable[[Any, Any, float | None, bool], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """interpolate(mode="linear", "bilinear", "trilinear" with `_linear_matrix`, "bicubic" with `_cubic_matrix`) in
+    float64: a product with each axis's matrix (the exporters' Resize has no double kernel in onnxruntime, and
+    dynamo's 1-D linear form computed its weights in float32, 2e-7 off). Other types keep torch's function."""
     def resample(x: torch.Tensor, output_size: Sequence[Any] | None, align_corners: bool,
                  scale_factors: Sequence[float] | None = None, *scales: float | None) -> torch.Tensor:
         def one_axis(x: torch.Tensor, axis: int, out: Any, factor: float | None) -> torch.Tensor:
-            matrix = _linear_matrix(x.shape[axis], out, factor, align_corners)
-            return torch.matmul(x.movedim(axis, -1), matrix).movedim(-1, axis)
+            weights = matrix(x.shape[axis], out, factor, align_corners)
+            return torch.matmul(x.movedim(axis, -1), weights).movedim(-1, axis)
 
         y = _per_axis_resampled(x, output_size, scale_factors, scales, dims, one_axis) \
             if x.dtype == torch.float64 else None
@@ -1797,8 +1825,9 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
           for name in names),
         (nn_ops, "_upsample_bilinear2d_aa", _antialiased(nn_ops._upsample_bilinear2d_aa, 2, _bilinear_filter)),
         (nn_ops, "_upsample_bicubic2d_aa", _antialiased(nn_ops._upsample_bicubic2d_aa, 4, _bicubic_filter)),
-        *((nn_ops, name, _float64_linear(getattr(nn_ops, name), d))
+        *((nn_ops, name, _float64_resampling(getattr(nn_ops, name), d, _linear_matrix))
           for d, name in enumerate(("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"), 1)),
+        (nn_ops, "upsample_bicubic2d", _float64_resampling(nn_ops.upsample_bicubic2d, 2, _cubic_matrix)),
         *((nn_ops, f"{prefix}{d}d", _nearest(getattr(nn_ops, f"{prefix}{d}d"), d, exact_mode))
           for d in (1, 2, 3)
           for prefix, exact_mode in (("upsample_nearest", False), ("_upsample_nearest_exact", True))),

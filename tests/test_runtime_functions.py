@@ -1375,6 +1375,31 @@ def test_float64_linear_interpolation_follows_every_size(exporter: str) -> None:
     assert om.stats["exports"] == 1, om.stats
 
 
+class Bicubic(nn.Module):
+    """float64 bicubic interpolation to a size and by factors up and down, with and without align_corners."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2, dtype=torch.float64).view(2, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.w
+        return torch.cat([F.interpolate(h, size=(23, 17), mode="bicubic").flatten(1),
+                          F.interpolate(h, scale_factor=2.3, mode="bicubic", align_corners=True).flatten(1),
+                          F.interpolate(h, scale_factor=(0.6, 1.7), mode="bicubic").flatten(1)], 1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float64_bicubic_interpolation_is_torch_s(exporter: str) -> None:
+    """onnxruntime has no double Resize (the session refused to load): products with torch's cubic weights per axis
+    (A = -0.75, the four inputs around each source position clamped to the axis), in float64, at two sizes from one
+    legacy export."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 2, h, w, generator=g, dtype=torch.float64) for h, w in ((19, 12), (13, 16))]
+    om = _as_torch(Bicubic, inputs if exporter == "torchscript" else inputs[:1], exporter, **TOLERANCE[torch.float64])
+    assert om.stats["exports"] == 1, om.stats
+
+
 def test_unbatched_cross_entropy_and_nll_train_like_torch() -> None:
     """Losses of one sample ((C,) scores; a 0-d class, or (C,) probabilities), which torch takes: the exporters wrote
     their loss ops on the 1-D scores, which onnxruntime refused at the session's load (LogSoftmax's axis); now
