@@ -1582,20 +1582,29 @@ def _antialiased(original: Callable[..., torch.Tensor], interp: int, kernel: Cal
     return resample
 
 
-def _linear_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) -> torch.Tensor:
-    """[n, out] float64: the weights of input j in output i of torch's linear resampling of an axis of n (its
-    `compute_source_index_and_lambda`): the source position i (n - 1) / (out - 1) with align_corners, else
-    (i + 1/2) / factor - 1/2 (n / out for the factor where none is given) clamped at 0; the two inputs around it
-    weighted by their distance, the upper one at the last input the lower one; the identity where out is n."""
+def _sources(n: Any, out: Any, factor: float | None, align_corners: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 (n, out, i, source position of output i) of torch's resampling of an axis of n to out
+    (`area_pixel_compute_source_index`): i (n - 1) / (out - 1) with align_corners, else (i + 1/2) / factor - 1/2
+    (n / out for the factor where none is given)."""
     # the sizes as vectors of one: the legacy exporter computes 0-d arithmetic with Python numbers in float32
     # (align_corners' (n - 1) / (out - 1) was 1e-8 off); dynamo writes the factor's reciprocal as a float32 constant
     size, cells = (_size_tensor(k).to(torch.float64).reshape(1) for k in (n, out))
     i = torch.arange(out, dtype=torch.float64)
     if align_corners:
-        source = i * torch.where(cells > 1, (size - 1) / (cells - 1).clamp(min=1), torch.zeros_like(size))
-    else:
-        scale = exact(1 / factor, i) if factor else size / cells
-        source = ((i + 0.5) * scale - 0.5).clamp(min=0)
+        return size, cells, i, i * torch.where(cells > 1, (size - 1) / (cells - 1).clamp(min=1), torch.zeros_like(size))
+    scale = exact(1 / factor, i) if factor else size / cells
+    return size, cells, i, (i + 0.5) * scale - 0.5
+
+
+def _linear_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) -> torch.Tensor:
+    """[n, out] float64: the weights of input j in output i of torch's linear resampling of an axis of n (its
+    `compute_source_index_and_lambda`): the source position i (n - 1) / (out - 1) with align_corners, else
+    (i + 1/2) / factor - 1/2 (n / out for the factor where none is given) clamped at 0; the two inputs around it
+    weighted by their distance, the upper one at the last input the lower one; the identity where out is n."""
+    size, cells, i, source = _sources(n, out, factor, align_corners)
+    if not align_corners:
+        source = source.clamp(min=0)
     lower = torch.minimum(torch.floor(source), size - 1)
     upper_weight = (source - lower).clamp(0, 1)
     upper = torch.where(lower < size - 1, lower + 1, lower)
@@ -1608,13 +1617,7 @@ def _cubic_matrix(n: Any, out: Any, factor: float | None, align_corners: bool) -
     """[n, out] float64: the weights of input j in output i of torch's bicubic resampling of an axis of n (its
     `upsample_bicubic2d` kernel): the source position as `_linear_matrix`'s but not clamped at 0, the four inputs
     around it (clamped to the axis) weighted by Keys' cubic convolution with A = -0.75, written as torch's."""
-    size, cells = (_size_tensor(k).to(torch.float64).reshape(1) for k in (n, out))
-    i = torch.arange(out, dtype=torch.float64)
-    if align_corners:
-        source = i * torch.where(cells > 1, (size - 1) / (cells - 1).clamp(min=1), torch.zeros_like(size))
-    else:
-        scale = exact(1 / factor, i) if factor else size / cells
-        source = (i + 0.5) * scale - 0.5
+    size, _, _, source = _sources(n, out, factor, align_corners)
     floor = torch.floor(source)
     t = source - floor
     a = -0.75
