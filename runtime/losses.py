@@ -178,12 +178,42 @@ def _picked_nll(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
     return torch.where(ignored, torch.zeros_like(loss), loss)
 
 
+def _kept(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int | torch.Tensor | torch.SymInt,
+          dtype: torch.dtype) -> torch.Tensor:
+    """Each sample's weight in nll_loss's mean: its class's weight (1 without), 0 where ignored."""
+    ignored = target == ignore_index
+    kept = (~ignored).to(dtype)
+    return kept if weight is None else kept * weight[torch.where(ignored, torch.zeros_like(target), target)]
+
+
+def _nll(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+         ignore_index: int | torch.Tensor | torch.SymInt) -> torch.Tensor:
+    """nll_loss (scores on dim 1) written out: the picked terms, summed, or over the kept samples' weights."""
+    loss = _picked_nll(logp, target, weight, ignore_index)
+    if reduction != _MEAN:
+        return _reduce(loss, reduction)
+    return loss.sum() / _kept(target, weight, ignore_index, loss.dtype).sum()
+
+
+def _written_out(scores: torch.Tensor, reduction: int, ignore_index: int | torch.Tensor | torch.SymInt) -> bool:
+    """Whether the loss on (N, C, ...) scores is written out rather than torch's: where `ignore_index` was read from
+    a size (Hugging Face's question answering ignores the positions past the sequence,
+    `CrossEntropyLoss(ignore_index=start_logits.size(1))`), which both exporters' losses take only as a number
+    (legacy: "i_(): incompatible function arguments"; dynamo: "Unsupported attribute"), and by reduction "none"
+    under dynamo."""
+    if scores.dim() < 2:
+        return False
+    if isinstance(ignore_index, torch.Tensor | torch.SymInt):
+        return True
+    return reduction == _NONE and not torch.jit.is_tracing()
+
+
 def _nll_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def nll_loss(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
                  ignore_index: int) -> torch.Tensor:
-        if reduction != _NONE or logp.dim() < 2 or torch.jit.is_tracing():  # the legacy exporter's is right
-            return original(logp, target, weight, reduction, ignore_index)
-        return _picked_nll(logp, target, weight, ignore_index)
+        if _written_out(logp, reduction, ignore_index):
+            return _nll(logp, target, weight, reduction, ignore_index)
+        return original(logp, target, weight, reduction, ignore_index)
 
     return nll_loss
 
@@ -209,8 +239,8 @@ def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch
             terms = terms if weight is None else terms * weight.reshape(shape)
             return _reduce(-terms.sum(dim), reduction)  # a mean over the samples, as torch
         if label_smoothing <= 0:
-            if reduction == _NONE and dim == 1 and not torch.jit.is_tracing():  # legacy: its fused loss op
-                return _picked_nll(torch.log_softmax(x, 1), target, weight, ignore_index)
+            if _written_out(x, reduction, ignore_index):
+                return _nll(torch.log_softmax(x, 1), target, weight, reduction, ignore_index)
             return original(x, target, weight, reduction, ignore_index, label_smoothing)
         logp = torch.log_softmax(x, dim)
         nll = torch.nn.functional.nll_loss(logp, target, weight, ignore_index=ignore_index,
@@ -219,10 +249,7 @@ def _cross_entropy(original: Callable[..., torch.Tensor]) -> Callable[..., torch
         smooth = -(logp if weight is None else logp * weight.reshape(shape)).sum(dim)
         smooth = torch.where(ignored, torch.zeros((), dtype=smooth.dtype), smooth)
         if reduction == _MEAN:
-            kept = (~ignored).to(smooth.dtype)
-            if weight is not None:
-                kept = kept * weight[torch.where(ignored, torch.zeros_like(target), target)]
-            smooth = smooth.sum() / kept.sum()
+            smooth = smooth.sum() / _kept(target, weight, ignore_index, smooth.dtype).sum()
         elif reduction == _SUM:
             smooth = smooth.sum()
         return ((1 - label_smoothing) * nll + smooth * _smoothing_share(label_smoothing, classes, x)).reshape_as(nll)

@@ -237,3 +237,40 @@ def test_multi_margin_loss_passes_no_gradient_at_the_margin(exporter: str) -> No
     batches = [(torch.tensor([0, 2, 1]),)] * 2
     check_parity(lambda: ScoresAtTheMargin().double(), batches, lambda m, b: m(*b), rtol=1e-10, exporter=exporter,
                  optimizer=lambda params: torch.optim.SGD(params, lr=0.25))
+
+
+SPANS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
+    "mean": lambda s, y, n: F.cross_entropy(s, y, ignore_index=n),
+    "sum": lambda s, y, n: F.cross_entropy(s, y, ignore_index=n, reduction="sum"),
+    "none": lambda s, y, n: (F.cross_entropy(s, y, ignore_index=n, reduction="none") * (y + 1)).sum(),
+    "label smoothing": lambda s, y, n: F.cross_entropy(s, y, ignore_index=n, label_smoothing=0.1),
+    "nll": lambda s, y, n: F.nll_loss(F.log_softmax(s, 1), y, ignore_index=n),
+}
+
+
+class SpanScores(nn.Module):
+    """Hugging Face's question answering head: start and end scores over the positions, the targets past the
+    sequence clamped to its length and ignored by it, `CrossEntropyLoss(ignore_index=start_logits.size(1))`."""
+
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]):
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        scores = self.head(x)
+        ignored = scores.size(1)
+        pairs = [(scores[..., 0], start.clamp(0, ignored)), (scores[..., 1], end.clamp(0, ignored))]
+        return sum(self.loss(s, y, ignored) for s, y in pairs) / 2
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("case", list(SPANS))
+def test_an_ignore_index_read_from_a_size(case: str, exporter: str) -> None:
+    """An ignore_index read from the scores' size was refused by both exporters' losses, which take a number
+    (legacy: "i_(): incompatible function arguments"; dynamo: "Unsupported attribute"). Float64, two sequence
+    lengths from one export, a third of the targets past the sequence."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, n, 6, generator=g, dtype=torch.float64), torch.randint(0, n + 3, (4,), generator=g),
+                torch.randint(0, n + 3, (4,), generator=g)) for n in (7, 10, 7)]
+    check_parity(lambda: SpanScores(SPANS[case]).double(), batches, lambda m, b: m(*b), rtol=1e-10, exporter=exporter)
