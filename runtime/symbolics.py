@@ -18,7 +18,8 @@ negative source dim into perm; `embedding` ignores padding_idx (`F.embedding` of
 `roll` slices at -shift unwrapped (wrong for |shift| >= size) and fails without dims; `chunk` writes too many chunks
 where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b; `scatter_reduce`
 wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it), and
-`repeat_interleave` by a tensor of repeats is a Loop (no gradient): ours are one ScatterElements and a Gather.
+`repeat_interleave` by a tensor of repeats is a Loop (no gradient): ours are one ScatterElements and a Gather; by a
+count, torch's adds the rank to a negative axis in the constant the trace shares with the graph's other uses of it.
 `batch_norm` without running statistics refused a batch sized at run time: ours normalizes by the batch's.
 Ties as torch's backward breaks them: `fmax` / `fmin` give a tie's gradient to the first operand, `median` of every
 element splits it evenly, `clamp` with tensor bounds gives it to x (torch's Max / Min split it with the bound).
@@ -350,9 +351,13 @@ def _repeat_interleave(g: Any, x: Any, repeats: Any = None, dim: Any = None, out
     it, counted over [total, n] (O(total n) memory); gradbuilder's Gather rule sums the copies' gradients back, as
     torch's backward. torch's conversion writes a Loop (no gradient: the gradient build failed) where the repeats
     or the axis's size are known at run time only (every export's here). A repeat count (an int, a 0-d tensor),
-    and torch.repeat_interleave(repeats): torch's."""
+    and torch.repeat_interleave(repeats): torch's, given an axis constant of its own: torch's adds the rank to a
+    negative axis in place, in the constant node's tensor, which the tracer shares with every other -1 of the graph
+    (`torch.stack([-x2, x1], dim=-1)` after Cohere's `repeat_interleave(freqs, 2, dim=-1)` stacked on axis 2)."""
     own = symbolic_opset13.repeat_interleave if g.opset >= 13 else symbolic_opset9.repeat_interleave
     if g.original_node.inputsSize() != 4 or symbolic_helper._get_tensor_rank(repeats) != 1 or g.opset < 11:
+        if not _none(dim):
+            dim = g.op("Constant", value_t=torch.tensor(symbolic_helper._get_const(dim, "i", "dim")))
         return own(g, x, repeats, dim, output_size)
     if _none(dim):
         x, axis = g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([-1]))), 0

@@ -1,15 +1,15 @@
 """runtime/symbolics.py: ops torch's legacy exporter has no conversion for ("Exporting the operator ... is not
-supported") train through ORTModule like torch, in-place forms and torch.special aliases included, and
-interpolate's nearest-exact; so does tensor_split, which it converts into a tensor sequence (no gradient rule), and
-so do the ops it converts into something else than torch computes: floor_divide (truncated), index with two or more
-index tensors (negative ones read wrongly), max / min along a dim (ties' gradient split, NaNs dropped), var / std
-over every axis (float32 in float64), float32 constants in float64 (log2, elu, ...), roll, chunk, unique's
-inverse, fmax / fmin, median's and clamp's ties (tensor bounds), div's floor mode, scatter_reduce (Ifs declaring wrong
-sizes), repeat_interleave by a tensor (a Loop), amax / amin, max of every element and argmax (NaN dropped), round
-to decimals and addmm (float32 constants in float64), addbmm, frac, movedim (negative dims), embedding's
-padding_idx, integers clamped by floats, cumsum of a 0-d tensor, attention with a query masked out and xlogy's
-gradient at x = 0, and batch_norm without running statistics (a batch sized at run time
-refused). The float64 entries hold to `DOUBLE_RTOL`."""
+supported") train through ORTModule like torch, in-place forms and torch.special aliases included, and interpolate's
+nearest-exact; so does tensor_split, which it converts into a tensor sequence (no gradient rule), and so do the ops
+it converts into something else than torch computes: floor_divide (truncated), index with two or more index tensors
+(negative ones read wrongly), max / min along a dim (ties' gradient split, NaNs dropped), var / std over every axis
+(float32 in float64), float32 constants in float64 (log2, elu, ...), roll, chunk, unique's inverse, fmax / fmin,
+median's and clamp's ties (tensor bounds), div's floor mode, scatter_reduce (Ifs declaring wrong sizes),
+repeat_interleave by a tensor (a Loop) and by a count (other ops' axes changed), amax / amin, max of every element
+and argmax (NaN dropped), round to decimals and addmm (float32 constants in float64), addbmm, frac, movedim (negative
+dims), embedding's padding_idx, integers clamped by floats, cumsum of a 0-d tensor, attention with a query masked out
+and xlogy's gradient at x = 0, and batch_norm without running statistics (a batch sized at run time refused). The
+float64 entries hold to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -434,6 +434,34 @@ def test_repeat_interleave_by_tensor_trains_like_torch(dtype: torch.dtype) -> No
     batches = [(torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 4, (n,), generator=g),
                 torch.randint(0, 4, (n * 6,), generator=g), torch.randint(1, 4, (1,), generator=g)) for n in (4, 5, 7)]
     check_parity(lambda: Repeated().to(dtype), batches, lambda m, b: m(*b), threads=1,
+                 **({"rtol": DOUBLE_RTOL} if dtype == torch.float64 else {}))
+
+
+class InterleavedRotary(nn.Module):
+    """Cohere's rotary embedding: angles repeated pairwise by an int (`repeat_interleave(freqs, 2, dim=-1)`, rank 3),
+    then each query rotated pairwise (`torch.stack([-x2, x1], dim=-1).flatten(-2)`, rank 4) and a softmax over the
+    last axis: torch's conversion of the repeat added the rank to the -1 that the trace shares between them, in
+    place (the stack went to axis 2: onnxruntime refused the session, "Incompatible dimensions")."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 16)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4) / 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * self.inv_freq.to(x.dtype)  # [L, 4]
+        emb = torch.repeat_interleave(angles[None].expand(x.shape[0], -1, -1), 2, dim=-1)[:, None]  # [B, 1, L, 8]
+        q = self.q(x).unflatten(-1, (2, 8)).transpose(1, 2)  # [B, 2, L, 8]
+        rotated = torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).flatten(-2)
+        return (q * emb.cos() + rotated * emb.sin()).softmax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_a_repeat_count_leaves_the_other_axes_alone(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(3, n, 8, generator=g, dtype=dtype), torch.randn(3, 2, n, 8, generator=g, dtype=dtype))
+               for n in (5, 7, 5)]
+    check_parity(lambda: InterleavedRotary().to(dtype), batches, lambda m, b: (m(b[0]) * b[1]).sum(), threads=1,
                  **({"rtol": DOUBLE_RTOL} if dtype == torch.float64 else {}))
 
 
