@@ -90,10 +90,17 @@ def _binary_cross_entropy(p: torch.Tensor, y: torch.Tensor, weight: torch.Tensor
 def _binary_cross_entropy_with_logits(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None,
                                       pos_weight: torch.Tensor | None, reduction: int) -> torch.Tensor:
     """torch's stable form, (1 - y) x + w_pos (softplus(-x)) with w_pos = (pos_weight - 1) y + 1: the
-    exporter's log of a sigmoid is -inf past |x| ~ 17 (NaN gradients), and its gradient at x = 0 is right."""
+    exporter's log of a sigmoid is -inf past |x| ~ 17 (NaN gradients), and its gradient at x = 0 is right. torch
+    computes it in place on 1 - y, so the loss has the targets' type, each step rounded to it (float32 labels of
+    float64 logits, ELECTRA's `labels.float()`: a float32 loss)."""
+    kept = (1 - y).dtype
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == kept else t.to(kept)
+
     softplus = F.softplus(-x)
-    loss = (1 - y) * x + (softplus if pos_weight is None else ((pos_weight - 1) * y + 1) * softplus)
-    return _reduce(loss if weight is None else loss * weight, reduction)
+    loss = rounded(rounded((1 - y) * x) + (softplus if pos_weight is None else ((pos_weight - 1) * y + 1) * softplus))
+    return _reduce(loss if weight is None else rounded(loss * weight), reduction)
 
 
 def _multilabel_margin(x: torch.Tensor, y: torch.Tensor, reduction: int) -> torch.Tensor:

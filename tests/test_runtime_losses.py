@@ -274,3 +274,17 @@ def test_an_ignore_index_read_from_a_size(case: str, exporter: str) -> None:
     batches = [(torch.randn(4, n, 6, generator=g, dtype=torch.float64), torch.randint(0, n + 3, (4,), generator=g),
                 torch.randint(0, n + 3, (4,), generator=g)) for n in (7, 10, 7)]
     check_parity(lambda: SpanScores(SPANS[case]).double(), batches, lambda m, b: m(*b), rtol=1e-10, exporter=exporter)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_float32_targets_of_float64_logits_give_a_float32_loss(exporter: str) -> None:
+    """torch computes binary_cross_entropy_with_logits in place on 1 - y: float32 targets of float64 logits
+    (ELECTRA's `labels.float()`) give a float32 loss, each step rounded to float32 (ours was float64)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g, dtype=torch.float64), _binary(g)) for _ in range(3)]
+    loss = WithLoss(lambda a, b: F.binary_cross_entropy_with_logits(a, b, reduction="none")).double()
+    ort, reference, _ = check_parity(lambda: loss, batches, lambda m, b: (m(*b) * torch.arange(5.0)).sum(), rtol=1e-6,
+                                     exporter=exporter)
+    got, want = ort(*batches[0]), reference(*batches[0])
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
