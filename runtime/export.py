@@ -377,10 +377,15 @@ def _fed_buffers(module: nn.Module, attributes: Mapping[str, torch.Tensor]) -> I
     non-persistent names are emptied for the export (in place: the flat module shares the root's). `attributes`
     (`edits.grad_attributes`: tensors requiring grad in plain attributes) are buffers while it lasts, so that they
     become inputs too (the legacy exporter refused them as constants; dynamo's graph held them as such, without
-    gradient)."""
+    gradient). A tensor made by `nn.Buffer(persistent=False)` carries its flag, which assigning it again in the
+    forward reads (CTRL's `self.pos_encoding = self.pos_encoding.to(...)`, the same tensor): set too, else the
+    assignment made it non-persistent again mid-trace ("state_dict changed after running the tracer")."""
     sets = [(m._non_persistent_buffers_set, set(m._non_persistent_buffers_set)) for m in module.modules()]
     for names, _ in sets:
         names.clear()
+    flagged = [b for m in module.modules() for b in m._buffers.values() if getattr(b, "persistent", True) is False]
+    for b in flagged:
+        b.persistent = True
     moved = [(*_holder(module, fqn), t) for fqn, t in attributes.items()]
     for owner, attr, t in moved:
         del owner.__dict__[attr]
@@ -393,6 +398,8 @@ def _fed_buffers(module: nn.Module, attributes: Mapping[str, torch.Tensor]) -> I
             owner.__dict__[attr] = t
         for names, kept in sets:
             names.update(kept)
+        for b in flagged:
+            b.persistent = False
 
 
 def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:

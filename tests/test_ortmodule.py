@@ -1357,6 +1357,33 @@ def test_state_carried_in_buffers_from_call_to_call_follows_torch(persistent: bo
     assert ("h" in om.state_dict()) == persistent and "scale" not in om.state_dict()
 
 
+class Encoded(nn.Module):
+    """CTRL's positional encoding: an `nn.Buffer(persistent=False)` the forward assigns again, moved to the input's
+    device and type (the same tensor here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.pe = nn.Buffer(torch.randn(10, 6), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.pe = self.pe.to(device=x.device, dtype=x.dtype)
+        return self.fc(x) + self.pe[: x.shape[1]]
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_non_persistent_buffer_assigned_again_in_forward(exporter: str) -> None:
+    """The tensor's own flag made the assignment non-persistent again while the export had every buffer persistent
+    (to feed them), and the legacy exporter refused: "state_dict changed after running the tracer"."""
+    ref, om = pair(Encoded(), exporter=exporter)
+    for n in (4, 7):
+        x = torch.randn(3, n, 6)
+        for m in (ref, om):
+            m(x).square().sum().backward()
+        assert_grads_equal(om, ref)
+    assert om.stats["exports"] == 1 and "pe" not in om.state_dict() and "pe" not in om.module.state_dict()
+
+
 class _MoE(nn.Module):
     """A gated layer keeping its load-balancing loss and its routing (for plotting) in plain attributes, as MoE and
     VQ layers do: the training loop reads them after the call."""
