@@ -14,7 +14,8 @@ axis compute in float32 (a float64 module's came back float32) and drop keepdim'
 use float32 constants (1e-8 off in float64; `layer_norm`'s eps, LayerNormalization's float32 attribute, is made
 torch's by scaling its input, `functions._layer_norm`); `amax`, `amin`, `aminmax` and `max` / `min` of every
 element drop a NaN that does not come first (onnxruntime's ReduceMax), `argmax` / `argmin` skip NaNs; `movedim` writes a
-negative source dim into perm; `embedding` ignores padding_idx (`F.embedding` of a weight no nn.Embedding owns);
+negative source dim into perm, and `permute` its negative dims; `embedding` ignores padding_idx (`F.embedding` of a
+weight no nn.Embedding owns);
 `roll` slices at -shift unwrapped (wrong for |shift| >= size) and fails without dims; `chunk` writes too many chunks
 where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b; `scatter_reduce`
 wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it), and
@@ -797,6 +798,14 @@ def _movedim(g: Any, x: Any, source: Any, destination: Any) -> Any:
     return x if order == list(range(rank)) else g.op("Transpose", x, perm_i=order)
 
 
+@symbolic_helper.parse_args("v", "is")
+def _permute(g: Any, x: Any, dims: list[int]) -> Any:
+    """x.permute(dims) with negative dims wrapped (torch's conversion wrote them into perm: Mamba-2's
+    `permute(0, -2, -1, 1)` was refused by onnx's inference, "Invalid attribute perm")."""
+    perm = [d % len(dims) for d in dims]
+    return x if perm == list(range(len(perm))) else g.op("Transpose", x, perm_i=perm)
+
+
 def _split(g: Any, x: Any, split_size_or_sizes: Any, dim: Any, _outputs: int | None = None) -> Any:
     """x.split(k, dim) along an axis the export sizes at run time: torch's conversion took the axis for k times
     the traced chunk count (7 in chunks of 3 written as 3, 3, 3: refused at the first run). The last chunk is
@@ -1206,7 +1215,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::div": _div, **{f"aten::{name}": _clamp(name) for name in ("clamp", "clamp_min", "clamp_max")},
     "aten::scatter_reduce": _scatter_reduce, "aten::repeat_interleave": _repeat_interleave,
     "aten::amax": _amax(True), "aten::amin": _amax(False), "aten::round": _round, "aten::addmm": _addmm,
-    "aten::addbmm": _addbmm, "aten::movedim": _movedim,
+    "aten::addbmm": _addbmm, "aten::movedim": _movedim, "aten::permute": _permute,
     "aten::argmax": _arg_extremum(True), "aten::argmin": _arg_extremum(False), "aten::embedding": _embedding,
     "aten::aminmax": _aminmax, "aten::split": _split, "aten::batch_norm": _batch_norm,
     "aten::fake_quantize_per_tensor_affine": _fake_quantize(False),

@@ -280,6 +280,9 @@ OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     # a negative source dim (torch's conversion wrote it into Transpose's perm: onnxruntime refused the model)
     "movedim with negative dims": lambda h: (h.reshape(-1, 2, 3).movedim(-1, 1).reshape(-1, 6)
                                              + torch.moveaxis(h.reshape(-1, 2, 3), (0, -1), (-1, 1)).reshape(6, -1).T),
+    # Mamba-2's permute(0, -2, -1, 1): torch's conversion wrote the negative dims into perm (refused by onnx)
+    "permute with negative dims": lambda h: (h.reshape(-1, 2, 3, 1).permute(0, -2, -1, 1).reshape(-1, 6) * h
+                                             + h.reshape(-1, 3, 2).permute(-1, 0, -2).reshape(-1, 6)[: h.shape[0]]),
 }
 DOUBLE = ["frac", "xlogy at x = 0", "clamp of integers by floats", "amax, amin, aminmax, max of every element with NaN",
           "round with decimals", "addmm, addbmm", "floor_divide", "floor_divide of ints",
