@@ -8,7 +8,8 @@ margin losses) as Max / Min, which split a gradient at a bound reached (torch's 
 `xlogy` cut x's gradient at x = 0, `detach` was an Identity, and float64 `elu`, `selu`, `celu`, `leaky_relu` and
 `log2` computed with float32 constants (or in float32); `bernoulli_(p)`, `normal_(mean, std)` and `uniform_(a, b)`
 (which onnxscript lacks) are `torch_draws`' markers, as under the legacy exporter;
-`conv3d` without a bias gave its Conv a bias of the wrong rank.
+`conv3d` without a bias gave its Conv a bias of the wrong rank; a number minus an integer tensor failed torch's
+decomposition (`rsub`).
 The legacy exporter's conversions of the same ops (`symbolics.py`) follow torch: these follow the same
 conventions. (Attention under a mask emptying a row is mended before either exporter sees it, in `functions.py`.)
 Where onnxscript's are right (scalar bounds: a Clip; float32 activations) they are kept."""
@@ -316,6 +317,23 @@ def _conv3d(x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
     return _op().Conv(*inputs, strides=three(stride), pads=[*pads, *pads], dilations=three(dilation), group=groups)
 
 @functools.cache
+def _rsub(x: Any, other: float, alpha: float = 1) -> Any:
+    """aten rsub.Scalar (`1.0 - mask`): other - alpha x, in torch's result type (an integer x with a float number:
+    the default float type). torch's decomposition writes it as sub(number, tensor), which no overload of sub takes
+    ("Cannot find a compatible OpOverload for aten.sub": XLNet's `1.0 - attention_mask` of an int64 mask)."""
+    from onnxscript import ir
+    op = _op()
+    dtype = x.dtype
+    if not _floating(x) and not (isinstance(other, int) and isinstance(alpha, int)):
+        dtype = ir.DataType.DOUBLE if torch.get_default_dtype() == torch.float64 else ir.DataType.FLOAT
+        x = op.Cast(x, to=dtype)
+
+    def number(value: float) -> Any:
+        return _tensor(np.array(value, dtype=dtype.numpy()))
+
+    return op.Sub(number(other), x if alpha == 1 else op.Mul(x, number(alpha)))
+
+
 def translations() -> dict[Any, Any]:
     """aten overload -> translation, for `torch.onnx.export(..., custom_translation_table=)`."""
     aten = torch.ops.aten
@@ -332,4 +350,5 @@ def translations() -> dict[Any, Any]:
         aten.logaddexp.default: _logaddexp, aten.logcumsumexp.default: _logcumsumexp,
         aten.logaddexp2.default: lambda a, b: _logaddexp(a, b, math.log(2.0)),
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
+        aten.rsub.Scalar: _rsub,
     }

@@ -1,13 +1,13 @@
 """runtime/dynamo_translations.py: under the dynamo exporter, ops onnxscript translates into something else than torch
 computes give torch's outputs and gradients, at exact ties and NaNs: max / min along a dim and global adaptive max
-pooling (a tie's gradient to the index returned; NaN kept), amax / amin (NaN kept), clamp with tensor bounds (a
-bound reached: x's gradient; float64 clamps' bounds are tensors, margin losses' clamp_min too), attention under a
-boolean mask leaving a query no key, binary cross-entropy at p = target = 0 or 1 (runtime's replacement detaches,
-which onnxscript drops), xlogy's gradient at x = 0, and float64 activations' constants (elu, selu, leaky_relu,
-log2), logaddexp and logcumsumexp of -infs (onnxscript's gave NaN gradients, which masked_fill's backward, once a
-product by its mask, did not stop either); bernoulli_(p) under `torch_dropout` draws torch's mask; conv3d without
-bias runs. Every entry of `OPS` runs in
-float32 and in float64, the latter to `DOUBLE_RTOL`."""
+pooling (a tie's gradient to the index returned; NaN kept), amax / amin (NaN kept), clamp with tensor bounds (a bound
+reached: x's gradient; float64 clamps' bounds are tensors, margin losses' clamp_min too), attention under a boolean
+mask leaving a query no key, binary cross-entropy at p = target = 0 or 1 (runtime's replacement detaches, which
+onnxscript drops), xlogy's gradient at x = 0, and float64 activations' constants (elu, selu, leaky_relu, log2),
+logaddexp and logcumsumexp of -infs (onnxscript's gave NaN gradients, which masked_fill's backward, once a product by
+its mask, did not stop either), a number minus integers (torch's decomposition failed); bernoulli_(p) under
+`torch_dropout` draws torch's mask; conv3d without bias runs. Every entry of `OPS` runs in float32 and in float64,
+the latter to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ OPS: dict[str, Op] = {
                                            + torch.logaddexp2(_log_masked(h), _log_masked(h).flip(0)).exp2()),
     "logcumsumexp_of_neg_infs": lambda h, b: (_log_masked(h).logcumsumexp(1).exp()
                                               + _log_masked(h / 4).logcumsumexp(0).exp()),
+    # a number minus an integer mask (XLNet's `1.0 - attention_mask`): torch's decomposition failed the export
+    "rsub_of_integers": lambda h, b: (h * (1.0 - (h > 0).long()) + (3 - (h > b).long()) * h
+                                      + torch.rsub(h, 2.5, alpha=3) + (1 - h) * b),
 }
 
 
