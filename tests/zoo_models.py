@@ -418,6 +418,14 @@ def text_batch(g: torch.Generator, batch: int = 4, length: int = 10, vocab: int 
             "labels": torch.randint(0, classes, (batch,), generator=g)}
 
 
+def span_batch(g: torch.Generator) -> Batch:
+    """Question answering: start and end positions, some past the sequence (clamped to it and ignored)."""
+    batch = text_batch(g)
+    del batch["labels"]
+    return {**batch, "start_positions": torch.randint(0, 14, (4,), generator=g),
+            "end_positions": torch.randint(0, 14, (4,), generator=g)}
+
+
 def lm_batch(g: torch.Generator, batch: int = 4, length: int = 10, vocab: int = 99) -> Batch:
     """Causal LM: labels are the input ids (the model shifts them), the same tensor as users pass it."""
     ids = torch.randint(0, vocab, (batch, length), generator=g)
@@ -542,6 +550,8 @@ CASES: dict[str, Case] = {
     "hf-deberta-v2": _hf("DebertaV2ForSequenceClassification", "DebertaV2Config", text_batch, **TEXT, **NO_DROPOUT,
                          num_labels=3, relative_attention=True, pos_att_type=["c2p", "p2c"],
                          max_relative_positions=16),
+    # span extraction: the positions past the sequence ignored by an ignore_index read from the scores' size
+    "hf-bert-qa": _hf("BertForQuestionAnswering", "BertConfig", span_batch, **TEXT, **NO_DROPOUT),
     # decoders
     "hf-gpt2": _hf("GPT2LMHeadModel", "GPT2Config", lm_batch, vocab_size=99, n_embd=32, n_layer=2, n_head=2,
                    n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
@@ -563,6 +573,12 @@ CASES: dict[str, Case] = {
     # a state-space model: its scan a Python loop over the steps, its inputs cut by tensor_split at a size read
     "hf-mamba": _hf("MambaForCausalLM", "MambaConfig", lm_batch, vocab_size=99, hidden_size=32, state_size=4,
                     num_hidden_layers=2, expand=2, conv_kernel=4),
+    # Mamba-2's chunked scan: permutes by negative dims
+    "hf-mamba2": _hf("Mamba2ForCausalLM", "Mamba2Config", lm_batch, vocab_size=99, hidden_size=32, state_size=4,
+                     num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, n_groups=1, chunk_size=8),
+    # rotary angles repeated pairwise (repeat_interleave by a count), queries rotated by stack and flatten
+    "hf-cohere": _hf("CohereForCausalLM", "CohereConfig", lm_batch, **TEXT, num_key_value_heads=1,
+                     max_position_embeddings=64),
     # encoder-decoders
     "hf-t5": _hf("T5ForConditionalGeneration", "T5Config", seq2seq_batch, vocab_size=99, d_model=32, d_kv=16, d_ff=37,
                  num_layers=2, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0),
