@@ -43,9 +43,10 @@ def forward(model: onnx.ModelProto, config: SessionConfig) -> onnx.ModelProto:
     StopGradient as the Identity it is (an inference graph is the exported one, never split), 1-D MatMul
     operands of a Transpose's product as matrices (`passes.vectors_as_matrices`: onnxruntime's
     MatmulTransposeFusion computes those wrong), reducing ScatterNDs as ScatterElements (`passes.ordered_scatters`:
-    onnxruntime's threads lose updates of repeated indices), and ceil-mode pools and `canonical_forms` as in
+    onnxruntime's threads lose updates of repeated indices), float64 inverse DFTs as forward ones
+    (`passes.exact_inverse_dfts`: onnxruntime's scale in float32), and ceil-mode pools and `canonical_forms` as in
     `source` (an inference graph does not pass there)."""
-    model = stop_gradient.as_identity(model)
+    model = passes.exact_inverse_dfts(stop_gradient.as_identity(model))
     model = passes.ceil_pools_as_floor(passes.ordered_scatters(passes.vectors_as_matrices(model)))
     model = passes.canonical_forms(model)
     if not config.lower:
@@ -84,9 +85,10 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
     (`passes.idle_reshapes`); `known`: values of the initializers backward reads from the forward part; `rows`:
     the batch expected where the graph leaves it symbolic; `forward`: the forward half, whose infinite fills keep
     their gradients' Wheres (`passes.infinite_fills`). Always: 1-D
-    MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`) and reducing ScatterNDs
-    as ScatterElements (`passes.ordered_scatters`), after the sums, which add into scatters of either kind."""
-    model = passes.vectors_as_matrices(model)
+    MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`), float64 inverse DFTs as
+    forward ones (`passes.exact_inverse_dfts`) and reducing ScatterNDs as ScatterElements
+    (`passes.ordered_scatters`), after the sums, which add into scatters of either kind."""
+    model = passes.exact_inverse_dfts(passes.vectors_as_matrices(model))
     if not config.lower:
         return passes.ordered_scatters(model)
     keep = passes.infinite_fills(forward) if forward is not None else frozenset()
