@@ -1225,32 +1225,63 @@ def vectors_as_matrices(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def exact_inverse_dfts(model: onnx.ModelProto) -> onnx.ModelProto:
-    """float64 inverse DFTs computed as conj(DFT(conj(x))) / n, n divided in float64: onnxruntime's inverse DFT
-    scales by 1 / n in float32 at lengths other than powers of two (1.5e-8 to 5e-8 off at 6, 7, 10, 12, 30 and
-    100 points, its forward DFT within 4e-14), which put float32's rounding into float64 `torch.fft.ifft` and into
-    the gradient of every float64 forward DFT (FNet's `fftn`). Needs the input's type and its last dim (real or
-    complex); the length is `dft_length` where given. Returns a rewritten copy, or `model` itself."""
+    """float64 inverse DFTs computed by forward ones, n divided in float64: onnxruntime's inverse DFT scales by 1 / n in
+    float32 at lengths other than powers of two (1.5e-8 to 5e-8 off at 6, 7, 10, 12, 30 and 100 points, its forward
+    DFT within 4e-14), which put float32's rounding into float64 `torch.fft.ifft` and `irfft` (the gradient rules
+    write their adjoints with forward DFTs for the same reason). A complete inverse: conj(DFT(conj x)) / n. A
+    one-sided one (irfft to L samples, from the spectrum's first L // 2 + 1 bins as numpy reads them): the real part
+    of the forward DFT of c_k conj(X_k), zero-padded to L, over L, c_k 1 at bins 0 and L / 2 and 2 elsewhere. Needs
+    the input's type, rank and last dim (real or complex), and a static axis; the length is `dft_length` where given.
+    Returns a rewritten copy, or `model` itself."""
     candidates = [(k, n) for k, n in enumerate(model.graph.node) if n.op_type == "DFT" and n.domain in ("", "ai.onnx")
-                  and int_attr(n, "inverse", 0) and not int_attr(n, "onesided", 0)]
+                  and int_attr(n, "inverse", 0)]
     if not candidates:
         return model
     types = {name: t for name, (t, _) in tensor_types(infer_shapes_safely(model) or model.graph).items()}
     dims = _dims_of(model, [n.input[0] for _, n in candidates])
-    plan = [(k, dims[n.input[0]][-1]) for k, n in candidates if types.get(n.input[0]) == TensorProto.DOUBLE
-            and dims.get(n.input[0]) and dims[n.input[0]][-1] in (1, 2)]
     opset = default_opset(model)
+    consts = constant_values(model.graph)
+    plan = []
+    for k, n in candidates:
+        x = dims.get(n.input[0])
+        if types.get(n.input[0]) != TensorProto.DOUBLE or not x or x[-1] not in (1, 2):
+            continue
+        if opset >= 20 and len(n.input) > 2 and n.input[2]:
+            axis = int(consts[n.input[2]].ravel()[0]) if n.input[2] in consts else None
+        else:
+            axis = int_attr(n, "axis", -2 if opset >= 20 else 1)
+        if axis is not None:
+            plan.append((k, len(x), axis % len(x), x[-1]))
 
-    def build(node: onnx.NodeProto, parts: int, taken: set[str]) -> list[onnx.NodeProto]:
+    def build(node: onnx.NodeProto, rank: int, axis: int, parts: int, taken: set[str]) -> list[onnx.NodeProto]:
         e = Nodes(node.name or node.output[0], taken)
-        x, length = node.input[0], node.input[1] if len(node.input) > 1 else ""
+        x, given = node.input[0], node.input[1] if len(node.input) > 1 and node.input[1] else None
         flip = e("Constant", value=helper.make_tensor("v", TensorProto.DOUBLE, [2], [1.0, -1.0]))
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "inverse"}
-        spectrum = e("DFT", e("Mul", x, flip) if parts == 2 else x, *node.input[1:], **attrs)
-        if not length:
-            axis = node.input[2] if opset >= 20 and len(node.input) > 2 and node.input[2] else \
-                e.const(int_attr(node, "axis", -2 if opset >= 20 else 1))
-            length = e("Gather", e("Shape", x), axis)
-        e("Div", e("Mul", spectrum, flip), e("Cast", length, to=TensorProto.DOUBLE), out=node.output[0])
+        conj = e("Mul", x, flip) if parts == 2 else x
+        bins = e("Gather", e("Shape", x), e.axes([axis]))
+        length = e("Reshape", e("Cast", given, to=TensorProto.INT64), e.axes([1])) if given else None
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute
+                 if a.name not in ("inverse", "onesided", "axis")}
+        if not int_attr(node, "onesided", 0):
+            spectrum = e("DFT", conj, *node.input[1:], **attrs, **({"axis": axis} if opset < 20 else {}))
+            e("Div", e("Mul", spectrum, flip), e("Cast", length or bins, to=TensorProto.DOUBLE), out=node.output[0])
+            return e.nodes
+        length = length or e("Mul", e("Sub", bins, e.axes([1])), e.axes([2]))
+        kept = e("Add", e("Div", length, e.axes([2])), e.axes([1]))
+        conj = e("Slice", conj, e.axes([0]), kept, e.axes([axis]))  # numpy's bins: at most L // 2 + 1
+        k = e("Range", e.const(0), e("Squeeze", e("Gather", e("Shape", conj), e.axes([axis])), e.axes([0])),
+              e.const(1))
+        samples = e("Squeeze", length, e.axes([0]))
+        edge = e("Or", e("Equal", k, e.const(0)), e("Equal", e("Mul", k, e.const(2)), samples))
+        two = e("Constant", value=helper.make_tensor("v", TensorProto.DOUBLE, [], [2.0]))
+        one = e("Constant", value=helper.make_tensor("v", TensorProto.DOUBLE, [], [1.0]))
+        weights = e("Reshape", e("Where", edge, one, two), e.axes([-1, *[1] * (rank - 1 - axis)]))
+        rest = e("Sub", length, e("Gather", e("Shape", conj), e.axes([axis])))
+        pads = e("Concat", e.axes([0] * (rank + axis)), rest, e.axes([0] * (rank - 1 - axis)), axis=0)
+        padded = e("Pad", e("Mul", conj, weights), pads)
+        spectrum = e("DFT", padded, **attrs, axis=axis) if opset < 20 else e("DFT", padded, "", e.const(axis), **attrs)
+        real = e("Slice", spectrum, e.axes([0]), e.axes([1]), e.axes([rank - 1]))
+        e("Div", real, e("Cast", length, to=TensorProto.DOUBLE), out=node.output[0])
         return e.nodes
 
     return rewrite_nodes(model, plan, build)

@@ -982,3 +982,29 @@ def test_float64_inverse_dfts_are_exact(exporter: str) -> None:
     weights = torch.randn(3, 10, 8, generator=g, dtype=torch.float64)
     check_parity(lambda: Spectral().double(), batches, lambda m, b: (m(*b) * weights).sum(), rtol=1e-12,
                  exporter=exporter)
+
+
+class GlobalFilter(nn.Module):
+    """GFNet's token mixing: the positions' one-sided spectrum times a learned complex filter per channel and a ramp
+    over the bins, back by irfft to the run-time length (`n=h.shape[1]`, symbolic in the graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.filter = nn.Parameter(torch.randn(8, 2) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        spectrum = torch.fft.rfft(h, dim=1, norm="ortho") * torch.view_as_complex(self.filter)
+        ramp = torch.arange(spectrum.shape[1], dtype=h.dtype)[:, None] + 1
+        return torch.fft.irfft(spectrum * ramp, n=h.shape[1], dim=1, norm="ortho")
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_inverse_one_sided_dft_over_a_run_time_length(exporter: str) -> None:
+    """irfft to a length the graph reads at run time had no gradient ("needs a constant dft_length"): its adjoint's
+    bin weights are computed from the sizes. Float64, an even and an odd length from one export."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(3, n, 8, generator=g, dtype=torch.float64),) for n in (10, 7, 10)]
+    check_parity(lambda: GlobalFilter().double(), batches, lambda m, b: (m(*b) * b[0].flip(1)).sum(), rtol=1e-12,
+                 exporter=exporter)
