@@ -687,12 +687,31 @@ def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset
     flat._result["outputs"] = computed  # the export ran the module again, on fake tensors
     # float64 arithmetic's Python numbers read as written (onnxscript casts float32 Constants: 1e-8 off)
     numbers = double_scalars.numbers_in(program.exported_program.graph.nodes)  # type: ignore[union-attr]
+    _unique_value_names(program.model)  # type: ignore[union-attr]
     model = checkpoints.tag_regions(double_scalars.sizes_in_double(double_scalars.constants_in_double(
         torch_draws.expand(program.model_proto), numbers), numbers))  # type: ignore[union-attr]
     _pin_single_values(model, program.exported_program.range_constraints)  # type: ignore[union-attr]
     _outputs_sized_by_inputs(model)
     flat._result["guards"] = SizeGuards.of(program.exported_program, len(leaves))  # type: ignore[union-attr]
     return model
+
+
+def _unique_value_names(model: Any) -> None:
+    """Node outputs named as a graph input or initializer renamed, in the dynamo exporter's IR (whose values are
+    distinct objects, their uses following them): it names a parameter by its qualified name and a node's output
+    by its FX node's, so a parameter `t` and a transpose `z.t()` were both 't', an invalid graph ("tensor 't' is
+    defined twice")."""
+    graph = model.graph
+    sources = {v.name for v in graph.inputs} | set(graph.initializers)
+    taken = sources | {v.name for node in graph for v in node.outputs}
+    for node in graph:
+        for v in node.outputs:
+            if v.name in sources:
+                k = 1
+                while f"{v.name}_{k}" in taken:
+                    k += 1
+                v.name = f"{v.name}_{k}"
+                taken.add(v.name)
 
 
 SYMBOLIC_AXES = (None, 1, 0)

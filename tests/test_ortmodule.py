@@ -1384,6 +1384,32 @@ def test_a_non_persistent_buffer_assigned_again_in_forward(exporter: str) -> Non
     assert om.stats["exports"] == 1 and "pe" not in om.state_dict() and "pe" not in om.module.state_dict()
 
 
+class NamedLikeOps(nn.Module):
+    """Parameters named as the ops of the forward: a temperature `t` beside `z.t()`, a gate `mul` beside a product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.t = nn.Parameter(torch.tensor(0.7))
+        self.mul = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x) * self.mul
+        return (z @ z.t()) * self.t
+
+
+def test_parameters_named_as_the_forward_s_ops() -> None:
+    """The dynamo exporter names a parameter by its qualified name and a node's output by its op: a parameter `t`
+    and a transpose were both 't', which the gradient build refused ("tensor 't' is defined twice")."""
+    ref, om = pair(NamedLikeOps(), exporter="dynamo")
+    for n in (4, 5):
+        x = torch.randn(n, 6)
+        for m in (ref, om):
+            m(x).square().sum().backward()
+        assert_grads_equal(om, ref)
+    assert om.stats["exports"] == 1
+
+
 class _MoE(nn.Module):
     """A gated layer keeping its load-balancing loss and its routing (for plotting) in plain attributes, as MoE and
     VQ layers do: the training loop reads them after the call."""
