@@ -316,7 +316,7 @@ def _conv3d(x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
     inputs = [x, w] if bias is None else [x, w, bias]
     return _op().Conv(*inputs, strides=three(stride), pads=[*pads, *pads], dilations=three(dilation), group=groups)
 
-@functools.cache
+
 def _rsub(x: Any, other: float, alpha: float = 1) -> Any:
     """aten rsub.Scalar (`1.0 - mask`): other - alpha x, in torch's result type (an integer x with a float number:
     the default float type). torch's decomposition writes it as sub(number, tensor), which no overload of sub takes
@@ -334,6 +334,7 @@ def _rsub(x: Any, other: float, alpha: float = 1) -> Any:
     return op.Sub(number(other), x if alpha == 1 else op.Mul(x, number(alpha)))
 
 
+@functools.cache
 def translations() -> dict[Any, Any]:
     """aten overload -> translation, for `torch.onnx.export(..., custom_translation_table=)`."""
     aten = torch.ops.aten

@@ -56,8 +56,12 @@ def _irfft_adjoint(g: Grad, r: int, axis: int | None, axes: str) -> str:
         g.fail("the inverse one-sided transform needs a static axis")
     bins = shape[axis]
     given = g.const_input(1) if g.I(1) is not None else None
-    length = int(given.ravel()[0]) if given is not None else 2 * (bins - 1) if g.I(1) is None and isinstance(
-        bins, int) else None
+    if given is not None:
+        length = int(given.ravel()[0])
+    elif g.I(1) is None and isinstance(bins, int):
+        length = 2 * (bins - 1)
+    else:
+        length = None
     if isinstance(bins, int) and length is not None:
         kept = length // 2 + 1
         if kept != bins:  # onnxruntime then neither pads nor crops the spectrum as numpy's irfft does
