@@ -9,7 +9,7 @@ margin losses) as Max / Min, which split a gradient at a bound reached (torch's 
 `log2` computed with float32 constants (or in float32); `bernoulli_(p)`, `normal_(mean, std)` and `uniform_(a, b)`
 (which onnxscript lacks) are `torch_draws`' markers, as under the legacy exporter;
 `conv3d` without a bias gave its Conv a bias of the wrong rank; a number minus an integer tensor failed torch's
-decomposition (`rsub`).
+decomposition (`rsub`), and a lazy conjugate's negated view (`_neg_view`: ifft of a real tensor) had no translation.
 The legacy exporter's conversions of the same ops (`symbolics.py`) follow torch: these follow the same
 conventions. (Attention under a mask emptying a row is mended before either exporter sees it, in `functions.py`.)
 Where onnxscript's are right (scalar bounds: a Clip; float32 activations) they are kept."""
@@ -334,6 +334,13 @@ def _rsub(x: Any, other: float, alpha: float = 1) -> Any:
     return op.Sub(number(other), x if alpha == 1 else op.Mul(x, number(alpha)))
 
 
+def _neg_view(x: Any) -> Any:
+    """aten _neg_view: -x. torch writes a lazy conjugate's imaginary part so (`torch.fft.ifft` of a real tensor, its
+    conjugated forward transform over n), which onnxscript has no translation for ("No ONNX function found for
+    aten._neg_view")."""
+    return _op().Neg(x)
+
+
 @functools.cache
 def translations() -> dict[Any, Any]:
     """aten overload -> translation, for `torch.onnx.export(..., custom_translation_table=)`."""
@@ -351,5 +358,5 @@ def translations() -> dict[Any, Any]:
         aten.logaddexp.default: _logaddexp, aten.logcumsumexp.default: _logcumsumexp,
         aten.logaddexp2.default: lambda a, b: _logaddexp(a, b, math.log(2.0)),
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,
-        aten.rsub.Scalar: _rsub,
+        aten.rsub.Scalar: _rsub, aten._neg_view.default: _neg_view,
     }

@@ -6,8 +6,8 @@ mask leaving a query no key, binary cross-entropy at p = target = 0 or 1 (runtim
 onnxscript drops), xlogy's gradient at x = 0, and float64 activations' constants (elu, selu, leaky_relu, log2),
 logaddexp and logcumsumexp of -infs (onnxscript's gave NaN gradients, which masked_fill's backward, once a product by
 its mask, did not stop either), a number minus integers (torch's decomposition failed); bernoulli_(p) under
-`torch_dropout` draws torch's mask; conv3d without bias runs. Every entry of `OPS` runs in float32 and in float64,
-the latter to `DOUBLE_RTOL`."""
+`torch_dropout` draws torch's mask; conv3d without bias runs; ifft of a real tensor trains. Every entry of `OPS` runs
+in float32 and in float64, the latter to `DOUBLE_RTOL`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from parity import check_parity
 from torch import nn
 from torch.nn import functional as F
 
@@ -191,3 +192,26 @@ def test_conv3d_without_bias_trains_like_torch() -> None:
     for (key, p), q in zip(ours.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=key)
     assert model.stats["fallbacks"] == 0, model.stats
+
+
+class InverseOfReal(nn.Module):
+    """torch.fft.ifft of a real tensor, which torch computes as its forward transform conjugated over n (a negated
+    view of the imaginary part), along the positions and along the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return torch.fft.ifft(h, dim=1).imag + torch.fft.ifft(h, dim=2).real * h
+
+
+def test_ifft_of_a_real_tensor() -> None:
+    """onnxscript had no translation for the negated view ("No ONNX function found for aten._neg_view"), and the
+    legacy exporter has no fft at all: the module could not train. Float64, to 1e-12 of the largest."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(3, n, 8, generator=g, dtype=torch.float64),) for n in (10, 7)]
+    weights = torch.randn(8, generator=g, dtype=torch.float64)
+    check_parity(lambda: InverseOfReal().double(), batches, lambda m, b: (m(*b) * weights).sum(), rtol=1e-12,
+                 exporter="dynamo")
