@@ -86,7 +86,8 @@ def backward(model: onnx.ModelProto, known: dict[str, np.ndarray], config: Sessi
     the batch expected where the graph leaves it symbolic; `forward`: the forward half, whose infinite fills keep
     their gradients' Wheres (`passes.infinite_fills`). Always: 1-D
     MatMul operands of a Transpose's product as matrices (`passes.vectors_as_matrices`), float64 inverse DFTs as
-    forward ones (`passes.exact_inverse_dfts`) and reducing ScatterNDs as ScatterElements
+    forward ones (`passes.exact_inverse_dfts`: the rules write none, but a checkpointed region's forward nodes are
+    recomputed here) and reducing ScatterNDs as ScatterElements
     (`passes.ordered_scatters`), after the sums, which add into scatters of either kind."""
     model = passes.exact_inverse_dfts(passes.vectors_as_matrices(model))
     if not config.lower:

@@ -794,15 +794,18 @@ def _movedim(g: Any, x: Any, source: Any, destination: Any) -> Any:
     for src, dst in zip(*dims, strict=True):
         perm[dst] = src
     rest = iter(d for d in range(rank) if d not in dims[0])
-    order = [next(rest) if p is None else p for p in perm]
-    return x if order == list(range(rank)) else g.op("Transpose", x, perm_i=order)
+    return _transposed(g, x, [next(rest) if p is None else p for p in perm])
 
 
 @symbolic_helper.parse_args("v", "is")
 def _permute(g: Any, x: Any, dims: list[int]) -> Any:
     """x.permute(dims) with negative dims wrapped (torch's conversion wrote them into perm: Mamba-2's
     `permute(0, -2, -1, 1)` was refused by onnx's inference, "Invalid attribute perm")."""
-    perm = [d % len(dims) for d in dims]
+    return _transposed(g, x, [d % len(dims) for d in dims])
+
+
+def _transposed(g: Any, x: Any, perm: list[int]) -> Any:
+    """x transposed by perm (non-negative), or x itself where perm keeps every axis."""
     return x if perm == list(range(len(perm))) else g.op("Transpose", x, perm_i=perm)
 
 
