@@ -54,6 +54,7 @@ from .passes import (
     names_in_use,
     tensor_types,
     training_ratio,
+    written_rate,
 )
 
 MAX_SIZES = 64
@@ -120,8 +121,8 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
         del nodes[k]
     for k, ratio, threshold in reversed(chosen):
         k -= sum(1 for like in likes if like < k)
-        if as_torch:  # the rate as written (0.1, not float32's 0.10000000149): torch's dropout draws with it
-            ratio = float(str(np.float32(ratio)))
+        if as_torch:
+            ratio = written_rate(ratio)
         n = nodes[k]
         x, y = n.input[0], n.output[0]
         mask = n.output[1] if len(n.output) > 1 and n.output[1] else fresh_name(f"{y}/host_mask", taken)

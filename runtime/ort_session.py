@@ -113,6 +113,12 @@ class SessionConfig:
     numbers in onnxruntime."""
 
     @property
+    def torch_dropout_outputs(self) -> bool:
+        """Whether forward Dropouts whose masks the host draws compute their outputs in torch's arithmetic
+        (`host_dropout`), which backward's recomputed outputs must repeat (`passes.copied_into_backward`)."""
+        return self.lower and self.torch_masks
+
+    @property
     def thread_count(self) -> int:
         """The intra-op threads runs use: `threads`, or where onnxruntime picks (None or 0) the cores this process
         may use (its affinity, not the machine's CPUs)."""

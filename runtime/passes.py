@@ -183,11 +183,12 @@ def names_in_use(graph: onnx.GraphProto) -> set[str]:
             {t.name for t in graph.initializer})
 
 
-def shrink_stash(training: onnx.ModelProto, wait: bool = False) -> None:
+def shrink_stash(training: onnx.ModelProto, wait: bool = False, torch_masks: bool = False) -> None:
     """Make backward keep fewer bytes from forward, in place: `relu_dropout_masks`, `rematerialize` (its copies made
-    to `wait` for their readers' inputs: `copied_into_backward`), `hoist_masks`, then `joined_selects`."""
+    to `wait` for their readers' inputs: `copied_into_backward`, Dropout outputs in torch's arithmetic with
+    `torch_masks`), `hoist_masks`, then `joined_selects`."""
     relu_dropout_masks(training)
-    rematerialize(training, wait)
+    rematerialize(training, wait, torch_masks)
     hoist_masks(training)
     joined_selects(training)
 
@@ -258,7 +259,7 @@ def _is_zero(value: np.ndarray | None) -> bool:
     return value is not None and value.size == 1 and not value.any()
 
 
-def rematerialize(training: onnx.ModelProto, wait: bool = False) -> list[str]:
+def rematerialize(training: onnx.ModelProto, wait: bool = False, torch_masks: bool = False) -> list[str]:
     """Backward recomputes instead of reading from the stash: (1) cheap functions (`CHEAP` ops) of graph inputs
     and initializers, such as a flattened input or a transposed weight: feeds are kept by the caller anyway,
     and onnxruntime can fuse the forward's Transpose into its MatMul once the transposed weight is no longer
@@ -359,7 +360,7 @@ def rematerialize(training: onnx.ModelProto, wait: bool = False) -> list[str]:
     if not wanted:
         return []
     backward, copied = copied_into_backward(g, nodes, y, {x: n for x, n in maker.items() if x not in module_reads},
-                                            wait=wait)
+                                            wait=wait, torch_masks=torch_masks)
     forward = drop_dead(nodes[:y], [nodes[y], *backward], {o.name for o in g.output})
     del g.node[:]
     g.node.extend([*forward, nodes[y], *backward])
@@ -374,14 +375,16 @@ def rebuildable_dropout(node: onnx.NodeProto, consts: Mapping[str, np.ndarray], 
 
 
 def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int,
-                         makers: Mapping[str, onnx.NodeProto], *, wait: bool = False
+                         makers: Mapping[str, onnx.NodeProto], *, wait: bool = False, torch_masks: bool = False
                          ) -> tuple[list[onnx.NodeProto], list[str]]:
     """The backward nodes (`nodes` after the Yield at `y`) with what `makers` makes copied in where they read it: each
     group of copies right before its first reader, after the copies of the `makers` tensors it reads; with `wait`,
     each group waits (`waiting_for`) for a backward tensor its reader reads, so that onnxruntime, running the graph in
     its order (`SessionConfig.graph_order`), does not run every group first and hold all they make at once. A Dropout
     (its output in `makers`) is rebuilt from its input and the mask backward keeps (`dropout_output`;
-    `rebuildable_dropout`). Readers are rewired to the copies. Returns the new backward nodes and the tensors backward
+    `rebuildable_dropout`), in the arithmetic its forward computes it with: torch's where the host draws its mask
+    as torch's (`torch_masks`; `host_dropout.mask_dropouts` takes every such Dropout of a graph without bodies),
+    else onnxruntime's. Readers are rewired to the copies. Returns the new backward nodes and the tensors backward
     first read that it now makes itself."""
     taken = names_in_use(g)
     consts = constant_values(g)
@@ -391,6 +394,7 @@ def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int
     # casting the same way shares that Cast once onnxruntime merges equal nodes
     mask_types = {n.input[0]: a.i for n in nodes[y + 1:] if n.op_type == "Cast" and not n.domain
                   for a in n.attribute if a.name == "to" and a.i in FLOATS}
+    as_torch = torch_masks and not any(has_subgraph(n) for n in nodes[:y])
     rename: dict[str, str] = {}
 
     def copy(name: str, out: list[onnx.NodeProto]) -> None:
@@ -409,8 +413,9 @@ def copied_into_backward(g: onnx.GraphProto, nodes: list[onnx.NodeProto], y: int
                 rename[x] = fresh_name(f"{x}{REMAT}", taken)
                 mask = src.output[1]
                 ratio = training_ratio(src, consts) or 0.0
-                out.extend(dropout_output(rename.get(src.input[0], src.input[0]), mask, ratio, rename[x], g, taken,
-                                          mask_types.get(mask)))
+                out.extend(dropout_output(rename.get(src.input[0], src.input[0]), mask,
+                                          written_rate(ratio) if as_torch else ratio, rename[x], g, taken,
+                                          mask_types.get(mask), as_torch))
             else:
                 clone = onnx.NodeProto()
                 clone.CopyFrom(src)
@@ -485,6 +490,12 @@ def training_ratio(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> fl
     if not ratio:
         return 0.5
     return float(consts[ratio]) if ratio in consts else None
+
+
+def written_rate(ratio: float) -> float:
+    """A Dropout's rate as the module wrote it (0.1, not float32's 0.10000000149): torch's dropout draws and
+    scales with that double."""
+    return float(str(np.float32(ratio)))
 
 
 def dropout_output(x: str, mask: str, ratio: float, out: str, g: onnx.GraphProto, taken: set[str],

@@ -93,12 +93,13 @@ def forward_source(model: onnx.ModelProto, module_outputs: Sequence[str] | None 
     return src
 
 
-def build(source: onnx.ModelProto, spec: BuildSpec, shrink: bool = True) -> onnx.ModelProto:
-    """The training graph of `source`, with the stash shrunk (`passes.shrink_stash`) unless told not to."""
+def build(source: onnx.ModelProto, spec: BuildSpec, shrink: bool = True, torch_masks: bool = False) -> onnx.ModelProto:
+    """The training graph of `source`, with the stash shrunk (`passes.shrink_stash`, given `torch_masks`) unless told
+    not to."""
     training = gradbuilder.build_gradient_graph(source, wrt=list(spec.wrt), outputs=list(spec.outputs),
                                                 loss=spec.loss, freeze=list(spec.freeze))
     if shrink:
-        passes.shrink_stash(training)
+        passes.shrink_stash(training, torch_masks=torch_masks)
     return training
 
 
@@ -108,11 +109,11 @@ def from_training(training: onnx.ModelProto) -> Program:
 
 
 def specialise(source: onnx.ModelProto, spec: BuildSpec, outputs: Sequence[str], full: Program,
-               shrink: bool = True) -> Program:
+               shrink: bool = True, torch_masks: bool = False) -> Program:
     """The program for gradients arriving only for `outputs`, its forward-side names aligned with `full`'s
     forward half; check `missing_stash(full)` before running its backward on `full`'s forward state. Pass
-    the `shrink` that `full` was built with: the stash decisions must be the same."""
-    training = build(source, spec.with_outputs(outputs), shrink)
+    the `shrink` and `torch_masks` that `full` was built with: the stash decisions must be the same."""
+    training = build(source, spec.with_outputs(outputs), shrink, torch_masks)
     _align(training, full.forward)
     return from_training(training)
 

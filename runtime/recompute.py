@@ -41,8 +41,9 @@ def tag(node: onnx.NodeProto, number: int) -> None:
     node.metadata_props.add(key=KEY, value=str(number))
 
 
-def recompute_checkpointed(training: onnx.ModelProto) -> list[str]:
-    """Rewrite `training` (forward, Yield, backward) in place; returns the tensors backward now recomputes."""
+def recompute_checkpointed(training: onnx.ModelProto, torch_masks: bool = False) -> list[str]:
+    """Rewrite `training` (forward, Yield, backward) in place; returns the tensors backward now recomputes.
+    `torch_masks`: as `passes.copied_into_backward`'s."""
     g = training.graph
     nodes = list(g.node)
     y = find_yield(nodes)
@@ -74,7 +75,7 @@ def recompute_checkpointed(training: onnx.ModelProto) -> list[str]:
     makers = {x: nodes[k] for x, k in made.items() if inside(x)}
     if not makers:
         return []
-    backward, copied = copied_into_backward(g, nodes, y, makers, wait=True)
+    backward, copied = copied_into_backward(g, nodes, y, makers, wait=True, torch_masks=torch_masks)
     del g.node[:]
     g.node.extend([*nodes[:y + 1], *backward])
     return copied

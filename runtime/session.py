@@ -207,7 +207,7 @@ class TrainingSession:
         source = forward_source(model)  # before the shrink adds forward-side masks
         if config.shrink:
             model = _copy(model)
-            passes.shrink_stash(model)
+            passes.shrink_stash(model, torch_masks=config.torch_dropout_outputs)
         self._setup(source, spec_from_metadata(model), from_training(model), config, specialise, save_dir)
 
     @classmethod
@@ -221,10 +221,10 @@ class TrainingSession:
         config = config or SessionConfig(threads=threads)
         source = lowering.source(exported, config, rows)
         training = gradbuilder.build_gradient_graph(source, wrt=wrt, outputs=outputs, loss=loss, freeze=freeze)
-        recomputes = bool(recompute_checkpointed(training)) if config.shrink else False
+        recomputes = bool(recompute_checkpointed(training, config.torch_dropout_outputs)) if config.shrink else False
         masks = region_masks(training) if recomputes else frozenset()
         if config.shrink:
-            passes.shrink_stash(training, wait=recomputes)
+            passes.shrink_stash(training, wait=recomputes, torch_masks=config.torch_dropout_outputs)
         self = cls.__new__(cls)
         self._setup(source, spec_from_metadata(training), from_training(training), config, specialise, save_dir, rows)
         self._in_graph_order = recomputes
@@ -716,7 +716,8 @@ class TrainingSession:
         if self.specialise and not specialised:
             self.stats["backward_builds"] += 1
             outputs = [self.output_names[i] for i in sorted(given)]
-            candidate = specialise(self.source, self.spec, outputs, self.full, self.config.shrink)
+            candidate = specialise(self.source, self.spec, outputs, self.full, self.config.shrink,
+                                   self.config.torch_dropout_outputs)
             if candidate.missing_stash(self.full):
                 self.stats["fallbacks"] += 1
                 grads = {w: g for w, g in self.full.gradients.items() if w in candidate.gradients}

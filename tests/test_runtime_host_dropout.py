@@ -3,6 +3,7 @@ their masks, drop rates, fresh masks, torch's seed), run onnxruntime's Dropout a
 alone the Dropouts they cannot mask."""
 
 import copy
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -12,6 +13,7 @@ from harness import random_body_model
 from onnx import TensorProto, helper
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from runtime import ORTModule, fused, host_dropout
 from runtime.exchange import to_numpy, to_ortvalue
@@ -423,19 +425,54 @@ def test_torch_dropout_outputs_and_gradients_are_torch_s_bit_for_bit() -> None:
             assert torch.equal(got, want)
 
 
+class AttentionDrop(nn.Module):
+    """Attention dropping probabilities (`dropout_p`): the values' gradient reads the dropped probabilities."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(6, 18), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).reshape(*x.shape[:2], 3, 2, 3).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0)
+        return self.out(o.transpose(1, 2).reshape(x.shape))
+
+
+class CheckpointedDrop(nn.Module):
+    """Dropouts inside a checkpointed region, whose backward recomputes the region from its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Dropout(0.3), nn.Linear(6, 6), nn.Dropout(0.2))
+        self.out = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpoint(self.inner, x, use_reentrant=False))
+
+
+DROPPING: dict[str, Callable[[], nn.Module]] = {
+    "output": lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3)),
+    "read by a weight's gradient": lambda: nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Dropout(0.3), nn.Linear(6, 4)),
+    "attention": AttentionDrop,
+    "checkpointed": CheckpointedDrop,
+}
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_float64_dropout_follows_torch_exactly(exporter: str) -> None:
+@pytest.mark.parametrize("where", list(DROPPING))
+def test_float64_dropout_follows_torch_exactly(where: str, exporter: str) -> None:
     """torch_dropout=True in float64: torch scales by 1 / (1 - p) in double from p as written, forward and backward.
     Ours took the forward's in float32 and the backward's from the graph's float32 rate (0.30000001): 5e-8 apart.
-    The export writes a float64 Dropout's rate as the double it stands for; the host's output scales in x's type."""
+    The export writes a float64 Dropout's rate as the double it stands for; the host's output scales in x's type,
+    and so does backward's own copy of it, where a gradient reads it (a Linear's weight's, attention's values') or
+    a checkpointed region is recomputed:
+    that copy was onnxruntime's arithmetic, its divisor the float32 0.7, 2.6e-8 apart."""
     from parity import check_parity, sgd
-
-    def make() -> nn.Module:
-        return nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3)).double()
 
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(4, 3, 6, generator=g, dtype=torch.float64) for _ in range(3)]
-    check_parity(make, batches, lambda m, x: m(x).pow(2).sum(), sgd, rtol=1e-12, exporter=exporter, torch_dropout=True)
+    check_parity(lambda: DROPPING[where]().double(), batches, lambda m, x: m(x).pow(2).sum(), sgd, rtol=1e-12,
+                 exporter=exporter, torch_dropout=True)
 
 
 class Fills(nn.Module):
