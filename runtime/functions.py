@@ -1892,4 +1892,5 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "randperm", _randperm(torch.randperm)), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
-        (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))])
+        (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))],
+        captured=True)

@@ -1508,3 +1508,37 @@ def test_float64_degree_conversions_are_exact(exporter: str) -> None:
     g = torch.Generator().manual_seed(6)
     _as_torch(lambda: Degrees().double(), [torch.randn(5, 6, generator=g, dtype=torch.float64) * 50], exporter,
               **TOLERANCE[torch.float64])
+
+
+class CapturedReferences(nn.Module):
+    """Functions called through references taken before the export: `scaled_dot_product_attention` imported by
+    name (as many modules do at import) and `torch.sinc` kept in an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 3)
+        self.act = torch.sinc
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).reshape(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        o = captured_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return self.out(self.act(o.transpose(1, 2).reshape(x.shape)))
+
+
+captured_attention = F.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_functions_called_through_references_taken_before(exporter: str) -> None:
+    """The replacements reach calls through earlier references too: such calls ran torch's own conversions, so a
+    fully masked row's NaN gradient failed the first call's check (the module could not train) and the legacy
+    exporter's missing sinc sent the module to dynamo, whose float64 sinc multiplies by a float32 pi (1.6e-8 off)."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[2, :] = False
+    batches = [(torch.randn(3, 5, 8, generator=g, dtype=torch.float64), mask) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)  # no exporter change on the way
+        check_parity(lambda: CapturedReferences().double(), batches, lambda m, b: m(*b).pow(2).sum(), sgd,
+                     rtol=1e-12, exporter=exporter)
