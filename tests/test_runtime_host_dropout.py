@@ -464,9 +464,9 @@ def test_float64_dropout_follows_torch_exactly(where: str, exporter: str) -> Non
     """torch_dropout=True in float64: torch scales by 1 / (1 - p) in double from p as written, forward and backward.
     Ours took the forward's in float32 and the backward's from the graph's float32 rate (0.30000001): 5e-8 apart.
     The export writes a float64 Dropout's rate as the double it stands for; the host's output scales in x's type,
-    and so does backward's own copy of it, where a gradient reads it (a Linear's weight's, attention's values') or
-    a checkpointed region is recomputed:
-    that copy was onnxruntime's arithmetic, its divisor the float32 0.7, 2.6e-8 apart."""
+    and so does backward's own copy of it where a gradient reads it (a Linear's weight's, attention's values') or a
+    checkpointed region is recomputed: that copy was onnxruntime's arithmetic, its divisor the float32 0.7, 2.6e-8
+    apart."""
     from parity import check_parity, sgd
 
     g = torch.Generator().manual_seed(0)
