@@ -69,7 +69,7 @@ from .losses import exportable_losses
 from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
 from .packed import exportable_packing
-from .passes import constant_values, inactive_dropouts, int_attr, names_in_use, rename_tensors
+from .passes import constant_values, inactive_dropouts, int_attr, names_in_use, rename_tensors, written_rate
 from .patching import replaced, untraced
 from .scalars import Scalars
 from .size_guards import SizeGuards
@@ -1291,8 +1291,8 @@ def _float64_dropout_rates(model: onnx.ModelProto) -> None:
     for n in drops:
         if types.get(n.input[0], (0, None))[0] == onnx.TensorProto.DOUBLE and n.input[1] in rates:
             name = _unique([f"{n.input[1]}.double"], taken)[0]
-            exact = float(str(np.float32(rates[n.input[1]])))
-            g.initializer.append(onnx.numpy_helper.from_array(np.array(exact, np.float64), name))
+            exact = np.array(written_rate(rates[n.input[1]]), np.float64)
+            g.initializer.append(onnx.numpy_helper.from_array(exact, name))
             n.input[1] = name
 
 
