@@ -48,7 +48,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - hardtanh and relu6 (nn.Hardtanh, nn.ReLU6, in place too) where a gradient reaches them: the bound x reached, else
   x, by Where (a Relu for ReLU6's 0), whose rules pass no gradient at the bounds, as torch's; float64 hardsigmoid and
   hardswish so too, as torch's relu6(x + 3) / 6 and x relu6(x + 3) / 6 (the exporters' HardSigmoid holds 1/6 as a
-  float32 attribute: 4e-9 off), hardsigmoid's gradient by torch's float32 1/6 as its backward's;
+  float32 attribute: 4e-9 off), hardsigmoid's gradient by torch's float32 1/6 as its backward's; float64 celu's
+  gradient by its backward's 1 / alpha, alpha rounded to float32;
 - diagonals: views of the input where its two axes flatten (as torch's, so writes through them reach it in torch's
   run, and the first call's check sees the export's), else copies that refuse the export if written to;
 - antialiased interpolation by a scale factor (bilinear, bicubic): a product with a [n, out] matrix of torch's
@@ -132,6 +133,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 from torch.nn.utils import spectral_norm as spectral_norm_module
@@ -873,6 +875,30 @@ def _hard(original: Callable[..., torch.Tensor], in_place: bool = False, swish: 
         return x.copy_(y) if in_place else y
 
     return hard
+
+
+def _celu(in_place: bool = False) -> Callable[..., torch.Tensor]:
+    """F.celu in float64 with torch's gradient, whose backward reads alpha rounded to float32 as r (its forward the
+    exact alpha; derivatives.yaml's `1.0 / alpha.toFloat()`): celu's alpha exp(x / r) / r, from x; celu_'s (y +
+    alpha) / r = alpha exp(x / alpha) / r, from its result (6e-9 off the formula's at alpha 0.3). The gradient
+    through such a form, the value carried to torch's by a detached difference (exact: the two are within a factor
+    of 2). Where alpha is a float32 the forms are torch's own."""
+    own, original = torch.celu_ if in_place else torch.celu, torch.celu
+
+    def celu(x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        rounded = float(np.float32(alpha))
+        if x.dtype != torch.float64 or rounded == alpha:
+            return own(x, alpha)
+        value, positive = original(x, alpha), x > 0
+        if in_place:
+            below = exact(alpha / rounded, x) * value
+        else:
+            below = exact(alpha, x) * (torch.exp(torch.where(positive, 0.0, x) * exact(1.0 / rounded, x)) - 1)
+        sloped = torch.where(positive, x, below)
+        y = sloped + (value - sloped).detach()
+        return x.copy_(y) if in_place else y
+
+    return celu
 
 
 def _local_response_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -1891,6 +1917,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (F, "gumbel_softmax", _gumbel_softmax), (torch, "randint", _randint(torch.randint)),
         (torch, "randperm", _randperm(torch.randperm)), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
+        (torch, "celu", _celu()), (torch, "celu_", _celu(in_place=True)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))],
         captured=True)
