@@ -70,3 +70,41 @@ def test_dft_inverse_one_sided_refuses_other_bin_counts():
                             consts=["n"], opset=17, axis=1, inverse=1, onesided=1)
     with pytest.raises(gradbuilder.GradBuilderError, match="5 bins to 12 samples"):
         gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y0"])
+
+
+def _stft_reference(step: int, length: int, onesided: bool):
+    def fn(x, window=None):
+        signal = x if x.dim() == 2 else x[..., 0] if x.shape[-1] == 1 else torch.view_as_complex(x)
+        y = torch.stft(signal, length, step, win_length=length, window=window, center=False, onesided=onesided,
+                       return_complex=True)
+        return torch.view_as_real(y).transpose(1, 2)
+    return fn
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+@pytest.mark.parametrize("step,length,samples", [(4, 16, 53), (5, 12, 40), (16, 16, 48), (20, 8, 50)],
+                         ids=["overlapping", "step not dividing", "adjacent", "gaps"])
+@pytest.mark.parametrize("onesided,parts", [(1, 1), (0, 1), (0, 2), (1, None)],
+                         ids=["one-sided", "full", "complex", "[batch, length]"])
+def test_stft(opset, step, length, samples, onesided, parts):
+    """STFT against torch.stft (center=False) in float64, the signal's and the window's gradients: frames that
+    overlap (summed back), that do not, with gaps between them, and samples past the last frame (no gradient).
+    A real signal also as [batch, length], as torch's exporter writes it and onnxruntime reads it."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, samples) if parts is None else (2, samples, parts))
+    inputs = [("x", x), ("step", np.array(step, np.int64)), ("window", rng.standard_normal(length)),
+              ("length", np.array(length, np.int64))]
+    check_op("STFT", inputs, _stft_reference(step, length, bool(onesided)), consts=["step", "length"], opset=opset,
+             onesided=onesided)
+
+
+@pytest.mark.parametrize("given", ["window", "length"])
+def test_stft_frame_length_from_the_window_or_given(given):
+    """frame_length read off the window where it is left out; a rectangular window where the window is."""
+    rng = np.random.default_rng(12)
+    x, window = rng.standard_normal((3, 30, 1)), rng.standard_normal(10)
+    inputs = [("x", x), ("step", np.array(3, np.int64)), ("window", window if given == "window" else None),
+              ("length", np.array(10, np.int64) if given == "length" else None)]
+    reference = _stft_reference(3, 10, True)
+    rectangular = lambda t, _: reference(t, torch.ones(10, dtype=t.dtype))  # noqa: E731
+    check_op("STFT", inputs, reference if given == "window" else rectangular, consts=["step", "length"], onesided=1)

@@ -1,4 +1,4 @@
-"""Spectral ops: DFT.
+"""Spectral ops: DFT, STFT.
 
 The DFT is linear: Y = F X along one axis, with F_kn = exp(-2 pi i k n / L) over the transform's length L, and the
 inverse (1 / L) F^H. Its adjoint over the real and imaginary parts is then the other transform with the other scale:
@@ -7,6 +7,9 @@ F^H dY = L * IDFT(dY) = conj(F conj(dY)), and (1 / L) F dY = DFT(dY) / L (forwar
 (its imaginary part zero) takes the real part, a one-sided output (the first L // 2 + 1 bins) is zero-padded back to
 L bins, and a dft_length that padded or truncated the signal crops or pads the gradient back. The inverse one-sided
 transform (IRFFT) is real-linear only: its adjoint is the one-sided forward transform, weighted.
+
+The STFT is that transform over windowed frames of the signal, x[f s + n] w[n] for frame f: the adjoint takes the
+DFT's adjoint of each frame, weights it by the window, and sums it back where frames overlap.
 """
 
 from __future__ import annotations
@@ -86,6 +89,26 @@ def _irfft_adjoint(g: Grad, r: int, axis: int | None, axes: str) -> str:
     return g.Slice(t, g.ints([0]), g.ints([1]), g.ints([r - 1])) if shape[-1] == 1 else t
 
 
+def _forward_dft(g: Grad, t: str, axis: int | None, axes: str) -> str:
+    return g.DFT(t, None, g.Reshape(axes, g.ints([]))) if g.opset >= 20 else g.DFT(t, axis=axis)
+
+
+def _kept_bins(g: Grad, length: str) -> str:
+    """The bins a one-sided transform of `length` (int64 [1]) samples keeps: length // 2 + 1."""
+    return g.Add(g.Div(length, g.ints([2])), g.ints([1]))
+
+
+def _forward_adjoint(g: Grad, dy: str, like: str, r: int, axis: int | None, axes: str, length: str,
+                     onesided: bool) -> str:
+    """F^H dY for a forward transform of `length` samples along the axis, complex ([..., 2]): a one-sided output's
+    dropped bins come back as zeros (they get no gradient), then conj(F conj(dY)), not onnxruntime's inverse DFT,
+    which scales by 1 / L in float32 off powers of two."""
+    if onesided:
+        dy = _pad_end(g, dy, r, axis, axes, g.Sub(length, _kept_bins(g, length)))
+    conjugate = g.const(np.array([1.0, -1.0]), like=like)
+    return g.Mul(_forward_dft(g, g.Mul(dy, conjugate), axis, axes), conjugate)
+
+
 @rule("DFT", since=17, nondiff=(1, 2))
 def dft(g: Grad):
     x, dy = g.I(0), g.GO(0)
@@ -99,20 +122,52 @@ def dft(g: Grad):
         return (_irfft_adjoint(g, r, axis, axes), None, None)
     n = g.Gather(g.shape_of(x), axes)
     length = n if g.I(1) is None else g.Reshape(g.Cast(g.I(1), to=TensorProto.INT64), g.ints([1]))
-    t = dy
-    if onesided:  # the bins past L // 2 were dropped: they get no gradient
-        kept = g.Add(g.Div(length, g.ints([2])), g.ints([1]))
-        t = _pad_end(g, t, r, axis, axes, g.Sub(length, kept))
-    def forward_dft(t: str) -> str:
-        return g.DFT(t, None, g.Reshape(axes, g.ints([]))) if g.opset >= 20 else g.DFT(t, axis=axis)
-
-    if inverse:
-        t = g.Div(forward_dft(t), g.Cast(length, to=g.dtype(x)))
-    else:  # conjugates instead of onnxruntime's inverse DFT, which scales by 1 / L in float32 off powers of two
-        conjugate = g.const(np.array([1.0, -1.0]), like=x)
-        t = g.Mul(forward_dft(g.Mul(t, conjugate)), conjugate)
+    if inverse:  # (one-sided inverses returned above)
+        t = g.Div(_forward_dft(g, dy, axis, axes), g.Cast(length, to=g.dtype(x)))
+    else:
+        t = _forward_adjoint(g, dy, x, r, axis, axes, length, onesided)
     if g.I(1) is not None:  # the signal was zero-padded or truncated to L: back to its n
         t = _pad_end(g, t, r, axis, axes, g.Sub(n, length))
     if shape[-1] == 1:  # a real input: the real part
         t = g.Slice(t, g.ints([0]), g.ints([1]), g.ints([r - 1]))
     return (t, None, None)
+
+
+@rule("STFT", since=17, nondiff=(1, 3))
+def stft(g: Grad):
+    """Y[b, f, k] = sum_n x[b, f s + n] w[n] exp(-2 pi i k n / N) for N = frame_length (the window's length, or
+    the signal's without either): each frame's gradient is the DFT's adjoint (`_forward_adjoint`) along n; x's is
+    that times w, scatter-added back at f s + n (overlapping frames sum; samples past the last frame get none);
+    w's is it times the frames, summed over the batch, the frames and a complex signal's parts."""
+    x, window = g.I(0), g.I(2)
+    r = g.require_rank(x)
+    if r not in (2, 3):
+        g.fail("the signal must be [batch, length, 1 or 2], or [batch, length] (real, as onnxruntime reads it)")
+    int64 = TensorProto.INT64
+    last = g.info(x).shape[-1] if r == 3 else 1  # 1: real, 2: complex; read at run time where the graph does not say
+    parts = g.ints([last]) if isinstance(last, int) else g.Gather(g.shape_of(x), g.ints([2]))
+    if g.I(3) is not None:
+        length = g.Reshape(g.Cast(g.I(3), to=int64), g.ints([1]))
+    else:
+        length = g.shape_of(window) if window is not None else g.Gather(g.shape_of(x), g.ints([1]))
+    step = g.Reshape(g.Cast(g.I(1), to=int64), g.ints([]))
+    frames = g.Gather(g.shape_of(g.O(0)), g.ints(1))
+    starts = g.Mul(g.Range(g.ints(0), frames, g.ints(1)), step)
+    positions = g.Add(g.Unsqueeze(starts, g.ints([1])),
+                      g.Unsqueeze(g.Range(g.ints(0), g.Reshape(length, g.ints([])), g.ints(1)), g.ints([0])))
+    t = _forward_adjoint(g, g.GO(0), x, 4, 2, g.ints([2]), length, bool(g.attr("onesided", 1)))
+    if last != 2:  # a real signal: the real part
+        t = g.Slice(t, g.ints([0]), parts, g.ints([3]))
+    dx = dw = None
+    if g.needs(0):
+        spread = t if window is None else g.Mul(t, g.Unsqueeze(window, g.ints([1])))
+        updates = g.Reshape(spread, g.Concat(g.ints([0, -1]), parts, axis=0))
+        at = g.Expand(g.Reshape(positions, g.ints([1, -1, 1])), g.shape_of(updates))
+        zeros = g.zeros_like(x) if r == 3 else g.Unsqueeze(g.zeros_like(x), g.ints([2]))
+        dx = g.ScatterElements(zeros, at, updates, axis=1, reduction="add")
+        dx = dx if r == 3 else g.Squeeze(dx, g.ints([2]))
+    if window is not None and g.needs(2):
+        framed = g.Gather(x, positions, axis=1)  # [batch, frames, N, parts]
+        framed = framed if r == 3 else g.Unsqueeze(framed, g.ints([3]))
+        dw = g.ReduceSum(g.Mul(t, framed), g.ints([0, 1, 3]), keepdims=0)
+    return (dx, None, dw, None)
