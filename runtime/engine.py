@@ -338,10 +338,16 @@ def _in_float64(module: nn.Module, ex: Exported, leaves: list[torch.Tensor], nam
     return aliases, fed, tensors
 
 
-def _operator(error: BaseException) -> str:
-    """The operator an UnsupportedOperatorError names ("Exporting the operator 'aten::diff' to ONNX ...")."""
-    quoted = str(error).split("'")
-    return quoted[1] if len(quoted) > 2 else "an operator"
+def _lacked(error: BaseException | None) -> str | None:
+    """What the legacy exporter's failure says it has no translation of: the operator an UnsupportedOperatorError
+    names ("Exporting the operator 'aten::diff' to ONNX ..."), or complex tensors, which it never has (torch.stft's
+    `return_complex=True`: "STFT does not currently support complex types"); None for other failures."""
+    if isinstance(error, torch.onnx.errors.UnsupportedOperatorError):
+        quoted = str(error).split("'")
+        return quoted[1] if len(quoted) > 2 else "an operator"
+    if isinstance(error, torch.onnx.errors.SymbolicValueError) and "complex" in str(error).split("[Caused by")[0]:
+        return "complex tensors"
+    return None
 
 
 class Engine:
@@ -817,10 +823,11 @@ class Engine:
     def _other_exporter(self, error: ExportError, in_spec: Any, leaves: list[torch.Tensor]) -> Exported | None:
         """The module exported by dynamo from now on, where the legacy exporter has no translation of an operator
         its first export met (kron, nansum, quantile, trace, count_nonzero: torch.export decomposes them into ops
-        it has). Only before any schema exists, so that one engine never mixes the two exporters' graphs; None
-        (the legacy exporter's error stands, with dynamo's added) where dynamo fails too."""
-        if self.options.export.exporter != "torchscript" or \
-                not isinstance(error.__cause__, torch.onnx.errors.UnsupportedOperatorError) or \
+        it has), or of complex tensors (a complex STFT). Only before any schema exists, so that one engine never
+        mixes the two exporters' graphs; None (the legacy exporter's error stands, with dynamo's added) where dynamo
+        fails too."""
+        lacked = _lacked(error.__cause__)
+        if self.options.export.exporter != "torchscript" or lacked is None or \
                 any(isinstance(s, Schema) for s in self.schemas.values()):
             return None
         options = dataclasses.replace(self.options, export=dataclasses.replace(self.options.export, exporter="dynamo"))
@@ -830,7 +837,7 @@ class Engine:
             error.args = (f"{error}\nexporter='dynamo', tried next, failed too: {e}",)
             return None
         warnings.warn(f"ORTModule({self.name}): torch's legacy exporter has no ONNX translation of "
-                      f"{_operator(error.__cause__)}, so this module is exported by dynamo (exporter='dynamo') from "
+                      f"{lacked}, so this module is exported by dynamo (exporter='dynamo') from "
                       "now on.", ExportWarning, stacklevel=7)
         self.options = options
         return exported

@@ -135,6 +135,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.nn import functional as F
 from torch.nn.utils import spectral_norm as spectral_norm_module
 
@@ -899,6 +900,26 @@ def _celu(in_place: bool = False) -> Callable[..., torch.Tensor]:
         return x.copy_(y) if in_place else y
 
     return celu
+
+
+def _window(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch's window functions as constants of torch's own values, for both exporters (the legacy one kept them
+    so): dynamo's conversion wrote Hamming's as ONNX's HammingWindow, whose alpha and beta are 25/46 and 21/46 where
+    torch's are 0.54 and 0.46 (0.6% off: a spectrogram's features, and the first call's check refused the module),
+    Blackman's with float32 constants (3e-8 off in float64), and had none for symmetric, Bartlett or Kaiser
+    windows (torch.signal.windows' Kaiser: no i0), its others computed in the graph (1 ulp off in float32).
+    Computed by torch outside the export's fake tensors; a length or a parameter the export traces stays torch's
+    call."""
+    def window(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if any(isinstance(a, (torch.SymInt, torch.SymFloat, torch.Tensor)) for a in (*args, *kwargs.values())):
+            return original(*args, **kwargs)
+        with unset_fake_temporarily():
+            values = original(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return torch.tensor(values.tolist(), dtype=values.dtype, requires_grad=values.requires_grad)
+
+    return window
 
 
 def _local_response_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -1918,6 +1939,10 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "randperm", _randperm(torch.randperm)), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (torch, "celu", _celu()), (torch, "celu_", _celu(in_place=True)),
+        *((torch, f"{name}_window", _window(getattr(torch, f"{name}_window")))
+          for name in ("hann", "hamming", "blackman", "bartlett", "kaiser")),
+        *((torch.signal.windows, name, _window(getattr(torch.signal.windows, name)))
+          for name in torch.signal.windows.__all__),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))],
         captured=True)
