@@ -119,7 +119,10 @@ While exporting, `exportable_functions` computes them as torch defines them:
   align_corners), times theta transposed;
 - embedding bags (no max_norm): of a 2-D input (fixed-size bags), the rows' embeddings (times their per-sample
   weights) summed, averaged or maxed over each bag; of a 1-D input cut by offsets, summed or averaged
-  (`_variable_bags`); entries at `padding_idx` left out, an empty bag zeros; other calls keep torch's function.
+  (`_variable_bags`); entries at `padding_idx` left out, an empty bag zeros; other calls keep torch's function;
+- window functions (torch's and torch.signal.windows'): constants of torch's values (`_window`);
+- istft to a real signal: each frame's inverse one-sided transform times the window, overlap-added by pads and
+  adds, over the window's squares overlap-added, as torch's (`_istft`).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.nn import functional as F
 from torch.nn.utils import spectral_norm as spectral_norm_module
 
@@ -920,6 +923,74 @@ def _window(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
             return torch.tensor(values.tolist(), dtype=values.dtype, requires_grad=values.requires_grad)
 
     return window
+
+
+OVERLAP_TERMS = 16
+"""`_overlap_added` sums this many shifted copies at most (n_fft / gcd(n_fft, hop)); more go through F.fold."""
+
+
+def _overlap_added(frames: torch.Tensor, hop: int) -> torch.Tensor:
+    """Frames [B, N, F] laid at every hop and summed where they overlap: [B, N + hop (F - 1)]. As R = N / g blocks
+    of g = gcd(N, hop) samples: block j of frame f lands at block f hop / g + j, so each j is one strided placement
+    (padded to a stride, then shifted), and the R placements are summed: pads and adds, where dynamo wrote torch's
+    as a scatter of int32 indices per sample (an invalid ScatterND) and F.fold's one-hot product is N x N a frame."""
+    n = _python_int(frames.shape[1])
+    g = math.gcd(n, hop)
+    terms, stride = n // g, hop // g
+    if terms > OVERLAP_TERMS:
+        count = _python_int(frames.shape[2])
+        return F.fold(frames, (1, n + hop * (count - 1)), (1, n), stride=(1, hop)).flatten(1)
+    blocks = frames.transpose(1, 2).unflatten(2, (terms, g))  # [B, F, R, g]
+    total = None
+    for j in range(terms):
+        spread = F.pad(blocks[:, :, j:j + 1], (0, 0, 0, stride - 1)).flatten(1, 2)  # [B, F stride, g]
+        placed = F.pad(spread, (0, 0, j, terms - stride - j))  # [B, (F - 1) stride + R, g]
+        total = placed if total is None else total + placed
+    return total.flatten(1)
+
+
+ENVELOPE_MIN = 1e-11
+"""torch.istft refuses windows whose squares overlap-added fall below this within the signal it returns."""
+
+
+def _istft(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.istft of a real signal from a complex spectrum [(B,) bins, F], as torch computes it: the inverse
+    one-sided transform of each frame (the first n_fft // 2 + 1 bins of a full spectrum), times the window
+    (centred in n_fft), overlap-added (`_overlap_added`) and divided by the window's squares overlap-added, cut
+    from n_fft // 2 (center) to the length. Dynamo's export of torch's wrote the overlap-add as one scatter a sample
+    of the window, with int32 indices no ONNX ScatterND takes; the legacy exporter has no complex tensors.
+    Returning a complex signal stays torch's."""
+    def istft(input: torch.Tensor, n_fft: int, hop_length: int | None = None, win_length: int | None = None,
+              window: torch.Tensor | None = None, center: bool = True, normalized: bool = False,
+              onesided: bool | None = None, length: int | None = None, return_complex: bool = False) -> torch.Tensor:
+        if return_complex or not input.is_complex() or input.dim() not in (2, 3):
+            return original(input, n_fft, hop_length, win_length, window, center, normalized, onesided, length,
+                            return_complex)
+        batched = input.dim() == 3
+        spectrum = input if batched else input.unsqueeze(0)
+        hop, width = hop_length or n_fft // 4, win_length or n_fft
+        if window is None:
+            window = torch.ones(width, dtype=spectrum.real.dtype)
+        left = (n_fft - width) // 2
+        window = F.pad(window, (left, n_fft - width - left))
+        frames = torch.fft.irfft(spectrum[:, :n_fft // 2 + 1], n=n_fft, dim=1, norm="ortho" if normalized else None)
+        count = _python_int(spectrum.shape[2])
+        signal = _overlap_added(frames * window[:, None], hop)
+        envelope = _overlap_added(window.square()[None, :, None].expand(1, n_fft, count), hop)
+        start = n_fft // 2 if center else 0
+        made = n_fft + hop * (count - 1)
+        end = start + length if length is not None else made - start
+        if not torch.jit.is_tracing() and not is_fake(envelope) and \
+                bool(envelope[:, start:end].abs().min() < ENVELOPE_MIN):  # torch's check, where values are real
+            raise RuntimeError(f"istft: the window's squares overlap-added fall below {ENVELOPE_MIN} between "
+                               f"samples {start} and {min(end, made)} (torch refuses this too: 'window overlap add "
+                               "min'); use a window that overlaps there, or center=True")
+        y = signal[:, start:end] / envelope[:, start:end]
+        if end > made:
+            y = F.pad(y, (0, end - made))
+        return y if batched else y.squeeze(0)
+
+    return istft
 
 
 def _local_response_norm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -1943,6 +2014,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
           for name in ("hann", "hamming", "blackman", "bartlett", "kaiser")),
         *((torch.signal.windows, name, _window(getattr(torch.signal.windows, name)))
           for name in torch.signal.windows.__all__),
+        (torch, "istft", _istft(torch.istft)), (torch.Tensor, "istft", _istft(torch.Tensor.istft)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))],
         captured=True)

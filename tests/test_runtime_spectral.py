@@ -1,12 +1,13 @@
 """Short-time Fourier transforms through ORTModule, as audio models use them: a waveform generator trained by a
 multi-resolution STFT loss on magnitudes, a classifier on a log power spectrogram, the deprecated real form
-(`return_complex=False`, which the legacy exporter writes as ONNX's STFT of a [batch, length] signal), and the windows
-they are weighted by, in float64 against torch."""
+(`return_complex=False`, which the legacy exporter writes as ONNX's STFT of a [batch, length] signal), a denoiser
+masking a spectrogram and inverting it (torch.istft, `functions._istft`), and the windows, in float64 against torch."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -82,6 +83,56 @@ def test_a_spectrogram_classifier_trains_like_torch(complex_form: bool, exporter
                for _ in range(3)]
     check_parity(lambda: Classifier(complex_form).double(), batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
                  sgd, rtol=1e-10, exporter=exporter)
+
+
+class Denoiser(nn.Module):
+    """A mask over a noisy signal's spectrogram from its magnitudes, the signal made again by torch.istft."""
+
+    def __init__(self, n_fft: int, hop: int, width: int | None = None, full: bool = False, **options: Any):
+        super().__init__()
+        self.n_fft, self.hop, self.width, self.full, self.options = n_fft, hop, width or n_fft, full, options
+        self.mask = nn.Conv1d(n_fft // 2 + 1, n_fft // 2 + 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        window = torch.hann_window(self.width, dtype=x.dtype)
+        center, normalized = self.options.get("center", True), self.options.get("normalized", False)
+        spectrum = torch.stft(x, self.n_fft, self.hop, self.width, window, center=center, normalized=normalized,
+                              return_complex=True)
+        spectrum = spectrum * torch.sigmoid(self.mask(spectrum.abs()))
+        if self.full:  # the bins past n_fft // 2 too, as a two-sided spectrum (istft reads the first half)
+            spectrum = torch.cat([spectrum, spectrum[:, 1:self.n_fft // 2].flip(1).conj()], 1)
+        length = x.shape[-1] if self.options.get("length") == "input's" else self.options.get("length")
+        return torch.istft(spectrum, self.n_fft, self.hop, self.width, window, center=center, normalized=normalized,
+                           onesided=not self.full, length=length)
+
+
+DENOISERS: dict[str, Callable[[], Denoiser]] = {
+    "hop dividing n_fft": lambda: Denoiser(64, 16),
+    "the input's length": lambda: Denoiser(64, 16, length="input's"),
+    "longer, zero-padded": lambda: Denoiser(64, 16, length=330),
+    "hop not dividing n_fft": lambda: Denoiser(60, 25),
+    "hop coprime to n_fft (F.fold)": lambda: Denoiser(64, 15),
+    "a window narrower than n_fft, normalized": lambda: Denoiser(64, 16, width=48, normalized=True),
+    "a two-sided spectrum": lambda: Denoiser(64, 16, full=True),
+}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("denoiser", list(DENOISERS))
+def test_a_denoiser_inverting_its_spectrogram_trains_like_torch(denoiser: str, exporter: str) -> None:
+    """Dynamo wrote torch's istft with one scatter a sample of the window, its indices int32 (no ONNX ScatterND
+    takes them: the gradient build refused the graph)."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 300, generator=g, dtype=torch.float64),) for _ in range(2)]
+    check_parity(lambda: DENOISERS[denoiser]().double(), batches, lambda m, b: m(b[0]).square().mean(), sgd,
+                 rtol=1e-10, exporter=exporter)
+
+
+def test_an_istft_torch_refuses_is_refused() -> None:
+    """A Hann window without center=True: its squares overlap-add to 0 at the signal's first sample."""
+    module = ORTModule(Denoiser(64, 16, center=False).double(), exporter="dynamo")
+    with pytest.raises(RuntimeError, match="window overlap add min"):
+        module(torch.randn(2, 300, dtype=torch.float64))
 
 
 WINDOWS: dict[str, Callable[[torch.dtype], torch.Tensor]] = {
