@@ -35,7 +35,17 @@ from gradbuilder.errors import InvalidModelError, RuleError
 from . import checks, exchange, function, lowering, workload
 from .batchnorm import FlatStatistics, second_updates, update_running_stats
 from .edits import Watch
-from .export import Exported, ExportError, ExportOptions, ExportWarning, as_called, export, pin_dims, scratch_buffers
+from .export import (
+    REFERENCES,
+    Exported,
+    ExportError,
+    ExportOptions,
+    ExportWarning,
+    as_called,
+    export,
+    pin_dims,
+    scratch_buffers,
+)
 from .forward_hooks import HookChanged, HookError, forget, recorded
 from .function import partial_gradient, reads_its_gradient
 from .hook_state import kept_hook_state
@@ -427,6 +437,7 @@ class Engine:
         steady = self._steady
         if steady is not None and steady.holds(args, kwargs):
             return self._steady_call(steady, [*args, *kwargs.values()] if kwargs else args)
+        since = next(REFERENCES)  # references made after this are this call's
         leaves, in_spec = self._flatten(args, kwargs)
         kinds = []
         empty = False
@@ -464,6 +475,8 @@ class Engine:
         if schema is _FALLBACK:
             return self.module(*args, **kwargs)
         ex: Exported = schema.exported
+        if ex.reference is not None and ex.reference.made < since and ex.reference.thread == threading.get_ident():
+            ex.reference = None  # an earlier call's, which failed before its check: not this call's outputs
         # one pass over the graph inputs: feeds, and which of them get gradients (graph input order)
         grad = torch.is_grad_enabled()
         frozen = ex.frozen
@@ -913,6 +926,8 @@ class Engine:
                 "the call, or run the module in torch."), "export check")
             return _FALLBACK
         if _same_graph(exported.model, schema.exported.model):
+            if schema.exported.reference is not None:  # the first call failed before its check: this one's instead
+                schema.exported.reference = exported.reference
             return schema
         # a hook removed (by itself) or added while exporting; tied weights tied again (or not) since the export
         if _hook_calls(exported) != _hook_calls(schema.exported) or exported.ties != schema.exported.ties:

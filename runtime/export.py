@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import io
+import itertools
 import logging
 import os
 import random
@@ -106,6 +107,11 @@ class ExportOptions:
         return self.opset or DEFAULT_OPSET[self.exporter]
 
 
+REFERENCES = itertools.count()
+"""Marks in the order taken: a call takes one before it looks up its schema, so a reference made after it is that
+call's own (`Reference.made`)."""
+
+
 @dataclass(frozen=True)
 class Reference:
     """torch's own run of the call that exported, to check onnxruntime's outputs and first gradients of the same
@@ -122,6 +128,9 @@ class Reference:
     onnxruntime's backward cannot run (named where the gradients differ)."""
     thread: int = field(default_factory=threading.get_ident)
     """The thread whose call exported: another thread's call may find the schema first, with other inputs."""
+    made: int = field(default_factory=REFERENCES.__next__)
+    """Its mark (`REFERENCES`): a reference older than the call reading it was left by a call that failed before its
+    check (a gradient build refused), and holds that call's outputs, not this one's."""
 
 
 @dataclass

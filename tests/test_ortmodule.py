@@ -2310,6 +2310,41 @@ def test_unsupported_op_is_a_clear_error() -> None:
     assert om.stats["fallbacks"] == 0
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_call_without_grad_after_a_refused_gradient_build_runs_on_onnxruntime(exporter: str) -> None:
+    """The refused build's call left torch's outputs of its export behind: the next call, without grad, compared its
+    own outputs with them and refused the module as computing something else."""
+    ref, om = pair(WithSTFT(), exporter=exporter)
+    with without_rule("STFT"):
+        with pytest.raises(ORTModuleError, match="no gradient rule"):
+            om(torch.randn(2, 16)).backward()
+        x = torch.randn(2, 16)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.testing.assert_close(om(x), ref(x))
+
+
+class STFTThroughView(WithSTFT):
+    """WithSTFT over `ThroughView`'s features (a ReLU in place through a view, which the export leaves out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = ThroughView()
+
+    def forward(self, x):
+        return super().forward(self.features(x).repeat(1, 3)[:, :16])
+
+
+def test_a_call_after_a_refused_gradient_build_is_checked_in_its_place() -> None:
+    """The export's check, which the refused call never reached, is the next call's: on its own outputs."""
+    om = ORTModule(STFTThroughView())
+    with without_rule("STFT"):
+        with pytest.raises(ORTModuleError, match="no gradient rule"):
+            om(torch.randn(4, 4)).backward()
+        with torch.no_grad(), pytest.raises(ORTModuleError, match=r"export check failed.*output 0 of 1 \(\) differs"):
+            om(torch.randn(4, 4))
+
+
 def test_a_failed_export_is_tried_again_at_the_next_call() -> None:
     """Refusals by the checks hold for the schema; a failed export does not: the module may be fixed in between (an
     attribute turning off what has no export)."""
