@@ -44,6 +44,19 @@ def test_dft_axis_fed_at_run_time():
              lambda t, *_: torch.view_as_real(torch.fft.fft(torch.view_as_complex(t), dim=1)), opset=20)
 
 
+@pytest.mark.parametrize("op,complex_input", [("fft", False), ("fft", True), ("rfft", False), ("irfft", True)])
+def test_dft_of_an_input_whose_parts_the_graph_does_not_size(op, complex_input):
+    """The last dim (1: real, 2: complex) read at run time where the graph leaves it symbolic: rfft2's second
+    transform reads the first's output, whose last dim dynamo's graph did not size."""
+    x = np.random.default_rng(13).standard_normal((2, 6, 3, 2 if complex_input else 1))
+    attrs = {"axis": 1, "inverse": int(op == "irfft"), "onesided": int(op != "fft")}
+    if op == "irfft":
+        reference = lambda t, *_: torch.fft.irfft(torch.view_as_complex(t), dim=1)[..., None]  # noqa: E731
+    else:
+        reference = _reference(1, False, op == "rfft", None)
+    check_op("DFT", [("x", x), ("n", None)], reference, symbolic={"x": [3]}, **attrs)
+
+
 @pytest.mark.parametrize("opset", [17, 20])
 @pytest.mark.parametrize("bins,length", [(6, None), (6, 10), (6, 11), (4, 6), (4, 7)])
 def test_dft_inverse_one_sided(opset, bins, length):

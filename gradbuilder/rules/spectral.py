@@ -46,7 +46,22 @@ def _pad_end(g: Grad, t: str, r: int, axis: int | None, axes: str, amount: str) 
     return g.Pad(t, g.Concat(g.ints([0] * (r + axis)), amount, zeros, axis=0))
 
 
-def _irfft_adjoint(g: Grad, r: int, axis: int | None, axes: str) -> str:
+def _parts(g: Grad, x: str, r: int) -> tuple[int | None, str]:
+    """x's last dim, 1 (real) or 2 (complex): as an int where the graph says (None where it does not), and as an
+    int64 [1] tensor, read at run time where it does not (a transform of a transform's output: rfft2)."""
+    shape = g.info(x).shape
+    last = shape[-1] if shape is not None and isinstance(shape[-1], int) else None
+    if last not in (None, 1, 2):
+        g.fail("the last dim (1: real, 2: complex) must be 1 or 2")
+    return last, g.ints([last]) if last is not None else g.Gather(g.shape_of(x), g.ints([r - 1]))
+
+
+def _as_parts(g: Grad, t: str, last: int | None, parts: str, r: int) -> str:
+    """A complex gradient t ([..., 2]) as the input's parts: its real part for a real input."""
+    return t if last == 2 else g.Slice(t, g.ints([0]), parts, g.ints([r - 1]))
+
+
+def _irfft_adjoint(g: Grad, r: int, axis: int | None, axes: str, last: int | None, parts: str) -> str:
     """The inverse one-sided transform (IRFFT) reads bins 0..L//2 of its input as a Hermitian spectrum of L real
     samples, ignoring the imaginary parts of bins 0 and L/2: y[t] = (1/L) sum_k c_k Re(X[k] e^(2 pi i k t / L)),
     c_k = 2 but 1 for those two. Its adjoint is the forward one-sided transform of dY times c_k / L: constants
@@ -86,7 +101,7 @@ def _irfft_adjoint(g: Grad, r: int, axis: int | None, axes: str) -> str:
     t = g.DFT(g.GO(0), None, g.Reshape(axes, g.ints([])), onesided=1) if g.opset >= 20 else g.DFT(
         g.GO(0), axis=axis, onesided=1)
     t = g.Mul(t, weights)
-    return g.Slice(t, g.ints([0]), g.ints([1]), g.ints([r - 1])) if shape[-1] == 1 else t
+    return _as_parts(g, t, last, parts, r)
 
 
 def _forward_dft(g: Grad, t: str, axis: int | None, axes: str) -> str:
@@ -113,13 +128,11 @@ def _forward_adjoint(g: Grad, dy: str, like: str, r: int, axis: int | None, axes
 def dft(g: Grad):
     x, dy = g.I(0), g.GO(0)
     r = g.require_rank(x)
-    shape = g.info(x).shape
-    if shape is None or shape[-1] not in (1, 2):
-        g.fail("the last dim (1: real, 2: complex) must be static")
+    last, parts = _parts(g, x, r)
     inverse, onesided = bool(g.attr("inverse", 0)), bool(g.attr("onesided", 0))
     axis, axes = _axis(g, r)
     if inverse and onesided:
-        return (_irfft_adjoint(g, r, axis, axes), None, None)
+        return (_irfft_adjoint(g, r, axis, axes, last, parts), None, None)
     n = g.Gather(g.shape_of(x), axes)
     length = n if g.I(1) is None else g.Reshape(g.Cast(g.I(1), to=TensorProto.INT64), g.ints([1]))
     if inverse:  # (one-sided inverses returned above)
@@ -128,9 +141,7 @@ def dft(g: Grad):
         t = _forward_adjoint(g, dy, x, r, axis, axes, length, onesided)
     if g.I(1) is not None:  # the signal was zero-padded or truncated to L: back to its n
         t = _pad_end(g, t, r, axis, axes, g.Sub(n, length))
-    if shape[-1] == 1:  # a real input: the real part
-        t = g.Slice(t, g.ints([0]), g.ints([1]), g.ints([r - 1]))
-    return (t, None, None)
+    return (_as_parts(g, t, last, parts, r), None, None)
 
 
 @rule("STFT", since=17, nondiff=(1, 3))
@@ -144,8 +155,7 @@ def stft(g: Grad):
     if r not in (2, 3):
         g.fail("the signal must be [batch, length, 1 or 2], or [batch, length] (real, as onnxruntime reads it)")
     int64 = TensorProto.INT64
-    last = g.info(x).shape[-1] if r == 3 else 1  # 1: real, 2: complex; read at run time where the graph does not say
-    parts = g.ints([last]) if isinstance(last, int) else g.Gather(g.shape_of(x), g.ints([2]))
+    last, parts = _parts(g, x, r) if r == 3 else (1, g.ints([1]))
     if g.I(3) is not None:
         length = g.Reshape(g.Cast(g.I(3), to=int64), g.ints([1]))
     else:
@@ -156,8 +166,7 @@ def stft(g: Grad):
     positions = g.Add(g.Unsqueeze(starts, g.ints([1])),
                       g.Unsqueeze(g.Range(g.ints(0), g.Reshape(length, g.ints([])), g.ints(1)), g.ints([0])))
     t = _forward_adjoint(g, g.GO(0), x, 4, 2, g.ints([2]), length, bool(g.attr("onesided", 1)))
-    if last != 2:  # a real signal: the real part
-        t = g.Slice(t, g.ints([0]), parts, g.ints([3]))
+    t = _as_parts(g, t, last, parts, 4)
     dx = dw = None
     if g.needs(0):
         spread = t if window is None else g.Mul(t, g.Unsqueeze(window, g.ints([1])))
