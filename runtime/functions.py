@@ -120,7 +120,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - embedding bags (no max_norm): of a 2-D input (fixed-size bags), the rows' embeddings (times their per-sample
   weights) summed, averaged or maxed over each bag; of a 1-D input cut by offsets, summed or averaged
   (`_variable_bags`); entries at `padding_idx` left out, an empty bag zeros; other calls keep torch's function;
-- window functions (torch's and torch.signal.windows'): constants of torch's values (`_window`);
+- window functions (torch's and torch.signal.windows') and sample frequencies: constants of torch's values
+  (`_constant`);
 - istft to a real signal: each frame's inverse one-sided transform times the window, overlap-added by pads and
   adds, over the window's squares overlap-added, as torch's (`_istft`).
 """
@@ -905,15 +906,15 @@ def _celu(in_place: bool = False) -> Callable[..., torch.Tensor]:
     return celu
 
 
-def _window(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """torch's window functions as constants of torch's own values, for both exporters (the legacy one kept them
-    so): dynamo's conversion wrote Hamming's as ONNX's HammingWindow, whose alpha and beta are 25/46 and 21/46 where
-    torch's are 0.54 and 0.46 (0.6% off: a spectrogram's features, and the first call's check refused the module),
-    Blackman's with float32 constants (3e-8 off in float64), and had none for symmetric, Bartlett or Kaiser
-    windows (torch.signal.windows' Kaiser: no i0), its others computed in the graph (1 ulp off in float32).
-    Computed by torch outside the export's fake tensors; a length or a parameter the export traces stays torch's
-    call."""
-    def window(*args: Any, **kwargs: Any) -> torch.Tensor:
+def _constant(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Tensors made from Python numbers alone (windows, sample frequencies) as constants of torch's own values, for
+    both exporters (the legacy one kept them so): dynamo's conversion wrote Hamming's window as ONNX's
+    HammingWindow, whose alpha and beta are 25/46 and 21/46 where torch's are 0.54 and 0.46 (0.6% off: a
+    spectrogram's features, and the first call's check refused the module), Blackman's with float32 constants
+    (3e-8 off in float64), and had none for symmetric, Bartlett or Kaiser windows (torch.signal.windows' Kaiser:
+    no i0) or for fftfreq and rfftfreq; its other windows computed in the graph 1 ulp off in float32. Computed by
+    torch outside the export's fake tensors; a size or a parameter the export traces stays torch's call."""
+    def constant(*args: Any, **kwargs: Any) -> torch.Tensor:
         if any(isinstance(a, (torch.SymInt, torch.SymFloat, torch.Tensor)) for a in (*args, *kwargs.values())):
             return original(*args, **kwargs)
         with unset_fake_temporarily():
@@ -922,7 +923,7 @@ def _window(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             return torch.tensor(values.tolist(), dtype=values.dtype, requires_grad=values.requires_grad)
 
-    return window
+    return constant
 
 
 OVERLAP_TERMS = 16
@@ -2010,10 +2011,11 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "randperm", _randperm(torch.randperm)), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (torch, "celu", _celu()), (torch, "celu_", _celu(in_place=True)),
-        *((torch, f"{name}_window", _window(getattr(torch, f"{name}_window")))
+        *((torch, f"{name}_window", _constant(getattr(torch, f"{name}_window")))
           for name in ("hann", "hamming", "blackman", "bartlett", "kaiser")),
-        *((torch.signal.windows, name, _window(getattr(torch.signal.windows, name)))
-          for name in torch.signal.windows.__all__),
+        *((owner, name, _constant(getattr(owner, name))) for owner, names in (
+            (torch.signal.windows, torch.signal.windows.__all__), (torch.fft, ("fftfreq", "rfftfreq")))
+          for name in names),
         (torch, "istft", _istft(torch.istft)), (torch.Tensor, "istft", _istft(torch.Tensor.istft)),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))],

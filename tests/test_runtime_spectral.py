@@ -135,6 +135,32 @@ def test_an_istft_torch_refuses_is_refused() -> None:
         module(torch.randn(2, 300, dtype=torch.float64))
 
 
+SPECTRA: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # the second transform reads the first's output, whose last dim (real, complex) dynamo's graph leaves unsized
+    "rfft2": lambda h: torch.fft.rfft2(h.reshape(-1, 4, 6)).abs().flatten(1),
+    "rfftn, irfftn": lambda h: torch.fft.irfftn(torch.fft.rfftn(h.reshape(-1, 4, 6)) * 1.5, s=(4, 6)).flatten(1),
+    # sample frequencies, which dynamo had no conversion of
+    "rfftfreq": lambda h: torch.fft.rfft(h).abs() * torch.fft.rfftfreq(24, d=0.5, dtype=h.dtype),
+}
+
+
+class Spectral(nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.fc, self.fn = nn.Linear(24, 24), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.fc(x)).square().mean()
+
+
+@pytest.mark.parametrize("spectrum", list(SPECTRA))
+def test_transforms_of_transforms_and_sample_frequencies_train_like_torch(spectrum: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(3, 24, generator=g, dtype=torch.float64),) for _ in range(2)]
+    check_parity(lambda: Spectral(SPECTRA[spectrum]).double(), batches, lambda m, b: m(b[0]), sgd, rtol=1e-10,
+                 exporter="dynamo")
+
+
 WINDOWS: dict[str, Callable[[torch.dtype], torch.Tensor]] = {
     "hann": lambda d: torch.hann_window(40, dtype=d),
     "hamming": lambda d: torch.hamming_window(40, dtype=d),
