@@ -122,6 +122,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
   (`_variable_bags`); entries at `padding_idx` left out, an empty bag zeros; other calls keep torch's function;
 - window functions (torch's and torch.signal.windows') and sample frequencies: constants of torch's values
   (`_constant`);
+- one-sided transforms of real signals (rfft, rfft2, rfftn, stft): imaginary parts exactly 0 where the transform
+  is real, as torch's (`_real_edges`);
 - istft to a real signal: each frame's inverse one-sided transform times the window, overlap-added by pads and
   adds, over the window's squares overlap-added, as torch's (`_istft`).
 """
@@ -926,6 +928,59 @@ def _constant(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     return constant
 
 
+def _real_edges(y: torch.Tensor, axes: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """A one-sided transform of a real signal (complex, or its real form [..., 2]) with its imaginary parts exactly
+    0 where the transform is real: at bins whose index along every transformed axis is 0 or, for an even length,
+    the middle. torch's are; onnxruntime's DFT and STFT leave ~1e-15 of either sign there, which turned angle()
+    between pi and -pi where the real part is negative (the first call's check refused phase features). A Where:
+    a product by 0 would keep the sign."""
+    parts = torch.view_as_real(y) if y.is_complex() else y
+    rank = parts.dim() - 1
+    edge = torch.ones([1] * rank + [2], dtype=torch.bool)
+    for axis, length in zip(axes, lengths):
+        axis, bins = axis % rank, parts.shape[axis % rank]
+        if isinstance(bins, torch.SymInt) or not isinstance(length, int):  # sizes dynamo's graph leaves open
+            return y
+        bins = _python_int(bins)
+        real = [i == 0 or (length % 2 == 0 and i == length // 2) for i in range(bins)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            edge = edge & torch.tensor(real).reshape([bins] + [1] * (rank - 1 - axis) + [1])
+    edge = edge & torch.tensor([False, True])
+    parts = torch.where(edge, 0.0, parts)
+    return torch.view_as_complex(parts) if y.is_complex() else parts
+
+
+def _rfftn(original: Callable[..., torch.Tensor], default_dims: int | None) -> Callable[..., torch.Tensor]:
+    """torch.fft.rfft (1 axis), rfft2 (2) and rfftn (all, or as many as `s` gives) with `_real_edges`."""
+    def rfftn(input: torch.Tensor, s: Any = None, dim: Any = None, norm: str | None = None, *,
+              out: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
+        _without_out(out, "torch.fft.rfft")
+        s = n if n is not None else s  # rfft's name for it
+        y = original(input, s, dim, norm) if dim is not None else original(input, s, norm=norm)
+        if dim is None:
+            count = default_dims or (len(s) if s is not None else input.dim())
+            dim = list(range(-count, 0))
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        sizes = [s] if isinstance(s, int) else list(s) if s is not None else [None] * len(dims)
+        lengths = [n if n is not None and n != -1 else _python_int(input.shape[d]) for n, d in zip(sizes, dims)]
+        return _real_edges(y, [d % input.dim() - input.dim() for d in dims], lengths)
+
+    return rfftn
+
+
+def _stft(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.stft of a real signal, one-sided, with `_real_edges` along its bins."""
+    def stft(input: torch.Tensor, n_fft: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        y = original(input, n_fft, *args, **kwargs)
+        onesided = kwargs.get("onesided", args[6] if len(args) > 6 else None)
+        if input.is_complex() or onesided is False or (y.is_complex() and y.shape[-2] == n_fft != 1):
+            return y
+        return _real_edges(y, [-2], [n_fft])
+
+    return stft
+
+
 OVERLAP_TERMS = 16
 """`_overlap_added` sums this many shifted copies at most (n_fft / gcd(n_fft, hop)); more go through F.fold."""
 
@@ -1191,6 +1246,16 @@ def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None)
     # x / inf at the origin: torch's gradient there is 0 (x's through 1 was -1)
     on_axis = torch.sign(y) * (math.pi / 2) - x / torch.where(flat, torch.full_like(y, math.inf), y)
     return torch.where(axis, on_axis, torch.where(x < 0, turned, base))
+
+
+def _angle(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """angle of a complex tensor as `_atan2`(imag, real): dynamo's conversion took pi for -pi where the imaginary
+    part is +0 and the real part negative (a real transform's first and middle bins: phase features)."""
+    def angle(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        _without_out(out, "torch.angle")
+        return _atan2(x.imag, x.real) if x.is_complex() else original(x)
+
+    return angle
 
 
 def _expm1(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1985,6 +2050,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (F, "channel_shuffle", _channel_shuffle), (torch, "rms_norm", _rms_norm), (F, "bilinear", _bilinear),
         (F, "embedding_bag", _embedding_bag(F.embedding_bag)), (torch, "hypot", _hypot),
         *((owner, name, _atan2) for owner in (torch, torch.Tensor) for name in ("atan2", "arctan2")),
+        *((owner, "angle", _angle(owner.angle)) for owner in (torch, torch.Tensor)),
         *((owner, "expm1", _expm1) for owner in (torch, torch.Tensor, torch.special)),
         (torch, "addcdiv", _addcdiv), (torch.Tensor, "addcdiv", _addcdiv),
         *((owner, "sinc", _sinc) for owner in (torch, torch.Tensor, torch.special)),
@@ -2017,6 +2083,9 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
             (torch.signal.windows, torch.signal.windows.__all__), (torch.fft, ("fftfreq", "rfftfreq")))
           for name in names),
         (torch, "istft", _istft(torch.istft)), (torch.Tensor, "istft", _istft(torch.Tensor.istft)),
+        (torch, "stft", _stft(torch.stft)), (torch.Tensor, "stft", _stft(torch.Tensor.stft)),
+        *((torch.fft, name, _rfftn(getattr(torch.fft, name), dims))
+          for name, dims in (("rfft", 1), ("rfft2", 2), ("rfftn", None))),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))],
         captured=True)
