@@ -115,9 +115,10 @@ def declared_dims(vi: onnx.ValueInfoProto) -> Dims | None:
 
 
 def tensor_types(graph: onnx.GraphProto) -> dict[str, tuple[int, Dims | None]]:
-    """(element type, dims or None without a shape) of every graph input, value_info and output."""
+    """(element type, dims or None without a shape) of every graph input, value_info and output; a graph input's
+    own declaration over an output's naming the same tensor (the input is what is fed)."""
     return {vi.name: (vi.type.tensor_type.elem_type, declared_dims(vi))
-            for vi in (*graph.input, *graph.value_info, *graph.output)}
+            for vi in (*graph.value_info, *graph.output, *graph.input)}
 
 
 def static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:

@@ -416,6 +416,24 @@ def test_outputs_are_held_to_their_declared_shapes(x_dims, y_dims, target, said)
     np.testing.assert_array_equal(np.asarray(grads["W"]), x)
 
 
+def test_an_input_returned_as_an_output_of_another_declared_shape_keeps_its_own() -> None:
+    """x fed as [5], returned as an output declared [batch, 3], and flattened (to [5, 1]) for an Add with a [3]
+    bias: the rewrites took x's shape from the output's declaration, dropped the Flatten as changing nothing, and
+    onnxruntime could not load the forward ("Incompatible dimensions" at the Add; runtime replay seed 429). The
+    input's declaration holds; the first forward names the output's as the run breaks it."""
+    nodes = [helper.make_node("Flatten", ["x"], ["f"]), helper.make_node("Add", ["f", "b"], ["t"]),
+             helper.make_node("Mul", ["t", "W"], ["u"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5])],
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+                               helper.make_tensor_value_info("u", TensorProto.FLOAT, [5, 3])],
+                              [helper.make_tensor("b", TensorProto.FLOAT, [3], [0.1, 0.2, 0.3]),
+                               helper.make_tensor("W", TensorProto.FLOAT, [3], [1.5, -2.0, 0.5])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = TrainingSession.from_forward(model, threads=1)
+    with pytest.raises(InvalidModelError, match=r"graph output 'x' came out of the forward with shape \[5\]"):
+        session.forward({"x": np.arange(5, dtype=np.float32)})
+
+
 def test_a_declared_shape_the_run_breaks_before_any_output_is_refused() -> None:
     """y declared [batch, 3] but a Concat along the batch: onnxruntime plans y's consumer's buffer from the
     declaration and fails mid-run ("Shape mismatch attempting to re-use buffer"), before any output exists for the
