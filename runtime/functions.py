@@ -936,17 +936,15 @@ def _real_edges(y: torch.Tensor, axes: Sequence[int], lengths: Sequence[int]) ->
     a product by 0 would keep the sign."""
     parts = torch.view_as_real(y) if y.is_complex() else y
     rank = parts.dim() - 1
-    edge = torch.ones([1] * rank + [2], dtype=torch.bool)
+    edge = torch.tensor([False, True])
     for axis, length in zip(axes, lengths):
-        axis, bins = axis % rank, parts.shape[axis % rank]
-        if isinstance(bins, torch.SymInt) or not isinstance(length, int):  # sizes dynamo's graph leaves open
-            return y
-        bins = _python_int(bins)
-        real = [i == 0 or (length % 2 == 0 and i == length // 2) for i in range(bins)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            edge = edge & torch.tensor(real).reshape([bins] + [1] * (rank - 1 - axis) + [1])
-    edge = edge & torch.tensor([False, True])
+        axis = axis % rank
+        index = torch.arange(parts.shape[axis])
+        # the length as a tensor the graph computes from the sizes (a length read at run time: GFNet's): a Python
+        # comparison of it would keep the first call's parity
+        samples = torch.arange(length)[-1:] + 1
+        real = (index == 0) | (index * 2 == samples)
+        edge = edge & real.reshape([-1] + [1] * (rank - 1 - axis) + [1])
     parts = torch.where(edge, 0.0, parts)
     return torch.view_as_complex(parts) if y.is_complex() else parts
 
@@ -963,18 +961,19 @@ def _rfftn(original: Callable[..., torch.Tensor], default_dims: int | None) -> C
             dim = list(range(-count, 0))
         dims = [dim] if isinstance(dim, int) else list(dim)
         sizes = [s] if isinstance(s, int) else list(s) if s is not None else [None] * len(dims)
-        lengths = [n if n is not None and n != -1 else _python_int(input.shape[d]) for n, d in zip(sizes, dims)]
+        lengths = [size if size is not None and size != -1 else input.shape[d] for size, d in zip(sizes, dims)]
         return _real_edges(y, [d % input.dim() - input.dim() for d in dims], lengths)
 
     return rfftn
 
 
 def _stft(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """torch.stft of a real signal, one-sided, with `_real_edges` along its bins."""
+    """torch.stft of a real signal (and window) with `_real_edges` along its bins, one-sided or not (a full
+    spectrum's first and middle bins are real too)."""
     def stft(input: torch.Tensor, n_fft: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         y = original(input, n_fft, *args, **kwargs)
-        onesided = kwargs.get("onesided", args[6] if len(args) > 6 else None)
-        if input.is_complex() or onesided is False or (y.is_complex() and y.shape[-2] == n_fft != 1):
+        window = kwargs.get("window", args[2] if len(args) > 2 else None)
+        if input.is_complex() or (window is not None and window.is_complex()):
             return y
         return _real_edges(y, [-2], [n_fft])
 

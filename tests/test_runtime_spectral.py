@@ -173,6 +173,10 @@ PHASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
                    return_complex=True).angle().flatten(1),
         _phase(torch.stft(h, 8, 2, window=torch.hann_window(8, dtype=h.dtype), center=False,
                           return_complex=False)).flatten(1) * 2], 1),
+    # weighted by bin: a real signal's conjugate bins' phases cancel in a plain mean
+    "stft, two-sided": lambda h: torch.stft(h, 8, 2, window=torch.hann_window(8, dtype=h.dtype), center=False,
+                                            onesided=False, return_complex=True).angle().mul(
+        torch.linspace(0.5, 1.5, 8, dtype=h.dtype)[:, None]).flatten(1),
 }
 
 
@@ -193,6 +197,16 @@ def test_phases_of_real_transforms_train_like_torch(phase: str, exporter: str) -
         warnings.simplefilter("ignore", UserWarning)  # return_complex=False is deprecated
         check_parity(lambda: Spectral(PHASES[phase], signed=True).double(), batches, lambda m, b: m(b[0]), sgd,
                      rtol=1e-10, exporter=exporter)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_phases_over_a_length_read_at_run_time_train_like_torch(exporter: str) -> None:
+    """The bins made real are found from the length in the graph: an even and an odd one from one export."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(3, n, 24, generator=g, dtype=torch.float64),) for n in (10, 7, 10)]
+    phase = lambda h: torch.fft.rfft(h, dim=1).angle()  # noqa: E731
+    check_parity(lambda: Spectral(phase, signed=True).double(), batches, lambda m, b: m(b[0]), sgd, rtol=1e-10,
+                 exporter=exporter)
 
 
 WINDOWS: dict[str, Callable[[torch.dtype], torch.Tensor]] = {
