@@ -1233,7 +1233,8 @@ def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None)
 
 def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch's atan2 by quadrant, defined where x is 0 (the legacy exporter's atan(y / x) is nan at (0, 0), where
-    torch's is 0): atan(y / x), plus or minus pi where x < 0; sign(y) pi / 2 - x / y where x = 0 (its
+    torch's is 0): atan(y / x), plus or minus pi where x < 0 (by y's sign, a zero's too); sign(y) pi / 2 - x / y
+    where x = 0 (its
     derivatives there are torch's, x / (x^2 + y^2) = 0 and -y / (x^2 + y^2) = -1 / y), 0 at (0, 0), with torch's
     zero gradients there."""
     _without_out(out, "torch.atan2")
@@ -1241,7 +1242,8 @@ def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None)
     axis = x == 0
     flat = y == 0
     base = torch.atan(y / torch.where(axis, torch.ones_like(x), x))
-    turned = torch.where(y >= 0, base + math.pi, base - math.pi)
+    upper = (y > 0) | (flat & (1 / y > 0))  # +0 above the negative x axis, -0 below it (1 / -0 is -inf), as torch's
+    turned = torch.where(upper, base + math.pi, base - math.pi)
     # x / inf at the origin: torch's gradient there is 0 (x's through 1 was -1)
     on_axis = torch.sign(y) * (math.pi / 2) - x / torch.where(flat, torch.full_like(y, math.inf), y)
     return torch.where(axis, on_axis, torch.where(x < 0, turned, base))

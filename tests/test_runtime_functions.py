@@ -619,8 +619,9 @@ def test_a_pooled_map_of_two_sizes_returned_trains_like_torch(layer: str) -> Non
 
 def test_atan2_is_torch_s_in_every_quadrant_and_on_the_axes() -> None:
     """The legacy exporter writes atan2 as atan(y / x) with quadrant corrections, nan where x = 0 and y = 0 (torch:
-    0, so the first call's check refused the module). Values and gradients in the four quadrants, on both axes and
-    at the origin (torch's zero gradients), as torch's."""
+    0, so the first call's check refused the module). Values and gradients in the four quadrants, on both axes (the
+    negative x axis from above, +0, and from below, -0: pi and -pi, where ours took pi for both) and at the origin
+    (torch's zero gradients), as torch's."""
     class Angle(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -632,7 +633,8 @@ def test_atan2_is_torch_s_in_every_quadrant_and_on_the_axes() -> None:
 
     g = torch.Generator().manual_seed(0)
     p = torch.cat([torch.randn(16, 2, generator=g),
-                   torch.tensor([[0.0, 2.0], [0.0, -3.0], [4.0, 0.0], [-4.0, 0.0], [0.0, 0.0], [1.0, 0.0]])])
+                   torch.tensor([[0.0, 2.0], [0.0, -3.0], [4.0, 0.0], [-4.0, 0.0], [-4.0, -0.0], [0.0, 0.0],
+                                 [1.0, 0.0]])])
     p.requires_grad_()
     ref, om = Angle(), ORTModule(Angle())
     for _ in range(2):
