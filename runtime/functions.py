@@ -949,11 +949,13 @@ def _real_edges(y: torch.Tensor, axes: Sequence[int], lengths: Sequence[int]) ->
     return torch.view_as_complex(parts) if y.is_complex() else parts
 
 
-def _rfftn(original: Callable[..., torch.Tensor], default_dims: int | None) -> Callable[..., torch.Tensor]:
+def _rfftn(name: str, default_dims: int | None) -> Callable[..., torch.Tensor]:
     """torch.fft.rfft (1 axis), rfft2 (2) and rfftn (all, or as many as `s` gives) with `_real_edges`."""
+    original = getattr(torch.fft, name)
+
     def rfftn(input: torch.Tensor, s: Any = None, dim: Any = None, norm: str | None = None, *,
               out: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
-        _without_out(out, "torch.fft.rfft")
+        _without_out(out, f"torch.fft.{name}")
         s = n if n is not None else s  # rfft's name for it
         y = original(input, s, dim, norm) if dim is not None else original(input, s, norm=norm)
         if dim is None:
@@ -2085,7 +2087,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
           for name in names),
         (torch, "istft", _istft(torch.istft)), (torch.Tensor, "istft", _istft(torch.Tensor.istft)),
         (torch, "stft", _stft(torch.stft)), (torch.Tensor, "stft", _stft(torch.Tensor.stft)),
-        *((torch.fft, name, _rfftn(getattr(torch.fft, name), dims))
+        *((torch.fft, name, _rfftn(name, dims))
           for name, dims in (("rfft", 1), ("rfft2", 2), ("rfftn", None))),
         (F, "local_response_norm", _local_response_norm(F.local_response_norm)),
         (F, "instance_norm", _instance_norm(F.instance_norm)), (F, "group_norm", _group_norm(F.group_norm))],
