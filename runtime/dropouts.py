@@ -57,7 +57,7 @@ _REPLACED = {name: _dropout(feature, alpha) for name, feature, alpha in (
     ("feature_dropout", True, False), ("alpha_dropout", False, True), ("feature_alpha_dropout", True, True))}
 
 
-def _memory_order(x: torch.Tensor) -> list[int] | None:
+def memory_order(x: torch.Tensor) -> list[int] | None:
     """The dims of a dense tensor stored in another order than its own (a transposed view), outermost first; None
     where its memory order is its dims' order (or it is not dense: torch's `empty_like` then makes it so)."""
     if x.is_contiguous():
@@ -70,7 +70,7 @@ def _drawn_in_memory_order(x: torch.Tensor, p: float, train: bool) -> torch.Tens
     """torch's dropout draws its mask in the memory order of its input (`empty_like` keeps the strides, `bernoulli_`
     fills memory in order): a transposed view is dropped as the permutation that stores it contiguously, so the
     exported Dropout's mask, drawn in its input's logical order, is torch's (`SessionConfig.torch_masks`)."""
-    order = _memory_order(x) if train and 0 < p < 1 else None
+    order = memory_order(x) if train and 0 < p < 1 else None
     if order is None:
         return torch._C._VariableFunctions.dropout(x, p, train)
     inverse = sorted(range(x.dim()), key=order.__getitem__)

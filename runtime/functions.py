@@ -125,7 +125,11 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - one-sided transforms of real signals (rfft, rfft2, rfftn, stft): imaginary parts exactly 0 where the transform
   is real, as torch's (`_real_edges`);
 - istft to a real signal: each frame's inverse one-sided transform times the window, overlap-added by pads and
-  adds, over the window's squares overlap-added, as torch's (`_istft`).
+  adds, over the window's squares overlap-added, as torch's (`_istft`);
+- as_strided under the legacy trace (whose Gather reads the input's elements in logical order as if they were its
+  memory: wrong for a transposed input, or an offset counted from the storage's start): a dense input read as a
+  copy in its memory order, the offset from its start; memory outside or between its elements refused
+  (`_as_strided`).
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ from torch.nn import functional as F
 from torch.nn.utils import spectral_norm as spectral_norm_module
 
 from .batchnorm import eps_scale
+from .dropouts import memory_order
 from .patching import replaced, untraced_ints
 
 
@@ -1534,6 +1539,32 @@ def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return vdot
 
 
+def _as_strided(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """as_strided reads its input's memory; the legacy exporter's Gather reads the input's elements in their logical
+    order, from the first, at an offset counted from there: the same only for a contiguous input whose memory starts
+    its storage, or read from its own start (Longformer chunks a transposed projection so: its local attention 1%
+    off, which the first call's check of the logits did not see). Under that trace a dense input is read as a copy
+    in its memory order, the offset counted from its start. Memory between or outside the input's elements, which
+    torch reads but passes no gradient to (its memory is not the input's), is refused: a graph holds no memory."""
+    def as_strided(x: torch.Tensor, size: Sequence[int], stride: Sequence[int],
+                   storage_offset: int | None = None) -> torch.Tensor:
+        start = x.storage_offset()
+        if not torch.jit.is_tracing() or (x.is_contiguous() and (storage_offset is None or start == 0)):
+            return original(x, size, stride, storage_offset)
+        offset = start if storage_offset is None else storage_offset
+        extents = [(n - 1) * s for n, s in zip(untraced_ints(*size), stride)]
+        first, last = offset + sum(min(e, 0) for e in extents), offset + sum(max(e, 0) for e in extents)
+        order = list(range(x.dim())) if x.is_contiguous() else memory_order(x)
+        if order is None or first < start or last >= start + untraced_ints(x.numel())[0]:
+            raise RuntimeError(f"as_strided of a tensor of sizes {list(x.shape)} and strides {list(x.stride())} at "
+                               f"offset {start}, reading memory from {first} to {last}, outside or between its "
+                               "elements: an ONNX graph holds no memory to read that from. Read such windows from "
+                               "a contiguous tensor holding them (as_strided of x.contiguous(), or Tensor.unfold)")
+        return original(x.permute(order).clone(memory_format=torch.contiguous_format), size, stride, offset - start)
+
+    return as_strided
+
+
 def _tensor_unfold(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def unfold(x: torch.Tensor, dimension: int, size: int, step: int) -> torch.Tensor:
         if x.dim() == 0:
@@ -2078,6 +2109,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (torch, "searchsorted", _searchsorted(torch.searchsorted)),
         (F, "gumbel_softmax", _gumbel_softmax), (torch, "randint", _randint(torch.randint)),
         (torch, "randperm", _randperm(torch.randperm)), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
+        *((owner, "as_strided", _as_strided(owner.as_strided)) for owner in (torch, torch.Tensor)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (torch, "celu", _celu()), (torch, "celu_", _celu(in_place=True)),
         *((torch, f"{name}_window", _constant(getattr(torch, f"{name}_window")))
