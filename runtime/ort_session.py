@@ -188,7 +188,10 @@ def _misled_optimizers(model: onnx.ModelProto) -> list[str]:
     - NoopElimination reads a one-element float64 constant in float32 and removes a Mul or Div by one that rounds
       to 1 there: a factor of 1 - 1e-8 (`functions._layer_norm`'s) was lost, the gradient through it 1.3e-8 off;
     - ExpandElimination takes an Expand of ones to a constant size holding 0 for a no-op: [1, 1] to [0, 1] gave
-      [1, 1], which the backward, sized by the graph's [0, 1], refused (runtime replay fuzz, seed 97)."""
+      [1, 1], which the backward, sized by the graph's [0, 1], refused (runtime replay fuzz, seed 97);
+    - FuseReluClip removes a Relu read by a Clip and gives the Clip the Relu's input, whichever of the Clip's inputs
+      read it: Clip(d, 2, Relu(d)) became Clip(d, 2, d), d where ONNX's Clip gives the bound Relu(d) for d < 2
+      (runtime replay fuzz, seed 438)."""
     tensors = {t.name: t for t in model.graph.initializer}
     tensors.update((n.output[0], a.t) for n in model.graph.node if n.op_type == "Constant" and n.output
                    for a in n.attribute if a.name == "value")
@@ -201,6 +204,9 @@ def _misled_optimizers(model: onnx.ModelProto) -> list[str]:
                and n.input[1] in tensors]
     if any(0 in numpy_helper.to_array(t).ravel() for t in targets if t.data_type == onnx.TensorProto.INT64):
         misled.append("ExpandElimination")
+    relus = {n.output[0] for n in model.graph.node if n.op_type == "Relu"}
+    if any(n.op_type == "Clip" and relus.intersection(n.input[1:]) for n in model.graph.node):
+        misled.append("FuseReluClip")
     return misled
 
 

@@ -527,6 +527,21 @@ def test_an_expand_to_an_empty_size_is_kept() -> None:
     assert got.shape == (0, 1)
 
 
+def test_a_relu_bounding_a_clip_is_kept() -> None:
+    """onnxruntime's FuseReluClip gave a Clip the input of a Relu it read, though as its max: Clip(d, 2, Relu(d))
+    ran as Clip(d, 2, d), d below 2 where ONNX's Clip gives its max, Relu(d) (replay fuzz seed 438); such graphs
+    run without it. onnxruntime's Clip takes scalar bounds only: one value a run."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Clip", ["x", "two", "r"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                              [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])
+    runner = Runner(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), SessionConfig(threads=1),
+                    "test")
+    for x in np.array([-3.0, 0.5, 1.5, 2.5, 4.0], np.float32):
+        got = to_numpy(runner.run({"x": to_ortvalue(np.array(x))}, ["y"])[0])
+        assert got == min(max(x, 2), max(x, 0)), x  # the max, Relu(x), where it is below the min
+
+
 def test_a_sequence_output_is_refused_by_name() -> None:
     """The builder now leaves a sequence output out of the gradients; the session's forward then failed in DLPack
     ("Only tensor type OrtValues are supported") at its first run. Refused when the session is made, named."""
