@@ -135,8 +135,7 @@ def _einsum_operand_grad(g: Grad, k: int, terms: list[str], out: str, ell: str, 
     eq = ",".join([out, *(t for t, _ in others)]) + "->" + "".join(sub[i] for i in keep)
     grad = dy if not others and eq == f"{out}->{out}" else g.Einsum(dy, *(n for _, n in others), equation=eq)
     x_shape = g.info(x).shape or (None,) * len(sub)
-    y_shape = g.info(g.O(0)).shape
-    broadcast = []
+    broadcast, maybe = [], []
     for axis, i in enumerate(keep):
         ch, dx = sub[i], x_shape[i]
         if isinstance(dx, int) and dx > 1:
@@ -145,11 +144,12 @@ def _einsum_operand_grad(g: Grad, k: int, terms: list[str], out: str, ell: str, 
             if ch in ell or _wider(g, ch, k, terms):
                 broadcast.append(axis)
             continue
-        if ch in ell and any(ch in t for t, _ in others) and not (
-                y_shape and ch in out and y_shape[out.index(ch)] == dx):
-            g.fail(f"dim {i} of '{x}' is symbolic inside the ellipsis and may broadcast; give it a static size")
+        if ch in ell and not _same_size(g, ch, k, terms, dx):
+            maybe.append(axis)  # a run-time size inside the ellipsis: 1 broadcast against the others', or not
     if broadcast:
         grad = g.reduce_sum(grad, broadcast, keepdims=True)
+    if maybe:
+        grad = _sum_where_broadcast(g, grad, g.Gather(g.shape_of(x), g.ints(keep)), maybe, len(keep))
     if any(x_shape[i] != 1 and sub[i] not in out and _only_ones(g, sub[i], k, terms) for i in keep):
         grad = g.Expand(grad, g.Gather(g.shape_of(x), g.ints(keep)))  # read from operands of size 1 there
     placed = [i for i in range(len(sub)) if i not in keep]
@@ -161,6 +161,27 @@ def _einsum_operand_grad(g: Grad, k: int, terms: list[str], out: str, ell: str, 
     if len(keep) < len(first):
         grad = g.Expand(grad, g.shape_of(x))
     return grad
+
+
+def _sum_where_broadcast(g: Grad, grad: str, sizes: str, axes: list[int], rank: int) -> str:
+    """`grad` summed over those of `axes` where the operand's run-time `sizes` (1 there, broadcast) differ from its
+    own, the axes kept (LongT5's local attention: `...qhd,...khd->...hqk` over blocks of a batch whose size shape
+    inference lost in a Concat)."""
+    among = g.const(np.isin(np.arange(rank), axes), elem_type=TensorProto.BOOL)
+    differ = g.And(g.Not(g.Equal(sizes, g.Shape(grad))), among)
+    return g.ReduceSum(grad, g.Reshape(g.NonZero(differ), g.ints([-1])), keepdims=1, noop_with_empty_axes=1)
+
+
+def _same_size(g: Grad, ch: str, k: int, terms: list[str], size: Dim) -> bool:
+    """Whether every other operand with label `ch` has it at operand k's symbolic `size` (the same name: the same
+    run-time size, so nothing broadcast there; the output's inferred size proves nothing, onnx's inference takes
+    one operand's)."""
+    for j, t in enumerate(terms):
+        if j != k and ch in t:
+            shape = g.info(g.I(j)).shape
+            if size is None or shape is None or shape[t.index(ch)] != size:
+                return False
+    return True
 
 
 def _wider(g: Grad, ch: str, k: int, terms: list[str]) -> bool:
