@@ -66,7 +66,8 @@ While exporting, `exportable_functions` computes them as torch defines them:
   flipped and its channel axes exchanged within each group;
 - a float64 average pool: the windows' sums (a strided slice a tap, added) over torch's divisor (the override, or
   each window's count of input and, with count_include_pad, padding elements, summed the same way over ones);
-  global average pooling as a mean;
+  global average pooling as a mean; along an axis whose one window spans it and its padding (a kernel as long or
+  longer, in ceil mode), a sum over it;
 - cosine similarity: each input over its norm clamped to eps (the gradient kept below it, as in gaussian NLL), the
   products summed (torch's; the exporter's sqrt of the product of squared norms has a NaN gradient at a zero vector);
 - std (and std_mean) as the root of the variance, with torch's zero gradient where the variance is 0 (a
@@ -238,6 +239,16 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
             return original(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
         kernel, pads = _per_axis(kernel_size, dims), _per_axis(padding, dims)
         strides = _per_axis(stride, dims) if stride else kernel
+        lead = x.dim() - dims
+        whole = [i for i, n in enumerate(untraced_ints(*x.shape[lead:])) if kernel[i] >= max(n + 2 * pads[i], 2)]
+        if whole:  # one window over the padded axis (HF EfficientNet pools a 1x1 map by 1280): a sum, not a frame
+            # of kernel - 1 zeros and a slice a tap; torch's divisor there is the axis's length, its padding counted
+            axes = [lead + i for i in whole]
+            ones = [(1, 1, 0) if i in whole else (kernel[i], strides[i], pads[i]) for i in range(dims)]
+            y = pool(x.sum(axes, keepdim=True), *map(list, zip(*ones)), ceil_mode, count_include_pad,
+                     divisor_override)
+            return y if divisor_override is not None else y / math.prod(
+                x.shape[lead + i] + 2 * pads[i] * count_include_pad for i in whole)
         overhang = [_ceil_overhang(x.shape[x.dim() - dims + i], kernel[i], strides[i], pads[i]) if ceil_mode
                     else 0 for i in range(dims)]
         framed = _padded(x, [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])])

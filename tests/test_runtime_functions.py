@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import onnx
 import pytest
 import torch
 from parity import check_parity, sgd
@@ -1144,7 +1145,9 @@ class DoubleNearest(nn.Module):
 
 class DoubleAveragePools(nn.Module):
     """float64 average pools: padded with and without counting the padding, ceil mode (a last window over the edge),
-    a divisor override (not in 1-D), overlapping strides, and global average pooling."""
+    a divisor override (not in 1-D), overlapping strides, global average pooling, and windows as long as the padded
+    axis or longer (in ceil mode: HF EfficientNet pools a 1x1 map by 1280; not in 3-D, which torch refuses), on every
+    axis or the first."""
 
     def __init__(self, dims: int) -> None:
         super().__init__()
@@ -1155,6 +1158,10 @@ class DoubleAveragePools(nn.Module):
         self.pools = [lambda x: pool(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
                       lambda x: pool(x, 2, 1, 1, ceil_mode=True, count_include_pad=True), *overridden,
                       lambda x: pool(x, 2), getattr(nn, f"AdaptiveAvgPool{dims}d")(1)]
+        if dims < 3:  # torch's 3-d pool refuses windows past the input
+            self.pools += [lambda x: pool(x, 12, ceil_mode=True), lambda x: pool(x, 16, 16, 2, ceil_mode=True),
+                           lambda x: pool(x, [16, *[3] * (dims - 1)], [16, *[2] * (dims - 1)],
+                                          [2, *[1] * (dims - 1)], ceil_mode=True, count_include_pad=False)]
         self.w = nn.Parameter(torch.linspace(0.5, 1.5, 2, dtype=torch.float64).view(2, *[1] * dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1169,6 +1176,27 @@ FLOAT64_LAYERS: dict[str, tuple[Callable[[int], nn.Module], list[tuple[int, ...]
 }
 """Layers onnxruntime has no double kernel of, and the input sizes they are called at."""
 
+
+
+def test_a_float64_pool_over_a_whole_map_is_its_sum(tmp_path: Any) -> None:
+    """HF EfficientNet's pooler, AvgPool2d(1280, ceil_mode=True) over a 1x1 map: one window over the whole map,
+    which the float64 pool wrote framed by kernel - 1 zeros a side and summed by a slice a tap (1280 x 1280: its
+    export ran out of memory). Now a sum over the map: a 40 x 40 window over 3x3 and 4x5 maps, one export, as
+    torch's, and no slice a tap."""
+    class Pooler(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 1, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.avg_pool2d(self.conv(x), 40, ceil_mode=True).flatten(1)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 2, *size, generator=g, dtype=torch.float64) for size in ((3, 3), (4, 5))]
+    check_parity(Pooler, batches, lambda m, x: (m(x) * torch.arange(1.0, 4.0, dtype=x.dtype)).sum(), sgd,
+                 rtol=1e-12, exporter="torchscript", save_onnx=tmp_path)
+    exported = onnx.load(next(tmp_path.rglob("exported.onnx")))
+    assert sum(n.op_type == "Slice" for n in exported.graph.node) < 20  # sizes read, the conv's one tap (6,564 before)
 
 @pytest.mark.parametrize(("layer", "dims", "exporter"), [
     *((layer, dims, "torchscript") for layer in FLOAT64_LAYERS for dims in (1, 2, 3)), ("convolutions", 1, "dynamo")])
