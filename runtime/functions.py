@@ -249,7 +249,7 @@ def _divided_avg_pool(original: Callable[..., torch.Tensor], dims: int) -> Calla
                      divisor_override)
             return y if divisor_override is not None else y / math.prod(
                 x.shape[lead + i] + 2 * pads[i] * count_include_pad for i in whole)
-        overhang = [_ceil_overhang(x.shape[x.dim() - dims + i], kernel[i], strides[i], pads[i]) if ceil_mode
+        overhang = [_ceil_overhang(x.shape[lead + i], kernel[i], strides[i], pads[i]) if ceil_mode
                     else 0 for i in range(dims)]
         framed = _padded(x, [p for i in reversed(range(dims)) for p in (pads[i], pads[i] + overhang[i])])
         # every window now lies inside the zero-framed input: its mean times its size is the sum torch divides
@@ -1562,8 +1562,11 @@ def _as_strided(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
         start = x.storage_offset()
         if not torch.jit.is_tracing() or (x.is_contiguous() and (storage_offset is None or start == 0)):
             return original(x, size, stride, storage_offset)
+        sizes = untraced_ints(*size)
+        if 0 in sizes:  # reads nothing
+            return original(x, size, stride, storage_offset)
         offset = start if storage_offset is None else storage_offset
-        extents = [(n - 1) * s for n, s in zip(untraced_ints(*size), stride)]
+        extents = [(n - 1) * s for n, s in zip(sizes, stride)]
         first, last = offset + sum(min(e, 0) for e in extents), offset + sum(max(e, 0) for e in extents)
         order = list(range(x.dim())) if x.is_contiguous() else memory_order(x)
         if order is None or first < start or last >= start + untraced_ints(x.numel())[0]:

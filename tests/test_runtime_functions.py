@@ -778,13 +778,13 @@ def test_diagonals_train_like_torch_under_the_legacy_exporter() -> None:
 def test_as_strided_reads_memory_like_torch_under_the_legacy_exporter() -> None:
     """as_strided reads memory: of a transposed view (Longformer's overlapping chunks of a transposed projection,
     whose local attention the exporter's Gather made 1% off), of a contiguous slice at an offset counted from the
-    storage's start, and torch.as_strided of a slice from its own start (the exporter's own form). Reads of memory
-    outside the input (before a slice) or between its elements (a slice with gaps), which torch passes no gradient
-    to, are refused by name."""
+    storage's start, torch.as_strided of a slice from its own start (the exporter's own form), and an empty read
+    (at an offset past the input: nothing read). Reads of memory outside the input (before a slice) or between its
+    elements (a slice with gaps), which torch passes no gradient to, are refused by name."""
     def strided(h: torch.Tensor) -> list[torch.Tensor]:
         flat = h.flatten()
         return [h.T.as_strided((5, 2, 4), (1, 1, 6)), flat[5:].as_strided((3, 4), (4, 1), 7),
-                torch.as_strided(h[1:], (2, 3), (1, 2))]
+                torch.as_strided(h[1:], (2, 3), (1, 2)), h.T.as_strided((0, 3), (1, 1), 30)]  # reads nothing
 
     _trains_under_the_legacy_exporter(lambda: Projected(strided), rows=4)
     before_it, between = (lambda h: h.flatten()[5:].as_strided((2, 2), (1, 3), 2),

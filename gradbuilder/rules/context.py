@@ -439,9 +439,14 @@ class Grad:
             ones = self.ConstantOfShape(self.Reshape(lead_n, self.ints([1])),
                                         value=helper.make_tensor("value", TensorProto.INT64, [1], [1]))
             padded = self.Concat(ones, shape_x, axis=0)
-        axes = self.Reshape(self.NonZero(self.Not(self.Equal(padded, shape_y))), self.ints([-1]))
-        summed = self.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)
-        return self.Reshape(summed, shape_x)
+        return self.Reshape(self.sum_where_sizes_differ(grad, padded, shape_y), shape_x)
+
+    def sum_where_sizes_differ(self, grad: str, sizes: str, grad_sizes: str, among: str | None = None) -> str:
+        """`grad` summed, dims kept, over the axes where its run-time `grad_sizes` differ from `sizes` (an operand's, 1
+        where it was broadcast), only those marked in the bool vector `among` if given."""
+        differ = self.Not(self.Equal(sizes, grad_sizes))
+        axes = self.Reshape(self.NonZero(differ if among is None else self.And(differ, among)), self.ints([-1]))
+        return self.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)
 
 
 def _op_method(op_type: str) -> Any:

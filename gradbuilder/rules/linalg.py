@@ -167,9 +167,8 @@ def _sum_where_broadcast(g: Grad, grad: str, sizes: str, axes: list[int], rank: 
     """`grad` summed over those of `axes` where the operand's run-time `sizes` (1 there, broadcast) differ from its
     own, the axes kept (LongT5's local attention: `...qhd,...khd->...hqk` over blocks of a batch whose size shape
     inference lost in a Concat)."""
-    among = g.const(np.isin(np.arange(rank), axes), elem_type=TensorProto.BOOL)
-    differ = g.And(g.Not(g.Equal(sizes, g.Shape(grad))), among)
-    return g.ReduceSum(grad, g.Reshape(g.NonZero(differ), g.ints([-1])), keepdims=1, noop_with_empty_axes=1)
+    return g.sum_where_sizes_differ(grad, sizes, g.Shape(grad),
+                                    among=g.const(np.isin(np.arange(rank), axes), elem_type=TensorProto.BOOL))
 
 
 def _same_size(g: Grad, ch: str, k: int, terms: list[str], size: Dim) -> bool:
