@@ -11,8 +11,10 @@ a stretch is kept in float64 where torch's call returned it so (`ORTModule` retu
 `linear(x).sum() * 3`). Only 0-d values (or of unknown rank) start a stretch: a tensor's Cast to float32 is the
 module's own (`x.float() * 0.3`, which torch computes in float32). A stretch runs through Where's branches and ends
 at comparisons (`torch.where(loss > 0, loss, 0.3)`, read in float64), whose results cast to float32 it takes in,
-cast to float64, where it meets them (`(loss > 0) * loss`); where it reaches anything else (another op, a float32
-tensor), the model is left as exported.
+cast to float64, where it meets them (`(loss > 0) * loss`), and the module's own 0-d float32 values, cast to
+float64, which torch promotes against a 0-d float64 one (ViTMAE's `(loss * mask).sum() / mask.sum()`, its mask
+float32: the loss came back float32); where it reaches anything else (another op, a float32 tensor with dims, which
+torch keeps float32), the model is left as exported.
 
 `sizes_in_double` computes in float64 what both exporters compute from sizes in float32 and cast to float64 at once
 (`x * x.shape[0] ** -0.5`, a Python number torch computes in double).
@@ -91,14 +93,18 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = (), numbers: Co
     stretch: list[onnx.NodeProto] = []
     compared: set[str] = set()
     masks: dict[str, onnx.NodeProto] = {}  # a comparison's result cast to float32: `(loss > 0) * loss`
+    promoted: set[str] = set()  # the module's own 0-d float32 values met: `loss / mask.sum()`, float64 in torch
     for n in g.node:  # in graph order: inputs first
         values = _values(n)
         if _cast_to(n) == TensorProto.FLOAT and n.input[0] in compared:
             masks[n.output[0]] = n
-        elif values and any(x in inside for x in values) and all(x in inside or x in floats or x in sizes
-                                                                or x in masks for x in values):
+        elif values and any(x in inside for x in values) and all(
+                x in inside or x in floats or x in sizes or x in masks or types.get(x) == (TensorProto.FLOAT, [])
+                for x in values):
             stretch.append(n)
             (compared if n.op_type in COMPARISONS else inside).add(n.output[0])
+            promoted.update(x for x in values if x not in inside and x not in floats and x not in sizes
+                            and x not in masks)
     ok = {id(n) for n in stretch}
     if any(o.name in inside and o.name not in doubles for o in g.output):  # a float32 result torch returns too
         return model
@@ -108,11 +114,11 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = (), numbers: Co
             return model  # a float32 value the stretch makes is read by something else: left as exported
     for n in starts:
         next(a for a in n.attribute if a.name == "to").i = TensorProto.DOUBLE
-    copies = _Copies(g, constants, floats, {**sizes, **masks}, numbers)
+    copies = _Copies(g, constants, floats, {**sizes, **masks}, numbers, promoted)
     for n in g.node:
         if id(n) in ok:
             for k, x in enumerate(n.input):
-                if x in (_values(n) or ()) and (x in floats or x in sizes or x in masks):
+                if x in (_values(n) or ()) and (x in floats or x in sizes or x in masks or x in promoted):
                     n.input[k] = copies.of(x)
         copies.nodes.append(n)
     del g.node[:]
@@ -178,8 +184,9 @@ class _Copies:
     float32 (by the node that made it, of `made`) cast to float64 instead, an elementwise op of such copies."""
 
     def __init__(self, g: onnx.GraphProto, constants: dict[str, onnx.NodeProto], floats: set[str],
-                 made: dict[str, onnx.NodeProto], numbers: Collection[float]):
+                 made: dict[str, onnx.NodeProto], numbers: Collection[float], promoted: Collection[str] = ()):
         self.constants, self.floats, self.made, self.numbers = constants, floats, made, numbers
+        self.promoted = promoted
         self.taken = names_in_use(g)
         self.nodes: list[onnx.NodeProto] = []
         self.copies: dict[str, str] = {}
@@ -192,7 +199,9 @@ class _Copies:
                 self.copies[x] = self.of(n.input[0])  # a float32 value cast to float32 (dynamo's)
                 return self.copies[x]
             name = fresh_name(f"{x}/double", self.taken)
-            if n is None:
+            if x in self.promoted:  # the module's own float32 value, which torch promotes
+                self.nodes.append(helper.make_node("Cast", [x], [name], to=TensorProto.DOUBLE))
+            elif n is None:
                 value = _as_written(numpy_helper.to_array(self.constants[x].attribute[0].t), self.numbers)
                 self.nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
             elif _cast_to(n) == TensorProto.FLOAT:

@@ -72,6 +72,39 @@ def test_a_float32_result_the_module_makes_stays_float32() -> None:
     torch.testing.assert_close(out, reference(x))
 
 
+
+def test_zero_d_float64_and_float32_values_meet_in_float64() -> None:
+    """ViTMAE's loss: a float64 per-patch loss weighted by a float32 mask (torch.ones of the default dtype), over the
+    mask's float32 sum. torch computes a 0-d float64 value with a 0-d float32 one in float64; the legacy exporter
+    cast the float64 one to float32 (the loss came back float32, 3e-9 off). A float32 tensor with dims times a 0-d
+    float64 value stays float32, as in torch."""
+    class MaskedLoss(nn.Module):
+        def __init__(self, dims: bool) -> None:
+            super().__init__()
+            self.a, self.dims = nn.Linear(4, 4), dims
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            loss = self.a(x).square().mean(-1)
+            if self.dims:
+                return self.a(x).float() * loss.sum()
+            mask = torch.ones(x.shape[0], device=x.device)
+            mask[0] = 0
+            return (loss * mask).sum() / mask.sum()
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for dims, dtype in ((False, torch.float64), (True, torch.float32)):
+        torch.manual_seed(0)
+        reference = MaskedLoss(dims).double()
+        model = ORTModule(copy.deepcopy(reference))
+        got, want = model(x), reference(x)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=1e-13 if dtype == torch.float64 else 1e-6, atol=0)
+        got.sum().backward()
+        want.sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=0)
+
+
 def test_a_tensor_cast_to_float32_is_computed_in_float32() -> None:
     """A float64 module's own `x.float() * 0.3`, promoted back where it meets float64 tensors: torch computes the
     product in float32, and so must the graph (a stretch started at that Cast computed it in float64, 3e-8 off)."""
