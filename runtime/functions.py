@@ -1252,9 +1252,8 @@ def _hypot(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None)
 def _atan2(y: torch.Tensor, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch's atan2 by quadrant, defined where x is 0 (the legacy exporter's atan(y / x) is nan at (0, 0), where
     torch's is 0): atan(y / x), plus or minus pi where x < 0 (by y's sign, a zero's too); sign(y) pi / 2 - x / y
-    where x = 0 (its
-    derivatives there are torch's, x / (x^2 + y^2) = 0 and -y / (x^2 + y^2) = -1 / y), 0 at (0, 0), with torch's
-    zero gradients there."""
+    where x = 0 (its derivatives there are torch's, x / (x^2 + y^2) = 0 and -y / (x^2 + y^2) = -1 / y), 0 at (0, 0),
+    with torch's zero gradients there."""
     _without_out(out, "torch.atan2")
     y, x = torch.broadcast_tensors(y, x)
     axis = x == 0
