@@ -2,7 +2,8 @@
 
 The legacy exporter runs the module eagerly while it traces, and before exporting with dynamo (whose trace runs
 fake tensors) the module runs once in torch, so torch's outputs of that call exist, with their autograd graph
-(`Exported.reference`). onnxruntime's outputs of the same call are compared with them
+(`Exported.reference`). onnxruntime's outputs of the same call are compared with them, dtypes first (a float32
+output within rounding of torch's float64 one passed: a float32 module's loss times a float64 buffer)
 (`outputs_error`); on its first backward, torch's gradients of those outputs for the same incoming gradients
 with onnxruntime's (`gradient_check`). A difference means the exported graph or its gradient computes something
 else than the module: a conversion of torch's exporter that is wrong (index_add dropping repeated indices,
@@ -82,8 +83,12 @@ GradientCheck = Callable[[Sequence[torch.Tensor | None], list[torch.Tensor | Non
 
 def outputs_error(reference: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> ExportError | None:
     """The export's error where onnxruntime's outputs of the call that exported differ from torch's."""
-    with torch.no_grad():
-        problem = mismatch(outputs, reference, floor=OUTPUT_FLOOR * _largest(reference))
+    problem = next((f"output {i} of {len(reference)} {tuple(b.shape)} is {str(a.dtype)[6:]} on onnxruntime, "
+                    f"{str(b.dtype)[6:]} in torch" for i, (a, b) in enumerate(zip(outputs, reference))
+                    if a.dtype != b.dtype), None)
+    if problem is None:
+        with torch.no_grad():
+            problem = mismatch(outputs, reference, floor=OUTPUT_FLOOR * _largest(reference))
     if problem is None:
         return None
     return ExportError(

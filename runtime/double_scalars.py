@@ -88,6 +88,8 @@ def in_double(model: onnx.ModelProto, doubles: Collection[str] = (), numbers: Co
               and types.get(n.input[0], (0,))[0] == TensorProto.DOUBLE and not types[n.input[0]][1]]
     if not starts:
         return model
+    # a stretch takes in the module's own 0-d float32 values, known by their types: `y.sum() * buffer64`
+    types = _typed(model, types, [x for n in g.node for x in _values(n) or () if x])
     sizes = _sizes(g, types, floats)
     inside = {n.output[0] for n in starts}
     stretch: list[onnx.NodeProto] = []
@@ -164,14 +166,40 @@ def sizes_in_double(model: onnx.ModelProto, numbers: Collection[float] = ()) -> 
     return model
 
 
+def _typed(model: onnx.ModelProto, types: dict, names: Iterable[str] | None) -> dict:
+    """`types`, or the graph's inferred ones where one of `names` has none (the legacy exporter declares no
+    intermediate tensors) or `names` is None: inference runs only for graphs that need it."""
+    if names is not None and all(x in types for x in names):
+        return types
+    inferred = infer_shapes_safely(model)
+    return types if inferred is None else tensor_types(inferred)
+
+
+def numbers_in_double(model: onnx.ModelProto, outputs: Collection[str]) -> onnx.ModelProto:
+    """`model` with these outputs (Python floats the forward returns, computed from sizes: `2 / x.shape[0]`) cast
+    to float64, in place, for `sizes_in_double` to compute them so: the export wrote them in float32 (torch's
+    0.6666666666666666 came back 0.6666666865348816)."""
+    g = model.graph
+    wanted = {o.name for o in g.output if o.name in outputs and o.type.tensor_type.elem_type == TensorProto.FLOAT}
+    if not wanted:
+        return model
+    taken = names_in_use(g)
+    renamed = {name: fresh_name(f"{name}/float32", taken) for name in wanted}
+    for n in g.node:
+        n.input[:] = [renamed.get(x, x) for x in n.input]
+        n.output[:] = [renamed.get(x, x) for x in n.output]
+    g.node.extend(helper.make_node("Cast", [renamed[name]], [name], to=TensorProto.DOUBLE) for name in wanted)
+    for o in g.output:
+        if o.name in wanted:
+            o.type.tensor_type.elem_type = TensorProto.DOUBLE
+    return model
+
+
 def _float32_sources(model: onnx.ModelProto) -> tuple[dict, dict[str, onnx.NodeProto], set[str]]:
     """The graph's tensor types (inferred where a Cast to float32 reads an untyped tensor), its Constants by
     output, and the names of its float32 ones."""
     g = model.graph
-    types = tensor_types(g)
-    if not all(n.input[0] in types for n in g.node if _cast_to(n) == TensorProto.FLOAT):
-        inferred = infer_shapes_safely(model)
-        types = types if inferred is None else tensor_types(inferred)
+    types = _typed(model, tensor_types(g), [n.input[0] for n in g.node if _cast_to(n) == TensorProto.FLOAT])
     constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and not n.domain and n.output}
     floats = {name for name, n in constants.items()
               if any(a.name == "value" and a.t.data_type == TensorProto.FLOAT for a in n.attribute)}
@@ -324,9 +352,8 @@ def constants_in_double(model: onnx.ModelProto, numbers: Collection[float] = ())
     if not constants and not gemms:
         return model
     types = tensor_types(g)
-    if gemms or any(n.op_type == "CastLike" and n.input[0] in constants and n.input[1] not in types for n in g.node):
-        inferred = infer_shapes_safely(model)
-        types = types if inferred is None else tensor_types(inferred)
+    types = _typed(model, types, None if gemms else
+                   [n.input[1] for n in g.node if n.op_type == "CastLike" and n.input[0] in constants])
     taken = names_in_use(g)
     copies: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []

@@ -71,7 +71,7 @@ from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
 from .packed import exportable_packing
 from .passes import constant_values, inactive_dropouts, int_attr, names_in_use, rename_tensors, written_rate
-from .patching import replaced, untraced
+from .patching import replaced, traced_number, untraced
 from .scalars import Scalars
 from .size_guards import SizeGuards
 from .structure import Const, Node, Spec, constants, flatten, numbers_marked, tensor_paths, unflatten
@@ -256,8 +256,9 @@ class _Flat(nn.Module):
                 self._result["hook_failed"] = hooks.failed
                 raise
         flat, spec = flatten(out)
-        numbers = {i: _python_type(t) for i, t in enumerate(flat) if legacy and _traced_number(t)}
+        numbers = {i: _python_type(t) for i, t in enumerate(flat) if legacy and traced_number(t)}
         self._result["spec"] = numbers_marked(spec, numbers) if numbers else spec
+        self._result["numbers"] = numbers
         self._result["hooks"], extra = hooks.replay(flat)
         flat += extra  # as they are at the end of the forward, as torch's hooks hold them by then
         self._result.setdefault("hook_runs", []).append([*hooks.tensors, *hooks.made])
@@ -273,26 +274,10 @@ class _Flat(nn.Module):
                    for name in self._result.get("updates", ())]
         with untraced():  # copies of the changed buffers' values, not part of the trace
             copies = [b.detach().clone() for b in updated]
-        self._result["outputs"] = [*flat, *copies]  # the values torch computed (the tracer runs the module eagerly)
+            # a Python float computed from sizes is a double in torch's call (`numbers_in_double`)
+            values = [t.double() if numbers.get(i) is float else t for i, t in enumerate(flat)]
+        self._result["outputs"] = [*values, *copies]  # the values torch computed (the tracer runs the module eagerly)
         return (*flat, *updated)
-
-
-def _traced_number(t: torch.Tensor) -> bool:
-    """Whether the legacy exporter's trace made `t` of a Python number: sizes (`x.shape[0]`, which tracing returns
-    as a tensor) and what arithmetic on them and constants computes. Stops at the first input that is neither."""
-    try:
-        stack = [torch._C._get_value_trace(t).node()]
-    except RuntimeError:  # not traced
-        return False
-    while stack:
-        node = stack.pop()
-        if node.kind() == "prim::NumToTensor":
-            continue
-        computed = [i.node() for i in node.inputs() if i.node().kind() != "prim::Constant"]
-        if not node.kind().startswith("aten::") or not computed:
-            return False
-        stack += computed
-    return True
 
 
 def _python_type(t: torch.Tensor) -> type:
@@ -663,8 +648,9 @@ def _torchscript(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], 
     traced = flat._result.get("outputs") or ()
     doubles = [o.name for o, t in zip(model.graph.output, traced)
                if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
-    return checkpoints.tag_regions(double_scalars.sizes_in_double(double_scalars.in_double(model, doubles, numbers),
-                                                                  numbers))
+    returned = [model.graph.output[i].name for i, kind in flat._result.get("numbers", {}).items() if kind is float]
+    model = double_scalars.numbers_in_double(double_scalars.in_double(model, doubles, numbers), returned)
+    return checkpoints.tag_regions(double_scalars.sizes_in_double(model, numbers))
 
 
 def _dynamo(flat: _Flat, leaves: Sequence[torch.Tensor], names: list[str], opset: int) -> onnx.ModelProto:

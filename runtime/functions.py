@@ -130,7 +130,10 @@ While exporting, `exportable_functions` computes them as torch defines them:
 - as_strided under the legacy trace (whose Gather reads the input's elements in logical order as if they were its
   memory: wrong for a transposed input, or an offset counted from the storage's start): a dense input read as a
   copy in its memory order, the offset from its start; memory outside or between its elements refused
-  (`_as_strided`).
+  (`_as_strided`);
+- as_tensor of a number computed from sizes under the legacy trace, where it is a 0-d tensor that as_tensor
+  returns as is: the trace then took the size itself for the new tensor (`return n, torch.as_tensor(n) * 2` gave
+  n back as a tensor); a copy (`_as_tensor`).
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ from torch.nn.utils import spectral_norm as spectral_norm_module
 
 from .batchnorm import eps_scale
 from .dropouts import memory_order
-from .patching import replaced, untraced_ints
+from .patching import replaced, traced_number, untraced_ints
 
 
 def _windows(n: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1549,6 +1552,18 @@ def _vdot(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return vdot
 
 
+def _as_tensor(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.as_tensor, given a copy of a number the legacy trace made a 0-d tensor of (`traced_number`): a
+    tensor in torch's call, not the number itself, which as_tensor would return (the trace binds its conversion
+    to the number's own tensor, so a returned `n` read as that tensor)."""
+    def as_tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(data, torch.Tensor) and torch.jit.is_tracing() and traced_number(data):
+            data = data.clone()
+        return original(data, *args, **kwargs)
+
+    return as_tensor
+
+
 def _as_strided(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """as_strided reads its input's memory; the legacy exporter's Gather reads the input's elements in their logical
     order, from the first, at an offset counted from there: the same only for a contiguous input whose memory starts
@@ -2123,6 +2138,7 @@ def _replaced_functions() -> contextlib.AbstractContextManager[None]:
         (F, "gumbel_softmax", _gumbel_softmax), (torch, "randint", _randint(torch.randint)),
         (torch, "randperm", _randperm(torch.randperm)), (torch.Tensor, "unfold", _tensor_unfold(torch.Tensor.unfold)),
         *((owner, "as_strided", _as_strided(owner.as_strided)) for owner in (torch, torch.Tensor)),
+        (torch, "as_tensor", _as_tensor(torch.as_tensor)),
         (torch, "affine_grid_generator", _affine_grid(torch.affine_grid_generator)),
         (torch, "celu", _celu()), (torch, "celu_", _celu(in_place=True)),
         *((torch, f"{name}_window", _constant(getattr(torch, f"{name}_window")))

@@ -90,3 +90,30 @@ def untraced_ints(*sizes: Any) -> list[int]:
     serves (head counts, a parameter's shape)."""
     with untraced():
         return [int(n) for n in sizes]
+
+
+PYTHON_ARITHMETIC = frozenset(f"aten::{op}" for op in (
+    "add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "pow", "neg", "abs", "reciprocal", "eq", "ne",
+    "lt", "le", "gt", "ge", "__and__", "__or__", "__xor__", "bitwise_not", "__lshift__", "__rshift__"))
+"""What Python's operators on a traced size record (`n / 2`: aten::div, `2 / n`: reciprocal then mul). A tensor
+made of a size (`torch.tensor(n)`: aten::to, `torch.arange(n)`, `torch.scalar_tensor(n)`) records other ops."""
+
+
+def traced_number(t: torch.Tensor) -> bool:
+    """Whether the legacy exporter's trace made `t` of a Python number: sizes (`x.shape[0]`, which tracing returns
+    as a tensor) and what Python's arithmetic on them and constants computes (`PYTHON_ARITHMETIC`). Stops at the
+    first input that is neither: a tensor made of a size (`torch.tensor(x.shape[0])`) is a tensor in torch's call
+    too (it came back as a Python number, and `torch.arange(n)` failed)."""
+    try:
+        stack = [torch._C._get_value_trace(t).node()]
+    except RuntimeError:  # not traced
+        return False
+    while stack:
+        node = stack.pop()
+        if node.kind() == "prim::NumToTensor":
+            continue
+        computed = [i.node() for i in node.inputs() if i.node().kind() != "prim::Constant"]
+        if node.kind() not in PYTHON_ARITHMETIC or not computed:
+            return False
+        stack += computed
+    return True

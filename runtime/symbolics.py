@@ -394,6 +394,16 @@ def _copy(g: Any, self: Any, src: Any, non_blocking: Any = None) -> Any:
     return g.op("Expand", cast_like(g, src, self), g.op("Shape", self))
 
 
+def _full(g: Any, sizes: Any, value: Any, dtype: Any, *rest: Any) -> Any:
+    """`torch.full` without a dtype, whose tensor takes the fill value's kind (int64 for an int): torch's conversion
+    writes float32 unless the sizes and the value are both constants (`torch.full((n,), 7)` and `torch.full((2,),
+    x.shape[0])` came back float32). The traced node's type is torch's."""
+    traced = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.UNDEFINED)
+    if symbolic_helper._is_none(dtype) and traced != _type_utils.JitScalarType.UNDEFINED:
+        dtype = g.op("Constant", value_t=torch.tensor(int(traced)))
+    return symbolic_opset9.full(g, sizes, value, dtype, *rest)
+
+
 def _matrix_h(g: Any, x: Any) -> Any:
     """`x.mH` of a real tensor (spectral norm's parametrization): its last two axes swapped."""
     rank = symbolic_helper._get_tensor_rank(x)
@@ -1198,7 +1208,7 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::addmv": _addmv, "aten::addr": _addr,
     "aten::fmax": _nan_ignoring("Greater"), "aten::fmin": _nan_ignoring("Less"),
     "aten::trunc": _trunc, "aten::fix": _trunc, "aten::frac": lambda g, x: g.op("Sub", x, _trunc(g, x)),
-    "aten::copy": _copy, "aten::matrix_H": _matrix_h,
+    "aten::copy": _copy, "aten::matrix_H": _matrix_h, "aten::full": _full,
     **{f"aten::_upsample_nearest_exact{d}d": _nearest_exact(d) for d in (1, 2, 3)},
     "aten::median": lambda g, x, *args: _median(g, x) if not args else _median_dim(g, x, *args),
     "aten::tensor_split": _tensor_split, "aten::cumprod": _cumprod,

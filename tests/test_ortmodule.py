@@ -2644,6 +2644,28 @@ def test_export_computing_something_else_is_refused() -> None:
     assert (ORTModule(ThroughView(), check_export=False)(x) < 0).any()  # the export's graph: no ReLU
 
 
+def test_an_output_of_another_dtype_than_torch_s_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check compares dtypes before values: a float32 model's sum times a 0-d float64 buffer is float64 in
+    torch, and the legacy exporter writes it in float32 (`double_scalars` keeps it float64). Without that pass,
+    the float32 output within rounding of torch's float64 one passed the check."""
+    class Scaled(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 3)
+            self.register_buffer("scale", torch.tensor(0.1, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = super().forward(x)
+            return y, y.sum() * self.scale
+
+    from runtime import double_scalars
+    x = torch.randn(5, 4)
+    assert ORTModule(Scaled())(x)[1].dtype == torch.float64
+    monkeypatch.setattr(double_scalars, "in_double", lambda model, *args: model)
+    with pytest.raises(ORTModuleError, match=r"export check failed.*output 1 of 2 \(\) is float32 on onnxruntime, "
+                                             r"float64 in torch"):
+        ORTModule(Scaled())(x)
+
+
 def test_dynamo_export_computing_something_else_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dynamo's exports are checked too, against the call torch runs before exporting (dynamo's trace runs fake
     tensors): a graph whose output is off (here made so after the export) fails as an export does; a right one,
@@ -3346,20 +3368,30 @@ def test_the_module_s_own_forward_pre_hooks_see_its_positional_inputs() -> None:
 def test_python_numbers_from_sizes_are_returned_as_numbers() -> None:
     """`return y, x.shape[0]` (a token count beside the output): the legacy trace made the size a tensor, and every
     call returned a 0-d tensor where torch returns an int (json.dumps failed, `total += n` became a tensor). Numbers
-    computed from sizes come back as the int, float or bool torch returns; a 0-d tensor stays one."""
+    computed from sizes come back as the int, float or bool torch returns; a 0-d tensor stays one, and so do tensors
+    made of sizes (`torch.tensor(n)` came back an int, `torch.arange(n)` failed, `torch.full((2,), n)` and
+    `torch.full((n,), 7)` came back float32), each of torch's dtype."""
     class Counted(nn.Linear):
         def forward(self, x: torch.Tensor) -> tuple:
             y = super().forward(x)
-            return y, x.shape[0], x.shape[1] * 2 + 1, x.shape[0] / 4, x.shape[0] > 3, (y.argmax(-1) == 0).sum()
+            n = x.shape[0]
+            return (y, n, x.shape[1] * 2 + 1, n / 4, n > 3, 1 - n * x.shape[1], 2 / n, (y.argmax(-1) == 0).sum(),
+                    torch.tensor(n), torch.as_tensor(n) * 1.5, torch.scalar_tensor(n), y.new_tensor(n / 2),
+                    torch.tensor(n, dtype=torch.float64), torch.arange(n), torch.arange(n).sum(),
+                    torch.full((2,), n), torch.full((), n / 3), torch.full((n,), 7))
 
     model = Counted(4, 2)
     ref, om = copy.deepcopy(model), ORTModule(model)
     for batch in (3, 3, 5):
         x = torch.randn(batch, 4)
         got, want = om(x), ref(x)
-        assert [type(v) for v in got] == [type(v) for v in want] == [torch.Tensor, int, int, float, bool, torch.Tensor]
-        assert got[1:5] == want[1:5]
+        assert [type(v) for v in got] == [type(v) for v in want] == \
+            [torch.Tensor, int, int, float, bool, int, float] + [torch.Tensor] * 11
+        assert got[1:7] == want[1:7]
+        for g, w in zip(got[7:], want[7:]):
+            assert g.dtype == w.dtype
         torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[7:], want[7:], rtol=0, atol=0)
 
 
 def test_dynamo_exports_a_call_with_non_contiguous_inputs() -> None:

@@ -105,6 +105,38 @@ def test_zero_d_float64_and_float32_values_meet_in_float64() -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=0)
 
 
+def test_a_float32_module_s_zero_d_values_meeting_float64_buffers_are_float64() -> None:
+    """A float32 module's loss times a 0-d float64 buffer (a weight kept in double), plus another: torch computes
+    both in float64 and returns float64; the legacy exporter wrote them in float32 (returned float32, then refused
+    by the check's dtypes). The stretch takes in the loss, whose type the export does not declare (inferred)."""
+    class Weighted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+            self.register_buffer("weight", torch.tensor(0.1, dtype=torch.float64))
+            self.register_buffer("offset", torch.tensor(1 / 3, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.a(x)
+            return y, y.square().mean() * self.weight + self.offset
+
+    torch.manual_seed(0)
+    reference = Weighted()
+    model = ORTModule(copy.deepcopy(reference))
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        got, want = model(x), reference(x)
+        assert got[1].dtype == want[1].dtype == torch.float64
+        torch.testing.assert_close(got[1], want[1], rtol=1e-7, atol=0)  # the mean's own float32 rounding
+        mean = (got[1] - 1 / 3) / 0.1  # a float32 mean, the rest computed in float64
+        torch.testing.assert_close(mean, mean.float().double(), rtol=1e-14, atol=0)
+        assert got[1] != got[1].float().double()
+        (got[0].sum() + got[1]).backward()
+        (want[0].sum() + want[1]).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)  # float32 gradients near 1
+
+
 def test_a_tensor_cast_to_float32_is_computed_in_float32() -> None:
     """A float64 module's own `x.float() * 0.3`, promoted back where it meets float64 tensors: torch computes the
     product in float32, and so must the graph (a stretch started at that Cast computed it in float64, 3e-8 off)."""
