@@ -74,7 +74,7 @@ from .passes import constant_values, inactive_dropouts, int_attr, names_in_use, 
 from .patching import replaced, traced_number, untraced
 from .scalars import Scalars
 from .size_guards import SizeGuards
-from .structure import Const, Node, Spec, constants, flatten, numbers_marked, tensor_paths, unflatten
+from .structure import Const, Node, Spec, constants, flatten, numbers_as_leaves, numbers_marked, tensor_paths, unflatten
 
 EXPORTERS = ("torchscript", "dynamo")
 DEFAULT_OPSET = {"torchscript": 17, "dynamo": 18}
@@ -256,8 +256,12 @@ class _Flat(nn.Module):
                 self._result["hook_failed"] = hooks.failed
                 raise
         flat, spec = flatten(out)
-        numbers = {i: _python_type(t) for i, t in enumerate(flat) if legacy and traced_number(t)}
-        self._result["spec"] = numbers_marked(spec, numbers) if numbers else spec
+        if legacy:
+            numbers = {i: _python_type(t) for i, t in enumerate(flat) if traced_number(t)}
+            spec = numbers_marked(spec, numbers) if numbers else spec
+        else:  # dynamo's run before the export and its trace alike: numbers as outputs
+            spec, numbers = numbers_as_leaves(spec, flat)
+        self._result["spec"] = spec
         self._result["numbers"] = numbers
         self._result["hooks"], extra = hooks.replay(flat)
         flat += extra  # as they are at the end of the forward, as torch's hooks hold them by then

@@ -137,6 +137,33 @@ def numbers_marked(spec: Spec, numbers: Mapping[int, type]) -> Spec:
     return Node(spec.kind, spec.keys, tuple(numbers_marked(c, numbers) for c in spec.children))
 
 
+NUMBER_KINDS: tuple[tuple[tuple[type, ...], type, torch.dtype], ...] = (
+    ((bool, torch.SymBool), bool, torch.bool), ((int, torch.SymInt), int, torch.int64),
+    ((float, torch.SymFloat), float, torch.float64))
+"""Python numbers (and torch.export's symbolic ones) by the kind returned and the dtype they travel in."""
+
+
+def numbers_as_leaves(spec: Spec, leaves: list[torch.Tensor]) -> tuple[Spec, dict[int, type]]:
+    """`spec` with each Python number among its constants a `Number` leaf, its 0-d tensor appended to `leaves`;
+    and the kinds by leaf. torch.export traces sizes as symbols: `return y, x.shape[0]` kept the export's
+    symbolic int as a constant, and every call returned that expression (`s28`) where torch returns an int."""
+    numbers: dict[int, type] = {}
+
+    def walk(x: Spec) -> Spec:
+        if isinstance(x, Node):
+            return Node(x.kind, x.keys, tuple(walk(c) for c in x.children))
+        if not isinstance(x, Const):
+            return x
+        for types, kind, dtype in NUMBER_KINDS:
+            if isinstance(x.value, types):
+                leaves.append(torch.scalar_tensor(x.value, dtype=dtype))
+                numbers[len(leaves) - 1] = kind
+                return Number(len(leaves) - 1, kind)
+        return x
+
+    return walk(spec), numbers
+
+
 def _dataclass(kind: type, values: dict[str, Any]) -> Any:
     """An instance with these field values: fields with init=False (computed in __post_init__) set after."""
     later = {f.name for f in dataclasses.fields(kind) if not f.init}

@@ -3365,12 +3365,14 @@ def test_the_module_s_own_forward_pre_hooks_see_its_positional_inputs() -> None:
     torch.testing.assert_close(om(x), ref(x))
 
 
-def test_python_numbers_from_sizes_are_returned_as_numbers() -> None:
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_python_numbers_from_sizes_are_returned_as_numbers(exporter: str) -> None:
     """`return y, x.shape[0]` (a token count beside the output): the legacy trace made the size a tensor, and every
-    call returned a 0-d tensor where torch returns an int (json.dumps failed, `total += n` became a tensor). Numbers
-    computed from sizes come back as the int, float or bool torch returns; a 0-d tensor stays one, and so do tensors
-    made of sizes (`torch.tensor(n)` came back an int, `torch.arange(n)` failed, `torch.full((2,), n)` and
-    `torch.full((n,), 7)` came back float32), each of torch's dtype."""
+    call returned a 0-d tensor where torch returns an int (json.dumps failed, `total += n` became a tensor); dynamo's
+    export kept its symbol (`s28`), returned by every call. Numbers computed from sizes come back as the int, float
+    or bool torch returns; a 0-d tensor stays one, and so do tensors made of sizes (`torch.tensor(n)` came back an
+    int, `torch.arange(n)` failed, `torch.full((2,), n)` and `torch.full((n,), 7)` came back float32), each of
+    torch's dtype."""
     class Counted(nn.Linear):
         def forward(self, x: torch.Tensor) -> tuple:
             y = super().forward(x)
@@ -3381,7 +3383,7 @@ def test_python_numbers_from_sizes_are_returned_as_numbers() -> None:
                     torch.full((2,), n), torch.full((), n / 3), torch.full((n,), 7))
 
     model = Counted(4, 2)
-    ref, om = copy.deepcopy(model), ORTModule(model)
+    ref, om = copy.deepcopy(model), ORTModule(model, exporter=exporter)
     for batch in (3, 3, 5):
         x = torch.randn(batch, 4)
         got, want = om(x), ref(x)
