@@ -37,7 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 from gradbuilder.graph import infer_shapes_safely
 from gradbuilder.inference import tensor_types
 
-from .passes import fresh_name, names_in_use
+from .passes import fresh_name, names_in_use, rename_tensors
 
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Exp", "Log", "Reciprocal",
                          "Max", "Min", "Floor", "Ceil", "Round", "Sign", "Mod"})
@@ -185,9 +185,7 @@ def numbers_in_double(model: onnx.ModelProto, outputs: Collection[str]) -> onnx.
         return model
     taken = names_in_use(g)
     renamed = {name: fresh_name(f"{name}/float32", taken) for name in wanted}
-    for n in g.node:
-        n.input[:] = [renamed.get(x, x) for x in n.input]
-        n.output[:] = [renamed.get(x, x) for x in n.output]
+    rename_tensors(g, renamed)
     g.node.extend(helper.make_node("Cast", [renamed[name]], [name], to=TensorProto.DOUBLE) for name in wanted)
     for o in g.output:
         if o.name in wanted:

@@ -143,25 +143,22 @@ NUMBER_KINDS: tuple[tuple[tuple[type, ...], type, torch.dtype], ...] = (
 """Python numbers (and torch.export's symbolic ones) by the kind returned and the dtype they travel in."""
 
 
-def numbers_as_leaves(spec: Spec, leaves: list[torch.Tensor]) -> tuple[Spec, dict[int, type]]:
+def numbers_as_leaves(spec: Spec, leaves: list[torch.Tensor], numbers: dict[int, type] | None = None
+                      ) -> tuple[Spec, dict[int, type]]:
     """`spec` with each Python number among its constants a `Number` leaf, its 0-d tensor appended to `leaves`;
     and the kinds by leaf. torch.export traces sizes as symbols: `return y, x.shape[0]` kept the export's
-    symbolic int as a constant, and every call returned that expression (`s28`) where torch returns an int."""
-    numbers: dict[int, type] = {}
-
-    def walk(x: Spec) -> Spec:
-        if isinstance(x, Node):
-            return Node(x.kind, x.keys, tuple(walk(c) for c in x.children))
-        if not isinstance(x, Const):
-            return x
-        for types, kind, dtype in NUMBER_KINDS:
-            if isinstance(x.value, types):
-                leaves.append(torch.scalar_tensor(x.value, dtype=dtype))
-                numbers[len(leaves) - 1] = kind
-                return Number(len(leaves) - 1, kind)
-        return x
-
-    return walk(spec), numbers
+    symbolic int as a constant, and every call returned that expression (`s28`) where torch returns an int. (Not a
+    closure calling itself: see `_spec`.)"""
+    numbers = {} if numbers is None else numbers
+    if isinstance(spec, Node):
+        return Node(spec.kind, spec.keys, tuple(numbers_as_leaves(c, leaves, numbers)[0] for c in spec.children)), \
+            numbers
+    for types, kind, dtype in NUMBER_KINDS if isinstance(spec, Const) else ():
+        if isinstance(spec.value, types):
+            leaves.append(torch.scalar_tensor(spec.value, dtype=dtype))
+            numbers[len(leaves) - 1] = kind
+            return Number(len(leaves) - 1, kind), numbers
+    return spec, numbers
 
 
 def _dataclass(kind: type, values: dict[str, Any]) -> Any:

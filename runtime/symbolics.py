@@ -15,7 +15,8 @@ use float32 constants (1e-8 off in float64; `layer_norm`'s eps, LayerNormalizati
 torch's by scaling its input, `functions._layer_norm`); `amax`, `amin`, `aminmax` and `max` / `min` of every
 element drop a NaN that does not come first (onnxruntime's ReduceMax), `argmax` / `argmin` skip NaNs; `movedim` writes a
 negative source dim into perm, and `permute` its negative dims; `embedding` ignores padding_idx (`F.embedding` of a
-weight no nn.Embedding owns);
+weight no nn.Embedding owns); `full` without a dtype writes float32 where torch's takes the fill value's kind
+(`torch.full((n,), 7)` is int64);
 `roll` slices at -shift unwrapped (wrong for |shift| >= size) and fails without dims; `chunk` writes too many chunks
 where torch gives fewer (6 into 4); `unique` flattens its inverse; div's floor mode floors a / b; `scatter_reduce`
 wraps its scatter in Ifs whose branches declare wrong sizes (the gradient build failed after it), and
