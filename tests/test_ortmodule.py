@@ -3562,3 +3562,38 @@ def test_dynamo_recurrent_layers_follow_the_sequence_length(kind: str) -> None:
         want.square().mean().backward()
     assert_grads_equal(om, ref)
     assert om.stats["exports"] == 1
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_channels_last_cnn_trains_as_torch(exporter: str) -> None:
+    """A CNN and its images in channels_last memory (`.to(memory_format=torch.channels_last)`, torch's fast layout
+    for convolutions): float64 outputs, gradients and BatchNorm statistics as torch's over SGD steps, and each
+    gradient in its parameter's layout, as torch's AccumulateGrad lays it out (an optimizer's in-place update then
+    keeps the weights channels_last)."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(8, 6, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4)
+                             ).double().to(memory_format=torch.channels_last)
+
+    ref, om = net(), ORTModule(net(), exporter=exporter)
+    assert om.module[0].weight.stride() != om.module[0].weight.contiguous().stride()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ref, om)]
+    for _ in range(3):
+        x = torch.randn(5, 3, 10, 10, dtype=torch.float64).to(memory_format=torch.channels_last)
+        outs = []
+        for m, opt in zip((ref, om), opts):
+            opt.zero_grad()
+            out = m(x)
+            out.square().sum().backward()
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-13)
+        largest = max(float(q.grad.abs().max()) for q in ref.parameters())  # the first conv's bias: zero by the
+        assert_grads_equal(om, ref, rtol=1e-10, atol=1e-13 * largest)  # math, rounding noise of the others
+        for p, q in zip(om.parameters(), ref.parameters()):
+            assert p.grad.stride() == q.grad.stride()
+        for opt in opts:
+            opt.step()
+    torch.testing.assert_close(om.module[1].running_var, ref[1].running_var, rtol=1e-12, atol=0)
+    assert om.module[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert om.stats["fallbacks"] == 0
