@@ -86,16 +86,19 @@ def outputs_error(reference: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
     problem = next((f"output {i} of {len(reference)} {tuple(b.shape)} is {str(a.dtype)[6:]} on onnxruntime, "
                     f"{str(b.dtype)[6:]} in torch" for i, (a, b) in enumerate(zip(outputs, reference))
                     if a.dtype != b.dtype), None)
-    if problem is None:
+    if problem is not None:
+        cause = ("The export computes it in another type than torch: a type promotion the exporter writes "
+                 "otherwise; please report it with the module.")
+    else:
         with torch.no_grad():
             problem = mismatch(outputs, reference, floor=OUTPUT_FLOOR * _largest(reference))
+        cause = ("The graph does not compute what the module does: torch's tracer misses changes made in place "
+                 "through a view (`x.view(...).relu_()`, `x.diagonal().fill_(v)`: write them out of place), and "
+                 "some of the exporter's conversions are wrong.")
     if problem is None:
         return None
-    return ExportError(
-        f"onnxruntime's outputs of the call that exported the module differ from torch's: {problem}. The graph "
-        "does not compute what the module does: torch's tracer misses changes made in place through a view "
-        "(`x.view(...).relu_()`, `x.diagonal().fill_(v)`: write them out of place), and some of the exporter's "
-        "conversions are wrong. ORTModule(module, check_export=False) skips this comparison.")
+    return ExportError(f"onnxruntime's outputs of the call that exported the module differ from torch's: {problem}. "
+                       f"{cause} ORTModule(module, check_export=False) skips this comparison.")
 
 
 def _vjp(outputs: list[torch.Tensor], inputs: list[torch.Tensor], grads: list[torch.Tensor]

@@ -2662,7 +2662,7 @@ def test_an_output_of_another_dtype_than_torch_s_is_refused(monkeypatch: pytest.
     assert ORTModule(Scaled())(x)[1].dtype == torch.float64
     monkeypatch.setattr(double_scalars, "in_double", lambda model, *args: model)
     with pytest.raises(ORTModuleError, match=r"export check failed.*output 1 of 2 \(\) is float32 on onnxruntime, "
-                                             r"float64 in torch"):
+                                             r"float64 in torch. The export computes it in another type"):
         ORTModule(Scaled())(x)
 
 
