@@ -31,27 +31,47 @@ a few elements by a step, while what the check is for moves many (or makes one n
 
 def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str = "output", floor: float = 0.0
              ) -> str | None:
-    """How onnxruntime's float outputs (or gradients) differ from torch's beyond float32 rounding
-    (`CHECK_TOLERANCE`, plus `floor`: an absolute tolerance), or None."""
+    """How onnxruntime's outputs (or gradients) differ from torch's: float ones beyond float32 rounding
+    (`CHECK_TOLERANCE`, plus `floor`: an absolute tolerance), integer and boolean ones at all (counts, indices,
+    masks); or None. Either differs only where more than `CHECK_TOLERANCE` of its elements do."""
     for i, (a, b) in enumerate(zip(got, want)):
-        if not b.is_floating_point():
-            continue
         where = f"{what} {i} of {len(want)} {tuple(b.shape)}"
+        if b.is_complex():
+            continue
         if a.shape != b.shape:
             return f"{where} has shape {tuple(a.shape)} on onnxruntime"
         a = a.detach()
-        finite = torch.isfinite(b)  # where torch's is not (NaN through a 0/0 it computes), anything goes
-        if not torch.isfinite(a)[finite].all():
-            return f"{where} is not finite on onnxruntime where torch's is"
-        if not finite.any():
-            continue
-        scale = float(b.abs().masked_fill(~finite, 0).max())
-        off = (a - b).abs().masked_fill(~finite, 0)
-        differing = int((off > CHECK_TOLERANCE * scale + floor).sum())
-        if differing > CHECK_TOLERANCE * b.numel():
-            return (f"{where} differs by up to {float(off.max()):.3g} at {differing} of {b.numel()} elements "
-                    f"(torch's largest magnitude: {scale:.3g})")
+        problem = _float_difference(a, b, floor) if b.is_floating_point() else _exact_difference(a, b)
+        if problem is not None:
+            return f"{where} {problem}"
     return None
+
+
+def _float_difference(a: torch.Tensor, b: torch.Tensor, floor: float) -> str | None:
+    finite = torch.isfinite(b)  # where torch's is not (NaN through a 0/0 it computes), anything goes
+    if not torch.isfinite(a)[finite].all():
+        return "is not finite on onnxruntime where torch's is"
+    if not finite.any():
+        return None
+    scale = float(b.abs().masked_fill(~finite, 0).max())
+    off = (a - b).abs().masked_fill(~finite, 0)
+    differing = int((off > CHECK_TOLERANCE * scale + floor).sum())
+    if differing > CHECK_TOLERANCE * b.numel():
+        return (f"differs by up to {float(off.max()):.3g} at {differing} of {b.numel()} elements "
+                f"(torch's largest magnitude: {scale:.3g})")
+    return None
+
+
+def _exact_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Integers and booleans compare exactly: a count or an index off by one is the graph's error, while a near
+    tie that rounding tips (an argmax, a comparison) moves few elements (`CHECK_TOLERANCE`)."""
+    off = a != b
+    differing = int(off.sum())
+    if differing <= CHECK_TOLERANCE * b.numel():
+        return None
+    at = tuple(int(k) for k in off.nonzero()[0])
+    return (f"differs at {differing} of {b.numel()} elements (at {at}: {a[at].item()} on onnxruntime, "
+            f"{b[at].item()} in torch)")
 
 
 GRADIENT_FLOOR = 1e-3

@@ -2644,6 +2644,30 @@ def test_export_computing_something_else_is_refused() -> None:
     assert (ORTModule(ThroughView(), check_export=False)(x) < 0).any()  # the export's graph: no ReLU
 
 
+class CountsThroughView(nn.Linear):
+    """Counts of positive features, one added in place through a view: torch's tracer records the addition on
+    the view only, so the legacy export returns the counts without it (dynamo's functionalization keeps it)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = super().forward(x)
+        n = (h > 0).sum(-1)
+        n.view(-1, 1).add_(1)
+        return h, n
+
+
+def test_integer_outputs_computing_something_else_are_refused() -> None:
+    """The check compares integer and boolean outputs exactly: a count off by one passed before (floats only)."""
+    x = torch.randn(5, 4)
+    with pytest.raises(ORTModuleError, match=r"export check failed.*output 1 of 2 \(5,\) differs at 5 of 5 elements "
+                                             r"\(at \(0,\): \d on onnxruntime, \d in torch\)"):
+        ORTModule(CountsThroughView())(x)
+    ref, om = pair(CountsThroughView(), exporter="dynamo")
+    assert torch.equal(om(x)[1], ref(x)[1])
+
+
 def test_an_output_of_another_dtype_than_torch_s_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check compares dtypes before values: a float32 model's sum times a 0-d float64 buffer is float64 in
     torch, and the legacy exporter writes it in float32 (`double_scalars` keeps it float64). Without that pass,
