@@ -9,7 +9,8 @@ with onnxruntime's (`gradient_check`). A difference means the exported graph or 
 else than the module: a conversion of torch's exporter that is wrong (index_add dropping repeated indices,
 pairwise_distance's eps in the exponent, before this runtime wrote them itself), an in-place change through a view
 that its tracer misses, a gradient rule of ours. The module then fails as a failed export does. Not checked where
-the graph draws random numbers or the forward changed state in place (`export`).
+the graph draws random numbers (but Dropout masks under `torch_dropout`: torch's own) or the forward changed
+state in place (`export`).
 """
 
 from __future__ import annotations

@@ -511,7 +511,7 @@ class Engine:
             self.invalidate()
             return self(args, kwargs)
         n = len(ex.outputs)
-        call = None
+        call = rng = None
         if wrt:
             if ex.unchecked:  # its custom Functions or backward hooks went unchecked: exported again, checked
                 self.schemas.pop(key, None)
@@ -524,6 +524,8 @@ class Engine:
             call = function.Call(session, feeds, wrt, n, read, sparse)
             call.in_torch = functools.partial(self.in_torch, ex, in_spec, leaves, [t._version for t in leaves],
                                               list(named), list(named.values()), wrt)
+            if ex.reference is not None and ex.reference.masked and session.masks_as_torch:
+                rng = torch.random.get_rng_state()  # what the masks are drawn from: the check's arbiter draws them
             try:
                 user, stats = function.apply(call, [named[name] for name in wrt])
             except FIRST_RUN_ERRORS as e:
@@ -546,17 +548,20 @@ class Engine:
             reference, ex.reference = ex.reference, None
             if call is None and reference.backward_hooks:  # no backward to check them at: at the next export's
                 ex.unchecked = True
-            error = checks.outputs_error(reference.outputs, [*user, *updated])
-            if error is not None:
-                self._refuse(key, error, "export check")
-                return self.module(*args, **kwargs)
-            if call is not None:
-                position = dict(ex.inputs)
-                traced = [reference.leaves[position[name]] if name in position else named[name] for name in wrt]
-                call.check = checks.gradient_check(reference.outputs, traced,
-                                                   lambda e: self._refuse(key, e, "gradient check"),
-                                                   reference.backward_hooks,
-                                                   functools.partial(call.in_torch, False, True))
+            if reference.masked and rng is None:  # masks onnxruntime drew, not torch's: nothing to compare
+                reference = None
+            if reference is not None:
+                error = checks.outputs_error(reference.outputs, [*user, *updated])
+                if error is not None:
+                    self._refuse(key, error, "export check")
+                    return self.module(*args, **kwargs)
+                if call is not None:
+                    position = dict(ex.inputs)
+                    traced = [reference.leaves[position[name]] if name in position else named[name] for name in wrt]
+                    call.check = checks.gradient_check(reference.outputs, traced,
+                                                       lambda e: self._refuse(key, e, "gradient check"),
+                                                       reference.backward_hooks,
+                                                       functools.partial(call.in_torch, False, True, rng))
         if ex.updates:
             self._write_back(ex, updated, set(call.session.read_inputs) if call is not None else set())
         if ex.batch_stats:
@@ -793,13 +798,14 @@ class Engine:
 
     def in_torch(self, ex: Exported, in_spec: Any, leaves: list[torch.Tensor], versions: list[int],
                  names: list[str | None], values: list[torch.Tensor], wrt: list[str], aliased: bool = True,
-                 double: bool = False) -> tuple[list[Any], list[torch.Tensor]]:
+                 double: bool = False, rng: torch.Tensor | None = None) -> tuple[list[Any], list[torch.Tensor]]:
         """One call computed again by torch's module with grad enabled: on the same inputs (unchanged since), the
         parameters the forward was fed (a `torch.func.functional_call`'s fast weights too, swapped back since),
         copies of the buffers and the RNG state put back after. Its flat outputs, and the tensors behind `wrt`.
         Holding the tensors costs no memory where the call's feeds share their storage until its backward (all
         but non-contiguous inputs, which the feeds copy). `double`: on float64 copies of every float tensor the
-        call reads (inputs, parameters, buffers), detached: the first-call check's arbiter (`checks`)."""
+        call reads (inputs, parameters, buffers), detached: the first-call check's arbiter (`checks`). `rng`: the
+        RNG state to draw from (the call's, whose Dropout masks torch's generator drew: `torch_dropout`)."""
         if any(t._version != v for t, v in zip(leaves, versions)):
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "
@@ -823,6 +829,8 @@ class Engine:
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
         with torch.enable_grad(), scratch_buffers(self.module), kept_hook_state(self.module), \
                 recorded(self.module) as hooks:
+            if rng is not None:
+                torch.random.set_rng_state(rng)
             out = torch.func.functional_call(self.module, tensors, *as_called(bound),
                                              strict=False)
         differentiated = [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]

@@ -318,6 +318,13 @@ class TrainingSession:
     def _forward_runner(self) -> Runner | MaskedRunner:
         return lowering.forward_runner(self.full.forward, self.config, "forward")
 
+    @property
+    def masks_as_torch(self) -> bool:
+        """Whether the forward's random numbers are all Dropout masks drawn from torch's generator as torch's
+        dropout draws them (`torch_masks`, onnxruntime drawing nothing): its outputs are then torch's for the same
+        RNG state (the fused run is made only so, `_make_fused`)."""
+        return self.config.torch_masks and not self._fwd.draws_random
+
     # --- public API ------------------------------------------------------------------------------
     @property
     def wrt(self) -> list[str]:

@@ -2977,6 +2977,39 @@ def test_first_gradients_checked_against_torch(exporter: str) -> None:
     assert not torch.allclose(unchecked.module[0].weight.grad, ref[0].weight.grad / 2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_dropout_models_are_checked_where_torch_s_generator_draws_the_masks(exporter: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch_dropout onnxruntime's first call takes torch's masks (the RNG state put back after the trace),
+    so its outputs and gradients are checked as a deterministic graph's: a wrong gradient rule fails, and the
+    check's float64 arbiter draws the same masks again (its outputs are the call's). onnxruntime's own masks leave
+    nothing to compare: not checked."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Dropout(0.5), nn.Linear(64, 3))
+
+    x = torch.randn(16, 4)
+    arbiters = []
+
+    def recording(*args):
+        arbiters.append(args[-1])
+        return gradient_check(*args)
+
+    gradient_check = checks.gradient_check
+    monkeypatch.setattr(checks, "gradient_check", recording)
+    om = ORTModule(net(), exporter=exporter, torch_dropout=True)
+    y = om(x)
+    y.sum().backward()
+    [arbiter] = arbiters
+    [again], _ = arbiter()
+    assert again.dtype == torch.float64 and (y == 0).sum() < y.numel()
+    torch.testing.assert_close(again.float(), y, rtol=1e-5, atol=1e-6)  # the same masks: half the units dropped
+    with wrong_tanh_rule():
+        with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradient \d+ of 4 \(64, 4\)"):
+            ORTModule(net(), exporter=exporter, torch_dropout=True)(x).sum().backward()
+        ORTModule(net(), exporter=exporter)(x).sum().backward()  # onnxruntime's masks: unchecked
+
+
 def test_python_random_draws_in_forward_warn() -> None:
     """A forward drawing from Python's or numpy's random functions (a LayerDrop written with random.uniform): the
     export keeps the draws, so it is warned, naming them; the functions are torch's own again after."""
