@@ -8,9 +8,9 @@ output within rounding of torch's float64 one passed: a float32 module's loss ti
 with onnxruntime's (`gradient_check`). A difference means the exported graph or its gradient computes something
 else than the module: a conversion of torch's exporter that is wrong (index_add dropping repeated indices,
 pairwise_distance's eps in the exponent, before this runtime wrote them itself), an in-place change through a view
-that its tracer misses, a gradient rule of ours. The module then fails as a failed export does. Not checked where
-the graph draws random numbers (but Dropout masks under `torch_dropout`: torch's own) or the forward changed
-state in place (`export`).
+that its tracer misses, a gradient rule of ours. The module then fails as a failed export does. The call's
+Dropout masks are drawn as torch's (`host_dropout`). Not checked where the graph draws other random numbers, or
+onnxruntime draws the masks itself, or the forward changed state in place (`export`).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def memory_order(x: torch.Tensor) -> list[int] | None:
 def _drawn_in_memory_order(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     """torch's dropout draws its mask in the memory order of its input (`empty_like` keeps the strides, `bernoulli_`
     fills memory in order): a transposed view is dropped as the permutation that stores it contiguously, so the
-    exported Dropout's mask, drawn in its input's logical order, is torch's (`SessionConfig.torch_masks`)."""
+    exported Dropout's mask, drawn in its input's logical order, is torch's (`host_dropout.Mask`)."""
     order = memory_order(x) if train and 0 < p < 1 else None
     if order is None:
         return torch._C._VariableFunctions.dropout(x, p, train)
@@ -77,11 +77,10 @@ def _drawn_in_memory_order(x: torch.Tensor, p: float, train: bool) -> torch.Tens
     return torch._C._VariableFunctions.dropout(x.permute(order), p, train).permute(inverse)
 
 
-def exportable_dropouts(torch_masks: bool = False) -> contextlib.AbstractContextManager[None]:
+def exportable_dropouts() -> contextlib.AbstractContextManager[None]:
     """torch's `_VF` feature and alpha dropouts (and their in-place forms, traced out of place) replaced for the
-    duration (the export, under its lock); with `torch_masks`, plain dropouts of transposed views too
-    (`_drawn_in_memory_order`)."""
+    duration (the export, under its lock), and plain dropouts of transposed views (`_drawn_in_memory_order`: the
+    masks of the first call, drawn as torch's for its check, and of every call under `torch_masks`)."""
     replacements = [(torch._VF, variant, fn) for name, fn in _REPLACED.items() for variant in (name, name + "_")]
-    if torch_masks:
-        replacements += [(torch._VF, name, _drawn_in_memory_order) for name in ("dropout", "dropout_")]
+    replacements += [(torch._VF, name, _drawn_in_memory_order) for name in ("dropout", "dropout_")]
     return replaced(replacements)

@@ -516,16 +516,18 @@ class Engine:
             if ex.unchecked:  # its custom Functions or backward hooks went unchecked: exported again, checked
                 self.schemas.pop(key, None)
                 return self(args, kwargs)
+            if ex.reference is not None and ex.reference.masked:  # the trace's, put back: torch's masks came from it
+                rng = torch.random.get_rng_state()  # (before the session, whose runners draw seeds)
             session = self._session(key, schema, wrt, leaves)
             if session is None:
                 return self.module(*args, **kwargs)
+            if rng is not None and not session.draw_masks_as_torch(rng):
+                rng = None
             read = tuple([named[name] for name in session.read_inputs if name in named])
             sparse = tuple([i for i, w in enumerate(wrt) if w in schema.sparse]) if schema.sparse else ()
             call = function.Call(session, feeds, wrt, n, read, sparse)
             call.in_torch = functools.partial(self.in_torch, ex, in_spec, leaves, [t._version for t in leaves],
                                               list(named), list(named.values()), wrt)
-            if ex.reference is not None and ex.reference.masked and session.masks_as_torch:
-                rng = torch.random.get_rng_state()  # what the masks are drawn from: the check's arbiter draws them
             try:
                 user, stats = function.apply(call, [named[name] for name in wrt])
             except FIRST_RUN_ERRORS as e:

@@ -96,7 +96,8 @@ class ExportOptions:
     check: bool = True
     """Compare onnxruntime's outputs of the call that exported with torch's (`Exported.reference`)."""
     torch_dropout: bool = False
-    """Dropouts exported so that masks drawn as torch's are torch's (`dropouts.exportable_dropouts`)."""
+    """Dropouts exported so that masks drawn as torch's are torch's at every call: attention's result in torch's
+    layout (`attention.lean_attention`), float64 rates as doubles (`_float64_dropout_rates`)."""
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:
@@ -132,9 +133,9 @@ class Reference:
     """Its mark (`REFERENCES`): a reference older than the call reading it was left by a call that failed before its
     check (a gradient build refused), and holds that call's outputs, not this one's."""
     masked: bool = False
-    """Whether torch's run drew Dropout masks (its only random numbers, `torch_dropout`): onnxruntime's outputs are
-    comparable where its run took the same masks from torch's generator, put back after the trace (the session's
-    `masks_as_torch`), and the check's float64 arbiter draws them again from the call's RNG state."""
+    """Whether torch's run drew Dropout masks (its only random numbers): onnxruntime's outputs are comparable where
+    its run took the same masks from torch's generator, put back after the trace (the session's
+    `draw_masks_as_torch`), and the check's float64 arbiter draws them again from the call's RNG state."""
 
 
 @dataclass
@@ -863,7 +864,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
                 torch.autocast("cpu", enabled=False), _preserved(module) as changed, \
                 _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module, attributes), \
                 stand_in_statistics(module) as stand_ins, lean_attention(options.torch_dropout), \
-                exportable_dropouts(options.torch_dropout), \
+                exportable_dropouts(), \
                 exportable_losses(), exportable_functions(), exportable_packing(), \
                 checkpoints.exportable_checkpoints(options.exporter == "torchscript"), \
                 custom_functions.applied_functions() as applied, _python_draws() as drawn:
@@ -988,7 +989,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     _complete_ranks(model, feeds, inferred_outputs=options.exporter == "torchscript")
     reference = None
     masked = _draws_masks(model)
-    if options.check and not lost and masked is not None and (options.torch_dropout or not masked):
+    if options.check and not lost and masked is not None:
         reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves), tuple(unrun), masked=masked)
     fed = {fqn for _, fqn in state_inputs}
     ties = [(fqn, others) for fqn in sorted(fed)
@@ -1103,8 +1104,8 @@ def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[s
 
 def _draws_masks(model: onnx.ModelProto) -> bool | None:
     """What the graph draws, against which torch's run of the same call can be compared: nothing (False), Dropout
-    masks only (True: torch's, where `torch_dropout` draws them on the host), or other random numbers (None:
-    randn_like, bernoulli, whose float64 draws differ from float32's for the check's arbiter)."""
+    masks only (True: the host can draw torch's), or other random numbers (None: randn_like, bernoulli, whose
+    float64 draws differ from float32's for the check's arbiter)."""
     graph = inactive_dropouts(model).graph
     if not draws_random_numbers(graph):
         return False

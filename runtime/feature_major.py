@@ -38,6 +38,10 @@ input is in it (the chain's tensors) or is a single value that broadcasts the sa
 draws its mask element by element too (its mask output, in the chain's layout, may only be unread: the
 Dropout rule reads it later)."""
 
+TRANSPOSED = "gradbuilder.feature_major"
+"""The metadata key of a Dropout computed feature-major: its mask is the transpose of torch's for the same draws
+(`host_dropout.Mask.transposed`)."""
+
 MIN_LINEARS = 2
 ROW_BLOCK = 16
 """The columns MLAS's SGEMM kernels compute at a time (a strip of its packed B): a last strip holding fewer wastes
@@ -193,6 +197,8 @@ def _transpose_chains(model: onnx.ModelProto, chosen: set[int], linear: dict[int
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute
                      if a.name in ("alpha", "beta")}
             n = onnx.helper.make_node("Gemm", inputs, [y], name=n.name, transA=1 - linear[k].trans_b, **attrs)
+        elif n.op_type == "Dropout":
+            n.metadata_props.add(key=TRANSPOSED, value="1")
         relaid.update(n.output)
         nodes.extend(emit.nodes)
         if y not in inner:  # leaves the chain: transposed back under its own name

@@ -11,7 +11,10 @@ A mask has its Dropout input's shape, which the host only knows once onnxruntime
 input sizes. So `MaskedRunner` keeps two sessions: the forward as it is, plus a `Shape` output for each
 rewritten Dropout's input, runs the first call at each new set of input sizes (its masks drawn by onnxruntime),
 without onnxruntime's memory arena (which would hold on to that call's memory); the rewritten forward runs every
-later call at sizes already seen.
+later call at sizes already seen. The call that exported runs both: its masks are drawn as torch's dropout
+draws them from the state torch's run of the call began with (`MaskedRunner.torch_once`), so that the first
+call's check can compare onnxruntime's outputs with torch's (`checks`); a mask held feature-major is the
+transpose of torch's (`Mask.transposed`).
 
 A call's masks can be drawn again from its seed (`run_redrawable`): a backward recomputing a checkpointed region
 gets its Dropouts' masks back without the forward keeping them (`session.ForwardState.redraw`), as torch's
@@ -41,7 +44,7 @@ from onnxruntime.capi import _pybind_state as C
 from gradbuilder.graph import graph_nodes
 from gradbuilder.inference import infer_shapes
 
-from . import exchange, torch_draws
+from . import exchange, feature_major, torch_draws
 from .ort_session import DISABLED_OPTIMIZERS, RANDOM_OPS, Runner, SessionConfig, draws_random
 from .passes import (
     FLOATS,
@@ -77,6 +80,9 @@ class Mask:
     """A random op drawn by the host instead (`SessionConfig.torch_masks`): torch's fill ("normal_", "uniform_",
     or "bernoulli_" for a rand_like compared with p), its two parameters and the ONNX element type; its values
     are fed as the op's output."""
+    transposed: bool = False
+    """Whether the Dropout's input is the transpose of torch's (`feature_major.TRANSPOSED`): torch's mask for the
+    same draws is drawn in the reversed shape, then transposed."""
 
 
 LIKE_DRAWS = {"RandomNormalLike": ("normal_", "mean", 0.0, "scale", 1.0),
@@ -129,7 +135,8 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
         elem, dims = types.get(x, (0, None))
         nodes[k:k + 1] = dropout_output(x, mask, ratio, y, g, taken, elem if elem in FLOATS else None, as_torch)
         g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, dims))
-        masks.append(Mask(mask, x, threshold, y, ratio))
+        masks.append(Mask(mask, x, threshold, y, ratio,
+                          transposed=any(p.key == feature_major.TRANSPOSED for p in n.metadata_props)))
     fed = {m.input for m in masks}
     kept = [o for o in g.output if o.name not in fed]
     del g.node[:]
@@ -176,6 +183,10 @@ class MaskedRunner:
         self._masked_model: onnx.ModelProto | None = masked
         self.draws_random = draws_random(masked.graph)
         """Whether onnxruntime draws random numbers beside the host's masks (unmasked Dropouts, random ops)."""
+        self.torch_once: torch.Tensor | None = None
+        """A generator state the next call's masks are drawn from as torch's dropout draws them, whatever
+        `torch_masks` says (`TrainingSession.draw_masks_as_torch`: the first call's check compares its outputs with
+        torch's run from that state)."""
         self._masked: Runner | None = None
         self._config, self._what, self._disabled = config, what, disabled
         self._sized = [i.name for i in model.graph.input if not _static(i)]
@@ -227,7 +238,7 @@ class MaskedRunner:
         shapes = self.shapes.get(key)
         if shapes is None:
             values, shapes = self._recorded(feeds, key, names)
-            if shapes is None or not self._config.torch_masks:
+            if shapes is None or not (self._config.torch_masks or self.torch_once is not None):
                 return values, None
             # torch's masks from the first call on: this run only told their shapes (a forward more per new size)
         seed = self._call_seed()
@@ -260,6 +271,10 @@ class MaskedRunner:
 
     def _call_seed(self) -> int | torch.Tensor:
         """A call's seed: torch's generator state where its masks are torch's, else a seed drawn from it."""
+        once, self.torch_once = self.torch_once, None
+        if once is not None:  # the state the call began with: the plain run's seeds were drawn since
+            torch.default_generator.set_state(once)
+            return once
         return torch.default_generator.get_state() if self._config.torch_masks else _seed()
 
     def drawn_runner(self, names: Sequence[str]) -> Runner | None:
@@ -310,7 +325,10 @@ class MaskedRunner:
             generator.set_state(state)
         drawn: dict[str, C.OrtValue] = {}
         for m in self.masks:
-            if m.draw is None:
+            if m.draw is None and m.transposed:
+                values = torch.empty(shapes[m.source][::-1], dtype=torch.bool).bernoulli_(
+                    1.0 - m.ratio, generator=generator).t().contiguous()
+            elif m.draw is None:
                 values = torch.empty(shapes[m.source], dtype=torch.bool).bernoulli_(1.0 - m.ratio, generator=generator)
             elif m.draw[0] == "exponential_":
                 _, rate, _, elem = m.draw

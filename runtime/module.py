@@ -107,11 +107,12 @@ class ORTModule(nn.Module):
         draws, and a forward more runs at each new set of input sizes (to learn their shapes). Other random ops
         keep onnxruntime's draws.
     check_export: compare onnxruntime's outputs of each call that exports, and its first gradients, with
-        torch's for the same call (skipped where the graph draws random numbers, but for Dropout masks under
-        torch_dropout, which are torch's, and where the forward changes state in place), and fail as a failed
-        export does where they differ (`runtime/checks.py`: wrong conversions, in-place changes through views the
-        tracer misses); and export again at each export's
-        second call, failing where the graph differs (values the trace kept as constants). False skips them.
+        torch's for the same call (that call's Dropout masks drawn as torch's; skipped where the graph draws
+        other random numbers, or onnxruntime draws the masks itself (Dropouts in If or Loop bodies, rates not
+        constant), and where the forward changes state in place), and fail as a failed export does where they
+        differ (`runtime/checks.py`: wrong conversions, in-place changes through views the tracer misses); and
+        export again at each export's second call, failing where the graph differs (values the trace kept as
+        constants). False skips them.
     """
 
     def __init__(self, module: nn.Module, *, exporter: str = "torchscript", opset: int | None = None,

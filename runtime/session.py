@@ -318,12 +318,15 @@ class TrainingSession:
     def _forward_runner(self) -> Runner | MaskedRunner:
         return lowering.forward_runner(self.full.forward, self.config, "forward")
 
-    @property
-    def masks_as_torch(self) -> bool:
-        """Whether the forward's random numbers are all Dropout masks drawn from torch's generator as torch's
-        dropout draws them (`torch_masks`, onnxruntime drawing nothing): its outputs are then torch's for the same
-        RNG state (the fused run is made only so, `_make_fused`)."""
-        return self.config.torch_masks and not self._fwd.draws_random
+    def draw_masks_as_torch(self, state: torch.Tensor) -> bool:
+        """Whether the next forward's random numbers are all Dropout masks drawn from torch's generator at `state` as
+        torch's dropout draws them: its outputs are then torch's for that RNG state, which the first call's check
+        compares. Not where onnxruntime draws any (unmasked Dropouts, random ops); the next call runs the whole
+        forward (the fused run comes after the first call's stash decides it)."""
+        if not isinstance(self._fwd, MaskedRunner) or self._fwd.draws_random:
+            return False
+        self._fwd.torch_once = state
+        return True
 
     # --- public API ------------------------------------------------------------------------------
     @property

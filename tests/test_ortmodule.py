@@ -2977,16 +2977,36 @@ def test_first_gradients_checked_against_torch(exporter: str) -> None:
     assert not torch.allclose(unchecked.module[0].weight.grad, ref[0].weight.grad / 2, rtol=1e-3)
 
 
+class DroppedTransposed(nn.Linear):
+    """A dropout of a transposed view: torch draws its mask in memory order (`dropouts._drawn_in_memory_order`)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 64)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.dropout(torch.tanh(super().forward(x)).t(), 0.5, self.training)).t()
+
+
+DROPOUT_NETS = {
+    "feature-major chain": lambda: nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Dropout(0.5), nn.Linear(64, 3)),
+    "transposed view": DroppedTransposed,
+}
+
+
+@pytest.mark.parametrize("torch_dropout", [True, False])
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_dropout_models_are_checked_where_torch_s_generator_draws_the_masks(exporter: str,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under torch_dropout onnxruntime's first call takes torch's masks (the RNG state put back after the trace),
-    so its outputs and gradients are checked as a deterministic graph's: a wrong gradient rule fails, and the
-    check's float64 arbiter draws the same masks again (its outputs are the call's). onnxruntime's own masks leave
-    nothing to compare: not checked."""
+@pytest.mark.parametrize("kind", DROPOUT_NETS)
+def test_dropout_models_are_checked_with_torch_s_masks(kind: str, exporter: str, torch_dropout: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call that exported draws its Dropout masks from torch's generator as torch's dropout does, from the
+    state the trace began with (every call does under torch_dropout), so its outputs and gradients are checked as a
+    deterministic graph's: a wrong gradient rule fails, and the check's float64 arbiter draws the same masks again
+    (its outputs are the call's, as are torch's). Also where the graph holds the mask in another layout than
+    torch's: a Linear chain computed feature-major (without torch_dropout), a dropout of a transposed view."""
     def net() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Dropout(0.5), nn.Linear(64, 3))
+        return DROPOUT_NETS[kind]()
 
     x = torch.randn(16, 4)
     arbiters = []
@@ -2997,17 +3017,19 @@ def test_dropout_models_are_checked_where_torch_s_generator_draws_the_masks(expo
 
     gradient_check = checks.gradient_check
     monkeypatch.setattr(checks, "gradient_check", recording)
-    om = ORTModule(net(), exporter=exporter, torch_dropout=True)
+    ref, om = pair(net(), exporter=exporter, torch_dropout=torch_dropout)
+    torch.manual_seed(1)
+    want = ref(x)
+    torch.manual_seed(1)
     y = om(x)
     y.sum().backward()
     [arbiter] = arbiters
     [again], _ = arbiter()
     assert again.dtype == torch.float64 and (y == 0).sum() < y.numel()
-    torch.testing.assert_close(again.float(), y, rtol=1e-5, atol=1e-6)  # the same masks: half the units dropped
-    with wrong_tanh_rule():
-        with pytest.raises(ORTModuleError, match=r"gradient check failed.*gradient \d+ of 4 \(64, 4\)"):
-            ORTModule(net(), exporter=exporter, torch_dropout=True)(x).sum().backward()
-        ORTModule(net(), exporter=exporter)(x).sum().backward()  # onnxruntime's masks: unchecked
+    for other in (again.float(), want):  # the same masks: half the units dropped
+        torch.testing.assert_close(other, y, rtol=1e-5, atol=1e-6)
+    with wrong_tanh_rule(), pytest.raises(ORTModuleError, match=r"gradient check failed.*gradient \d+ of 4 \(64, 4\)"):
+        ORTModule(net(), exporter=exporter, torch_dropout=torch_dropout)(x).sum().backward()
 
 
 def test_python_random_draws_in_forward_warn() -> None:
