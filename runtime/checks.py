@@ -48,7 +48,18 @@ def mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: st
     return None
 
 
+def _magnitude(t: torch.Tensor) -> float:
+    """The largest magnitude of a non-empty float tensor; NaN where it holds one (aminmax: both then), inf where
+    it holds one. One pass, 10x `abs().max()` here (GPT-2's 151 first gradients were compared in 4.2 s)."""
+    low, high = torch.aminmax(t.detach())
+    return max(-float(low), float(high))
+
+
 def _float_difference(a: torch.Tensor, b: torch.Tensor, floor: float) -> str | None:
+    if b.numel():  # the common case first: every element of a finite tensor within tolerance
+        scale = _magnitude(b)
+        if math.isfinite(scale) and _magnitude(a - b) <= CHECK_TOLERANCE * scale + floor:  # NaN: False
+            return None
     finite = torch.isfinite(b)  # where torch's is not (NaN through a 0/0 it computes), anything goes
     if not torch.isfinite(a)[finite].all():
         return "is not finite on onnxruntime where torch's is"
@@ -88,8 +99,12 @@ by the math (the mean of a normalized activation, returned as a statistic next t
 
 def _largest(tensors: Sequence[torch.Tensor]) -> float:
     """The largest finite magnitude of the float tensors."""
-    return max((float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) for t in tensors
-                if t.is_floating_point() and t.numel()), default=0.0)
+    return max((_finite_magnitude(t) for t in tensors if t.is_floating_point() and t.numel()), default=0.0)
+
+
+def _finite_magnitude(t: torch.Tensor) -> float:
+    largest = _magnitude(t)
+    return largest if math.isfinite(largest) else float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
 
 
 def gradients_mismatch(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> str | None:
@@ -196,6 +211,12 @@ def _within_rounding(ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor
                     f"relatively in L2, torch's float32 ones {noise:.3g}")
 
 
+def _or_zeros(gradients: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeros where a gradient is None (made for those alone: a model's worth of zeros was 0.15 s of GPT-2's
+    first step)."""
+    return [g if g is not None else torch.zeros_like(t) for g, t in zip(gradients, like)]
+
+
 def gradient_check(reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor],
                    refuse: Callable[[ExportError], None], hooks: Sequence[str] = (),
                    float64: Float64Call | None = None) -> GradientCheck:
@@ -216,18 +237,16 @@ def gradient_check(reference: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor
         except RuntimeError:
             return ours
         theirs = [t.to_dense() if t is not None and t.is_sparse else t for t in theirs]  # sparse embeddings
-        zeros = [torch.zeros_like(t) for t in wrt]
-        want = [t if t is not None else z for t, z in zip(theirs, zeros)]
+        want, got = _or_zeros(theirs, wrt), _or_zeros(ours, wrt)
         with torch.no_grad():
-            problem = gradients_mismatch([o if o is not None else z for o, z in zip(ours, zeros)], want)
+            problem = gradients_mismatch(got, want)
         if problem is None:
             return ours
         arbiter = ""
         exact = _float64_gradients(float64, incoming) if float64 is not None and not hooks else None
         if exact is not None:
             with torch.no_grad():
-                close, arbiter = _within_rounding([o if o is not None else z for o, z in zip(ours, zeros)], want,
-                                                  exact)
+                close, arbiter = _within_rounding(got, want, exact)
             if close:
                 return ours
             arbiter = f" ({arbiter})"
