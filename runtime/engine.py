@@ -807,7 +807,7 @@ class Engine:
         Holding the tensors costs no memory where the call's feeds share their storage until its backward (all
         but non-contiguous inputs, which the feeds copy). `double`: on float64 copies of every float tensor the
         call reads (inputs, parameters, buffers), detached: the first-call check's arbiter (`checks`). `rng`: the
-        RNG state to draw from (the call's, whose Dropout masks torch's generator drew: `torch_dropout`)."""
+        RNG state to draw from (the call's, whose Dropout masks were drawn as torch's: `draw_masks_as_torch`)."""
         if any(t._version != v for t, v in zip(leaves, versions)):
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "

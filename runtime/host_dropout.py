@@ -270,7 +270,8 @@ class MaskedRunner:
         return None if shapes is None else self.draw(shapes, self._call_seed(), fresh=True)
 
     def _call_seed(self) -> int | torch.Tensor:
-        """A call's seed: torch's generator state where its masks are torch's, else a seed drawn from it."""
+        """A call's seed: torch's generator state where its masks are torch's (`torch_once`'s, for that call), else
+        a seed drawn from it."""
         once, self.torch_once = self.torch_once, None
         if once is not None:  # the state the call began with: the plain run's seeds were drawn since
             torch.default_generator.set_state(once)

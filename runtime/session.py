@@ -321,10 +321,13 @@ class TrainingSession:
     def draw_masks_as_torch(self, state: torch.Tensor) -> bool:
         """Whether the next forward's random numbers are all Dropout masks drawn from torch's generator at `state` as
         torch's dropout draws them: its outputs are then torch's for that RNG state, which the first call's check
-        compares. Not where onnxruntime draws any (unmasked Dropouts, random ops); the next call runs the whole
-        forward (the fused run comes after the first call's stash decides it)."""
+        compares. Not where onnxruntime draws any (unmasked Dropouts, random ops), nor without `torch_masks` where
+        the next forward does not run the whole batch through `_fwd` (`forward_ortvalues`: a session an earlier
+        export made and runs fused or in halves, whose runners draw their own)."""
         if not isinstance(self._fwd, MaskedRunner) or self._fwd.draws_random:
             return False
+        if (self._fusing and not self._paused) or self._split_halves() is not None:  # decided as the forward would
+            return self.config.torch_masks
         self._fwd.torch_once = state
         return True
 
