@@ -25,6 +25,9 @@ BatchNorm's second call reading the running statistics through Identities (4 s).
 KNOWN: dict[tuple[str, str], str] = {
     ("hf-deberta-v2", "dynamo"): "torch.export cannot trace its forward: it branches on a data-dependent value "
                                  "(modeling_deberta_v2.py, `u0 > 0`); the legacy exporter can",
+    ("hf-mixtral", "dynamo"): "torch.export cannot trace its forward: transformers 5's experts loop over the "
+                              "experts the routing hit (`nonzero()`, then `expert_idx == self.num_experts` in "
+                              "modeling_mixtral.py); the legacy exporter can",
 }
 
 
