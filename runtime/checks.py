@@ -56,11 +56,13 @@ def _magnitude(t: torch.Tensor) -> float:
 
 
 def _float_difference(a: torch.Tensor, b: torch.Tensor, floor: float) -> str | None:
+    """One float tensor's difference beyond rounding; where torch's is not finite (a NaN of a 0/0 it computes),
+    anything goes."""
     if b.numel():  # the common case first: every element of a finite tensor within tolerance
         scale = _magnitude(b)
         if math.isfinite(scale) and _magnitude(a - b) <= CHECK_TOLERANCE * scale + floor:  # NaN: False
             return None
-    finite = torch.isfinite(b)  # where torch's is not (NaN through a 0/0 it computes), anything goes
+    finite = torch.isfinite(b)
     if not torch.isfinite(a)[finite].all():
         return "is not finite on onnxruntime where torch's is"
     if not finite.any():
@@ -103,6 +105,7 @@ def _largest(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def _finite_magnitude(t: torch.Tensor) -> float:
+    """`_magnitude`, or where that is not finite, the largest finite magnitude (a pass more for the rare tensor)."""
     largest = _magnitude(t)
     return largest if math.isfinite(largest) else float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
 
