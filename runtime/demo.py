@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="dropout rate in the classifier; ORTModule then draws torch's own masks "
-                             "(torch_dropout=True), so both runs still agree step for step")
+                             "(torch_dropout=True), so both runs drop the same units (they drift apart once float "
+                             "rounding flips a ReLU, which Adam amplifies)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads of both torch and onnxruntime (models this small gain nothing from "
                              "more, and spinning thread pools fight over the cores of a busy machine)")
