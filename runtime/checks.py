@@ -9,8 +9,11 @@ with onnxruntime's (`gradient_check`). A difference means the exported graph or 
 else than the module: a conversion of torch's exporter that is wrong (index_add dropping repeated indices,
 pairwise_distance's eps in the exponent, before this runtime wrote them itself), an in-place change through a view
 that its tracer misses, a gradient rule of ours. The module then fails as a failed export does. The call's
-Dropout masks are drawn as torch's (`host_dropout`). Not checked where the graph draws other random numbers, or
-onnxruntime draws the masks itself, or the forward changed state in place (`export`).
+Dropout masks are drawn as torch's (`host_dropout`), and under torch_dropout its randn_like, rand, torch.normal,
+bernoulli_ and the like too (the fills the export tags as torch's: `torch_draws`); the float64 arbiter draws them in
+float32 (`float32_draws`). Not checked where onnxruntime draws random numbers (random ops in the default mode,
+fills torch draws with kernels of its own: cauchy_, randint_like), or the forward changed state in place
+(`export`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from .export import ExportError
 
@@ -167,6 +172,29 @@ flipped moved its gradients by up to 4.4e-3 where torch's had flipped few (0.6e-
 channels on 16x16 images, batch 16) one pre-activation of 7e-7 flipped moved the first layer's weight gradient
 by 1.8e-2, torch's float32 ones being 1e-6 from float64. What the check is for moves a gradient by its own
 size (a dropped repeated index, a wrong rule: 10-100%)."""
+
+
+class float32_draws(TorchDispatchMode):
+    """torch's random ops drawing in float32 where they would draw in float64, their values cast up: the arbiter's
+    float64 run of a call then takes the random numbers torch's float32 run of it drew from the same RNG state
+    (randn_like, rand and normal_ draw other numbers in float64, consuming the generator otherwise; a Dropout's
+    `bernoulli_(p)` draws the same masks either way). The ops are those torch tags as seeded random."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags or "out" in kwargs:
+            return func(*args, **kwargs)
+        result = func(*tree_map(_to_float32, args), **tree_map(_to_float32, kwargs))
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):  # a fill: in the caller's tensor
+            return args[0].copy_(result)
+        return tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t,
+                        result)
+
+
+def _to_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
+        return value.float()
+    return torch.float32 if value is torch.float64 else value
 
 
 Float64Call = Callable[[], tuple[list[Any], list[torch.Tensor]]]

@@ -270,11 +270,12 @@ def _logcumsumexp(x: Any, dim: int) -> Any:
     return op.ReduceLogSumExp(spread, _axes(axis + 1), keepdims=0)
 
 
-def _draw(like: Any, fill: str, *params: float) -> Any:
-    """torch's `fill` of a tensor shaped and typed as `like`, as `torch_draws`' marker (expanded after the export into
-    the random op, tagged for the host)."""
+def _draw(like: Any, fill: str, *params: float, dtype: Any = None) -> Any:
+    """torch's `fill` of a tensor shaped and typed as `like` (or of type `dtype`, where like's is not known yet), as
+    `torch_draws`' marker (expanded after the export into the random op, tagged for the host)."""
     from onnxscript import ir, values
-    dtype = like.dtype if _floating(like) or fill == "bernoulli_" else None
+    if dtype is None:
+        dtype = like.dtype if _floating(like) or fill == "bernoulli_" else None
     if dtype is None:
         raise TypeError(f"torch's {fill} of a {like.dtype} tensor")
     return getattr(values.Opset(DOMAIN, 1), torch_draws.OP_TYPE)(
@@ -304,6 +305,73 @@ def _uniform(x: Any, low: float = 0.0, high: float = 1.0, generator: Any = None)
     return _draw(x, "uniform_", float(low), float(high))
 
 
+def _random(fill: str, like: bool) -> Callable[..., Any]:
+    """aten rand / randn (`like`: rand_like / randn_like): torch's fill (onnxscript's wrote the random op untagged,
+    as its randint and others' uniforms, which the host cannot tell from these). The generator overloads are
+    onnxscript's."""
+    def convert(x: Any, dtype: int = -1, *rest: Any, **options: Any) -> Any:
+        from onnxscript import ir
+        if like and dtype in (-1, None, x.dtype):
+            return _draw(x, fill, 0.0, 1.0)
+        kind = ir.DataType(dtype) if dtype not in (-1, None) else x.dtype if like else _default_float()
+        shape = _op().Shape(x) if like else _sizes(x)
+        zeros = _op().ConstantOfShape(shape, value=ir.tensor(np.zeros(1, kind.numpy())))
+        return _draw(zeros, fill, 0.0, 1.0, dtype=kind)
+    return convert
+
+
+def _sizes(sizes: Any) -> Any:
+    """A size argument (ints and the symbolic sizes of other tensors) as a 1-D INT64 tensor."""
+    if not isinstance(sizes, (list, tuple)):
+        return sizes
+    if all(isinstance(v, int) for v in sizes):
+        return _tensor(np.array(sizes, np.int64))
+    return _op().Concat(*[_tensor(np.array([v], np.int64)) if isinstance(v, int) else _op().Reshape(v, _axes(1))
+                          for v in sizes], axis=0)
+
+
+def _normal_of_tensors(mean: Any, std: Any, generator: Any = None) -> Any:
+    """aten normal of a tensor mean or std (torch.normal(mean, std)) as torch computes it, `normal_(0, std)` + mean
+    for a number std, else `normal_(0, 1)` * std + mean, the fill tagged for the host; without the tensors'
+    gradients: torch gives them none (onnxscript's passed them, and its draw was untagged)."""
+    op = _op()
+    tensor = std if isinstance(mean, (int, float)) else mean
+    held = [_stop_gradient(v) if not isinstance(v, (int, float)) else _const(float(v), tensor) for v in (mean, std)]
+    if isinstance(std, (int, float)):
+        return op.Add(_draw(held[0], "normal_", 0.0, float(std), dtype=tensor.dtype), held[0])
+    like = held[1] if isinstance(mean, (int, float)) else op.Add(*held)
+    return op.Add(op.Mul(_draw(like, "normal_", 0.0, 1.0, dtype=tensor.dtype), held[1]), held[0])
+
+
+def _cauchy(x: Any, median: float = 0.0, sigma: float = 1.0, generator: Any = None) -> Any:
+    """aten cauchy (`x.cauchy_(median, sigma)`): median + sigma tan(pi (u - 1/2)), u from an untagged
+    RandomUniformLike. torch's decomposition drew u by rand_like, which `_random` tags as torch's own fill, and the
+    host would then draw uniforms where torch's kernel drew Cauchy variates otherwise: a draw of the law torch's
+    has, not its values (the first call's check does not compare it). So log_normal and geometric."""
+    op = _op()
+    u = op.RandomUniformLike(x)
+    return op.Add(_const(median, x), op.Mul(_const(sigma, x), op.Tan(op.Mul(_const(math.pi, x),
+                                                                          op.Sub(u, _const(0.5, x))))))
+
+
+def _log_normal(x: Any, mean: float = 1.0, std: float = 2.0, generator: Any = None) -> Any:
+    """aten log_normal (`x.log_normal_(mean, std)`): exp of an untagged RandomNormalLike (`_cauchy`)."""
+    return _op().Exp(_op().RandomNormalLike(x, mean=float(mean), scale=float(std)))
+
+
+def _geometric(x: Any, p: float, generator: Any = None) -> Any:
+    """aten geometric (`x.geometric_(p)`): ceil(log(u) / log(1 - p)) for u from an untagged RandomUniformLike in
+    (0, 1] (`_cauchy`), the number of trials to the first success."""
+    op = _op()
+    u = op.Sub(_const(1.0, x), op.RandomUniformLike(x))
+    return op.Ceil(op.Div(op.Log(u), _const(math.log1p(-float(p)), x)))
+
+
+def _default_float() -> Any:
+    from onnxscript import ir
+    return ir.DataType.DOUBLE if torch.get_default_dtype() == torch.float64 else ir.DataType.FLOAT
+
+
 def _conv3d(x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
             groups: int = 1) -> Any:
     """aten conv3d: one Conv, without a bias input where there is none (onnxscript's made a zero bias shaped
@@ -321,11 +389,10 @@ def _rsub(x: Any, other: float, alpha: float = 1) -> Any:
     """aten rsub.Scalar (`1.0 - mask`): other - alpha x, in torch's result type (an integer x with a float number:
     the default float type). torch's decomposition writes it as sub(number, tensor), which no overload of sub takes
     ("Cannot find a compatible OpOverload for aten.sub": XLNet's `1.0 - attention_mask` of an int64 mask)."""
-    from onnxscript import ir
     op = _op()
     dtype = x.dtype
     if not _floating(x) and not (isinstance(other, int) and isinstance(alpha, int)):
-        dtype = ir.DataType.DOUBLE if torch.get_default_dtype() == torch.float64 else ir.DataType.FLOAT
+        dtype = _default_float()
         x = op.Cast(x, to=dtype)
 
     def number(value: float) -> Any:
@@ -354,7 +421,11 @@ def translations() -> dict[Any, Any]:
         aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
         aten.detach.default: _detach, aten.bernoulli.p: _bernoulli_p, aten.conv3d.default: _conv3d,
         aten.normal_functional.default: _normal, aten.uniform.default: _uniform,
-        aten.exponential.default: _exponential,
+        aten.exponential.default: _exponential, aten.rand.default: _random("uniform_", False),
+        aten.randn.default: _random("normal_", False), aten.rand_like.default: _random("uniform_", True),
+        aten.randn_like.default: _random("normal_", True), aten.normal.Tensor_float: _normal_of_tensors,
+        aten.normal.float_Tensor: _normal_of_tensors, aten.normal.Tensor_Tensor: _normal_of_tensors,
+        aten.cauchy.default: _cauchy, aten.log_normal.default: _log_normal, aten.geometric.default: _geometric,
         aten.logaddexp.default: _logaddexp, aten.logcumsumexp.default: _logcumsumexp,
         aten.logaddexp2.default: lambda a, b: _logaddexp(a, b, math.log(2.0)),
         aten.clamp.Tensor: _clamp, aten.clamp_min.Tensor: _clamp_min, aten.clamp_max.Tensor: _clamp_max,

@@ -10,6 +10,7 @@ with grad disabled (or nothing requiring grad) the exported forward runs alone, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -516,7 +517,7 @@ class Engine:
             if ex.unchecked:  # its custom Functions or backward hooks went unchecked: exported again, checked
                 self.schemas.pop(key, None)
                 return self(args, kwargs)
-            if ex.reference is not None and ex.reference.masked:  # the trace's, put back: torch's masks came from it
+            if ex.reference is not None and ex.reference.random:  # the trace's, put back: torch's draws came from it
                 rng = torch.random.get_rng_state()  # (before the session, whose runners draw seeds)
             session = self._session(key, schema, wrt, leaves)
             if session is None:
@@ -550,7 +551,7 @@ class Engine:
             reference, ex.reference = ex.reference, None
             if call is None and reference.backward_hooks:  # no backward to check them at: at the next export's
                 ex.unchecked = True
-            if reference.masked and rng is None:  # masks onnxruntime drew, not torch's: nothing to compare
+            if reference.random and rng is None:  # onnxruntime's draws, not torch's: nothing to compare
                 reference = None
             if reference is not None:
                 error = checks.outputs_error(reference.outputs, [*user, *updated])
@@ -807,7 +808,8 @@ class Engine:
         Holding the tensors costs no memory where the call's feeds share their storage until its backward (all
         but non-contiguous inputs, which the feeds copy). `double`: on float64 copies of every float tensor the
         call reads (inputs, parameters, buffers), detached: the first-call check's arbiter (`checks`). `rng`: the
-        RNG state to draw from (the call's, whose Dropout masks were drawn as torch's: `draw_masks_as_torch`)."""
+        RNG state to draw from (the call's, whose random numbers were drawn as torch's: `draw_masks_as_torch`; in
+        float64, as the float32 call drew them: `checks.float32_draws`)."""
         if any(t._version != v for t, v in zip(leaves, versions)):
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "
@@ -829,12 +831,12 @@ class Engine:
             tensors = {fqn: fed.get(id(named[name]), named[name]) for name, fqn in ex.state
                        if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
+        draws = checks.float32_draws() if double and rng is not None else contextlib.nullcontext()
         with torch.enable_grad(), scratch_buffers(self.module), kept_hook_state(self.module), \
-                recorded(self.module) as hooks:
+                recorded(self.module) as hooks, draws:
             if rng is not None:
                 torch.random.set_rng_state(rng)
-            out = torch.func.functional_call(self.module, tensors, *as_called(bound),
-                                             strict=False)
+            out = torch.func.functional_call(self.module, tensors, *as_called(bound), strict=False)
         differentiated = [aliases[position[n]] if n in position else fed[id(named[n])] for n in wrt]
         result = flatten(out)[0]
         outputs = [*result, *hooks.replay(result)[1]]  # as the graph's: the result's, then what hooks received

@@ -67,7 +67,7 @@ from .forward_hooks import Replay, forget, recorded, user_hooks
 from .functions import exportable_functions
 from .hook_state import kept_hook_state
 from .losses import exportable_losses
-from .ort_session import RANDOM_OPS, Runner, SessionConfig
+from .ort_session import Runner, SessionConfig
 from .ort_session import draws_random as draws_random_numbers
 from .packed import exportable_packing
 from .passes import constant_values, inactive_dropouts, int_attr, names_in_use, rename_tensors, written_rate
@@ -132,10 +132,11 @@ class Reference:
     made: int = field(default_factory=REFERENCES.__next__)
     """Its mark (`REFERENCES`): a reference older than the call reading it was left by a call that failed before its
     check (a gradient build refused), and holds that call's outputs, not this one's."""
-    masked: bool = False
-    """Whether torch's run drew Dropout masks (its only random numbers): onnxruntime's outputs are comparable where
-    its run took the same masks from torch's generator, put back after the trace (the session's
-    `draw_masks_as_torch`), and the check's float64 arbiter draws them again from the call's RNG state."""
+    random: bool = False
+    """Whether torch's run drew random numbers (Dropout masks, randn_like, rand, bernoulli_): onnxruntime's outputs
+    are comparable where its run took the same ones from torch's generator, put back after the trace (the session's
+    `draw_masks_as_torch`), and the check's float64 arbiter draws them again from the call's RNG state, in float32
+    as torch's run drew them (`checks.float32_draws`)."""
 
 
 @dataclass
@@ -988,9 +989,9 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
     feeds.update({name: state[fqn] for name, fqn in state_inputs})
     _complete_ranks(model, feeds, inferred_outputs=options.exporter == "torchscript")
     reference = None
-    masked = _draws_masks(model)
-    if options.check and not lost and masked is not None:
-        reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves), tuple(unrun), masked=masked)
+    if options.check and not lost:
+        reference = Reference(tuple(flat._result.get("outputs") or ()), tuple(leaves), tuple(unrun),
+                              random=_draws_random(model))
     fed = {fqn for _, fqn in state_inputs}
     ties = [(fqn, others) for fqn in sorted(fed)
             if (others := tuple(o for o, t in state.items() if t is state[fqn] and o not in fed))]
@@ -1102,14 +1103,10 @@ def _updates(model: onnx.ModelProto, outputs: Sequence[str], buffers: Sequence[s
     return carried
 
 
-def _draws_masks(model: onnx.ModelProto) -> bool | None:
-    """What the graph draws, against which torch's run of the same call can be compared: nothing (False), Dropout
-    masks only (True: the host can draw torch's), or other random numbers (None: randn_like, bernoulli, whose
-    float64 draws differ from float32's for the check's arbiter)."""
-    graph = inactive_dropouts(model).graph
-    if not draws_random_numbers(graph):
-        return False
-    return None if any(n.op_type in RANDOM_OPS for n in graph_nodes(graph)) else True
+def _draws_random(model: onnx.ModelProto) -> bool:
+    """Whether the graph draws random numbers (Dropouts that drop, random ops): its outputs are torch's only where
+    the host draws them all as torch does, which the call decides (`TrainingSession.draw_masks_as_torch`)."""
+    return draws_random_numbers(inactive_dropouts(model).graph)
 
 
 def _embedding_padding(model: onnx.ModelProto, module: nn.Module, state: dict[str, torch.Tensor]

@@ -83,6 +83,10 @@ class Mask:
     transposed: bool = False
     """Whether the Dropout's input is the transpose of torch's (`feature_major.TRANSPOSED`): torch's mask for the
     same draws is drawn in the reversed shape, then transposed."""
+    known: bool = True
+    """Whether the draw is torch's own: a Dropout's mask, or a fill the export tagged (`torch_draws`). An untagged
+    randn_like or rand_like may be another function's uniforms (randint's, rrelu's, cauchy_'s), which torch draws
+    with other kernels: the host draws it as rand_like, not as torch did."""
 
 
 LIKE_DRAWS = {"RandomNormalLike": ("normal_", "mean", 0.0, "scale", 1.0),
@@ -111,7 +115,7 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
              and torch_draws.tagged(n) is not None]  # exponential_: fed whole, its uniforms unread then
     likes = sorted([k for k, n in enumerate(model.graph.node) if as_torch and n.op_type in LIKE_DRAWS
                     and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
-                    and not torch_draws.under_a_draw(n)] + fills)
+                    and torch_draws.under_a_draw(n) is None] + fills)
     if not chosen and not likes:
         return model, []
     out = onnx.ModelProto()
@@ -139,6 +143,7 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
                           transposed=any(p.key == feature_major.TRANSPOSED for p in n.metadata_props)))
     fed = {m.input for m in masks}
     kept = [o for o in g.output if o.name not in fed]
+    nodes = [n for n in nodes if torch_draws.under_a_draw(n) not in fed]  # unread: not drawn (drop_dead keeps them)
     del g.node[:]
     g.node.extend(drop_dead(nodes, [], {o.name for o in kept}) if fills else nodes)
     del g.output[:]
@@ -163,7 +168,7 @@ def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Ma
         draw = (fill, float(attrs.get(first, first_default)), float(attrs.get(second, second_default)), elem)
     else:
         draw = (*torch_fill, elem)
-    return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0, draw)
+    return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0, draw, known=torch_fill is not None)
 
 
 class MaskedRunner:
@@ -183,6 +188,9 @@ class MaskedRunner:
         self._masked_model: onnx.ModelProto | None = masked
         self.draws_random = draws_random(masked.graph)
         """Whether onnxruntime draws random numbers beside the host's masks (unmasked Dropouts, random ops)."""
+        self.draws_as_torch = not self.draws_random and all(m.known for m in masks)
+        """Whether a run's random numbers are all drawn by the host as torch draws them (`Mask.known`), so that from
+        the same RNG state its outputs are torch's."""
         self.torch_once: torch.Tensor | None = None
         """A generator state the next call's masks are drawn from as torch's dropout draws them, whatever
         `torch_masks` says (`TrainingSession.draw_masks_as_torch`: the first call's check compares its outputs with

@@ -72,7 +72,8 @@ TORCH_OWN: dict[str, int | tuple[int, ...]] = {
     11, "aten::clamp_min": 11, "aten::clamp_max": 11, "aten::scatter_reduce": 16, "aten::repeat_interleave": 13,
     "aten::amax": 18, "aten::amin": 18, "aten::round": 11, "aten::argmax": 12, "aten::argmin": 12, "aten::aminmax":
     18, "aten::split": (11, 13), "aten::fake_quantize_per_tensor_affine": (10, 13),
-    "aten::fake_quantize_per_channel_affine": 13, "aten::batch_norm": 14, "aten::bernoulli": 15, "aten::normal": 11}
+    "aten::fake_quantize_per_channel_affine": 13, "aten::batch_norm": 14, "aten::bernoulli": 15, "aten::normal": 11,
+    "aten::rand": 9, "aten::randn": 9, "aten::rand_like": 9, "aten::randn_like": 9}
 """The opsets of torch's own conversions of a name in `MISSING`: ours is registered from there too, or torch's would
 win (the registry picks the latest opset at or below the export's)."""
 
@@ -1168,16 +1169,63 @@ def _bernoulli(g: Any, x: Any, p: Any = None, generator: Any = None, out: Any = 
 
 def _normal(g: Any, mean: Any, std: Any, sizes: Any = None, generator: Any = None, *rest: Any) -> Any:
     """`x.normal_(mean, std)` (traced as `normal(mean, std, x.size())`) as torch's fill, in x's type: torch's
-    conversion wrote the numbers in float64 and so the noise (onnxruntime refused a float32 tensor's); of tensors,
-    torch's."""
-    numbers = _numbers(mean, std) if sizes is not None and not _none(sizes) and _none(generator) else None
-    if numbers is None:
+    conversion wrote the numbers in float64 and so the noise (onnxruntime refused a float32 tensor's). Of tensors,
+    torch's, without their gradients: torch gives a tensor mean or std none (the noise is not reparametrized)."""
+    sized = sizes is not None and not _none(sizes)  # the tensor overloads are traced (mean, std, generator)
+    numbers = _numbers(mean, std) if sized and _none(generator) else None
+    if numbers is not None:
+        return _draw(g, _zeros_sized(g, sizes), "normal_", *numbers)
+    if sized or not _seeded_by_default(g):
         return symbolic_opset11.normal(g, mean, std, sizes, generator, *rest)
+    return _normal_of_tensors(g, *[symbolic_helper._maybe_get_const(v, "f") for v in (mean, std)])
+
+
+def _normal_of_tensors(g: Any, mean: Any, std: Any) -> Any:
+    """torch.normal of a tensor mean or std as torch computes it, `normal_(0, std)` + mean for a number std, else
+    `normal_(0, 1)` * std + mean, the fill tagged for the host; without the tensors' gradients: torch gives them
+    none (the noise is not reparametrized)."""
+    dtype = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.FLOAT).dtype()
+
+    def held(v: Any) -> Any:
+        if not symbolic_helper._is_value(v):
+            return g.op("Constant", value_t=torch.tensor(v, dtype=dtype))
+        out = g.op(f"{DOMAIN}::{STOP_GRADIENT}", v)
+        out.setType(v.type())
+        return out
+
+    spread = None if symbolic_helper._is_value(std) else float(std)
+    mean, std = held(mean), held(std)
+    like = mean if spread is not None else g.op("Add", mean, std)
+    like.setType(g.original_node.output().type())
+    noise = _draw(g, like, "normal_", 0.0, 1.0 if spread is None else spread)
+    return g.op("Add", noise if spread is not None else g.op("Mul", noise, std), mean)
+
+
+def _zeros_sized(g: Any, sizes: Any) -> Any:
+    """Zeros of the traced call's result type, sized by a list of ints or a shape tensor: the `like` of a draw."""
     shape = symbolic_helper._maybe_get_const(sizes, "is")
     shape = g.op("Constant", value_t=torch.tensor(shape, dtype=torch.int64)) if isinstance(shape, list) else sizes
     dtype = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.FLOAT)
-    like = g.op("ConstantOfShape", shape, value_t=torch.zeros(1, dtype=dtype.dtype()))
-    return _draw(g, like, "normal_", *numbers)
+    return g.op("ConstantOfShape", shape, value_t=torch.zeros(1, dtype=dtype.dtype()))
+
+
+def _seeded_by_default(g: Any) -> bool:
+    """Whether the traced call draws from torch's default generator (no `generator=` among its inputs)."""
+    return not any(i.type().kind() == "GeneratorType" for i in g.original_node.inputs())
+
+
+def _random(fill: str, own: Callable[..., Any], like: bool) -> Callable[..., Any]:
+    """torch.rand / randn (`like`: rand_like / randn_like) as torch's fill: torch's conversion wrote the random op
+    untagged, as it does randint, rrelu and others' uniforms, which the host cannot tell from these. With a
+    generator, torch's."""
+    def convert(g: Any, x: Any, *rest: Any) -> Any:
+        if not _seeded_by_default(g):
+            return own(g, x, *rest)
+        dtype = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.FLOAT)
+        if like and dtype == _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.UNDEFINED):
+            return _draw(g, x, fill, 0.0, 1.0)
+        return _draw(g, _zeros_sized(g, g.op("Shape", x) if like else x), fill, 0.0, 1.0)
+    return convert
 
 
 def _exponential(g: Any, x: Any, rate: Any = None, generator: Any = None) -> Any:
@@ -1235,7 +1283,10 @@ MISSING: dict[str, Callable[..., Any]] = {
     "aten::fake_quantize_per_tensor_affine": _fake_quantize(False),
     "aten::fake_quantize_per_channel_affine": _fake_quantize(True),
     "aten::bernoulli": _bernoulli, "aten::normal": _normal, "aten::uniform": _uniform,
-    "aten::exponential": _exponential,
+    "aten::exponential": _exponential, "aten::rand": _random("uniform_", symbolic_opset9.rand, False),
+    "aten::randn": _random("normal_", symbolic_opset9.randn, False),
+    "aten::rand_like": _random("uniform_", symbolic_opset9.rand_like, True),
+    "aten::randn_like": _random("normal_", symbolic_opset9.randn_like, True),
 }
 
 

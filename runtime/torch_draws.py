@@ -65,9 +65,9 @@ def tagged(node: onnx.NodeProto) -> Draw | None:
     return None
 
 
-def under_a_draw(node: onnx.NodeProto) -> bool:
-    """Whether `node` is a random op an expanded draw computes from (`UNDER`)."""
-    return any(p.key == UNDER for p in node.metadata_props)
+def under_a_draw(node: onnx.NodeProto) -> str | None:
+    """The output of the expanded draw `node` is a random op of (`UNDER`), or None."""
+    return next((p.value for p in node.metadata_props if p.key == UNDER), None)
 
 
 def expand(model: onnx.ModelProto) -> onnx.ModelProto:

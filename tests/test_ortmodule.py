@@ -3032,6 +3032,86 @@ def test_dropout_models_are_checked_with_torch_s_masks(kind: str, exporter: str,
         ORTModule(net(), exporter=exporter, torch_dropout=torch_dropout)(x).sum().backward()
 
 
+class Noised(nn.Module):
+    """A Tanh between two Linears and a random function of its output: `noise(h)`."""
+
+    def __init__(self, noise: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.a, self.b, self.noise = nn.Linear(4, 8), nn.Linear(8, 3), noise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.noise(torch.tanh(self.a(x))))
+
+
+DRAWN_AS_TORCH = {  # random functions the host draws as torch under torch_dropout
+    "randn_like": lambda h: h + torch.randn_like(h),
+    "Hugging Face's drop_path": lambda h: h * (0.7 + torch.rand((h.shape[0], 1), dtype=h.dtype)).floor() / 0.7,
+    "normal of a tensor": lambda h: h + torch.normal(h, 0.5) + torch.normal(0.0, torch.sigmoid(h)),
+    "gumbel_softmax": lambda h: h + F.gumbel_softmax(h, tau=0.5),
+}
+
+DRAWN_OTHERWISE = {  # random functions torch draws with kernels of its own, which the graph draws otherwise
+    "cauchy_": lambda h: h + torch.empty_like(h).cauchy_(),
+    "log_normal_": lambda h: h * torch.empty_like(h).log_normal_(0.0, 0.25),
+    "geometric_": lambda h: h * torch.empty_like(h).geometric_(0.5),
+    "randint_like": lambda h: h * torch.randint_like(h, 0, 3),
+}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("kind", DRAWN_AS_TORCH)
+def test_random_functions_drawn_as_torch_are_checked(kind: str, exporter: str, monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    """Under torch_dropout the host draws randn_like, rand, torch.normal and exponential_ (gumbel_softmax's) as
+    torch does, so the call that exported is checked as a deterministic graph: its outputs are torch's from the
+    same seed, and so are the float64 arbiter's, which draws them in float32 (`checks.float32_draws`: float64 draws
+    are other numbers); a wrong rule fails. Before, any random op but Dropout skipped the check (and exponential_'s
+    uniforms stayed in the graph, unread but drawn by onnxruntime). torch.normal gives its tensor mean and std no
+    gradient, as torch does (the graph's mean + std z passed them one)."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return Noised(DRAWN_AS_TORCH[kind])
+
+    x = torch.randn(16, 4)
+    arbiters = []
+    gradient_check = checks.gradient_check
+    monkeypatch.setattr(checks, "gradient_check", lambda *args: arbiters.append(args[-1]) or gradient_check(*args))
+    ref, om = pair(net(), exporter=exporter, torch_dropout=True)
+    for m in (ref, om):
+        torch.manual_seed(1)
+        m(x).square().sum().backward()
+    [arbiter] = arbiters
+    torch.manual_seed(1)
+    want = ref(x)
+    [again], _ = arbiter()
+    torch.manual_seed(1)
+    got = om(x)
+    assert again.dtype == torch.float64
+    for other in (again.float(), want):
+        torch.testing.assert_close(other, got, rtol=1e-5, atol=1e-6)
+    assert_grads_equal(om, ref)
+    with wrong_tanh_rule(), pytest.raises(ORTModuleError, match=r"gradient check failed.*gradient \d+ of 4 \(8, 4\)"):
+        ORTModule(net(), exporter=exporter, torch_dropout=True)(x).sum().backward()
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("kind", DRAWN_OTHERWISE)
+def test_random_functions_drawn_otherwise_are_not_compared(kind: str, exporter: str, monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Fills torch draws with kernels of its own (Cauchy, log-normal, geometric variates, randint_like) export as
+    formulas of uniforms or normals, of the law torch's have and not its values, which the host cannot draw as
+    torch's: not compared with torch, so not refused. Before, dynamo's decompositions drew them by rand_like and
+    randn_like, which the export tags as torch's own, and the first call's check refused the module."""
+    compared = []
+    monkeypatch.setattr(checks, "outputs_error", lambda *args: compared.append(args))
+    torch.manual_seed(0)
+    om = ORTModule(Noised(DRAWN_OTHERWISE[kind]), exporter=exporter, torch_dropout=True)
+    x = torch.randn(16, 4)
+    for _ in range(2):
+        om(x).square().sum().backward()
+    assert not compared and all(torch.isfinite(p.grad).all() for p in om.parameters())
+
+
 def test_python_random_draws_in_forward_warn() -> None:
     """A forward drawing from Python's or numpy's random functions (a LayerDrop written with random.uniform): the
     export keeps the draws, so it is warned, naming them; the functions are torch's own again after."""
