@@ -20,10 +20,14 @@ A call's masks can be drawn again from its seed (`run_redrawable`): a backward r
 gets its Dropouts' masks back without the forward keeping them (`session.ForwardState.redraw`), as torch's
 checkpoint does from its saved RNG state.
 
+torch's fills the export tagged (`torch_draws`: rand, randn_like, normal_, bernoulli_, exponential_) are fed the
+same way, drawn by torch's kernels (from a generator seeded by the call's seed; as torch's from its default
+generator under `torch_masks` and at the call that exported).
+
 Each call takes its seed from torch's default generator, as torch's own dropout does, and so do the first
-forward's Dropouts (their `seed` attribute, drawn when the runner is made): after `torch.manual_seed`,
-ORTModule's masks are the same from run to run. The graph's other random ops (`seeded_random_ops`: randn_like,
-rand, bernoulli), those inside If and Loop bodies too, and the Dropouts the host does not mask (in graphs with
+forward's Dropouts and fills (their `seed` attribute, drawn when the runner is made): after `torch.manual_seed`,
+ORTModule's masks are the same from run to run. The graph's other random ops (`seeded_random_ops`: randint_like's
+uniforms, rrelu's), those inside If and Loop bodies too, and the Dropouts the host does not mask (in graphs with
 bodies, or of a non-constant ratio) get their `seed` the same way.
 """
 
@@ -97,9 +101,10 @@ LIKE_DRAWS = {"RandomNormalLike": ("normal_", "mean", 0.0, "scale", 1.0),
 def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.ModelProto, list[Mask]]:
     """A copy of `model` whose training Dropouts (main graph, opset 12+, constant ratio strictly between 0 and
     1, no `seed` attribute) take their mask as a new boolean graph input (named as the Dropout's mask output,
-    which leaves the graph outputs); returns `model` itself and no masks when none qualifies. `as_torch`: torch's
-    arithmetic for the kept values, and randn_like and rand_like (main graph, unseeded) fed by the host too, their
-    outputs becoming graph inputs (`Mask.draw`); the masks in graph order."""
+    which leaves the graph outputs); returns `model` itself and no masks when none qualifies. torch's fills the
+    export tagged (`torch_draws`: rand, randn_like, normal_, bernoulli_, exponential_; main graph, unseeded) are
+    fed by the host too, their outputs becoming graph inputs (`Mask.draw`). `as_torch`: torch's arithmetic for the
+    kept values, and untagged randn_like and rand_like fed as well; the masks in graph order."""
     if default_opset(model) < 12 or any(has_subgraph(n) for n in model.graph.node):
         return model, []
     consts = constant_values(model.graph, lambda t: not t.dims)
@@ -111,9 +116,10 @@ def mask_dropouts(model: onnx.ModelProto, as_torch: bool = False) -> tuple[onnx.
         threshold = round(ratio * 2.0 ** 32) if ratio is not None else 0
         if ratio is not None and 0 < threshold < 2 ** 32:
             chosen.append((k, ratio, threshold))
-    fills = [k for k, n in enumerate(model.graph.node) if as_torch and n.op_type not in LIKE_DRAWS
+    fills = [k for k, n in enumerate(model.graph.node) if n.op_type not in LIKE_DRAWS
              and torch_draws.tagged(n) is not None]  # exponential_: fed whole, its uniforms unread then
-    likes = sorted([k for k, n in enumerate(model.graph.node) if as_torch and n.op_type in LIKE_DRAWS
+    likes = sorted([k for k, n in enumerate(model.graph.node) if n.op_type in LIKE_DRAWS
+                    and (as_torch or torch_draws.tagged(n) is not None)
                     and n.domain in ("", "ai.onnx") and all(a.name != "seed" for a in n.attribute)
                     and torch_draws.under_a_draw(n) is None] + fills)
     if not chosen and not likes:
@@ -179,6 +185,8 @@ class MaskedRunner:
                  what: str, disabled: Sequence[str] = DISABLED_OPTIMIZERS,
                  shapes: Mapping[tuple[tuple[int, ...], ...], dict[str, tuple[int, ...]]] | None = None):
         self.masks = masks
+        self._drops = [m for m in masks if m.draw is None]
+        """The Dropouts' masks, drawn from the call's seed by SFC64 (the fills by torch's kernels)."""
         self.output_names = [o.name for o in model.graph.output]
         self._sources = list(dict.fromkeys(m.source for m in masks))
         self._model: onnx.ModelProto | None = model
@@ -215,8 +223,10 @@ class MaskedRunner:
             self._model = None
             masked_outputs = {m.output for m in self.masks}
             for n in probe.graph.node:  # with torch_masks this run only tells shapes: torch's generator untouched
-                if n.op_type == "Dropout" and n.output[0] in masked_outputs:
-                    n.attribute.append(helper.make_attribute("seed", 0 if self._config.torch_masks else _seed()))
+                if n.output and n.output[0] in masked_outputs and n.op_type in ("Dropout", *LIKE_DRAWS):
+                    seed = 0 if self._config.torch_masks else _seed()  # RandomUniformLike's seed is a float
+                    n.attribute.append(helper.make_attribute("seed", seed if n.op_type == "Dropout"
+                                                             else float(seed % (1 << 24))))
             taken = names_in_use(probe.graph)
             for x in self._sources:
                 name = fresh_name(f"{x}/host_mask_shape", taken)
@@ -307,20 +317,31 @@ class MaskedRunner:
              only: Collection[str] | None = None, fresh: bool = False) -> dict[str, C.OrtValue]:
         """The masks of one call (`only` those named), from one stream seeded by `seed` (taken from torch's default
         generator): 16-bit draws for every element of every mask, then each mask's ties (`_kept`); each mask its own
-        buffer, so that one dropped frees its bytes. With `torch_masks`, `seed` is torch's generator state at the
-        call: `fresh` draws advance the default generator as torch's dropouts do, a redraw reads a copy."""
+        buffer, so that one dropped frees its bytes. The fed fills (`Mask.draw`) are torch's, from a generator seeded
+        by `seed`. With `torch_masks`, `seed` is torch's generator state at the call: `fresh` draws advance the
+        default generator as torch's dropouts do, a redraw reads a copy."""
         if isinstance(seed, torch.Tensor):
             return self._draw_as_torch(shapes, seed, only, fresh)
-        sizes = [int(np.prod(shapes[m.source])) for m in self.masks]
+        drops = self._drops
+        sizes = [int(np.prod(shapes[m.source])) for m in drops]
         stream = np.random.SFC64(seed)
         high = stream.random_raw((sum(sizes) + 3) // 4).view(np.uint16)
         drawn: dict[str, C.OrtValue] = {}
         start = 0
-        for m, size in zip(self.masks, sizes):  # every mask's ties drawn in order, so a mask is the same redrawn alone
+        for m, size in zip(drops, sizes):  # every mask's ties drawn in order, so a mask is the same redrawn alone
             kept = _kept(stream, high[start:start + size], m.threshold)
             if only is None or m.input in only:
                 drawn[m.input] = exchange.to_ortvalue(kept.reshape(shapes[m.source]))
             start += size
+        if len(drops) == len(self.masks):
+            return drawn
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        for m in self.masks:  # torch's fills, from a generator of the call's seed, every one in order
+            if m.draw is not None:
+                values = _torch_draw(m, shapes[m.source], generator)
+                if only is None or m.input in only:
+                    drawn[m.input] = exchange.to_ortvalue(values)
         return drawn
 
     def _draw_as_torch(self, shapes: Mapping[str, tuple[int, ...]], state: torch.Tensor,
@@ -339,21 +360,23 @@ class MaskedRunner:
                     1.0 - m.ratio, generator=generator).t().contiguous()
             elif m.draw is None:
                 values = torch.empty(shapes[m.source], dtype=torch.bool).bernoulli_(1.0 - m.ratio, generator=generator)
-            elif m.draw[0] == "exponential_":
-                _, rate, _, elem = m.draw
-                values = torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]).exponential_(
-                    rate, generator=generator)
-            elif m.draw[0] == "bernoulli_":  # fed to `Less(u, p)`: u = 1 - mask
-                _, p, _, elem = m.draw
-                values = 1 - torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]).bernoulli_(
-                    p, generator=generator)
             else:
-                fill, a, b, elem = m.draw
-                values = getattr(torch.empty(shapes[m.source], dtype=exchange.ONNX_TO_TORCH[elem]), fill)(
-                    a, b, generator=generator)
+                values = _torch_draw(m, shapes[m.source], generator)
             if only is None or m.input in only:
                 drawn[m.input] = exchange.to_ortvalue(values)
         return drawn
+
+
+def _torch_draw(m: Mask, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """The values of a random op the host feeds (`Mask.draw`), drawn as torch's fill draws them."""
+    assert m.draw is not None
+    fill, a, b, elem = m.draw
+    empty = torch.empty(shape, dtype=exchange.ONNX_TO_TORCH[elem])
+    if fill == "exponential_":
+        return empty.exponential_(a, generator=generator)
+    if fill == "bernoulli_":  # fed to `Less(u, p)`: u = 1 - mask
+        return 1 - empty.bernoulli_(a, generator=generator)
+    return getattr(empty, fill)(a, b, generator=generator)
 
 
 def _kept(stream: np.random.SFC64, high: np.ndarray, threshold: int) -> np.ndarray:

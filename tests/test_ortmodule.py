@@ -3058,40 +3058,54 @@ DRAWN_OTHERWISE = {  # random functions torch draws with kernels of its own, whi
 }
 
 
+@pytest.mark.parametrize("torch_dropout", [True, False])
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("kind", DRAWN_AS_TORCH)
-def test_random_functions_drawn_as_torch_are_checked(kind: str, exporter: str, monkeypatch: pytest.MonkeyPatch
-                                                     ) -> None:
-    """Under torch_dropout the host draws randn_like, rand, torch.normal and exponential_ (gumbel_softmax's) as
-    torch does, so the call that exported is checked as a deterministic graph: its outputs are torch's from the
-    same seed, and so are the float64 arbiter's, which draws them in float32 (`checks.float32_draws`: float64 draws
-    are other numbers); a wrong rule fails. Before, any random op but Dropout skipped the check (and exponential_'s
-    uniforms stayed in the graph, unread but drawn by onnxruntime). torch.normal gives its tensor mean and std no
-    gradient, as torch does (the graph's mean + std z passed them one)."""
+def test_random_functions_drawn_as_torch_are_checked(kind: str, exporter: str, torch_dropout: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host draws randn_like, rand, torch.normal and exponential_ (gumbel_softmax's) with torch's kernels, as
+    torch does at the call that exported (at every call under torch_dropout), so that call is checked as a
+    deterministic graph: its outputs are torch's from the same seed, and so are the float64 arbiter's, which draws
+    them in float32 (`checks.float32_draws`: float64 draws are other numbers); a wrong rule fails. Later calls
+    without torch_dropout draw from the call's seed: the same from run to run. Before, any random op but Dropout
+    skipped the check (and exponential_'s uniforms stayed in the graph, unread but drawn by onnxruntime).
+    torch.normal gives its tensor mean and std no gradient, as torch does (the graph's mean + std z passed them
+    one)."""
     def net() -> nn.Module:
         torch.manual_seed(0)
         return Noised(DRAWN_AS_TORCH[kind])
+
+    def calls(m: nn.Module) -> list[torch.Tensor]:
+        outputs = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            y = m(x)
+            y.square().sum().backward()
+            outputs.append(y.detach())
+        return outputs
 
     x = torch.randn(16, 4)
     arbiters = []
     gradient_check = checks.gradient_check
     monkeypatch.setattr(checks, "gradient_check", lambda *args: arbiters.append(args[-1]) or gradient_check(*args))
-    ref, om = pair(net(), exporter=exporter, torch_dropout=True)
-    for m in (ref, om):
-        torch.manual_seed(1)
-        m(x).square().sum().backward()
-    [arbiter] = arbiters
+    ref, om = pair(net(), exporter=exporter, torch_dropout=torch_dropout)
     torch.manual_seed(1)
-    want = ref(x)
-    [again], _ = arbiter()
+    ref(x).square().sum().backward()
     torch.manual_seed(1)
     got = om(x)
+    got.square().sum().backward()
+    assert_grads_equal(om, ref)
+    [arbiter] = arbiters
+    [again], _ = arbiter()
+    torch.manual_seed(1)
+    want = ref(x)
     assert again.dtype == torch.float64
     for other in (again.float(), want):
         torch.testing.assert_close(other, got, rtol=1e-5, atol=1e-6)
-    assert_grads_equal(om, ref)
+    first, second = (calls(ORTModule(net(), exporter=exporter, torch_dropout=torch_dropout)) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
     with wrong_tanh_rule(), pytest.raises(ORTModuleError, match=r"gradient check failed.*gradient \d+ of 4 \(8, 4\)"):
-        ORTModule(net(), exporter=exporter, torch_dropout=True)(x).sum().backward()
+        ORTModule(net(), exporter=exporter, torch_dropout=torch_dropout)(x).sum().backward()
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
