@@ -200,7 +200,7 @@ class MaskedRunner:
         """Whether a run's random numbers are all drawn by the host as torch draws them (`Mask.known`), so that from
         the same RNG state its outputs are torch's."""
         self.torch_once: torch.Tensor | None = None
-        """A generator state the next call's masks are drawn from as torch's dropout draws them, whatever
+        """A generator state the next call's masks and fills are drawn from as torch draws them, whatever
         `torch_masks` says (`TrainingSession.draw_masks_as_torch`: the first call's check compares its outputs with
         torch's run from that state)."""
         self._masked: Runner | None = None

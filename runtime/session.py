@@ -320,11 +320,11 @@ class TrainingSession:
 
     def draw_masks_as_torch(self, state: torch.Tensor) -> bool:
         """Whether the next forward's random numbers are all drawn from torch's generator at `state` as torch draws
-        them (Dropout masks; under `torch_masks` also randn_like, rand, bernoulli_: `MaskedRunner.draws_as_torch`):
-        its outputs are then torch's for that RNG state, which the first call's check compares. Not where
-        onnxruntime draws any (unmasked Dropouts, random ops), nor without `torch_masks` where
-        the next forward does not run the whole batch through `_fwd` (`forward_ortvalues`: a session an earlier
-        export made and runs fused or in halves, whose runners draw their own)."""
+        them (Dropout masks, and the fills the export tagged: randn_like, rand, bernoulli_;
+        `MaskedRunner.draws_as_torch`): its outputs are then torch's for that RNG state, which the first call's
+        check compares. Not where onnxruntime draws any (unmasked Dropouts, untagged random ops), nor without
+        `torch_masks` where the next forward does not run the whole batch through `_fwd` (`forward_ortvalues`: a
+        session an earlier export made and runs fused or in halves, whose runners draw their own)."""
         if not isinstance(self._fwd, MaskedRunner) or not self._fwd.draws_as_torch:
             return False
         if (self._fusing and not self._paused) or self._split_halves() is not None:  # decided as the forward would
