@@ -184,17 +184,29 @@ class float32_draws(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags or "out" in kwargs:
             return func(*args, **kwargs)
-        result = func(*tree_map(_to_float32, args), **tree_map(_to_float32, kwargs))
-        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):  # a fill: in the caller's tensor
-            return args[0].copy_(result)
-        return tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t,
-                        result)
+        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # float32 copy's id: (copy, the float64 tensor)
 
+        def to_float32(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
+                made = value.float()
+                copies[id(made)] = (made, value)
+                return made
+            return torch.float32 if value is torch.float64 else value
 
-def _to_float32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
-        return value.float()
-    return torch.float32 if value is torch.float64 else value
+        converted = tree_map(to_float32, args), tree_map(to_float32, kwargs)
+        result = func(*converted[0], **converted[1])
+        for k, argument in enumerate(func._schema.arguments):  # what it fills in place (a fill's self, rrelu's noise)
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                made = converted[0][k] if k < len(args) else converted[1].get(argument.name)
+                if isinstance(made, torch.Tensor) and id(made) in copies:
+                    copies[id(made)][1].copy_(made)
+
+        def back(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            return copies[id(t)][1] if id(t) in copies else t.double() if t.dtype == torch.float32 else t
+
+        return tree_map(back, result)
 
 
 Float64Call = Callable[[], tuple[list[Any], list[torch.Tensor]]]
