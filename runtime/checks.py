@@ -9,11 +9,10 @@ with onnxruntime's (`gradient_check`). A difference means the exported graph or 
 else than the module: a conversion of torch's exporter that is wrong (index_add dropping repeated indices,
 pairwise_distance's eps in the exponent, before this runtime wrote them itself), an in-place change through a view
 that its tracer misses, a gradient rule of ours. The module then fails as a failed export does. The call's
-Dropout masks are drawn as torch's (`host_dropout`), and under torch_dropout its randn_like, rand, torch.normal,
-bernoulli_ and the like too (the fills the export tags as torch's: `torch_draws`); the float64 arbiter draws them in
-float32 (`float32_draws`). Not checked where onnxruntime draws random numbers (random ops in the default mode,
-fills torch draws with kernels of its own: cauchy_, randint_like), or the forward changed state in place
-(`export`).
+Dropout masks and the fills the export tags as torch's (randn_like, rand, torch.normal, bernoulli_: `torch_draws`)
+are drawn as torch's (`host_dropout`); the float64 arbiter draws them in float32 (`float32_draws`). Not checked
+where onnxruntime draws random numbers (the fills torch draws with kernels of its own, cauchy_ and randint_like;
+random ops in If/Loop bodies), or the forward changed state in place (`export`).
 """
 
 from __future__ import annotations

@@ -81,9 +81,9 @@ class Mask:
     output: str
     ratio: float
     draw: tuple[str, float, float, int] | None = None
-    """A random op drawn by the host instead (`SessionConfig.torch_masks`): torch's fill ("normal_", "uniform_",
-    or "bernoulli_" for a rand_like compared with p), its two parameters and the ONNX element type; its values
-    are fed as the op's output."""
+    """A random op drawn by the host instead (a tagged fill; under `SessionConfig.torch_masks` any randn_like or
+    rand_like): torch's fill ("normal_", "uniform_", "exponential_", or "bernoulli_" for a rand_like compared with
+    p), its two parameters and the ONNX element type; its values are fed as the op's output."""
     transposed: bool = False
     """Whether the Dropout's input is the transpose of torch's (`feature_major.TRANSPOSED`): torch's mask for the
     same draws is drawn in the reversed shape, then transposed."""
