@@ -169,7 +169,9 @@ def build_gradient_graph(
     outputs: graph outputs whose gradients the host supplies through Yield (default: every float output,
         or none when `loss` is given). loss: a scalar float output seeded with gradient 1 in the graph.
     freeze: tensors removed from `wrt`. The metadata key `gradbuilder.gradients` maps each `wrt` tensor to its
-    gradient output and `gradbuilder.no_gradient` says why the others get none (PyTorch's `None`).
+    gradient output, `gradbuilder.zero_gradient` lists those whose gradient is zeros in PyTorch (connected to the
+    outputs only through ops of derivative zero, such as Round: no output, the host fills the zeros) and
+    `gradbuilder.no_gradient` says why the others get none (PyTorch's `None`).
     """
     with _no_gc():
         return _build(model, wrt, outputs, loss, freeze)
@@ -216,7 +218,7 @@ def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
     internal = {name for k, flags in reach.active_inputs.items() for i, name, _ in ins[k] if i >= 0 and flags[i]}
     diff, nondiff, full, grads = [], [], [], []
     for i, name in enumerate(fg.outputs):
-        if name in selected and name in reach.needs:
+        if name in selected and (name in reach.needs or name in reach.zero_seeds):
             if not fg.tensor_info(name).elem_type:
                 made = fg.producer.get(name)
                 by = f" (made by node {describe(fg.nodes[made])})" if made is not None else ""
@@ -229,6 +231,8 @@ def _seed(fg: ForwardGraph, req: BuildRequest, reach: Reachability, em: Emitter,
             diff.append(i)
             g = names.fresh(f"{name}_host_grad")
             grads.append(g)
+            if name not in reach.needs:  # torch differentiates it, but through ops of derivative zero only
+                continue
             acc.add(name, g)
             if name not in internal and fg.tensor_info(name).rank != 0:
                 full.append(i)
@@ -385,12 +389,15 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
     if not any(op.domain == DOMAIN for op in m.opset_import):
         m.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
 
-    no_grad = {w: reach.reason(fg, w, seeds) or "no gradient flows to it" for w in req.wrt if w not in grads}
+    zeros = [w for w in req.wrt if w in reach.zero_wrt]
+    no_grad = {w: reach.reason(fg, w, seeds) or "no gradient flows to it" for w in req.wrt
+               if w not in grads and w not in reach.zero_wrt}
     no_grad.update({f: "frozen" for f in req.frozen})
     meta = {
         "format": "1",
         "wrt": json.dumps(list(req.wrt)),
         "gradients": json.dumps([[w, g] for w, g in grads.items()]),
+        "zero_gradient": json.dumps(zeros),
         "no_gradient": json.dumps(no_grad),
         "outputs": json.dumps(list(req.outputs)),
         "loss": req.loss or "",
@@ -404,12 +411,14 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
 
 
 def read_metadata(model: onnx.ModelProto) -> dict[str, object]:
-    """The build facts stored in a training graph: wrt, gradients (wrt -> output), no_gradient, outputs, loss."""
+    """The build facts stored in a training graph: wrt, gradients (wrt -> output), zero_gradient, no_gradient,
+    outputs, loss."""
     raw = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
     out: dict[str, object] = {"loss": raw.get("loss") or None}
     try:
         out["wrt"] = [str(w) for w in json.loads(raw.get("wrt", "[]"))]
         out["gradients"] = {str(w): str(g) for w, g in json.loads(raw.get("gradients", "[]"))}
+        out["zero_gradient"] = [str(w) for w in json.loads(raw.get("zero_gradient", "[]"))]
         out["no_gradient"] = {str(w): str(r) for w, r in json.loads(raw.get("no_gradient", "{}")).items()}
         out["outputs"] = [str(o) for o in json.loads(raw.get("outputs", "[]"))]
     except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError

@@ -204,7 +204,8 @@ def cmd_split(args: argparse.Namespace) -> int:
     _say(args, f"wrote {out}/: forward.onnx ({len(forward.graph.node)} nodes), backward.onnx "
                f"({len(backward.graph.node)} nodes), manifest.json ({plural(len(manifest.stashed), 'stashed tensor')})")
     if not manifest.backward_outputs:  # onnxruntime refuses a graph without outputs, with an obscure message
-        _say(args, "note: no tensor gets a gradient (manifest.json's no_gradient says why), so backward.onnx computes "
+        _say(args, "note: no tensor gets a gradient (manifest.json's no_gradient says why, zero_gradient lists those "
+                   "whose gradient is zeros), so backward.onnx computes "
                    "nothing and onnxruntime will not load it: run forward.onnx alone.")
     return 0
 

@@ -282,6 +282,9 @@ def gradient_table(model: onnx.ModelProto) -> list[GradientStatus]:
     meta = read_metadata(model)
     grads: dict[str, str] = meta["gradients"]  # type: ignore[assignment]
     no_grad: dict[str, str] = meta["no_gradient"]  # type: ignore[assignment]
+    no_grad.update({w: ("torch's is zeros: it reaches the differentiated outputs only through ops of derivative zero "
+                        "(Round, Sign), so backward computes none and the host fills the zeros")
+                    for w in meta["zero_gradient"]})  # type: ignore[union-attr]
     info = _declared_info(model)
     y = find_yield(model.graph.node)
     forward_reads = {x for n in model.graph.node[:y] for x in n.input} | set(model.graph.node[y].input)
@@ -470,7 +473,7 @@ def op_table() -> list[OpRow]:
     for r in registry.all_rules():
         op = r.op_type if not r.domain else f"{r.domain}.{r.op_type}"
         if r.all_nondiff:
-            ins = outs = "all"
+            ins = outs = "all (derivative 0)" if r.zero_derivative else "all"
         else:
             ins = _positions(r.op_type, r.domain, r.until, r.nondiff_inputs, outputs=False)
             outs = _positions(r.op_type, r.domain, r.until, r.nondiff_outputs, outputs=True)
@@ -500,6 +503,8 @@ def render_ops_markdown(rows: Sequence[OpRow]) -> str:
         "gradients never flow through (indices, shapes, masks). A row with *all* is an op that is allowed on",
         "the gradient path but stops gradients (Shape, comparisons). An op that is not listed has no rule:",
         "a model using it builds only if no gradient has to cross it (freeze the parameters that feed it).",
+        "*all (derivative 0)* marks those torch differentiates to zeros (Round, Sign): a tensor that reaches the",
+        "differentiated outputs only through them gets zeros (the manifest's `zero_gradient`), not None.",
         "",
         "The last column says whether ONNX Runtime's old training stack had a gradient for the op",
         "(from its `gradient_builder_registry.cc`; its com.microsoft-only entries are left out).",

@@ -3,6 +3,11 @@
 A tensor gets a gradient iff it is reachable forward from a `wrt` tensor AND reaches backward to a
 seeded output, both walks crossing only differentiable, float-typed edges. Backward nodes are never
 part of this graph, so gradients never get gradients of their own.
+
+torch also differentiates through ops of derivative zero (Round, Sign: `zeros_like(grad)`), which carry no
+gradient here: a `wrt` tensor whose every path to the seeds crosses one gets zeros from torch, not None, and an
+output computed from `wrt` only through one requires grad in torch. The same two walks crossing those edges too
+find both (`zero_wrt`, `zero_seeds`), only where the graph has such an op.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ class Reachability:
     edges: Edges
     active_inputs: dict[int, list[bool]] = field(default_factory=dict)
     """Node index -> which of its inputs need a gradient, for nodes that must be differentiated."""
+    zero_wrt: set[str] = field(default_factory=set)
+    """`wrt` tensors without a gradient here whose gradient is torch's zeros: connected to a seed only through
+    ops of derivative zero."""
+    zero_seeds: set[str] = field(default_factory=set)
+    """Seeds without a gradient path from `wrt` that torch differentiates: computed from `wrt` only through ops of
+    derivative zero (their gradient reaches nothing)."""
     _loose: dict[tuple[str, ...], set[str]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def reason(self, fg: ForwardGraph, name: str, seeds: Sequence[str]) -> str | None:
@@ -55,6 +66,8 @@ class Edges:
         self.fg = fg
         self.inputs: list[list[tuple[int, str, bool]]] = []
         self.outputs: list[list[tuple[str, bool]]] = []
+        self.zero: dict[int, tuple[list[str], list[str]]] = {}
+        """Nodes of derivative zero (`Rule.zero_derivative`) -> their float inputs and float outputs."""
         floats: dict[str, bool] = {}
         info, unknown = fg.info, TensorInfo()
 
@@ -75,6 +88,8 @@ class Edges:
             if k in hidden:  # a control-flow body's hidden reads count as differentiable for reachability
                 ins += [(-1, n, True) for n in sorted(hidden[k])]
             self.inputs.append(ins)
+            if r is not None and r.zero_derivative:
+                self.zero[k] = ([n for n in inputs if n and is_float(n)], [o for o in outputs if o and is_float(o)])
             if r is None or not (r.all_nondiff or r.nondiff_outputs):
                 self.outputs.append([(o, bool(o) and is_float(o)) for o in outputs])
             else:
@@ -82,19 +97,27 @@ class Edges:
                                      for j, o in enumerate(outputs)])
 
 
-def _walk_forward(fg: ForwardGraph, edges: Edges, sources: Iterable[str]) -> set[str]:
+def _walk_forward(fg: ForwardGraph, edges: Edges, sources: Iterable[str], *, zeros: bool = False) -> set[str]:
+    """`zeros`: crossing the edges of derivative zero too (torch's requires_grad)."""
     reached = {s for s in sources if fg.tensor_info(s).is_float}
+    zero = edges.zero if zeros else {}
     for k in range(len(fg.nodes)):
         if any(d and name in reached for _, name, d in edges.inputs[k]):
             reached.update(o for o, d in edges.outputs[k] if d)
+        elif k in zero and any(name in reached for name in zero[k][0]):
+            reached.update(zero[k][1])
     return reached
 
 
-def _walk_backward(fg: ForwardGraph, edges: Edges, seeds: Iterable[str], *, strict: bool = True) -> set[str]:
+def _walk_backward(fg: ForwardGraph, edges: Edges, seeds: Iterable[str], *, strict: bool = True,
+                   zeros: bool = False) -> set[str]:
     reached = set(seeds) if not strict else {s for s in seeds if fg.tensor_info(s).is_float}
+    zero = edges.zero if zeros else {}
     for k in range(len(fg.nodes) - 1, -1, -1):
         if any((d or not strict) and o in reached for o, d in edges.outputs[k]):
             reached.update(name for _, name, d in edges.inputs[k] if d or not strict)
+        elif k in zero and any(o in reached for o in zero[k][1]):
+            reached.update(zero[k][0])
     return reached
 
 
@@ -143,7 +166,13 @@ def analyze(fg: ForwardGraph, wrt: Sequence[str], seeds: Sequence[str]) -> Reach
                     flags[i] = True
         if any(flags) or hidden:
             active[k] = flags
-    return Reachability(fwd, bwd, needs, edges, active)
+    reach = Reachability(fwd, bwd, needs, edges, active)
+    if edges.zero:
+        torch_fwd = _walk_forward(fg, edges, wrt, zeros=True)
+        torch_bwd = _walk_backward(fg, edges, seeds, zeros=True)
+        reach.zero_wrt = {w for w in wrt if w in torch_fwd and w in torch_bwd} - needs
+        reach.zero_seeds = {s for s in seeds if s in torch_fwd} - needs
+    return reach
 
 
 def is_control_flow(op_type: str) -> bool:

@@ -48,6 +48,8 @@ class Manifest:
     full_shape_outputs: list[int]
     loss: str | None = None
     no_gradient: dict[str, str] = field(default_factory=dict)
+    zero_gradient: list[str] = field(default_factory=list)
+    """wrt tensors whose gradient is zeros (not None) as torch gives it: the backward computes none for them."""
     format: str = "gradbuilder.split/1"
 
     @property
@@ -169,5 +171,6 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
         full_shape_outputs=list(sig.full_shape),
         loss=meta["loss"],  # type: ignore[arg-type]
         no_gradient=meta["no_gradient"],  # type: ignore[arg-type]
+        zero_gradient=meta["zero_gradient"],  # type: ignore[arg-type]
     )
     return forward, backward, manifest

@@ -4,6 +4,10 @@ ONNX has no such op, and torch's exporters drop `detach`, so a detached tensor w
 gradbuilder's own domain (Yield's), registered as non-differentiable (rules/nondiff.py): reachability cuts the
 edge in its one pass. `split` writes it as an Identity, so both halves run on stock onnxruntime; `as_identity`
 does the same for a forward model run without a split.
+
+ZeroGradient is the identity of derivative zero (the mean and std of torch.normal, whose formula is
+`zeros_like(grad)`): no gradient flows through it either, but what reaches a differentiated output only through
+it gets zeros, as torch gives, not None (reachability's `zero_wrt`). Both are written as Identities alike.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from onnx import defs, helper
 from .yield_op import DOMAIN
 
 OP_TYPE = "StopGradient"
+ZERO_GRADIENT = "ZeroGradient"
 
 
 def register_identity_schema(op_type: str, doc: str, attributes: Sequence[defs.OpSchema.Attribute] = ()) -> None:
@@ -36,10 +41,12 @@ def register_identity_schema(op_type: str, doc: str, attributes: Sequence[defs.O
 
 
 register_identity_schema(OP_TYPE, "The identity, with no gradient (torch's detach).")
+register_identity_schema(ZERO_GRADIENT, "The identity, of derivative zero (torch's zeros_like(grad)).")
 
 
 def is_stop_gradient(node: onnx.NodeProto) -> bool:
-    return node.op_type == OP_TYPE and node.domain == DOMAIN
+    """Whether `node` is a StopGradient or a ZeroGradient (either an Identity once split)."""
+    return node.op_type in (OP_TYPE, ZERO_GRADIENT) and node.domain == DOMAIN
 
 
 def make_node(x: str, y: str, name: str = "") -> onnx.NodeProto:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gradbuilder.stop_gradient import OP_TYPE as STOP_GRADIENT
+from gradbuilder.stop_gradient import ZERO_GRADIENT
 from gradbuilder.yield_op import DOMAIN
 
 from . import torch_draws
@@ -55,10 +56,11 @@ def _floating(x: Any) -> bool:
     return x.dtype is not None and x.dtype.is_floating_point()
 
 
-def _stop_gradient(x: Any) -> Any:
-    """x without a gradient (gradbuilder's StopGradient, which the session removes)."""
+def _stop_gradient(x: Any, op_type: str = STOP_GRADIENT) -> Any:
+    """x without a gradient (gradbuilder's StopGradient, which the session removes; ZeroGradient: of derivative
+    zero, whose tensors get torch's zeros)."""
     from onnxscript import values
-    return getattr(values.Opset(DOMAIN, 1), STOP_GRADIENT)(x)
+    return getattr(values.Opset(DOMAIN, 1), op_type)(x)
 
 
 def _first_index(x: Any, axis: int, largest: bool) -> Any:
@@ -330,13 +332,14 @@ def _sizes(sizes: Any) -> Any:
                           for v in sizes], axis=0)
 
 
-def _normal_of_tensors(mean: Any, std: Any, generator: Any = None) -> Any:
+def _normal_of_tensors(mean: Any, std: Any = 1.0, generator: Any = None) -> Any:
     """aten normal of a tensor mean or std (torch.normal(mean, std)) as torch computes it, `normal_(0, std)` + mean
-    for a number std, else `normal_(0, 1)` * std + mean, the fill tagged for the host; without the tensors'
-    gradients: torch gives them none (onnxscript's passed them, and its draw was untagged)."""
+    for a number std (1 where the call leaves it out), else `normal_(0, 1)` * std + mean, the fill tagged for the
+    host; the tensors' gradients zeros, as torch's (onnxscript's passed gradients, and its draw was untagged)."""
     op = _op()
     tensor = std if isinstance(mean, (int, float)) else mean
-    held = [_stop_gradient(v) if not isinstance(v, (int, float)) else _const(float(v), tensor) for v in (mean, std)]
+    held = [_stop_gradient(v, ZERO_GRADIENT) if not isinstance(v, (int, float)) else _const(float(v), tensor)
+            for v in (mean, std)]
     if isinstance(std, (int, float)):
         return op.Add(_draw(held[0], "normal_", 0.0, float(std), dtype=tensor.dtype), held[0])
     like = held[1] if isinstance(mean, (int, float)) else op.Add(*held)

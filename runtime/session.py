@@ -131,6 +131,8 @@ class _Backward:
     specialised: bool = True
     lowered: onnx.ModelProto | None = None
     """The graph its runner runs (the halves' sessions run it too)."""
+    zeros: frozenset[str] = frozenset()
+    """wrt tensors whose gradient is torch's zeros for this subset of outputs (`Manifest.zero_gradient`)."""
 
     def __post_init__(self) -> None:
         man = self.program.manifest
@@ -271,8 +273,9 @@ class TrainingSession:
         man = full.manifest
         self.input_names: list[str] = list(man.forward_inputs)
         self.output_names: list[str] = list(man.module_outputs)
-        self.differentiable: tuple[int, ...] = tuple(sorted(
-            e.output_index for e in man.backward_inputs if e.role == "output_grad"))  # type: ignore[misc]
+        nondiff = set(man.non_differentiable_outputs)
+        self.differentiable: tuple[int, ...] = tuple(i for i in range(len(self.output_names)) if i not in nondiff)
+        """The outputs torch differentiates (those of derivative zero too: their gradient reaches nothing)."""
         read = {e.name for e in man.backward_inputs if e.role == "stash"}
         self.stashed_outputs: tuple[int, ...] = tuple(i for i, n in enumerate(self.output_names) if n in read)
         """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
@@ -283,6 +286,8 @@ class TrainingSession:
         self._fwd_names = full.forward_outputs
         self._infer: Runner | MaskedRunner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
+        self._zeros: dict[frozenset[int], frozenset[str]] = {}
+        """Per subset of outputs given gradients: `zero_gradients`."""
         self.stats = {"backward_builds": 0, "fallbacks": 0}
         self._outputs_checked = False
         """Whether a forward's outputs were checked against their declared shapes (`declared`), at the first."""
@@ -361,8 +366,9 @@ class TrainingSession:
                  *, retain: bool = False) -> dict[str, Tensor]:
         """Gradients of the `wrt` tensors, given the gradients of the module outputs (None: no gradient).
 
-        Returns {wrt tensor: gradient} for the tensors the given gradients reach; `retain` keeps the
-        state for another backward.
+        Returns {wrt tensor: gradient} for the tensors the given gradients reach (those reached only through ops
+        of derivative zero not among them: `zero_gradients` names them); `retain` keeps the state for another
+        backward.
         """
         if isinstance(output_grads, Mapping):
             unknown = set(output_grads) - set(self.output_names)
@@ -377,6 +383,22 @@ class TrainingSession:
         ort_grads = [None if g is None else exchange.to_ortvalue(g) for g in grads]
         result = self.backward_ortvalues(state, ort_grads, retain=retain)
         return {w: self._convert(v, state.as_torch) for w, v in result.items()}
+
+    def zero_gradients(self, grads: Sequence[object | None]) -> frozenset[str]:
+        """The `wrt` tensors whose gradient torch gives as zeros for these output gradients (None: none), for which
+        backward returns nothing: connected to the outputs given gradients only through ops of derivative zero
+        (Round, Sign; a parameter quantized without a straight-through estimator)."""
+        given = frozenset([i for i in self.differentiable if grads[i] is not None])
+        zeros = self._zeros.get(given)
+        if zeros is None:
+            if len(given) == len(self.differentiable):  # the full build's (a fused run has no _Backward)
+                zeros = frozenset(self.full.manifest.zero_gradient)
+            elif not given and self.spec.loss is None:
+                zeros = frozenset()
+            else:
+                zeros = self._backward_for(given).zeros
+            self._zeros[given] = zeros
+        return zeros
 
     def output_roles(self, n_user: int, values: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Of a forward's `values` whose first `n_user` are the caller's: the positions torch must see as not
@@ -732,26 +754,29 @@ class TrainingSession:
             outputs = [self.output_names[i] for i in sorted(given)]
             candidate = specialise(self.source, self.spec, outputs, self.full, self.config.shrink,
                                    self.config.torch_dropout_outputs)
+            zeros = frozenset(candidate.manifest.zero_gradient)
             if candidate.missing_stash(self.full):
                 self.stats["fallbacks"] += 1
                 grads = {w: g for w, g in self.full.gradients.items() if w in candidate.gradients}
-                return self._backward(self.full, grads, specialised=False)
+                return self._backward(self.full, grads, specialised=False, zeros=zeros)
             program, specialised = candidate, True
             if self.save_dir is not None:
                 self._save(program, "_" + "_".join(str(i) for i in sorted(given)))
-        return self._backward(program, program.gradients, specialised=specialised)
+        return self._backward(program, program.gradients, specialised=specialised,
+                              zeros=frozenset(program.manifest.zero_gradient))
 
     def _backward_config(self) -> SessionConfig:
         return replace(self.config, graph_order=True) if self._in_graph_order else self.config
 
-    def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool) -> _Backward:
+    def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool,
+                  zeros: frozenset[str]) -> _Backward:
         arrays = _backward_constants(program)
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner, lowered = None, None
         if grads and program.manifest.backward_outputs:
             lowered = lowering.backward(program.backward, arrays, self.config, self.rows, program.forward)
             runner = Runner(lowered, self._backward_config(), "backward", BACKWARD_DISABLED_OPTIMIZERS)
-        return _Backward(program, runner, grads, consts, specialised, lowered if runner is not None else None)
+        return _Backward(program, runner, grads, consts, specialised, lowered if runner is not None else None, zeros)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]
                         ) -> dict[str, C.OrtValue]:

@@ -58,6 +58,7 @@ from torch.onnx._internal.torchscript_exporter import (
 
 from gradbuilder.rules.linalg import MICROSOFT
 from gradbuilder.stop_gradient import OP_TYPE as STOP_GRADIENT
+from gradbuilder.stop_gradient import ZERO_GRADIENT
 from gradbuilder.yield_op import DOMAIN
 
 from . import torch_draws
@@ -1113,9 +1114,16 @@ def _unique2(g: Any, x: Any, sorted: Any, return_inverse: Any, return_counts: An
 
 def _div(g: Any, a: Any, b: Any, *args: Any) -> Any:
     """torch.div: rounding_mode="floor" as `_floor_divide` (torch's conversion floors a / b, which differs from
-    torch where the quotient rounds up to an integer: 0.3% of random float32 pairs one off); the rest torch's."""
-    if args and not _none(args[0]) and symbolic_helper._get_const(args[0], "s", "rounding_mode") == "floor":
+    torch where the quotient rounds up to an integer: 0.3% of random float32 pairs one off); "trunc" of floats as
+    `_trunc` of the quotient (torch's conversion cast it to int64 and back: no gradient where torch's is zeros,
+    and wrong beyond 2^63 and at NaN); the rest torch's."""
+    mode = symbolic_helper._get_const(args[0], "s", "rounding_mode") if args and not _none(args[0]) else None
+    if mode == "floor":
         return _floor_divide(g, a, b)
+    if mode == "trunc":
+        x, y, floating = _common_type(g, a, b)
+        if floating:
+            return _trunc(g, g.op("Div", x, y))
     return (symbolic_opset10.div if g.opset >= 10 else symbolic_opset9.div)(g, a, b, *args)
 
 
@@ -1170,7 +1178,7 @@ def _bernoulli(g: Any, x: Any, p: Any = None, generator: Any = None, out: Any = 
 def _normal(g: Any, mean: Any, std: Any, sizes: Any = None, generator: Any = None, *rest: Any) -> Any:
     """`x.normal_(mean, std)` (traced as `normal(mean, std, x.size())`) as torch's fill, in x's type: torch's
     conversion wrote the numbers in float64 and so the noise (onnxruntime refused a float32 tensor's). Of tensors,
-    torch's, without their gradients: torch gives a tensor mean or std none (the noise is not reparametrized)."""
+    torch's, their gradients zeros (the noise is not reparametrized)."""
     sized = sizes is not None and not _none(sizes)  # the tensor overloads are traced (mean, std, generator)
     numbers = _numbers(mean, std) if sized and _none(generator) else None
     if numbers is not None:
@@ -1182,14 +1190,14 @@ def _normal(g: Any, mean: Any, std: Any, sizes: Any = None, generator: Any = Non
 
 def _normal_of_tensors(g: Any, mean: Any, std: Any) -> Any:
     """torch.normal of a tensor mean or std as torch computes it, `normal_(0, std)` + mean for a number std, else
-    `normal_(0, 1)` * std + mean, the fill tagged for the host; without the tensors' gradients: torch gives them
-    none (the noise is not reparametrized)."""
+    `normal_(0, 1)` * std + mean, the fill tagged for the host; the tensors' gradients zeros, as torch's (the noise
+    is not reparametrized)."""
     dtype = _type_utils.JitScalarType.from_value(g.original_node.output(), _type_utils.JitScalarType.FLOAT).dtype()
 
     def held(v: Any) -> Any:
         if not symbolic_helper._is_value(v):
             return g.op("Constant", value_t=torch.tensor(v, dtype=dtype))
-        out = g.op(f"{DOMAIN}::{STOP_GRADIENT}", v)
+        out = g.op(f"{DOMAIN}::{ZERO_GRADIENT}", v)
         out.setType(v.type())
         return out
 

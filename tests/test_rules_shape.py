@@ -426,14 +426,19 @@ def test_nondiff_edge_carries_no_gradient(op, fn):
     np.testing.assert_allclose(grad, ref.numpy(), rtol=1e-12)
 
 
-def test_nondiff_only_path_gives_no_gradient_and_says_why():
-    nodes = [onnx.helper.make_node("Floor", ["x"], ["y"])]
+@pytest.mark.parametrize(("op", "zeros"), [("Hardmax", False), ("Floor", True)])
+def test_nondiff_only_path_gives_no_gradient_and_says_why(op, zeros):
+    """Hardmax stops gradients (None, said why); Floor's derivative is zero: torch's zeros, listed as such."""
+    nodes = [onnx.helper.make_node(op, ["x"], ["y"])]
     graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", 11, [3])],
                                    [onnx.helper.make_tensor_value_info("y", 11, [3])])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     meta = gradbuilder.read_metadata(gradbuilder.build_gradient_graph(model, wrt=["x"], outputs=["y"]))
     assert meta["gradients"] == {}
-    assert "Floor" in meta["no_gradient"]["x"]
+    if zeros:
+        assert meta["zero_gradient"] == ["x"] and meta["no_gradient"] == {}
+    else:
+        assert op in meta["no_gradient"]["x"] and meta["zero_gradient"] == []
 
 
 @pytest.mark.parametrize("opset", [13, 18])

@@ -38,6 +38,9 @@ class Rule:
     all_nondiff: bool = False
     family: str = ""
     nondiff_if: StopFn | None = None
+    zero_derivative: bool = False
+    """Its float outputs' derivative is zero (Round, Sign: torch's `zeros_like(grad)`): no gradient flows through
+    it, but a tensor reaching a differentiated output only through such ops gets torch's zeros, not None."""
 
     def stop_inputs(self, node: onnx.NodeProto, opset: int, is_computed: Callable[[str], bool]) -> frozenset[int]:
         """Input positions that carry no gradient at this node."""
@@ -99,10 +102,12 @@ def rule(
 
 
 def nondifferentiable(*op_types: str, since: int = 1, until: int = MAX_OPSET, family: str = "",
-                      domain: str = "") -> None:
-    """Declare ops whose outputs never carry a gradient to their inputs (Shape, Equal, ...)."""
+                      domain: str = "", zero_derivative: bool = False) -> None:
+    """Declare ops whose outputs never carry a gradient to their inputs (Shape, Equal, ...); `zero_derivative`
+    for those whose float outputs are differentiable with derivative zero (Floor, Round, Sign)."""
     for op in op_types:
-        _add(Rule(op, None, since, until, domain, all_nondiff=True, family=family or "nondiff"))
+        _add(Rule(op, None, since, until, domain, all_nondiff=True, family=family or "nondiff",
+                  zero_derivative=zero_derivative))
 
 
 @functools.lru_cache(maxsize=4096)
