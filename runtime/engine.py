@@ -529,6 +529,7 @@ class Engine:
             call = function.Call(session, feeds, wrt, n, read, sparse)
             call.in_torch = functools.partial(self.in_torch, ex, in_spec, leaves, [t._version for t in leaves],
                                               list(named), list(named.values()), wrt)
+            call.replayable, call.rng = function.call_draws(session, rng)
             try:
                 user, stats = function.apply(call, [named[name] for name in wrt])
             except FIRST_RUN_ERRORS as e:
@@ -653,6 +654,7 @@ class Engine:
                              tuple([tensors[i] for i in steady.read]), steady.sparse)
         call.in_torch = functools.partial(self.in_torch, ex, steady.in_spec, list(leaves),
                                           [t._version for t in leaves], steady.names, tensors, steady.wrt)
+        call.replayable, call.rng = function.call_draws(steady.session)
         user, stats = function.apply(call, [tensors[i] for i in steady.differentiated])
         if ex.batch_stats:  # the sizes the recorded call's check of one value a channel passed
             if steady.statistics is not None and steady.statistics.holds():

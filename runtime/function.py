@@ -46,9 +46,26 @@ class Call:
     watched: tuple[tuple[str, weakref.ref], ...] = ()
     """The outputs that other outputs are computed from (`Exported.internal`), by name: checked at backward for
     gradient hooks and retain_grad() (`reads_its_gradient`), which the backward cannot give their whole gradient."""
-    in_torch: Callable[[bool], tuple[list[Any], list[torch.Tensor]]] | None = None
+    in_torch: Callable[..., tuple[list[Any], list[torch.Tensor]]] | None = None
     """The same call computed again by torch's module (`Engine.in_torch`): its flat outputs and the tensors of
     `wrt`, for a backward with create_graph=True, whose gradients must be differentiable again."""
+    replayable: bool = True
+    """Whether torch's module computing the call again draws the random numbers its forward drew: it draws none, or
+    drew them as torch's from `rng` (`call_draws`)."""
+    rng: torch.Tensor | None = None
+    """The generator state the forward's random numbers were drawn from as torch draws them."""
+
+
+def call_draws(session: TrainingSession, rng: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
+    """`Call.replayable` and `Call.rng` for a call about to run (`rng`: the state its draws are torch's from, where
+    the first call's check made them so: `TrainingSession.draw_masks_as_torch`)."""
+    if not session.draws_random:
+        return True, None
+    if rng is not None:
+        return True, rng
+    if session.draws_as_torch:
+        return True, torch.random.get_rng_state()
+    return False, None
 
 
 def reads_its_gradient(t: torch.Tensor | None) -> bool:
@@ -130,16 +147,26 @@ def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Ten
     """backward(create_graph=True) (a gradient penalty, a physics-informed loss, a Hessian-vector product): the
     call's outputs computed again by torch's own module from the same inputs and parameters, and their gradients
     taken with create_graph=True, so that they have a graph to differentiate again (onnxruntime's have none). The
-    values are torch's, as the first-call check holds onnxruntime's to be. Random draws (dropout) are torch's
-    own, not the forward's. A batch of incoming gradients under vmap takes the same way."""
+    values are torch's, as the first-call check holds onnxruntime's to be. Random draws (dropout) are the
+    forward's: torch draws them again from the generator state they were drawn from as torch's (the first call's,
+    and every call's under `torch_dropout`); where the host drew them otherwise (numpy's masks), refused rather than
+    differentiate other masks. A batch of incoming gradients under vmap takes the same way."""
     call: Call = ctx.call
+    if not call.replayable:
+        raise RuntimeError(
+            "ORTModule: backward(create_graph=True), or a batched backward, computes the call again in torch, but "
+            "its dropout masks (or other random numbers) were drawn on the host in a way torch's module would not "
+            "draw again, so the gradients would be those of other masks. Construct ORTModule(..., "
+            "torch_dropout=True), whose calls draw them as torch does from its generator (then computed again the "
+            "same), or call the module in eval mode.")
     warnings.warn("backward(create_graph=True), or a batched backward (is_grads_batched, a vectorized jacobian), "
                   "through ORTModule: the call is computed again in torch, whose gradients can be differentiated "
                   "again (a torch forward and backward more per such step).",
                   RuntimeWarning, stacklevel=2)  # shown once per process by Python's default filter
     if call.in_torch is None:
         raise RuntimeError("ORTModule cannot compute this call again in torch for backward(create_graph=True)")
-    outputs, inputs = call.in_torch(all(g is None or _has_storage(g) for g in grads))  # aliases: not under vmap
+    outputs, inputs = call.in_torch(all(g is None or _has_storage(g) for g in grads),  # aliases: not under vmap
+                                    rng=call.rng)
     pairs = [(o, g) for o, g in zip(outputs, grads[:call.n_user])
              if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
     found = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], create_graph=True,

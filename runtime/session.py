@@ -337,6 +337,18 @@ class TrainingSession:
         self._fwd.torch_once = state
         return True
 
+    @property
+    def draws_random(self) -> bool:
+        """Whether a forward draws random numbers (Dropout masks, torch's fills, onnxruntime's random ops)."""
+        return isinstance(self._fwd, MaskedRunner) or self._fwd.draws_random
+
+    @property
+    def draws_as_torch(self) -> bool:
+        """Whether every forward draws its random numbers as torch's module would from the generator's state at the
+        call (`torch_masks`: the Dropout masks and tagged fills by torch's kernels, no random op of onnxruntime's),
+        so that torch computing the call again from that state draws the same."""
+        return self.config.torch_masks and isinstance(self._fwd, MaskedRunner) and self._fwd.draws_as_torch
+
     # --- public API ------------------------------------------------------------------------------
     @property
     def wrt(self) -> list[str]:

@@ -455,6 +455,54 @@ def test_create_graph_gradients_are_the_call_s_alone() -> None:
     assert_grads_equal(om, ref)
 
 
+class _NoisyCritic(nn.Module):
+    """A critic with a Dropout and a randn_like (a tagged fill), for a gradient penalty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(F.dropout(h, 0.4, self.training) + 0.1 * torch.randn_like(h))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("torch_dropout", [True, False])
+def test_create_graph_through_dropout_differentiates_the_forward_s_masks(exporter: str, torch_dropout: bool) -> None:
+    """backward(create_graph=True) computes the call again in torch, which drew other masks than the forward's: the
+    gradient penalty differentiated another function (its gradients 0.4-0.5 off onnxruntime's own of the same call).
+    Now torch draws them again from the state the forward drew them from as torch's: every call under torch_dropout
+    (then each WGAN-GP step is torch's, outputs, penalty and parameters' gradients), the first call otherwise; later
+    calls of the default mode, whose masks numpy drew, are refused with a message instead."""
+    torch.manual_seed(0)
+    ref, om = pair(_NoisyCritic(), exporter=exporter, torch_dropout=torch_dropout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(3):
+            x = torch.randn(12, 6)
+            results = []
+            for m in (ref, om):
+                leaf = x.clone().requires_grad_()
+                torch.manual_seed(10 + step)
+                y = m(leaf)
+                plain = torch.autograd.grad(y.sum(), leaf, retain_graph=True)[0]
+                if m is om and step and not torch_dropout:
+                    with pytest.raises(RuntimeError, match="torch_dropout=True"):
+                        torch.autograd.grad(y.sum(), leaf, create_graph=True)
+                    break
+                (g,) = torch.autograd.grad(y.sum(), leaf, create_graph=True)
+                torch.testing.assert_close(g, plain, rtol=1e-5, atol=1e-6)
+                (y.mean() + g.norm(dim=1).sub(1).square().mean()).backward()
+                results.append((y.detach(), g.detach()))
+            else:
+                for got, want in zip(results[1], results[0]):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                assert_grads_equal(om, ref)
+            for m in (ref, om):
+                m.zero_grad(set_to_none=True)
+
+
 class Head(nn.Module):
     def __init__(self, body: nn.Module):
         super().__init__()
