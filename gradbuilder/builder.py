@@ -170,7 +170,8 @@ def build_gradient_graph(
         or none when `loss` is given). loss: a scalar float output seeded with gradient 1 in the graph.
     freeze: tensors removed from `wrt`. The metadata key `gradbuilder.gradients` maps each `wrt` tensor to its
     gradient output, `gradbuilder.zero_gradient` lists those whose gradient is zeros in PyTorch (connected to the
-    outputs only through ops of derivative zero, such as Round: no output, the host fills the zeros) and
+    outputs only through ops of derivative zero, such as Round: no output, the host fills the zeros;
+    `gradbuilder.zero_gradient_of` the same per output, for a host giving some of them gradients) and
     `gradbuilder.no_gradient` says why the others get none (PyTorch's `None`).
     """
     with _no_gc():
@@ -389,15 +390,16 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
     if not any(op.domain == DOMAIN for op in m.opset_import):
         m.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))
 
-    zeros = [w for w in req.wrt if w in reach.zero_wrt]
+    zero_wrt = reach.zero_wrt
     no_grad = {w: reach.reason(fg, w, seeds) or "no gradient flows to it" for w in req.wrt
-               if w not in grads and w not in reach.zero_wrt}
+               if w not in grads and w not in zero_wrt}
     no_grad.update({f: "frozen" for f in req.frozen})
     meta = {
         "format": "1",
         "wrt": json.dumps(list(req.wrt)),
         "gradients": json.dumps([[w, g] for w, g in grads.items()]),
-        "zero_gradient": json.dumps(zeros),
+        "zero_gradient": json.dumps([w for w in req.wrt if w in zero_wrt]),
+        "zero_gradient_of": json.dumps({o: [w for w in req.wrt if w in z] for o, z in reach.zero_of.items()}),
         "no_gradient": json.dumps(no_grad),
         "outputs": json.dumps(list(req.outputs)),
         "loss": req.loss or "",
@@ -411,14 +413,16 @@ def _assemble(m: onnx.ModelProto, fg: ForwardGraph, req: BuildRequest, reach: Re
 
 
 def read_metadata(model: onnx.ModelProto) -> dict[str, object]:
-    """The build facts stored in a training graph: wrt, gradients (wrt -> output), zero_gradient, no_gradient,
-    outputs, loss."""
+    """The build facts stored in a training graph: wrt, gradients (wrt -> output), zero_gradient (and per output:
+    zero_gradient_of), no_gradient, outputs, loss."""
     raw = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
     out: dict[str, object] = {"loss": raw.get("loss") or None}
     try:
         out["wrt"] = [str(w) for w in json.loads(raw.get("wrt", "[]"))]
         out["gradients"] = {str(w): str(g) for w, g in json.loads(raw.get("gradients", "[]"))}
         out["zero_gradient"] = [str(w) for w in json.loads(raw.get("zero_gradient", "[]"))]
+        out["zero_gradient_of"] = {str(o): [str(w) for w in ws]
+                                   for o, ws in json.loads(raw.get("zero_gradient_of", "{}")).items()}
         out["no_gradient"] = {str(w): str(r) for w, r in json.loads(raw.get("no_gradient", "{}")).items()}
         out["outputs"] = [str(o) for o in json.loads(raw.get("outputs", "[]"))]
     except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError

@@ -7,7 +7,7 @@ part of this graph, so gradients never get gradients of their own.
 torch also differentiates through ops of derivative zero (Round, Sign: `zeros_like(grad)`), which carry no
 gradient here: a `wrt` tensor whose every path to the seeds crosses one gets zeros from torch, not None, and an
 output computed from `wrt` only through one requires grad in torch. The same two walks crossing those edges too
-find both (`zero_wrt`, `zero_seeds`), only where the graph has such an op.
+find both (`zero_of`, `zero_seeds`), only where the graph has such an op.
 """
 
 from __future__ import annotations
@@ -28,13 +28,19 @@ class Reachability:
     edges: Edges
     active_inputs: dict[int, list[bool]] = field(default_factory=dict)
     """Node index -> which of its inputs need a gradient, for nodes that must be differentiated."""
-    zero_wrt: set[str] = field(default_factory=set)
-    """`wrt` tensors without a gradient here whose gradient is torch's zeros: connected to a seed only through
-    ops of derivative zero."""
+    zero_of: dict[str, set[str]] = field(default_factory=dict)
+    """Seed -> the `wrt` tensors torch differentiates from it that get no gradient from it here: connected to it
+    only through ops of derivative zero (torch's gradient from it is zeros). A tensor's gradient for a set of
+    seeds is zeros where one of them lists it and none gives it a gradient."""
     zero_seeds: set[str] = field(default_factory=set)
     """Seeds without a gradient path from `wrt` that torch differentiates: computed from `wrt` only through ops of
     derivative zero (their gradient reaches nothing)."""
     _loose: dict[tuple[str, ...], set[str]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def zero_wrt(self) -> set[str]:
+        """`wrt` tensors without a gradient whose gradient is torch's zeros for all the seeds at once."""
+        return set().union(*self.zero_of.values()) - self.needs
 
     def reason(self, fg: ForwardGraph, name: str, seeds: Sequence[str]) -> str | None:
         """Why `name` gets no gradient, in words, or None when it gets one."""
@@ -169,8 +175,14 @@ def analyze(fg: ForwardGraph, wrt: Sequence[str], seeds: Sequence[str]) -> Reach
     reach = Reachability(fwd, bwd, needs, edges, active)
     if edges.zero:
         torch_fwd = _walk_forward(fg, edges, wrt, zeros=True)
-        torch_bwd = _walk_backward(fg, edges, seeds, zeros=True)
-        reach.zero_wrt = {w for w in wrt if w in torch_fwd and w in torch_bwd} - needs
+        differentiated = {w for w in wrt if w in torch_fwd}
+        for s in seeds:  # one seed at a time: which outputs receive gradients is the host's choice at each step
+            if s in torch_fwd:
+                zeros = differentiated & _walk_backward(fg, edges, [s], zeros=True)
+                if zeros:
+                    zeros -= _walk_backward(fg, edges, [s])
+                if zeros:
+                    reach.zero_of[s] = zeros
         reach.zero_seeds = {s for s in seeds if s in torch_fwd} - needs
     return reach
 

@@ -50,6 +50,9 @@ class Manifest:
     no_gradient: dict[str, str] = field(default_factory=dict)
     zero_gradient: list[str] = field(default_factory=list)
     """wrt tensors whose gradient is zeros (not None) as torch gives it: the backward computes none for them."""
+    zero_gradient_of: dict[str, list[str]] = field(default_factory=dict)
+    """The same per module output (and the loss): for the outputs a step gives gradients, the tensors one of them
+    lists and the backward computes no gradient for get zeros."""
     format: str = "gradbuilder.split/1"
 
     @property
@@ -172,5 +175,6 @@ def split(training_model: onnx.ModelProto | str | os.PathLike | bytes) -> tuple[
         loss=meta["loss"],  # type: ignore[arg-type]
         no_gradient=meta["no_gradient"],  # type: ignore[arg-type]
         zero_gradient=meta["zero_gradient"],  # type: ignore[arg-type]
+        zero_gradient_of=meta["zero_gradient_of"],  # type: ignore[arg-type]
     )
     return forward, backward, manifest

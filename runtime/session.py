@@ -131,8 +131,6 @@ class _Backward:
     specialised: bool = True
     lowered: onnx.ModelProto | None = None
     """The graph its runner runs (the halves' sessions run it too)."""
-    zeros: frozenset[str] = frozenset()
-    """wrt tensors whose gradient is torch's zeros for this subset of outputs (`Manifest.zero_gradient`)."""
 
     def __post_init__(self) -> None:
         man = self.program.manifest
@@ -273,9 +271,15 @@ class TrainingSession:
         man = full.manifest
         self.input_names: list[str] = list(man.forward_inputs)
         self.output_names: list[str] = list(man.module_outputs)
+        self.differentiable: tuple[int, ...] = tuple(sorted(
+            e.output_index for e in man.backward_inputs if e.role == "output_grad"))  # type: ignore[misc]
+        """The outputs whose gradients backward reads."""
         nondiff = set(man.non_differentiable_outputs)
-        self.differentiable: tuple[int, ...] = tuple(i for i in range(len(self.output_names)) if i not in nondiff)
-        """The outputs torch differentiates (those of derivative zero too: their gradient reaches nothing)."""
+        self._requiring_grad = frozenset(i for i in range(len(self.output_names)) if i not in nondiff)
+        """The outputs torch differentiates: those too that only ops of derivative zero connect to `wrt`."""
+        zero_of = man.zero_gradient_of
+        self._zeros_of = {i: frozenset(zero_of[n]) for i, n in enumerate(self.output_names) if n in zero_of}
+        self._loss_zeros = frozenset(zero_of.get(spec.loss, ())) if spec.loss is not None else frozenset()
         read = {e.name for e in man.backward_inputs if e.role == "stash"}
         self.stashed_outputs: tuple[int, ...] = tuple(i for i, n in enumerate(self.output_names) if n in read)
         """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
@@ -286,8 +290,6 @@ class TrainingSession:
         self._fwd_names = full.forward_outputs
         self._infer: Runner | MaskedRunner | None = None
         self._backwards: dict[frozenset[int], _Backward] = {}
-        self._zeros: dict[frozenset[int], frozenset[str]] = {}
-        """Per subset of outputs given gradients: `zero_gradients`."""
         self.stats = {"backward_builds": 0, "fallbacks": 0}
         self._outputs_checked = False
         """Whether a forward's outputs were checked against their declared shapes (`declared`), at the first."""
@@ -397,20 +399,12 @@ class TrainingSession:
         return {w: self._convert(v, state.as_torch) for w, v in result.items()}
 
     def zero_gradients(self, grads: Sequence[object | None]) -> frozenset[str]:
-        """The `wrt` tensors whose gradient torch gives as zeros for these output gradients (None: none), for which
-        backward returns nothing: connected to the outputs given gradients only through ops of derivative zero
-        (Round, Sign; a parameter quantized without a straight-through estimator)."""
-        given = frozenset([i for i in self.differentiable if grads[i] is not None])
-        zeros = self._zeros.get(given)
-        if zeros is None:
-            if len(given) == len(self.differentiable):  # the full build's (a fused run has no _Backward)
-                zeros = frozenset(self.full.manifest.zero_gradient)
-            elif not given and self.spec.loss is None:
-                zeros = frozenset()
-            else:
-                zeros = self._backward_for(given).zeros
-            self._zeros[given] = zeros
-        return zeros
+        """The `wrt` tensors whose gradient torch gives as zeros for these output gradients (None: none) where
+        backward returns none for them: connected to the outputs given gradients only through ops of derivative
+        zero (Round, Sign; a parameter quantized without a straight-through estimator)."""
+        if not self._zeros_of:
+            return self._loss_zeros
+        return self._loss_zeros.union(*[z for i, z in self._zeros_of.items() if grads[i] is not None])
 
     def output_roles(self, n_user: int, values: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Of a forward's `values` whose first `n_user` are the caller's: the positions torch must see as not
@@ -421,7 +415,7 @@ class TrainingSession:
         roles = self._roles.get(n_user)
         if roles is None:
             fixed = tuple(k for k, t in enumerate(values)
-                          if k >= n_user or k not in self.differentiable or not t.is_floating_point())
+                          if k >= n_user or k not in self._requiring_grad or not t.is_floating_point())
             roles = self._roles[n_user] = fixed, tuple(i for i in self.stashed_outputs if i < n_user)
         return roles
 
@@ -766,29 +760,26 @@ class TrainingSession:
             outputs = [self.output_names[i] for i in sorted(given)]
             candidate = specialise(self.source, self.spec, outputs, self.full, self.config.shrink,
                                    self.config.torch_dropout_outputs)
-            zeros = frozenset(candidate.manifest.zero_gradient)
             if candidate.missing_stash(self.full):
                 self.stats["fallbacks"] += 1
                 grads = {w: g for w, g in self.full.gradients.items() if w in candidate.gradients}
-                return self._backward(self.full, grads, specialised=False, zeros=zeros)
+                return self._backward(self.full, grads, specialised=False)
             program, specialised = candidate, True
             if self.save_dir is not None:
                 self._save(program, "_" + "_".join(str(i) for i in sorted(given)))
-        return self._backward(program, program.gradients, specialised=specialised,
-                              zeros=frozenset(program.manifest.zero_gradient))
+        return self._backward(program, program.gradients, specialised=specialised)
 
     def _backward_config(self) -> SessionConfig:
         return replace(self.config, graph_order=True) if self._in_graph_order else self.config
 
-    def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool,
-                  zeros: frozenset[str]) -> _Backward:
+    def _backward(self, program: Program, grads: dict[str, str], *, specialised: bool) -> _Backward:
         arrays = _backward_constants(program)
         consts = {name: exchange.to_ortvalue(a) for name, a in arrays.items()}
         runner, lowered = None, None
         if grads and program.manifest.backward_outputs:
             lowered = lowering.backward(program.backward, arrays, self.config, self.rows, program.forward)
             runner = Runner(lowered, self._backward_config(), "backward", BACKWARD_DISABLED_OPTIMIZERS)
-        return _Backward(program, runner, grads, consts, specialised, lowered if runner is not None else None, zeros)
+        return _Backward(program, runner, grads, consts, specialised, lowered if runner is not None else None)
 
     def _backward_feeds(self, bw: _Backward, state: ForwardState, grads: Sequence[C.OrtValue | None]
                         ) -> dict[str, C.OrtValue]:

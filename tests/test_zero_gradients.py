@@ -14,6 +14,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
+from torch.nn import functional as F
 
 import gradbuilder
 from gradbuilder.inspect_model import gradient_table
@@ -38,6 +39,10 @@ def _graph() -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+_PER_OUTPUT = {"o": ["w"], "s": ["v", "x"]}
+"""Per output: the tensors it reaches only through ops of derivative zero (x reaches o directly, s through Sign)."""
+
+
 @pytest.mark.parametrize(("outputs", "grads", "zeros", "none", "seeds"), [
     (None, ["x"], ["w", "v"], ["u"], ["o", "s"]),
     (["o"], ["x"], ["w"], ["v", "u"], ["o"]),
@@ -49,10 +54,14 @@ def test_builder_lists_zero_gradients_and_gives_their_outputs_a_host_gradient(
     meta = gradbuilder.read_metadata(training)
     assert sorted(meta["gradients"]) == grads
     assert sorted(meta["zero_gradient"]) == sorted(zeros)
+    assert meta["zero_gradient_of"] == {o: _PER_OUTPUT[o] for o in seeds}
     assert sorted(meta["no_gradient"]) == sorted(none)
     _, _, manifest = gradbuilder.split(training)
     assert sorted(manifest.zero_gradient) == sorted(zeros)
-    assert json.loads(manifest.to_json())["zero_gradient"] == manifest.zero_gradient
+    assert manifest.zero_gradient_of == meta["zero_gradient_of"]
+    decoded = json.loads(manifest.to_json())
+    assert (decoded["zero_gradient"], decoded["zero_gradient_of"]) == (manifest.zero_gradient,
+                                                                       manifest.zero_gradient_of)
     differentiable = [o for i, o in enumerate(manifest.module_outputs) if i not in manifest.non_differentiable_outputs]
     assert differentiable == seeds  # s is an output torch differentiates (Sign's derivative is zero), so it has one
     read = {e.output_index for e in manifest.backward_inputs if e.role == "output_grad"}
@@ -190,6 +199,38 @@ def test_zero_gradients_follow_the_outputs_that_receive_gradients(exporter: str)
         net.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
         _same(_step(ours, x, outputs), _step(ref, x, outputs))
+
+
+class _LossAndPredictions(nn.Module):
+    """A loss and the rounded predictions (a binary classifier's): the predictions require grad in torch, and the
+    step still runs forward and backward as one (`fused`: one output whose gradient backward reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.lin(x).squeeze(1)
+        return F.binary_cross_entropy_with_logits(logits, y), torch.round(torch.sigmoid(logits))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_loss_returned_with_rounded_predictions_still_runs_fused(exporter: str) -> None:
+    torch.manual_seed(0)
+    net = _LossAndPredictions()
+    ours = ORTModule(net, exporter=exporter)
+    x, y = torch.randn(16, 6), torch.randint(0, 2, (16,)).float()
+    for outputs in ((0,), (0,), (0, 1), (1,)):
+        ref = copy.deepcopy(net)
+        net.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        got, want = ours(x, y), ref(x, y)
+        assert [t.requires_grad for t in got] == [t.requires_grad for t in want] == [True, True]
+        sum(got[i].sum() for i in outputs).backward()
+        sum(want[i].sum() for i in outputs).backward()
+        _same({n: p.grad for n, p in net.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+    [session] = ours.training_sessions()
+    assert session.runs_fused
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
