@@ -173,8 +173,8 @@ def analyze(fg: ForwardGraph, wrt: Sequence[str], seeds: Sequence[str]) -> Reach
         if any(flags) or hidden:
             active[k] = flags
     reach = Reachability(fwd, bwd, needs, edges, active)
-    if edges.zero:
-        torch_fwd = _walk_forward(fg, edges, wrt, zeros=True)
+    torch_fwd = _walk_forward(fg, edges, wrt, zeros=True) if edges.zero else fwd
+    if any(n in torch_fwd for ins, _ in edges.zero.values() for n in ins):  # (not a Floor of sizes alone)
         differentiated = {w for w in wrt if w in torch_fwd}
         for s in seeds:  # one seed at a time: which outputs receive gradients is the host's choice at each step
             if s in torch_fwd:

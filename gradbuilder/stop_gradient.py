@@ -7,7 +7,7 @@ does the same for a forward model run without a split.
 
 ZeroGradient is the identity of derivative zero (the mean and std of torch.normal, whose formula is
 `zeros_like(grad)`): no gradient flows through it either, but what reaches a differentiated output only through
-it gets zeros, as torch gives, not None (reachability's `zero_wrt`). Both are written as Identities alike.
+it gets zeros, as torch gives, not None (reachability's `zero_of`). Both are written as Identities alike.
 """
 
 from __future__ import annotations
