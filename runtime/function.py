@@ -122,10 +122,6 @@ class ORTFunction(torch.autograd.Function):
         finally:
             openmp.join()
         out = [result.get(w) for w in call.wrt]
-        zeros = call.session.zero_gradients(host)
-        if zeros:  # torch's zeros, where only ops of derivative zero (Round, Sign) lead to the outputs
-            out = [torch.zeros_like(exchange.to_torch(call.feeds[w])) if g is None and w in zeros else g
-                   for w, g in zip(call.wrt, out)]
         if call.check is not None:
             check, call.check = call.check, None
             out = check(grads[:call.n_user], out)

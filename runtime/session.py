@@ -64,6 +64,8 @@ class ForwardState:
     """A forward run as two halves of the batch (`halves.SplitHalves`): each half's values, instead of `values`."""
     timed: tuple[int, bool, float] | None = None
     """The forward's arm and time, for the trial of halves against the whole batch the backward completes."""
+    zero_like: dict[str, C.OrtValue] | None = None
+    """The feeds of the `wrt` tensors torch may give zeros (`TrainingSession.zero_gradients`): their shapes."""
 
     def release(self) -> None:
         """Drop the stash (like torch freeing saved tensors after backward)."""
@@ -71,6 +73,7 @@ class ForwardState:
         self.gradients = None
         self.redraw = None
         self.halved = None
+        self.zero_like = None
         self.released = True
 
 
@@ -280,6 +283,10 @@ class TrainingSession:
         zero_of = man.zero_gradient_of
         self._zeros_of = {i: frozenset(zero_of[n]) for i, n in enumerate(self.output_names) if n in zero_of}
         self._loss_zeros = frozenset(zero_of.get(spec.loss, ())) if spec.loss is not None else frozenset()
+        self._zero_names = self._loss_zeros.union(*self._zeros_of.values())
+        self._zero_inits = {t.name: (tuple(t.dims), onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+                            for t in full.forward.graph.initializer if t.name in self._zero_names}
+        """Shapes and dtypes of those held as initializers (not fed: the session API's constants)."""
         read = {e.name for e in man.backward_inputs if e.role == "stash"}
         self.stashed_outputs: tuple[int, ...] = tuple(i for i, n in enumerate(self.output_names) if n in read)
         """Module outputs backward reads: a caller modifying them in place would corrupt the gradients."""
@@ -380,8 +387,8 @@ class TrainingSession:
                  *, retain: bool = False) -> dict[str, Tensor]:
         """Gradients of the `wrt` tensors, given the gradients of the module outputs (None: no gradient).
 
-        Returns {wrt tensor: gradient} for the tensors the given gradients reach (those reached only through ops
-        of derivative zero not among them: `zero_gradients` names them); `retain` keeps the state for another
+        Returns {wrt tensor: gradient} for the tensors the given gradients reach, zeros (as torch's) for those
+        reached only through ops of derivative zero (`zero_gradients`); `retain` keeps the state for another
         backward.
         """
         if isinstance(output_grads, Mapping):
@@ -400,8 +407,8 @@ class TrainingSession:
 
     def zero_gradients(self, grads: Sequence[object | None]) -> frozenset[str]:
         """The `wrt` tensors whose gradient torch gives as zeros for these output gradients (None: none) where
-        backward returns none for them: connected to the outputs given gradients only through ops of derivative
-        zero (Round, Sign; a parameter quantized without a straight-through estimator)."""
+        backward computes none for them (`backward` fills them): connected to the outputs given gradients only
+        through ops of derivative zero (Round, Sign; a parameter quantized without a straight-through estimator)."""
         if not self._zeros_of:
             return self._loss_zeros
         return self._loss_zeros.union(*[z for i, z in self._zeros_of.items() if grads[i] is not None])
@@ -427,6 +434,12 @@ class TrainingSession:
     # --- OrtValue-level API (no conversions; what ORTModule uses) -------------------------------
     def forward_ortvalues(self, feeds: Mapping[str, C.OrtValue], as_torch: bool = True
                           ) -> tuple[list[C.OrtValue], ForwardState]:
+        outs, state = self._forward(feeds, as_torch)
+        if self._zero_names:
+            state.zero_like = {w: feeds[w] for w in self._zero_names if w in feeds}
+        return outs, state
+
+    def _forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool) -> tuple[list[C.OrtValue], ForwardState]:
         if self._fusing and not self._paused:
             return self._fused_forward(feeds, as_torch)
         try:
@@ -457,6 +470,7 @@ class TrainingSession:
         if state.gradients is None:  # a run to feed: OrtValues (a torch tensor's memory shared through DLPack)
             grads = [None if g is None else exchange.to_ortvalue(g) for g in grads]
         timed, state.timed = state.timed, None
+        like = state.zero_like
         start = time.perf_counter()
         if state.halved is not None:
             result = self._halved_backward(state, grads, retain, as_torch)
@@ -464,7 +478,19 @@ class TrainingSession:
             result = self._backward_run(state, grads, retain, as_torch)
         if timed is not None and self._split is not None:
             self._split.finish(timed, time.perf_counter() - start)
+        if self._zero_names:  # torch's zeros, where only ops of derivative zero (Round, Sign) lead to the outputs
+            for w in self.zero_gradients(grads):
+                if w not in result:
+                    result[w] = self._zeros(w, like or {}, as_torch)
         return result
+
+    def _zeros(self, name: str, like: Mapping[str, C.OrtValue], as_torch: bool) -> Any:
+        """Zeros of a `wrt` tensor's shape at this call: its feed's, or its initializer's."""
+        fed = like.get(name)
+        if fed is not None:
+            return torch.zeros_like(exchange.to_torch(fed)) if as_torch else exchange.zeros_like(fed)
+        zeros = np.zeros(*self._zero_inits[name])
+        return torch.from_numpy(zeros) if as_torch else exchange.to_ortvalue(zeros)
 
     def _backward_run(self, state: ForwardState, grads: Sequence[Tensor | None], retain: bool, as_torch: bool
                       ) -> dict[str, Any]:

@@ -271,3 +271,26 @@ def test_adamw_trains_a_rounded_parameter_as_torch(exporter: str) -> None:
     assert not torch.equal(net.scale, start)
     for (n, p), q in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize(("given", "zeros", "computed"), [
+    (("o", "s"), ["v", "w"], ["x"]),
+    (("o",), ["w"], ["x"]),
+    (("s",), ["v", "x"], []),
+])
+def test_training_session_returns_torch_zeros_for_the_outputs_given(given: tuple[str, ...], zeros: list[str],
+                                                                    computed: list[str]) -> None:
+    """The session API too: `backward` returns zeros of each tensor's shape where the outputs given gradients reach
+    it only through Round or Sign, and nothing for those they do not reach (u: a comparison; v without s)."""
+    from runtime import TrainingSession
+
+    session = TrainingSession.from_forward(_graph(), wrt=["w", "v", "u", "x"])
+    x = np.array([[0.5, -2.0], [3.0, 1.5]], np.float32)
+    _, state = session.forward({"x": x})
+    result = session.backward(state, {name: np.ones((2, 2), np.float32) for name in given})
+    assert sorted(result) == sorted(zeros + computed)
+    shapes = {"w": (2,), "v": (2, 2), "x": (2, 2)}
+    for name in zeros:
+        assert result[name].shape == shapes[name] and not result[name].any(), name
+    for name in computed:
+        assert result[name].any()
