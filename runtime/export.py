@@ -577,7 +577,7 @@ def _values_that_shape(params: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 @contextlib.contextmanager
 def _shape_inference_without_weights() -> Iterator[None]:
     """The legacy exporter's ONNX shape inference, handed only `_values_that_shape` of the parameters: same
-    graph (GPT-2 small: byte-identical), 7.6 -> 1.6 s of export. Holds under `_EXPORT_LOCK` only."""
+    graph (GPT-2 small: byte-identical), 7.6 -> 1.6 s of export. Holds under `EXPORT_LOCK` only."""
     whole, node = torch._C._jit_pass_onnx_graph_shape_type_inference, torch._C._jit_pass_onnx_node_shape_type_inference
     torch._C._jit_pass_onnx_graph_shape_type_inference = lambda g, params, opset: whole(g, _values_that_shape(params),
                                                                                          opset)
@@ -816,8 +816,9 @@ def _named_dims(infos: Iterable[onnx.ValueInfoProto], names: Container[str]
                 yield d
 
 
-_EXPORT_LOCK = threading.Lock()
-"""torch.onnx.export keeps process-wide state (it refuses to start while another export runs): one at a time."""
+EXPORT_LOCK = threading.RLock()
+"""torch.onnx.export keeps process-wide state (it refuses to start while another export runs): one at a time; the
+export's replacements of torch's functions are process-wide too (`replay` sets them again)."""
 
 
 class _Exporting(threading.local):
@@ -829,7 +830,7 @@ _EXPORTING = _Exporting()
 
 def exporting() -> bool:
     """Whether this thread is inside `export`: an ORTModule nested in the exported module then runs as its torch
-    module, which the export traces (its own export would wait for `_EXPORT_LOCK` forever)."""
+    module, which the export traces (its own export would wait for `EXPORT_LOCK` forever)."""
     return _EXPORTING.active
 
 
@@ -860,7 +861,7 @@ def export(module: nn.Module, signature: inspect.Signature, in_spec: Spec, leave
         # traced with grad enabled whatever the caller's mode: under no_grad torch takes fused inference
         # paths (nn.TransformerEncoderLayer's fast path) that have no ONNX export
         # float32 whatever the caller's autocast: onnxruntime's CPU kernels have no bfloat16 products (engine warns)
-        with _EXPORT_LOCK, _marked_exporting(), torch.inference_mode(False), torch.enable_grad(), \
+        with EXPORT_LOCK, _marked_exporting(), torch.inference_mode(False), torch.enable_grad(), \
                 _parametrizations_uncached(), \
                 torch.autocast("cpu", enabled=False), _preserved(module) as changed, \
                 _inputs_kept(leaves, names) as changed_inputs, _fed_buffers(module, attributes), \

@@ -8,11 +8,12 @@ backward specialised to the outputs that do get gradients.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from . import exchange, openmp
 from .checks import GradientCheck
+from .replay import ReplayMismatch
 from .session import TrainingSession
 
 
@@ -49,23 +51,6 @@ class Call:
     in_torch: Callable[..., tuple[list[Any], list[torch.Tensor]]] | None = None
     """The same call computed again by torch's module (`Engine.in_torch`): its flat outputs and the tensors of
     `wrt`, for a backward with create_graph=True, whose gradients must be differentiable again."""
-    replayable: bool = True
-    """Whether torch's module computing the call again draws the random numbers its forward drew: it draws none, or
-    drew them as torch's from `rng` (`call_draws`)."""
-    rng: torch.Tensor | None = None
-    """The generator state the forward's random numbers were drawn from as torch draws them."""
-
-
-def call_draws(session: TrainingSession, rng: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
-    """`Call.replayable` and `Call.rng` for a call about to run (`rng`: the state its draws are torch's from, where
-    the first call's check made them so: `TrainingSession.draw_masks_as_torch`)."""
-    if not session.draws_random:
-        return True, None
-    if rng is not None:
-        return True, rng
-    if session.draws_as_torch:
-        return True, torch.random.get_rng_state()
-    return False, None
 
 
 def reads_its_gradient(t: torch.Tensor | None) -> bool:
@@ -144,25 +129,27 @@ def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Ten
     call's outputs computed again by torch's own module from the same inputs and parameters, and their gradients
     taken with create_graph=True, so that they have a graph to differentiate again (onnxruntime's have none). The
     values are torch's, as the first-call check holds onnxruntime's to be. Random draws (dropout) are the
-    forward's: torch draws them again from the generator state they were drawn from as torch's (the first call's,
-    and every call's under `torch_dropout`); where the host drew them otherwise (numpy's masks), refused rather than
-    differentiate other masks. A batch of incoming gradients under vmap takes the same way."""
+    forward's (`replay`); where onnxruntime drew them, refused rather than differentiate other masks. A batch of
+    incoming gradients under vmap takes the same way."""
     call: Call = ctx.call
-    if not call.replayable:
-        raise RuntimeError(
-            "ORTModule: backward(create_graph=True), or a batched backward, computes the call again in torch, but "
-            "its dropout masks (or other random numbers) were drawn on the host in a way torch's module would not "
-            "draw again, so the gradients would be those of other masks. Construct ORTModule(..., "
-            "torch_dropout=True), whose calls draw them as torch does from its generator (then computed again the "
-            "same), or call the module in eval mode.")
+    problem = call.session.replay_problem(ctx.state)
+    if problem is not None:
+        raise RuntimeError(f"{_REDRAWN}, but {problem}")
     warnings.warn("backward(create_graph=True), or a batched backward (is_grads_batched, a vectorized jacobian), "
                   "through ORTModule: the call is computed again in torch, whose gradients can be differentiated "
                   "again (a torch forward and backward more per such step).",
                   RuntimeWarning, stacklevel=2)  # shown once per process by Python's default filter
     if call.in_torch is None:
         raise RuntimeError("ORTModule cannot compute this call again in torch for backward(create_graph=True)")
-    outputs, inputs = call.in_torch(all(g is None or _has_storage(g) for g in grads),  # aliases: not under vmap
-                                    rng=call.rng)
+    batched = not all(g is None or _has_storage(g) for g in grads)
+    # the forward outside vmap (which refuses random ops), its graph differentiated for the batch of gradients
+    try:
+        with _outside_vmap() if batched else contextlib.nullcontext():
+            outputs, inputs = call.in_torch(not batched, replay=ctx.state.redraw)  # aliases: not under vmap
+    except ReplayMismatch as e:
+        raise RuntimeError(f"{_REDRAWN}, but {e}: its forward draws otherwise than the exported graph (a branch on "
+                           "torch.onnx.is_in_onnx_export() or on tracing?). Take the gradients without create_graph, "
+                           "or call the module in eval mode.") from e
     pairs = [(o, g) for o, g in zip(outputs, grads[:call.n_user])
              if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
     found = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], create_graph=True,
@@ -170,6 +157,24 @@ def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Ten
     if call.after_backward is not None:
         call.after_backward()
     return (None, *found)
+
+
+_REDRAWN = ("ORTModule: backward(create_graph=True), or a batched backward, computes the call again in torch, which "
+            "must draw the random numbers its forward drew")
+
+
+@contextlib.contextmanager
+def _outside_vmap() -> Iterator[None]:
+    """Out of the vmap a batched backward (is_grads_batched) runs in, which refuses random ops (torch's module's
+    dropouts): the forward computed again there is not batched, only the gradients its graph is given."""
+    levels = 1
+    while torch._C._vmapmode_decrement_nesting() > 0:
+        levels += 1
+    try:
+        yield
+    finally:
+        for _ in range(levels):
+            torch._C._vmapmode_increment_nesting()
 
 
 _pack_hooks = torch._C._autograd._top_saved_tensors_default_hooks

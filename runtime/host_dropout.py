@@ -16,9 +16,10 @@ draws them from the state torch's run of the call began with (`MaskedRunner.torc
 call's check can compare onnxruntime's outputs with torch's (`checks`); a mask held feature-major is the
 transpose of torch's (`Mask.transposed`).
 
-A call's masks can be drawn again from its seed (`run_redrawable`): a backward recomputing a checkpointed region
-gets its Dropouts' masks back without the forward keeping them (`session.ForwardState.redraw`), as torch's
-checkpoint does from its saved RNG state.
+A call's masks can be drawn again from its seed (`Redraw`, which the runner hands over as `drew`): a backward
+recomputing a checkpointed region gets its Dropouts' masks back without the forward keeping them
+(`session.ForwardState.redraw`), as torch's checkpoint does from its saved RNG state, and torch's module computing
+the call again for a create_graph backward gets the same numbers (`replay`).
 
 torch's fills the export tagged (`torch_draws`: rand, randn_like, normal_, bernoulli_, exponential_) are fed the
 same way, drawn by torch's kernels (from a generator seeded by the call's seed; as torch's from its default
@@ -34,8 +35,7 @@ bodies, or of a non-constant ratio) get their `seed` the same way.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +177,22 @@ def _fed_draw(nodes: list[onnx.NodeProto], k: int, g: onnx.GraphProto, types: Ma
     return Mask(n.output[0], n.input[0], 0, n.output[0], 0.0, draw, known=torch_fill is not None)
 
 
+@dataclass(frozen=True, slots=True)
+class Redraw:
+    """How one call's host draws are drawn again, the same (its seed and mask shapes), rather than the draws
+    themselves: a call's ForwardState keeps it at no memory cost."""
+
+    runner: MaskedRunner
+    shapes: Mapping[str, tuple[int, ...]]
+    seed: int | torch.Tensor
+    """An integer seed (numpy's masks), or torch's generator state the draws were torch's from (`torch_masks`, the
+    call that exported)."""
+
+    def __call__(self, only: Collection[str] | None = None) -> dict[str, C.OrtValue]:
+        """The masks and fills named (all for None), as the call drew them."""
+        return self.runner.draw(self.shapes, self.seed, only)
+
+
 class MaskedRunner:
     """A forward's Runner whose training Dropouts take host-drawn masks at input sizes seen before (see the
     module docstring); the same `run` as `Runner`, the masks among the outputs where the graph returned them."""
@@ -199,6 +215,9 @@ class MaskedRunner:
         self.draws_as_torch = not self.draws_random and all(m.known for m in masks)
         """Whether a run's random numbers are all drawn by the host as torch draws them (`Mask.known`), so that from
         the same RNG state its outputs are torch's."""
+        self.drew: Redraw | None = None
+        """The draws of the call run last, where the host drew them (None where onnxruntime did: the first call at
+        new sizes): the session hands them to that call's ForwardState as soon as it returns."""
         self.torch_once: torch.Tensor | None = None
         """A generator state the next call's masks and fills are drawn from as torch draws them, whatever
         `torch_masks` says (`TrainingSession.draw_masks_as_torch`: the first call's check compares its outputs with
@@ -245,30 +264,25 @@ class MaskedRunner:
         return self.plain.session
 
     def run(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None) -> list[C.OrtValue]:
-        return self.run_redrawable(feeds, outputs)[0]
-
-    def run_redrawable(self, feeds: Mapping[str, C.OrtValue], outputs: Sequence[str] | None = None
-                       ) -> tuple[list[C.OrtValue], Callable[[Collection[str]], dict[str, C.OrtValue]] | None]:
-        """`run`, and where the host drew the masks, a function drawing the named ones again, the same (from the
-        call's seed): a backward can then read them without the forward keeping them."""
+        """The forward's outputs (`outputs`, all for None); `drew` says how to draw its masks again."""
         names = list(self.output_names if outputs is None else outputs)
         key = tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds])
         shapes = self.shapes.get(key)
         if shapes is None:
+            self.drew = None
             values, shapes = self._recorded(feeds, key, names)
             if shapes is None or not (self._config.torch_masks or self.torch_once is not None):
-                return values, None
+                return values
             # torch's masks from the first call on: this run only told their shapes (a forward more per new size)
-        seed = self._call_seed()
-        drawn = self.draw(shapes, seed, fresh=True)
+        drawn = self._fresh(shapes)
         try:
-            values = self.run_drawn(feeds, drawn, names)
+            return self.run_drawn(feeds, drawn, names)
         except RuntimeError:  # sizes recorded for these inputs may no longer hold (sizes read from values)
+            self.drew = None
             del self.shapes[key]
             if self._recorded(feeds, key, names)[1] == shapes:  # they did hold: the masked session itself failed
                 raise
-            return self.run_redrawable(feeds, outputs)  # at the sizes recorded anew
-        return values, functools.partial(self.draw, shapes, seed)
+            return self.run(feeds, outputs)  # at the sizes recorded anew
 
     def _recorded(self, feeds: Mapping[str, C.OrtValue], key: tuple, names: Sequence[str]
                   ) -> tuple[list[C.OrtValue], dict[str, tuple[int, ...]] | None]:
@@ -282,10 +296,16 @@ class MaskedRunner:
         return values[:len(names)], self.shapes[key]
 
     def drawn(self, feeds: Mapping[str, C.OrtValue]) -> dict[str, C.OrtValue] | None:
-        """The masks a call with these feeds gets, drawn as `run` draws them (the seed taken from torch's generator);
-        None at sizes not seen yet."""
+        """The masks a call with these feeds gets, drawn as `run` draws them (the seed taken from torch's generator;
+        `drew` set); None at sizes not seen yet."""
         shapes = self.shapes.get(tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds]))
-        return None if shapes is None else self.draw(shapes, self._call_seed(), fresh=True)
+        return None if shapes is None else self._fresh(shapes)
+
+    def _fresh(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, C.OrtValue]:
+        """A call's masks, from a seed taken now (`drew`: how to draw them again)."""
+        seed = self._call_seed()
+        self.drew = Redraw(self, shapes, seed)
+        return self.draw(shapes, seed, fresh=True)
 
     def _call_seed(self) -> int | torch.Tensor:
         """A call's seed: torch's generator state where its masks are torch's (`torch_once`'s, for that call), else

@@ -24,7 +24,7 @@ import functools
 import os
 import time
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from gradbuilder.errors import InvalidModelError
 
 from . import checks, declared, exchange, fused, halves, lowering, passes, samples
 from .exchange import Tensor
-from .host_dropout import MaskedRunner
+from .host_dropout import MaskedRunner, Redraw
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
 from .recompute import recompute_checkpointed, region_masks
@@ -57,9 +57,10 @@ class ForwardState:
     released: bool = False
     gradients: _Gradients | None = None
     """A fused run's gradients (`fused`), kept instead of a stash."""
-    redraw: Callable[[Collection[str]], dict[str, C.OrtValue]] | None = None
-    """Draws again the host's Dropout masks left out of `values` (those of checkpointed regions), as the forward
-    drew them."""
+    redraw: Redraw | None = None
+    """Draws again the host's Dropout masks and fills, as the forward drew them (None where onnxruntime drew them, or
+    none was drawn): those left out of `values` (of checkpointed regions), and the numbers a create_graph backward's
+    recompute in torch must draw (`replay`)."""
     halved: halves.Halved | None = None
     """A forward run as two halves of the batch (`halves.SplitHalves`): each half's values, instead of `values`."""
     timed: tuple[int, bool, float] | None = None
@@ -186,6 +187,11 @@ def _backward_constants(program: Program) -> dict[str, np.ndarray]:
     inits = {t.name: t for t in program.forward.graph.initializer}
     return {e.name: onnx.numpy_helper.to_array(inits[e.name])
             for e in program.manifest.backward_inputs if e.role == "initializer" and e.name in inits}
+
+
+def _drew(runner: Runner | MaskedRunner) -> Redraw | None:
+    """How the call `runner` ran last drew its random numbers on the host, read as the call returns."""
+    return runner.drew if isinstance(runner, MaskedRunner) else None
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -337,11 +343,11 @@ class TrainingSession:
         them (Dropout masks, and the fills the export tagged: randn_like, rand, bernoulli_;
         `MaskedRunner.draws_as_torch`): its outputs are then torch's for that RNG state, which the first call's
         check compares. Not where onnxruntime draws any (unmasked Dropouts, untagged random ops), nor without
-        `torch_masks` where the next forward does not run the whole batch through `_fwd` (`forward_ortvalues`: a
-        session an earlier export made and runs fused or in halves, whose runners draw their own)."""
+        `torch_masks` where the next forward runs fused (`forward_ortvalues`: a session an earlier export made,
+        whose joined runner draws its own). Split halves cut their masks from `_fwd`'s draws of the whole batch."""
         if not isinstance(self._fwd, MaskedRunner) or not self._fwd.draws_as_torch:
             return False
-        if (self._fusing and not self._paused) or self._split_halves() is not None:  # decided as the forward would
+        if self._fusing and not self._paused:  # decided as the forward would
             return self.config.torch_masks
         self._fwd.torch_once = state
         return True
@@ -351,12 +357,19 @@ class TrainingSession:
         """Whether a forward draws random numbers (Dropout masks, torch's fills, onnxruntime's random ops)."""
         return isinstance(self._fwd, MaskedRunner) or self._fwd.draws_random
 
-    @property
-    def draws_as_torch(self) -> bool:
-        """Whether every forward draws its random numbers as torch's module would from the generator's state at the
-        call (`torch_masks`: the Dropout masks and tagged fills by torch's kernels, no random op of onnxruntime's),
-        so that torch computing the call again from that state draws the same."""
-        return self.config.torch_masks and isinstance(self._fwd, MaskedRunner) and self._fwd.draws_as_torch
+    def replay_problem(self, state: ForwardState) -> str | None:
+        """Why torch's module computing the call of `state` again (a create_graph backward) could not draw the
+        random numbers its forward drew, or None where it can (none drawn, or the host's, each one torch draws with
+        one of its fills: `replay`)."""
+        if not self.draws_random or (state.redraw is not None and state.redraw.runner.draws_as_torch):
+            return None
+        if state.redraw is None and isinstance(self._fwd, MaskedRunner) and self._fwd.draws_as_torch:
+            return ("onnxruntime drew its dropout masks, as it does at the first call at input sizes not seen before "
+                    "(whose run tells the host the masks' shapes). Construct ORTModule(..., torch_dropout=True), "
+                    "whose calls draw them on the host from the first at each size, or call the module in eval mode.")
+        return ("onnxruntime drew some of them (random ops inside If or Loop bodies, Dropouts of a ratio computed at "
+                "run time, or functions torch draws with other kernels than its fills: randint, rrelu, cauchy_, "
+                "log_normal_). Call the module in eval mode, or take the gradients without create_graph.")
 
     # --- public API ------------------------------------------------------------------------------
     @property
@@ -571,7 +584,7 @@ class TrainingSession:
         outs, state, halved, timed = split.forward(feeds, lambda masks: self._whole_forward(feeds, as_torch, masks),
                                                    self._halves_mismatch)
         if state is None:
-            state = ForwardState({}, outs, as_torch, halved=halved)
+            state = ForwardState({}, outs, as_torch, halved=halved, redraw=_drew(self._fwd))
         state.timed = timed
         return outs, state
 
@@ -639,17 +652,15 @@ class TrainingSession:
     def _whole_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool,
                        masks: dict[str, C.OrtValue] | None = None) -> tuple[list[C.OrtValue], ForwardState]:
         """The forward of the whole batch (`masks`: its Dropouts' masks, drawn already)."""
-        redraw = None
-        if masks is not None and isinstance(self._fwd, MaskedRunner):
+        if masks is not None and isinstance(self._fwd, MaskedRunner):  # `drew` when they were drawn
             values = self._fwd.run_drawn(feeds, masks, self._fwd_names)
-        elif self._redrawn and isinstance(self._fwd, MaskedRunner):
-            values, redraw = self._fwd.run_redrawable(feeds, self._fwd_names)
         else:
             values = self._fwd.run(feeds, self._fwd_names)
+        redraw = _drew(self._fwd)
         env = dict(feeds)
         env.update(zip(self._fwd_names, values))
         outs = [env[n] for n in self.output_names]
-        if redraw is not None:  # a checkpointed region's masks are drawn again for backward, as torch does
+        if redraw is not None and self._redrawn:  # a checkpointed region's masks are drawn again for backward
             for name in self._redrawn:
                 env.pop(name, None)
         return outs, ForwardState(env, outs, as_torch, redraw=redraw)
@@ -677,7 +688,8 @@ class TrainingSession:
             split = self._composition_check(one, feeds, values, rng, as_torch)
             if split is not None:
                 return split
-        return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt, self._unused))
+        return outs, ForwardState({}, outs, as_torch, gradients=_Gradients(values, k, one.wrt, self._unused),
+                                  redraw=_drew(one.runner))
 
     def _composition_check(self, one: _Fused, feeds: Mapping[str, C.OrtValue],
                            values: halves.Values, rng: torch.Tensor, as_torch: bool
@@ -811,7 +823,7 @@ class TrainingSession:
                         ) -> dict[str, C.OrtValue]:
         feeds = dict(bw.fixed)
         values = state.values
-        if state.redraw is not None:
+        if state.redraw is not None and self._redrawn:  # a checkpointed region's masks, drawn again
             values = {**values, **state.redraw([n for n in bw.from_state if n not in values])}
         for name in bw.from_state:
             feeds[name] = values[name]

@@ -467,14 +467,26 @@ class _NoisyCritic(nn.Module):
         return self.b(F.dropout(h, 0.4, self.training) + 0.1 * torch.randn_like(h))
 
 
+def _penalty(m: nn.Module, x: torch.Tensor, seed: int, create_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A WGAN-GP gradient penalty of critic `m` at `x`, its random numbers drawn after `torch.manual_seed(seed)`; and
+    the input gradient (from onnxruntime's backward without create_graph)."""
+    leaf = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    y = m(leaf)
+    (g,) = torch.autograd.grad(y.sum(), leaf, create_graph=create_graph)
+    return g.norm(dim=1).sub(1).square().mean(), g
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("torch_dropout", [True, False])
 def test_create_graph_through_dropout_differentiates_the_forward_s_masks(exporter: str, torch_dropout: bool) -> None:
     """backward(create_graph=True) computes the call again in torch, which drew other masks than the forward's: the
     gradient penalty differentiated another function (its gradients 0.4-0.5 off onnxruntime's own of the same call).
-    Now torch draws them again from the state the forward drew them from as torch's: every call under torch_dropout
-    (then each WGAN-GP step is torch's, outputs, penalty and parameters' gradients), the first call otherwise; later
-    calls of the default mode, whose masks numpy drew, are refused with a message instead."""
+    Now torch's module gets the forward's draws: under torch_dropout from the state they were drawn from as torch's
+    (each WGAN-GP step is torch's: outputs, penalty and parameters' gradients); in the default mode, whose masks
+    numpy draws, each of its random ops hands back the host's draw (the penalty's parameter gradients against
+    finite differences of penalties from onnxruntime's own backward, float64). A batched backward (a jacobian) takes
+    the same way. Where onnxruntime drew the masks (the default mode's first call at new sizes), refused."""
     torch.manual_seed(0)
     ref, om = pair(_NoisyCritic(), exporter=exporter, torch_dropout=torch_dropout)
     with warnings.catch_warnings():
@@ -487,20 +499,101 @@ def test_create_graph_through_dropout_differentiates_the_forward_s_masks(exporte
                 torch.manual_seed(10 + step)
                 y = m(leaf)
                 plain = torch.autograd.grad(y.sum(), leaf, retain_graph=True)[0]
-                if m is om and step and not torch_dropout:
-                    with pytest.raises(RuntimeError, match="torch_dropout=True"):
-                        torch.autograd.grad(y.sum(), leaf, create_graph=True)
-                    break
+                (jacobian,) = torch.autograd.grad(y, leaf, torch.eye(12).reshape(12, 12, 1), retain_graph=True,
+                                                  is_grads_batched=True)
+                torch.testing.assert_close(jacobian.sum(0), plain, rtol=1e-5, atol=1e-6)
                 (g,) = torch.autograd.grad(y.sum(), leaf, create_graph=True)
                 torch.testing.assert_close(g, plain, rtol=1e-5, atol=1e-6)
                 (y.mean() + g.norm(dim=1).sub(1).square().mean()).backward()
                 results.append((y.detach(), g.detach()))
-            else:
+            if torch_dropout or not step:  # the default mode's later masks are numpy's, not torch's
                 for got, want in zip(results[1], results[0]):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
                 assert_grads_equal(om, ref)
             for m in (ref, om):
                 m.zero_grad(set_to_none=True)
+        if torch_dropout:
+            return
+        om.double()
+        x = torch.randn(12, 6, dtype=torch.float64)
+        _penalty(om, x, 0, False)  # the export's call, whose masks are torch's
+        _penalty(om, x, 1, True)[0].backward()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in om.parameters()]  # b.bias: None, as torch
+        direction = [torch.randn_like(p) for p in om.parameters()]
+        sides = []
+        for sign in (1, -1):
+            with torch.no_grad():
+                for p, t in zip(om.parameters(), direction):
+                    p.add_(sign * 1e-6 * t)
+            sides.append(_penalty(om, x, 1, False)[0].item())
+            with torch.no_grad():
+                for p, t in zip(om.parameters(), direction):
+                    p.sub_(sign * 1e-6 * t)
+        along = sum(float((g * t).sum()) for g, t in zip(grads, direction))
+        assert along == pytest.approx((sides[0] - sides[1]) / 2e-6, rel=1e-6)
+        with pytest.raises(RuntimeError, match=r"first call at input sizes not seen before.*torch_dropout=True"):
+            _penalty(om, x[:7], 2, True)
+
+
+class _Drawing(nn.Module):
+    """A Linear-Tanh-Linear drawing one of torch's kinds of random numbers between its layers."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(6, 16), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.kind == "normal of tensors":  # torch.normal(mean, std): mean + std * its draws
+            h = h * torch.normal(h, F.softplus(h)) + torch.normal(h, 0.3)
+        elif self.kind == "fills":
+            h = h * torch.empty_like(h).bernoulli_(0.7) + torch.empty_like(h).exponential_(2.0)
+            h = h * torch.rand_like(h) + torch.empty_like(h).uniform_(-1, 1)
+        elif self.kind == "drawn otherwise when exporting" and not torch.onnx.is_in_onnx_export():
+            h = h + 0 * torch.rand_like(h)
+        elif self.kind == "transposed view":  # torch draws the mask in memory order, the export so too
+            h = F.dropout(h.t(), 0.2, self.training).t()
+        return self.b(F.dropout(h, 0.3, self.training))
+
+
+class _Encoder(nn.Module):
+    """A batch-first encoder layer, whose dropout1 reads the attention's output transposed: torch draws its mask in
+    that memory order, the export's run (and the host's as torch's) in the logical one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.3, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.e(x).mean(1)
+
+
+@pytest.mark.parametrize(("kind", "torch_dropout"), [
+    ("normal of tensors", False), ("fills", False), ("transposed view", False), ("encoder", False),
+    ("encoder", True), ("drawn otherwise when exporting", False)])
+def test_create_graph_hands_torch_s_module_the_forward_s_draws(kind: str, torch_dropout: bool) -> None:
+    """The create_graph backward's recompute gets each kind of the forward's draws at its place (torch.normal of
+    tensors, bernoulli_, exponential_, rand_like and uniform_ fills, Dropout masks): its gradients are those of
+    onnxruntime's own backward, at the call that exported (the host drew as torch's) and later (numpy's masks).
+    The encoder's first call: torch's generator set back drew dropout1's mask in another order (0.09 off); the
+    recompute runs as the export did (`lean_attention`: batch-major outside torch_dropout, as torch's inside).
+    Where torch's module draws otherwise than the export did, refused with the op named."""
+    torch.manual_seed(0)
+    om = ORTModule(_Encoder() if kind == "encoder" else _Drawing(kind), torch_dropout=torch_dropout)
+    shape = (4, 10, 16) if kind == "encoder" else (12, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(2):
+            x = torch.randn(*shape, requires_grad=True)
+            y = om(x)
+            w = torch.randn_like(y)
+            (plain,) = torch.autograd.grad(y, x, w, retain_graph=True)
+            if kind == "drawn otherwise when exporting":
+                with pytest.raises(RuntimeError, match=r"drew with aten\.rand_like.*where the forward drew a Dropout"):
+                    torch.autograd.grad(y, x, w, create_graph=True)
+                continue
+            (g,) = torch.autograd.grad(y, x, w, create_graph=True)
+            torch.testing.assert_close(g, plain, rtol=1e-5, atol=1e-6)
 
 
 class Head(nn.Module):
