@@ -214,7 +214,8 @@ class MaskedRunner:
         """Whether onnxruntime draws random numbers beside the host's masks (unmasked Dropouts, random ops)."""
         self.draws_as_torch = not self.draws_random and all(m.known for m in masks)
         """Whether a run's random numbers are all drawn by the host as torch draws them (`Mask.known`), so that from
-        the same RNG state its outputs are torch's."""
+        the same RNG state its outputs are torch's, and torch's module computing the call again takes each draw
+        where it makes it (`replay`)."""
         self.drew: Redraw | None = None
         """The draws of the call run last, where the host drew them (None where onnxruntime did: the first call at
         new sizes): the session hands them to that call's ForwardState as soon as it returns."""
