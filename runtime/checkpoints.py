@@ -88,33 +88,48 @@ def _marked(tree: Any, region: int, side: str, legacy: bool) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: mark(t, region, side) if t.is_floating_point() else t, tree)
 
 
-def _marking(original: Any, counter: Iterator[int], legacy: bool) -> Any:
-    """`checkpoint` as the export sees it: the function called plainly between markers, or torch's own where its
-    semantics differ from a plain call (see the module docstring)."""
+def _marking(original: Any, counter: Iterator[int] | None, legacy: bool) -> Any:
+    """`checkpoint` as the export sees it: the function called plainly between markers (no markers without
+    `counter`), or torch's own where its semantics differ from a plain call (see the module docstring; a `context_fn`
+    only where marking)."""
 
     def checkpoint(function: Any, *args: Any, use_reentrant: bool | None = None,
                    context_fn: Any = torch_checkpoint.noop_context_fn, **kwargs: Any) -> Any:
         reentrant = True if use_reentrant is None else use_reentrant  # torch's default, which it warns about
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         nothing_requires_grad = not any(t.requires_grad for t in tensors)
-        if (reentrant and nothing_requires_grad) or context_fn is not torch_checkpoint.noop_context_fn \
-                or not any(t.is_floating_point() for t in tensors):
+        if (reentrant and nothing_requires_grad) or (counter is not None and (
+                context_fn is not torch_checkpoint.noop_context_fn or not any(t.is_floating_point() for t in tensors))):
             return original(function, *args, use_reentrant=use_reentrant, context_fn=context_fn, **kwargs)
         for option in ("preserve_rng_state", "determinism_check", "debug", "early_stop"):
             kwargs.pop(option, None)
         if reentrant and kwargs:
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))  # as torch's own check
+        if counter is None:
+            return function(*args, **kwargs)
         region = next(counter)
         return _marked(function(*_marked(args, region, "in", legacy), **kwargs), region, "out", legacy)
 
     return checkpoint
 
 
+def exportable_checkpoints(legacy: bool) -> contextlib.AbstractContextManager[None]:
+    """Checkpointed calls marked while the block lasts (an export, under its lock)."""
+    return _checkpoint_as(lambda original: _marking(original, itertools.count(), legacy))
+
+
+def plain_checkpoints() -> contextlib.AbstractContextManager[None]:
+    """Checkpointed calls run plainly while the block lasts, their activations kept: torch's module computing a
+    call again for a create_graph backward (`replay`), whose regions a later backward would otherwise compute again
+    drawing their own random numbers, not the forward's."""
+    return _checkpoint_as(lambda original: _marking(original, None, False))
+
+
 @contextlib.contextmanager
-def exportable_checkpoints(legacy: bool) -> Iterator[None]:
-    """Checkpointed calls marked while the block lasts (an export, under its lock). torch's `checkpoint`
-    is a dynamo-disabling wrapper around the function it calls (`fn`, a closure cell): that cell is swapped, so
-    that references taken before the export (Hugging Face's `functools.partial(checkpoint, ...)`) see it too."""
+def _checkpoint_as(replacement: Any) -> Iterator[None]:
+    """torch's `checkpoint` replaced by `replacement(original)` while the block lasts. It is a dynamo-disabling
+    wrapper around the function it calls (`fn`, a closure cell): that cell is swapped, so that references taken
+    before (Hugging Face's `functools.partial(checkpoint, ...)`) see it too."""
     wrapper = torch_checkpoint.checkpoint
     cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or ()))
     cell = cells.get("fn")
@@ -122,9 +137,9 @@ def exportable_checkpoints(legacy: bool) -> Iterator[None]:
         yield
         return
     original = cell.cell_contents
-    marking = _marking(original, itertools.count(), legacy)
-    marking.__dynamo_disable = marking  # type: ignore[attr-defined] # the wrapper's cache of its disabled fn
-    cell.cell_contents = marking
+    swapped = replacement(original)
+    swapped.__dynamo_disable = swapped  # the wrapper's cache of its disabled fn
+    cell.cell_contents = swapped
     try:
         yield
     finally:

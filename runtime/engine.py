@@ -50,9 +50,8 @@ from .export import (
 from .forward_hooks import HookChanged, HookError, forget, recorded
 from .function import partial_gradient, reads_its_gradient
 from .hook_state import kept_hook_state
-from .host_dropout import MaskedRunner, Redraw
+from .host_dropout import MaskedRunner
 from .ort_session import Runner, SessionConfig, SessionLoadError
-from .replay import replayed
 from .session import TrainingSession
 from .steady import Steady, argument_kinds
 from .structure import Const, constants, flatten, numbers, unflatten, without_numbers
@@ -802,8 +801,7 @@ class Engine:
 
     def in_torch(self, ex: Exported, in_spec: Any, leaves: list[torch.Tensor], versions: list[int],
                  names: list[str | None], values: list[torch.Tensor], wrt: list[str], aliased: bool = True,
-                 double: bool = False, rng: torch.Tensor | None = None, replay: Redraw | None = None
-                 ) -> tuple[list[Any], list[torch.Tensor]]:
+                 double: bool = False, rng: torch.Tensor | None = None) -> tuple[list[Any], list[torch.Tensor]]:
         """One call computed again by torch's module with grad enabled: on the same inputs (unchanged since), the
         parameters the forward was fed (a `torch.func.functional_call`'s fast weights too, swapped back since),
         copies of the buffers and the RNG state put back after. Its flat outputs, and the tensors behind `wrt`.
@@ -811,8 +809,7 @@ class Engine:
         but non-contiguous inputs, which the feeds copy). `double`: on float64 copies of every float tensor the
         call reads (inputs, parameters, buffers), detached: the first-call check's arbiter (`checks`). `rng`: the
         RNG state to draw from (the call's, whose random numbers were drawn as torch's: `draw_masks_as_torch`; in
-        float64, as the float32 call drew them: `checks.float32_draws`). `replay`: the random numbers the call's
-        forward drew on the host, drawn again (`replay.replayed`)."""
+        float64, as the float32 call drew them: `checks.float32_draws`)."""
         if any(t._version != v for t, v in zip(leaves, versions)):
             raise RuntimeError(f"ORTModule({self.name}): backward(create_graph=True) computes the call again in "
                                "torch, but one of its inputs has been changed in place since the forward; keep the "
@@ -834,11 +831,7 @@ class Engine:
             tensors = {fqn: fed.get(id(named[name]), named[name]) for name, fqn in ex.state
                        if id(named[name]) in fed or _is_parameter(*self._owner(fqn))}
         bound = inspect.BoundArguments(self.signature, unflatten(in_spec, aliases))
-        draws: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if double and rng is not None:
-            draws = checks.float32_draws()
-        elif replay is not None:
-            draws = replayed(replay, self.options.export.torch_dropout)
+        draws = checks.float32_draws() if double and rng is not None else contextlib.nullcontext()
         with torch.enable_grad(), scratch_buffers(self.module), kept_hook_state(self.module), \
                 recorded(self.module) as hooks, draws:
             if rng is not None:

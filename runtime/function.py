@@ -22,7 +22,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from . import exchange, openmp
 from .checks import GradientCheck
-from .replay import ReplayMismatch
+from .replay import ReplayMismatch, replayed
 from .session import TrainingSession
 
 
@@ -142,10 +142,12 @@ def _backward_in_torch(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Ten
     if call.in_torch is None:
         raise RuntimeError("ORTModule cannot compute this call again in torch for backward(create_graph=True)")
     batched = not all(g is None or _has_storage(g) for g in grads)
-    # the forward outside vmap (which refuses random ops), its graph differentiated for the batch of gradients
+    redraw = ctx.state.redraw
     try:
-        with _outside_vmap() if batched else contextlib.nullcontext():
-            outputs, inputs = call.in_torch(not batched, replay=ctx.state.redraw)  # aliases: not under vmap
+        # the forward outside vmap (which refuses random ops), its graph differentiated for the batch of gradients
+        with _outside_vmap() if batched else contextlib.nullcontext(), \
+                replayed(redraw) if redraw is not None else contextlib.nullcontext():
+            outputs, inputs = call.in_torch(not batched)  # aliases: not under vmap
     except ReplayMismatch as e:
         raise RuntimeError(f"{_REDRAWN}, but {e}: its forward draws otherwise than the exported graph (a branch on "
                            "torch.onnx.is_in_onnx_export() or on tracing?). Take the gradients without create_graph, "

@@ -233,6 +233,12 @@ class MaskedRunner:
         self._shape_names: list[str] = []
 
     @property
+    def torch_masks(self) -> bool:
+        """Whether every call draws as torch's (`SessionConfig.torch_masks`; the export laid the masks out as torch
+        does: `attention.lean_attention`)."""
+        return self._config.torch_masks
+
+    @property
     def plain(self) -> Runner:
         """The forward as it is plus the Dropout inputs' shapes, made when first needed (its Dropouts' seeds drawn
         then): a runner given every shape it meets never makes it."""

@@ -7,14 +7,16 @@ draws are the host's (`host_dropout`), whose `Redraw` draws them again. Each of 
 the host's value of the draw at its place in the forward's order, which is the trace's and so torch's (the order
 `MaskedRunner._draw_as_torch` relies on): a Dropout's `bernoulli_` its mask, a randn_like its values,
 torch.normal(mean, std) mean plus its values (times std). An op that does not match the draw at its place (another
-fill, another shape) stops the recompute rather than differentiate other numbers.
+fill, another shape) stops the recompute rather than differentiate other numbers. Its checkpoints run plainly
+(`checkpoints.plain_checkpoints`): a backward computing a region again would draw anew (torch's own from the state
+it saved, not numpy's), and the gradient penalty through a checkpointed Dropout was 0.23-0.33 off.
 
 torch's module runs as it ran for the export, with its replacements of attention and dropout (`lean_attention`,
 `exportable_dropouts`): each mask is then laid out as the graph's Dropout input. Eager torch lays some out
 otherwise: a batch-first TransformerEncoderLayer's dropout1 reads the attention's output transposed, whose mask
-torch draws in that memory order, and the lean export outside `torch_dropout` stores it batch-major. Not torch's
-generator set back to the state the draws came from where they were torch's, for the same reason: the create_graph
-gradient of such an encoder's exporting call was 0.09 off its own backward's.
+torch draws in that memory order, and the lean export outside `torch_dropout` stores it batch-major. So not torch's
+generator set back to the state the draws came from where they were torch's: the create_graph gradient of such an
+encoder's exporting call was 0.09 off its own backward's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import exchange
 from .attention import lean_attention
+from .checkpoints import plain_checkpoints
 from .dropouts import exportable_dropouts
 from .export import EXPORT_LOCK
 from .host_dropout import Mask, Redraw
@@ -47,13 +50,13 @@ class ReplayMismatch(RuntimeError):
 
 
 @contextlib.contextmanager
-def replayed(redraw: Redraw, torch_layout: bool) -> Iterator[None]:
-    """torch's module, run inside, computes what was exported and draws the numbers `redraw`'s call drew (the caller
-    puts torch's generator back after: `export.scratch_buffers`). `torch_layout`: the export's (`torch_dropout`)."""
+def replayed(redraw: Redraw) -> Iterator[None]:
+    """torch's module, run inside, computes what was exported (laid out as the runner's `torch_masks` says; its
+    checkpoints plainly, so that no later backward draws anew) and draws the numbers `redraw`'s call drew."""
     drawn = redraw()
     mode = _Replayed([(m, exchange.to_torch(drawn[m.input])) for m in redraw.runner.masks])
-    with EXPORT_LOCK, lean_attention(torch_layout), exportable_dropouts(), mode:  # replacements process-wide
-        yield
+    with EXPORT_LOCK, lean_attention(redraw.runner.torch_masks), exportable_dropouts(), plain_checkpoints(), mode:
+        yield  # the replacements are process-wide: under the export's lock
     if mode.taken != len(mode.draws):
         raise ReplayMismatch(f"torch's module drew {mode.taken} random tensors, the forward {len(mode.draws)}")
 
