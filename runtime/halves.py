@@ -388,20 +388,21 @@ class _Halving:
         from them; None where the batch cannot be weighed, the masks' shapes are not known yet (the whole run
         learns them), or the machine is crowded (the second thread would wait for a core)."""
         halves = cut(feeds, self.rows, self.min_rows, self.counted)
-        if halves is None or (self.masked is not None and not self.masked.drawn_for(feeds)):
+        shapes = self.masked.mask_shapes(feeds) if self.masked is not None else {}
+        if halves is None or shapes is None:
+            return None
+        n = feeds[self.rows.batched[0]].shape()[0]
+        if any(shape[0] % n for shape in shapes.values()):  # not the batch's rows (the proof says they are): whole
             return None
         park, crowded = openmp.room(2)
         if crowded:
             return None
-        drawn = self.masked.drawn(feeds) if self.masked is not None else None
+        drawn = self.masked.fresh(shapes) if self.masked is not None and shapes else None  # the call's draws, taken
         if not drawn:
             return Ready(halves, park, {}, ({}, {}))
-        n = feeds[self.rows.batched[0]].shape()[0]
         parts: tuple[dict[str, C.OrtValue], dict[str, C.OrtValue]] = ({}, {})
         for name, mask in drawn.items():
             t = exchange.to_torch(mask)
-            if t.shape[0] % n:  # not the batch's rows (the proof says they are): whole
-                return None
             rows = halves.first * (t.shape[0] // n)
             parts[0][name], parts[1][name] = exchange.to_ortvalue(t[:rows]), exchange.to_ortvalue(t[rows:])
         return Ready(halves, park, drawn, parts)

@@ -262,9 +262,10 @@ class MaskedRunner:
             self._plain = Runner(probe, dataclasses.replace(self._config, arena=False), self._what, self._disabled)
         return self._plain
 
-    def drawn_for(self, feeds: Mapping[str, C.OrtValue]) -> bool:
-        """Whether a call with these feeds gets its masks from the host (its sizes seen before)."""
-        return tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds]) in self.shapes
+    def mask_shapes(self, feeds: Mapping[str, C.OrtValue]) -> Mapping[str, tuple[int, ...]] | None:
+        """The shapes of a call's masks and fills, by the tensor each has the shape of; None at sizes not seen yet
+        (where onnxruntime draws them)."""
+        return self.shapes.get(tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds]))
 
     @property
     def session(self) -> ort.InferenceSession:
@@ -281,7 +282,7 @@ class MaskedRunner:
             if shapes is None or not (self._config.torch_masks or self.torch_once is not None):
                 return values
             # torch's masks from the first call on: this run only told their shapes (a forward more per new size)
-        drawn = self._fresh(shapes)
+        drawn = self.fresh(shapes)
         try:
             return self.run_drawn(feeds, drawn, names)
         except RuntimeError:  # sizes recorded for these inputs may no longer hold (sizes read from values)
@@ -302,14 +303,9 @@ class MaskedRunner:
         self.shapes[key] = dict(zip(self._sources, found))
         return values[:len(names)], self.shapes[key]
 
-    def drawn(self, feeds: Mapping[str, C.OrtValue]) -> dict[str, C.OrtValue] | None:
-        """The masks a call with these feeds gets, drawn as `run` draws them (the seed taken from torch's generator;
-        `drew` set); None at sizes not seen yet."""
-        shapes = self.shapes.get(tuple([tuple(feeds[n].shape()) for n in self._sized if n in feeds]))
-        return None if shapes is None else self._fresh(shapes)
-
-    def _fresh(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, C.OrtValue]:
-        """A call's masks, from a seed taken now (`drew`: how to draw them again)."""
+    def fresh(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, C.OrtValue]:
+        """A call's masks (of `mask_shapes`), drawn as `run` draws them from a seed taken now from torch's generator
+        (`drew`: how to draw them again)."""
         seed = self._call_seed()
         self.drew = Redraw(self, shapes, seed)
         return self.draw(shapes, seed, fresh=True)

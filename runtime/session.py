@@ -168,7 +168,8 @@ class _Fused:
     def reproducible(self, feeds: Mapping[str, C.OrtValue]) -> bool:
         """Whether a split run of the same call draws the same random numbers (`TrainingSession._composition_check`):
         no random ops of onnxruntime's, the Dropouts' masks drawn on the host."""
-        return not self.random_ops and (not isinstance(self.runner, MaskedRunner) or self.runner.drawn_for(feeds))
+        return not self.random_ops and (not isinstance(self.runner, MaskedRunner)
+                                        or self.runner.mask_shapes(feeds) is not None)
 
     def run(self, feeds: Mapping[str, C.OrtValue]) -> halves.Values:
         if self.halves is not None:

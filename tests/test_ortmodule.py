@@ -575,9 +575,22 @@ class _Encoder(nn.Module):
         return self.e(x).mean(1)
 
 
+class _ConvDropout(nn.Module):
+    """A convolution, a channel dropout and a dropout: at 32 rows or more, its split steps may run as halves of the
+    batch, whose masks are cut from the whole batch's draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(1, 4, 3), nn.Linear(4 * 6 * 6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout2d(torch.tanh(self.conv(x)), 0.3, self.training)
+        return self.head(F.dropout(h.flatten(1), 0.4, self.training))
+
+
 @pytest.mark.parametrize(("kind", "torch_dropout"), [
     ("normal of tensors", False), ("fills", False), ("transposed view", False), ("encoder", False),
-    ("encoder", True), ("drawn otherwise when exporting", False)])
+    ("encoder", True), ("convolution at 64 rows", False), ("drawn otherwise when exporting", False)])
 def test_create_graph_hands_torch_s_module_the_forward_s_draws(kind: str, torch_dropout: bool) -> None:
     """The create_graph backward's recompute gets each kind of the forward's draws at its place (torch.normal of
     tensors, bernoulli_, exponential_, rand_like and uniform_ fills, Dropout masks): its gradients are those of
@@ -586,11 +599,12 @@ def test_create_graph_hands_torch_s_module_the_forward_s_draws(kind: str, torch_
     recompute runs as the export did (`lean_attention`: batch-major outside torch_dropout, as torch's inside).
     Where torch's module draws otherwise than the export did, refused with the op named."""
     torch.manual_seed(0)
-    om = ORTModule(_Encoder() if kind == "encoder" else _Drawing(kind), torch_dropout=torch_dropout)
-    shape = (4, 10, 16) if kind == "encoder" else (12, 6)
+    made = {"encoder": _Encoder, "convolution at 64 rows": _ConvDropout}.get(kind, functools.partial(_Drawing, kind))
+    om = ORTModule(made(), torch_dropout=torch_dropout)
+    shape = {"encoder": (4, 10, 16), "convolution at 64 rows": (64, 1, 8, 8)}.get(kind, (12, 6))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for _ in range(2):
+        for _ in range(3):
             x = torch.randn(*shape, requires_grad=True)
             y = om(x)
             w = torch.randn_like(y)
