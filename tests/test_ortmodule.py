@@ -579,12 +579,13 @@ class _ConvDropout(nn.Module):
     """A convolution, a channel dropout and a dropout: at 32 rows or more, its split steps may run as halves of the
     batch, whose masks are cut from the whole batch's draws."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 8, classes: int = 2, channels: float = 0.3) -> None:
         super().__init__()
-        self.conv, self.head = nn.Conv2d(1, 4, 3), nn.Linear(4 * 6 * 6, 2)
+        self.conv, self.head = nn.Conv2d(1, 4, 3), nn.Linear(4 * (size - 2) ** 2, classes)
+        self.channels = channels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.dropout2d(torch.tanh(self.conv(x)), 0.3, self.training)
+        h = F.dropout2d(torch.tanh(self.conv(x)), self.channels, self.training)
         return self.head(F.dropout(h.flatten(1), 0.4, self.training))
 
 
@@ -3286,6 +3287,24 @@ def test_random_functions_drawn_otherwise_are_not_compared(kind: str, exporter: 
     for _ in range(2):
         om(x).square().sum().backward()
     assert not compared and all(torch.isfinite(p.grad).all() for p in om.parameters())
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_convolutional_first_call_with_dropout_is_checked(exporter: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 32 rows or more a convolutional forward's split steps may run as halves of the batch, whose masks are cut
+    from the whole batch's draws: the first call's masks were then not drawn as torch's and its check was skipped.
+    They are drawn so (the halves would cut theirs from them), and its outputs compared with torch's."""
+    compared = []
+    original = checks.outputs_error
+    monkeypatch.setattr(checks, "outputs_error", lambda *args: compared.append(args) or original(*args))
+    torch.manual_seed(0)
+    ref, om = pair(_ConvDropout(28, 1, 0.0), exporter=exporter, threads=2)  # split steps (one output), halves
+    x = torch.randn(64, 1, 28, 28, requires_grad=True)
+    torch.manual_seed(1)
+    ours = om(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(ours, ref(x))
+    assert compared
 
 
 def test_python_random_draws_in_forward_warn() -> None:
