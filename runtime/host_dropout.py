@@ -193,6 +193,18 @@ class Redraw:
         return self.runner.draw(self.shapes, self.seed, only)
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A call's draws as onnxruntime drew them (the first call at new sizes runs the forward as it is), held by the
+    call's ForwardState until its backward, in the form the host feeds them (a bernoulli_ fill's as 1 - its draws)."""
+
+    runner: MaskedRunner
+    values: Mapping[str, C.OrtValue]
+
+    def __call__(self, only: Collection[str] | None = None) -> dict[str, C.OrtValue]:
+        return {name: v for name, v in self.values.items() if only is None or name in only}
+
+
 class MaskedRunner:
     """A forward's Runner whose training Dropouts take host-drawn masks at input sizes seen before (see the
     module docstring); the same `run` as `Runner`, the masks among the outputs where the graph returned them."""
@@ -216,9 +228,9 @@ class MaskedRunner:
         """Whether a run's random numbers are all drawn by the host as torch draws them (`Mask.known`), so that from
         the same RNG state its outputs are torch's, and torch's module computing the call again takes each draw
         where it makes it (`replay`)."""
-        self.drew: Redraw | None = None
-        """The draws of the call run last, where the host drew them (None where onnxruntime did: the first call at
-        new sizes): the session hands them to that call's ForwardState as soon as it returns."""
+        self.drew: Redraw | Kept | None = None
+        """The draws of the call run last: how to draw them again where the host drew them, else as onnxruntime drew
+        them (None beyond `MAX_SIZES`); the session hands them to that call's ForwardState as soon as it returns."""
         self.torch_once: torch.Tensor | None = None
         """A generator state the next call's masks and fills are drawn from as torch draws them, whatever
         `torch_masks` says (`TrainingSession.draw_masks_as_torch`: the first call's check compares its outputs with
@@ -231,6 +243,8 @@ class MaskedRunner:
         """Per set of input sizes, each masked Dropout input's shape (from the forward as it is)."""
         self._fed = {m.input for m in masks}
         self._shape_names: list[str] = []
+        self._kept_names: list[str] = []
+        """The plain forward's outputs holding its draws, one a mask (`Kept`)."""
 
     @property
     def torch_masks(self) -> bool:
@@ -240,8 +254,8 @@ class MaskedRunner:
 
     @property
     def plain(self) -> Runner:
-        """The forward as it is plus the Dropout inputs' shapes, made when first needed (its Dropouts' seeds drawn
-        then): a runner given every shape it meets never makes it."""
+        """The forward as it is plus the Dropout inputs' shapes and its draws (`Kept`), made when first needed (its
+        Dropouts' seeds drawn then): a runner given every shape it meets never makes it."""
         if self._plain is None:
             assert self._model is not None
             probe = onnx.ModelProto()
@@ -254,6 +268,7 @@ class MaskedRunner:
                     n.attribute.append(helper.make_attribute("seed", seed if n.op_type == "Dropout"
                                                              else float(seed % (1 << 24))))
             taken = names_in_use(probe.graph)
+            self._keep_draws(probe.graph)
             for x in self._sources:
                 name = fresh_name(f"{x}/host_mask_shape", taken)
                 probe.graph.node.append(helper.make_node("Shape", [x], [name], name=f"{name}_node"))
@@ -261,6 +276,21 @@ class MaskedRunner:
                 self._shape_names.append(name)
             self._plain = Runner(probe, dataclasses.replace(self._config, arena=False), self._what, self._disabled)
         return self._plain
+
+    def _keep_draws(self, g: onnx.GraphProto) -> None:
+        """The plain forward `g` returning its Dropouts' masks (named as the masked graph's inputs) and its fills."""
+        dropped = {m.output: m for m in self._drops}
+        for n in g.node:
+            m = dropped.get(n.output[0]) if n.op_type == "Dropout" and n.output else None
+            if m is not None and (len(n.output) < 2 or not n.output[1]):
+                del n.output[1:]
+                n.output.append(m.input)
+        returned = {o.name for o in g.output}
+        for m in self.masks:
+            if m.input not in returned:
+                elem = TensorProto.BOOL if m.draw is None else m.draw[3]
+                g.output.append(helper.make_tensor_value_info(m.input, elem, None))
+        self._kept_names = [m.input for m in self.masks]
 
     def mask_shapes(self, feeds: Mapping[str, C.OrtValue]) -> Mapping[str, tuple[int, ...]] | None:
         """The shapes of a call's masks and fills, by the tensor each has the shape of; None at sizes not seen yet
@@ -296,12 +326,16 @@ class MaskedRunner:
                   ) -> tuple[list[C.OrtValue], dict[str, tuple[int, ...]] | None]:
         """A run of the forward as it is (onnxruntime's masks), and the mask shapes it records for `key` (None once
         `MAX_SIZES` are)."""
-        values = self.plain.run(feeds, [*names, *self._shape_names])
+        plain = self.plain
+        fetched = list(dict.fromkeys([*names, *self._kept_names]))
+        values = plain.run(feeds, [*fetched, *self._shape_names])
+        got = dict(zip(fetched, values))
+        self.drew = Kept(self, {m.input: _as_fed(m, got[m.input]) for m in self.masks})
         if len(self.shapes) >= MAX_SIZES:
-            return values[:len(names)], None
-        found = [tuple(exchange.to_numpy(v).tolist()) for v in values[len(names):]]
+            return [got[n] for n in names], None
+        found = [tuple(exchange.to_numpy(v).tolist()) for v in values[len(fetched):]]
         self.shapes[key] = dict(zip(self._sources, found))
-        return values[:len(names)], self.shapes[key]
+        return [got[n] for n in names], self.shapes[key]
 
     def fresh(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, C.OrtValue]:
         """A call's masks (of `mask_shapes`), drawn as `run` draws them from a seed taken now from torch's generator
@@ -388,6 +422,15 @@ class MaskedRunner:
             if only is None or m.input in only:
                 drawn[m.input] = exchange.to_ortvalue(values)
         return drawn
+
+
+def _as_fed(m: Mask, value: C.OrtValue) -> C.OrtValue:
+    """onnxruntime's draw for `m` as the host feeds it: a bernoulli_ fill's uniforms u as 1 - (u < p), the host's
+    1 - its draws (`_torch_draw`), which the graph's `Less(., p)` reads the same."""
+    if m.draw is None or m.draw[0] != "bernoulli_":
+        return value
+    u = exchange.to_torch(value)
+    return exchange.to_ortvalue((u >= m.draw[1]).to(u.dtype))
 
 
 def _torch_draw(m: Mask, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

@@ -3,7 +3,8 @@
 A backward with create_graph=True (a gradient penalty, a Hessian-vector product), or a batched one, computes the
 call again in torch (`function._backward_in_torch`), whose Dropouts and fills would draw other numbers than the
 forward did: the gradients of another function (a critic with a Dropout: 0.44-0.50 apart, of ~1). The forward's
-draws are the host's (`host_dropout`), whose `Redraw` draws them again. Each of torch's seeded random ops hands back
+draws are the host's (`host_dropout`), whose `Redraw` draws them again (or onnxruntime's at the first call at new
+sizes, which the runner keeps: `Kept`). Each of torch's seeded random ops hands back
 the host's value of the draw at its place in the forward's order, which is the trace's and so torch's (the order
 `MaskedRunner._draw_as_torch` relies on): a Dropout's `bernoulli_` its mask, a randn_like its values,
 torch.normal(mean, std) mean plus its values (times std). An op that does not match the draw at its place (another
@@ -33,7 +34,7 @@ from .attention import lean_attention
 from .checkpoints import plain_checkpoints
 from .dropouts import exportable_dropouts
 from .export import EXPORT_LOCK
-from .host_dropout import Mask, Redraw
+from .host_dropout import Kept, Mask, Redraw
 
 aten = torch.ops.aten
 
@@ -50,7 +51,7 @@ class ReplayMismatch(RuntimeError):
 
 
 @contextlib.contextmanager
-def replayed(redraw: Redraw) -> Iterator[None]:
+def replayed(redraw: Redraw | Kept) -> Iterator[None]:
     """torch's module, run inside, computes what was exported (laid out as the runner's `torch_masks` says; its
     checkpoints plainly, so that no later backward draws anew) and draws the numbers `redraw`'s call drew."""
     drawn = redraw()

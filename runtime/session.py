@@ -39,7 +39,7 @@ from gradbuilder.errors import InvalidModelError
 
 from . import checks, declared, exchange, fused, halves, lowering, passes, samples
 from .exchange import Tensor
-from .host_dropout import MaskedRunner, Redraw
+from .host_dropout import Kept, MaskedRunner, Redraw
 from .ort_session import BACKWARD_DISABLED_OPTIMIZERS, Runner, SessionConfig
 from .programs import BuildSpec, Program, forward_source, from_training, spec_from_metadata, specialise
 from .recompute import recompute_checkpointed, region_masks
@@ -57,10 +57,10 @@ class ForwardState:
     released: bool = False
     gradients: _Gradients | None = None
     """A fused run's gradients (`fused`), kept instead of a stash."""
-    redraw: Redraw | None = None
-    """Draws again the host's Dropout masks and fills, as the forward drew them (None where onnxruntime drew them, or
-    none was drawn): those left out of `values` (of checkpointed regions), and the numbers a create_graph backward's
-    recompute in torch must draw (`replay`)."""
+    redraw: Redraw | Kept | None = None
+    """The forward's Dropout masks and fills (None where none was drawn): drawn again where the host drew them, else
+    as onnxruntime drew them (the first call at new sizes). Those left out of `values` (of checkpointed regions),
+    and the numbers a create_graph backward's recompute in torch must draw (`replay`)."""
     halved: halves.Halved | None = None
     """A forward run as two halves of the batch (`halves.SplitHalves`): each half's values, instead of `values`."""
     timed: tuple[int, bool, float] | None = None
@@ -190,7 +190,7 @@ def _backward_constants(program: Program) -> dict[str, np.ndarray]:
             for e in program.manifest.backward_inputs if e.role == "initializer" and e.name in inits}
 
 
-def _drew(runner: Runner | MaskedRunner) -> Redraw | None:
+def _drew(runner: Runner | MaskedRunner) -> Redraw | Kept | None:
     """How the call `runner` ran last drew its random numbers on the host, read as the call returns."""
     return runner.drew if isinstance(runner, MaskedRunner) else None
 
@@ -360,14 +360,10 @@ class TrainingSession:
 
     def replay_problem(self, state: ForwardState) -> str | None:
         """Why torch's module computing the call of `state` again (a create_graph backward) could not draw the
-        random numbers its forward drew, or None where it can (none drawn, or the host's, each one torch draws with
-        one of its fills: `replay`)."""
+        random numbers its forward drew, or None where it can (none drawn, or the masked runner's, each one torch
+        draws with one of its fills: `replay`)."""
         if not self.draws_random or (state.redraw is not None and state.redraw.runner.draws_as_torch):
             return None
-        if state.redraw is None and isinstance(self._fwd, MaskedRunner) and self._fwd.draws_as_torch:
-            return ("onnxruntime drew its dropout masks, as it does at the first call at input sizes not seen before "
-                    "(whose run tells the host the masks' shapes). Construct ORTModule(..., torch_dropout=True), "
-                    "whose calls draw them on the host from the first at each size, or call the module in eval mode.")
         return ("onnxruntime drew some of them (random ops inside If or Loop bodies, Dropouts of a ratio computed at "
                 "run time, or functions torch draws with other kernels than its fills: randint, rrelu, cauchy_, "
                 "log_normal_). Call the module in eval mode, or take the gradients without create_graph.")
