@@ -230,7 +230,7 @@ class MaskedRunner:
         where it makes it (`replay`)."""
         self.drew: Redraw | Kept | None = None
         """The draws of the call run last: how to draw them again where the host drew them, else as onnxruntime drew
-        them (None beyond `MAX_SIZES`); the session hands them to that call's ForwardState as soon as it returns."""
+        them; the session takes them for that call's ForwardState as soon as it returns (`session._drew`)."""
         self.torch_once: torch.Tensor | None = None
         """A generator state the next call's masks and fills are drawn from as torch draws them, whatever
         `torch_masks` says (`TrainingSession.draw_masks_as_torch`: the first call's check compares its outputs with
@@ -267,8 +267,8 @@ class MaskedRunner:
                     seed = 0 if self._config.torch_masks else _seed()  # RandomUniformLike's seed is a float
                     n.attribute.append(helper.make_attribute("seed", seed if n.op_type == "Dropout"
                                                              else float(seed % (1 << 24))))
-            taken = names_in_use(probe.graph)
             self._keep_draws(probe.graph)
+            taken = names_in_use(probe.graph)
             for x in self._sources:
                 name = fresh_name(f"{x}/host_mask_shape", taken)
                 probe.graph.node.append(helper.make_node("Shape", [x], [name], name=f"{name}_node"))

@@ -191,8 +191,12 @@ def _backward_constants(program: Program) -> dict[str, np.ndarray]:
 
 
 def _drew(runner: Runner | MaskedRunner) -> Redraw | Kept | None:
-    """How the call `runner` ran last drew its random numbers on the host, read as the call returns."""
-    return runner.drew if isinstance(runner, MaskedRunner) else None
+    """The draws of the call `runner` ran last, taken as the call returns: the runner keeps none after (`Kept`
+    holds onnxruntime's masks, which only the call's ForwardState may hold, until its backward)."""
+    if not isinstance(runner, MaskedRunner):
+        return None
+    drew, runner.drew = runner.drew, None
+    return drew
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
