@@ -653,7 +653,7 @@ class TrainingSession:
     def _whole_forward(self, feeds: Mapping[str, C.OrtValue], as_torch: bool,
                        masks: dict[str, C.OrtValue] | None = None) -> tuple[list[C.OrtValue], ForwardState]:
         """The forward of the whole batch (`masks`: its Dropouts' masks, drawn already)."""
-        if masks is not None and isinstance(self._fwd, MaskedRunner):  # drawn by its `drawn`, which set `drew`
+        if masks is not None and isinstance(self._fwd, MaskedRunner):  # the halves' `fresh` set `drew`
             values = self._fwd.run_drawn(feeds, masks, self._fwd_names)
         else:
             values = self._fwd.run(feeds, self._fwd_names)
