@@ -1198,15 +1198,23 @@ def _normal_of_tensors(g: Any, mean: Any, std: Any) -> Any:
         if not symbolic_helper._is_value(v):
             return g.op("Constant", value_t=torch.tensor(v, dtype=dtype))
         out = g.op(f"{DOMAIN}::{ZERO_GRADIENT}", v)
-        out.setType(v.type())
+        out.setType(_any_size(v.type()))
         return out
 
     spread = None if symbolic_helper._is_value(std) else float(std)
     mean, std = held(mean), held(std)
     like = mean if spread is not None else g.op("Add", mean, std)
-    like.setType(g.original_node.output().type())
+    like.setType(_any_size(g.original_node.output().type()))
     noise = _draw(g, like, "normal_", 0.0, 1.0 if spread is None else spread)
     return g.op("Add", noise if spread is not None else g.op("Mul", noise, std), mean)
+
+
+def _any_size(t: Any) -> Any:
+    """A traced value's type without its sizes, for a node of gradbuilder's domain, which onnx's shape inference
+    cannot type: the traced call's sizes would stay in the graph (its outputs then fixed at the batch it was traced
+    at, and a backward refusing another batch's gradients)."""
+    rank = t.dim() if isinstance(t, torch._C.TensorType) else None
+    return t.with_sizes([None] * rank) if rank is not None else t
 
 
 def _zeros_sized(g: Any, sizes: Any) -> Any:
